@@ -1,0 +1,136 @@
+"""Pure-jnp paged attention: the reference every kernel is tested against, and the CPU path.
+
+Shape letters (used across jaxllm): T tokens in the flat batch, B sequences, N query heads, K kv heads,
+G = N // K query heads per kv head, H head dim, P pages in the cache, S page (block) size, M pages per
+sequence in the block table.
+
+KV layout, one pair of arrays per layer: k_pages, v_pages: [K, P, S, H]. A page of one kv head is one
+contiguous S*H run, so a kernel program that owns (sequence, kv head) reads whole pages with unit stride,
+and sharding kv heads over tensor-parallel devices splits axis 0.
+
+Batch layout: the new tokens of all sequences are concatenated into one ragged batch of T tokens.
+Sequence b owns tokens query_start_loc[b] : query_start_loc[b+1]; they are the last
+q_len_b = query_start_loc[b+1] - query_start_loc[b] tokens of its context of seq_lens[b] tokens, so the
+token at offset j of the chunk sits at position seq_lens[b] - q_len_b + j and attends causally to keys
+0..position (fewer with a sliding window). Padding sequences have q_len 0 and seq_len 0; padding tokens
+(t >= query_start_loc[B]) produce zeros and are never written to the cache (slot -1).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0):
+    """Scatters the new tokens' k, v ([T, K, H]) into their slots (page * S + offset); slot -1 is dropped."""
+    K, P, S, H = k_pages.shape
+    slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped by mode="drop"
+
+    def scatter(pages, x, scale):
+        x = _quantize(x, scale, pages.dtype)
+        flat = pages.reshape(K, P * S, H).at[:, slots].set(x.transpose(1, 0, 2), mode="drop")
+        return flat.reshape(K, P, S, H)
+
+    return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
+
+
+def _quantize(x, scale, dtype):
+    dtype = jnp.dtype(dtype)
+    if dtype in FP8_MAX:
+        limit = FP8_MAX[dtype]
+        return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
+    return x.astype(dtype)
+
+
+def token_sequence_ids(query_start_loc, num_tokens):
+    """Sequence index of each token of the flat batch ([T] int32) and whether it belongs to any sequence."""
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    b = jnp.searchsorted(query_start_loc, t, side="right").astype(jnp.int32) - 1
+    num_seqs = query_start_loc.shape[0] - 1
+    valid = t < query_start_loc[-1]
+    return jnp.clip(b, 0, num_seqs - 1), valid
+
+
+def ragged_paged_attention_ref(
+    q,  # [T, N, H]
+    k_pages,  # [K, P, S, H]
+    v_pages,  # [K, P, S, H]
+    seq_lens,  # [B] int32
+    query_start_loc,  # [B+1] int32
+    block_tables,  # [B, M] int32
+    *,
+    scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    alibi_slopes=None,  # [N] f32 or None
+    sliding_window: int | None = None,
+    pages_per_step: int | None = None,
+):
+    """Causal attention of every new token over its sequence's paged context. Returns [T, N, H] in q.dtype.
+
+    Walks the block table pages_per_step pages at a time with an online softmax, so memory stays at
+    T * pages_per_step * S * K * H whatever the context length (None: all pages in one step).
+    """
+    T, N, H = q.shape
+    K, _, S, _ = k_pages.shape
+    M = block_tables.shape[1]
+    G = N // K
+    step = M if pages_per_step is None else min(pages_per_step, M)
+    num_steps = -(-M // step)
+    tables = jnp.pad(block_tables, ((0, 0), (0, num_steps * step - M)))
+
+    seq, valid = token_sequence_ids(query_start_loc, T)
+    q_len = query_start_loc[seq + 1] - query_start_loc[seq]
+    q_pos = seq_lens[seq] - q_len + (jnp.arange(T, dtype=jnp.int32) - query_start_loc[seq])  # [T]
+    ctx_len = jnp.where(valid, seq_lens[seq], 0)  # [T]
+    qg = q.astype(jnp.float32).reshape(T, K, G, H) * scale
+    slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G)
+
+    def body(i, carry):
+        m_run, l_run, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
+        pages = jax.lax.dynamic_slice_in_dim(tables, i * step, step, axis=1)[seq]  # [T, step]
+        k = k_pages[:, pages].astype(jnp.float32) * k_scale  # [K, T, step, S, H]
+        v = v_pages[:, pages].astype(jnp.float32) * v_scale
+        k = k.reshape(K, T, step * S, H)
+        v = v.reshape(K, T, step * S, H)
+        kv_pos = i * step * S + jnp.arange(step * S, dtype=jnp.int32)  # [C]
+        s = jnp.einsum("tkgh,ktch->tkgc", qg, k)
+        rel = kv_pos[None, :] - q_pos[:, None]  # [T, C], <= 0 where visible
+        if slopes is not None:
+            s = s + slopes[None, :, :, None] * rel[:, None, None, :].astype(jnp.float32)
+        mask = (rel <= 0) & (kv_pos[None, :] < ctx_len[:, None])
+        if sliding_window is not None:
+            mask &= rel > -sliding_window
+        s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+        m_new = jnp.maximum(m_run, s.max(-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        alpha = jnp.exp(jnp.where(jnp.isfinite(m_run), m_run, -jnp.inf) - m_safe)
+        l_new = alpha * l_run + p.sum(-1)
+        # A masked-out key holds whatever the page held (NaN in tests); p is exactly 0 there, so zero v too.
+        v = jnp.where(mask[None, :, :, None], v, 0.0)
+        acc = alpha[..., None] * acc + jnp.einsum("tkgc,ktch->tkgh", p, v)
+        return m_new, l_new, acc
+
+    init = (
+        jnp.full((T, K, G), -jnp.inf, jnp.float32),
+        jnp.zeros((T, K, G), jnp.float32),
+        jnp.zeros((T, K, G, H), jnp.float32),
+    )
+    _, l_fin, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    out = acc / jnp.where(l_fin > 0, l_fin, 1.0)[..., None]
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    return out.reshape(T, N, H).astype(q.dtype)
+
+
+def paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kwargs):
+    """One query token per sequence (q: [B, N, H]): the ragged case with query_start_loc = 0..B."""
+    B = q.shape[0]
+    query_start_loc = jnp.where(seq_lens > 0, 1, 0).astype(jnp.int32).cumsum()
+    query_start_loc = jnp.concatenate([jnp.zeros((1,), jnp.int32), query_start_loc])
+    out = ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kwargs)
+    # Padding sequences (seq_len 0) sit after the real ones, so the ragged layout equals the [B] layout.
+    return out[:B]
