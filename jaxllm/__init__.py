@@ -1,0 +1,20 @@
+"""jaxllm: vLLM's serving engine on JAX/XLA.
+
+    from jaxllm import LLM, SamplingParams
+
+Heavy modules (jax, the engine) load on first use, so `import jaxllm` stays cheap.
+"""
+
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from jaxllm.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

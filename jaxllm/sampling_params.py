@@ -1,0 +1,132 @@
+"""SamplingParams: vLLM's per-request generation settings, defaults and validation messages."""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    detokenize: bool = True
+    # Filled by the engine, not by users: EOS ids from generation_config (stop unless ignore_eos).
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self._verify()
+        if self.temperature < _GREEDY_EPS:
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0,
+            f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+        )
+        _check(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+        )
+        _check(
+            self.temperature >= 0.0 and math.isfinite(self.temperature),
+            f"temperature must be non-negative, got {self.temperature}.",
+        )
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            f"top_k must be 0 (disable), or at least 1, got {self.top_k}.",
+        )
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.max_tokens is not None:
+            _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
+        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None:
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(value >= -1, f"{name} must be non-negative, got {value}.")
+        _check(all(s != "" for s in self.stop), "stop cannot contain an empty string.")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
+        )
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+        if self.temperature < _GREEDY_EPS:
+            _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def verify_for_model(self, vocab_size: int, max_logprobs: int) -> None:
+        """Checks that need the model: token ids in the vocabulary, logprob counts within max_logprobs."""
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                wanted = vocab_size if value == -1 else value
+                limit = vocab_size if max_logprobs == -1 else max_logprobs
+                _check(wanted <= limit, f"Requested {name} of {wanted}, which is greater than max allowed: {limit}.")
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, f"{name} contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).")
+        bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
+        _check(not bad, f"logit_bias contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).")
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"}
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
