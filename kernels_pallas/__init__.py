@@ -1,0 +1,80 @@
+"""Paged attention kernels for NVIDIA GPUs (Pallas, Triton lowering), each beside the pure-jnp reference.
+
+KV layout (fixed, see reference.py): per layer k_pages, v_pages: [K, P, S, H]. One page of one kv head is
+one contiguous S * H run, so a program that owns (sequence, kv head) gathers whole pages with unit
+stride (16-byte vector loads) and serves all G query heads of that kv head from one read.
+
+Entry points (same keyword arguments as the reference):
+  ragged_paged_attention(q [T, N, H], k_pages, v_pages, seq_lens [B], query_start_loc [B+1],
+                         block_tables [B, M], *, scale, k_scale, v_scale, alibi_slopes, sliding_window,
+                         decode_only=False, interpret=False) -> [T, N, H]
+      decode_only is a static promise that every live sequence has exactly one query token; it dispatches
+      to the split-K decode kernel.
+  paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
+  write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale): the reference's XLA scatter.
+
+fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
+inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
+
+Off GPU (and not interpret), and for shapes the kernels do not take (head dim not 64/128/256, page size
+not a power of two >= 8), the entry points call the reference; that is the CPU path of the engine.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from . import reference
+from ._common import kernel_supported, on_gpu
+from ._decode import paged_decode_attention_kernel
+from ._ragged import ragged_paged_attention_kernel
+from .reference import paged_decode_attention_ref, ragged_paged_attention_ref, write_kv
+
+__all__ = [
+    "ragged_paged_attention",
+    "paged_decode_attention",
+    "write_kv",
+    "ragged_paged_attention_ref",
+    "paged_decode_attention_ref",
+    "reference",
+]
+
+
+def _use_kernel(q, k_pages, interpret):
+    return (interpret or on_gpu()) and kernel_supported(q, k_pages)
+
+
+def paged_decode_attention(
+    q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
+    sliding_window=None, interpret=False,
+):
+    """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros."""
+    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+              sliding_window=sliding_window)
+    if not _use_kernel(q, k_pages, interpret):
+        return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
+    return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
+
+
+def ragged_paged_attention(
+    q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
+    alibi_slopes=None, sliding_window=None, decode_only=False, interpret=False,
+):
+    """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H])."""
+    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+              sliding_window=sliding_window)
+    if not _use_kernel(q, k_pages, interpret):
+        return ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kw)
+    if not decode_only:
+        return ragged_paged_attention_kernel(
+            q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, interpret=interpret, **kw
+        )
+    T = q.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    q_len = qsl[1:] - qsl[:-1]
+    qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each sequence's single token
+    lens = jnp.where(q_len > 0, seq_lens, 0)
+    od = paged_decode_attention_kernel(qd, k_pages, v_pages, lens, block_tables, interpret=interpret, **kw)
+    seq, valid = reference.token_sequence_ids(qsl, T)
+    out = od[seq]
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))

@@ -1,0 +1,274 @@
+"""Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
+
+  python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
+
+Each timed call is chained REPS times inside one jit (the output feeds the next call's q), so Python
+dispatch stays out of the numbers and XLA cannot fold repeats; the median of several such runs is kept.
+Effective bytes for attention = KV read once (sum of context lengths * K * H * 2 * itemsize) + q + out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kernels_pallas import reference  # noqa: E402
+from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
+from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
+
+REPS = 10
+
+
+def timeit(fn, *args, runs=5):
+    """Median seconds per call of fn(*args) where fn chains REPS calls."""
+    jax.block_until_ready(fn(*args))
+    ts = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append((time.perf_counter() - t0) / REPS)
+    return float(np.median(ts)), float(np.min(ts)), float(np.max(ts))
+
+
+def chained(call):
+    """jit(lambda q, *rest: REPS chained calls, q <- out)."""
+
+    def f(q, *rest):
+        for _ in range(REPS):
+            q = call(q, *rest)
+        return q
+
+    return jax.jit(f)
+
+
+def copy_bw():
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1 << 28,), np.float32)).astype(jnp.bfloat16)  # 512MB
+
+    def f(x):
+        for _ in range(REPS):
+            x = x * jnp.bfloat16(1.0001)
+        return x
+
+    t, _, _ = timeit(jax.jit(f), x)
+    return 2 * x.size * 2 / t
+
+
+def matmul_rate(n=8192):
+    rng = np.random.default_rng(1)
+    a = jnp.asarray(rng.standard_normal((n, n), np.float32), jnp.bfloat16)
+    b = jnp.asarray(rng.standard_normal((n, n), np.float32) / np.sqrt(n), jnp.bfloat16)
+
+    def f(a, b):
+        for _ in range(REPS):
+            a = jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return a
+
+    t, _, _ = timeit(jax.jit(f), a, b)
+    return 2 * n**3 / t
+
+
+def make_case(B, ctx, N=32, K=8, H=128, S=16, dtype=jnp.bfloat16, kv_dtype=None, q_per_seq=1, seed=0,
+              total_pages=None):
+    """Random paged cache with shuffled block tables; unused pages hold NaN (checks the kernels skip them)."""
+    rng = np.random.default_rng(seed)
+    kv_dtype = kv_dtype or dtype
+    M = -(-ctx // S)
+    P = total_pages or B * M + 8
+    perm = rng.permutation(P)[: B * M].reshape(B, M).astype(np.int32)
+    k = jax.random.normal(jax.random.PRNGKey(seed), (K, P, S, H), jnp.float32)
+    v = jax.random.normal(jax.random.PRNGKey(seed + 1), (K, P, S, H), jnp.float32)
+    unused = np.ones(P, bool)
+    unused[perm.ravel()] = False
+    nanmask = jnp.asarray(unused)[None, :, None, None]
+    k = jnp.where(nanmask, jnp.nan, k).astype(kv_dtype)
+    v = jnp.where(nanmask, jnp.nan, v).astype(kv_dtype)
+    T = B * q_per_seq
+    q = jax.random.normal(jax.random.PRNGKey(seed + 2), (T, N, H), jnp.float32).astype(dtype)
+    lens = jnp.full((B,), ctx, jnp.int32)
+    qsl = jnp.arange(B + 1, dtype=jnp.int32) * q_per_seq
+    return q, k, v, lens, qsl, jnp.asarray(perm)
+
+
+def rel_err(a, b):
+    a = np.asarray(a, np.float32)
+    b = np.asarray(b, np.float32)
+    if not np.isfinite(a).all():
+        return float("nan")
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, kv_dtype=None, shipped=True,
+                 check=True):
+    q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype)
+    scale = H**-0.5
+    kv_bytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize
+    io_bytes = 2 * q.size * q.dtype.itemsize
+    ref = None
+    if check:
+        ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
+    for cfg in configs:
+        row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
+                   kv_dtype=str(jnp.dtype(k.dtype)), impl="pallas_triton", cfg=cfg)
+        try:
+            call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(
+                q, k, v, lens, bt, scale=scale, **cfg)
+            if ref is not None:
+                row["rel_err"] = rel_err(call(q, k, v, lens, bt), ref)
+            t, tmin, tmax = timeit(chained(call), q, k, v, lens, bt)
+            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
+                       bytes_per_s=(kv_bytes + io_bytes) / t, frac_copy=(kv_bytes + io_bytes) / t / copy)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if shipped:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
+                   kv_dtype=str(jnp.dtype(k.dtype)), impl="jax_shipped_paged_attention",
+                   cfg=dict(block_h=16, pages_per_compute_block=8, k_splits=16))
+        try:
+            call = lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(scale, q.dtype), k, v, bt, lens)
+            if ref is not None:
+                row["rel_err"] = rel_err(call(q, k, v, lens, bt), ref)
+            t, tmin, tmax = timeit(chained(call), q, k, v, lens, bt)
+            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
+                       bytes_per_s=(kv_bytes + io_bytes) / t, frac_copy=(kv_bytes + io_bytes) / t / copy)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True):
+    ctx = prefix + chunk
+    q, k, v, _, _, bt = make_case(1, ctx, N=N, K=K, H=H, S=S, q_per_seq=chunk)
+    lens = jnp.array([ctx], jnp.int32)
+    qsl = jnp.array([0, chunk], jnp.int32)
+    scale = H**-0.5
+    # causal: query j (position prefix + j) sees prefix + j + 1 keys; QK^T and PV are 2 flops per MAC each
+    keys = prefix * chunk + chunk * (chunk + 1) / 2
+    flops = 4 * N * H * keys
+    ref = None
+    if check:
+        ref = reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=scale, pages_per_step=16)
+    for cfg in configs:
+        row = dict(kind="prefill", label=label, chunk=chunk, prefix=prefix, N=N, K=K, H=H, S=S,
+                   impl="pallas_triton", cfg=cfg)
+        try:
+            call = lambda q, k, v, lens, qsl, bt, cfg=cfg: ragged_paged_attention_kernel(
+                q, k, v, lens, qsl, bt, scale=scale, **cfg)
+            if ref is not None:
+                row["rel_err"] = rel_err(call(q, k, v, lens, qsl, bt), ref)
+            t, tmin, tmax = timeit(chained(call), q, k, v, lens, qsl, bt)
+            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
+                       tflops=flops / t / 1e12, frac_matmul=flops / t / mm_rate)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def bench_write(results, T, copy, K=8, H=128, S=16, P=16384):
+    rng = np.random.default_rng(3)
+    kp = jnp.zeros((K, P, S, H), jnp.bfloat16)
+    vp = jnp.zeros((K, P, S, H), jnp.bfloat16)
+    kn = jnp.asarray(rng.standard_normal((T, K, H)), jnp.bfloat16)
+    vn = jnp.asarray(rng.standard_normal((T, K, H)), jnp.bfloat16)
+    slots = jnp.asarray(rng.permutation(P * S)[:T].astype(np.int32))
+    f = jax.jit(lambda kp, vp, kn, vn, s: reference.write_kv(kp, vp, kn, vn, s), donate_argnums=(0, 1))
+    kp, vp = f(kp, vp, kn, vn, slots)
+    jax.block_until_ready(kp)
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        kp, vp = f(kp, vp, kn, vn, slots)
+        jax.block_until_ready(kp)
+        ts.append(time.perf_counter() - t0)
+    t = float(np.median(ts))
+    nbytes = 2 * 2 * T * K * H * 2  # read new k, v and write them
+    row = dict(kind="write_kv", impl="xla_scatter_donated", T=T, K=K, H=H, time_us=t * 1e6,
+               bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy, note="host-timed per call, includes dispatch")
+    results.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--sweep", action="store_true", help="try several tile configs per shape")
+    ap.add_argument("--only", default="ceil,decode,prefill,write")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    info = dict(device=str(jax.devices()[0].device_kind), platform=platform.platform(), jax=jax.__version__,
+                git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv), reps=REPS)
+    print(json.dumps(info), flush=True)
+    results = []
+    copy = copy_bw()
+    info["copy_bytes_per_s"] = copy
+    mm = matmul_rate() if "prefill" in only or "ceil" in only else None
+    info["bf16_matmul_flops"] = mm
+    print(json.dumps(info), flush=True)
+
+    if a.sweep:
+        dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
+                    for bk in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+        pre_cfgs = [dict(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
+                    for bm in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (2, 3)]
+    else:
+        dec_cfgs = [dict()]
+        pre_cfgs = [dict()]
+    if "decode" in only:
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", dec_cfgs)
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", dec_cfgs
+                     + [dict(num_splits=n) for n in (16, 32, 64, 128)])
+        if not a.sweep:
+            bench_decode(results, 64, 2048, copy, "page32", [dict()], S=32, shipped=False)
+            bench_decode(results, 64, 2048, copy, "page64", [dict()], S=64, shipped=False)
+            bench_decode(results, 64, 2048, copy, "fp8_e4m3", [dict()], kv_dtype=jnp.float8_e4m3fn,
+                         shipped=False)
+            bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict()])
+            bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict()], shipped=False, check=False)
+            bench_decode(results, 64, 2048, copy, "mha_N32_K32_D64", [dict()], N=32, K=32, H=64)
+    if "prefill" in only:
+        bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre_cfgs)
+        if not a.sweep:
+            bench_prefill(results, 4096, 4096, mm, "chunk4k_prefix4k", [dict()])
+            bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", [dict()])
+    if "write" in only:
+        for T in (64, 4096):
+            bench_write(results, T, copy)
+
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dict(info=info, results=results), f, indent=1)
+    print("\nkind     label                 impl                           cfg -> time_us  TB/s  frac  err")
+    for r in results:
+        if "error" in r:
+            print(r["kind"], r.get("label"), r["impl"], r.get("cfg"), "ERROR", r["error"][:200])
+            continue
+        rate = r.get("bytes_per_s", 0) / 1e12 if "bytes_per_s" in r else r.get("tflops", 0)
+        frac = r.get("frac_copy", r.get("frac_matmul", 0))
+        print(f'{r["kind"]:8s} {str(r.get("label")):20s} {r["impl"][:28]:28s} {json.dumps(r.get("cfg", {}))[:60]:60s}'
+              f' {r["time_us"]:9.1f} {rate:7.3f} {frac:5.2f} {r.get("rel_err", float("nan")):.1e}')
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:
+        traceback.print_exc()
+        raise

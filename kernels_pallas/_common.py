@@ -1,0 +1,63 @@
+"""Pieces shared by the decode and ragged kernels: static tiling choices and the online-softmax step.
+
+Scores live in the log2 domain (the q.k multiplier carries scale * k_scale * log2(e), ALiBi slopes carry
+log2(e)), so the kernels use exp2, which is one MUFU instruction on NVIDIA GPUs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOG2E = math.log2(math.e)
+
+
+def next_pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def kernel_supported(q, k_pages) -> bool:
+    """Shapes the Triton-lowered kernels handle; anything else goes to the reference."""
+    T, N, H = q.shape
+    K, _, S, _ = k_pages.shape
+    return (
+        N % K == 0
+        and H in (64, 128, 256)
+        and S == next_pow2(S)
+        and S >= 8
+        and jnp.dtype(q.dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+    )
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def pad_block_tables(block_tables, multiple: int):
+    """Pads the page axis so a kernel may read a whole group of `multiple` entries past the last page."""
+    M = block_tables.shape[1]
+    pad = -M % multiple + multiple
+    return jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, pad)))
+
+
+def scalars(scale, k_scale, v_scale):
+    """[2] f32: the log2-domain q.k multiplier and the v dequantization scale (may be traced)."""
+    qk = jnp.asarray(scale, jnp.float32) * jnp.asarray(k_scale, jnp.float32) * LOG2E
+    return jnp.stack([qk, jnp.asarray(v_scale, jnp.float32)]).reshape(2)
+
+
+def softmax_step(carry, s, v, p_dtype):
+    """One online-softmax update. s: [R, C] f32 log2-domain scores (-inf where masked); v: [C, H]."""
+    from jax.experimental import pallas as pl
+
+    m_prev, l_prev, acc = carry
+    m_new = jnp.maximum(m_prev, s.max(axis=1))
+    # A row that has seen no visible key yet keeps m = -inf; subtract 0 there so nothing becomes NaN.
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    l_new = alpha * l_prev + p.sum(axis=1)
+    acc = alpha[:, None] * acc + pl.dot(p.astype(p_dtype), v)
+    return m_new, l_new, acc

@@ -1,0 +1,188 @@
+"""Paged decode attention (one query token per sequence), split-K over the context (flash-decoding).
+
+Grid (B, K, splits). A program owns one sequence, one kv head and one contiguous run of pages_per_split
+pages of that sequence's block table; it serves all G query heads of that kv head at once, so every KV
+byte is read from HBM exactly once per step (the GQA group is padded to >= 16 rows for the MMA). Each
+iteration gathers pages_per_block whole pages ([ppb, S, H] contiguous runs in the [K, P, S, H] layout),
+computes [Gp, BK] scores with one MMA, and runs the online softmax.
+
+With one split the kernel normalizes and writes [B, K, Gp, H] in q's dtype. With several it writes each
+split's normalized f32 output and its (max, sum) in the log2 domain, and a small XLA fusion combines
+them; the partials are B * N * H * 4 bytes per split, tiny next to the KV they summarize.
+Splits are chosen statically from (B, K, pages per sequence) so that ~4 programs per SM exist.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._common import kernel_supported, next_pow2, pad_block_tables, scalars, softmax_step
+
+NUM_SMS = 132  # H100/H200; only used to size split-K statically.
+
+
+def _decode_kernel(
+    lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
+    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final,
+):
+    if has_alibi:
+        slope_ref, *outs = rest
+    else:
+        slope_ref, outs = None, list(rest)
+    b, split = pl.program_id(0), pl.program_id(2)
+    S, ppb = page_size, pages_per_block
+    BK = S * ppb
+    P = k_ref.shape[0]
+    Gp, H = q_ref.shape
+
+    seq_len = lens_ref[b]
+    q_pos = seq_len - 1
+    lo_page = split * pages_per_split
+    hi_page = jnp.minimum(lo_page + pages_per_split, pl.cdiv(seq_len, S))
+    lo_pos = 0
+    if sliding_window is not None:
+        lo_pos = jnp.maximum(q_pos - sliding_window + 1, 0)
+        lo_page = jnp.maximum(lo_page, lo_pos // S)
+    hi_pos = jnp.minimum(hi_page * S, seq_len)
+    num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
+
+    q = q_ref[...]
+    qk_mult, v_scale = scal_ref[0], scal_ref[1]
+    slopes = slope_ref[...] if has_alibi else None
+    cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
+
+    def body(i, carry):
+        p0 = lo_page + i * ppb
+        ids = jnp.clip(bt_ref[pl.ds(p0, ppb)], 0, P - 1)
+        k = k_ref[ids].reshape(BK, H).astype(cdt)
+        v = v_ref[ids].reshape(BK, H).astype(cdt)
+        kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
+        s = pl.dot(q, k, trans_b=True) * qk_mult  # [Gp, BK]
+        if has_alibi:
+            s = s + slopes[:, None] * (kv_pos - q_pos).astype(jnp.float32)[None, :]
+        valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
+        s = jnp.where(valid[None, :], s, -jnp.inf)
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
+        return softmax_step(carry, s, v, cdt)
+
+    init = (
+        jnp.full((Gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((Gp,), jnp.float32),
+        jnp.zeros((Gp, H), jnp.float32),
+    )
+    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if final:
+        (o_ref,) = outs
+        o_ref[...] = (out * v_scale).astype(o_ref.dtype)
+    else:
+        o_ref, m_ref, l_ref = outs
+        o_ref[...] = out * v_scale
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
+    """Static split-K plan: (num_splits, pages_per_split)."""
+    if num_splits is None:
+        want = max(1, -(-4 * NUM_SMS // (B * K)))
+        min_pages = max(pages_per_block, 512 // page_size)  # at least ~512 tokens per split
+        num_splits = max(1, min(want, -(-M // min_pages)))
+    pps = -(-M // num_splits)
+    pps = -(-pps // pages_per_block) * pages_per_block
+    return -(-M // pps), pps
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages",
+    ),
+)
+def paged_decode_attention_kernel(
+    q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
+    sliding_window=None, interpret=False, block_k=128, num_splits=None, num_warps=4, num_stages=2,
+):
+    B, N, H = q.shape
+    K, P, S, _ = k_pages.shape
+    M = block_tables.shape[1]
+    G = N // K
+    Gp = max(16, next_pow2(G))
+    ppb = max(1, block_k // S)
+    splits, pps = choose_splits(B, K, M, ppb, S, num_splits)
+    final = splits == 1
+
+    qg = q.reshape(B, K, G, H)
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    bt = pad_block_tables(block_tables, pps + ppb)
+    lens = seq_lens.astype(jnp.int32)
+    scal = scalars(scale, k_scale, v_scale)
+    has_alibi = alibi_slopes is not None
+
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
+    in_specs = [
+        full((B,)),
+        pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)),
+        full((2,)),
+        pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
+    ]
+    args = [lens, bt, scal, qg, k_pages, v_pages]
+    if has_alibi:
+        slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
+        slopes = jnp.pad(slopes, ((0, 0), (0, Gp - G)))
+        in_specs.append(pl.BlockSpec((None, Gp), lambda b, h, s: (h, 0)))
+        args.append(slopes)
+    if final:
+        out_shape = [jax.ShapeDtypeStruct((B, K, Gp, H), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0))]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+        ]
+    kernel = functools.partial(
+        _decode_kernel, page_size=S, pages_per_block=ppb, pages_per_split=pps,
+        sliding_window=sliding_window, has_alibi=has_alibi, final=final,
+    )
+    outs = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=_triton_params(num_warps, num_stages),
+        name=f"paged_decode_{S=}_{ppb=}_{splits=}",
+    )(*args)
+    if final:
+        out = outs[0]
+    else:
+        o, m, l = outs  # [B, K, splits, Gp(, H)]
+        m_max = m.max(axis=2, keepdims=True)
+        w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)) * l, 0.0)
+        denom = w.sum(axis=2)
+        out = (w[..., None] * o).sum(axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
+
+
+def _triton_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def supported(q, k_pages) -> bool:
+    return kernel_supported(q, k_pages)

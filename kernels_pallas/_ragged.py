@@ -1,0 +1,179 @@
+"""Ragged paged attention: a flat batch of query chunks, each causal over its sequence's whole paged context.
+
+Tiling. Each sequence's chunk of q_len tokens is cut into tiles of BQ tokens; a tile never spans two
+sequences. A tile's rows are (token, query head of one kv group) pairs, BM = BQ * Gp rows, so the GQA
+group shares every KV load and the MMA M dimension is full even for G = 8 (BQ = 16) or G = 1 (BQ = 128).
+The wrapper gathers q into [tiles, K, BM, H] and gathers the output back to [T, N, H]; both passes move
+only q-sized data. The number of tiles is static (T // BQ + B bounds it), so one compiled kernel serves
+every mix of chunk lengths in a token bucket; tiles past the last real one exit at once.
+
+Grid (tiles, K). A program walks its sequence's block table BK tokens (BK / S whole pages) at a time:
+first the blocks that lie wholly before the tile's first token (no mask), then the diagonal blocks with the
+causal mask. Decode tokens mixed into the batch become one-row tiles; an all-decode batch should use the
+decode kernel (decode_only=True).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._common import next_pow2, pad_block_tables, scalars, softmax_step
+from ._decode import _triton_params
+
+
+def _ragged_kernel(
+    tseq_ref, tpos_ref, trows_ref, lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
+    page_size, pages_per_block, group, sliding_window, has_alibi,
+):
+    if has_alibi:
+        slope_ref, o_ref = rest
+    else:
+        slope_ref, (o_ref,) = None, rest
+    i = pl.program_id(0)
+    S, ppb = page_size, pages_per_block
+    BK = S * ppb
+    P = k_ref.shape[0]
+    BM, H = q_ref.shape
+
+    seq = tseq_ref[i]
+    pos0 = tpos_ref[i]
+    nrows = trows_ref[i]
+    seq_len = lens_ref[seq]
+    kv_hi = jnp.where(nrows > 0, pos0 + nrows, 0)  # keys [kv_lo, kv_hi) can be visible to this tile
+    # Rows past the tile's last token (padding) are clamped onto it, so they never reach unwritten keys.
+    row_pos = jnp.minimum(pos0 + jnp.arange(BM, dtype=jnp.int32) // group, kv_hi - 1)
+
+    q = q_ref[...]
+    qk_mult, v_scale = scal_ref[0], scal_ref[1]
+    slopes = slope_ref[...] if has_alibi else None
+    cdt = q.dtype
+
+    def block(blk, carry, masked):
+        p0 = blk * ppb
+        ids = jnp.clip(bt_ref[seq, pl.ds(p0, ppb)], 0, P - 1)
+        k = k_ref[ids].reshape(BK, H).astype(cdt)
+        v = v_ref[ids].reshape(BK, H).astype(cdt)
+        kv_pos = blk * BK + jnp.arange(BK, dtype=jnp.int32)
+        s = pl.dot(q, k, trans_b=True) * qk_mult  # [BM, BK]
+        if has_alibi:
+            s = s + slopes[:, None] * (kv_pos[None, :] - row_pos[:, None]).astype(jnp.float32)
+        if masked:
+            rel = kv_pos[None, :] - row_pos[:, None]
+            vis = rel <= 0
+            if sliding_window is not None:
+                vis &= rel > -sliding_window
+            s = jnp.where(vis, s, -jnp.inf)
+            v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))  # NaN-safe past the end
+        return softmax_step(carry, s, v, cdt)
+
+    if sliding_window is None:
+        lo_blk = 0
+        full_blk = jnp.where(nrows > 0, (pos0 + 1) // BK, 0)  # blocks every row sees whole
+    else:
+        lo_blk = jnp.maximum(pos0 - sliding_window + 1, 0) // BK
+        full_blk = lo_blk
+    end_blk = pl.cdiv(kv_hi, BK)
+
+    carry = (
+        jnp.full((BM,), -jnp.inf, jnp.float32),
+        jnp.zeros((BM,), jnp.float32),
+        jnp.zeros((BM, H), jnp.float32),
+    )
+    carry = jax.lax.fori_loop(lo_blk, full_blk, functools.partial(block, masked=False), carry)
+    carry = jax.lax.fori_loop(full_blk, end_blk, functools.partial(block, masked=True), carry)
+    _, l, acc = carry
+    o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
+
+
+def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
+    """Static-size tile list: per tile its sequence, first query position, first token and valid rows."""
+    B = seq_lens.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    q_len = qsl[1:] - qsl[:-1]
+    n_tiles = -(-num_tokens // block_q) + B
+    per_seq = (q_len + block_q - 1) // block_q
+    tile_end = jnp.cumsum(per_seq)
+    tile_start = tile_end - per_seq
+    i = jnp.arange(n_tiles, dtype=jnp.int32)
+    tseq = jnp.clip(jnp.searchsorted(tile_end, i, side="right"), 0, B - 1).astype(jnp.int32)
+    j = i - tile_start[tseq]
+    live = i < tile_end[-1]
+    tpos = seq_lens[tseq] - q_len[tseq] + j * block_q
+    ttok = qsl[tseq] + j * block_q
+    trows = jnp.where(live, jnp.clip(q_len[tseq] - j * block_q, 0, block_q), 0)
+    return tseq, tpos.astype(jnp.int32), ttok, trows.astype(jnp.int32), tile_start
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages"),
+)
+def ragged_paged_attention_kernel(
+    q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
+    alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
+    num_stages=2,
+):
+    T, N, H = q.shape
+    K, P, S, _ = k_pages.shape
+    B = seq_lens.shape[0]
+    G = N // K
+    Gp = next_pow2(G)
+    BQ = max(1, block_m // Gp)
+    BM = BQ * Gp
+    ppb = max(1, block_k // S)
+    lens = seq_lens.astype(jnp.int32)
+
+    tseq, tpos, ttok, trows, tile_start = tile_plan(query_start_loc, lens, T, BQ)
+    nt = tseq.shape[0]
+    tok = jnp.clip(ttok[:, None] + jnp.arange(BQ, dtype=jnp.int32)[None, :], 0, T - 1)  # [nt, BQ]
+    qt = q[tok].reshape(nt, BQ, K, G, H)
+    if Gp != G:
+        qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(nt, K, BM, H)
+
+    bt = pad_block_tables(block_tables, ppb)
+    scal = scalars(scale, k_scale, v_scale)
+    has_alibi = alibi_slopes is not None
+    full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    in_specs = [
+        full((nt,)), full((nt,)), full((nt,)), full((B,)), full(bt.shape), full((2,)),
+        pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
+    ]
+    args = [tseq, tpos, trows, lens, bt, scal, qt, k_pages, v_pages]
+    if has_alibi:
+        slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
+        slopes = jnp.pad(slopes, ((0, 0), (0, Gp - G)))
+        slopes = jnp.tile(slopes, (1, BQ))  # row r = token r // Gp, head r % Gp
+        in_specs.append(pl.BlockSpec((None, BM), lambda i, h: (h, 0)))
+        args.append(slopes)
+    kernel = functools.partial(
+        _ragged_kernel, page_size=S, pages_per_block=ppb, group=Gp, sliding_window=sliding_window,
+        has_alibi=has_alibi,
+    )
+    ot = pl.pallas_call(
+        kernel,
+        grid=(nt, K),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((nt, K, BM, H), q.dtype),
+        interpret=interpret,
+        compiler_params=_triton_params(num_warps, num_stages),
+        name=f"ragged_paged_{S=}_{BM=}_{ppb=}",
+    )(*args)
+
+    # Token t of sequence b sits in tile tile_start[b] + (t - qsl[b]) // BQ, row (t - qsl[b]) % BQ.
+    from .reference import token_sequence_ids
+
+    seq, valid = token_sequence_ids(query_start_loc.astype(jnp.int32), T)
+    off = jnp.arange(T, dtype=jnp.int32) - query_start_loc[seq]
+    tile = jnp.clip(tile_start[seq] + off // BQ, 0, nt - 1)
+    ot = ot.reshape(nt, K, BQ, Gp, H)
+    out = ot[tile, :, off % BQ]  # [T, K, Gp, H]
+    out = out[:, :, :G].reshape(T, N, H)
+    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
