@@ -1,0 +1,79 @@
+"""The one attention function the decoder calls: write the new tokens' K/V into the paged cache, then
+attend over it. Backends sit behind it: "reference" (pure jnp, CPU and tests) and "pallas" (GPU kernels
+in kernels_pallas/). The batch layout is described in kernels_pallas/reference.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas import reference
+
+# Working-set cap of the reference path: the per-step gathered K/V slice stays under this many bytes.
+_REFERENCE_STEP_BYTES = 64 << 20
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables"],
+    meta_fields=["decode_only"],
+)
+@dataclass(frozen=True)
+class AttentionMetadata:
+    positions: jax.Array  # [T] int32 position of each token in its sequence
+    slot_mapping: jax.Array  # [T] int32 cache slot (page * S + offset) of each token; -1 for padding
+    seq_lens: jax.Array  # [B] int32 context length after this step; 0 for padding sequences
+    query_start_loc: jax.Array  # [B+1] int32 offset of each sequence's first token in the batch
+    block_tables: jax.Array  # [B, M] int32 page ids of each sequence
+    decode_only: bool = False  # static: every sequence has exactly one new token
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str = "reference"  # reference | pallas
+    interpret: bool = False  # pallas interpret mode (CPU tests of the kernels through the model)
+
+
+def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, *, scale, alibi_slopes=None,
+                    sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig()):
+    """q: [T, N, H], k/v: [T, K, H], kv_cache: (k_pages, v_pages) [K, P, S, H] -> ([T, N, H], kv_cache)."""
+    k_pages, v_pages = kv_cache
+    kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                  sliding_window=sliding_window)
+    if config.backend == "pallas":
+        import kernels_pallas
+
+        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
+                                                   k_scale=k_scale, v_scale=v_scale)
+        out = kernels_pallas.ragged_paged_attention(
+            q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
+            decode_only=meta.decode_only, interpret=config.interpret, **kwargs)
+    elif config.backend == "reference":
+        k_pages, v_pages = reference.write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
+                                              k_scale=k_scale, v_scale=v_scale)
+        K, _, S, H = k_pages.shape
+        per_page = q.shape[0] * S * K * H * 4 * 2
+        out = reference.ragged_paged_attention_ref(
+            q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
+            pages_per_step=max(1, _REFERENCE_STEP_BYTES // per_page), **kwargs)
+    else:
+        raise ValueError(f"attention backend={config.backend!r} is not one of 'reference', 'pallas'.")
+    return out, (k_pages, v_pages)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """ALiBi head slopes (Press et al.), with the interleaved extra slopes for non-power-of-2 head counts."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2.0 ** (-(2.0 ** -(math.log2(closest) - 3)))
+    slopes = base ** np.arange(1, closest + 1, dtype=np.float64)
+    if closest != num_heads:
+        extra_base = 2.0 ** (-(2.0 ** -(math.log2(2 * closest) - 3)))
+        extra = extra_base ** np.arange(1, 1 + 2 * (num_heads - closest), 2, dtype=np.float64)
+        slopes = np.concatenate([slopes, extra])
+    return slopes.astype(np.float32)

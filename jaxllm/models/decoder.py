@@ -1,0 +1,77 @@
+"""The decoder shared by every supported architecture (Llama 2/3/3.1, Mistral, Qwen2/2.5, Baichuan):
+pre-norm blocks of attention over the paged KV cache and a SwiGLU MLP. Architecture differences are
+ModelConfig fields (biases, RoPE vs ALiBi, sliding window, tied embeddings), not subclasses.
+
+    forward(params, kv_caches, token_ids, meta, cfg) -> (kv_caches, hidden [T, D])
+    compute_logits(params, hidden [B, D], cfg) -> [B, V] float32
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
+
+
+def rms_norm(x, weight, eps):
+    # Same rounding as HF: normalise in float32, cast back, then scale in the weight dtype.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """x: [T, heads, H], HF's rotate-half layout (first half / second half of each head)."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(freqs).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(freqs).astype(x.dtype)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def _proj(x, w, b, eq):
+    y = jnp.einsum(eq, x, w)
+    return y if b is None else y + b
+
+
+def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    q = _proj(h, lp["wq"], lp.get("bq"), "TD,DNH->TNH")
+    k = _proj(h, lp["wk"], lp.get("bk"), "TD,DKH->TKH")
+    v = _proj(h, lp["wv"], lp.get("bv"), "TD,DKH->TKH")
+    slopes = None
+    if cfg.position_embedding == "rope":
+        inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
+        q = apply_rope(q, meta.positions, inv_freq)
+        k = apply_rope(k, meta.positions, inv_freq)
+    else:
+        slopes = jnp.asarray(alibi_slopes(cfg.num_heads))
+    out, kv_cache = paged_attention(
+        q, k, v, kv_cache, meta, scale=cfg.head_dim**-0.5, alibi_slopes=slopes,
+        sliding_window=cfg.sliding_window, config=attn)
+    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    gate = _proj(h, lp["w_gate"], lp.get("b_gate"), "TD,DF->TF")
+    up = _proj(h, lp["w_up"], lp.get("b_up"), "TD,DF->TF")
+    x = x + _proj(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"), "TF,FD->TD")
+    return x, kv_cache
+
+
+def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
+            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None):
+    """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
+    layer range and the previous stage's hidden states; the first stage embeds token_ids."""
+    layers = range(cfg.num_layers) if layers is None else layers
+    x = params["embed"][token_ids] if hidden is None else hidden
+    kv_caches = list(kv_caches)
+    for i in layers:
+        x, kv_caches[i] = decoder_layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
+    return kv_caches, x
+
+
+def compute_logits(params, hidden, cfg: ModelConfig):
+    x = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)

@@ -1,0 +1,242 @@
+"""Weights from an HF checkpoint directory (safetensors or pytorch_model.bin, single or sharded) into the
+params pytree of jaxllm/models/params.py.
+
+The mapping is a table: each of our weights names its HF tensor and a named hook that reshapes it.
+Every weight is read on the host, reshaped, and placed with jax.make_array_from_callback, so each device
+receives only its own shard and no device ever holds a full unsharded copy.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Callable, Iterator
+
+import jax
+import ml_dtypes
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
+
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+
+
+# --- hooks: HF tensor (numpy) -> our layout. cfg-dependent ones take (x, cfg). ---------------------------
+def _in_heads(heads_attr: str) -> Callable:
+    def hook(x, cfg):  # torch Linear [heads*H, D] -> [D, heads, H]
+        return x.T.reshape(cfg.hidden_size, getattr(cfg, heads_attr), cfg.head_dim)
+
+    return hook
+
+
+def _bias_heads(heads_attr: str) -> Callable:
+    return lambda x, cfg: x.reshape(getattr(cfg, heads_attr), cfg.head_dim)
+
+
+def _out_heads(x, cfg):  # o_proj [D, N*H] -> [N, H, D]
+    return x.T.reshape(cfg.num_heads, cfg.head_dim, cfg.hidden_size)
+
+
+def _transpose(x, cfg):
+    return x.T
+
+
+def _identity(x, cfg):
+    return x
+
+
+def _w_pack(part: int) -> Callable:
+    def hook(x, cfg):  # Baichuan W_pack [3*D, D] = rows of q, k, v (MHA)
+        rows = cfg.num_heads * cfg.head_dim
+        return _in_heads("num_heads")(x[part * rows : (part + 1) * rows], cfg)
+
+    return hook
+
+
+def _normalized_rows(x, cfg):  # Baichuan2 NormHead: unit-norm rows of lm_head
+    x32 = x.astype(np.float32)
+    return x32 / np.maximum(np.linalg.norm(x32, axis=-1, keepdims=True), 1e-7)
+
+
+LAYER_TABLE: dict[str, tuple[str, Callable]] = {
+    "attn_norm": ("input_layernorm.weight", _identity),
+    "wq": ("self_attn.q_proj.weight", _in_heads("num_heads")),
+    "wk": ("self_attn.k_proj.weight", _in_heads("num_kv_heads")),
+    "wv": ("self_attn.v_proj.weight", _in_heads("num_kv_heads")),
+    "bq": ("self_attn.q_proj.bias", _bias_heads("num_heads")),
+    "bk": ("self_attn.k_proj.bias", _bias_heads("num_kv_heads")),
+    "bv": ("self_attn.v_proj.bias", _bias_heads("num_kv_heads")),
+    "wo": ("self_attn.o_proj.weight", _out_heads),
+    "bo": ("self_attn.o_proj.bias", _identity),
+    "mlp_norm": ("post_attention_layernorm.weight", _identity),
+    "w_gate": ("mlp.gate_proj.weight", _transpose),
+    "w_up": ("mlp.up_proj.weight", _transpose),
+    "w_down": ("mlp.down_proj.weight", _transpose),
+    "b_gate": ("mlp.gate_proj.bias", _identity),
+    "b_up": ("mlp.up_proj.bias", _identity),
+    "b_down": ("mlp.down_proj.bias", _identity),
+}
+FUSED_QKV_TABLE = {
+    "wq": ("self_attn.W_pack.weight", _w_pack(0)),
+    "wk": ("self_attn.W_pack.weight", _w_pack(1)),
+    "wv": ("self_attn.W_pack.weight", _w_pack(2)),
+}
+TOP_TABLE: dict[str, tuple[str, Callable]] = {
+    "embed": ("model.embed_tokens.weight", _identity),
+    "final_norm": ("model.norm.weight", _identity),
+    "lm_head": ("lm_head.weight", _identity),
+}
+
+
+def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[str, Callable]]:
+    """(our path as a tuple of keys) -> (HF tensor name, hook), for every weight of cfg's params."""
+    layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}))
+    specs = param_specs(cfg)
+    table = {}
+    for name in specs:
+        if name == "layers":
+            continue
+        hf_name, hook = TOP_TABLE[name]
+        if name == "lm_head" and cfg.normalize_lm_head:
+            hook = _normalized_rows
+        table[(name,)] = (hf_name, hook)
+    for i, layer in enumerate(specs["layers"]):
+        for key in layer:
+            hf_suffix, hook = layer_table[key]
+            table[("layers", i, key)] = (f"model.layers.{i}.{hf_suffix}", hook)
+    return table
+
+
+# --- reading checkpoint files ------------------------------------------------------------------------------
+class CheckpointReader:
+    """Lazy name -> numpy access over the tensors of an HF checkpoint directory."""
+
+    def __init__(self, model_dir: str, load_format: str = "auto"):
+        self.files = _weight_files(model_dir, load_format)
+        self._index: dict[str, str] = {}
+        self._handles: dict[str, object] = {}
+        for path in self.files:
+            for name in self._open(path).keys():
+                self._index[name] = path
+
+    def _open(self, path: str):
+        if path not in self._handles:
+            if path.endswith(".safetensors"):
+                from safetensors import safe_open
+
+                self._handles[path] = safe_open(path, framework="numpy")
+            else:
+                self._handles[path] = _TorchFile(path)
+        return self._handles[path]
+
+    def keys(self) -> list[str]:
+        return list(self._index)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def get(self, name: str) -> np.ndarray:
+        return self._open(self._index[name]).get_tensor(name)
+
+
+class _TorchFile:
+    def __init__(self, path: str):
+        try:
+            import torch
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise ImportError(
+                f"Reading {path} needs PyTorch: pip install 'jaxllm[torch]' (or torch==2.13.0 for the CPU build)."
+            ) from e
+        self._torch = torch
+        self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+    def keys(self):
+        return self._state.keys()
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        t = self._state[name]
+        if t.dtype == self._torch.bfloat16:
+            return t.view(self._torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+
+def _weight_files(model_dir: str, load_format: str) -> list[str]:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}.")
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"Model directory {model_dir!r} does not exist.")
+    patterns = {"safetensors": ["*.safetensors"], "pt": ["*.bin", "*.pt"]}
+    order = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    for fmt in order:
+        index = os.path.join(model_dir, "model.safetensors.index.json" if fmt == "safetensors"
+                             else "pytorch_model.bin.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                names = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [n for n in names if not os.path.exists(os.path.join(model_dir, n))]
+            if missing:
+                raise ValueError(f"{index} lists shard files that are missing: {missing}.")
+            return [os.path.join(model_dir, n) for n in names]
+        files = sorted(f for p in patterns[fmt] for f in glob.glob(os.path.join(model_dir, p))
+                       if not os.path.basename(f).startswith("training_args"))
+        if files:
+            return files
+    raise ValueError(f"No weights (load_format={load_format!r}) found in {model_dir}.")
+
+
+# --- loading ------------------------------------------------------------------------------------------------
+def _path_key(path) -> tuple:
+    return tuple(p.key if hasattr(p, "key") else p.idx for p in path)
+
+
+def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
+    """(our path, host array in our layout), checked against the declared shapes."""
+    specs = param_specs(cfg)
+    table = weight_table(cfg)
+    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+        key = _path_key(path)
+        hf_name, hook = table[key]
+        if hf_name not in reader:
+            raise ValueError(f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
+        raw = reader.get(hf_name)
+        try:
+            x = hook(raw, cfg)
+        except ValueError as e:
+            raise ValueError(
+                f"Tensor {hf_name!r} has shape {tuple(raw.shape)}, which does not fit the expected shape "
+                f"{spec.shape} for {'/'.join(map(str, key))}: {e}"
+            ) from None
+        if tuple(x.shape) != spec.shape:
+            raise ValueError(
+                f"Tensor {hf_name!r} has shape {tuple(raw.shape)} -> {tuple(x.shape)}; expected {spec.shape}."
+            )
+        yield key, x
+
+
+def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto", seed: int = 0):
+    """The params pytree, created sharded over mesh. load_format="dummy" makes random weights on device."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(cfg.dtype)
+    specs = param_specs(cfg)
+    shardings = param_shardings(specs, mesh)
+    if load_format == "dummy":
+        return dummy_params(specs, dtype, shardings, seed=seed)
+    reader = CheckpointReader(model_dir, load_format)
+    flat_sh = dict(
+        (_path_key(p), s)
+        for p, s in jax.tree_util.tree_flatten_with_path(
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
+    )
+    loaded = {}
+    for key, x in iter_host_weights(reader, cfg):
+        host = np.asarray(x).astype(dtype)
+        loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx])
+    treedef = jax.tree.structure(specs, is_leaf=is_spec)
+    paths = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
+    return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
+
+
+__all__ = ["CheckpointReader", "load_params", "weight_table", "abstract_params", "ParamSpec"]

@@ -1,0 +1,5 @@
+import os
+
+# 8 simulated CPU devices for the sharding tests; must be set before jax is imported anywhere.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,0 +1,60 @@
+"""Runs jaxllm's decoder over a padded ragged batch with a shuffled, NaN-filled paged KV cache."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.engine.inputs import SeqChunk, build_step_inputs
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata
+from jaxllm.models.decoder import compute_logits, forward
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "attn"))
+def _step(params, kv_caches, token_ids, meta, cfg, attn):
+    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    return kv_caches, compute_logits(params, hidden, cfg)
+
+
+def ragged_logits(params, cfg, seqs, cached, block_size=4, num_pages=64, attn=AttentionConfig(), seed=0,
+                  pad_tokens=5, pad_seqs=2):
+    """Logits [len(seq) - cached, V] per sequence: a first step writes each sequence's first cached[i]
+    tokens, a second step computes the rest over the cache (prefix-cache hits / chunked prefill)."""
+    rng = np.random.default_rng(seed)
+    dtype = jnp.dtype(cfg.dtype)
+    K, H = cfg.num_kv_heads, cfg.head_dim
+    kv = [(jnp.full((K, num_pages, block_size, H), jnp.nan, dtype),) * 2 for _ in range(cfg.num_layers)]
+    pages = list(rng.permutation(np.arange(1, num_pages)))
+    tables = []
+    for s in seqs:
+        n = -(-len(s) // block_size)
+        tables.append([int(pages.pop()) for _ in range(n)])
+    max_pages = max(len(t) for t in tables)
+    out = None
+    for step in range(2):
+        chunks = []
+        for s, c, t in zip(seqs, cached, tables):
+            lo, hi = (0, c) if step == 0 else (c, len(s))
+            if hi > lo:
+                chunks.append(SeqChunk(list(s[lo:hi]), lo, t))
+        if not chunks:
+            continue
+        n_tok = sum(len(c.token_ids) for c in chunks)
+        inp = build_step_inputs(chunks, block_size, n_tok + pad_tokens, len(chunks) + pad_seqs, max_pages + 1)
+        meta = AttentionMetadata(jnp.asarray(inp.positions), jnp.asarray(inp.slot_mapping),
+                                 jnp.asarray(inp.seq_lens), jnp.asarray(inp.query_start_loc),
+                                 jnp.asarray(inp.block_tables), inp.decode_only)
+        kv, logits = _step(params, kv, jnp.asarray(inp.token_ids), meta, cfg, attn)
+        out = (np.asarray(logits), inp)
+    logits, inp = out
+    assert np.isfinite(logits[: inp.num_tokens]).all()
+    result = []
+    b = 0
+    for s, c in zip(seqs, cached):
+        lo, hi = inp.query_start_loc[b], inp.query_start_loc[b + 1]
+        result.append(logits[lo:hi])
+        b += 1
+    return result

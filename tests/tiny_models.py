@@ -1,0 +1,129 @@
+"""Tiny random HF checkpoints for every supported architecture, saved the way hubs ship them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+ARCHS = ("llama", "llama31", "mistral", "qwen2", "baichuan7b", "baichuan13b")
+
+_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+               rms_norm_eps=1e-5)
+
+
+def hf_config(arch: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    if arch == "llama":
+        return LlamaConfig(**_COMMON, rope_theta=10000.0)
+    if arch == "llama31":
+        return LlamaConfig(**_COMMON, rope_theta=500000.0, rope_scaling=dict(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32))
+    if arch == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=7)
+    if arch == "qwen2":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if arch in ("baichuan7b", "baichuan13b"):  # the equivalent Llama: MHA, no biases
+        return LlamaConfig(**dict(_COMMON, num_key_value_heads=_COMMON["num_attention_heads"]))
+    raise ValueError(arch)
+
+
+def make_hf_model(arch: str, seed: int = 0, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="eager").eval()
+    with torch.no_grad():  # small random norms and biases so they matter in the parity check
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    return model
+
+
+def save_checkpoint(model, arch: str, out_dir: str, fmt: str = "safetensors") -> str:
+    """Saves model as arch's checkpoint: HF format for the native ones, Baichuan's W_pack layout and
+    config for baichuan*. fmt: safetensors | bin | sharded (safetensors with an index)."""
+    os.makedirs(out_dir, exist_ok=True)
+    if not arch.startswith("baichuan"):
+        if fmt == "bin":
+            model.save_pretrained(out_dir, safe_serialization=False)
+            if not any(f.endswith(".bin") for f in os.listdir(out_dir)):  # transformers 5 always writes safetensors
+                _write_bin(model.state_dict(), out_dir)
+        else:
+            model.save_pretrained(out_dir, max_shard_size="20KB" if fmt == "sharded" else "10GB")
+        return out_dir
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    cfg = model.config
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.self_attn."
+        state[p + "W_pack.weight"] = torch.cat(
+            [state.pop(p + "q_proj.weight"), state.pop(p + "k_proj.weight"), state.pop(p + "v_proj.weight")])
+    arch_name = "BaiChuanForCausalLM" if arch == "baichuan7b" else "BaichuanForCausalLM"
+    bc = dict(architectures=[arch_name], model_type="baichuan", vocab_size=cfg.vocab_size,
+              hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+              rms_norm_eps=cfg.rms_norm_eps, hidden_act="silu", torch_dtype="float32")
+    if arch == "baichuan7b":
+        bc["max_position_embeddings"] = cfg.max_position_embeddings
+    else:
+        bc["model_max_length"] = cfg.max_position_embeddings
+        bc["position_embedding"] = "alibi"  # tiny 13B stand-in: hidden 64, so say it explicitly
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(bc, f)
+    if fmt == "bin":
+        _write_bin(state, out_dir)
+    else:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def _write_bin(state, out_dir):
+    for f in os.listdir(out_dir):
+        if f.endswith(".safetensors") or f.endswith(".safetensors.index.json"):
+            os.remove(os.path.join(out_dir, f))
+    torch.save({k: v.contiguous() for k, v in state.items()}, os.path.join(out_dir, "pytorch_model.bin"))
+
+
+def alibi_reference_logits(model, token_ids: list[int]) -> np.ndarray:
+    """Numpy forward pass of the Llama weights with ALiBi instead of RoPE (Baichuan-13B's attention),
+    float64. Returns [len, V] logits."""
+    from jaxllm.models.attention import alibi_slopes
+
+    sd = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    cfg = model.config
+    N, H, eps = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, cfg.rms_norm_eps
+    T = len(token_ids)
+
+    def norm(x, w):
+        return w * x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps)
+
+    x = sd["model.embed_tokens.weight"][token_ids]
+    slopes = alibi_slopes(N).astype(np.float64)
+    rel = np.arange(T)[None, :] - np.arange(T)[:, None]  # key - query
+    bias = slopes[:, None, None] * rel[None]
+    causal = np.where(rel <= 0, 0.0, -np.inf)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, sd[p + "input_layernorm.weight"])
+        q, k, v = (h @ sd[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+        q, k, v = (a.reshape(T, N, H).transpose(1, 0, 2) for a in (q, k, v))
+        s = q @ k.transpose(0, 2, 1) / np.sqrt(H) + bias + causal
+        s = np.exp(s - s.max(-1, keepdims=True))
+        o = (s / s.sum(-1, keepdims=True)) @ v
+        x = x + o.transpose(1, 0, 2).reshape(T, N * H) @ sd[p + "self_attn.o_proj.weight"].T
+        h = norm(x, sd[p + "post_attention_layernorm.weight"])
+        g = h @ sd[p + "mlp.gate_proj.weight"].T
+        u = h @ sd[p + "mlp.up_proj.weight"].T
+        x = x + ((g / (1 + np.exp(-g))) * u) @ sd[p + "mlp.down_proj.weight"].T
+    x = norm(x, sd["model.norm.weight"])
+    return x @ sd["lm_head.weight"].T
