@@ -48,10 +48,14 @@ def scalars(scale, k_scale, v_scale):
     return jnp.stack([qk, jnp.asarray(v_scale, jnp.float32)]).reshape(2)
 
 
+def mma(a, b, trans_b=False):
+    """[M, C] x [C, N] (or [N, C] with trans_b) -> f32, lowered to one tensor-core MMA by Triton."""
+    dims = (((1,), (1 if trans_b else 0,)), ((), ()))
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
 def softmax_step(carry, s, v, p_dtype):
     """One online-softmax update. s: [R, C] f32 log2-domain scores (-inf where masked); v: [C, H]."""
-    from jax.experimental import pallas as pl
-
     m_prev, l_prev, acc = carry
     m_new = jnp.maximum(m_prev, s.max(axis=1))
     # A row that has seen no visible key yet keeps m = -inf; subtract 0 there so nothing becomes NaN.
@@ -59,5 +63,5 @@ def softmax_step(carry, s, v, p_dtype):
     alpha = jnp.exp2(m_prev - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     l_new = alpha * l_prev + p.sum(axis=1)
-    acc = alpha[:, None] * acc + pl.dot(p.astype(p_dtype), v)
+    acc = alpha[:, None] * acc + mma(p.astype(p_dtype), v)
     return m_new, l_new, acc

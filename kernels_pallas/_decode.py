@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import kernel_supported, next_pow2, pad_block_tables, scalars, softmax_step
+from ._common import kernel_supported, next_pow2, pad_block_tables, mma, scalars, softmax_step
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
@@ -61,7 +61,7 @@ def _decode_kernel(
         k = k_ref[ids].reshape(BK, H).astype(cdt)
         v = v_ref[ids].reshape(BK, H).astype(cdt)
         kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
-        s = pl.dot(q, k, trans_b=True) * qk_mult  # [Gp, BK]
+        s = mma(q, k, trans_b=True) * qk_mult  # [Gp, BK]
         if has_alibi:
             s = s + slopes[:, None] * (kv_pos - q_pos).astype(jnp.float32)[None, :]
         valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import next_pow2, pad_block_tables, scalars, softmax_step
+from ._common import next_pow2, pad_block_tables, mma, scalars, softmax_step
 from ._decode import _triton_params
 
 
@@ -58,7 +58,7 @@ def _ragged_kernel(
         k = k_ref[ids].reshape(BK, H).astype(cdt)
         v = v_ref[ids].reshape(BK, H).astype(cdt)
         kv_pos = blk * BK + jnp.arange(BK, dtype=jnp.int32)
-        s = pl.dot(q, k, trans_b=True) * qk_mult  # [BM, BK]
+        s = mma(q, k, trans_b=True) * qk_mult  # [BM, BK]
         if has_alibi:
             s = s + slopes[:, None] * (kv_pos[None, :] - row_pos[:, None]).astype(jnp.float32)
         if masked:
