@@ -1,0 +1,95 @@
+"""`python -m jaxllm.serve [MODEL] [vLLM serve flags]`: the OpenAI-compatible server.
+
+Without MODEL it serves the built-in demo model. The engine (jaxllm.engine.async_engine.AsyncLLM) is imported
+only here, lazily, so the server package and its tests never need it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import ssl
+import sys
+
+logger = logging.getLogger("jaxllm.server")
+
+
+def build_engine(args: argparse.Namespace):
+    from jaxllm.engine.async_engine import AsyncLLM
+    from server.args import engine_kwargs
+
+    return AsyncLLM.from_engine_args(**engine_kwargs(args))
+
+
+async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Event | None = None,
+                     on_ready=None) -> None:
+    """Serves until SIGINT/SIGTERM (or `stop` is set), then shuts the engine down.
+
+    `engine`: any EngineClient (tests pass a fake); default: AsyncLLM built from the engine flags.
+    `on_ready(port)`: called once the socket listens.
+    """
+    from server.app import build_app, start_server
+    from server.serving_common import STATE
+
+    if engine is None:
+        engine = build_engine(args)
+    runner = None
+    try:
+        app = build_app(engine, args)
+        ssl_context = None
+        if args.ssl_certfile:
+            ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
+        runner, port = await start_server(app, args.host, args.port, ssl_context=ssl_context,
+                                          access_log=not getattr(args, "disable_access_log", False))
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or Windows
+                pass
+        scheme = "https" if ssl_context else "http"
+        host = args.host or "0.0.0.0"
+        logger.info("jaxllm %s API server ready on %s://%s:%d (model %s served as %s, max_model_len %d)",
+                    _version(), scheme, host, port, app[STATE].model_root,
+                    ", ".join(app[STATE].served_model_names), engine.max_model_len)
+        if on_ready is not None:
+            on_ready(port)
+        await stop.wait()
+        logger.info("Shutting down")
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+        await engine.shutdown()
+
+
+def _version() -> str:
+    import jaxllm
+
+    return jaxllm.__version__
+
+
+def main(argv: list[str] | None = None) -> None:
+    from server.args import parse_args
+
+    args = parse_args(argv)
+    level = logging.DEBUG if args.log_level in ("debug", "trace") else getattr(logging, args.log_level.upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%m-%d %H:%M:%S")
+    if args.model is None:
+        from jaxllm.demo import demo_model_path
+
+        args.model = str(demo_model_path())
+        logger.info("No MODEL given: serving the demo model at %s", args.model)
+    try:
+        asyncio.run(run_server(args))
+    except KeyboardInterrupt:
+        pass
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""jaxllm's OpenAI-compatible HTTP server (aiohttp), built only on jaxllm.engine.protocol.EngineClient.
+
+    server.app.build_app(engine, args) -> aiohttp.web.Application
+    server.app.start_server(app, host, port) -> (runner, bound port)
+    server.args.parse_args(argv)                 vLLM's `vllm serve` flags
+    server.testing.FakeEngine                    an EngineClient without a model, for tests
+Started by `python -m jaxllm.serve`.
+"""

@@ -1,0 +1,231 @@
+"""The aiohttp application: routes, API-key and error middlewares, the stats log task.
+
+`build_app(engine, args)` depends only on EngineClient, so tests serve a fake engine through the same code.
+Serve it with `start_server` (or an AppRunner created with handler_cancellation=True): a client that hangs
+up then cancels its handler, which closes the engine iterator and aborts the request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import inspect
+import logging
+import os
+
+from aiohttp import web
+
+import jaxllm
+from jaxllm.engine.protocol import EngineClient
+from server.errors import APIError, error_body, model_not_found, parse_model, read_json
+from server.metrics import ServerMetrics, StatsLogger
+from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
+from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
+from server.serving_common import STATE, ServerState, encode, log_ignored_fields
+from server.serving_completion import create_completion
+
+logger = logging.getLogger("jaxllm.server")
+
+DEFAULT_MAX_BODY_BYTES = 64 * 2**20
+_STATS_TASK = web.AppKey("jaxllm_stats_task", asyncio.Task)
+
+
+def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application:
+    """The OpenAI-compatible app for `engine`; `args` is server.args' namespace (missing fields take defaults)."""
+    opt = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+    names = opt("served_model_name") or [opt("model") or engine.model_name]
+    if isinstance(names, str):
+        names = [names]
+    max_body = opt("max_request_body_bytes") or DEFAULT_MAX_BODY_BYTES
+    state = ServerState(
+        engine=engine,
+        served_model_names=list(names),
+        model_root=opt("model") or engine.model_name,
+        metrics=ServerMetrics(engine, names[0]),
+        chat_template=load_chat_template(opt("chat_template")),
+        response_role=opt("response_role") or "assistant",
+        return_tokens_as_token_ids=bool(opt("return_tokens_as_token_ids", False)),
+        max_body_bytes=max_body,
+        log_requests=bool(opt("enable_log_requests", False)),
+        max_log_len=opt("max_log_len"),
+        profile_dir=opt("profile_dir"),
+    )
+    middlewares = [_error_middleware]
+    api_key = opt("api_key")
+    if api_key:
+        middlewares.insert(0, _auth_middleware(api_key))
+    # aiohttp refuses bodies past client_max_size itself; read_json turns that into our 413.
+    app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    app[STATE] = state
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_post("/v1/completions", create_completion)
+    app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/metrics", metrics)
+    if state.profile_dir:
+        app.router.add_post("/start_profile", start_profile)
+        app.router.add_post("/stop_profile", stop_profile)
+    if not opt("disable_log_stats", False):
+        interval = float(opt("log_stats_interval", 10.0) or 10.0)
+        app.on_startup.append(lambda a: _start_stats(a, interval))
+        app.on_cleanup.append(_stop_stats)
+    return app
+
+
+async def start_server(app: web.Application, host: str | None, port: int, *, ssl_context=None,
+                       access_log: bool = True) -> tuple[web.AppRunner, int]:
+    """Starts serving; returns the runner (call .cleanup() to stop) and the bound port (port 0 picks one)."""
+    kwargs = {} if access_log else {"access_log": None}
+    runner = web.AppRunner(app, handler_cancellation=True, **kwargs)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    await site.start()
+    bound = runner.addresses[0][1] if runner.addresses else port
+    return runner, bound
+
+
+# ----------------------------------------------------------------------------------------------- middlewares
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return auth
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(error_body(e.reason or str(e), e.status), status=e.status)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception as e:
+        logger.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(error_body(f"Internal error: {type(e).__name__}: {e}", 500), status=500)
+
+
+# ----------------------------------------------------------------------------------------------- small routes
+
+
+async def health(request: web.Request) -> web.Response:
+    engine = request.app[STATE].engine
+    if engine.errored:
+        return web.Response(status=503)
+    return web.Response(status=200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": jaxllm.__version__})
+
+
+def _card(state: ServerState, name: str) -> ModelCard:
+    return ModelCard(id=name, created=state.created, root=state.model_root, parent=None,
+                     max_model_len=state.engine.max_model_len)
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(text=ModelList(data=[_card(state, n) for n in state.served_model_names]).to_json())
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    if name not in state.served_model_names:
+        raise model_not_found(name)
+    return web.json_response(text=_card(state, name).to_json())
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_model(TokenizeRequest, await read_json(request, state.max_body_bytes))
+    log_ignored_fields(req, "/tokenize")
+    state.check_model(req.model)
+    tokenizer = state.engine.get_tokenizer()
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError("Send exactly one of `prompt` or `messages`.")
+    if req.prompt is not None:
+        add_special = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await encode(tokenizer, req.prompt, add_special)
+    else:
+        text = render_chat(state, to_conversation(req.messages), chat_template=req.chat_template,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+        ids = await encode(tokenizer, text, bool(req.add_special_tokens))
+    body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
+    if req.return_token_strs:
+        body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return web.json_response(body)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = parse_model(DetokenizeRequest, await read_json(request, state.max_body_bytes))
+    log_ignored_fields(req, "/detokenize")
+    state.check_model(req.model)
+    bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
+    if bad:
+        raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {state.engine.vocab_size}).",
+                       param="tokens")
+    return web.json_response({"prompt": state.engine.get_tokenizer().decode(req.tokens)})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[STATE].metrics.render()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def _maybe_await(value) -> None:
+    if inspect.isawaitable(value):
+        await value
+
+
+async def start_profile(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    os.makedirs(state.profile_dir, exist_ok=True)
+    logger.info("Starting profiler; traces go to %s", state.profile_dir)
+    await _maybe_await(state.engine.start_profile(state.profile_dir))
+    return web.Response(status=200)
+
+
+async def stop_profile(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    await _maybe_await(state.engine.stop_profile())
+    logger.info("Profiler stopped; view with: tensorboard --logdir %s (or xprof)", state.profile_dir)
+    return web.Response(status=200)
+
+
+# ----------------------------------------------------------------------------------------------- stats log
+
+
+async def _start_stats(app: web.Application, interval: float) -> None:
+    app[_STATS_TASK] = asyncio.create_task(StatsLogger(app[STATE].metrics, interval).run())
+
+
+async def _stop_stats(app: web.Application) -> None:
+    task = app.get(_STATS_TASK)
+    if task is not None:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

@@ -1,0 +1,141 @@
+"""Command-line flags of `python -m jaxllm.serve`: vLLM's `vllm serve` flags, same names and defaults.
+
+    parse_args(argv) -> Namespace     server + engine flags, env fallbacks applied
+    engine_kwargs(args) -> dict       the LLM(...) keyword arguments for AsyncLLM.from_engine_args
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
+
+# LLM(...) keyword arguments the serve flags map onto (served_model_name stays in the server).
+ENGINE_ARG_NAMES = (
+    "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
+    "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
+    "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
+    "max_logprobs", "quantization", "trust_remote_code",
+)
+
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """'32k' -> 32000, '32K' -> 32768, '1.5m' -> 1500000, '4096' -> 4096 (vLLM's convention)."""
+    value = value.strip()
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
+    if m:
+        number, suffix = m.groups()
+        if suffix in _DECIMAL:
+            return int(float(number) * _DECIMAL[suffix])
+        try:
+            return int(number) * _BINARY[suffix]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
+                f"{number}{suffix.lower()}?") from None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {value!r}") from None
+
+
+def _max_model_len(value: str) -> int | None:
+    if value.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(value)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m jaxllm.serve",
+        description="OpenAI-compatible server for jaxllm (vLLM's serving engine on JAX/XLA).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="Model directory (HF layout). Without it, the built-in demo model is served.")
+    p.add_argument("--model", default=None, help="Same as the positional MODEL.")
+
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", nargs="+", default=None,
+                   help="Model name(s) the API accepts; the first is reported in responses and metrics. "
+                        "Default: the model path.")
+    s.add_argument("--chat-template", default=None, help="Chat template: a file path or the template itself.")
+    s.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
+    s.add_argument("--api-key", default=None,
+                   help=f"Require 'Authorization: Bearer <key>' on /v1/*. Falls back to ${API_KEY_ENV_VARS[0]}, "
+                        f"then ${API_KEY_ENV_VARS[1]}.")
+    s.add_argument("--profile-dir", default=None,
+                   help="Enables POST /start_profile and /stop_profile, writing jax.profiler traces here "
+                        "(view with TensorBoard or XProf).")
+    s.add_argument("--disable-log-stats", action="store_true", help="Do not log the periodic stats line.")
+    s.add_argument("--log-stats-interval", type=float, default=10.0, help="Seconds between stats lines.")
+    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="Log each request's prompt and sampling params.")
+    s.add_argument("--disable-log-requests", action="store_true", help="Deprecated; requests are not logged "
+                   "unless --enable-log-requests is given.")
+    s.add_argument("--max-log-len", type=int, default=None, help="Max prompt characters in request logs.")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="Show logprob tokens as 'token_id:N' instead of their text.")
+    s.add_argument("--max-request-body-bytes", type=human_readable_int, default=64 * 2**20,
+                   help="Requests with a larger body get 413 (accepts 64M, 1G, ...).")
+    s.add_argument("--ssl-keyfile", default=None)
+    s.add_argument("--ssl-certfile", default=None)
+    s.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="info",
+                   choices=["debug", "info", "warning", "error", "critical", "trace"])
+    s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
+                   action="store_true", help="Do not log one line per HTTP request.")
+
+    e = p.add_argument_group("engine")
+    e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
+    e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    e.add_argument("--quantization", "-q", default=None, help="Default: read quantization_config from config.json.")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--max-model-len", type=_max_model_len, default=None,
+                   help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="Fraction of total device memory for weights, activations and KV cache.")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")
+    e.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
+                   help="Max tokens per step (default: by device).")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    e.add_argument("--block-size", type=int, default=16, choices=[1, 8, 16, 32, 64, 128])
+    e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, gguf, dummy (random weights).")
+    e.add_argument("--generation-config", default="auto",
+                   help="'auto': the model's generation_config.json; 'vllm': ignore it; or a directory.")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="Skip compiling all shape buckets at start-up (compile on first use).")
+    e.add_argument("--max-logprobs", type=int, default=20)
+    return p
+
+
+def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
+    args.model = args.model_tag or args.model
+    del args.model_tag
+    if not args.api_key:
+        args.api_key = next((environ[v] for v in API_KEY_ENV_VARS if environ.get(v)), None)
+    if args.disable_log_requests:
+        args.enable_log_requests = False
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together")
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}

@@ -1,0 +1,208 @@
+"""Prometheus metrics under vLLM's names (label model_name), and the periodic stats log line.
+
+Two sources feed them:
+- engine-wide numbers come from `EngineClient.stats()` snapshots (gauges and totals, exported through a
+  custom collector so counters are the engine's own totals, and iteration sizes folded into a histogram);
+- per-request latencies and sizes are observed by the server as outputs stream past (RequestTracker).
+Every `stats()` call goes through `ServerMetrics.poll()` because the snapshot's `iteration_tokens` list
+holds only the steps since the previous snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from jaxllm.engine.protocol import EngineClient, EngineStats
+from jaxllm.outputs import RequestOutput
+
+logger = logging.getLogger("jaxllm.server")
+
+_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+def _token_buckets(max_model_len: int) -> list[float]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_model_len:
+                return buckets
+            buckets.append(float(m * scale))
+        scale *= 10
+
+
+class _EngineCollector:
+    """Exports the latest engine snapshot as gauges and counters at scrape time."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        s = self.metrics.poll()
+        name = [self.metrics.model_name]
+
+        def gauge(metric, doc, value):
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric(name, value)
+            return g
+
+        def counter(metric, doc, value):
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(name, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
+        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+                      s.prefix_cache_queries)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+                      s.prefix_cache_hits)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+
+
+class ServerMetrics:
+    def __init__(self, engine: EngineClient, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.last = EngineStats()
+        r, labels = self.registry, ["model_name"]
+        self.registry.register(_EngineCollector(self))
+        tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "finished_reason"], registry=r)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("vllm:request_queue_time_seconds",
+                                    "Histogram of time spent in WAITING phase for request.",
+                                    labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                       labels, buckets=tokens, registry=r).labels(model_name)
+        self.generation_tokens = Histogram("vllm:request_generation_tokens",
+                                           "Number of generation tokens processed.",
+                                           labels, buckets=tokens, registry=r).labels(model_name)
+        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                          labels, buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                           16384], registry=r).labels(model_name)
+
+    def poll(self) -> EngineStats:
+        """Takes an engine snapshot (every caller must come through here: it drains iteration_tokens)."""
+        try:
+            s = self.engine.stats()
+        except Exception:  # a dead engine must not break /metrics or the log loop
+            logger.exception("engine.stats() failed")
+            return self.last
+        for n in s.iteration_tokens:
+            self.iteration_tokens.observe(n)
+        self.last = s
+        return s
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one engine request's latencies and sizes as its outputs arrive."""
+
+    __slots__ = ("m", "arrival", "first_token", "last_token", "num_tokens", "done")
+
+    def __init__(self, metrics: ServerMetrics):
+        self.m = metrics
+        self.arrival = time.monotonic()
+        self.first_token: float | None = None
+        self.last_token: float | None = None
+        self.num_tokens = 0
+        self.done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        n = sum(len(o.token_ids) for o in out.outputs)
+        now = time.monotonic()
+        if n > self.num_tokens:
+            if self.first_token is None:
+                self.first_token = now
+                self.m.ttft.observe(now - self.arrival)
+            elif self.last_token is not None:
+                self.m.itl.observe(now - self.last_token)
+            self.last_token = now
+            self.num_tokens = n
+        if out.finished:
+            self._finish(out, [o.finish_reason or "stop" for o in out.outputs])
+
+    def on_abort(self, out: RequestOutput | None, n: int) -> None:
+        if not self.done:
+            self._finish(out, ["abort"] * n)
+
+    def _finish(self, out: RequestOutput | None, reasons: list[str]) -> None:
+        self.done = True
+        self.m.e2e.observe(time.monotonic() - self.arrival)
+        for reason in reasons:
+            self.m.request_success.labels(self.m.model_name, reason).inc()
+        if out is None:
+            return
+        self.m.prompt_tokens.observe(len(out.prompt_token_ids or []))
+        self.m.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
+        rm = out.metrics
+        if rm is not None and rm.first_scheduled_time is not None and rm.arrival_time is not None:
+            self.m.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))
+
+
+class StatsLogger:
+    """Logs vLLM's periodic line; quiet while the engine stays idle."""
+
+    def __init__(self, metrics: ServerMetrics, interval: float):
+        self.metrics = metrics
+        self.interval = interval
+        self._prev = (time.monotonic(), 0, 0)
+        self._was_idle = True
+
+    def line(self) -> str | None:
+        s = self.metrics.poll()
+        now = time.monotonic()
+        t0, p0, g0 = self._prev
+        dt = max(now - t0, 1e-6)
+        prompt_tput = (s.prompt_tokens - p0) / dt
+        gen_tput = (s.generation_tokens - g0) / dt
+        self._prev = (now, s.prompt_tokens, s.generation_tokens)
+        idle = s.num_running == 0 and s.num_waiting == 0 and prompt_tput == 0 and gen_tput == 0
+        if idle and self._was_idle:
+            return None
+        self._was_idle = idle
+        hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        return (
+            f"Avg prompt throughput: {prompt_tput:.1f} tokens/s, Avg generation throughput: {gen_tput:.1f} tokens/s, "
+            f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+            f"GPU KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
+        )
+
+    async def run(self) -> None:
+        s = self.metrics.poll()
+        self._prev = (time.monotonic(), s.prompt_tokens, s.generation_tokens)
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                line = self.line()
+            except Exception:
+                logger.exception("stats logging failed")
+                continue
+            if line:
+                logger.info(line)

@@ -1,0 +1,263 @@
+"""POST /v1/chat/completions: messages -> chat template -> token ids -> n choices, streaming or not."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from aiohttp import web
+
+from server.errors import APIError, parse_model, read_json
+from server.protocol import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    random_id,
+)
+from server.serving_common import (
+    SSE,
+    STATE,
+    EngineRequest,
+    EngineRunner,
+    RequestState,
+    ServerState,
+    TokenNamer,
+    chat_logprobs,
+    encode,
+    log_ignored_fields,
+    log_request,
+    make_sampling_params,
+    prompt_logprobs_json,
+    reject_unsupported,
+    resolve_max_tokens,
+    truncate_prompt,
+    usage_of,
+)
+
+# apply_chat_template arguments a request's chat_template_kwargs may not override.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
+                             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template"}
+_TEXT_PART_TYPES = ("text", "input_text")
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file path, or the template itself (anything with braces or newlines)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in "{}\n"):
+        return value
+    raise ValueError(f"The supplied chat template ({value}) looks like a file path, but it failed to be opened.")
+
+
+def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as template input: content parts flattened to one string (text-only models)."""
+    conversation = []
+    for m in messages:
+        msg = m.model_dump(exclude_none=True)
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                ptype = part.get("type")
+                if ptype not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
+                    raise APIError(f"Content part type '{ptype}' is not supported by jaxllm (text-only models); "
+                                   "send text parts only.", param="messages")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        msg["content"] = content if content is not None else ""
+        conversation.append(msg)
+    return conversation
+
+
+def render_chat(state: ServerState, conversation: list[dict], *, chat_template: str | None,
+                add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: dict | None,
+                tools: list | None = None, documents: list | None = None) -> str:
+    if continue_final_message and add_generation_prompt:
+        raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+    tokenizer = state.engine.get_tokenizer()
+    template = chat_template or state.chat_template
+    if template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise APIError("This model's tokenizer has no chat template: start the server with --chat-template, "
+                       "or send `chat_template` in the request.", param="chat_template")
+    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
+                              "continue_final_message": continue_final_message}
+    if tools:
+        kwargs["tools"] = tools
+    if documents:
+        kwargs["documents"] = documents
+    kwargs.update({k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS})
+    try:
+        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False, **kwargs)
+    except Exception as e:  # jinja errors, raise_exception() in templates, bad continue_final_message, ...
+        raise APIError(f"Chat template error: {type(e).__name__}: {e}", param="messages") from None
+    if not isinstance(text, str):
+        raise APIError("The chat template did not render to text.")
+    return text
+
+
+def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
+    if req.tool_choice not in (None, "none") or (req.tools and req.tool_choice is None):
+        raise APIError('Tool calling is not supported by jaxllm yet; leave out tools or send tool_choice="none".',
+                       param="tool_choice")
+    if req.functions or req.function_call not in (None, "none"):
+        raise APIError("Function calling is not supported by jaxllm yet.", param="functions")
+    if req.modalities not in (None, ["text"]) or req.audio is not None:
+        raise APIError("Only text output is supported.", param="modalities")
+    if req.prediction is not None:
+        raise APIError("Predicted outputs (`prediction`) are not supported by jaxllm.", param="prediction")
+    if req.web_search_options is not None:
+        raise APIError("web_search_options is not supported by jaxllm.", param="web_search_options")
+    if req.top_logprobs is not None:
+        if req.top_logprobs < 0 and req.top_logprobs != -1:
+            raise APIError("`top_logprobs` must be a positive value.", param="top_logprobs")
+        if req.top_logprobs > 0 and not req.logprobs:
+            raise APIError("when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_model(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    log_ignored_fields(req, "/v1/chat/completions")
+    model = state.check_model(req.model)
+    reject_unsupported(req)
+    reject_unsupported_chat(req)
+
+    conversation = to_conversation(req.messages)
+    text = render_chat(state, conversation, chat_template=req.chat_template,
+                       add_generation_prompt=req.add_generation_prompt,
+                       continue_final_message=req.continue_final_message,
+                       chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, documents=req.documents)
+    tokenizer = state.engine.get_tokenizer()
+    ids = truncate_prompt(await encode(tokenizer, text, req.add_special_tokens), req.truncate_prompt_tokens,
+                          state.engine.max_model_len)
+    if not ids:
+        raise APIError("The decoder prompt cannot be empty", param="messages")
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = resolve_max_tokens(state, requested, len(ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs,
+                                  prompt_logprobs=req.prompt_logprobs)
+    request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
+    log_request(state, request_id, text, params)
+    engine_req = EngineRequest({"prompt_token_ids": ids, "prompt": text}, params, request_id, ids, text)
+
+    role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
+    echo = ""
+    if req.echo and conversation and conversation[-1].get("role") == role:
+        echo = conversation[-1].get("content") or ""
+    ctx = _Ctx(state, req, request_id, model, role, echo)
+    if req.stream:
+        return await _stream(request, ctx, engine_req)
+    async with EngineRunner(state, [engine_req], req.priority) as run:
+        await run.start()
+        (rs,) = await run.run_to_end()
+    resp = ChatCompletionResponse(id=request_id, created=ctx.created, model=model, usage=usage_of([rs]),
+                                  choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))])
+    if req.prompt_logprobs is not None and rs.last is not None:
+        resp.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
+    if req.return_token_ids:
+        resp.prompt_token_ids = list(ids)
+    return web.json_response(text=resp.to_json())
+
+
+class _Ctx:
+    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str, role: str,
+                 echo: str):
+        self.state = state
+        self.req = req
+        self.request_id = request_id
+        self.model = model
+        self.role = role
+        self.echo = echo
+        self.created = int(time.time())
+        as_ids = req.return_tokens_as_token_ids or state.return_tokens_as_token_ids
+        self.name = TokenNamer(state.engine.get_tokenizer(), bool(as_ids))
+        self.top = (req.top_logprobs or 0) if req.logprobs else 0
+
+    def _logprobs(self, c, start: int, ids: list[int]) -> ChatLogprobs | None:
+        if not self.req.logprobs:
+            return None
+        entries = ((c.output.logprobs or []) if c.output is not None else [])[start:start + len(ids)]
+        return ChatLogprobs(content=chat_logprobs(self.name, ids, entries, self.top))
+
+    def final_choice(self, rs: RequestState, j: int) -> ChatChoice:
+        c = rs.choices[j]
+        out = c.output
+        choice = ChatChoice(index=j, message=ChatResponseMessage(role=self.role, content=self.echo + c.text),
+                            logprobs=self._logprobs(c, 0, c.token_ids), finish_reason=c.finish_reason,
+                            stop_reason=out.stop_reason if out is not None else None)
+        if self.req.return_token_ids:
+            choice.token_ids = list(c.token_ids)
+        return choice
+
+    def chunk(self, choices: list[ChatStreamChoice], run: EngineRunner | None = None) -> str:
+        resp = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                            choices=choices)
+        if run is not None:
+            resp.usage = usage_of(run.states)
+        return resp.to_json()
+
+    def delta(self, rs: RequestState, j: int) -> ChatStreamChoice | None:
+        c = rs.choices[j]
+        text = c.text[c.sent_text:]
+        start = c.sent_tokens
+        ids = c.token_ids[start:]
+        c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
+        finish = None if c.finish_sent else c.finish_reason
+        c.finish_sent = c.finish_sent or finish is not None
+        if not (text or finish is not None or (ids and (self.req.logprobs or self.req.return_token_ids))):
+            return None
+        choice = ChatStreamChoice(index=j, delta=DeltaMessage(content=text), logprobs=self._logprobs(c, start, ids),
+                                  finish_reason=finish, stop_reason=c.output.stop_reason if finish else None)
+        if self.req.return_token_ids:
+            choice.token_ids = ids
+        return choice
+
+
+async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) -> web.StreamResponse:
+    req = ctx.req
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+    sse = SSE(request)
+    async with EngineRunner(ctx.state, [engine_req], req.priority) as run:
+        await run.start()  # invalid input still gets a status code
+        await sse.open()
+        usage_run = run if continuous else None
+        try:
+            try:
+                for j in range(req.n):
+                    first = ChatStreamChoice(index=j, delta=DeltaMessage(role=ctx.role, content=""), logprobs=None,
+                                             finish_reason=None)
+                    await sse.send(ctx.chunk([first], usage_run))
+                    if ctx.echo:
+                        echo = ChatStreamChoice(index=j, delta=DeltaMessage(content=ctx.echo), logprobs=None,
+                                                finish_reason=None)
+                        await sse.send(ctx.chunk([echo], usage_run))
+                async for _, rs in run.events():
+                    for j, c in enumerate(rs.choices):
+                        if c.output is None or c.finish_sent:
+                            continue
+                        choice = ctx.delta(rs, j)
+                        if choice is not None:
+                            await sse.send(ctx.chunk([choice], usage_run))
+            except APIError as e:
+                await sse.error(e)
+            else:
+                if include_usage:
+                    resp = ChatCompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                                        choices=[], usage=usage_of(run.states))
+                    await sse.send(resp.to_json())
+            await sse.done()
+        except ConnectionError:
+            pass  # the client went away mid-write: leaving the runner aborts whatever is unfinished
+    return sse.response

@@ -1,0 +1,458 @@
+"""What both generation routes share: server state, request checks, sampling params, the engine fan-in.
+
+A route turns its request into EngineRequests (prompt token ids + SamplingParams + engine request id), then
+EngineRunner adds them all to the engine and merges their cumulative RequestOutputs into one ordered event
+stream, tracking per-choice state so streaming code can compute deltas. Leaving the runner any way (done,
+error, client gone, handler cancelled) closes every engine iterator and aborts what is unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from jaxllm.engine.protocol import EngineClient, EngineDeadError
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+from server.errors import APIError, model_not_found
+from server.metrics import ServerMetrics
+from server.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob, UsageInfo
+
+logger = logging.getLogger("jaxllm.server")
+
+# Tokenize in a worker thread above this many characters so long prompts never stall the event loop.
+_THREADED_TOKENIZE_CHARS = 4096
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient
+    served_model_names: list[str]
+    model_root: str
+    metrics: ServerMetrics
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    max_body_bytes: int = 64 * 2**20
+    log_requests: bool = False
+    max_log_len: int | None = None
+    profile_dir: str | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, name: str | None) -> str:
+        """The model name to report back; an unknown name is a 404 (an absent one means the default)."""
+        if not name:
+            return self.model_name
+        if name not in self.served_model_names:
+            raise model_not_found(name)
+        return name
+
+    def default_sampling(self) -> dict[str, Any]:
+        """generation_config defaults the engine exposes (optional attribute; SamplingParams field names)."""
+        return getattr(self.engine, "default_sampling_params", None) or {}
+
+
+STATE = web.AppKey("jaxllm_state", ServerState)
+
+
+# ------------------------------------------------------------------------------------------ request checks
+
+
+def log_ignored_fields(req, route: str) -> None:
+    extra = req.model_extra or {}
+    if extra:
+        logger.warning("%s: ignoring unknown request fields %s", route, sorted(extra))
+
+
+def reject_unsupported(req) -> None:
+    """Known fields that would change the output but that jaxllm cannot honour yet: a 400, never ignored."""
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        raise APIError(f"response_format type '{rf.type}' is not supported by jaxllm yet (no structured output); "
+                       "use type 'text' or leave it out.", param="response_format")
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        if getattr(req, name) is not None:
+            raise APIError(f"Structured output (`{name}`) is not supported by jaxllm yet.", param=name)
+    if req.use_beam_search:
+        raise APIError("Beam search is not supported by jaxllm.", param="use_beam_search")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(f"best_of is not supported by jaxllm (got best_of={req.best_of}, n={req.n}); use n.",
+                       param="best_of")
+    if req.prompt_embeds is not None:
+        raise APIError("prompt_embeds is not supported by jaxllm.", param="prompt_embeds")
+    if req.logits_processors is not None:
+        raise APIError("Custom logits_processors are not supported by jaxllm.", param="logits_processors")
+    if req.stream_options is not None and not req.stream:
+        raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    if req.stream and req.prompt_logprobs is not None:
+        raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+
+def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: int) -> int:
+    """min(request's limit, room left in the context, generation_config max_new_tokens), after vLLM's checks."""
+    limit = state.engine.max_model_len
+    if prompt_len >= limit:
+        raise APIError(f"This model's maximum context length is {limit} tokens. However, your request has "
+                       f"{prompt_len} input tokens. Please reduce the length of the input messages.")
+    if requested is not None and prompt_len + requested > limit:
+        raise APIError(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
+                       f"context length is {limit} tokens and your request has {prompt_len} input tokens "
+                       f"({requested} > {limit} - {prompt_len}).", param="max_tokens")
+    candidates = [limit - prompt_len]
+    if requested is not None:
+        candidates.append(requested)
+    cap = state.default_sampling().get("max_tokens")
+    if cap:
+        candidates.append(int(cap))
+    return min(candidates)
+
+
+def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: int | None,
+                         prompt_logprobs: int | None) -> SamplingParams:
+    """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message."""
+    defaults = state.default_sampling()
+
+    def pick(name: str, fallback):
+        value = getattr(req, name)
+        return defaults.get(name, fallback) if value is None else value
+
+    logit_bias = None
+    if req.logit_bias:
+        try:
+            logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias keys must be token ids (integers as strings).", param="logit_bias") from None
+    try:
+        params = SamplingParams(
+            n=req.n,
+            temperature=pick("temperature", 1.0),
+            top_p=pick("top_p", 1.0),
+            top_k=pick("top_k", 0),
+            min_p=pick("min_p", 0.0),
+            presence_penalty=pick("presence_penalty", 0.0),
+            frequency_penalty=pick("frequency_penalty", 0.0),
+            repetition_penalty=pick("repetition_penalty", 1.0),
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+            spaces_between_special_tokens=req.spaces_between_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            logit_bias=logit_bias,
+            allowed_token_ids=req.allowed_token_ids,
+            bad_words=req.bad_words,
+        )
+        params.verify_for_model(state.engine.vocab_size, state.engine.max_logprobs)
+    except ValueError as e:
+        raise APIError(str(e)) from None
+    return params
+
+
+async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) > _THREADED_TOKENIZE_CHARS:
+        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the model's context length)."""
+    if truncate is None:
+        return ids
+    k = max_model_len if truncate == -1 else truncate
+    return ids[-k:] if k > 0 else []
+
+
+def check_token_ids(ids: list[int], vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab_size}).", param="prompt")
+
+
+# ------------------------------------------------------------------------------------------ engine fan-in
+
+
+@dataclass
+class EngineRequest:
+    prompt: Any  # what engine.generate takes
+    params: SamplingParams
+    request_id: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+
+
+@dataclass
+class ChoiceState:
+    """One choice's cumulative output, and how much of it a stream has sent."""
+
+    output: CompletionOutput | None = None
+    sent_text: int = 0
+    sent_tokens: int = 0
+    finish_sent: bool = False
+
+    @property
+    def text(self) -> str:
+        return self.output.text if self.output else ""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output.token_ids if self.output else []
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.output.finish_reason if self.output else None
+
+
+@dataclass
+class RequestState:
+    request: EngineRequest
+    choices: list[ChoiceState]
+    last: RequestOutput | None = None
+    finished: bool = False
+
+    def apply(self, out: RequestOutput) -> None:
+        self.last = out
+        for o in out.outputs:
+            self.choices[o.index].output = o
+        self.finished = self.finished or out.finished
+
+
+_DONE = object()
+
+
+class EngineRunner:
+    """Runs engine requests concurrently and merges their outputs into one stream of (request index, state).
+
+    Use as `async with EngineRunner(...) as run: await run.start(); async for i, rs in run.events(): ...`.
+    """
+
+    def __init__(self, state: ServerState, requests: list[EngineRequest], priority: int = 0):
+        self.engine = state.engine
+        self.metrics = state.metrics
+        self.priority = priority
+        self.states = [RequestState(r, [ChoiceState() for _ in range(r.params.n)]) for r in requests]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+        self._buffer: list = []
+        self._live = len(requests)
+
+    async def __aenter__(self) -> EngineRunner:
+        self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.states))]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def start(self) -> None:
+        """Waits until every request has produced its first output, so that invalid input (the engine's
+        ValueError before its first yield) is still answered with a status code, not inside a stream."""
+        waiting = set(range(len(self.states)))
+        while waiting:
+            item = await self._queue.get()
+            self._buffer.append(item)
+            i, _, exc = item
+            if exc is not None and exc is not _DONE:
+                raise to_api_error(exc)
+            waiting.discard(i)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestState]]:
+        while self._live:
+            i, out, exc = self._buffer.pop(0) if self._buffer else await self._queue.get()
+            if exc is _DONE:
+                self._live -= 1
+                continue
+            if exc is not None:
+                raise to_api_error(exc)
+            rs = self.states[i]
+            rs.apply(out)
+            yield i, rs
+
+    async def run_to_end(self) -> list[RequestState]:
+        async for _ in self.events():
+            pass
+        return self.states
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _pump(self, i: int) -> None:
+        rs = self.states[i]
+        req = rs.request
+        tracker = self.metrics.tracker()
+        gen = None
+        got_output = False
+        try:
+            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority)
+            async for out in gen:
+                got_output = True
+                tracker.on_output(out)
+                if out.finished:
+                    rs.finished = True
+                self._queue.put_nowait((i, out, None))
+            self._queue.put_nowait((i, None, _DONE))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self._queue.put_nowait((i, None, e))
+        finally:
+            if not rs.finished:
+                if got_output:
+                    tracker.on_abort(rs.last, req.params.n)
+                await _close_and_abort(self.engine, gen, req.request_id)
+
+
+async def _close_and_abort(engine: EngineClient, gen, request_id: str) -> None:
+    """Closing the iterator aborts the request (engine contract); abort() again in case it is not a generator."""
+    try:
+        aclose = getattr(gen, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    except Exception:
+        logger.exception("closing the output stream of %s failed", request_id)
+    try:
+        await engine.abort(request_id)
+    except Exception:
+        logger.exception("aborting %s failed", request_id)
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ValueError):
+        return APIError(str(exc), 400)
+    if isinstance(exc, EngineDeadError):
+        return APIError(f"The engine is dead: {exc}", 500)
+    logger.error("request failed in the engine", exc_info=exc)
+    return APIError(f"Internal error: {type(exc).__name__}: {exc}", 500)
+
+
+def usage_of(states: list[RequestState]) -> UsageInfo:
+    prompt = sum(len(rs.request.prompt_ids) for rs in states)
+    completion = sum(len(c.token_ids) for rs in states for c in rs.choices)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+# ------------------------------------------------------------------------------------------------ logprobs
+
+
+def _clamp(x: float) -> float:
+    # JSON has no -inf/NaN; OpenAI clients expect a number.
+    return -9999.0 if math.isnan(x) else max(x, -9999.0)
+
+
+def _rank_key(item: tuple[int, Logprob]):
+    r = item[1].rank
+    return (r is None, r if r is not None else 0)
+
+
+class TokenNamer:
+    """How a token id is shown in logprobs: its decoded text, or "token_id:N" (--return-tokens-as-token-ids)."""
+
+    def __init__(self, tokenizer, as_ids: bool):
+        self.tokenizer = tokenizer
+        self.as_ids = as_ids
+
+    def __call__(self, tid: int, lp: Logprob | None) -> str:
+        if self.as_ids:
+            return f"token_id:{tid}"
+        if lp is not None and lp.decoded_token is not None:
+            return lp.decoded_token
+        return self.tokenizer.decode([tid])
+
+
+def completion_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top: int,
+                        offset: int) -> tuple[CompletionLogProbs, int]:
+    """The legacy completions shape; entries[i] is None for the first prompt token. Returns the next offset."""
+    out = CompletionLogProbs()
+    for tid, entry in zip(token_ids, entries):
+        if entry is None:
+            tok = name(tid, None)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            lp = entry.get(tid)
+            tok = name(tid, lp)
+            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
+            top = {name(t, l): _clamp(l.logprob) for t, l in sorted(entry.items(), key=_rank_key)[:num_top]}
+            if lp is not None:
+                top.setdefault(tok, _clamp(lp.logprob))
+            out.top_logprobs.append(top)
+        out.tokens.append(tok)
+        out.text_offset.append(offset)
+        offset += len(tok)
+    return out, offset
+
+
+def chat_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top: int) -> list[ChatLogprobToken]:
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        entry = entry or {}
+        lp = entry.get(tid)
+        tok = name(tid, lp)
+        tops = []
+        for t, l in sorted(entry.items(), key=_rank_key)[:num_top]:
+            s = name(t, l)
+            tops.append(TopLogprob(token=s, logprob=_clamp(l.logprob), bytes=list(s.encode("utf-8", "replace"))))
+        content.append(ChatLogprobToken(token=tok, logprob=_clamp(lp.logprob) if lp is not None else -9999.0,
+                                        bytes=list(tok.encode("utf-8", "replace")), top_logprobs=tops))
+    return content
+
+
+def prompt_logprobs_json(entries) -> list | None:
+    """vLLM's prompt_logprobs field: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {t: {"logprob": _clamp(l.logprob), "rank": l.rank,
+                                        "decoded_token": l.decoded_token} for t, l in e.items()}
+            for e in entries]
+
+
+# -------------------------------------------------------------------------------------------------- SSE
+
+
+class SSE:
+    """A text/event-stream response: `data: <json>\\n\\n` events, ending with `data: [DONE]`."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+
+    async def open(self) -> None:
+        await self.response.prepare(self.request)
+
+    async def send(self, payload: str) -> None:
+        await self.response.write(b"data: " + payload.encode() + b"\n\n")
+
+    async def error(self, err: APIError) -> None:
+        import json
+
+        await self.send(json.dumps(err.body()))
+
+    async def done(self) -> None:
+        await self.response.write(b"data: [DONE]\n\n")
+        await self.response.write_eof()
+
+
+def log_request(state: ServerState, request_id: str, prompt: str | list, params: SamplingParams) -> None:
+    if not state.log_requests:
+        return
+    shown = prompt if state.max_log_len is None else prompt[: state.max_log_len]
+    logger.info("Received request %s: prompt: %r, params: %s", request_id, shown, params)

@@ -1,0 +1,206 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) x n choices, streaming or not.
+
+Choice index = prompt index * n + sample index, as OpenAI and vLLM number them.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from server.errors import APIError, parse_model, read_json
+from server.protocol import (
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    random_id,
+)
+from server.serving_common import (
+    SSE,
+    STATE,
+    EngineRequest,
+    EngineRunner,
+    RequestState,
+    ServerState,
+    TokenNamer,
+    check_token_ids,
+    completion_logprobs,
+    encode,
+    log_ignored_fields,
+    log_request,
+    make_sampling_params,
+    prompt_logprobs_json,
+    reject_unsupported,
+    resolve_max_tokens,
+    truncate_prompt,
+    usage_of,
+)
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_model(CompletionRequest, await read_json(request, state.max_body_bytes))
+    log_ignored_fields(req, "/v1/completions")
+    model = state.check_model(req.model)
+    reject_unsupported(req)
+    if req.suffix is not None:
+        raise APIError("suffix is not currently supported", param="suffix")
+    if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
+        raise APIError(f"logprobs must be non-negative, got {req.logprobs}.", param="logprobs")
+
+    request_id = f"cmpl-{req.request_id or random_id('')[1:]}"
+    echo_only = req.echo and req.max_tokens == 0  # OpenAI echoes the prompt alone when max_tokens is 0
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None and prompt_logprobs is None:
+        prompt_logprobs = req.logprobs
+    requests = []
+    for i, (text, ids) in enumerate(await _prompts(state, req)):
+        max_tokens = resolve_max_tokens(state, 1 if echo_only else req.max_tokens, len(ids))
+        params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                      prompt_logprobs=prompt_logprobs)
+        prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+        rid = f"{request_id}-{i}"
+        log_request(state, rid, text if text is not None else ids, params)
+        requests.append(EngineRequest(prompt, params, rid, ids, text))
+
+    ctx = _Ctx(state, req, request_id, model, echo_only)
+    if req.stream:
+        return await _stream(request, ctx, requests)
+    async with EngineRunner(state, requests, req.priority) as run:
+        await run.start()
+        states = await run.run_to_end()
+    choices = [ctx.piece(i, rs, j, first=True, always=True) for i, rs in enumerate(states)
+               for j in range(len(rs.choices))]
+    resp = CompletionResponse(id=request_id, created=ctx.created, model=model, choices=choices,
+                              usage=ctx.usage(states))
+    return web.json_response(text=resp.to_json())
+
+
+async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """Each prompt as (text or None, token ids), truncated if asked."""
+    p = req.prompt
+    if isinstance(p, str):
+        items = [p]
+    elif p and isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise APIError("prompt must not be an empty list.", param="prompt")
+    tokenizer = state.engine.get_tokenizer()
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = await encode(tokenizer, item, req.add_special_tokens)
+            text = item
+        else:
+            check_token_ids(item, state.engine.vocab_size)
+            ids, text = list(item), None
+        truncated = truncate_prompt(ids, req.truncate_prompt_tokens, state.engine.max_model_len)
+        if len(truncated) != len(ids):
+            ids, text = truncated, None
+        if not ids:
+            raise APIError("The decoder prompt cannot be empty", param="prompt")
+        out.append((text, ids))
+    return out
+
+
+class _Ctx:
+    """Per-request formatting: echo, logprobs, token-id fields, running text offsets per choice."""
+
+    def __init__(self, state: ServerState, req: CompletionRequest, request_id: str, model: str, echo_only: bool):
+        self.state = state
+        self.req = req
+        self.request_id = request_id
+        self.model = model
+        self.echo_only = echo_only
+        self.created = int(time.time())
+        self.tokenizer = state.engine.get_tokenizer()
+        as_ids = req.return_tokens_as_token_ids or state.return_tokens_as_token_ids
+        self.name = TokenNamer(self.tokenizer, bool(as_ids))
+        self.offsets: dict[int, int] = {}
+
+    def usage(self, states: list[RequestState]):
+        usage = usage_of(states)
+        if self.echo_only:  # the one token generated to satisfy the engine is not returned
+            usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+        return usage
+
+    def piece(self, i: int, rs: RequestState, j: int, first: bool, always: bool = False) -> CompletionChoice | None:
+        """What choice j of prompt i has not sent yet (all of it when not streaming); None if nothing."""
+        c = rs.choices[j]
+        req = self.req
+        index = i * req.n + j
+        text, ids, entries = "", [], []
+        if first and req.echo:
+            r = rs.request
+            text = r.prompt_text if r.prompt_text is not None else self.tokenizer.decode(r.prompt_ids)
+            ids = list(r.prompt_ids)
+            if req.logprobs is not None:
+                pl = rs.last.prompt_logprobs if rs.last is not None else None
+                entries = list(pl) if pl is not None else [None] * len(ids)
+        new_ids: list[int] = []
+        if not self.echo_only:
+            text += c.text[c.sent_text:]
+            new_ids = c.token_ids[c.sent_tokens:]
+            ids += new_ids
+            if req.logprobs is not None:
+                lps = (c.output.logprobs or []) if c.output is not None else []
+                entries += lps[c.sent_tokens:c.sent_tokens + len(new_ids)]
+        c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
+        finish = None if c.finish_sent else c.finish_reason
+        c.finish_sent = c.finish_sent or finish is not None
+        if not (always or text or finish is not None or (ids and (req.logprobs is not None or req.return_token_ids))):
+            return None
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs, self.offsets[index] = completion_logprobs(self.name, ids, entries, req.logprobs,
+                                                                self.offsets.get(index, 0))
+        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                  stop_reason=c.output.stop_reason if finish is not None else None)
+        if req.return_token_ids:
+            choice.token_ids = new_ids
+            if first:
+                choice.prompt_token_ids = list(rs.request.prompt_ids)
+        if req.prompt_logprobs is not None and first and rs.last is not None:
+            choice.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
+        return choice
+
+
+async def _stream(request: web.Request, ctx: _Ctx, requests: list[EngineRequest]) -> web.StreamResponse:
+    req = ctx.req
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    continuous = bool(include_usage and req.stream_options.continuous_usage_stats)
+    sse = SSE(request)
+    async with EngineRunner(ctx.state, requests, req.priority) as run:
+        await run.start()  # invalid input still gets a status code
+        await sse.open()
+        started: set[tuple[int, int]] = set()
+        try:
+            try:
+                async for i, rs in run.events():
+                    for j, c in enumerate(rs.choices):
+                        if c.output is None or c.finish_sent:
+                            continue
+                        choice = ctx.piece(i, rs, j, first=(i, j) not in started)
+                        if choice is None:
+                            continue
+                        started.add((i, j))
+                        chunk = CompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                                         choices=[choice])
+                        if continuous:
+                            chunk.usage = ctx.usage(run.states)
+                        await sse.send(chunk.to_json())
+            except APIError as e:
+                await sse.error(e)
+            else:
+                if include_usage:
+                    chunk = CompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
+                                                     choices=[], usage=ctx.usage(run.states))
+                    await sse.send(chunk.to_json())
+            await sse.done()
+        except ConnectionError:
+            pass  # the client went away mid-write: leaving the runner aborts whatever is unfinished
+    return sse.response
