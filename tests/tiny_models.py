@@ -127,3 +127,34 @@ def alibi_reference_logits(model, token_ids: list[int]) -> np.ndarray:
         x = x + ((g / (1 + np.exp(-g))) * u) @ sd[p + "mlp.down_proj.weight"].T
     x = norm(x, sd["model.norm.weight"])
     return x @ sd["lm_head.weight"].T
+
+
+_TEXT = """In the beginning was the engine, and the engine was paged. Blocks were counted and hashed,
+and every request that came was given its pages, and when it finished they returned. The scheduler saw
+the waiting and the running, and it chose by the budget of tokens. Then the sampler drew from the logits,
+greedy or with a seed, and the detokenizer spoke the words aloud, one delta at a time."""
+
+
+def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128) -> None:
+    """A small BPE tokenizer (ids < vocab_size) with bos/eos and a chat template, saved in HF layout."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  initial_alphabet=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!? "))
+    tok.train_from_iterator([_TEXT] * 4, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.save_pretrained(out_dir)
+
+
+def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0):
+    """A complete tiny model directory (weights, config, tokenizer); returns (dir, HF model)."""
+    model = make_hf_model(arch, seed=seed)
+    save_checkpoint(model, arch, out_dir)
+    save_tiny_tokenizer(out_dir, model.config.vocab_size)
+    return out_dir, model

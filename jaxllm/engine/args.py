@@ -1,0 +1,59 @@
+"""EngineArgs: every engine option, with vLLM's names and defaults (LLM(**kw) and serve flags map here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = None  # None: the built-in demo model
+    tokenizer: str | None = None
+    trust_remote_code: bool = False  # accepted; jaxllm never runs checkpoint code
+    dtype: str = "auto"
+    quantization: str | None = None
+    seed: int = 0
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_dtype: str = "auto"
+    load_format: str = "auto"
+    generation_config: str = "auto"
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    enforce_eager: bool = False
+    max_logprobs: int = 20
+    # jaxllm-specific: explicit KV size (tests, CPU), attention backend, compile cache.
+    num_gpu_blocks_override: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    attention_backend: str = "auto"  # auto | reference | pallas
+    compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
+    served_model_name: str | None = None
+    server_mode: bool = False  # vLLM's defaults differ between offline and server
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"Unexpected engine arguments: {', '.join(unknown)}.")
+        return cls(**kwargs)
+
+    def validate(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
+        if self.quantization is not None:
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet (only unquantized weights).")
+        if self.attention_backend not in ("auto", "reference", "pallas"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")

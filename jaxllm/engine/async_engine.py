@@ -1,0 +1,161 @@
+"""AsyncLLM: the engine behind an asyncio front end (EngineClient in jaxllm/engine/protocol.py).
+
+The LLMEngine runs in one background thread, so device steps and host bookkeeping never block the event
+loop. Front ends talk to it through a command queue (add, abort); outputs come back to each request's
+asyncio.Queue through loop.call_soon_threadsafe. If a step raises, the engine is dead: every open request
+gets EngineDeadError and /health reports it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from typing import AsyncIterator
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.model_name = engine.model_name or "demo"
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
+        self.max_logprobs = engine.max_logprobs
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._dead: BaseException | None = None
+        self._stopped = False
+        self._profiling = False
+        self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, **kwargs) -> AsyncLLM:
+        kwargs.setdefault("server_mode", True)
+        return cls(LLMEngine(EngineArgs.from_kwargs(**kwargs)))
+
+    # ---- EngineClient ----
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        return self.engine.default_sampling_params()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self._dead is None
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise EngineDeadError(f"The engine died: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added))
+        await added  # raises the engine's ValueError for bad input
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def start_profile(self, log_dir: str) -> None:
+        import jax
+
+        if self._profiling:
+            raise RuntimeError("A profile is already running.")
+        jax.profiler.start_trace(log_dir)
+        self._profiling = True
+
+    def stop_profile(self) -> None:
+        import jax
+
+        if not self._profiling:
+            raise RuntimeError("No profile is running.")
+        jax.profiler.stop_trace()
+        self._profiling = False
+
+    async def shutdown(self) -> None:
+        self._stopped = True
+        self._commands.put(("wake",))
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+
+    # ---- engine thread ----
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopped:
+                block = not engine.has_unfinished_requests()
+                self._drain(block)
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(out.request_id, out, out.finished)
+        except BaseException as e:  # noqa: BLE001 - the engine is dead; tell everyone
+            logger.exception("Engine loop died")
+            self._dead = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"The engine died: {e!r}"), True)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if cmd[0] == "add":
+                _, request_id, prompt, params, priority, loop, stream, added = cmd
+                try:
+                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                except Exception as e:  # noqa: BLE001 - bad input fails this request only
+                    loop.call_soon_threadsafe(_set_exception, added, e)
+                    continue
+                self._streams[request_id] = (loop, stream)
+                loop.call_soon_threadsafe(_set_result, added)
+            elif cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+                self._streams.pop(cmd[1], None)
+
+    def _deliver(self, request_id: str, item, last: bool) -> None:
+        entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
+        if entry is not None:
+            loop, stream = entry
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+
+def _set_result(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)

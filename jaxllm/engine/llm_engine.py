@@ -1,0 +1,340 @@
+"""LLMEngine: requests in, RequestOutputs out, one step() at a time (synchronous core of LLM and AsyncLLM).
+
+step() keeps one device step in flight: it schedules and dispatches step N+1 before it waits for step N's
+tokens, so host work (scheduling, input preparation, detokenization) overlaps the device. Requests whose
+sampling needs exact token history on the host (penalties, min_tokens, bad_words) turn this off for the steps
+they run in, so their inputs are never one token stale.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import time
+from dataclasses import dataclass, field
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.configs import CacheConfig, SchedulerConfig
+from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxllm.engine.protocol import EngineStats, PromptType
+from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.sequence import Sequence, SequenceStatus
+from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _SeqState:
+    seq: Sequence
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopChecker
+    text: str = ""
+    logprobs: list | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[_SeqState]
+    metrics: RequestMetrics
+    prompt_logprobs: list | None = None
+    finished: bool = False
+    num_new: int = field(default=0)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from jaxllm.engine.setup import build_engine_parts
+
+        parts = build_engine_parts(args)
+        self.args = args
+        self.model_config: ModelConfig = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.runner: ModelRunner = parts.runner
+        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
+        self.max_model_len = parts.scheduler_config.max_model_len
+        self.vocab_size = self.model_config.vocab_size
+        self.max_logprobs = args.max_logprobs
+        self.eos_token_ids: set[int] = parts.eos_token_ids
+        self.generation_defaults: dict = parts.generation_defaults
+        self.model_name = args.model
+        self._requests: dict[str, _Request] = {}
+        self._seq_to_req: dict[str, str] = {}
+        self._inflight: StepHandle | None = None
+        self._rng = random.Random(args.seed)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self._iteration_tokens: list[int] = []
+
+    # ---- requests ----
+    def default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self.generation_defaults)
+
+    def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"Request id {request_id!r} is already in use.")
+        params = (params or self.default_sampling_params()).clone()
+        text, ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(ids)
+        params.verify_for_model(self.vocab_size, self.max_logprobs)
+        if not params.ignore_eos:
+            params.all_stop_token_ids |= self.eos_token_ids
+        max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        metrics = RequestMetrics(arrival_time=arrival_time or time.time())
+        req = _Request(request_id, text, ids, params, [], metrics)
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
+            seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
+                           skip_prefix_cache_read=params.prompt_logprobs is not None, sampling_params=params)
+            seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
+            seq.bias_row = dict(params.logit_bias or {})
+            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
+                                           params.spaces_between_special_tokens)
+            state = _SeqState(seq, i, detok, StopChecker(params.stop, params.include_stop_str_in_output),
+                              logprobs=[] if params.logprobs is not None else None)
+            req.seqs.append(state)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        self._requests[request_id] = req
+        for state in req.seqs:
+            self._update_bias(state)
+            self._seq_to_req[state.seq.seq_id] = request_id
+            self.scheduler.add(state.seq)
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("The decoder prompt cannot be empty.")
+        if len(ids) > self.max_model_len:
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of "
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
+
+    def abort_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        for state in req.seqs:
+            self.scheduler.abort(state.seq.seq_id)
+            self._seq_to_req.pop(state.seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or self._inflight is not None
+
+    # ---- one step ----
+    def step(self) -> list[RequestOutput]:
+        """Dispatches the next step and returns the outputs of the previous one (see the module docstring)."""
+        prev = self._inflight
+        if prev is not None and self._needs_sync():
+            self._inflight = None
+            outputs = self._process(prev, self.runner.collect(prev))
+            prev = None
+        else:
+            outputs = []
+        sched = self.scheduler.schedule()
+        self._inflight = self.runner.execute(sched) if not sched.is_empty else None
+        if self._inflight is not None:
+            now = time.time()
+            for s in sched.scheduled:
+                req = self._requests.get(self._seq_to_req.get(s.seq.seq_id, ""))
+                if req is not None and req.metrics.first_scheduled_time is None:
+                    req.metrics.first_scheduled_time = now
+            self._iteration_tokens.append(sched.num_batched_tokens)
+        if prev is not None:
+            outputs += self._process(prev, self.runner.collect(prev))
+        if not outputs and self._inflight is None and self._requests:
+            # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
+            outputs = self._finish_stalled()
+        return outputs
+
+    def _needs_sync(self) -> bool:
+        for seq in self.scheduler.running:
+            sp = seq.sampling_params
+            if sp is not None and (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
+                                   or sp.min_tokens or sp.bad_words):
+                return True
+        return False
+
+    def _finish_stalled(self) -> list[RequestOutput]:
+        outputs = []
+        for req in list(self._requests.values()):
+            for state in req.seqs:
+                if state.finish_reason is None and not self._sched_wants(state.seq):
+                    self._finish(state, "length", None)
+            out = self._make_output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _sched_wants(self, seq: Sequence) -> bool:
+        return self.scheduler._wants_tokens(seq)
+
+    def _process(self, handle: StepHandle, result: StepResult) -> list[RequestOutput]:
+        sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        appended = self.scheduler.update(handle.sched, sampled)
+        touched: dict[str, _Request] = {}
+        if result.prompt is not None:
+            self._collect_prompt_logprobs(handle, result, touched)
+        now = time.time()
+        for seq in appended:
+            req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
+            if req is None:
+                continue
+            state = next(s for s in req.seqs if s.seq is seq)
+            row = handle.rows[seq.seq_id]
+            token = seq.output_token_ids[-1]
+            self.generation_tokens_total += 1
+            if req.metrics.first_token_time is None:
+                req.metrics.first_token_time = now
+                self.prompt_tokens_total += len(req.prompt_token_ids)
+            req.metrics.last_token_time = now
+            lp = float(result.logprobs[row])
+            state.cumulative_logprob += lp
+            if state.logprobs is not None:
+                state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
+                                                         result.top_ids[row], result.top_logprobs[row],
+                                                         req.params.logprobs))
+            self._append_token(req, state, token)
+            self._update_bias(state)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            out = self._make_output(req)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _append_token(self, req: _Request, state: _SeqState, token: int) -> None:
+        p, seq = req.params, state.seq
+        n_out = seq.num_output_tokens
+        if token in p.all_stop_token_ids and n_out >= p.min_tokens:
+            # The stop token itself is not detokenized (vLLM); EOS reports stop_reason None.
+            state.text += state.detok.flush() if p.detokenize else ""
+            eos_only = token in self.eos_token_ids and token not in p.stop_token_ids
+            self._finish(state, "stop", None if eos_only else token)
+            return
+        delta = state.detok.append(token) if p.detokenize else ""
+        state.text += delta
+        if delta and state.stops.stop and n_out >= p.min_tokens:
+            match = state.stops.check(state.text, len(delta))
+            if match is not None:
+                state.text = state.text[: match.text_end]
+                self._finish(state, "stop", match.stop)
+                return
+        if n_out >= (seq.max_tokens or 1 << 62) or seq.num_tokens >= self.max_model_len:
+            state.text += state.detok.flush() if p.detokenize else ""
+            self._finish(state, "length", None)
+
+    def _finish(self, state: _SeqState, reason: str, stop_reason) -> None:
+        state.finish_reason, state.stop_reason = reason, stop_reason
+        status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
+        self.scheduler.finish(state.seq.seq_id, status)
+
+    def _update_bias(self, state: _SeqState) -> None:
+        """Host-side logit biases for the next token: min_tokens suppresses stop tokens, bad_words bans the
+        token that would complete a bad word."""
+        p, seq = state.seq.sampling_params, state.seq
+        row = dict(p.logit_bias or {})
+        if seq.num_output_tokens < p.min_tokens:
+            for t in p.all_stop_token_ids:
+                row[t] = float("-inf")
+        for word_ids in self._bad_word_ids(p):
+            prefix = word_ids[:-1]
+            if not prefix or seq.output_token_ids[-len(prefix):] == prefix:
+                row[word_ids[-1]] = float("-inf")
+        seq.bias_row = row
+
+    def _bad_word_ids(self, p: SamplingParams) -> list[list[int]]:
+        if not p.bad_words:
+            return []
+        cached = getattr(p, "_bad_word_ids", None)
+        if cached is None:
+            cached = []
+            for word in p.bad_words:
+                for variant in (word, " " + word.lstrip()):
+                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in cached:
+                        cached.append(ids)
+            p._bad_word_ids = cached
+        return cached
+
+    def _logprob_dict(self, token, lp, rank, top_ids, top_lps, k) -> dict[int, Logprob]:
+        d = {token: Logprob(lp, rank, self.tokenizer.decode([token]))}
+        for tid, tlp, r in zip(top_ids[:k], top_lps[:k], range(1, k + 1)):
+            tid = int(tid)
+            if tid not in d:
+                d[tid] = Logprob(float(tlp), r, self.tokenizer.decode([tid]))
+        return d
+
+    def _collect_prompt_logprobs(self, handle: StepHandle, result: StepResult, touched) -> None:
+        t_lp, t_rank, top_ids, top_lps = result.prompt
+        for seq_id, (lo, n) in handle.prompt_rows.items():
+            req = self._requests.get(self._seq_to_req.get(seq_id, ""))
+            if req is None or req.prompt_logprobs is None or req.seqs[0].seq.seq_id != seq_id:
+                continue
+            k = req.params.prompt_logprobs
+            for j in range(n):
+                if len(req.prompt_logprobs) >= len(req.prompt_token_ids):
+                    break
+                target = req.prompt_token_ids[len(req.prompt_logprobs)]
+                req.prompt_logprobs.append(self._logprob_dict(
+                    target, float(t_lp[lo + j]), int(t_rank[lo + j]), top_ids[lo + j], top_lps[lo + j], k))
+
+    def _make_output(self, req: _Request) -> RequestOutput | None:
+        finished = all(s.finish_reason is not None for s in req.seqs)
+        outs = []
+        for s in req.seqs:
+            done = s.finish_reason is not None
+            text = s.text if done else s.stops.visible_text(s.text, False)
+            outs.append(CompletionOutput(s.index, text, list(s.seq.output_token_ids[: self._n_visible(s)]),
+                                         s.cumulative_logprob if s.logprobs is not None else None,
+                                         s.logprobs, s.finish_reason, s.stop_reason))
+        if finished:
+            req.finished = True
+            req.metrics.finished_time = time.time()
+            del self._requests[req.request_id]
+            for s in req.seqs:
+                self._seq_to_req.pop(s.seq.seq_id, None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
+                             finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
+
+    @staticmethod
+    def _n_visible(s: _SeqState) -> int:
+        return len(s.seq.output_token_ids)
+
+    # ---- stats ----
+    def stats(self) -> EngineStats:
+        st = self.scheduler.stats()
+        it, self._iteration_tokens = self._iteration_tokens, []
+        return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
+                           st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
+                           self.generation_tokens_total, it)

@@ -1,0 +1,280 @@
+"""ModelRunner: SchedulerOutput -> StepInputs (padded numpy) -> one compiled step on the device.
+
+Shapes are bucketed (T tokens, B sequences; the block table always has max_model_len / S columns) and each
+(bucket, sampler flags) variant is compiled once, ahead of time for the default flags. The KV cache is
+donated to every step. A step returns immediately (JAX dispatches asynchronously); the engine collects its
+results later, so the host prepares step N+1 while the device runs step N. Tokens a step samples stay on
+the device too: the next step reads them from `prev_tokens` for sequences whose input is still pending.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.inputs import SeqChunk, build_step_inputs, bucket
+from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, sample
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata
+from jaxllm.models.decoder import compute_logits, forward
+from jaxllm.sharding import named_sharding
+
+logger = logging.getLogger(__name__)
+
+KV_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
+PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to point at
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    num_tokens: int  # T bucket
+    num_seqs: int  # B bucket
+    decode_only: bool
+    flags: SamplerFlags
+    prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
+    sampler_widths: tuple = (1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows
+
+
+@dataclass
+class StepHandle:
+    """A dispatched step: device results plus what is needed to read them."""
+
+    sched: SchedulerOutput
+    rows: dict[str, int]  # seq_id -> row of the sampled outputs (sample=True chunks only)
+    outputs: tuple  # device arrays
+    prompt_rows: dict[str, tuple[int, int]]  # seq_id -> (first token index, count) when prompt logprobs
+    num_logprobs: int
+
+
+@dataclass
+class StepResult:
+    tokens: np.ndarray  # [B]
+    logprobs: np.ndarray  # [B]
+    ranks: np.ndarray  # [B]
+    top_ids: np.ndarray  # [B, k]
+    top_logprobs: np.ndarray  # [B, k]
+    prompt: tuple | None  # (target logprobs [T], ranks [T], top ids [T, k], top logprobs [T, k])
+
+
+def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
+             *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+    # Inputs that are still on the device: the previous step's sampled token of that sequence.
+    token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
+    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    logits = compute_logits(params, hidden[logits_indices], cfg)
+    tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
+    next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    prompt = None
+    if prompt_k:
+        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
+        tgt = jnp.maximum(prompt_targets, 0)
+        t_lp = jnp.take_along_axis(all_lp, tgt[:, None], axis=-1)[:, 0]
+        t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
+        p_lp, p_ids = jax.lax.top_k(all_lp, prompt_k)
+        prompt = (t_lp, t_rank, p_ids.astype(jnp.int32), p_lp)
+    return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp), prompt
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
+                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
+                 max_logprobs: int = 20):
+        self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_logprobs = max_logprobs
+        self.max_pages = -(-max_model_len // block_size)
+        self.seq_buckets = pow2_buckets(min(8, max_num_seqs), max_num_seqs)
+        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
+        self.kv_dtype = jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype)
+        self.kv_caches = self._allocate_kv()
+        self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
+        self._prev_rows: dict[str, int] = {}
+        self._jit = jax.jit(_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"), donate_argnums=(1,))
+        self._compiled: dict[StepVariant, object] = {}
+        self.warmed_up = False
+        self.eager = False
+        self.num_compiles_after_warmup = 0
+
+    # ---- memory ----
+    def _allocate_kv(self):
+        K, H, S = self.cfg.num_kv_heads, self.cfg.head_dim, self.block_size
+        sharding = named_sharding(self.mesh, ("kv_heads", "pages", "page_slots", "head_dim"))
+        make = jax.jit(lambda: jnp.zeros((K, self.num_blocks, S, H), self.kv_dtype), out_shardings=sharding)
+        return [(make(), make()) for _ in range(self.cfg.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto") -> int:
+        dtype = jnp.dtype(KV_DTYPES.get(kv_cache_dtype) or cfg.dtype)
+        return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.itemsize
+
+    # ---- compilation ----
+    def variants(self) -> list[StepVariant]:
+        """The shape buckets compiled at start-up (default sampler flags)."""
+        out = []
+        for b in self.seq_buckets:
+            out.append(StepVariant(b, b, True, SamplerFlags(), 0))
+            for t in self.token_buckets:
+                if t >= b:
+                    out.append(StepVariant(t, b, False, SamplerFlags(), 0))
+        return out
+
+    def _abstract_args(self, v: StepVariant):
+        T, B = v.num_tokens, v.num_seqs
+        i32, f32 = jnp.int32, jnp.float32
+        sds = jax.ShapeDtypeStruct
+        meta = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((B,), i32), sds((B + 1,), i32),
+                                 sds((B, self.max_pages), i32), v.decode_only)
+        return meta
+
+    def _executable(self, v: StepVariant, args):
+        exe = self._compiled.get(v)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags,
+                                  prompt_k=v.prompt_logprobs).compile()
+            self._compiled[v] = exe
+            msg = "Compiled step %s in %.1f s"
+            if self.warmed_up and not self.eager:
+                default = v.flags == SamplerFlags() and not v.prompt_logprobs
+                self.num_compiles_after_warmup += 1
+                (logger.error if default else logger.warning)(msg + " after warm-up", v, time.perf_counter() - t0)
+            else:
+                logger.debug(msg, v, time.perf_counter() - t0)
+        return exe
+
+    def warm_up(self, enforce_eager: bool = False) -> None:
+        """Compiles every shape bucket now, so serving never stalls on the compiler (enforce_eager: skip)."""
+        self.eager = enforce_eager
+        if not enforce_eager:
+            t0 = time.perf_counter()
+            for v in self.variants():
+                self._executable(v, self._dummy_args(v))
+            logger.info("Compiled %d step variants in %.1f s", len(self._compiled), time.perf_counter() - t0)
+        self.warmed_up = True
+
+    def _dummy_args(self, v: StepVariant):
+        T, B = v.num_tokens, v.num_seqs
+        z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
+        meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
+                                 v.decode_only)
+        smd = self._sampling_arrays([None] * B, [], v.flags)
+        return (self.params, self.kv_caches, z(T), np.full(T, -1, np.int32), self.prev_tokens, meta, z(B), smd,
+                np.full(T, -1, np.int32))
+
+    # ---- one step ----
+    def execute(self, sched: SchedulerOutput) -> StepHandle:
+        chunks, src, sample_rows, prompt_rows, params = [], [], {}, {}, []
+        n_tok = 0
+        for s in sched.scheduled:
+            seq = s.seq
+            ids = s.token_ids if not s.from_device else [0]
+            chunks.append(SeqChunk(ids, s.start, seq.block_table))
+            src.extend([self._prev_rows[seq.seq_id]] if s.from_device else [-1] * s.num_tokens)
+            sp = seq.sampling_params
+            if s.sample:
+                sample_rows[seq.seq_id] = len(chunks) - 1
+            if sp is not None and sp.prompt_logprobs is not None and s.start < seq.num_prompt_tokens:
+                prompt_rows[seq.seq_id] = (n_tok, s.num_tokens)
+            params.append(seq)
+            n_tok += s.num_tokens
+        decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
+        B = bucket(len(chunks), self.seq_buckets)
+        T = B if decode_only else bucket(max(n_tok, B), self.token_buckets)
+        inp = build_step_inputs(chunks, self.block_size, T, B, self.max_pages, PAD_PAGE)
+        src_rows = np.full(T, -1, np.int32)
+        src_rows[:n_tok] = src
+        flags = self._flags(params)
+        prompt_k = self.max_logprobs if prompt_rows else 0
+        prompt_targets = np.full(T, -1, np.int32)
+        for seq_id, (lo, n) in prompt_rows.items():
+            seq = next(p for p in params if p.seq_id == seq_id)
+            start = next(s.start for s in sched.scheduled if s.seq is seq)
+            for j in range(n):
+                pos = start + j + 1
+                if pos < seq.num_prompt_tokens:
+                    prompt_targets[lo + j] = seq.prompt_token_ids[pos]
+        seqs_padded = [seq if s.sample else None for seq, s in zip(params, sched.scheduled)]
+        smd = self._sampling_arrays(seqs_padded + [None] * (B - len(params)), [], flags)
+        meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
+                                 inp.block_tables, decode_only)
+        widths = tuple(a.shape[1] for a in (smd.penalty_tokens, smd.penalty_is_output, smd.bias_ids,
+                                            smd.bias_values, smd.allowed_ids))
+        v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
+        args = (self.params, self.kv_caches, inp.token_ids, src_rows, self.prev_tokens, meta,
+                inp.logits_indices, smd, prompt_targets)
+        exe = self._executable(v, args)
+        self.kv_caches, self.prev_tokens, outputs, prompt = exe(*args)
+        self._prev_rows = dict(sample_rows)
+        return StepHandle(sched, sample_rows, (outputs, prompt), prompt_rows, flags.num_logprobs)
+
+    def collect(self, handle: StepHandle) -> StepResult:
+        outputs, prompt = jax.device_get(handle.outputs)
+        return StepResult(*outputs, prompt)
+
+    # ---- sampling inputs ----
+    def _flags(self, seqs) -> SamplerFlags:
+        filtering = penalties = bias = False
+        k = 0
+        for seq in seqs:
+            sp = seq.sampling_params
+            if sp is None:
+                continue
+            filtering |= sp.top_p < 1.0 or sp.top_k > 0
+            penalties |= sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+            bias |= bool(getattr(seq, "bias_row", None) or sp.allowed_token_ids)
+            if sp.logprobs is not None:
+                k = self.max_logprobs
+        return SamplerFlags(filtering, penalties, bias, k)
+
+    def _sampling_arrays(self, seqs, _unused, flags: SamplerFlags) -> SamplingMetadata:
+        B = len(seqs)
+        temp = np.zeros(B, np.float32)
+        top_p = np.ones(B, np.float32)
+        top_k = np.zeros(B, np.int32)
+        min_p = np.zeros(B, np.float32)
+        pres, freq, rep = np.zeros(B, np.float32), np.zeros(B, np.float32), np.ones(B, np.float32)
+        seeds = np.zeros(B, np.uint32)
+        steps = np.zeros(B, np.int32)
+        pen_rows, pen_out, bias_ids, bias_vals, allowed = [], [], [], [], []
+        for i, seq in enumerate(seqs):
+            sp = None if seq is None else seq.sampling_params
+            if sp is None:
+                pen_rows.append([]), pen_out.append([]), bias_ids.append([]), bias_vals.append([])
+                allowed.append([])
+                continue
+            temp[i], top_p[i], top_k[i], min_p[i] = sp.temperature, sp.top_p, sp.top_k, sp.min_p
+            pres[i], freq[i], rep[i] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+            seeds[i] = np.uint32(seq.rng_seed & 0xFFFFFFFF)
+            steps[i] = seq.num_output_tokens + seq.num_pending - 1
+            if flags.penalties:
+                pen_rows.append(seq.all_token_ids)
+                pen_out.append([False] * seq.num_prompt_tokens + [True] * seq.num_output_tokens)
+            else:
+                pen_rows.append([]), pen_out.append([])
+            row = getattr(seq, "bias_row", None) or {}
+            bias_ids.append(list(row.keys()))
+            bias_vals.append(list(row.values()))
+            allowed.append(list(sp.allowed_token_ids or []))
+        return SamplingMetadata(
+            temp, top_p, top_k, min_p, pres, freq, rep, seeds, steps,
+            pad_rows(pen_rows, 1, -1, np.int32), pad_rows(pen_out, 1, False, bool),
+            pad_rows(bias_ids, 1, -1, np.int32), pad_rows(bias_vals, 1, 0.0, np.float32),
+            pad_rows(allowed, 1, -1, np.int32))

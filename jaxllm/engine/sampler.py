@@ -1,0 +1,121 @@
+"""On-device sampling: a pure function of the logits and per-request arrays.
+
+Greedy requests are temperature 0 inside the same compiled function, so a mixed batch never recompiles.
+Static switches (SamplerFlags) only turn on work a batch needs: sorting for top-p/top-k, penalties, sparse
+logit biases, top-logprobs. Randomness is per request: the key for a request's i-th output token is
+fold_in(key(seed), i), so seeded outputs do not depend on the batch they run in.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplerFlags:
+    filtering: bool = False  # any top_p < 1 or top_k > 0 (needs a sort over the vocabulary)
+    penalties: bool = False  # any presence/frequency/repetition penalty
+    bias: bool = False  # any sparse logit bias (logit_bias, min_tokens, bad_words, allowed_token_ids)
+    num_logprobs: int = 0  # top-k logprobs to return (0: only the sampled token's)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
+                 "seeds", "steps", "penalty_tokens", "penalty_is_output", "bias_ids", "bias_values",
+                 "allowed_ids"],
+    meta_fields=[],
+)
+@dataclass(frozen=True)
+class SamplingMetadata:
+    temperature: jax.Array  # [B] f32, 0 = greedy
+    top_p: jax.Array  # [B] f32
+    top_k: jax.Array  # [B] int32, 0 = off
+    min_p: jax.Array  # [B] f32
+    presence: jax.Array  # [B] f32
+    frequency: jax.Array  # [B] f32
+    repetition: jax.Array  # [B] f32
+    seeds: jax.Array  # [B] uint32
+    steps: jax.Array  # [B] int32 index of the token being sampled in the request's output
+    penalty_tokens: jax.Array  # [B, Lp] int32 prompt + output ids, -1 padding ([B, 1] when unused)
+    penalty_is_output: jax.Array  # [B, Lp] bool
+    bias_ids: jax.Array  # [B, Lb] int32, -1 padding
+    bias_values: jax.Array  # [B, Lb] f32
+    allowed_ids: jax.Array  # [B, La] int32, -1 padding; all -1 = everything allowed
+
+
+def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
+    """logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32 of the sampled tokens under the raw
+    model distribution, ranks [B] int32, top_ids [B, k], top_logprobs [B, k])."""
+    B, V = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    x = logits
+    if flags.penalties:
+        x = _apply_penalties(x, md)
+    if flags.bias:
+        rows = jnp.arange(B)[:, None]
+        x = x.at[rows, jnp.where(md.bias_ids < 0, V, md.bias_ids)].add(md.bias_values, mode="drop")
+        allowed = jnp.zeros((B, V), bool).at[rows, jnp.where(md.allowed_ids < 0, V, md.allowed_ids)].set(
+            True, mode="drop")
+        any_allowed = (md.allowed_ids >= 0).any(-1, keepdims=True)
+        x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+    temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+    y = x / temp
+    if flags.filtering:
+        y = _top_k_top_p(y, md.top_k, md.top_p)
+    probs = jax.nn.softmax(y, axis=-1)
+    y = jnp.where(probs < md.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, y)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
+    random_tokens = jnp.argmax(y + gumbel, axis=-1).astype(jnp.int32)
+    tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
+
+    token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
+    ranks = (raw_logprobs > token_lp[:, None]).sum(-1).astype(jnp.int32) + 1
+    k = max(flags.num_logprobs, 1)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, k)
+    return tokens, token_lp, ranks, top_ids.astype(jnp.int32), top_lp
+
+
+def _apply_penalties(x, md: SamplingMetadata):
+    B, V = x.shape
+    rows = jnp.arange(B)[:, None]
+    ids = jnp.where(md.penalty_tokens < 0, V, md.penalty_tokens)
+    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, ids].add(md.penalty_is_output.astype(jnp.float32),
+                                                                  mode="drop")
+    seen = jnp.zeros((B, V), bool).at[rows, ids].set(True, mode="drop")
+    rep = md.repetition[:, None]
+    x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)  # HF/vLLM: prompt and output tokens
+    x = x - md.frequency[:, None] * out_counts - md.presence[:, None] * (out_counts > 0)
+    return x
+
+
+def _top_k_top_p(y, top_k, top_p):
+    V = y.shape[-1]
+    sorted_y = jnp.sort(y, axis=-1)[:, ::-1]  # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+    kth = jnp.take_along_axis(sorted_y, (k - 1)[:, None], axis=-1)
+    sorted_y = jnp.where(jnp.arange(V)[None, :] < k[:, None], sorted_y, -jnp.inf)
+    probs = jax.nn.softmax(sorted_y, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
+    keep = before < top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep, sorted_y, jnp.inf), axis=-1, keepdims=True)
+    threshold = jnp.maximum(cutoff, kth)
+    return jnp.where(y < threshold, -jnp.inf, y)
+
+
+def pad_rows(rows: list[list], width_bucket: int, fill, dtype) -> np.ndarray:
+    """[len(rows), width] array of ragged rows (width = smallest power of 2 >= longest, >= width_bucket)."""
+    width = max([len(r) for r in rows] + [1])
+    width = max(width_bucket, 1 << (width - 1).bit_length())
+    out = np.full((len(rows), width), fill, dtype)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out

@@ -1,0 +1,176 @@
+"""From EngineArgs to a ready engine: config, weights, KV-cache sizing, runner, tokenizer, generation config."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.configs import CacheConfig, SchedulerConfig
+
+logger = logging.getLogger("jaxllm")
+
+_CPU_KV_BYTES = 1 << 30  # default KV budget where the device reports no memory (CPU)
+
+
+@dataclass
+class EngineParts:
+    model_config: ModelConfig
+    scheduler_config: SchedulerConfig
+    cache_config: CacheConfig
+    runner: object
+    tokenizer: object
+    eos_token_ids: set[int]
+    generation_defaults: dict
+    mesh: object
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        from jaxllm.demo import demo_model_path
+
+        return demo_model_path()
+    return os.path.expanduser(model)
+
+
+def _is_gpu() -> bool:
+    import jax
+
+    return jax.default_backend() == "gpu"
+
+
+def default_limits(args: EngineArgs, gpu: bool) -> tuple[int, int]:
+    """vLLM's defaults on a big GPU; small ones on CPU, where every shape bucket costs compile time."""
+    if gpu:
+        seqs = args.max_num_seqs or 1024
+        tokens = args.max_num_batched_tokens or (8192 if args.server_mode else 16384)
+    else:
+        seqs = args.max_num_seqs or 16
+        tokens = args.max_num_batched_tokens or 512
+    return seqs, max(tokens, seqs)
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    args.validate()
+    import jax
+
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    from transformers import AutoTokenizer
+
+    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+
+    path = resolve_model_path(args.model)
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
+    cfg = ModelConfig.from_hf(hf, dtype=args.dtype)
+    derived = cfg.max_position_embeddings
+    max_model_len = args.max_model_len or derived
+    if max_model_len > derived:
+        raise ValueError(
+            f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
+            f"(max_position_embeddings={derived} in model's config.json).")
+    gpu = _is_gpu()
+    max_num_seqs, max_num_batched_tokens = default_limits(args, gpu)
+    if not args.enable_chunked_prefill:
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    backend = args.attention_backend
+    if backend == "auto":
+        backend = "pallas" if gpu else "reference"
+
+    mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    t0 = time.perf_counter()
+    params = load_params(path, cfg, mesh, load_format=args.load_format, seed=args.seed)
+    jax.block_until_ready(params)
+    logger.info("Loaded %s weights (%s) in %.1f s", path, args.load_format, time.perf_counter() - t0)
+
+    per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype)
+    num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
+    needed = -(-max_model_len // args.block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"The KV cache fits {num_blocks - 1} blocks of {args.block_size} tokens "
+            f"({(num_blocks - 1) * args.block_size} tokens), fewer than one sequence of max_model_len="
+            f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
+            f"num_gpu_blocks_override), or decrease max_model_len.")
+    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=args.enable_prefix_caching)
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+    tokens = (num_blocks - 1) * args.block_size
+    logger.info("KV cache size: %d tokens", tokens)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
+    runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
+                         kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
+                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, max_logprobs=max(args.max_logprobs, 1))
+    t0 = time.perf_counter()
+    runner.warm_up(enforce_eager=args.enforce_eager)
+    if not args.enforce_eager:
+        logger.info("Compiled all shape buckets in %.1f s", time.perf_counter() - t0)
+
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or path)
+    eos, defaults = _generation_config(args.generation_config, path, cfg, tokenizer)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh)
+
+
+def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
+    if args.num_gpu_blocks_override:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes:
+        return max(args.kv_cache_memory_bytes // per_block, 2)
+    import jax
+
+    stats = jax.devices()[0].memory_stats() if gpu else None
+    if not stats:
+        return max(_CPU_KV_BYTES // per_block, 2)
+    limit = stats.get("bytes_limit", 0)
+    in_use = stats.get("bytes_in_use", 0)  # weights (this device's shard)
+    # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
+    act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
+    budget = int(limit * args.gpu_memory_utilization / 0.9) if limit else 0  # bytes_limit is ~0.9 of memory
+    free = budget - in_use - act
+    if free <= 0:
+        raise ValueError(
+            f"No memory left for the KV cache: device limit {limit / 2**30:.1f} GiB, weights "
+            f"{in_use / 2**30:.1f} GiB, activations ~{act / 2**30:.1f} GiB. Increase gpu_memory_utilization, "
+            f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism.")
+    tp = args.tensor_parallel_size
+    return max(free * tp // per_block, 2)
+
+
+def _generation_config(mode: str, path: str, cfg: ModelConfig, tokenizer) -> tuple[set[int], dict]:
+    eos: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    defaults: dict = {}
+    if mode == "vllm":
+        return eos, defaults
+    gen_path = os.path.join(path if mode == "auto" else mode, "generation_config.json")
+    if not os.path.exists(gen_path):
+        if mode != "auto":
+            raise ValueError(f"generation_config={mode!r}: no generation_config.json there.")
+        return eos, defaults
+    with open(gen_path) as f:
+        gen = json.load(f)
+    ids = gen.get("eos_token_id")
+    eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
+        if key in gen and gen.get("do_sample", True) is not False:
+            defaults[key] = gen[key]
+    if gen.get("max_new_tokens"):
+        defaults["max_tokens"] = gen["max_new_tokens"]
+    if defaults:
+        logger.info("Default sampling parameters from generation_config.json: %s", defaults)
+    return eos, defaults

@@ -1,0 +1,96 @@
+"""LLM: vLLM's offline API. generate() and chat() run the engine until every request is done."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine = LLMEngine(self.engine_args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = self._add(prompts, params, priority)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None, tools=None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.get_tokenizer()
+        prompts = []
+        for conv in conversations:
+            ids = tok.apply_chat_template(
+                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tools=tools, tokenize=True,
+                **(chat_template_kwargs or {}))
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- internals ----
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [self.get_default_sampling_params()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        sampling_params = list(sampling_params)
+        if len(sampling_params) != n:
+            raise ValueError(f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be the same.")
+        return sampling_params
+
+    def _add(self, prompts, params, priority) -> list[str]:
+        ids, engine = [], self.llm_engine
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                request_id = str(next(self._counter))
+                engine.add_request(request_id, prompt, sp, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except Exception:
+            for request_id in ids:  # a bad prompt in the list leaves nothing behind
+                engine.abort_request(request_id)
+            raise
+        return ids
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        bar.update(1)
+        finally:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
