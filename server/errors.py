@@ -55,6 +55,9 @@ def model_not_found(name: str) -> APIError:
     return APIError(f"The model `{name}` does not exist.", 404, param="model")
 
 
+_GENERIC = "application/octet-stream"
+
+
 def _is_json_type(content_type: str) -> bool:
     return content_type == "application/json" or content_type.endswith("+json")
 
@@ -62,9 +65,10 @@ def _is_json_type(content_type: str) -> bool:
 async def read_json(request: web.Request, max_bytes: int) -> dict:
     """The request body as a JSON object, or an APIError (400 bad JSON/content type, 413 too big).
 
-    A missing Content-Type is accepted (curl without -H); a present one must be JSON.
+    A missing or generic (application/octet-stream) Content-Type is read as JSON; any other must be JSON.
     """
-    if request.headers.get("Content-Type") is not None and not _is_json_type(request.content_type):
+    ctype = request.content_type
+    if request.headers.get("Content-Type") is not None and not (_is_json_type(ctype) or ctype == _GENERIC):
         raise APIError(f"Unsupported Content-Type '{request.content_type}'; send the body as application/json.", 400)
     if request.content_length is not None and request.content_length > max_bytes:
         raise APIError(f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.", 413)

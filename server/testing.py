@@ -122,6 +122,8 @@ class FakeEngine:
         self.abort_calls: list[str] = []
         self.profile_calls: list[tuple] = []
         self.requests_seen: list[str] = []
+        self.peak_running = 0
+        self.peak_waiting = 0
         self._live: dict[str, _Req] = {}
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
@@ -265,6 +267,8 @@ class FakeEngine:
             self.used_blocks += need
             req.metrics.first_scheduled_time = now
             self._running.append(req)
+        self.peak_running = max(self.peak_running, len(self._running))
+        self.peak_waiting = max(self.peak_waiting, len(self._waiting))
         step_tokens = 0
         for req in list(self._running):
             if not req.prefilled:
@@ -412,3 +416,85 @@ class FakeEngine:
             self._finish_request(req)
             req.queue.put_nowait(exc)
             self._live.pop(rid, None)
+
+
+class ServerThread:
+    """Runs `python -m jaxllm.serve`'s server (run_server) for `engine` on 127.0.0.1 and a free port, in a
+    background thread with its own event loop, so synchronous tests can use blocking clients.
+
+        with ServerThread(FakeEngine(tok), "--api-key", "k") as srv: ... srv.base_url ...
+    """
+
+    def __init__(self, engine, *argv: str, model: str = "fake-model"):
+        import threading
+
+        from server.args import parse_args
+
+        self.engine = engine
+        self.args = parse_args([model, "--host", "127.0.0.1", "--port", "0", "--disable-access-log", *argv])
+        self.loop = asyncio.new_event_loop()
+        self.port: int | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="jaxllm-test-server", daemon=True)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> ServerThread:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise TimeoutError("test server did not start in 30 s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def stop(self) -> None:
+        if self._stop is not None and self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def call(self, fn, *args):
+        """Runs fn(*args) on the server's loop (to read engine state safely) and returns its result."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+
+        def run():
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:
+                fut.set_exception(e)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(10)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _main(self) -> None:
+        from jaxllm.serve import run_server
+
+        asyncio.set_event_loop(self.loop)
+
+        async def serve():
+            self._stop = asyncio.Event()
+
+            def ready(port):
+                self.port = port
+                self._ready.set()
+
+            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready)
+
+        try:
+            self.loop.run_until_complete(serve())
+        except BaseException as e:
+            self._error = e
+            self._ready.set()
+        finally:
+            self.loop.close()

@@ -1,0 +1,359 @@
+"""The OpenAI server through the official `openai` client, against FakeEngine (no model)."""
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.args import engine_kwargs, human_readable_int, parse_args
+from server.testing import FakeEngine, ServerThread, build_tokenizer
+
+MODEL = "fake-model"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    with ServerThread(FakeEngine(tok, max_model_len=256), "--served-model-name", MODEL, "alias") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="none", max_retries=0, timeout=30)
+
+
+def http(method: str, url: str, **kw) -> tuple[int, str]:
+    async def go():
+        async with aiohttp.ClientSession() as s, s.request(method, url, **kw) as r:
+            return r.status, await r.text()
+
+    return asyncio.run(go())
+
+
+def extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+# ------------------------------------------------------------------------------------------------ completions
+
+
+def test_models_health_version(server, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, "alias"]
+    assert extra(models[0], "max_model_len") == 256 and extra(models[0], "root") == MODEL
+    assert client.models.retrieve("alias").id == "alias"
+    assert http("GET", server.base_url + "/health") == (200, "")
+    assert http("GET", server.base_url + "/ping")[0] == 200
+    status, body = http("GET", server.base_url + "/version")
+    assert status == 200 and '"version"' in body
+
+
+def test_completion_basic(client, tok):
+    r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5,
+                                  extra_body={"return_token_ids": True})
+    assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
+    (c,) = r.choices
+    assert c.finish_reason == "length" and c.logprobs is None
+    ids = extra(c, "token_ids")
+    assert len(ids) == 5 and tok.decode(ids) == c.text
+    assert extra(c, "prompt_token_ids") == tok.encode("The quick brown")
+    assert r.usage.prompt_tokens == len(tok.encode("The quick brown"))
+    assert r.usage.completion_tokens == 5 and r.usage.total_tokens == r.usage.prompt_tokens + 5
+    # the alias is accepted and reported back; the default max_tokens is 16
+    r2 = client.completions.create(model="alias", prompt="The quick brown")
+    assert r2.model == "alias" and r2.usage.completion_tokens == 16
+
+
+def test_completion_echo_and_logprobs(client, tok):
+    prompt = "Birds sing every"
+    n_prompt = len(tok.encode(prompt))
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=2)
+    c = r.choices[0]
+    assert c.text.startswith(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(1 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    for i in range(len(lp.tokens) - 1):
+        assert lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i])
+    assert "".join(lp.tokens) == c.text
+    # echo with max_tokens=0 returns just the prompt (lm-eval-harness style scoring)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    assert r.choices[0].text == prompt and r.usage.completion_tokens == 0
+    assert len(r.choices[0].logprobs.tokens) == n_prompt
+
+
+def test_completion_multi_prompt_n_and_token_prompts(client, tok):
+    ids = tok.encode("Children play near")
+    r = client.completions.create(model=MODEL, prompt=["A river runs", "Old trees stand"], n=2, max_tokens=3,
+                                  temperature=0.8)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text != r.choices[1].text  # different samples
+    assert r.usage.prompt_tokens == len(tok.encode("A river runs")) + len(tok.encode("Old trees stand"))
+    assert r.usage.completion_tokens == 12
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=3)
+    r2 = client.completions.create(model=MODEL, prompt=[ids, ids], max_tokens=3)
+    assert r.usage.prompt_tokens == len(ids) and r2.choices[1].text == r.choices[0].text
+    r3 = client.completions.create(model=MODEL, prompt=ids, max_tokens=3, echo=True)
+    assert r3.choices[0].text == "Children play near" + r.choices[0].text
+
+
+def test_completion_stop_strings_and_stop_token_ids(client, tok):
+    prompt = "People walk slowly"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, extra_body={"return_token_ids": True})
+    text = base.choices[0].text
+    word = text.split()[3]
+    cut = text.index(word)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[word, "zzz"])
+    assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
+    assert extra(r.choices[0], "stop_reason") == word
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=word,
+                                  extra_body={"include_stop_str_in_output": True})
+    assert r.choices[0].text == text[: cut + len(word)]
+    # streaming holds back partial matches and ends at the same place
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[word], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == text[:cut]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    # stop token ids: generation ends at the first occurrence of the id, which is not in the text
+    ids = extra(base.choices[0], "token_ids")
+    stop_id = ids[4]
+    first = ids.index(stop_id)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30,
+                                  extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and extra(c, "stop_reason") == stop_id
+    assert extra(c, "token_ids") == ids[: first + 1] and c.text == tok.decode(ids[:first])
+
+
+def test_completion_streaming_matches_and_usage(client):
+    kw = dict(model=MODEL, prompt="Night comes with", max_tokens=12, logprobs=1)
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    body = chunks[:-1]
+    assert all(c.usage is None for c in body)
+    assert "".join(c.choices[0].text for c in body) == full.choices[0].text
+    assert body[-1].choices[0].finish_reason == "length"
+    tokens = [t for c in body for t in c.choices[0].logprobs.tokens]
+    assert tokens == full.choices[0].logprobs.tokens
+    offsets = [o for c in body for o in c.choices[0].logprobs.text_offset]
+    assert offsets == full.choices[0].logprobs.text_offset
+    # n > 1 streaming: every choice finishes exactly once
+    chunks = list(client.completions.create(model=MODEL, prompt="Night comes", max_tokens=5, n=3,
+                                            temperature=1.0, stream=True))
+    finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert finished == [0, 1, 2]
+
+
+# ------------------------------------------------------------------------------------------------ chat
+
+
+def _chat_prompt_len(tok, messages):
+    return len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                          add_special_tokens=False))
+
+
+def test_chat_basic_and_context_filling(client, tok):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me a story"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    m = r.choices[0].message
+    assert m.role == "assistant" and m.content and r.choices[0].finish_reason == "length"
+    n_prompt = _chat_prompt_len(tok, messages)
+    assert r.usage.prompt_tokens == n_prompt and r.usage.completion_tokens == 6
+    # max_completion_tokens wins over the deprecated max_tokens
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, max_tokens=9)
+    assert r.usage.completion_tokens == 3
+    # no limit: the fake model's script ends with EOS -> "stop" without a stop_reason
+    r = client.chat.completions.create(model=MODEL, messages=messages)
+    assert r.choices[0].finish_reason == "stop" and extra(r.choices[0], "stop_reason") is None
+    # ... and with ignore_eos it fills the rest of the context (max_model_len - prompt)
+    r = client.chat.completions.create(model=MODEL, messages=messages, extra_body={"ignore_eos": True})
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 256 - n_prompt
+
+
+def test_chat_n_logprobs_and_content_parts(client):
+    r = client.chat.completions.create(
+        model=MODEL, n=3, temperature=1.0, max_tokens=5, logprobs=True, top_logprobs=3,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "you"}]}])
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert r.usage.completion_tokens == 15
+    for c in r.choices:
+        content = c.logprobs.content
+        assert len(content) == 5
+        assert "".join(t.token for t in content) == c.message.content
+        for t in content:
+            assert len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode())
+            assert t.top_logprobs[0].token == t.token  # the fake samples its top-ranked token
+    r = client.chat.completions.create(model=MODEL, max_tokens=2, logprobs=True,
+                                       messages=[{"role": "user", "content": "hi"}])
+    assert r.choices[0].logprobs.content[0].top_logprobs == []
+
+
+def test_chat_streaming(client):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Where do birds sing?"}], max_tokens=10)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == full.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    # no include_usage: no usage chunk at all
+    chunks = list(client.chat.completions.create(**kw, stream=True, n=2, temperature=0.7))
+    assert all(c.usage is None and c.choices for c in chunks)
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    finishes = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
+    assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+
+
+def test_chat_echo_and_continue_final_message(server, client, tok):
+    messages = [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "The quick"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
+                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                                                   "echo": True})
+    assert r.choices[0].message.content.startswith("The quick")
+    rendered = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert rendered.endswith("The quick") and r.usage.prompt_tokens == len(tok.encode(rendered))
+    # both flags: vLLM's message
+    status, body = http("POST", server.base_url + "/v1/chat/completions",
+                        json={"model": MODEL, "messages": messages, "continue_final_message": True})
+    assert status == 400 and "Cannot set both `continue_final_message` and `add_generation_prompt`" in body
+
+
+def test_tokenize_detokenize_and_templates(server, tok):
+    url = server.base_url
+    status, body = http("POST", url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True})
+    import json
+
+    data = json.loads(body)
+    assert status == 200 and data["tokens"] == tok.encode("hello world") and data["count"] == len(data["tokens"])
+    assert data["max_model_len"] == 256 and len(data["token_strs"]) == data["count"]
+    status, body = http("POST", url + "/detokenize", json={"tokens": data["tokens"]})
+    assert status == 200 and json.loads(body) == {"prompt": "hello world"}
+    # a request's chat_template and chat_template_kwargs
+    template = "{% for m in messages %}[{{ greeting }}] {{ m['content'] }}{% endfor %}"
+    status, body = http("POST", url + "/tokenize", json={
+        "messages": [{"role": "user", "content": "hi"}], "chat_template": template,
+        "chat_template_kwargs": {"greeting": "hey"}})
+    assert status == 200 and json.loads(body)["tokens"] == tok.encode("[hey] hi", add_special_tokens=False)
+    status, body = http("POST", url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                         "chat_template": "{% if %}"})
+    assert status == 400 and "Chat template error" in body
+
+
+def test_generation_config_defaults_and_chat_template_flag(tok, tmp_path):
+    path = tmp_path / "template.jinja"
+    path.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
+    engine = FakeEngine(tok, default_sampling_params={"max_tokens": 7, "temperature": 0.0})
+    with ServerThread(engine, "--chat-template", str(path)) as srv:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                      extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 7  # generation_config's max_new_tokens caps the output
+        assert r.usage.prompt_tokens == len(tok.encode("user: hi\nassistant:"))
+        # temperature defaults to the generation_config's 0.0 -> greedy -> n > 1 is refused
+        with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling, got 2"):
+            c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+# ------------------------------------------------------------------------------------------------ metrics, auth, ops
+
+
+def _scrape(url) -> dict:
+    status, text = http("GET", url + "/metrics")
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def _value(samples, name, **labels):
+    key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
+    return samples[key]
+
+
+def test_metrics_move(server, client):
+    before = _scrape(server.base_url)
+    client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5)
+    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                        stream=True))
+    after = _scrape(server.base_url)
+    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum",
+                 "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:iteration_tokens_total_count"):
+        assert _value(after, name) > _value(before, name), name
+    assert _value(after, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total") == 9
+    assert _value(after, "vllm:e2e_request_latency_seconds_count") - \
+        _value(before, "vllm:e2e_request_latency_seconds_count") == 2
+    assert _value(after, "vllm:request_success_total", finished_reason="length") >= 2
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert _value(after, gauge) == 0.0
+    assert ("vllm:num_preemptions_total", (("model_name", MODEL),)) in after
+
+
+def test_api_key(tok, monkeypatch):
+    with ServerThread(FakeEngine(tok), "--api-key", "sekret") as srv:
+        good = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekret", max_retries=0)
+        bad = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="wrong", max_retries=0)
+        assert good.completions.create(model=MODEL, prompt="a", max_tokens=1).choices
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        assert http("GET", srv.base_url + "/v1/models") == (401, '{"error": "Unauthorized"}')
+        assert http("GET", srv.base_url + "/health")[0] == 200  # only /v1/* is guarded
+        assert http("GET", srv.base_url + "/metrics")[0] == 200
+    assert parse_args(["m"], environ={"VLLM_API_KEY": "v"}).api_key == "v"
+    assert parse_args(["m"], environ={"VLLM_API_KEY": "v", "JAXLLM_API_KEY": "j"}).api_key == "j"
+    assert parse_args(["m", "--api-key", "c"], environ={"VLLM_API_KEY": "v"}).api_key == "c"
+
+
+def test_profile_routes(server, tok, tmp_path):
+    assert http("POST", server.base_url + "/start_profile")[0] == 404  # no --profile-dir
+    engine = FakeEngine(tok)
+    with ServerThread(engine, "--profile-dir", str(tmp_path / "prof")) as srv:
+        assert http("POST", srv.base_url + "/start_profile")[0] == 200
+        assert http("POST", srv.base_url + "/stop_profile")[0] == 200
+    assert engine.profile_calls == [("start", str(tmp_path / "prof")), ("stop",)]
+
+
+def test_ready_and_stats_log_lines(tok, caplog):
+    caplog.set_level(logging.INFO, logger="jaxllm.server")
+    with ServerThread(FakeEngine(tok, step_s=0.01), "--log-stats-interval", "0.1") as srv:
+        c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        c.completions.create(model=MODEL, prompt="a b c", max_tokens=30)
+        time.sleep(0.3)
+    text = caplog.text
+    assert f"API server ready on http://127.0.0.1:{srv.port}" in text
+    lines = [r.getMessage() for r in caplog.records if "Avg prompt throughput" in r.getMessage()]
+    assert lines and "Running: 1 reqs, Waiting: 0 reqs, GPU KV cache usage: " in lines[0]
+    assert "Prefix cache hit rate: " in lines[0]
+
+
+def test_args():
+    assert human_readable_int("32k") == 32000 and human_readable_int("32K") == 32768
+    assert human_readable_int("1.5m") == 1_500_000 and human_readable_int("4096") == 4096
+    a = parse_args(["/m", "--max-model-len", "32k", "-tp", "2", "--no-enable-prefix-caching", "--dtype",
+                    "bfloat16", "--max-num-batched-tokens", "8K", "--served-model-name", "a", "b"])
+    kw = engine_kwargs(a)
+    assert kw["model"] == "/m" and kw["max_model_len"] == 32000 and kw["tensor_parallel_size"] == 2
+    assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is True
+    assert kw["max_num_batched_tokens"] == 8192 and kw["dtype"] == "bfloat16" and kw["seed"] == 0
+    assert kw["gpu_memory_utilization"] == 0.9 and kw["max_logprobs"] == 20 and kw["block_size"] == 16
+    assert "served_model_name" not in kw and a.served_model_name == ["a", "b"]
+    assert parse_args([]).model is None and parse_args(["--model", "/x"]).model == "/x"
+    with pytest.raises(SystemExit):
+        parse_args(["/m", "--max-model-len", "lots"])

@@ -1,0 +1,200 @@
+"""Bad input over raw HTTP (aiohttp): each gets an OpenAI-shaped 4xx, and the server keeps answering."""
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from server.testing import FakeEngine, ServerThread, build_tokenizer
+
+MODEL = "fake-model"
+MAX_LEN = 64
+LIMIT = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    engine = FakeEngine(tok, max_model_len=MAX_LEN)
+    with ServerThread(engine, "--max-request-body-bytes", str(LIMIT)) as srv:
+        yield srv
+
+
+def post(url: str, *, data=None, json_body=None, headers=None) -> tuple[int, dict | str]:
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(url, data=data, json=json_body, headers=headers) as r:
+                text = await r.text()
+                try:
+                    return r.status, json.loads(text)
+                except ValueError:
+                    return r.status, text
+
+    return asyncio.run(go())
+
+
+def assert_still_serving(server, tok):
+    status, body = post(server.base_url + "/v1/completions",
+                        json_body={"model": MODEL, "prompt": "The quick brown", "max_tokens": 3})
+    assert status == 200, body
+    assert body["usage"] == {"prompt_tokens": len(tok.encode("The quick brown")), "completion_tokens": 3,
+                             "total_tokens": len(tok.encode("The quick brown")) + 3}
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert server.call(server.engine.live_requests) == [] and server.engine.used_blocks == 0
+
+
+def _long_prompt(tok, n_tokens):
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. " * 20)
+    return ids[:n_tokens]
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (name, path, kwargs for post(), status, substring of error.message)
+CASES = [
+    ("malformed json", COMPLETIONS, {"data": b'{"model": "fake-model", "prompt": ', "headers":
+                                     {"Content-Type": "application/json"}}, 400, "Invalid JSON"),
+    ("not an object", COMPLETIONS, {"json_body": ["prompt"]}, 400, "must be a JSON object"),
+    ("empty body", CHAT, {"data": b"", "headers": {"Content-Type": "application/json"}}, 400, "body is empty"),
+    ("binary body", CHAT, {"data": b"\xff\xfe\x00", "headers": {"Content-Type": "application/json"}}, 400,
+     "Invalid JSON"),
+    ("wrong content type", COMPLETIONS, {"data": b'{"prompt": "a"}', "headers": {"Content-Type": "text/plain"}},
+     400, "Unsupported Content-Type 'text/plain'"),
+    ("form content type", CHAT, {"data": {"messages": "x"}}, 400, "application/x-www-form-urlencoded"),
+    ("missing prompt", COMPLETIONS, {"json_body": {"model": MODEL}}, 400, "prompt: Field required"),
+    ("missing messages", CHAT, {"json_body": {"model": MODEL}}, 400, "messages: Field required"),
+    ("prompt wrong type", COMPLETIONS, {"json_body": {"prompt": 5}}, 400, "prompt"),
+    ("token ids as strings", COMPLETIONS, {"json_body": {"prompt": [["1", "2"]]}}, 400, "prompt"),
+    ("messages wrong type", CHAT, {"json_body": {"messages": "hi"}}, 400, "messages: Input should be a valid list"),
+    ("message without role", CHAT, {"json_body": {"messages": [{"content": "x"}]}}, 400, "messages.0.role"),
+    ("temperature string", CHAT, {"json_body": {"messages": USER, "temperature": "hot"}}, 400,
+     "temperature: Input should be a valid number"),
+    ("max_tokens float", COMPLETIONS, {"json_body": {"prompt": "a", "max_tokens": 2.5}}, 400, "max_tokens"),
+    ("n string", COMPLETIONS, {"json_body": {"prompt": "a", "n": "many"}}, 400, "n: Input should be a valid"),
+    ("stream not bool", CHAT, {"json_body": {"messages": USER, "stream": "perhaps"}}, 400, "stream"),
+    ("negative temperature", CHAT, {"json_body": {"messages": USER, "temperature": -0.5}}, 400,
+     "temperature must be non-negative, got -0.5."),
+    ("top_p zero", COMPLETIONS, {"json_body": {"prompt": "a", "top_p": 0}}, 400, "top_p must be in (0, 1], got 0"),
+    ("top_k -5", COMPLETIONS, {"json_body": {"prompt": "a", "top_k": -5}}, 400,
+     "top_k must be 0 (disable), or at least 1, got -5."),
+    ("min_p 2", CHAT, {"json_body": {"messages": USER, "min_p": 2}}, 400, "min_p must be in [0, 1], got 2"),
+    ("presence_penalty 3", CHAT, {"json_body": {"messages": USER, "presence_penalty": 3}}, 400,
+     "presence_penalty must be in [-2, 2], got 3"),
+    ("repetition_penalty 0", CHAT, {"json_body": {"messages": USER, "repetition_penalty": 0}}, 400,
+     "repetition_penalty must be greater than zero, got 0"),
+    ("max_tokens 0", CHAT, {"json_body": {"messages": USER, "max_tokens": 0}}, 400,
+     "max_tokens must be at least 1, got 0."),
+    ("min_tokens > max_tokens", COMPLETIONS, {"json_body": {"prompt": "a", "max_tokens": 3, "min_tokens": 5}}, 400,
+     "min_tokens must be less than or equal to max_tokens=3, got 5."),
+    ("empty stop", COMPLETIONS, {"json_body": {"prompt": "a", "stop": [""]}}, 400,
+     "stop cannot contain an empty string."),
+    ("greedy n=2", CHAT, {"json_body": {"messages": USER, "temperature": 0, "n": 2}}, 400,
+     "n must be 1 when using greedy sampling, got 2."),
+    ("n=0", COMPLETIONS, {"json_body": {"prompt": "a", "n": 0}}, 400, "n must be at least 1, got 0."),
+    ("logprobs > max", COMPLETIONS, {"json_body": {"prompt": "a", "logprobs": 21}}, 400,
+     "Requested logprobs of 21, which is greater than max allowed: 20."),
+    ("top_logprobs without logprobs", CHAT, {"json_body": {"messages": USER, "top_logprobs": 2}}, 400,
+     "`logprobs` must be set to true"),
+    ("stop_token_ids out of vocab", COMPLETIONS, {"json_body": {"prompt": "a", "stop_token_ids": [10**6]}}, 400,
+     "out-of-vocab"),
+    ("prompt token out of vocab", COMPLETIONS, {"json_body": {"prompt": [1, 10**6]}}, 400,
+     "Token id 1000000 is out of vocabulary"),
+    ("empty prompt", COMPLETIONS, {"json_body": {"prompt": "", "add_special_tokens": False}}, 400,
+     "prompt cannot be empty"),
+    ("logit_bias bad key", COMPLETIONS, {"json_body": {"prompt": "a", "logit_bias": {"x": 1}}}, 400, "logit_bias"),
+    ("unknown model", COMPLETIONS, {"json_body": {"model": "gpt-9", "prompt": "a"}}, 404,
+     "The model `gpt-9` does not exist."),
+    ("unknown model (chat)", CHAT, {"json_body": {"model": "gpt-9", "messages": USER}}, 404,
+     "The model `gpt-9` does not exist."),
+    ("tools", CHAT, {"json_body": {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}},
+     400, "Tool calling is not supported"),
+    ("tool_choice required", CHAT, {"json_body": {"messages": USER, "tool_choice": "required"}}, 400,
+     "Tool calling is not supported"),
+    ("json_object", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "json_object"}}}, 400,
+     "response_format type 'json_object' is not supported"),
+    ("json_schema", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "json_schema",
+                                                                              "json_schema": {"name": "x"}}}}, 400,
+     "response_format type 'json_schema' is not supported"),
+    ("guided_json", COMPLETIONS, {"json_body": {"prompt": "a", "guided_json": {"type": "object"}}}, 400,
+     "Structured output (`guided_json`)"),
+    ("structured_outputs", CHAT, {"json_body": {"messages": USER, "structured_outputs": {"choice": ["a"]}}}, 400,
+     "Structured output (`structured_outputs`)"),
+    ("image part", CHAT, {"json_body": {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}}, 400, "Content part type 'image_url'"),
+    ("beam search", COMPLETIONS, {"json_body": {"prompt": "a", "use_beam_search": True}}, 400, "Beam search"),
+    ("best_of", COMPLETIONS, {"json_body": {"prompt": "a", "best_of": 3}}, 400, "best_of is not supported"),
+    ("suffix", COMPLETIONS, {"json_body": {"prompt": "a", "suffix": "b"}}, 400, "suffix is not currently supported"),
+    ("stream_options without stream", CHAT, {"json_body": {"messages": USER, "stream_options": {}}}, 400,
+     "Stream options can only be defined when `stream=True`."),
+    ("engine rejects", COMPLETIONS, {"json_body": {"prompt": "ENGINE_REJECTS this", "stream": True}}, 400,
+     "fake engine rejected this prompt"),
+    ("unknown route", "/v1/embeddings", {"json_body": {"input": "a"}}, 404, "Not Found"),
+]
+
+
+@pytest.mark.parametrize("name,path,kwargs,status,message", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(server, tok, name, path, kwargs, status, message):
+    got_status, body = post(server.base_url + path, **kwargs)
+    assert got_status == status, body
+    err = body["error"]
+    assert message in err["message"], err
+    assert err["code"] == status and isinstance(err["type"], str) and "param" in err
+    assert_still_serving(server, tok)
+
+
+def test_prompt_longer_than_context(server, tok):
+    ids = _long_prompt(tok, MAX_LEN + 6)
+    status, body = post(server.base_url + COMPLETIONS, json_body={"model": MODEL, "prompt": ids})
+    assert status == 400 and body["error"]["message"] == (
+        f"This model's maximum context length is {MAX_LEN} tokens. However, your request has {MAX_LEN + 6} input "
+        "tokens. Please reduce the length of the input messages.")
+    ids = _long_prompt(tok, MAX_LEN - 10)
+    status, body = post(server.base_url + COMPLETIONS, json_body={"model": MODEL, "prompt": ids, "max_tokens": 20})
+    assert status == 400 and body["error"]["message"] == (
+        f"'max_tokens' or 'max_completion_tokens' is too large: 20. This model's maximum context length is "
+        f"{MAX_LEN} tokens and your request has {MAX_LEN - 10} input tokens (20 > {MAX_LEN} - {MAX_LEN - 10}).")
+    # the same through chat, where the prompt is the rendered template
+    text = tok.decode(_long_prompt(tok, MAX_LEN))
+    status, body = post(server.base_url + CHAT, json_body={"messages": [{"role": "user", "content": text}]})
+    assert status == 400 and "This model's maximum context length is 64 tokens. However, your request has" in \
+        body["error"]["message"]
+    # truncate_prompt_tokens keeps the last k tokens instead
+    status, body = post(server.base_url + COMPLETIONS, json_body={
+        "prompt": _long_prompt(tok, MAX_LEN + 6), "truncate_prompt_tokens": 20, "max_tokens": 2})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 20
+    assert_still_serving(server, tok)
+
+
+def test_oversized_body(server, tok):
+    big = json.dumps({"model": MODEL, "prompt": "a " * LIMIT}).encode()
+    status, body = post(server.base_url + COMPLETIONS, data=big, headers={"Content-Type": "application/json"})
+    assert status == 413 and "exceeds the limit of 1048576 bytes" in body["error"]["message"]
+
+    async def chunks():  # no Content-Length: refused while reading
+        for _ in range(24):
+            yield b"a" * 100_000
+
+    status, body = post(server.base_url + COMPLETIONS, data=chunks(), headers={"Content-Type": "application/json"})
+    assert status == 413 and body["error"]["type"] == "RequestTooLargeError"
+    assert_still_serving(server, tok)
+
+
+def test_unknown_fields_are_accepted_and_logged(server, tok, caplog):
+    status, body = post(server.base_url + CHAT, json_body={"messages": USER, "max_tokens": 2, "frobnicate": 1,
+                                                           "metadata": {"a": "b"}, "tool_choice": "none"})
+    assert status == 200, body
+    assert "ignoring unknown request fields ['frobnicate', 'metadata']" in caplog.text
+    assert_still_serving(server, tok)
+
+
+def test_generic_content_type_is_read_as_json(server, tok):
+    # aiohttp labels raw bytes application/octet-stream, as many HTTP tools do when none is given
+    status, body = post(server.base_url + COMPLETIONS, data=b'{"prompt": "a", "max_tokens": 1}')
+    assert status == 200, body
