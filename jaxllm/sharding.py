@@ -2,6 +2,16 @@
 
 Every parameter and cache array is declared with logical axes (see jaxllm/models/params.py); the table
 below is the only place that says how they are split. Mesh axes: ("pp", "tp").
+
+Tensor parallelism (Megatron layout, expressed only through the table): q/k/v and gate/up are split on
+their output axis ("heads", "kv_heads", "ffn": column-parallel), o and down on their input axis
+(row-parallel, XLA inserts one all-reduce after each), embedding and lm_head on "vocab". KV heads are
+split over tp; when tp > K each kv head is repeated tp // K times at load (kv_heads_for) so every tp
+shard owns one whole kv head and its pages: the KV cache [K', P, S, H] splits on axis 0 the same way.
+
+Pipeline parallelism: layers are split into pp contiguous stages (stage_layers); a stage's weights and KV
+pages live on its row of the mesh (stage_mesh), a ("pp", "tp") mesh of shape (1, tp). jaxllm/engine/
+pipeline.py runs one jitted function per stage and moves hidden states between rows.
 """
 
 from __future__ import annotations
@@ -31,21 +41,98 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
 
+    def __post_init__(self):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}.")
+
+    @property
+    def tp(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_parallel_size
+
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def make_mesh(self, devices=None) -> Mesh:
+        """(pp, tp) mesh over the first tp * pp devices; tp is the minor axis, so a stage's tp group is
+        devices that are adjacent (same host, NVLink) in jax.devices() order."""
         devices = list(jax.devices() if devices is None else devices)
         if self.world_size > len(devices):
             raise ValueError(
-                f"tensor_parallel_size * pipeline_parallel_size = {self.world_size} exceeds the "
-                f"{len(devices)} available devices."
+                f"tensor_parallel_size * pipeline_parallel_size = {self.tensor_parallel_size} * "
+                f"{self.pipeline_parallel_size} = {self.world_size} exceeds the {len(devices)} available devices."
             )
         grid = np.array(devices[: self.world_size]).reshape(
             self.pipeline_parallel_size, self.tensor_parallel_size
         )
         return Mesh(grid, ("pp", "tp"))
+
+    def validate(self, cfg) -> None:
+        """Raises ValueError if cfg (a ModelConfig) cannot be split this way."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        checks = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
+                  ("vocab_size", cfg.vocab_size)]
+        for name, n in checks:
+            if n % tp:
+                raise ValueError(f"{name} ({n}) must be divisible by tensor_parallel_size ({tp}).")
+        K = cfg.num_kv_heads
+        if K % tp and tp % K:
+            raise ValueError(
+                f"num_key_value_heads ({K}) must be divisible by tensor_parallel_size ({tp}), or "
+                f"tensor_parallel_size a multiple of it (kv heads are then replicated)."
+            )
+        if pp > cfg.num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size ({pp}) exceeds the model's num_hidden_layers ({cfg.num_layers})."
+            )
+
+
+def mesh_tp(mesh: Mesh) -> int:
+    return int(mesh.shape.get("tp", 1))
+
+
+def mesh_pp(mesh: Mesh) -> int:
+    return int(mesh.shape.get("pp", 1))
+
+
+def kv_heads_for(num_kv_heads: int, tp: int) -> int:
+    """KV heads as stored on devices: K, or tp when tp > K (each kv head repeated tp // K times, so shard i
+    holds the kv head of its q heads: q head n -> kv head n // (N // K) -> copy n // (N // tp))."""
+    if tp <= num_kv_heads:
+        if num_kv_heads % tp:
+            raise ValueError(f"num_key_value_heads ({num_kv_heads}) is not divisible by tensor_parallel_size ({tp}).")
+        return num_kv_heads
+    if tp % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size ({tp}) is larger than num_key_value_heads ({num_kv_heads}) but not a "
+            f"multiple of it, so kv heads cannot be replicated evenly."
+        )
+    return tp
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    """Contiguous layer ranges of the pp stages; earlier stages take the remainder (stage pp-1 also
+    computes logits)."""
+    if pp > num_layers:
+        raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the number of layers ({num_layers}).")
+    base, extra = divmod(num_layers, pp)
+    out, lo = [], 0
+    for s in range(pp):
+        n = base + (s < extra)
+        out.append(range(lo, lo + n))
+        lo += n
+    return out
+
+
+def stage_mesh(mesh: Mesh, stage: int) -> Mesh:
+    """Row `stage` of a (pp, tp) mesh, as a (1, tp) mesh with the same axis names."""
+    return Mesh(mesh.devices[stage : stage + 1], mesh.axis_names)
 
 
 def logical_to_spec(axes: tuple[str | None, ...], rules: dict[str, str | None] = LOGICAL_RULES) -> PartitionSpec:
@@ -63,3 +150,32 @@ def logical_to_spec(axes: tuple[str | None, ...], rules: dict[str, str | None] =
 
 def named_sharding(mesh: Mesh, axes: tuple[str | None, ...], rules=LOGICAL_RULES) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(axes, rules))
+
+
+KV_CACHE_AXES = ("kv_heads", "pages", "page_slots", "head_dim")  # [K', P, S, H]
+
+
+def kv_cache_shardings(cfg, mesh: Mesh, rules=LOGICAL_RULES) -> list:
+    """Per layer, the NamedSharding of its (k_pages, v_pages): kv heads over tp, on the layer's stage row."""
+    stages = stage_layers(cfg.num_layers, mesh_pp(mesh))
+    out = []
+    for s, layers in enumerate(stages):
+        sub = stage_mesh(mesh, s) if mesh_pp(mesh) > 1 else mesh
+        out += [named_sharding(sub, KV_CACHE_AXES, rules)] * len(layers)
+    return out
+
+
+def make_kv_caches(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None, fill=0.0):
+    """Per layer (k_pages, v_pages) [K', P, S, H], created sharded (each device allocates its own shard)."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    K = kv_heads_for(cfg.num_kv_heads, mesh_tp(mesh))
+    shape = (K, num_pages, page_size, cfg.head_dim)
+    caches, fns = [], {}
+    for sh in kv_cache_shardings(cfg, mesh):
+        if sh not in fns:
+            fns[sh] = jax.jit(lambda: (jnp.full(shape, fill, dtype), jnp.full(shape, fill, dtype)),
+                             out_shardings=(sh, sh))
+        caches.append(fns[sh]())
+    return caches

@@ -1,6 +1,11 @@
 """The one attention function the decoder calls: write the new tokens' K/V into the paged cache, then
 attend over it. Backends sit behind it: "reference" (pure jnp, CPU and tests) and "pallas" (GPU kernels
 in kernels_pallas/). The batch layout is described in kernels_pallas/reference.py.
+
+With tensor parallelism (AttentionConfig.mesh with tp > 1) both backends run inside shard_map over "tp":
+a Pallas kernel cannot be partitioned by XLA, and each tp shard owns whole kv heads (q heads N/tp, kv
+heads K'/tp and their pages), so attention needs no communication. The reference takes the same path so
+CPU tests exercise it.
 """
 
 from __future__ import annotations
@@ -38,11 +43,32 @@ class AttentionMetadata:
 class AttentionConfig:
     backend: str = "reference"  # reference | pallas
     interpret: bool = False  # pallas interpret mode (CPU tests of the kernels through the model)
+    mesh: jax.sharding.Mesh | None = None  # ("pp", "tp") mesh of the arrays; tp > 1 -> shard_map over "tp"
 
 
 def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, *, scale, alibi_slopes=None,
                     sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig()):
     """q: [T, N, H], k/v: [T, K, H], kv_cache: (k_pages, v_pages) [K, P, S, H] -> ([T, N, H], kv_cache)."""
+    mesh = config.mesh
+    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        from jax.sharding import PartitionSpec as P
+
+        heads = P(None, "tp", None)
+        pages = P("tp", None, None, None)
+        local = functools.partial(_paged_attention, scale=scale, sliding_window=sliding_window,
+                                  k_scale=k_scale, v_scale=v_scale, config=config)
+        slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
+        # check_vma=False: the Pallas kernels do not declare how their outputs vary over mesh axes.
+        return jax.shard_map(
+            local, mesh=mesh, check_vma=False,
+            in_specs=(heads, heads, heads, (pages, pages), P(), None if slopes is None else P("tp")),
+            out_specs=(heads, (pages, pages)),
+        )(q, k, v, kv_cache, meta, slopes)
+    return _paged_attention(q, k, v, kv_cache, meta, alibi_slopes, scale=scale, sliding_window=sliding_window,
+                            k_scale=k_scale, v_scale=v_scale, config=config)
+
+
+def _paged_attention(q, k, v, kv_cache, meta, alibi_slopes, *, scale, sliding_window, k_scale, v_scale, config):
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)

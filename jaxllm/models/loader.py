@@ -19,6 +19,11 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
+from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp
+
+# A directory holding this file is a jaxllm (Orbax) checkpoint written by `python -m jaxllm.convert`.
+MANIFEST = "jaxllm_manifest.json"
+ORBAX_SUBDIR = "params"
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 
@@ -192,7 +197,8 @@ def _path_key(path) -> tuple:
 
 
 def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
-    """(our path, host array in our layout), checked against the declared shapes."""
+    """(our path, host array in our layout), checked against the declared shapes. Checkpoint layout: kv
+    heads are not repeated (tp = 1 specs)."""
     specs = param_specs(cfg)
     table = weight_table(cfg)
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
@@ -215,16 +221,26 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
         yield key, x
 
 
+def is_jaxllm_checkpoint(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, MANIFEST))
+
+
 def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto", seed: int = 0):
-    """The params pytree, created sharded over mesh. load_format="dummy" makes random weights on device."""
+    """The params pytree, created sharded over mesh. load_format="dummy" makes random weights on device.
+    A directory written by `python -m jaxllm.convert` (it holds MANIFEST) is restored from Orbax straight
+    into mesh's shardings, whatever mesh it was converted for."""
     import jax.numpy as jnp
 
+    ParallelConfig(mesh_tp(mesh), mesh_pp(mesh)).validate(cfg)
     dtype = jnp.dtype(cfg.dtype)
-    specs = param_specs(cfg)
+    specs = param_specs(cfg, tp=mesh_tp(mesh))
     shardings = param_shardings(specs, mesh)
     if load_format == "dummy":
         return dummy_params(specs, dtype, shardings, seed=seed)
+    if load_format == "auto" and is_jaxllm_checkpoint(model_dir):
+        return restore_orbax(model_dir, cfg, specs, shardings, dtype)
     reader = CheckpointReader(model_dir, load_format)
+    flat_spec = dict((_path_key(p), s) for p, s in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0])
     flat_sh = dict(
         (_path_key(p), s)
         for p, s in jax.tree_util.tree_flatten_with_path(
@@ -232,11 +248,51 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     )
     loaded = {}
     for key, x in iter_host_weights(reader, cfg):
-        host = np.asarray(x).astype(dtype)
+        # Host copy only: each device receives just its slice from the callback.
+        host = flat_spec[key].expand(np.asarray(x).astype(dtype))
         loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx])
     treedef = jax.tree.structure(specs, is_leaf=is_spec)
     paths = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
+
+
+def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
+    """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
+    whose kv heads are repeated (tp > K) are restored sharded over what divides, then repeated on device."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    with open(os.path.join(model_dir, MANIFEST)) as f:
+        manifest = json.load(f)
+    saved = manifest.get("params", {})
+
+    def target(spec, sh):
+        if spec.kv_repeat == 1:
+            return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
+        spec_axes = list(sh.spec) + [None] * (len(spec.shape) - len(sh.spec))
+        spec_axes[spec.axes.index("kv_heads")] = None
+        return jax.ShapeDtypeStruct(spec.checkpoint_shape, dtype,
+                                    sharding=NamedSharding(sh.mesh, PartitionSpec(*spec_axes)))
+
+    abstract = jax.tree.map(target, specs, shardings, is_leaf=is_spec)
+    for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+        name = "/".join(map(str, _path_key(path)))
+        if name in saved and tuple(saved[name]["shape"]) != a.shape:
+            raise ValueError(f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
+                             f"the config expects {a.shape}.")
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
+
+    expand = {}
+
+    def finish(spec, sh, x):
+        if spec.kv_repeat == 1:
+            return x
+        if (spec, sh) not in expand:
+            expand[spec, sh] = jax.jit(spec.expand, out_shardings=sh)
+        return expand[spec, sh](x)
+
+    return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)
 
 
 __all__ = ["CheckpointReader", "load_params", "weight_table", "abstract_params", "ParamSpec"]

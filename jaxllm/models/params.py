@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.sharding import LOGICAL_RULES, named_sharding
+from jaxllm.sharding import LOGICAL_RULES, kv_heads_for, mesh_pp, named_sharding, stage_layers, stage_mesh
 
 
 @dataclass(frozen=True)
@@ -17,24 +17,44 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, see jaxllm/sharding.py
     init: str = "normal"  # normal | ones | zeros
+    kv_repeat: int = 1  # > 1: the "kv_heads" axis is stored with each checkpoint head repeated (tp > K)
+
+    @property
+    def checkpoint_shape(self) -> tuple[int, ...]:
+        """The shape in checkpoints (HF, Orbax): before kv heads are repeated."""
+        if self.kv_repeat == 1:
+            return self.shape
+        i = self.axes.index("kv_heads")
+        return self.shape[:i] + (self.shape[i] // self.kv_repeat,) + self.shape[i + 1 :]
+
+    def expand(self, x):
+        """Checkpoint layout -> stored layout (numpy or jax array)."""
+        if self.kv_repeat == 1:
+            return x
+        import numpy as np
+
+        mod = np if isinstance(x, np.ndarray) else jnp
+        return mod.repeat(x, self.kv_repeat, axis=self.axes.index("kv_heads"))
 
 
-def param_specs(cfg: ModelConfig) -> dict:
+def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
     """The params pytree of the decoder, as ParamSpecs. Layers are a list: one buffer per layer's weights
-    (a scan over stacked layers costs 2x per decode step on GPU, see gpu-findings.md)."""
+    (a scan over stacked layers costs 2x per decode step on GPU, see gpu-findings.md). With tp > K the kv
+    heads are stored repeated (jaxllm/sharding.py: kv_heads_for)."""
     D, N, K, H, F, V = (
         cfg.hidden_size,
         cfg.num_heads,
-        cfg.num_kv_heads,
+        kv_heads_for(cfg.num_kv_heads, tp),
         cfg.head_dim,
         cfg.intermediate_size,
         cfg.vocab_size,
     )
+    r = K // cfg.num_kv_heads
     layer = {
         "attn_norm": ParamSpec((D,), ("embed",), "ones"),
         "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim")),
-        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
-        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim")),
+        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), kv_repeat=r),
+        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), kv_repeat=r),
         "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed")),
         "mlp_norm": ParamSpec((D,), ("embed",), "ones"),
         "w_gate": ParamSpec((D, F), ("embed", "ffn")),
@@ -43,8 +63,8 @@ def param_specs(cfg: ModelConfig) -> dict:
     }
     if cfg.qkv_bias:
         layer["bq"] = ParamSpec((N, H), ("heads", "head_dim"), "zeros")
-        layer["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
-        layer["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros")
+        layer["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros", r)
+        layer["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros", r)
     if cfg.o_bias:
         layer["bo"] = ParamSpec((D,), ("embed",), "zeros")
     if cfg.mlp_bias:
@@ -66,7 +86,21 @@ def is_spec(x) -> bool:
 
 
 def param_shardings(specs, mesh, rules=LOGICAL_RULES):
-    return jax.tree.map(lambda s: named_sharding(mesh, s.axes, rules), specs, is_leaf=is_spec)
+    """NamedSharding per weight. With pp > 1 each weight lives on its pipeline stage's row of the mesh:
+    layers on their stage, embed on the first, final_norm / lm_head on the last."""
+    pp = mesh_pp(mesh)
+    if pp == 1:
+        return jax.tree.map(lambda s: named_sharding(mesh, s.axes, rules), specs, is_leaf=is_spec)
+    rows = [stage_mesh(mesh, s) for s in range(pp)]
+    stage_of = {i: s for s, r in enumerate(stage_layers(len(specs["layers"]), pp)) for i in r}
+    out = {}
+    for name, sub in specs.items():
+        if name == "layers":
+            out[name] = [jax.tree.map(lambda s, m=rows[stage_of[i]]: named_sharding(m, s.axes, rules), layer,
+                                      is_leaf=is_spec) for i, layer in enumerate(sub)]
+        else:
+            out[name] = named_sharding(rows[0] if name == "embed" else rows[-1], sub.axes, rules)
+    return out
 
 
 def abstract_params(specs, dtype, shardings=None):
@@ -87,7 +121,7 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
     out = []
     cache = {}
     for spec, sharding, key in zip(leaves, sh_leaves, keys):
-        sig = (spec.shape, spec.init, sharding)
+        sig = (spec, sharding)
         if sig not in cache:
             cache[sig] = jax.jit(_init_fn(spec, dtype, std), out_shardings=sharding)
         out.append(cache[sig](key))
@@ -96,10 +130,13 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
 
 def _init_fn(spec: ParamSpec, dtype, std: float):
     def init(key):
+        shape = spec.checkpoint_shape  # repeated kv heads are copies, as when loading a checkpoint
         if spec.init == "ones":
-            return jnp.ones(spec.shape, dtype)
-        if spec.init == "zeros":
-            return jnp.zeros(spec.shape, dtype)
-        return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(dtype)
+            x = jnp.ones(shape, dtype)
+        elif spec.init == "zeros":
+            x = jnp.zeros(shape, dtype)
+        else:
+            x = (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+        return spec.expand(x)
 
     return init
