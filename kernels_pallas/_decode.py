@@ -55,7 +55,7 @@ def _decode_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
 
-    def body(i, carry):
+    def body(i, carry, masked):
         p0 = lo_page + i * ppb
         ids = jnp.clip(bt_ref[pl.ds(p0, ppb)], 0, P - 1)
         k = k_ref[ids].reshape(BK, H).astype(cdt)
@@ -64,9 +64,10 @@ def _decode_kernel(
         s = mma(q, k, trans_b=True) * qk_mult  # [Gp, BK]
         if has_alibi:
             s = s + slopes[:, None] * (kv_pos - q_pos).astype(jnp.float32)[None, :]
-        valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
-        s = jnp.where(valid[None, :], s, -jnp.inf)
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
+        if masked:
+            valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
+            s = jnp.where(valid[None, :], s, -jnp.inf)
+            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
         return softmax_step(carry, s, v, cdt)
 
     init = (
@@ -74,7 +75,13 @@ def _decode_kernel(
         jnp.zeros((Gp,), jnp.float32),
         jnp.zeros((Gp, H), jnp.float32),
     )
-    m, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    # Blocks wholly inside [lo_pos, hi_pos) skip the mask; only the last (and, with a window, all) pay it.
+    if sliding_window is None:
+        num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
+    else:
+        num_full = 0
+    carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
+    m, l, acc = jax.lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if final:
         (o_ref,) = outs

@@ -1,0 +1,187 @@
+"""kernels_pallas against the pure-jnp reference, in Pallas interpret mode on CPU.
+
+Every case: shuffled block tables, unused pages (and the table's tail entries) pointing at NaN pages,
+lengths 1, page boundaries, boundary + 1 and multi-page contexts. Interpret mode is slow on CPU, so the
+shapes are small and the ragged cases use small tiles (the tile sizes are static arguments only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import kernels_pallas as kp
+from kernels_pallas import reference
+from kernels_pallas._decode import choose_splits, paged_decode_attention_kernel
+from kernels_pallas._ragged import ragged_paged_attention_kernel, tile_plan
+
+TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-4}
+
+
+def make_cache(rng, K, H, S, lens, *, M=None, dtype=jnp.bfloat16, kv_dtype=None, spare=5):
+    """Pages of every sequence shuffled over the cache; every page no sequence uses holds NaN."""
+    B = len(lens)
+    need = [max(1, -(-n // S)) for n in lens]
+    M = M or max(need) + 1
+    P = sum(need) + spare
+    perm = rng.permutation(P)
+    bt = np.empty((B, M), np.int32)
+    used, at = set(), 0
+    for b in range(B):
+        n = -(-lens[b] // S)
+        bt[b, :n] = perm[at : at + n]
+        used.update(bt[b, :n].tolist())
+        at += n
+        bt[b, n:] = rng.integers(0, P, M - n)  # garbage tail: the kernel must never use it
+    k = rng.standard_normal((K, P, S, H)).astype(np.float32)
+    v = rng.standard_normal((K, P, S, H)).astype(np.float32)
+    unused = np.array([p not in used for p in range(P)])
+    k[:, unused] = np.nan
+    v[:, unused] = np.nan
+    # NaN also in the unused slots of each sequence's last page
+    for b in range(B):
+        if lens[b] % S:
+            last = bt[b, lens[b] // S]
+            k[:, last, lens[b] % S :] = np.nan
+            v[:, last, lens[b] % S :] = np.nan
+    kv_dtype = kv_dtype or dtype
+    return jnp.asarray(k).astype(kv_dtype), jnp.asarray(v).astype(kv_dtype), jnp.asarray(bt)
+
+
+def check(out, ref, dtype):
+    out = np.asarray(out, np.float32)
+    ref = np.asarray(ref, np.float32)
+    assert out.shape == ref.shape
+    assert np.isfinite(out).all(), "NaN/inf leaked from unused pages"
+    err = np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30)
+    assert err < TOL[jnp.dtype(dtype)], err
+
+
+DECODE_CASES = [
+    # N, K, H, S, dtype, lens, extra
+    (8, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100], {}),
+    (4, 4, 128, 32, jnp.float16, [32, 33, 5], {}),
+    (8, 1, 64, 64, jnp.bfloat16, [64, 65, 1], {}),
+    (6, 2, 64, 16, jnp.float32, [300, 47], dict(num_splits=3, block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2,
+                                                      block_k=32)),
+]
+
+
+@pytest.mark.parametrize("N,K,H,S,dtype,lens,extra", DECODE_CASES)
+def test_decode_matches_reference(N, K, H, S, dtype, lens, extra):
+    rng = np.random.default_rng(len(lens) * 100 + N + S)
+    k, v, bt = make_cache(rng, K, H, S, lens, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens), N, H)), dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    kw = dict(scale=H**-0.5)
+    extra = dict(extra)
+    if extra.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
+    if "sliding_window" in extra:
+        kw["sliding_window"] = extra.pop("sliding_window")
+    out = paged_decode_attention_kernel(q, k, v, seq_lens, bt, interpret=True, **kw, **extra)
+    ref = reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, **kw)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_decode_fp8(kv_dtype):
+    rng = np.random.default_rng(7)
+    lens = [40, 1, 16]
+    k, v, bt = make_cache(rng, 2, 64, 16, lens, kv_dtype=kv_dtype)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.bfloat16)
+    kw = dict(scale=0.125, k_scale=0.5, v_scale=2.0)
+    out = kp.paged_decode_attention(q, k, v, jnp.asarray(lens, jnp.int32), bt, interpret=True, **kw)
+    ref = reference.paged_decode_attention_ref(q, k, v, jnp.asarray(lens, jnp.int32), bt, **kw)
+    check(out, ref, jnp.bfloat16)
+
+
+def test_ragged_decode_only_dispatch():
+    """decode_only: live sequences have one token; a padding sequence and padding tokens give zeros."""
+    rng = np.random.default_rng(3)
+    lens = [33, 1, 0]
+    k, v, bt = make_cache(rng, 2, 64, 16, lens)
+    T = 4
+    q = jnp.asarray(rng.standard_normal((T, 8, 64)), jnp.bfloat16)
+    qsl = jnp.asarray([0, 1, 2, 2], jnp.int32)
+    args = (q, k, v, jnp.asarray(lens, jnp.int32), qsl, bt)
+    out = kp.ragged_paged_attention(*args, scale=0.125, decode_only=True, interpret=True)
+    ref = reference.ragged_paged_attention_ref(*args, scale=0.125)
+    check(out, ref, jnp.bfloat16)
+    assert not np.asarray(out[2:], np.float32).any()
+
+
+RAGGED_CASES = [
+    # N, K, H, S, dtype, q_lens, seq_lens, extra
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32)),
+    (4, 4, 64, 32, jnp.float16, [33, 16, 1], [33, 48, 64], dict(block_m=16, block_k=32)),
+    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7,
+                                                         alibi_slopes=True)),
+    (3, 1, 128, 16, jnp.float32, [17, 2], [17, 65], dict(block_m=16, block_k=64)),
+]
+
+
+def _ragged_args(rng, N, K, H, S, dtype, q_lens, seq_lens, kv_dtype=None, pad_tokens=3):
+    k, v, bt = make_cache(rng, K, H, S, seq_lens, dtype=dtype, kv_dtype=kv_dtype)
+    T = sum(q_lens) + pad_tokens
+    q = jnp.asarray(rng.standard_normal((T, N, H)), dtype)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    return q, k, v, jnp.asarray(seq_lens, jnp.int32), qsl, bt
+
+
+@pytest.mark.parametrize("N,K,H,S,dtype,q_lens,seq_lens,extra", RAGGED_CASES)
+def test_ragged_matches_reference(N, K, H, S, dtype, q_lens, seq_lens, extra):
+    rng = np.random.default_rng(sum(q_lens) + N)
+    args = _ragged_args(rng, N, K, H, S, dtype, q_lens, seq_lens)
+    kw = dict(scale=H**-0.5)
+    extra = dict(extra)
+    if extra.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
+    if "sliding_window" in extra:
+        kw["sliding_window"] = extra.pop("sliding_window")
+    out = ragged_paged_attention_kernel(*args, interpret=True, **kw, **extra)
+    ref = reference.ragged_paged_attention_ref(*args, **kw)
+    check(out, ref, dtype)
+    assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
+
+
+def test_ragged_entry_point_fp8_default_tiles():
+    rng = np.random.default_rng(11)
+    args = _ragged_args(rng, 8, 2, 64, 16, jnp.bfloat16, [9, 1], [40, 17], kv_dtype=jnp.float8_e4m3fn)
+    kw = dict(scale=0.125, k_scale=0.25, v_scale=1.5)
+    out = kp.ragged_paged_attention(*args, interpret=True, **kw)
+    ref = reference.ragged_paged_attention_ref(*args, **kw)
+    check(out, ref, jnp.bfloat16)
+
+
+def test_cpu_path_is_the_reference():
+    rng = np.random.default_rng(5)
+    args = _ragged_args(rng, 4, 2, 64, 16, jnp.bfloat16, [3, 1], [20, 5])
+    if jax.default_backend() == "gpu":
+        pytest.skip("GPU backend: entry point runs the kernel")
+    out = kp.ragged_paged_attention(*args, scale=0.125)
+    ref = reference.ragged_paged_attention_ref(*args, scale=0.125)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref, np.float32))
+
+
+def test_tile_plan_covers_every_token_once():
+    qsl = jnp.asarray([0, 5, 5, 6, 40], jnp.int32)
+    lens = jnp.asarray([10, 0, 1, 100], jnp.int32)
+    tseq, tpos, ttok, trows, _ = tile_plan(qsl, lens, 45, 8)
+    covered = []
+    for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows))):
+        covered += list(range(t, t + r))
+        if r:
+            assert p == np.asarray(lens)[s] - (np.asarray(qsl)[s + 1] - np.asarray(qsl)[s]) + (t - np.asarray(qsl)[s])
+    assert sorted(covered) == list(range(40))
+
+
+def test_split_plan():
+    # many programs already: no split; one long sequence: split so ~4 programs per SM exist
+    assert choose_splits(64, 8, 128, 8, 16) in ((1, 128), (2, 64))
+    n, pps = choose_splits(1, 8, 2048, 8, 16)
+    assert n * pps >= 2048 and n >= 32 and pps % 8 == 0
