@@ -250,7 +250,7 @@ class LLMEngine:
                 state.text = state.text[: match.text_end]
                 self._finish(state, "stop", match.stop)
                 return
-        if n_out >= (seq.max_tokens or 1 << 62) or seq.num_tokens >= self.max_model_len:
+        if n_out >= (seq.max_tokens or 1 << 62) or seq.num_known_tokens >= self.max_model_len:
             state.text += state.detok.flush() if p.detokenize else ""
             self._finish(state, "length", None)
 

@@ -1,0 +1,239 @@
+"""The whole engine against HF transformers: greedy tokens equal under batching, chunked prefill, prefix
+caching and preemption; sampling, stops, logprobs and validation behave like vLLM."""
+
+import numpy as np
+import pytest
+import torch
+
+from jaxllm import LLM, SamplingParams
+from tests.tiny_models import make_tiny_model_dir
+
+PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
+           [101, 7],
+           [8] * 19,
+           [3],
+           [44, 55, 66, 77, 88, 99, 11, 22, 33]]
+SHARED = [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9]  # > 2 blocks of 8
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
+
+
+def hf_greedy(model, prompt, n):
+    model.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def make_llm(model_dir, **kw):
+    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
+                block_size=8, enforce_eager=True, max_model_len=128)
+    return LLM(model_dir, **(base | kw))
+
+
+def token_ids(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def hf_refs(tiny):
+    _, model = tiny
+    return {tuple(p): hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS + [SHARED + [1, 2], SHARED + [3]]}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return make_llm(tiny[0])
+
+
+def check_free(llm):
+    bm = llm.llm_engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks, "KV blocks leaked"
+
+
+def test_greedy_batch_matches_hf(llm, hf_refs):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS]
+    assert all(o.finished and o.outputs[0].finish_reason == "length" for o in outs)
+    check_free(llm)
+
+
+def test_chunked_prefill_tiny_budget(tiny, hf_refs):
+    llm = make_llm(tiny[0], max_num_batched_tokens=8, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS]
+    check_free(llm)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching_never_changes_greedy(tiny, hf_refs, prefix_caching):
+    llm = make_llm(tiny[0], enable_prefix_caching=prefix_caching)
+    first = llm.generate({"prompt_token_ids": SHARED + [1, 2]}, GREEDY, use_tqdm=False)[0]
+    second = llm.generate({"prompt_token_ids": SHARED + [3]}, GREEDY, use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == hf_refs[tuple(SHARED + [1, 2])]
+    assert second.outputs[0].token_ids == hf_refs[tuple(SHARED + [3])]
+    assert second.num_cached_tokens == (16 if prefix_caching else 0)
+    check_free(llm)
+
+
+def test_preemption_keeps_greedy(tiny, hf_refs):
+    llm = make_llm(tiny[0], num_gpu_blocks_override=9, max_model_len=64)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS]
+    check_free(llm)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(llm):
+    sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234, max_tokens=8, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                         [SamplingParams(temperature=0.7, seed=i, max_tokens=8) for i in range(4)] + [sp],
+                         use_tqdm=False)
+    again = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    batched = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, sp, use_tqdm=False)
+    assert alone == again == batched[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
+    other = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                         SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert other[0].outputs[0].token_ids != alone
+    assert len(batch) == 5
+
+
+def test_n_and_logprobs(llm):
+    sp = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=5, logprobs=3, ignore_eos=True)
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, sp, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == 5
+        for tok, d in zip(c.token_ids, c.logprobs):
+            assert tok in d and 3 <= len(d) <= 4
+            assert all(lp.logprob <= 0 for lp in d.values())
+        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)),
+                                                     rel=1e-5)
+    check_free(llm)
+
+
+def test_greedy_logprobs_match_hf(llm, tiny):
+    _, model = tiny
+    p = PROMPTS[0]
+    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, logprobs=2,
+                                                               prompt_logprobs=1, ignore_eos=True),
+                       use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([p + out.outputs[0].token_ids])).logits[0].double(), -1)
+    first = out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]]
+    assert first.rank == 1 and first.logprob == pytest.approx(float(ref[len(p) - 1].max()), abs=1e-4)
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(p)
+    for i in range(1, len(p)):
+        assert out.prompt_logprobs[i][p[i]].logprob == pytest.approx(float(ref[i - 1, p[i]]), abs=1e-4)
+
+
+def test_stop_token_ids_min_tokens_and_stop_strings(llm, hf_refs):
+    ref = hf_refs[tuple(PROMPTS[0])]
+    stop_tok = ref[3]
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    c = out.outputs[0]
+    k = ref.index(stop_tok)
+    assert c.token_ids == ref[: k + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
+    # min_tokens suppresses the stop token until enough tokens exist.
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(temperature=0, max_tokens=10, min_tokens=k + 2, stop_token_ids=[stop_tok]),
+                       use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) >= k + 2
+    full = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0].outputs[0].text
+    stop = full[4:7]
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == full[: full.index(stop)]
+    incl = llm.generate({"prompt_token_ids": PROMPTS[0]},
+                        SamplingParams(temperature=0, max_tokens=10, stop=[stop], include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert incl.text == full[: full.index(stop) + len(stop)]
+    check_free(llm)
+
+
+def test_text_prompts_and_chat(llm):
+    outs = llm.generate(["the engine was paged", "blocks were counted"], GREEDY, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    assert outs[0].prompt_token_ids == tok.encode("the engine was paged")
+    assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
+    chat = llm.chat([{"role": "user", "content": "the scheduler saw"}], GREEDY, use_tqdm=False)
+    assert chat[0].outputs[0].token_ids and chat[0].prompt_token_ids[-1] == tok.encode(
+        "<s>assistant:", add_special_tokens=False)[-1]
+
+
+def test_penalties_and_logit_bias(llm, hf_refs):
+    ref = hf_refs[tuple(PROMPTS[2])]
+    banned = ref[0]
+    out = llm.generate({"prompt_token_ids": PROMPTS[2]},
+                       SamplingParams(temperature=0, max_tokens=10, logit_bias={banned: -100.0}, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert banned not in out.token_ids
+    rep = llm.generate({"prompt_token_ids": PROMPTS[2]},
+                       SamplingParams(temperature=0, max_tokens=10, repetition_penalty=5.0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert rep.token_ids != ref
+    allowed = llm.generate({"prompt_token_ids": PROMPTS[2]},
+                           SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[10, 11], ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0]
+    assert set(allowed.token_ids) <= {10, 11}
+    check_free(llm)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"temperature": -1}, "temperature must be non-negative, got -1."),
+    ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0."),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5."),
+    ({"top_k": -2}, r"top_k must be 0 \(disable\), or at least 1, got -2."),
+    ({"min_p": 2}, r"min_p must be in \[0, 1\], got 2."),
+    ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3."),
+    ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3."),
+    ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0."),
+    ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+    ({"max_tokens": 3, "min_tokens": 4}, "min_tokens must be less than or equal to max_tokens=3, got 4."),
+    ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
+    ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+    ({"n": 0}, "n must be at least 1, got 0."),
+    ({"logprobs": -2}, "logprobs must be non-negative, got -2."),
+])
+def test_sampling_params_validation(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw)
+
+
+def test_engine_level_validation(llm):
+    with pytest.raises(ValueError, match=r"The decoder prompt \(length 200\) is longer than the maximum model "
+                                         r"length of 128"):
+        llm.generate({"prompt_token_ids": [1] * 200}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate("x", SamplingParams(logprobs=21), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate({"prompt_token_ids": [5, 100000]}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot be empty"):
+        llm.generate({"prompt_token_ids": []}, GREEDY, use_tqdm=False)
+    # A bad prompt in a list leaves nothing behind, and the engine still works.
+    with pytest.raises(ValueError):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [1] * 200}], GREEDY, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    check_free(llm)
+    assert llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_max_model_len_and_kv_errors(tiny):
+    with pytest.raises(ValueError, match=r"User-specified max_model_len \(1000\) is greater than the derived"):
+        make_llm(tiny[0], max_model_len=1000)
+    with pytest.raises(ValueError, match="decrease max_model_len"):
+        make_llm(tiny[0], num_gpu_blocks_override=4, max_model_len=128)
+
+
+def test_max_model_len_caps_output(llm):
+    out = llm.generate({"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    check_free(llm)
