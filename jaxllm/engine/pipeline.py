@@ -1,0 +1,147 @@
+"""Pipeline parallelism at the model-executor level.
+
+The decoder's layers are split into pp contiguous stages (jaxllm/sharding.py: stage_layers). Stage s owns
+row s of the ("pp", "tp") mesh: its layers' weights and KV pages live there (the loader already places them,
+see params.param_shardings), and it runs one jitted function over that (1, tp) sub-mesh (tensor parallel
+inside the stage as usual). Hidden states [T, D] move between rows with jax.device_put.
+
+A step's sequences are split into micro-batches (pp of them by default), each its own padded ragged batch.
+Everything is dispatched asynchronously in micro-batch order; a stage only waits for its own input, so
+while stage s+1 runs micro-batch m, stage s already runs m+1 (GPipe schedule, bubble (pp-1)/(M+pp-1)):
+
+    stage 0:  m0 m1 m2 m3
+    stage 1:     m0 m1 m2 m3
+
+The executor returns the last stage's hidden states in the flat layout of the whole step, so the runner's
+logits/sampling code is the same with and without pipelining.
+
+    PipelineExecutor.forward(kv_caches, chunks, src_rows, prev_tokens, T) -> (kv_caches, hidden [T, D])
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.inputs import SeqChunk, bucket, build_step_inputs
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata
+from jaxllm.models.decoder import forward
+from jaxllm.sharding import mesh_pp, stage_layers, stage_mesh
+
+
+def _stage_fn(params, kv, x, src_rows, prev_tokens, meta, *, cfg: ModelConfig, attn: AttentionConfig,
+              layers: range):
+    """One stage over one micro-batch. Stage 0 gets token ids (and swaps in tokens still on the device),
+    the others the previous stage's hidden states."""
+    lo, hi, L = layers.start, layers.stop, cfg.num_layers
+    hidden = None
+    if src_rows is not None:
+        x = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], x)
+    else:
+        hidden, x = x, None
+    # forward() indexes layers globally: pad the stage's lists with None (an empty pytree) to L entries.
+    full = {"layers": [None] * lo + list(params["layers"]) + [None] * (L - hi), "embed": params.get("embed")}
+    kv_full = [None] * lo + list(kv) + [None] * (L - hi)
+    kv_full, h = forward(full, kv_full, x, meta, cfg, attn, layers=layers, hidden=hidden)
+    return kv_full[lo:hi], h
+
+
+@jax.jit
+def _gather_rows(hiddens, index):
+    return jnp.concatenate(hiddens, axis=0)[index]
+
+
+def split_chunks(chunks: list[SeqChunk], n: int) -> list[list[SeqChunk]]:
+    """Up to n contiguous groups of sequences with about equal token counts (never an empty group)."""
+    n = max(1, min(n, len(chunks)))
+    total = sum(len(c.token_ids) for c in chunks)
+    groups, cur, acc = [], [], 0
+    for i, c in enumerate(chunks):
+        cur.append(c)
+        acc += len(c.token_ids)
+        left_groups = n - len(groups) - 1
+        left_chunks = len(chunks) - i - 1
+        if left_groups and (acc >= total * (len(groups) + 1) / n or left_chunks == left_groups):
+            groups.append(cur)
+            cur = []
+    groups.append(cur) if cur else None
+    return groups
+
+
+class PipelineExecutor:
+    def __init__(self, cfg: ModelConfig, params, mesh, attn: AttentionConfig, *, block_size: int, max_pages: int,
+                 token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], pad_page: int = 0,
+                 num_microbatches: int | None = None):
+        self.cfg, self.pp = cfg, mesh_pp(mesh)
+        self.block_size, self.max_pages, self.pad_page = block_size, max_pages, pad_page
+        self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
+        self.num_microbatches = num_microbatches or self.pp
+        self.stages = stage_layers(cfg.num_layers, self.pp)
+        self.meshes = [stage_mesh(mesh, s) for s in range(self.pp)]
+        self.replicated = [NamedSharding(m, PartitionSpec()) for m in self.meshes]
+        self.stage_params = []
+        for s, r in enumerate(self.stages):
+            p = {"layers": [params["layers"][i] for i in r]}
+            if s == 0:
+                p["embed"] = params["embed"]
+            self.stage_params.append(p)
+        # What the last stage needs for logits. Tied embeddings: a copy of the (vocab-sharded) table there.
+        last = self.pp - 1
+        self.head_params = {"final_norm": params["final_norm"]}
+        if cfg.tie_word_embeddings:
+            emb = params["embed"]
+            self.head_params["embed"] = jax.device_put(emb, NamedSharding(self.meshes[last], emb.sharding.spec))
+        else:
+            self.head_params["lm_head"] = params["lm_head"]
+        self._fns = [
+            jax.jit(functools.partial(_stage_fn, cfg=cfg, attn=_with_mesh(attn, m), layers=r), donate_argnums=(1,))
+            for m, r in zip(self.meshes, self.stages)
+        ]
+
+    def forward(self, kv_caches, chunks: list[SeqChunk], src_rows: np.ndarray, prev_tokens, num_tokens: int):
+        """Runs all layers over the step's chunks in micro-batches. src_rows [n_tok]: row of prev_tokens
+        (a device array of the last stage) that feeds each token, -1 for host tokens. Returns the per-layer
+        KV caches and hidden [num_tokens, D] on the last stage, in the flat layout of build_step_inputs over
+        all chunks (padding rows hold some real row's values)."""
+        stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
+        prev0 = jax.device_put(prev_tokens, self.replicated[0])
+        outs, index = [], np.zeros(num_tokens, np.int32)
+        offset = tok = 0
+        for group in split_chunks(chunks, self.num_microbatches):
+            mb, n = self._micro_batch(group)
+            src = np.full(mb.token_ids.shape[0], -1, np.int32)
+            src[:n] = src_rows[tok : tok + n]
+            meta = AttentionMetadata(mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc,
+                                     mb.block_tables, mb.decode_only)
+            x = mb.token_ids
+            for s, fn in enumerate(self._fns):
+                if s == 0:
+                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src, prev0, meta)
+                else:
+                    x = jax.device_put(x, self.replicated[s])
+                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
+            outs.append(x)
+            index[tok : tok + n] = offset + np.arange(n)
+            offset += mb.token_ids.shape[0]
+            tok += n
+        index[tok:] = 0
+        hidden = _gather_rows(outs, jax.device_put(index, self.replicated[-1]))
+        return [kv for stage in stage_kv for kv in stage], hidden
+
+    def _micro_batch(self, group: list[SeqChunk]):
+        n = sum(len(c.token_ids) for c in group)
+        B = bucket(len(group), self.seq_buckets)
+        decode_only = all(len(c.token_ids) == 1 for c in group)
+        T = B if decode_only else bucket(max(n, B), self.token_buckets)
+        return build_step_inputs(group, self.block_size, T, B, self.max_pages, self.pad_page), n
+
+
+def _with_mesh(attn: AttentionConfig, mesh) -> AttentionConfig:
+    import dataclasses
+
+    return dataclasses.replace(attn, mesh=mesh)
