@@ -206,13 +206,19 @@ async def start_profile(request: web.Request) -> web.Response:
     state = request.app[STATE]
     os.makedirs(state.profile_dir, exist_ok=True)
     logger.info("Starting profiler; traces go to %s", state.profile_dir)
-    await _maybe_await(state.engine.start_profile(state.profile_dir))
+    try:
+        await _maybe_await(state.engine.start_profile(state.profile_dir))
+    except RuntimeError as e:  # e.g. a profile is already running
+        raise APIError(str(e)) from None
     return web.Response(status=200)
 
 
 async def stop_profile(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    await _maybe_await(state.engine.stop_profile())
+    try:
+        await _maybe_await(state.engine.stop_profile())
+    except RuntimeError as e:  # e.g. no profile is running
+        raise APIError(str(e)) from None
     logger.info("Profiler stopped; view with: tensorboard --logdir %s (or xprof)", state.profile_dir)
     return web.Response(status=200)
 

@@ -20,6 +20,10 @@ ENGINE_ARG_NAMES = (
     "max_logprobs", "quantization", "trust_remote_code",
 )
 
+# Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
+OPTIONAL_ENGINE_ARG_NAMES = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "attention_backend",
+                             "compilation_cache_dir")
+
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
@@ -111,13 +115,19 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
-    e.add_argument("--block-size", type=int, default=16, choices=[1, 8, 16, 32, 64, 128])
+    e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, gguf, dummy (random weights).")
     e.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation_config.json; 'vllm': ignore it; or a directory.")
     e.add_argument("--enforce-eager", action="store_true",
                    help="Skip compiling all shape buckets at start-up (compile on first use).")
     e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
+    e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
+                   help="KV cache size in bytes (accepts 4G), instead of --gpu-memory-utilization's sizing.")
+    e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
+    e.add_argument("--compilation-cache-dir", default=None, help="Persistent XLA compilation cache directory.")
     return p
 
 
@@ -138,4 +148,6 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs.update({n: getattr(args, n) for n in OPTIONAL_ENGINE_ARG_NAMES if getattr(args, n, None) is not None})
+    return kwargs

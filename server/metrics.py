@@ -79,6 +79,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self.last = EngineStats()
+        self._stats_failures = 0
         r, labels = self.registry, ["model_name"]
         self.registry.register(_EngineCollector(self))
         tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
@@ -106,8 +107,10 @@ class ServerMetrics:
         """Takes an engine snapshot (every caller must come through here: it drains iteration_tokens)."""
         try:
             s = self.engine.stats()
-        except Exception:  # a dead engine must not break /metrics or the log loop
-            logger.exception("engine.stats() failed")
+        except Exception:  # a broken engine must not break /metrics or the log loop
+            self._stats_failures += 1
+            if self._stats_failures == 1:
+                logger.exception("engine.stats() failed; metrics show the last good snapshot (logged once)")
             return self.last
         for n in s.iteration_tokens:
             self.iteration_tokens.observe(n)

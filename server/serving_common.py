@@ -44,6 +44,7 @@ class ServerState:
     max_log_len: int | None = None
     profile_dir: str | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    _defaults: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def model_name(self) -> str:
@@ -58,8 +59,22 @@ class ServerState:
         return name
 
     def default_sampling(self) -> dict[str, Any]:
-        """generation_config defaults the engine exposes (optional attribute; SamplingParams field names)."""
-        return getattr(self.engine, "default_sampling_params", None) or {}
+        """generation_config defaults the engine exposes, as SamplingParams field names (max_tokens is the
+        generation_config's max_new_tokens): request fields left out take these values.
+
+        Optional on the engine: `default_sampling_params` as a dict, or a method returning a dict or a
+        SamplingParams (then only the fields that differ from SamplingParams' defaults count)."""
+        if self._defaults is None:
+            d = getattr(self.engine, "default_sampling_params", None)
+            if callable(d):
+                d = d()
+            if isinstance(d, SamplingParams):
+                base = SamplingParams().to_dict()
+                d = {k: v for k, v in d.to_dict().items() if k in base and v != base[k]}
+            self._defaults = dict(d or {})
+            if self._defaults:
+                logger.info("Default sampling params from the engine's generation config: %s", self._defaults)
+        return self._defaults
 
 
 STATE = web.AppKey("jaxllm_state", ServerState)

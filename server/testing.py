@@ -112,7 +112,7 @@ class FakeEngine:
         self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.num_blocks = num_blocks
-        self.default_sampling_params = dict(default_sampling_params or {})
+        self._generation_defaults = dict(default_sampling_params or {})
         self.eos_token_id = tokenizer.eos_token_id
         self.script = tokenizer.encode(SCRIPT, add_special_tokens=False) + [self.eos_token_id]
         self.special_ids = set(tokenizer.all_special_ids)
@@ -136,6 +136,10 @@ class FakeEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def default_sampling_params(self) -> SamplingParams:
+        """generation_config defaults, the way AsyncLLM exposes them."""
+        return SamplingParams(**self._generation_defaults)
 
     @property
     def is_running(self) -> bool:
@@ -425,13 +429,16 @@ class ServerThread:
         with ServerThread(FakeEngine(tok), "--api-key", "k") as srv: ... srv.base_url ...
     """
 
-    def __init__(self, engine, *argv: str, model: str = "fake-model"):
+    def __init__(self, engine, *argv: str, model: str = "fake-model", args=None):
         import threading
 
         from server.args import parse_args
 
         self.engine = engine
-        self.args = parse_args([model, "--host", "127.0.0.1", "--port", "0", "--disable-access-log", *argv])
+        if args is None:
+            args = parse_args([model, "--disable-access-log", *argv])
+        args.host, args.port = "127.0.0.1", 0
+        self.args = args
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
         self._ready = threading.Event()

@@ -1,0 +1,115 @@
+"""The server in front of the real engine (AsyncLLM built from serve flags) on a tiny random checkpoint.
+
+Checks the EngineClient contract end to end: flags -> from_engine_args, prompts as token ids, streaming,
+n, logprobs, validation messages, and that a client hanging up frees the engine's KV blocks.
+"""
+
+import asyncio
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from server.args import parse_args
+from server.testing import ServerThread
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from jaxllm.serve import build_engine
+    from tests.tiny_models import make_tiny_model_dir
+
+    model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
+    args = parse_args([model_dir, "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+                       "--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log"])
+    engine = build_engine(args)
+    with ServerThread(engine, args=args) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        yield srv, engine, client
+
+
+def blocks_free(engine) -> bool:
+    bm = engine.engine.scheduler.block_manager
+    return not engine.engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_usable_blocks
+
+
+def wait_until(cond, timeout=10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+def test_real_engine_routes(served):
+    srv, engine, client = served
+    tok = engine.get_tokenizer()
+    r = client.completions.create(model="tiny", prompt=[5, 9, 2, 77], max_tokens=5, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = r.choices[0]
+    assert c.finish_reason == "length" and r.usage.completion_tokens == 5
+    assert len(c.logprobs.tokens) == 5 and all(len(t) <= 3 for t in c.logprobs.top_logprobs)
+    again = client.completions.create(model="tiny", prompt=[5, 9, 2, 77], max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert c.model_extra["token_ids"] == again.choices[0].model_extra["token_ids"]  # greedy is deterministic
+
+    messages = [{"role": "user", "content": "hello there"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, n=2, temperature=1.0,
+                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 12
+    assert all(len(ch.logprobs.content) == 6 for ch in r.choices)
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, your "
+                                                     "request has 200 input tokens"):
+        client.completions.create(model="tiny", prompt=[5] * 200)
+    with pytest.raises(openai.BadRequestError, match="Requested logprobs of 25, which is greater than max"):
+        client.completions.create(model="tiny", prompt=[5], logprobs=25)
+    assert wait_until(lambda: blocks_free(engine)), "KV blocks leaked"
+
+
+def test_real_engine_disconnect_frees_blocks(served):
+    srv, engine, client = served
+    aborted = []
+    real_abort = engine.engine.abort_request
+
+    def abort_request(request_id):  # runs on the engine thread
+        aborted.append(request_id)
+        real_abort(request_id)
+
+    engine.engine.abort_request = abort_request
+
+    async def hang_up():
+        async with aiohttp.ClientSession() as s:
+            async with s.post(srv.base_url + "/v1/completions", json={
+                    "prompt": [5, 9, 2, 77], "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+                assert r.status == 200
+                n = 0
+                async for line in r.content:
+                    n += line.startswith(b"data: ")
+                    if n == 3:
+                        break
+
+    try:
+        asyncio.run(hang_up())
+        assert wait_until(lambda: blocks_free(engine)), "KV blocks leaked after the client hung up"
+        assert wait_until(lambda: bool(aborted)) and aborted[0].startswith("cmpl-")
+    finally:
+        engine.engine.abort_request = real_abort
+    assert client.completions.create(model="tiny", prompt=[7], max_tokens=2,
+                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+
+
+def test_real_engine_metrics(served):
+    srv, engine, client = served
+    client.completions.create(model="tiny", prompt=[5, 9], max_tokens=3, extra_body={"ignore_eos": True})
+    s = engine.stats()  # the EngineStats snapshot /metrics and the stats log line are built from
+    assert s.prompt_tokens > 0 and s.generation_tokens > 0
