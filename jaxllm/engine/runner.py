@@ -62,6 +62,17 @@ class StepHandle:
 
 
 @dataclass
+class PreparedStep:
+    """One step's host-side inputs (numpy) and its variant, before dispatch."""
+
+    variant: StepVariant
+    host_args: tuple  # (token_ids [T], src_rows [T], meta, logits_indices [B], smd, prompt_targets [T])
+    sample_rows: dict[str, int]
+    prompt_rows: dict[str, tuple[int, int]]
+    num_logprobs: int
+
+
+@dataclass
 class StepResult:
     tokens: np.ndarray  # [B]
     logprobs: np.ndarray  # [B]
@@ -128,12 +139,10 @@ class ModelRunner:
     # ---- compilation ----
     def variants(self) -> list[StepVariant]:
         """The shape buckets compiled at start-up (default sampler flags)."""
-        out = []
-        for b in self.seq_buckets:
-            out.append(StepVariant(b, b, True, SamplerFlags(), 0))
-            for t in self.token_buckets:
-                if t >= b:
-                    out.append(StepVariant(t, b, False, SamplerFlags(), 0))
+        out = [StepVariant(b, b, True, SamplerFlags(), 0) for b in self.seq_buckets]
+        for t in self.token_buckets:
+            out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False,
+                                   SamplerFlags(), 0))
         return out
 
     def _abstract_args(self, v: StepVariant):
@@ -180,7 +189,9 @@ class ModelRunner:
                 np.full(T, -1, np.int32))
 
     # ---- one step ----
-    def execute(self, sched: SchedulerOutput) -> StepHandle:
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
+        """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
+        bench/host_overhead.py)."""
         chunks, src, sample_rows, prompt_rows, params = [], [], {}, {}, []
         n_tok = 0
         for s in sched.scheduled:
@@ -196,8 +207,12 @@ class ModelRunner:
             params.append(seq)
             n_tok += s.num_tokens
         decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
-        B = bucket(len(chunks), self.seq_buckets)
-        T = B if decode_only else bucket(max(n_tok, B), self.token_buckets)
+        if decode_only:
+            B = T = bucket(len(chunks), self.seq_buckets)
+        else:
+            # Mixed steps: B follows T (B <= n_tok <= T), so there is one mixed variant per token bucket.
+            T = bucket(max(n_tok, len(chunks)), self.token_buckets)
+            B = bucket(min(T, self.seq_buckets[-1]), self.seq_buckets)
         inp = build_step_inputs(chunks, self.block_size, T, B, self.max_pages, PAD_PAGE)
         src_rows = np.full(T, -1, np.int32)
         src_rows[:n_tok] = src
@@ -218,12 +233,18 @@ class ModelRunner:
         widths = tuple(a.shape[1] for a in (smd.penalty_tokens, smd.penalty_is_output, smd.bias_ids,
                                             smd.bias_values, smd.allowed_ids))
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
-        args = (self.params, self.kv_caches, inp.token_ids, src_rows, self.prev_tokens, meta,
-                inp.logits_indices, smd, prompt_targets)
-        exe = self._executable(v, args)
+        host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
+        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs)
+
+    def execute(self, sched: SchedulerOutput) -> StepHandle:
+        p = self.prepare(sched)
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
+        args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
+                prompt_targets)
+        exe = self._executable(p.variant, args)
         self.kv_caches, self.prev_tokens, outputs, prompt = exe(*args)
-        self._prev_rows = dict(sample_rows)
-        return StepHandle(sched, sample_rows, (outputs, prompt), prompt_rows, flags.num_logprobs)
+        self._prev_rows = dict(p.sample_rows)
+        return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 
     def collect(self, handle: StepHandle) -> StepResult:
         outputs, prompt = jax.device_get(handle.outputs)
