@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine.inputs import SeqChunk
+from jaxllm.engine.inputs import SeqChunk, build_step_inputs
 from jaxllm.engine.pipeline import PipelineExecutor, split_chunks
-from jaxllm.models.attention import AttentionConfig
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.models.decoder import compute_logits
 from jaxllm.models.loader import load_params
 from jaxllm.sharding import ParallelConfig, make_kv_caches
@@ -51,7 +51,10 @@ def pipeline_logits(model_dir, cfg, tp, pp, microbatches=None):
             if hi > lo:
                 chunks.append(SeqChunk(list(s[lo:hi]), lo, t))
         n = sum(len(c.token_ids) for c in chunks)
-        kv, hidden = ex.forward(kv, chunks, np.full(n, -1, np.int32), prev, n + 3)
+        inp = build_step_inputs(chunks, S, n + 3, len(chunks) + 2, 8)
+        meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
+                                 inp.block_tables, inp.decode_only)
+        kv, hidden = ex.forward(kv, inp.token_ids, np.full(n + 3, -1, np.int32), meta, prev)
     assert set(hidden.devices()) == set(mesh.devices[-1])
     logits = np.asarray(jax.jit(compute_logits, static_argnums=2)(ex.head_params, hidden, cfg))
     out, lo = [], 0

@@ -15,7 +15,7 @@ while stage s+1 runs micro-batch m, stage s already runs m+1 (GPipe schedule, bu
 The executor returns the last stage's hidden states in the flat layout of the whole step, so the runner's
 logits/sampling code is the same with and without pipelining.
 
-    PipelineExecutor.forward(kv_caches, chunks, src_rows, prev_tokens, T) -> (kv_caches, hidden [T, D])
+    PipelineExecutor.forward(kv_caches, token_ids, src_rows, meta, prev_tokens) -> (kv_caches, hidden [T, D])
 """
 
 from __future__ import annotations
@@ -54,6 +54,19 @@ def _stage_fn(params, kv, x, src_rows, prev_tokens, meta, *, cfg: ModelConfig, a
 @jax.jit
 def _gather_rows(hiddens, index):
     return jnp.concatenate(hiddens, axis=0)[index]
+
+
+def unflatten_step(token_ids, src_rows, meta: AttentionMetadata) -> tuple[list[SeqChunk], np.ndarray]:
+    """The real sequences of a flat padded step (inverse of build_step_inputs), and src_rows of their
+    tokens. Block tables keep their padded width, which build_step_inputs accepts again."""
+    qsl = np.asarray(meta.query_start_loc)
+    seq_lens, tables = np.asarray(meta.seq_lens), np.asarray(meta.block_tables)
+    chunks = []
+    for b in range(len(seq_lens)):
+        lo, hi = int(qsl[b]), int(qsl[b + 1])
+        if hi > lo:
+            chunks.append(SeqChunk(token_ids[lo:hi].tolist(), int(seq_lens[b]) - (hi - lo), tables[b].tolist()))
+    return chunks, np.asarray(src_rows)[: int(qsl[-1])]
 
 
 def split_chunks(chunks: list[SeqChunk], n: int) -> list[list[SeqChunk]]:
@@ -103,33 +116,35 @@ class PipelineExecutor:
             for m, r in zip(self.meshes, self.stages)
         ]
 
-    def forward(self, kv_caches, chunks: list[SeqChunk], src_rows: np.ndarray, prev_tokens, num_tokens: int):
-        """Runs all layers over the step's chunks in micro-batches. src_rows [n_tok]: row of prev_tokens
-        (a device array of the last stage) that feeds each token, -1 for host tokens. Returns the per-layer
-        KV caches and hidden [num_tokens, D] on the last stage, in the flat layout of build_step_inputs over
-        all chunks (padding rows hold some real row's values)."""
+    def forward(self, kv_caches, token_ids: np.ndarray, src_rows: np.ndarray, meta: AttentionMetadata,
+                prev_tokens):
+        """All layers over one step's flat padded batch (host arrays, as build_step_inputs makes them), in
+        micro-batches. src_rows [T]: row of prev_tokens (a last-stage device array) that feeds each token,
+        -1 for host tokens. Returns the per-layer KV caches and hidden [T, D] on the last stage, in the
+        step's flat layout (padding rows hold some real row's values)."""
+        chunks, src_of = unflatten_step(token_ids, src_rows, meta)
+        T = token_ids.shape[0]
         stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
         prev0 = jax.device_put(prev_tokens, self.replicated[0])
-        outs, index = [], np.zeros(num_tokens, np.int32)
+        outs, index = [], np.zeros(T, np.int32)
         offset = tok = 0
         for group in split_chunks(chunks, self.num_microbatches):
             mb, n = self._micro_batch(group)
             src = np.full(mb.token_ids.shape[0], -1, np.int32)
-            src[:n] = src_rows[tok : tok + n]
-            meta = AttentionMetadata(mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc,
-                                     mb.block_tables, mb.decode_only)
+            src[:n] = src_of[tok : tok + n]
+            mb_meta = AttentionMetadata(mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc,
+                                        mb.block_tables, mb.decode_only)
             x = mb.token_ids
             for s, fn in enumerate(self._fns):
                 if s == 0:
-                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src, prev0, meta)
+                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src, prev0, mb_meta)
                 else:
                     x = jax.device_put(x, self.replicated[s])
-                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
+                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, mb_meta)
             outs.append(x)
             index[tok : tok + n] = offset + np.arange(n)
             offset += mb.token_ids.shape[0]
             tok += n
-        index[tok:] = 0
         hidden = _gather_rows(outs, jax.device_put(index, self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hidden
 
