@@ -237,8 +237,8 @@ def main():
     print(json.dumps(info), flush=True)
 
     if a.sweep:
-        dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st, num_splits=ns)
-                    for bk in (64, 128) for w in (4,) for st in (2, 3, 4) for ns in (1, 2, 4)]
+        dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
+                    for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
         pre_cfgs = [dict(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
                     for bm in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (2, 3)]
     else:
@@ -246,9 +246,8 @@ def main():
         pre_cfgs = [dict()]
     if "decode" in only:
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", dec_cfgs)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", (dec_cfgs if not a.sweep else [])
-                     + [dict(num_splits=n, block_k=bk, num_stages=st) for n in (32, 64, 128)
-                        for bk in (32, 64) for st in (2, 3, 4)])
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", dec_cfgs
+                     + [dict(num_splits=n, block_k=64, num_stages=2, num_warps=w) for n in (32, 64) for w in (2, 4)])
         if not a.sweep:
             bench_decode(results, 64, 2048, copy, "page32", [dict()], S=32, shipped=False)
             bench_decode(results, 64, 2048, copy, "page64", [dict()], S=64, shipped=False)
