@@ -80,10 +80,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
 
 
 async def start_server(app: web.Application, host: str | None, port: int, *, ssl_context=None,
-                       access_log: bool = True) -> tuple[web.AppRunner, int]:
-    """Starts serving; returns the runner (call .cleanup() to stop) and the bound port (port 0 picks one)."""
+                       access_log: bool = True, shutdown_timeout: float = 5.0) -> tuple[web.AppRunner, int]:
+    """Starts serving; returns the runner (call .cleanup() to stop) and the bound port (port 0 picks one).
+
+    On cleanup, requests still running after `shutdown_timeout` seconds are cancelled (and so aborted)."""
     kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(app, handler_cancellation=True, **kwargs)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **kwargs)
     await runner.setup()
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()

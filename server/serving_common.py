@@ -9,6 +9,7 @@ error, client gone, handler cancelled) closes every engine iterator and aborts w
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -457,8 +458,6 @@ class SSE:
         await self.response.write(b"data: " + payload.encode() + b"\n\n")
 
     async def error(self, err: APIError) -> None:
-        import json
-
         await self.send(json.dumps(err.body()))
 
     async def done(self) -> None:

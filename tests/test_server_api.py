@@ -1,6 +1,7 @@
 """The OpenAI server through the official `openai` client, against FakeEngine (no model)."""
 
 import asyncio
+import json
 import logging
 import time
 
@@ -234,8 +235,6 @@ def test_chat_echo_and_continue_final_message(server, client, tok):
 def test_tokenize_detokenize_and_templates(server, tok):
     url = server.base_url
     status, body = http("POST", url + "/tokenize", json={"prompt": "hello world", "return_token_strs": True})
-    import json
-
     data = json.loads(body)
     assert status == 200 and data["tokens"] == tok.encode("hello world") and data["count"] == len(data["tokens"])
     assert data["max_model_len"] == 256 and len(data["token_strs"]) == data["count"]
