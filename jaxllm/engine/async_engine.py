@@ -47,8 +47,9 @@ class AsyncLLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def default_sampling_params(self) -> SamplingParams:
-        return self.engine.default_sampling_params()
+    def default_sampling_params(self) -> dict:
+        """generation_config.json's sampling defaults, as a dict of SamplingParams fields."""
+        return dict(self.engine.generation_defaults)
 
     @property
     def is_running(self) -> bool:
@@ -118,6 +119,8 @@ class AsyncLLM:
                 if engine.has_unfinished_requests():
                     for out in engine.step():
                         self._deliver(out.request_id, out, out.finished)
+                    for request_id, error in engine.pop_failures().items():
+                        self._deliver(request_id, error, True)
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell everyone
             logger.exception("Engine loop died")
             self._dead = e

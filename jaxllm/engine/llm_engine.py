@@ -77,6 +77,7 @@ class LLMEngine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._iteration_tokens: list[int] = []
+        self.failed: dict[str, Exception] = {}  # request_id -> error, for requests that failed mid-flight
 
     # ---- requests ----
     def default_sampling_params(self) -> SamplingParams:
@@ -147,6 +148,10 @@ class LLMEngine:
             self.scheduler.abort(state.seq.seq_id)
             self._seq_to_req.pop(state.seq.seq_id, None)
 
+    def pop_failures(self) -> dict[str, Exception]:
+        failed, self.failed = self.failed, {}
+        return failed
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._inflight is not None
 
@@ -209,22 +214,14 @@ class LLMEngine:
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
             if req is None:
                 continue
-            state = next(s for s in req.seqs if s.seq is seq)
-            row = handle.rows[seq.seq_id]
-            token = seq.output_token_ids[-1]
-            self.generation_tokens_total += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
-                self.prompt_tokens_total += len(req.prompt_token_ids)
-            req.metrics.last_token_time = now
-            lp = float(result.logprobs[row])
-            state.cumulative_logprob += lp
-            if state.logprobs is not None:
-                state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
-                                                         result.top_ids[row], result.top_logprobs[row],
-                                                         req.params.logprobs))
-            self._append_token(req, state, token)
-            self._update_bias(state)
+            try:
+                self._on_token(req, seq, handle, result, now)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not take the others down
+                logger.exception("Request %s failed while processing its output", req.request_id)
+                self.abort_request(req.request_id)
+                self.failed[req.request_id] = e
+                touched.pop(req.request_id, None)
+                continue
             touched[req.request_id] = req
         outputs = []
         for req in touched.values():
@@ -232,6 +229,24 @@ class LLMEngine:
             if out is not None:
                 outputs.append(out)
         return outputs
+
+    def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
+        state = next(s for s in req.seqs if s.seq is seq)
+        row = handle.rows[seq.seq_id]
+        token = seq.output_token_ids[-1]
+        self.generation_tokens_total += 1
+        if req.metrics.first_token_time is None:
+            req.metrics.first_token_time = now
+            self.prompt_tokens_total += len(req.prompt_token_ids)
+        req.metrics.last_token_time = now
+        lp = float(result.logprobs[row])
+        state.cumulative_logprob += lp
+        if state.logprobs is not None:
+            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
+                                                     result.top_ids[row], result.top_logprobs[row],
+                                                     req.params.logprobs))
+        self._append_token(req, state, token)
+        self._update_bias(state)
 
     def _append_token(self, req: _Request, state: _SeqState, token: int) -> None:
         p, seq = req.params, state.seq
@@ -333,7 +348,7 @@ class LLMEngine:
 
     # ---- stats ----
     def stats(self) -> EngineStats:
-        st = self.scheduler.stats()
+        st = self.scheduler.stats
         it, self._iteration_tokens = self._iteration_tokens, []
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,

@@ -49,8 +49,8 @@ def default_limits(args: EngineArgs, gpu: bool) -> tuple[int, int]:
         seqs = args.max_num_seqs or 1024
         tokens = args.max_num_batched_tokens or (8192 if args.server_mode else 16384)
     else:
-        seqs = args.max_num_seqs or 16
-        tokens = args.max_num_batched_tokens or 512
+        seqs = args.max_num_seqs or 8
+        tokens = args.max_num_batched_tokens or 256
     return seqs, max(tokens, seqs)
 
 

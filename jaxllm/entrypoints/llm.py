@@ -82,6 +82,11 @@ class LLM:
                     if out.finished:
                         done[out.request_id] = out
                         bar.update(1)
+                failed = engine.pop_failures()
+                if failed:
+                    for request_id in ids:
+                        engine.abort_request(request_id)
+                    raise next(iter(failed.values()))
         finally:
             bar.close()
         return [done[i] for i in ids]
