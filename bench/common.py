@@ -1,0 +1,194 @@
+"""Shared pieces of the benchmark scripts: model folders for dummy weights, workloads, and result JSON.
+
+Every script writes one JSON file under bench/results/ (or --out) holding the device, the jax version, the
+git commit, the command line and the workload next to its figures, so a number is never without its context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B-Instruct), the shape the issue's goals are set for.
+LLAMA3_8B = dict(
+    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
+    tie_word_embeddings=False, attention_bias=False, bos_token_id=128000, eos_token_id=128009,
+    torch_dtype="bfloat16",
+)
+# A tiny Llama for CPU checks of the scripts (same code path, seconds to build).
+TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+
+
+def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> None:
+    """A word-level tokenizer with one word per id ("<t17>"), saved as tokenizer.json. Prompts in these
+    benchmarks are token ids, so the engine needs a tokenizer only to detokenize outputs; this one covers
+    every id of the vocabulary and needs no download (the real Llama-3 BPE detokenizes at a similar cost)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"<t{bos}>", eos_token=f"<t{eos}>",
+                                   unk_token="<t0>")
+    fast.save_pretrained(out_dir)
+
+
+def make_model_dir(shape: str = "llama3-8b", out_dir: str | None = None) -> str:
+    """Writes config.json + generation_config.json + a token-id tokenizer for `shape`; LLM(dir,
+    load_format="dummy") then builds that shape with random weights on the device."""
+    cfg = SHAPES[shape]
+    out_dir = out_dir or tempfile.mkdtemp(prefix=f"jaxllm-{shape}-")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f)
+    write_token_id_tokenizer(out_dir, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    return out_dir
+
+
+def resolve_model(args) -> str | None:
+    """--model PATH, or --shape NAME (a generated folder, dummy weights), or None (the demo model)."""
+    if getattr(args, "shape", None):
+        return make_model_dir(args.shape)
+    return args.model
+
+
+# ---- workloads ---------------------------------------------------------------------------------------------
+def random_token_prompts(n: int, input_len: int, vocab_size: int, seed: int = 0, lens=None) -> list[list[int]]:
+    """Random token ids in [100, vocab) (clear of special ids at the low end), like vLLM's random dataset."""
+    rng = np.random.default_rng(seed)
+    lens = [input_len] * n if lens is None else lens
+    hi = max(vocab_size, 101)
+    return [rng.integers(min(100, vocab_size - 1), hi, size=int(L)).tolist() for L in lens]
+
+
+def synthetic_sharegpt(n: int, seed: int = 0, max_input: int = 1024, max_output: int = 1024):
+    """A fixed-seed ShareGPT-like length mix: log-normal input and output lengths with ShareGPT's rough
+    medians (about 220 prompt / 200 output tokens, long tails), clipped to [4, max]. Returns (in, out) lists."""
+    rng = np.random.default_rng(seed)
+    inp = np.clip(rng.lognormal(np.log(220), 0.9, n), 4, max_input).astype(int)
+    out = np.clip(rng.lognormal(np.log(200), 0.8, n), 4, max_output).astype(int)
+    return inp.tolist(), out.tolist()
+
+
+# ---- engine flags shared by the jaxllm scripts ---------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder; omitted: the demo model")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="generate a config + tokenizer of this shape in a temp dir (use with --load-format dummy)")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxllm/xla")
+    p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
+                   help="off by default here: random prompts share nothing, as in vLLM's bench")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="result JSON path (default bench/results/<script>_<device>.json)")
+    p.add_argument("--log-level", default="info")
+
+
+def setup_logging(level: str = "info") -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+                        datefmt="%H:%M:%S")
+
+
+def engine_kwargs(args, model: str | None) -> dict:
+    kw = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+              attention_backend=args.attention_backend, seed=args.seed,
+              compilation_cache_dir=args.compilation_cache_dir or None,
+              num_gpu_blocks_override=args.num_gpu_blocks_override,
+              enable_prefix_caching=args.enable_prefix_caching)
+    return kw
+
+
+def engine_summary(llm) -> dict:
+    """What the engine was built with: limits, buckets, KV size, backend."""
+    eng = llm.llm_engine
+    r = eng.runner
+    sc = eng.scheduler.config if hasattr(eng.scheduler, "config") else None
+    return dict(
+        max_model_len=eng.max_model_len,
+        max_num_seqs=getattr(sc, "max_num_seqs", None),
+        max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", None),
+        seq_buckets=list(r.seq_buckets), token_buckets=list(r.token_buckets),
+        num_variants_compiled=len(r._compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
+        kv_cache_tokens=(r.num_blocks - 1) * r.block_size, attention_backend=r.attn.backend,
+        dtype=str(eng.model_config.dtype), enforce_eager=llm.engine_args.enforce_eager,
+    )
+
+
+# ---- results -------------------------------------------------------------------------------------------------
+def git_commit() -> str | None:
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment(with_jax: bool = True) -> dict:
+    env = dict(host=platform.node(), python=platform.python_version(), cpu_count=os.cpu_count(),
+               commit=git_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if with_jax:
+        import jax
+
+        d = jax.devices()[0]
+        env.update(jax=jax.__version__, backend=jax.default_backend(), device=d.device_kind,
+                   num_devices=jax.device_count())
+    return env
+
+
+def device_tag(env: dict) -> str:
+    return "".join(c if c.isalnum() else "-" for c in env.get("device", "cpu")).strip("-").lower()
+
+
+def write_result(script: str, result: dict, out: str | None = None) -> str:
+    path = out or os.path.join(RESULTS, f"{script}_{device_tag(result.get('env', {}))}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(f"wrote {path}", flush=True)
+    return path
+
+
+def pct(values, qs=(50, 90, 99)) -> dict:
+    if not len(values):
+        return {f"p{q}": None for q in qs} | {"mean": None}
+    a = np.asarray(values, np.float64)
+    return {f"p{q}": float(np.percentile(a, q)) for q in qs} | {"mean": float(a.mean())}

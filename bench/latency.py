@@ -1,0 +1,101 @@
+"""Latency of one batch through LLM.generate, like `vllm bench latency`: TTFT, ITL, decode tok/s.
+
+  python bench/latency.py --shape llama3-8b --load-format dummy --batch-size 1 --batch-size 64 \\
+      --input-len 128 --output-len 128
+
+For each batch size: --num-iters timed runs after --num-iters-warmup, each a fresh batch of random-token
+prompts with ignore_eos. Per request, from RequestMetrics: TTFT = first token - arrival, ITL = (last - first
+token) / (output - 1). Decode tok/s per sequence = 1 / ITL; batch tok/s = batch * output / end-to-end.
+The JSON also has the time to ready (LLM() built and every bucket compiled).
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--batch-size", type=int, action="append", default=None, help="repeatable (default 1 and 8)")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=3)
+    p.add_argument("--num-iters-warmup", type=int, default=1)
+    p.add_argument("--profile-dir", default=None, help="trace one batch-1 run with jax.profiler and sum it up")
+    return p.parse_args(argv)
+
+
+def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> dict:
+    from jaxllm import SamplingParams
+
+    vocab = llm.llm_engine.vocab_size
+    prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(batch, input_len, vocab, seed)]
+    sp = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=0.0)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    e2e = time.perf_counter() - t0
+    ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
+    itl = [(o.metrics.last_token_time - o.metrics.first_token_time) / max(len(o.outputs[0].token_ids) - 1, 1)
+           for o in outs]
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    return dict(e2e_s=e2e, ttft_s=ttft, itl_s=itl, output_tokens=n_out)
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    common.setup_logging(args.log_level)
+    from jaxllm import LLM
+
+    model = common.resolve_model(args)
+    t0 = time.perf_counter()
+    llm = LLM(model, **common.engine_kwargs(args, model))
+    t_ready = time.perf_counter()
+    env = common.environment()
+    runner = llm.llm_engine.runner
+    compiled_before = len(runner._compiled)
+    results = []
+    for batch in args.batch_size or [1, 8]:
+        for i in range(args.num_iters_warmup):
+            run_batch(llm, batch, args.input_len, args.output_len, seed=1000 + i)
+        runs = [run_batch(llm, batch, args.input_len, args.output_len, seed=i) for i in range(args.num_iters)]
+        ttft = [t for r in runs for t in r["ttft_s"]]
+        itl = [t for r in runs for t in r["itl_s"]]
+        e2e = [r["e2e_s"] for r in runs]
+        out_tok = runs[0]["output_tokens"]
+        row = dict(batch_size=batch, ttft_s=common.pct(ttft), itl_s=common.pct(itl), e2e_s=common.pct(e2e),
+                   decode_tok_per_s_per_seq=1.0 / common.pct(itl)["p50"],
+                   batch_output_tok_per_s=out_tok / common.pct(e2e)["p50"])
+        results.append(row)
+        print(f"batch {batch}: TTFT p50 {row['ttft_s']['p50'] * 1e3:.1f} ms, ITL p50 {row['itl_s']['p50'] * 1e3:.2f} ms"
+              f" ({row['decode_tok_per_s_per_seq']:.1f} tok/s per sequence), e2e p50 {row['e2e_s']['p50']:.2f} s,"
+              f" {row['batch_output_tok_per_s']:.1f} output tok/s", flush=True)
+    res = dict(env=env, engine=common.engine_summary(llm),
+               workload=dict(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
+                             ignore_eos=True, temperature=0.0, model=args.model or args.shape or "demo",
+                             load_format=args.load_format),
+               time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
+               results=results, compiles_during_run=len(runner._compiled) - compiled_before,
+               compiles_after_warmup=runner.num_compiles_after_warmup)
+    if args.profile_dir:
+        from bench.throughput import profile_run
+
+        vocab = llm.llm_engine.vocab_size
+        prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(1, args.input_len, vocab, 7)]
+        res["profile"] = profile_run(llm, prompts, min(args.output_len, 64), args.profile_dir)
+    common.write_result("latency", res, args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()

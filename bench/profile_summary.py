@@ -1,0 +1,94 @@
+"""Reads an XProf trace (*.xplane.pb from jax.profiler.trace) and sums up what a miss needs explained:
+GPU busy time vs the traced wall time (host gaps), the kernels that take the time, the XLA module runs
+(one per engine step) and any compilation inside the trace (recompiles).
+
+  python bench/profile_summary.py TRACE_DIR_OR_FILE   -> prints the JSON summary
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import sys
+
+
+def find_xplane(path: str) -> str | None:
+    if os.path.isfile(path):
+        return path
+    hits = sorted(glob.glob(os.path.join(path, "**", "*.xplane.pb"), recursive=True), key=os.path.getmtime)
+    return hits[-1] if hits else None
+
+
+def _union(intervals):
+    total, end = 0.0, None
+    gaps = []
+    for s, e in sorted(intervals):
+        if end is None:
+            total, end = e - s, e
+            continue
+        if s > end:
+            gaps.append(s - end)
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total, gaps
+
+
+def summarize(path: str, top: int = 15) -> dict:
+    from jax.profiler import ProfileData
+
+    f = find_xplane(path)
+    if f is None:
+        return {"error": f"no .xplane.pb under {path}"}
+    pd = ProfileData.from_file(f)
+    out: dict = {"file": f, "devices": []}
+    compiles = collections.Counter()
+    compile_ns = collections.Counter()
+    for plane in pd.planes:
+        if plane.name.startswith("/device:"):
+            dev = {"plane": plane.name}
+            kernels, kernel_time = [], collections.Counter()
+            modules = collections.Counter()
+            module_time = collections.Counter()
+            for line in plane.lines:
+                evs = list(line.events)
+                if line.name == "XLA Modules":
+                    for e in evs:
+                        modules[e.name] += 1
+                        module_time[e.name] += e.duration_ns
+                elif line.name.startswith("Stream") or "stream" in line.name.lower():
+                    for e in evs:
+                        kernels.append((e.start_ns, e.start_ns + e.duration_ns))
+                        kernel_time[e.name] += e.duration_ns
+            if kernels:
+                busy, gaps = _union(kernels)
+                span = max(e for _, e in kernels) - min(s for s, _ in kernels)
+                big = [g for g in gaps if g > 50_000]
+                dev.update(
+                    span_ms=span / 1e6, busy_ms=busy / 1e6, busy_fraction=busy / span if span else None,
+                    idle_ms=(span - busy) / 1e6, gaps_over_50us=len(big), gaps_over_50us_ms=sum(big) / 1e6,
+                    largest_gaps_ms=[g / 1e6 for g in sorted(gaps, reverse=True)[:8]],
+                    top_kernels=[{"name": k[:120], "ms": v / 1e6, "share": v / max(busy, 1)}
+                                 for k, v in kernel_time.most_common(top)])
+            if modules:
+                dev["xla_modules"] = [{"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}
+                                      for k, _ in module_time.most_common(top)]
+            out["devices"].append(dev)
+        else:
+            for line in plane.lines:
+                for e in line.events:
+                    n = e.name.lower()
+                    if "compile" in n and "cache" not in n:
+                        compiles[e.name] += 1
+                        compile_ns[e.name] += e.duration_ns
+    out["host_compile_events"] = [{"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6}
+                                  for k, c in compiles.most_common(top)]
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(summarize(sys.argv[1]), indent=1))
