@@ -9,6 +9,7 @@ the device too: the next step reads them from `prev_tokens` for sequences whose 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -24,7 +25,7 @@ from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, samp
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.models.decoder import compute_logits, forward
-from jaxllm.sharding import named_sharding
+from jaxllm.sharding import make_kv_caches, mesh_pp
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,13 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, cfg=cfg,
+                                   flags=flags, prompt_k=prompt_k))
+
+
+def _sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, *, cfg: ModelConfig,
+               flags: SamplerFlags, prompt_k: int):
+    """Logits, sampling and prompt logprobs from the last layer's hidden states (also the pipeline's tail)."""
     logits = compute_logits(params, hidden[logits_indices], cfg)
     tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
     next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
@@ -98,7 +106,7 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
         t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
         p_lp, p_ids = jax.lax.top_k(all_lp, prompt_k)
         prompt = (t_lp, t_rank, p_ids.astype(jnp.int32), p_lp)
-    return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp), prompt
+    return next_prev, (tokens, lp, ranks, top_ids, top_lp), prompt
 
 
 class ModelRunner:
@@ -106,6 +114,8 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  max_logprobs: int = 20):
+        if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
+            attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
@@ -119,6 +129,14 @@ class ModelRunner:
         self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
         self._prev_rows: dict[str, int] = {}
         self._jit = jax.jit(_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"), donate_argnums=(1,))
+        self.pipeline = None
+        if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled on first use)
+            from jaxllm.engine.pipeline import PipelineExecutor
+
+            self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
+                                             max_pages=self.max_pages, token_buckets=self.token_buckets,
+                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE)
+            self._sample_jit = jax.jit(_sample_fn, static_argnames=("cfg", "flags", "prompt_k"))
         self._compiled: dict[StepVariant, object] = {}
         self.warmed_up = False
         self.eager = False
@@ -126,10 +144,8 @@ class ModelRunner:
 
     # ---- memory ----
     def _allocate_kv(self):
-        K, H, S = self.cfg.num_kv_heads, self.cfg.head_dim, self.block_size
-        sharding = named_sharding(self.mesh, ("kv_heads", "pages", "page_slots", "head_dim"))
-        make = jax.jit(lambda: jnp.zeros((K, self.num_blocks, S, H), self.kv_dtype), out_shardings=sharding)
-        return [(make(), make()) for _ in range(self.cfg.num_layers)]
+        # kv heads over tp (repeated when tp > K), each layer on its pipeline stage's devices.
+        return make_kv_caches(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto") -> int:
@@ -172,7 +188,7 @@ class ModelRunner:
     def warm_up(self, enforce_eager: bool = False) -> None:
         """Compiles every shape bucket now, so serving never stalls on the compiler (enforce_eager: skip)."""
         self.eager = enforce_eager
-        if not enforce_eager:
+        if not enforce_eager and self.pipeline is None:
             t0 = time.perf_counter()
             for v in self.variants():
                 self._executable(v, self._dummy_args(v))
@@ -239,10 +255,16 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         p = self.prepare(sched)
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
-        args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
-                prompt_targets)
-        exe = self._executable(p.variant, args)
-        self.kv_caches, self.prev_tokens, outputs, prompt = exe(*args)
+        if self.pipeline is not None:
+            self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
+            self.prev_tokens, outputs, prompt = self._sample_jit(
+                self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
+                cfg=self.cfg, flags=p.variant.flags, prompt_k=p.variant.prompt_logprobs)
+        else:
+            args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
+                    prompt_targets)
+            exe = self._executable(p.variant, args)
+            self.kv_caches, self.prev_tokens, outputs, prompt = exe(*args)
         self._prev_rows = dict(p.sample_rows)
         return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 

@@ -1,0 +1,40 @@
+"""Greedy tokens through the whole engine (LLM) at tp / pp / tp x pp equal tp=1, from an HF directory and
+from a converted Orbax checkpoint."""
+
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from tests.tiny_models import make_tiny_model_dir
+
+PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3],
+           [44, 55, 66, 77, 88, 99, 11, 22, 33]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))[0]
+
+
+def greedy(model_dir, **kw):
+    llm = LLM(model_dir, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32,
+              block_size=8, enforce_eager=True, max_model_len=64, compilation_cache_dir=None, **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def ref(tiny):
+    return greedy(tiny)
+
+
+@pytest.mark.parametrize("tp, pp", [(4, 1), (1, 2), (2, 2)])
+def test_engine_greedy_equal_tp1(tiny, ref, tp, pp):
+    assert greedy(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp) == ref
+
+
+def test_engine_loads_converted_checkpoint(tiny, ref, tmp_path):
+    from convert import convert_checkpoint
+
+    out = convert_checkpoint(tiny, str(tmp_path / "orbax"), tp=2, dtype="float32", progress=False)
+    assert greedy(out, tensor_parallel_size=2) == ref
