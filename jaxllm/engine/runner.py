@@ -12,7 +12,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -185,14 +187,22 @@ class ModelRunner:
                 logger.debug(msg, v, time.perf_counter() - t0)
         return exe
 
-    def warm_up(self, enforce_eager: bool = False) -> None:
-        """Compiles every shape bucket now, so serving never stalls on the compiler (enforce_eager: skip)."""
+    def warm_up(self, enforce_eager: bool = False, workers: int | None = None) -> None:
+        """Compiles every shape bucket now, so serving never stalls on the compiler (enforce_eager: skip).
+        Tracing is sequential; XLA compiles in a thread pool (it releases the GIL), which divides the
+        cold start by about the number of buckets compiled at once."""
         self.eager = enforce_eager
-        if not enforce_eager and self.pipeline is None:
+        if not enforce_eager:
             t0 = time.perf_counter()
-            for v in self.variants():
-                self._executable(v, self._dummy_args(v))
-            logger.info("Compiled %d step variants in %.1f s", len(self._compiled), time.perf_counter() - t0)
+            todo = [v for v in self.variants() if v not in self._compiled]
+            lowered = [self._jit.lower(*self._dummy_args(v), cfg=self.cfg, attn=self.attn, flags=v.flags,
+                                       prompt_k=v.prompt_logprobs) for v in todo]
+            workers = max(1, min(workers or 8, len(todo), os.cpu_count() or 1))
+            with ThreadPoolExecutor(workers) as pool:
+                for v, exe in zip(todo, pool.map(lambda low: low.compile(), lowered)):
+                    self._compiled[v] = exe
+            logger.info("Compiled %d step variants in %.1f s (%d threads)", len(self._compiled),
+                        time.perf_counter() - t0, workers)
         self.warmed_up = True
 
     def _dummy_args(self, v: StepVariant):
@@ -200,7 +210,7 @@ class ModelRunner:
         z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
         meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
                                  v.decode_only)
-        smd = self._sampling_arrays([None] * B, [], v.flags)
+        smd = self._sampling_arrays([None] * B, v.flags)
         return (self.params, self.kv_caches, z(T), np.full(T, -1, np.int32), self.prev_tokens, meta, z(B), smd,
                 np.full(T, -1, np.int32))
 
@@ -208,19 +218,17 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
         bench/host_overhead.py)."""
-        chunks, src, sample_rows, prompt_rows, params = [], [], {}, {}, []
+        chunks, src, sample_rows, prompt_rows = [], [], {}, {}
         n_tok = 0
         for s in sched.scheduled:
             seq = s.seq
-            ids = s.token_ids if not s.from_device else [0]
-            chunks.append(SeqChunk(ids, s.start, seq.block_table))
+            chunks.append(SeqChunk(s.token_ids if not s.from_device else [0], s.start, seq.block_table))
             src.extend([self._prev_rows[seq.seq_id]] if s.from_device else [-1] * s.num_tokens)
-            sp = seq.sampling_params
             if s.sample:
                 sample_rows[seq.seq_id] = len(chunks) - 1
+            sp = seq.sampling_params
             if sp is not None and sp.prompt_logprobs is not None and s.start < seq.num_prompt_tokens:
                 prompt_rows[seq.seq_id] = (n_tok, s.num_tokens)
-            params.append(seq)
             n_tok += s.num_tokens
         decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
         if decode_only:
@@ -232,18 +240,16 @@ class ModelRunner:
         inp = build_step_inputs(chunks, self.block_size, T, B, self.max_pages, PAD_PAGE)
         src_rows = np.full(T, -1, np.int32)
         src_rows[:n_tok] = src
-        flags = self._flags(params)
+        flags = self._flags([s.seq for s in sched.scheduled])
         prompt_k = self.max_logprobs if prompt_rows else 0
         prompt_targets = np.full(T, -1, np.int32)
-        for seq_id, (lo, n) in prompt_rows.items():
-            seq = next(p for p in params if p.seq_id == seq_id)
-            start = next(s.start for s in sched.scheduled if s.seq is seq)
-            for j in range(n):
-                pos = start + j + 1
-                if pos < seq.num_prompt_tokens:
-                    prompt_targets[lo + j] = seq.prompt_token_ids[pos]
-        seqs_padded = [seq if s.sample else None for seq, s in zip(params, sched.scheduled)]
-        smd = self._sampling_arrays(seqs_padded + [None] * (B - len(params)), [], flags)
+        for s in sched.scheduled:
+            if s.seq.seq_id in prompt_rows:  # token j's target: the prompt token after it, if any
+                lo, n = prompt_rows[s.seq.seq_id]
+                targets = s.seq.prompt_token_ids[s.start + 1 : s.start + n + 1]
+                prompt_targets[lo : lo + len(targets)] = targets
+        sampled = [s.seq if s.sample else None for s in sched.scheduled]
+        smd = self._sampling_arrays(sampled + [None] * (B - len(chunks)), flags)
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
         widths = tuple(a.shape[1] for a in (smd.penalty_tokens, smd.penalty_is_output, smd.bias_ids,
@@ -287,7 +293,7 @@ class ModelRunner:
                 k = self.max_logprobs
         return SamplerFlags(filtering, penalties, bias, k)
 
-    def _sampling_arrays(self, seqs, _unused, flags: SamplerFlags) -> SamplingMetadata:
+    def _sampling_arrays(self, seqs, flags: SamplerFlags) -> SamplingMetadata:
         B = len(seqs)
         temp = np.zeros(B, np.float32)
         top_p = np.ones(B, np.float32)
