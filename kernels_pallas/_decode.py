@@ -112,7 +112,7 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, interpret=False, block_k=64, num_splits=None, num_warps=2, num_stages=2,
+    sliding_window=None, interpret=False, block_k=128, num_splits=None, num_warps=4, num_stages=2,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
