@@ -1,0 +1,58 @@
+"""Host-side engine configs: the KV cache's paging (CacheConfig) and the scheduler's limits (SchedulerConfig).
+
+Both are frozen and keyword-only; validation errors are ValueErrors that name the field, with vLLM's wording
+where vLLM has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheConfig:
+    block_size: int = 16  # tokens per KV block (page)
+    num_blocks: int  # pages in the KV cache, including the reserved null block 0 (see block_manager)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_blocks", self.num_blocks, 2)  # block 0 is reserved, so at least one usable block
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+    @property
+    def num_usable_tokens(self) -> int:
+        return self.num_usable_blocks * self.block_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256  # sequences in a step
+    max_num_batched_tokens: int = 2048  # token budget of a step
+    max_model_len: int  # prompt + output tokens of one sequence
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_model_len", self.max_model_len, 1)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}). This effectively limits the maximum sequence length to "
+                "max_num_batched_tokens and makes jaxllm reject longer sequences. Please increase "
+                "max_num_batched_tokens or decrease max_model_len, or enable chunked prefill."
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be greater than or equal to "
+                f"max_num_seqs ({self.max_num_seqs})."
+            )
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

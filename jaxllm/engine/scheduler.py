@@ -1,0 +1,280 @@
+"""Continuous-batching scheduler (vLLM V1 policy) on host ints. Imports no jax.
+
+One step: schedule() -> SchedulerOutput -> the runner runs it -> update(output, sampled) -> the engine detokenizes,
+checks stops and calls finish() (see jaxllm.engine.protocol for the whole data flow).
+
+Policy of schedule(), under a token budget (max_num_batched_tokens) and max_num_seqs:
+1. Running sequences first, oldest first (by priority, arrival, add order): each gets all its remaining tokens
+   (a decode: 1; an in-progress chunked prefill: the rest of its prompt) cut to the remaining budget. When the
+   pages for a chunk do not fit, the newest running sequence (highest priority value, latest arrival) is
+   preempted by recompute: its pages are freed, num_computed_tokens = 0, its output tokens are kept, and it
+   goes back to the waiting queue; if the sequence needing pages is itself the newest, it is the one preempted.
+2. Then, unless something was preempted this step, waiting sequences in (priority, arrival, add order): each
+   first reuses prefix-cache pages, then is admitted with as many tokens as the budget allows (chunked
+   prefill) or only whole (chunked prefill off); admission stops at the first sequence that does not fit.
+   A re-admitted sequence recomputes prompt + outputs, with prefix-cache hits.
+num_computed_tokens advances at schedule time. A chunk that reaches the end of the sequence's tokens has
+sample=True: the step samples the next token, and num_pending goes up by one until update() delivers it.
+
+Async scheduling: schedule() for step N+1 may run before update() for step N. A sequence sampled in step N then
+has num_pending=1 and its next chunk is that single pending token, whose id only the device knows
+(ScheduledSeq.token_ids is empty; the runner feeds the token sampled for this sequence in step N). A sequence
+preempted while it has a pending token is not re-admitted until update() delivers it. update() ignores tokens
+of sequences that were finished or aborted after their step was scheduled. Pages freed while a step that
+writes them is in flight are safe to hand out again because the device runs steps in order; so every
+SchedulerOutput must run in full (see block_manager for this and the write-then-attend rule).
+
+The scheduler never finishes a sequence: it stops sampling a sequence once len(output) + num_pending reaches
+its max_tokens or its num_tokens reaches max_model_len, and the engine must then finish() it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from jaxllm.engine.block_manager import BlockManager
+from jaxllm.engine.configs import CacheConfig, SchedulerConfig
+from jaxllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int  # position of the first new token (num_computed_tokens before this step)
+    num_tokens: int  # new tokens this step: positions [start, start + num_tokens)
+    sample: bool  # the chunk reaches the sequence's end, so this step samples its next token
+    # Input ids known at schedule time: all num_tokens of them, or none when the input is the token the
+    # previous step sampled on the device (async scheduling).
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def from_device(self) -> bool:
+        """The input is the token the previous step sampled for this sequence, still on the device."""
+        return len(self.token_ids) < self.num_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """More than one token, or a first chunk: the prompt (or a recompute) rather than a decode."""
+        return self.num_tokens > 1 or self.start < self.seq.num_prompt_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # seq_ids preempted by this schedule()
+    num_batched_tokens: int = 0
+    # seq_ids finished, aborted or preempted since the previous schedule(): the runner drops their per-sequence
+    # state (a preempted sequence comes back with fresh pages and a recompute).
+    freed: list[str] = field(default_factory=list)
+    step_id: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    prefix_cache_queries: int  # tokens, totals since start
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+def _queue_key(seq: Sequence) -> tuple:
+    return (seq.priority, seq.arrival_time, seq.order)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_usable_tokens < scheduler_config.max_model_len:
+            raise ValueError(
+                f"The KV cache holds {cache_config.num_usable_tokens} tokens "
+                f"({cache_config.num_usable_blocks} blocks of {cache_config.block_size}; block 0 is reserved), "
+                f"fewer than max_model_len ({scheduler_config.max_model_len}), so one sequence of max_model_len "
+                "tokens could never run. Increase num_blocks (gpu_memory_utilization) or decrease max_model_len."
+            )
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = BlockManager(
+            cache_config.num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self.seqs: dict[str, Sequence] = {}  # every unfinished sequence
+        self.waiting: list[Sequence] = []  # sorted by _queue_key
+        self.running: list[Sequence] = []  # sorted by _queue_key: the tail is preempted first
+        self.num_preemptions = 0
+        self._next_order = 0
+        self._step_id = 0
+        self._freed: list[str] = []
+
+    # ---- requests ----
+
+    def add(self, seq: Sequence) -> None:
+        if seq.seq_id in self.seqs:
+            raise ValueError(f"Sequence {seq.seq_id!r} already exists.")
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.num_pending:
+            raise ValueError(f"Sequence {seq.seq_id!r} must be new, got {seq!r}.")
+        if seq.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"Sequence {seq.seq_id!r} has {seq.num_tokens} tokens, more than max_model_len "
+                f"({self.config.max_model_len})."
+            )
+        seq.order = self._next_order
+        self._next_order += 1
+        self.seqs[seq.seq_id] = seq
+        bisect.insort(self.waiting, seq, key=_queue_key)
+
+    def abort(self, seq_id: str) -> bool:
+        """Aborts a sequence in any state and frees its pages at once; False when it is unknown or finished."""
+        return self.finish(seq_id, SequenceStatus.FINISHED_ABORTED)
+
+    def finish(self, seq_id: str, status: SequenceStatus) -> bool:
+        """Finishes a sequence (the engine's call: stop, length, abort) and frees its pages; False when it is
+        unknown or already finished."""
+        if not status.is_finished:
+            raise ValueError(f"finish() needs a FINISHED_* status, got {status}.")
+        seq = self.seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        was_running = seq.status is SequenceStatus.RUNNING
+        (self.running if was_running else self.waiting).remove(seq)
+        self.block_manager.free(seq)
+        seq.status = status
+        if was_running:  # a preempted one was reported when it was preempted
+            self._freed.append(seq_id)
+        return True
+
+    def get(self, seq_id: str) -> Sequence | None:
+        return self.seqs.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.seqs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- one step ----
+
+    def _wants_tokens(self, seq: Sequence) -> bool:
+        """False once the sequence may sample no more, so the engine is about to finish it: max_tokens outputs,
+        or num_tokens at max_model_len (a prompt of exactly max_model_len still samples one token, as in vLLM)."""
+        num_outputs = seq.num_output_tokens + seq.num_pending
+        if num_outputs and seq.num_tokens >= self.config.max_model_len:
+            return False
+        return seq.max_tokens is None or num_outputs < seq.max_tokens
+
+    def _schedule_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        start = seq.num_computed_tokens
+        known_end = min(start + num_new, seq.num_known_tokens)
+        token_ids = seq.token_ids_slice(start, known_end) if known_end > start else []
+        assert len(token_ids) in (0, num_new) and (token_ids or num_new == 1), (seq, start, num_new)
+        seq.num_computed_tokens = start + num_new
+        sample = seq.num_computed_tokens == seq.num_tokens
+        if sample:
+            seq.num_pending += 1
+        out.scheduled.append(ScheduledSeq(seq, start, num_new, sample, token_ids))
+        out.num_batched_tokens += num_new
+        self.block_manager.commit_full_blocks(seq)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=_queue_key)
+        out.preempted.append(seq.seq_id)
+        self._freed.append(seq.seq_id)
+
+    def schedule(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        out = SchedulerOutput(step_id=self._step_id)
+        self._step_id += 1
+        budget = cfg.max_num_batched_tokens
+
+        # 1. Running sequences, oldest first. Victims come from the tail, so they were not scheduled yet.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = seq.num_tokens - seq.num_computed_tokens
+            if num_new == 0 or not self._wants_tokens(seq):
+                i += 1
+                continue
+            if not cfg.enable_chunked_prefill and num_new > budget:
+                i += 1  # runs whole or not at all (only recomputes get here: prefills complete at admission)
+                continue
+            num_new = min(num_new, budget)
+            while not bm.ensure_slots(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break  # seq preempted itself: everything after it is gone too
+            self._schedule_chunk(out, seq, num_new)
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting sequences, unless this step had to preempt.
+        if not out.preempted:
+            j = 0
+            while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                seq = self.waiting[j]
+                if seq.num_pending or not self._wants_tokens(seq):
+                    j += 1  # preempted with a token still in flight (wait for update()), or about to finish
+                    continue
+                cached = bm.find_cached_prefix(seq)
+                num_cached = len(cached) * bm.block_size
+                num_new = seq.num_tokens - num_cached
+                if not cfg.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if bm.allocate_prompt(seq, num_new, cached) is None:
+                    break
+                del self.waiting[j]
+                if seq.status is SequenceStatus.WAITING:
+                    seq.num_cached_tokens = num_cached
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=_queue_key)
+                self._schedule_chunk(out, seq, num_new)
+                budget -= num_new
+
+        out.freed, self._freed = self._freed, []
+        return out
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Appends the tokens sampled by the step that ran `output`; returns the sequences that got one (the
+        new token is seq.output_token_ids[-1]). Tokens of sequences finished since `output` are dropped."""
+        appended = []
+        for s in output.scheduled:
+            seq = s.seq
+            if not s.sample or seq.is_finished:
+                continue
+            seq.output_token_ids.append(int(sampled[seq.seq_id]))
+            seq.num_pending -= 1
+            assert seq.num_pending >= 0, seq
+            if seq.status is SequenceStatus.RUNNING:
+                self.block_manager.commit_full_blocks(seq)
+            appended.append(seq)
+        return appended
