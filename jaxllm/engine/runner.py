@@ -163,14 +163,6 @@ class ModelRunner:
                                    SamplerFlags(), 0))
         return out
 
-    def _abstract_args(self, v: StepVariant):
-        T, B = v.num_tokens, v.num_seqs
-        i32, f32 = jnp.int32, jnp.float32
-        sds = jax.ShapeDtypeStruct
-        meta = AttentionMetadata(sds((T,), i32), sds((T,), i32), sds((B,), i32), sds((B + 1,), i32),
-                                 sds((B, self.max_pages), i32), v.decode_only)
-        return meta
-
     def _executable(self, v: StepVariant, args):
         exe = self._compiled.get(v)
         if exe is None:
