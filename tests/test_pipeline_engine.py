@@ -28,7 +28,7 @@ def ref(tiny):
     return greedy(tiny)
 
 
-@pytest.mark.parametrize("tp, pp", [(4, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])  # tp=4 > kv heads: test_sharding, test_convert
 def test_engine_greedy_equal_tp1(tiny, ref, tp, pp):
     assert greedy(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp) == ref
 
