@@ -7,6 +7,7 @@ their block tables at pad_page, a page that is safe to read.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,34 +44,47 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: int, num_seqs_pad: int,
                       max_pages_pad: int, pad_page: int = 0) -> StepInputs:
-    T, B, M = num_tokens_pad, num_seqs_pad, max_pages_pad
-    q_lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int32)
+    # Vectorised over sequences: per-sequence numpy calls cost ~10 us each, which at 256 sequences is most
+    # of a step's host budget (bench/host_overhead.py).
+    T, B, M, S = num_tokens_pad, num_seqs_pad, max_pages_pad, block_size
+    n = len(chunks)
+    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, n)
+    starts = np.fromiter((c.start for c in chunks), np.int32, n)
+    t_lens = np.fromiter((len(c.block_table) for c in chunks), np.int32, n)
     n_tok = int(q_lens.sum())
-    if n_tok > T or len(chunks) > B:
-        raise ValueError(f"{n_tok} tokens / {len(chunks)} sequences exceed the bucket {T} / {B}.")
+    if n_tok > T or n > B:
+        raise ValueError(f"{n_tok} tokens / {n} sequences exceed the bucket {T} / {B}.")
+    ends = starts + q_lens
+    short = np.nonzero(t_lens * S < ends)[0]
+    if len(short):
+        b = int(short[0])
+        raise ValueError(f"sequence {b}: block table covers {int(t_lens[b]) * S} < {int(ends[b])} tokens.")
+    wide = np.nonzero(t_lens > M)[0]
+    if len(wide):
+        b = int(wide[0])
+        raise ValueError(f"sequence {b}: {int(t_lens[b])} pages exceed the bucket {M}.")
+    query_start_loc = np.zeros(B + 1, np.int32)
+    np.cumsum(q_lens, out=query_start_loc[1 : n + 1])
+    query_start_loc[n + 1 :] = n_tok
+    block_tables = np.full((B, M), pad_page, np.int32)
+    n_pages = int(t_lens.sum())
+    if n_pages:
+        flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), np.int32, n_pages)
+        rows = np.repeat(np.arange(n, dtype=np.int32), t_lens)
+        cols = np.arange(n_pages, dtype=np.int32) - np.repeat(np.cumsum(t_lens) - t_lens, t_lens)
+        block_tables[rows, cols] = flat
     token_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.full(T, -1, np.int32)
+    if n_tok:
+        token_ids[:n_tok] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, n_tok)
+        tok_seq = np.repeat(np.arange(n, dtype=np.int32), q_lens)
+        pos = np.arange(n_tok, dtype=np.int32) + np.repeat(starts - query_start_loc[:n], q_lens)
+        positions[:n_tok] = pos
+        slot_mapping[:n_tok] = block_tables[tok_seq, pos // S] * S + pos % S
     seq_lens = np.zeros(B, np.int32)
-    query_start_loc = np.zeros(B + 1, np.int32)
-    query_start_loc[1 : len(chunks) + 1] = np.cumsum(q_lens)
-    query_start_loc[len(chunks) + 1 :] = n_tok
-    block_tables = np.full((B, M), pad_page, np.int32)
+    seq_lens[:n] = ends
     logits_indices = np.zeros(B, np.int32)
-    for b, c in enumerate(chunks):
-        lo, n = query_start_loc[b], len(c.token_ids)
-        end = c.start + n
-        if len(c.block_table) * block_size < end:
-            raise ValueError(f"sequence {b}: block table covers {len(c.block_table) * block_size} < {end} tokens.")
-        if len(c.block_table) > M:
-            raise ValueError(f"sequence {b}: {len(c.block_table)} pages exceed the bucket {M}.")
-        pos = np.arange(c.start, end, dtype=np.int32)
-        table = np.asarray(c.block_table, np.int32)
-        token_ids[lo : lo + n] = c.token_ids
-        positions[lo : lo + n] = pos
-        slot_mapping[lo : lo + n] = table[pos // block_size] * block_size + pos % block_size
-        seq_lens[b] = end
-        block_tables[b, : len(table)] = table
-        logits_indices[b] = lo + n - 1
+    logits_indices[:n] = query_start_loc[1 : n + 1] - 1
     return StepInputs(token_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
-                      logits_indices, n_tok, len(chunks), bool(len(chunks) and (q_lens == 1).all()))
+                      logits_indices, n_tok, n, bool(n and (q_lens == 1).all()))
