@@ -111,6 +111,17 @@ def _sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets,
     return next_prev, (tokens, lp, ranks, top_ids, top_lp), prompt
 
 
+def _compile_or_none(lowered):
+    """Compiles; None when XLA's autotuner runs out of device memory (several compiles at once, KV cache
+    already allocated): the caller compiles that variant again on its own."""
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
@@ -191,8 +202,15 @@ class ModelRunner:
                                        prompt_k=v.prompt_logprobs) for v in todo]
             workers = max(1, min(workers or 8, len(todo), os.cpu_count() or 1))
             with ThreadPoolExecutor(workers) as pool:
-                for v, exe in zip(todo, pool.map(lambda low: low.compile(), lowered)):
-                    self._compiled[v] = exe
+                exes = list(pool.map(_compile_or_none, lowered))
+            retried = 0
+            for v, low, exe in zip(todo, lowered, exes):
+                if exe is None:  # out of device memory for parallel autotuning: compile this one alone
+                    exe, retried = low.compile(), retried + 1
+                self._compiled[v] = exe
+            if retried:
+                logger.warning("%d step variants ran out of device memory compiling in parallel; compiled them "
+                               "one at a time", retried)
             logger.info("Compiled %d step variants in %.1f s (%d threads)", len(self._compiled),
                         time.perf_counter() - t0, workers)
         self.warmed_up = True
