@@ -139,10 +139,12 @@ class AsyncLLM:
                 try:
                     self.engine.add_request(request_id, prompt, params, priority=priority)
                 except Exception as e:  # noqa: BLE001 - bad input fails this request only
-                    loop.call_soon_threadsafe(_set_exception, added, e)
+                    _call_soon(loop, _set_exception, added, e)
                     continue
                 self._streams[request_id] = (loop, stream)
-                loop.call_soon_threadsafe(_set_result, added)
+                if not _call_soon(loop, _set_result, added):
+                    self._streams.pop(request_id, None)
+                    self.engine.abort_request(request_id)
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
                 self._streams.pop(cmd[1], None)
@@ -151,7 +153,18 @@ class AsyncLLM:
         entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
         if entry is not None:
             loop, stream = entry
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            if not _call_soon(loop, stream.put_nowait, item):  # its event loop is gone: nobody listens
+                self._streams.pop(request_id, None)
+                self.engine.abort_request(request_id)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """Schedules fn on a front end's loop; False when that loop is already closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:
+        return False
 
 
 def _set_result(fut: asyncio.Future) -> None:
