@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     level = logging.DEBUG if args.log_level in ("debug", "trace") else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    from jaxllm.distributed import maybe_initialize
+
+    maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     if args.model is None:
         from jaxllm.demo import demo_model_path
 

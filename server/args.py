@@ -128,6 +128,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="KV cache size in bytes (accepts 4G), instead of --gpu-memory-utilization's sizing.")
     e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
     e.add_argument("--compilation-cache-dir", default=None, help="Persistent XLA compilation cache directory.")
+    from jaxllm.distributed import add_distributed_args
+
+    add_distributed_args(p)
     return p
 
 

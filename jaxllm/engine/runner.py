@@ -161,9 +161,16 @@ class ModelRunner:
         return make_kv_caches(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto") -> int:
+    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1,
+                           pp: int = 1) -> int:
+        """KV bytes one block costs on one device: its stage's layers and its share of the stored kv heads
+        (kv heads are repeated when tp > K)."""
+        from jaxllm.sharding import kv_heads_for, stage_layers
+
         dtype = jnp.dtype(KV_DTYPES.get(kv_cache_dtype) or cfg.dtype)
-        return 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.itemsize
+        layers = max(len(r) for r in stage_layers(cfg.num_layers, pp))
+        heads = kv_heads_for(cfg.num_kv_heads, tp) // tp
+        return 2 * layers * heads * block_size * cfg.head_dim * dtype.itemsize
 
     # ---- compilation ----
     def variants(self) -> list[StepVariant]:

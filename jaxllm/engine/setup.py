@@ -14,7 +14,7 @@ from jaxllm.engine.configs import CacheConfig, SchedulerConfig
 
 logger = logging.getLogger("jaxllm")
 
-_CPU_KV_BYTES = 1 << 30  # default KV budget where the device reports no memory (CPU)
+_CPU_KV_BYTES = 1 << 30  # default KV budget per device where the device reports no memory (CPU)
 
 
 @dataclass
@@ -95,7 +95,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     jax.block_until_ready(params)
     logger.info("Loaded %s weights (%s) in %.1f s", path, args.load_format, time.perf_counter() - t0)
 
-    per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype)
+    per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
+                                               args.tensor_parallel_size, args.pipeline_parallel_size)
     num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
     needed = -(-max_model_len // args.block_size) + 1
     if num_blocks < needed:
@@ -146,8 +147,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
             f"No memory left for the KV cache: device limit {limit / 2**30:.1f} GiB, weights "
             f"{in_use / 2**30:.1f} GiB, activations ~{act / 2**30:.1f} GiB. Increase gpu_memory_utilization, "
             f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism.")
-    tp = args.tensor_parallel_size
-    return max(free * tp // per_block, 2)
+    return max(free // per_block, 2)  # per_block is per device, like free
 
 
 def _generation_config(mode: str, path: str, cfg: ModelConfig, tokenizer) -> tuple[set[int], dict]:
