@@ -47,6 +47,7 @@ def build(args):
 
     n, L = args.num_seqs, args.context
     blocks = n * (-(-(L + args.steps + args.warmup_steps + 2) // args.block_size)) + 2
+    blocks = max(blocks, -(-args.max_model_len // args.block_size) + 1)  # the scheduler wants one full sequence
     cfg = ModelConfig.from_hf(dict(common.TINY, max_position_embeddings=args.max_model_len), dtype="float32")
     mesh = ParallelConfig(1, 1).make_mesh()
     runner = ModelRunner(cfg, None, mesh, num_blocks=blocks, block_size=args.block_size, max_num_seqs=n,

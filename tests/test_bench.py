@@ -1,0 +1,55 @@
+"""CPU smoke tests of the benchmark scripts (bench/): each runs end to end on a tiny model and writes its JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402
+
+
+def test_generated_model_dir_detokenizes_every_id(tmp_path):
+    path = common.make_model_dir("tiny", str(tmp_path / "m"))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.decode([5, common.TINY["vocab_size"] - 1]) == f"<t5> <t{common.TINY['vocab_size'] - 1}>"
+    assert tok.eos_token_id == common.TINY["eos_token_id"]
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["hidden_size"] == common.TINY["hidden_size"]
+
+
+def test_workloads_are_fixed_by_seed():
+    a, b = common.synthetic_sharegpt(50, seed=3), common.synthetic_sharegpt(50, seed=3)
+    assert a == b and all(4 <= x <= 1024 for x in a[0] + a[1])
+    p = common.random_token_prompts(3, 7, 512, seed=1)
+    assert [len(x) for x in p] == [7, 7, 7] and all(100 <= t < 512 for x in p for t in x)
+
+
+def test_host_overhead_smoke(tmp_path):
+    from bench import host_overhead
+
+    out = tmp_path / "ho.json"
+    res = host_overhead.main(["--num-seqs", "16", "--context", "40", "--steps", "5", "--warmup-steps", "1",
+                              "--out", str(out)])
+    assert res["prepare_ms"]["p50"] > 0 and json.loads(out.read_text())["workload"]["num_seqs"] == 16
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_throughput_smoke(tmp_path):
+    from bench import throughput
+
+    out = tmp_path / "tp.json"
+    res = throughput.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
+                           "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager",
+                           "--compilation-cache-dir", "", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
+    assert saved["env"]["jax"] and saved["env"]["command"] and "time_to_ready_s" in saved
