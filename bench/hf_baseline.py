@@ -13,7 +13,6 @@ Batched: --num-prompts prompts in batches of --batch-size, requests/s and output
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time

@@ -1,7 +1,6 @@
 """The whole engine against HF transformers: greedy tokens equal under batching, chunked prefill, prefix
 caching and preemption; sampling, stops, logprobs and validation behave like vLLM."""
 
-import numpy as np
 import pytest
 import torch
 

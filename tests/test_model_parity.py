@@ -1,7 +1,5 @@
 """Logits parity with HF transformers on tiny random checkpoints of every architecture."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch

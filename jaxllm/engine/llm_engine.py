@@ -9,14 +9,12 @@ they run in, so their inputs are never one token stale.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.configs import CacheConfig, SchedulerConfig
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
@@ -51,7 +49,6 @@ class _Request:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     finished: bool = False
-    num_new: int = field(default=0)
 
 
 class LLMEngine:
@@ -193,15 +190,12 @@ class LLMEngine:
         outputs = []
         for req in list(self._requests.values()):
             for state in req.seqs:
-                if state.finish_reason is None and not self._sched_wants(state.seq):
+                if state.finish_reason is None and not self.scheduler._wants_tokens(state.seq):
                     self._finish(state, "length", None)
             out = self._make_output(req)
             if out is not None:
                 outputs.append(out)
         return outputs
-
-    def _sched_wants(self, seq: Sequence) -> bool:
-        return self.scheduler._wants_tokens(seq)
 
     def _process(self, handle: StepHandle, result: StepResult) -> list[RequestOutput]:
         sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
@@ -330,7 +324,7 @@ class LLMEngine:
         for s in req.seqs:
             done = s.finish_reason is not None
             text = s.text if done else s.stops.visible_text(s.text, False)
-            outs.append(CompletionOutput(s.index, text, list(s.seq.output_token_ids[: self._n_visible(s)]),
+            outs.append(CompletionOutput(s.index, text, list(s.seq.output_token_ids),
                                          s.cumulative_logprob if s.logprobs is not None else None,
                                          s.logprobs, s.finish_reason, s.stop_reason))
         if finished:
@@ -341,10 +335,6 @@ class LLMEngine:
                 self._seq_to_req.pop(s.seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
                              finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
-
-    @staticmethod
-    def _n_visible(s: _SeqState) -> int:
-        return len(s.seq.output_token_ids)
 
     # ---- stats ----
     def stats(self) -> EngineStats:

@@ -10,7 +10,6 @@ the device too: the next step reads them from `prev_tokens` for sequences whose 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
