@@ -43,7 +43,9 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
 
 
 def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: int, num_seqs_pad: int,
-                      max_pages_pad: int, pad_page: int = 0) -> StepInputs:
+                      max_pages_pad: int, pad_page: int = 0, tables: np.ndarray | None = None) -> StepInputs:
+    """tables: the chunks' block tables already as rows [len(chunks), max_pages_pad] (an InputBatch gather;
+    entries past a table's pages are ignored), instead of flattening the lists."""
     # Vectorised over sequences: per-sequence numpy calls cost ~10 us each, which at 256 sequences is most
     # of a step's host budget (bench/host_overhead.py).
     T, B, M, S = num_tokens_pad, num_seqs_pad, max_pages_pad, block_size
@@ -68,7 +70,9 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: i
     query_start_loc[n + 1 :] = n_tok
     block_tables = np.full((B, M), pad_page, np.int32)
     n_pages = int(t_lens.sum())
-    if n_pages:
+    if tables is not None:
+        block_tables[:n] = tables
+    elif n_pages:
         flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), np.int32, n_pages)
         rows = np.repeat(np.arange(n, dtype=np.int32), t_lens)
         cols = np.arange(n_pages, dtype=np.int32) - np.repeat(np.cumsum(t_lens) - t_lens, t_lens)

@@ -1,0 +1,40 @@
+"""InputBatch keeps per-sequence rows across steps: pages appended, rows reused after release."""
+
+import numpy as np
+import pytest
+
+from jaxllm.engine.input_batch import PADDING_ROW, InputBatch
+from jaxllm.engine.sequence import Sequence
+from jaxllm.sampling_params import SamplingParams
+
+
+def seq(seq_id, table, **sp):
+    s = Sequence(seq_id, [1, 2, 3], sampling_params=SamplingParams(**sp) if sp else None)
+    s.block_table, s.rng_seed = list(table), 42
+    return s
+
+
+def test_rows_track_tables_and_settings():
+    b = InputBatch(max_rows=3, max_pages=4, pad_page=0)
+    a, c = seq("a", [5], temperature=0.5, top_k=3), seq("c", [7, 8])
+    rows = b.rows([a, c])
+    assert b.tables[rows[0], :1].tolist() == [5] and b.tables[rows[1], :2].tolist() == [7, 8]
+    assert b.sampling[rows[0]].tolist() == pytest.approx([0.5, 1.0, 3, 0.0, 0.0, 0.0, 1.0])
+    assert b.sampling[rows[1]].tolist() == list(PADDING_ROW) and b.seeds[rows[0]] == 42
+    a.block_table.append(9)  # a grew a page: only that page is written, the row stays
+    assert b.rows([a]).tolist() == [rows[0]] and b.tables[rows[0], :2].tolist() == [5, 9]
+    b.release(["a", "zzz"])  # unknown ids are ignored
+    d = seq("d", [3, 1, 4])
+    row_d = b.rows([d])[0]
+    assert row_d == rows[0] and b.tables[row_d, :3].tolist() == [3, 1, 4]
+    d.block_table = [6]  # a table that shrank (re-admission) is rewritten
+    b.rows([d])
+    assert b.tables[row_d, 0] == 6
+
+
+def test_no_free_row_is_a_clear_error():
+    b = InputBatch(max_rows=1, max_pages=2)
+    b.rows([seq("a", [1])])
+    with pytest.raises(RuntimeError, match="no free row"):
+        b.rows([seq("b", [2])])
+    assert np.all(b.tables[0, :1] == [1])
