@@ -8,8 +8,10 @@ they run in, so their inputs are never one token stale.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
+import threading
 import time
 from dataclasses import dataclass
 
@@ -73,7 +75,9 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        self._iteration_tokens: list[int] = []
+        # Tokens per step since the last stats(); bounded, since offline runs never call stats().
+        self._iteration_tokens: collections.deque[int] = collections.deque(maxlen=4096)
+        self._stats_lock = threading.Lock()  # stats() runs on the front end's thread
         self.failed: dict[str, Exception] = {}  # request_id -> error, for requests that failed mid-flight
 
     # ---- requests ----
@@ -170,7 +174,8 @@ class LLMEngine:
                 req = self._requests.get(self._seq_to_req.get(s.seq.seq_id, ""))
                 if req is not None and req.metrics.first_scheduled_time is None:
                     req.metrics.first_scheduled_time = now
-            self._iteration_tokens.append(sched.num_batched_tokens)
+            with self._stats_lock:
+                self._iteration_tokens.append(sched.num_batched_tokens)
         if prev is not None:
             outputs += self._process(prev, self.runner.collect(prev))
         if not outputs and self._inflight is None and self._requests:
@@ -339,7 +344,9 @@ class LLMEngine:
     # ---- stats ----
     def stats(self) -> EngineStats:
         st = self.scheduler.stats
-        it, self._iteration_tokens = self._iteration_tokens, []
+        with self._stats_lock:
+            it = list(self._iteration_tokens)
+            self._iteration_tokens.clear()
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
                            self.generation_tokens_total, it)
