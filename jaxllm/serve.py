@@ -85,8 +85,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is None:
         from jaxllm.demo import demo_model_path
 
+        from jaxllm.demo import DEMO_MODEL_NAME
+
         args.model = str(demo_model_path())
-        logger.info("No MODEL given: serving the demo model at %s", args.model)
+        args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
+        logger.info("No MODEL given: serving the demo model at %s as %s", args.model, args.served_model_name[0])
     try:
         asyncio.run(run_server(args))
     except KeyboardInterrupt:
