@@ -121,35 +121,31 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
     for cfg in configs:
         row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
                    kv_dtype=str(jnp.dtype(k.dtype)), impl="pallas_triton", cfg=cfg)
-        try:
-            call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(
-                q, k, v, lens, bt, scale=scale, **cfg)
-            if ref is not None:
-                row["rel_err"] = rel_err(call(q, k, v, lens, bt), ref)
-            t, tmin, tmax = timeit(chained(call), q, k, v, lens, bt)
-            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
-                       bytes_per_s=(kv_bytes + io_bytes) / t, frac_copy=(kv_bytes + io_bytes) / t / copy)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(  # noqa: E731
+            q, k, v, lens, bt, scale=scale, **cfg)
+        _measure_decode(results, row, call, (q, k, v, lens, bt), ref, kv_bytes + io_bytes, copy)
     if shipped:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
         row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
                    kv_dtype=str(jnp.dtype(k.dtype)), impl="jax_shipped_paged_attention",
                    cfg=dict(block_h=16, pages_per_compute_block=8, k_splits=16))
-        try:
-            call = lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(scale, q.dtype), k, v, bt, lens)
-            if ref is not None:
-                row["rel_err"] = rel_err(call(q, k, v, lens, bt), ref)
-            t, tmin, tmax = timeit(chained(call), q, k, v, lens, bt)
-            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
-                       bytes_per_s=(kv_bytes + io_bytes) / t, frac_copy=(kv_bytes + io_bytes) / t / copy)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        call = lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(scale, q.dtype), k, v, bt, lens)  # noqa: E731
+        _measure_decode(results, row, call, (q, k, v, lens, bt), ref, kv_bytes + io_bytes, copy)
+
+
+def _measure_decode(results, row, call, args, ref, nbytes, copy):
+    """Checks call against ref, times it, and appends the row (with the error instead, if it fails)."""
+    try:
+        if ref is not None:
+            row["rel_err"] = rel_err(call(*args), ref)
+        t, tmin, tmax = timeit(chained(call), *args)
+        row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
+                   bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)
+    except Exception as e:  # noqa: BLE001 - one failing config must not end the sweep
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    results.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True):
