@@ -51,10 +51,5 @@ def ragged_logits(params, cfg, seqs, cached, block_size=4, num_pages=64, attn=At
         out = (np.asarray(logits), inp)
     logits, inp = out
     assert np.isfinite(logits[: inp.num_tokens]).all()
-    result = []
-    b = 0
-    for s, c in zip(seqs, cached):
-        lo, hi = inp.query_start_loc[b], inp.query_start_loc[b + 1]
-        result.append(logits[lo:hi])
-        b += 1
-    return result
+    qsl = inp.query_start_loc  # step 2 holds every sequence, in order
+    return [logits[qsl[b] : qsl[b + 1]] for b in range(len(seqs))]

@@ -50,7 +50,6 @@ class _Request:
     seqs: list[_SeqState]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
-    finished: bool = False
 
 
 class LLMEngine:
@@ -116,7 +115,6 @@ class LLMEngine:
             seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
                            skip_prefix_cache_read=params.prompt_logprobs is not None, sampling_params=params)
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
-            seq.bias_row = dict(params.logit_bias or {})
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
             state = _SeqState(seq, i, detok, StopChecker(params.stop, params.include_stop_str_in_output),
@@ -333,7 +331,6 @@ class LLMEngine:
                                          s.cumulative_logprob if s.logprobs is not None else None,
                                          s.logprobs, s.finish_reason, s.stop_reason))
         if finished:
-            req.finished = True
             req.metrics.finished_time = time.time()
             del self._requests[req.request_id]
             for s in req.seqs:
