@@ -150,8 +150,10 @@ def engine_summary(llm) -> dict:
 
 # ---- results -------------------------------------------------------------------------------------------------
 def git_commit() -> str | None:
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
+    """$GIT_COMMIT (or $BENCH_COMMIT) when set: the device copy of the tree has no .git; else git's HEAD."""
+    for var in ("GIT_COMMIT", "BENCH_COMMIT"):
+        if os.environ.get(var):
+            return os.environ[var]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

@@ -6,8 +6,10 @@ and/or under a concurrency cap. Only loopback targets (localhost, 127.0.0.0/8, :
   python bench/serve.py --port 8000 --num-prompts 200 --request-rate 8 --input-len 256 --output-len 128
   python bench/serve.py --port 8000 --max-concurrency 64 --dataset synthetic-sharegpt
 
-Per request: TTFT (send -> first streamed token), ITL (gaps between streamed chunks), E2E; reported as
-p50/p90/p99 and mean, plus requests/s and output tok/s over the whole run.
+Per request: TTFT (send -> first streamed token), ITL (gaps between streamed chunks), TPOT ((E2E - TTFT) /
+(output tokens - 1), as vLLM's bench), E2E; reported as p50/p90/p99 and mean, plus requests/s and output tok/s
+over the whole run. ITL is per chunk: chunks that reach the client in one read give gaps near 0 and a chunk
+may carry several tokens (tokens_per_chunk says how often), so TPOT is the steadier per-token figure.
 """
 
 from __future__ import annotations
@@ -131,6 +133,9 @@ async def run(args) -> dict:
         elapsed = time.perf_counter() - t0
     ok = [r for r in recs if r.get("ok")]
     n_out = sum(r["output_tokens"] for r in ok)
+    n_chunks = sum(len(r["itl"]) + 1 for r in ok if r["ttft"] is not None)
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
+            if r["ttft"] is not None and r["output_tokens"] > 1]
     ms = lambda xs: {k: (v * 1e3 if v is not None else None) for k, v in common.pct(xs).items()}  # noqa: E731
     return dict(
         workload=dict(dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
@@ -142,6 +147,7 @@ async def run(args) -> dict:
         total_input_tokens=sum(in_lens[i] for i, r in enumerate(recs) if r.get("ok")), total_output_tokens=n_out,
         ttft_ms=ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         itl_ms=ms([x for r in ok for x in r["itl"]]),
+        tpot_ms=ms(tpot), tokens_per_chunk=n_out / n_chunks if n_chunks else None,
         e2e_ms=ms([r["e2e"] for r in ok]),
     )
 
@@ -151,9 +157,10 @@ def main(argv=None) -> dict:
     check_loopback(args.host)
     res = asyncio.run(run(args))
     res["env"] = common.environment(with_jax=False)
+    p50 = lambda k: "-" if res[k]["p50"] is None else f"{res[k]['p50']:.1f}"  # noqa: E731
     print(f"{res['completed']} ok / {res['failed']} failed in {res['elapsed_s']:.1f} s: {res['requests_per_s']:.2f} req/s, "
-          f"{res['output_tokens_per_s']:.1f} output tok/s; TTFT p50 {res['ttft_ms']['p50']} ms, "
-          f"ITL p50 {res['itl_ms']['p50']} ms, E2E p50 {res['e2e_ms']['p50']} ms", flush=True)
+          f"{res['output_tokens_per_s']:.1f} output tok/s; p50 ms: TTFT {p50('ttft_ms')}, ITL {p50('itl_ms')}, "
+          f"TPOT {p50('tpot_ms')}, E2E {p50('e2e_ms')}", flush=True)
     res["env"]["device"] = "server"
     common.write_result("serve", res, args.out)
     return res

@@ -1,13 +1,24 @@
 """The issue-7 GPU session in one command: every measurement as its own process (so one failure or timeout
-leaves the rest), then one summary of each figure against its goal.
+leaves the rest), under one time budget, then one summary of each figure against its goal and against the HF
+transformers baseline measured in the same run.
 
-  python bench/suite.py --out-dir $OUT [--stages latency,throughput,hf,ready] [--max-num-seqs 512 ...]
+  export GIT_COMMIT=<sha>; python bench/suite.py --out-dir $OUT [--budget 560] [--stages ...] [--shape tiny]
 
-Stages (each a subprocess with a time limit; JSON lands in --out-dir):
-  latency     bench/latency.py, Llama-3-8B shape, batch 1 and 64 (+ a jax.profiler trace of batch 1)
-  throughput  bench/throughput.py, 500 prompts x 462 in / 256 out (+ a short traced run)
-  hf          bench/hf_baseline.py: batch-1 decode and one batch of the throughput workload
-  ready       time to ready without and then with the compile cache (two fresh processes, full warm-up)
+Stages (each a subprocess with a time limit; all jaxllm stages share one fresh compile cache, so the first of
+them starts cold and the others warm):
+  throughput  bench/throughput.py, 500 prompts x 462 in / 256 out          -> req/s; time to ready (cold)
+  latency     bench/latency.py, batch 1 and 64, 128 in / 128 out           -> batch-1 tok/s; ready (warm)
+  hf          bench/hf_baseline.py: batch-1 decode and one batch of 64 of the throughput workload
+  serve       `python -m jaxllm.serve` on the dummy model folder (same engine flags), timed to /health, then
+              bench/serve.py: 200 prompts x 462 / 256 streamed at concurrency 64 (TTFT/ITL/E2E), then stopped
+  sharegpt    bench/throughput.py --dataset synthetic-sharegpt, 500 prompts (ShareGPT-like length mix)
+  ready       bench/latency.py with a 16/16 workload: only the time to ready (cold if it runs first)
+
+Before each stage the suite checks what is left of --budget: a stage whose usual time (Llama-3-8B on one H100)
+no longer fits is skipped and said so, and each stage's limit is cut to what is left. Per-stage JSON and the
+server's log go to --work-dir; --out-dir gets only four files (the device returns at most 8): summary.json,
+suite.json (summary + every stage's JSON), log.txt (all output) and stages.tar.gz (the per-stage files).
+Every JSON carries the commit: $GIT_COMMIT, else git's HEAD (the device copy of the tree has no .git).
 """
 
 from __future__ import annotations
@@ -15,30 +26,46 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+from bench import common  # noqa: E402  (numpy only: the suite itself never touches the GPU)
+
 GOALS = dict(batch1_tok_s=180, req_s=38, hf_throughput_ratio=10, hf_batch1_ratio=15, ready_cold_s=60,
              ready_warm_s=15)
+# Usual seconds of each stage for Llama-3-8B on one H100 (H100 runs 1-4): ready time + the workload.
+READY_EST = dict(cold=85, warm=40)
+WORK_EST = dict(throughput=25, latency=15, sharegpt=30, serve=30, ready=5, hf=60)
+RESERVE_S = 10  # for the summary and the archive
 
 
-def run(name, cmd, timeout, log):
+def run(name, cmd, timeout, log, **kw):
+    """Runs one stage process with a limit; its whole output goes to the log, a tail to stdout."""
     t0 = time.perf_counter()
     log.write(f"\n===== {name}: {' '.join(cmd)}\n")
     log.flush()
-    print(f"===== {name} (limit {timeout} s)", flush=True)
+    print(f"===== {name} (limit {timeout:.0f} s)", flush=True)
     try:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
+        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout, **kw)
         out, rc = p.stdout, p.returncode
     except subprocess.TimeoutExpired as e:
         out, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), "timeout"
+    dt = time.perf_counter() - t0
     log.write(out)
-    log.write(f"\n===== {name}: rc={rc} in {time.perf_counter() - t0:.1f} s\n")
+    log.write(f"\n===== {name}: rc={rc} in {dt:.1f} s\n")
     log.flush()
-    tail = "\n".join(l for l in out.splitlines() if not l.startswith("DEBUG"))[-1500:]
-    print(tail, f"\n----- {name}: rc={rc} in {time.perf_counter() - t0:.1f} s", flush=True)
+    tail = "\n".join(l for l in out.splitlines() if not l.startswith(("DEBUG", "INFO")))[-1200:]
+    print(tail, f"\n----- {name}: rc={rc} in {dt:.1f} s", flush=True)
     return rc
 
 
@@ -50,90 +77,279 @@ def load(path):
         return None
 
 
-def main():
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve_stage(a, engine_flags, cache, work, timeout, log) -> object:
+    """Starts the server on the dummy model folder, waits for /health, runs bench/serve.py, stops the server.
+    The server start-up time (process start -> /health 200, the warm compile cache included) goes into
+    serve.json beside the client's figures."""
+    t_stage = time.perf_counter()
+    model_dir = common.make_model_dir(a.shape, os.path.join(work, f"model_{a.shape}"))
+    port = free_port()
+    cmd = [sys.executable, "-m", "jaxllm.serve", model_dir, "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", f"{a.shape}-dummy", *engine_flags, "--compilation-cache-dir", cache,
+           "--no-enable-prefix-caching", "--disable-access-log"]
+    log.write(f"\n===== serve (server): {' '.join(cmd)}\n")
+    log.flush()
+    print(f"===== serve: server on 127.0.0.1:{port} (limit {timeout:.0f} s for start-up + load)", flush=True)
+    server_log = os.path.join(work, "server_log.txt")
+    t0 = time.perf_counter()
+    with open(server_log, "w") as slog:
+        server = subprocess.Popen(cmd, stdout=slog, stderr=subprocess.STDOUT, cwd=ROOT, start_new_session=True)
+    rc, startup = "server_not_ready", None
+    direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+    try:
+        while time.perf_counter() - t_stage < timeout and server.poll() is None:
+            try:
+                with direct.open(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        startup = time.perf_counter() - t0
+                        break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        if startup is None:
+            rc = "server_exited" if server.poll() is not None else "server_timeout"
+        else:
+            print(f"server ready in {startup:.1f} s", flush=True)
+            out = os.path.join(work, "serve.json")
+            rc = run("serve_client", [sys.executable, f"{HERE}/serve.py", "--port", str(port), "--num-prompts",
+                               str(a.serve_prompts), "--input-len", str(a.input_len), "--output-len",
+                               str(a.output_len), "--max-concurrency", str(a.serve_concurrency), "--vocab-size",
+                               str(common.SHAPES[a.shape]["vocab_size"]), "--out", out],
+                     max(timeout - (time.perf_counter() - t_stage) - 15, 5), log)  # 15 s kept to stop the server
+            res = load(out)
+            if res is not None:
+                res["server"] = dict(startup_s=startup, command=" ".join(cmd), shape=a.shape,
+                                     note="startup_s: process start to /health 200, compile cache warm "
+                                          "when an earlier jaxllm stage of the suite ran")
+                with open(out, "w") as f:
+                    json.dump(res, f, indent=1, default=str)
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+        with open(server_log) as f:
+            log.write(f.read())
+        log.write(f"\n===== serve: rc={rc}, server start-up {startup} s, exit {server.returncode}\n")
+        log.flush()
+    print(f"----- serve: rc={rc} in {time.perf_counter() - t_stage:.1f} s", flush=True)
+    return rc
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out-dir", required=True)
-    p.add_argument("--stages", default="latency,throughput,hf,ready")
+    p.add_argument("--work-dir", default=None, help="per-stage files and the compile cache (default: a fresh "
+                   "temp dir; an existing one is reused, compile cache included)")
+    p.add_argument("--stages", default="throughput,latency,hf,serve,sharegpt")
+    p.add_argument("--budget", type=float, default=560, help="seconds for the whole suite")
+    p.add_argument("--timeout", type=float, default=300, help="most seconds for one stage")
+    p.add_argument("--shape", choices=sorted(common.SHAPES), default="llama3-8b")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=1024)
-    p.add_argument("--ready-max-num-seqs", type=int, default=None)
-    p.add_argument("--ready-max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--eager", action="store_true", help="latency/throughput compile only the buckets they hit")
+    p.add_argument("--eager", action="store_true", help="compile only the buckets hit (the time to ready and the "
+                   "first requests then mean something else)")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--num-prompts", type=int, default=500)
+    p.add_argument("--num-prompts", type=int, default=500, help="throughput stage")
+    p.add_argument("--input-len", type=int, default=462, help="throughput, hf batched and serve stages")
+    p.add_argument("--output-len", type=int, default=256, help="throughput, hf batched and serve stages")
+    p.add_argument("--latency-input-len", type=int, default=128)
+    p.add_argument("--latency-output-len", type=int, default=128)
+    p.add_argument("--latency-batch", type=int, action="append", default=None, help="default 1 and 64")
+    p.add_argument("--sharegpt-prompts", type=int, default=500)
+    p.add_argument("--serve-prompts", type=int, default=200)
+    p.add_argument("--serve-concurrency", type=int, default=64)
     p.add_argument("--hf-num-prompts", type=int, default=64)
-    p.add_argument("--timeout", type=int, default=240, help="per stage")
-    p.add_argument("--profile", action="store_true")
-    a = p.parse_args()
+    p.add_argument("--hf-batch-size", type=int, default=64)
+    p.add_argument("--hf-batch1-output-len", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="jax.profiler traces of short runs, summed in the JSON")
+    a = p.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + a.budget
     os.makedirs(a.out_dir, exist_ok=True)
+    work = a.work_dir or tempfile.mkdtemp(prefix="jaxllm_suite_")
+    os.makedirs(work, exist_ok=True)
+    cache = os.path.join(work, "xla_cache")
     py = sys.executable
-    o = lambda n: os.path.join(a.out_dir, n)  # noqa: E731
-    model = ["--shape", "llama3-8b", "--load-format", "dummy", "--dtype", "bfloat16",
-             "--attention-backend", a.attention_backend, "--max-model-len", str(a.max_model_len)]
-    limits = ["--max-num-seqs", str(a.max_num_seqs), "--max-num-batched-tokens", str(a.max_num_batched_tokens)]
-    eager = ["--enforce-eager"] if a.eager else []
-    stages = a.stages.split(",")
-    with open(o("log.txt"), "a") as log:
+    w = lambda n: os.path.join(work, n)  # noqa: E731
+    engine_flags = ["--load-format", "dummy", "--dtype", a.dtype, "--attention-backend", a.attention_backend,
+                    "--max-model-len", str(a.max_model_len), "--max-num-seqs", str(a.max_num_seqs),
+                    "--max-num-batched-tokens", str(a.max_num_batched_tokens)] + (["--enforce-eager"] if a.eager else [])
+    model = ["--shape", a.shape, *engine_flags, "--compilation-cache-dir", cache]
+    tp_args = ["--input-len", str(a.input_len), "--output-len", str(a.output_len)]
+    lat_batches = [x for b in (a.latency_batch or [1, 64]) for x in ("--batch-size", str(b))]
+    commands = {
+        "throughput": [py, f"{HERE}/throughput.py", *model, "--num-prompts", str(a.num_prompts), *tp_args,
+                       "--out", w("throughput.json")]
+        + (["--profile-dir", w("prof_tp"), "--profile-prompts", "128", "--profile-output-len", "32"] if a.profile else []),
+        "latency": [py, f"{HERE}/latency.py", *model, *lat_batches, "--input-len", str(a.latency_input_len),
+                    "--output-len", str(a.latency_output_len), "--num-iters", "2", "--out", w("latency.json")]
+        + (["--profile-dir", w("prof_lat")] if a.profile else []),
+        "sharegpt": [py, f"{HERE}/throughput.py", *model, "--dataset", "synthetic-sharegpt", "--num-prompts",
+                     str(a.sharegpt_prompts), "--out", w("sharegpt.json")],
+        "ready": [py, f"{HERE}/latency.py", *model, "--batch-size", "1", "--input-len", "16", "--output-len", "16",
+                  "--num-iters", "1", "--num-iters-warmup", "0", "--out", w("ready.json")],
+        "hf": [py, f"{HERE}/hf_baseline.py", "--shape", a.shape, "--dtype", a.dtype, "--batch1-input-len",
+               str(a.latency_input_len), "--batch1-output-len", str(a.hf_batch1_output_len), *tp_args,
+               "--batch-size", str(a.hf_batch_size), "--num-prompts", str(a.hf_num_prompts), "--out",
+               w("hf_baseline.json")],
+    }
+    stages = [s for s in a.stages.split(",") if s]
+    unknown = [s for s in stages if s not in commands and s != "serve"]
+    if unknown:
+        p.error(f"unknown stages {unknown}; known: {sorted(commands) + ['serve']}")
+    for st in stages:  # a stale file must never pass for this run's figure
+        if os.path.exists(stage_file(work, st)):
+            os.remove(stage_file(work, st))
+    runs: dict = {}
+    skipped: dict = {}
+    cache_filled = lambda: os.path.isdir(cache) and bool(os.listdir(cache))  # noqa: E731
+    cold_used = cache_filled()
+    log_path = os.path.join(a.out_dir, "log.txt")
+    with open(log_path, "a") as log:
+        log.write(f"\n##### suite {time.strftime('%Y-%m-%dT%H:%M:%S%z')} commit {common.git_commit()} "
+                  f"work dir {work}: {' '.join(sys.argv)}\n")
         for st in stages:
-            if st == "latency":
-                prof = ["--profile-dir", "/tmp/prof_latency"] if a.profile else []
-                run("latency", [py, f"{HERE}/latency.py", *model, *limits, *eager, "--batch-size", "1",
-                                "--batch-size", "64", "--input-len", "128", "--output-len", "128",
-                                "--num-iters", "2", "--compilation-cache-dir", "/tmp/xla_lat",
-                                "--out", o("latency.json"), *prof], a.timeout, log)
-            elif st == "throughput":
-                prof = (["--profile-dir", "/tmp/prof_tp", "--profile-prompts", "128", "--profile-output-len", "32"]
-                        if a.profile else [])
-                run("throughput", [py, f"{HERE}/throughput.py", *model, *limits, *eager, "--num-prompts",
-                                   str(a.num_prompts), "--input-len", "462", "--output-len", "256",
-                                   "--compilation-cache-dir", "/tmp/xla_tp", "--out", o("throughput.json"), *prof],
-                    a.timeout, log)
-            elif st == "hf":
-                run("hf", [py, f"{HERE}/hf_baseline.py", "--shape", "llama3-8b", "--batch1-output-len", "64",
-                           "--input-len", "462", "--output-len", "256", "--batch-size", "64", "--num-prompts",
-                           str(a.hf_num_prompts), "--out", o("hf_baseline.json")], a.timeout, log)
-            elif st == "ready":
-                rl = ["--max-num-seqs", str(a.ready_max_num_seqs or a.max_num_seqs), "--max-num-batched-tokens",
-                      str(a.ready_max_num_batched_tokens or a.max_num_batched_tokens)]
-                for tag in ("cold", "warm"):
-                    run(f"ready_{tag}", [py, f"{HERE}/latency.py", *model, *rl, "--batch-size", "1",
-                                         "--input-len", "16", "--output-len", "16", "--num-iters", "1",
-                                         "--num-iters-warmup", "0", "--compilation-cache-dir", "/tmp/xla_ready",
-                                         "--out", o(f"ready_{tag}.json")], a.timeout, log)
-    summarize(a.out_dir)
+            jax_stage = st != "hf"
+            ready = ("warm" if cold_used else "cold") if jax_stage else None
+            est = ((READY_EST[ready] if jax_stage else 0) + WORK_EST[st]) if a.shape == "llama3-8b" else 0
+            left = deadline - time.perf_counter() - RESERVE_S
+            est = max(est, 5)
+            if left < est:
+                skipped[st] = f"needs ~{est} s, {max(left, 0):.0f} s of the budget left"
+                print(f"===== {st}: SKIPPED ({skipped[st]})", flush=True)
+                log.write(f"\n===== {st}: skipped ({skipped[st]})\n")
+                continue
+            limit = min(a.timeout, left)
+            t0 = time.perf_counter()
+            if st == "serve":
+                rc = serve_stage(a, engine_flags, cache, work, limit, log)
+            else:
+                rc = run(st, commands[st], limit, log, cwd=ROOT)
+            runs[st] = dict(rc=rc, seconds=time.perf_counter() - t0, limit_s=limit, compile_cache=ready)
+            cold_used = cold_used or cache_filled()
+            save(a, work, stages, runs, skipped, t_start)  # after every stage: a killed suite still leaves these
+    s = save(a, work, stages, runs, skipped, t_start)
+    with tarfile.open(os.path.join(a.out_dir, "stages.tar.gz"), "w:gz") as tar:
+        for f in [*(stage_file(work, st) for st in stages), os.path.join(work, "server_log.txt")]:
+            if os.path.exists(f):
+                tar.add(f, arcname=os.path.basename(f))
+    print(json.dumps({k: v for k, v in s.items() if k not in ("goals", "stages")}, indent=1, default=str))
+    print(table(s), flush=True)
+    return s
 
 
-def summarize(out_dir):
-    o = lambda n: load(os.path.join(out_dir, n))  # noqa: E731
-    lat, tp, hf, cold, warm = o("latency.json"), o("throughput.json"), o("hf_baseline.json"), o("ready_cold.json"), \
-        o("ready_warm.json")
-    s: dict = {"goals": GOALS}
-    if lat:
-        b1 = next((r for r in lat["results"] if r["batch_size"] == 1), None)
-        s["batch1_tok_s"] = b1 and b1["decode_tok_per_s_per_seq"]
-    if tp:
-        s["req_s"] = tp["requests_per_s"]
-        s["output_tok_s"] = tp["output_tokens_per_s"]
-    if hf:
+def stage_file(work: str, st: str) -> str:
+    return os.path.join(work, "hf_baseline.json" if st == "hf" else f"{st}.json")
+
+
+def save(a, work, stages, runs, skipped, t_start) -> dict:
+    """summary.json and suite.json (the summary + every stage's JSON) in --out-dir, from what ran so far."""
+    results = {st: load(stage_file(work, st)) for st in stages if st in runs}
+    s = summarize(results, runs, skipped, a, time.perf_counter() - t_start)
+    with open(os.path.join(a.out_dir, "summary.json"), "w") as f:
+        json.dump(s, f, indent=1, default=str)
+    with open(os.path.join(a.out_dir, "suite.json"), "w") as f:
+        json.dump(dict(summary=s, stages=results), f, indent=1, default=str)
+    return s
+
+
+def summarize(r: dict, runs: dict, skipped: dict, a, wall_s: float) -> dict:
+    """Every figure from this run's stage files only; the HF ratios are taken only when both sides ran here."""
+    ok = lambda st: r.get(st) is not None and runs.get(st, {}).get("rc") == 0  # noqa: E731
+    envs = [x["env"] for x in r.values() if x and x.get("env", {}).get("backend")]  # the jaxllm stages
+    envs = envs or [x["env"] for x in r.values() if x and x.get("env", {}).get("device") not in (None, "server")]
+    s: dict = dict(
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"), commit=common.git_commit(),
+        device=envs[0].get("device") if envs else None,
+        jax=envs[0].get("jax") if envs else None, shape=a.shape, dtype=a.dtype,
+        engine=dict(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                    max_model_len=a.max_model_len, attention_backend=a.attention_backend, enforce_eager=a.eager),
+        suite_wall_s=wall_s, budget_s=a.budget, stages=runs, skipped=skipped,
+        failed={st: v["rc"] for st, v in runs.items() if v["rc"] != 0}, goals=GOALS,
+    )
+    if ok("latency"):
+        rows = {row["batch_size"]: row for row in r["latency"]["results"]}
+        if 1 in rows:
+            s["batch1_tok_s"] = rows[1]["decode_tok_per_s_per_seq"]
+        big = max(rows)
+        if big > 1:
+            s[f"batch{big}_output_tok_s"] = rows[big]["batch_output_tok_per_s"]
+            s[f"batch{big}_itl_ms"] = rows[big]["itl_s"]["p50"] * 1e3
+    if ok("throughput"):
+        t = r["throughput"]
+        s.update(req_s=t["requests_per_s"], output_tok_s=t["output_tokens_per_s"],
+                 throughput_workload=f"{t['workload']['num_prompts']} x {a.input_len} in / {a.output_len} out")
+    if ok("sharegpt"):
+        t = r["sharegpt"]
+        s.update(sharegpt_req_s=t["requests_per_s"], sharegpt_output_tok_s=t["output_tokens_per_s"],
+                 sharegpt_tokens=dict(prompt=t["workload"]["prompt_tokens"], output=t["workload"]["output_tokens"]))
+    if r.get("serve") and runs.get("serve", {}).get("rc") == 0:
+        v = r["serve"]
+        s["serve"] = dict(req_s=v["requests_per_s"], output_tok_s=v["output_tokens_per_s"],
+                          completed=v["completed"], failed=v["failed"],
+                          startup_s=v.get("server", {}).get("startup_s"), tokens_per_chunk=v.get("tokens_per_chunk"),
+                          **{f"{k}_ms": {q: v[f"{k}_ms"][q] for q in ("p50", "p90", "p99")}
+                             for k in ("ttft", "tpot", "itl", "e2e")})
+    if ok("hf"):
+        hf = r["hf"]
         s["hf_batch1_tok_s"] = hf["batch1"]["decode_tok_per_s"]
         if hf.get("batched"):
             s["hf_req_s"] = hf["batched"]["requests_per_s"]
-            if tp:
-                s["hf_throughput_ratio"] = tp["requests_per_s"] / hf["batched"]["requests_per_s"]
+            if s.get("req_s"):
+                s["hf_throughput_ratio"] = s["req_s"] / s["hf_req_s"]
         if s.get("batch1_tok_s"):
-            s["hf_batch1_ratio"] = s["batch1_tok_s"] / hf["batch1"]["decode_tok_per_s"]
-    for tag, r in (("cold", cold), ("warm", warm)):
-        if r:
-            s[f"ready_{tag}_s"] = r["time_to_ready_s"]["since_script_start"]
-            s[f"ready_{tag}_llm_init_s"] = r["time_to_ready_s"]["llm_init"]
-            s[f"ready_{tag}_variants"] = r["engine"]["num_variants_compiled"]
+            s["hf_batch1_ratio"] = s["batch1_tok_s"] / s["hf_batch1_tok_s"]
+        s["hf_note"] = ("HF transformers measured in this same suite run (same device, one process after "
+                        "another, same commit); the ratios divide figures of this run only")
+    # time to ready: the first jaxllm stage compiled into an empty cache, the later ones found it warm
+    for st, v in runs.items():
+        x = r.get(st)
+        if not (x and v["rc"] == 0 and v["compile_cache"] and "time_to_ready_s" in x) or a.eager:
+            continue
+        key = f"ready_{v['compile_cache']}_s"
+        if key not in s:
+            s[key] = x["time_to_ready_s"]["since_script_start"]
+            s[f"{key[:-2]}_llm_init_s"] = x["time_to_ready_s"]["llm_init"]
+            s[f"{key[:-2]}_stage"] = st
+            s[f"{key[:-2]}_variants"] = x["engine"]["num_variants_compiled"]
     s["met"] = {k: (s[k] <= g if k.startswith("ready") else s[k] >= g) for k, g in GOALS.items()
                 if s.get(k) is not None}
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(s, f, indent=1)
-    print(json.dumps(s, indent=1), flush=True)
     return s
+
+
+def table(s: dict) -> str:
+    f = lambda v, d=1, unit="": "-" if v is None else f"{v:,.{d}f}{unit}"  # noqa: E731
+    sv = s.get("serve") or {}
+    rows = [
+        ("batch-1 decode tok/s", f(s.get("batch1_tok_s")), ">= 180", s["met"].get("batch1_tok_s")),
+        ("throughput req/s", f(s.get("req_s"), 2), ">= 38", s["met"].get("req_s")),
+        ("  output tok/s", f(s.get("output_tok_s"), 0), "", None),
+        ("vs HF req/s (same run)", f(s.get("hf_throughput_ratio"), 1, "x"), ">= 10x", s["met"].get("hf_throughput_ratio")),
+        ("vs HF batch-1 (same run)", f(s.get("hf_batch1_ratio"), 1, "x"), ">= 15x", s["met"].get("hf_batch1_ratio")),
+        ("ready cold s", f(s.get("ready_cold_s")), "<= 60", s["met"].get("ready_cold_s")),
+        ("ready warm s", f(s.get("ready_warm_s")), "<= 15", s["met"].get("ready_warm_s")),
+        ("sharegpt req/s | out tok/s", f"{f(s.get('sharegpt_req_s'), 2)} | {f(s.get('sharegpt_output_tok_s'), 0)}", "", None),
+        ("serve out tok/s | start-up s", f"{f(sv.get('output_tok_s'), 0)} | {f(sv.get('startup_s'))}", "", None),
+        ("serve TTFT p50/p99 ms", f"{f(sv.get('ttft_ms', {}).get('p50'))} / {f(sv.get('ttft_ms', {}).get('p99'))}", "", None),
+        ("serve TPOT p50 | ITL p99 ms", f"{f(sv.get('tpot_ms', {}).get('p50'))} | {f(sv.get('itl_ms', {}).get('p99'))}", "", None),
+    ]
+    lines = [f"{'figure':<30} {'value':>18} {'goal':>8}  met",
+             *(f"{n:<30} {v:>18} {g:>8}  {'' if m is None else ('yes' if m else 'NO')}" for n, v, g, m in rows),
+             f"commit {s.get('commit')}, {s.get('device')}, jax {s.get('jax')}, suite {s['suite_wall_s']:.0f} s"
+             f" of {s['budget_s']:.0f}; failed {s['failed'] or 'none'}; skipped {list(s['skipped']) or 'none'}"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
