@@ -1,6 +1,6 @@
 """HF checkpoint (PyTorch .bin / safetensors) -> jaxllm Orbax checkpoint. Entry point: `python -m jaxllm.convert`.
 
-The name mapping is the loader's table (jaxllm.models.loader.weight_table: HF name + named hook per weight);
+The name mapping is the loader's table (jaxllm.models.loader.weight_table: HF name(s) + named hook per weight);
 this package only adds writing: Orbax arrays, config, tokenizer, generation config and a manifest.
 """
 

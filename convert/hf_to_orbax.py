@@ -4,8 +4,10 @@ onto that mesh reads each device's slice and nothing else), write into a tempora
 and rename it into place only when everything is written: a failed conversion leaves nothing behind.
 
 Layout of the output directory:
-    params/                    Orbax (StandardCheckpointer) pytree, checkpoint layout (kv heads not repeated)
-    jaxllm_manifest.json       jaxllm version, dtype, tp/pp it was written for, every param's shape and axes
+    params/                    Orbax (StandardCheckpointer) pytree, checkpoint layout (fused w_qkv and
+                               w_gate_up as in jaxllm/models/params.py, kv heads not repeated)
+    jaxllm_manifest.json       format + format_version (the loader refuses others), jaxllm version, dtype,
+                               tp/pp it was written for, every param's shape and axes
     config.json                the HF config, torch_dtype set to the written dtype
     tokenizer files, generation_config.json   copied as they are
 """
@@ -19,13 +21,11 @@ import tempfile
 
 import numpy as np
 
-from jaxllm.models.loader import MANIFEST, ORBAX_SUBDIR
+from jaxllm.models.loader import FORMAT, FORMAT_VERSION, MANIFEST, ORBAX_SUBDIR
 
 COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                 "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
                 "chat_template.json", "preprocessor_config.json")
-FORMAT = "jaxllm-orbax"
-FORMAT_VERSION = 1
 
 
 class ConversionError(ValueError):

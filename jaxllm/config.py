@@ -1,7 +1,7 @@
 """ModelConfig: the model's shape and options, read once from an HF config.json.
 
-Shape letters used across jaxllm: T tokens, D model, N q heads, K kv heads, H head dim, F ffn, V vocab,
-L layers, P pages, S page size, B sequences.
+Shape letters used across jaxllm: T tokens, D model, N q heads, K kv heads, G = N // K q heads per kv head,
+H head dim, F ffn, V vocab, L layers, P pages, S page size, B sequences.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 Every parameter and cache array is declared with logical axes (see jaxllm/models/params.py); the table
 below is the only place that says how they are split. Mesh axes: ("pp", "tp").
 
-Tensor parallelism (Megatron layout, expressed only through the table): q/k/v and gate/up are split on
-their output axis ("heads", "kv_heads", "ffn": column-parallel), o and down on their input axis
-(row-parallel, XLA inserts one all-reduce after each), embedding and lm_head on "vocab". KV heads are
-split over tp; when tp > K each kv head is repeated tp // K times at load (kv_heads_for) so every tp
-shard owns one whole kv head and its pages: the KV cache [K', P, S, H] splits on axis 0 the same way.
+Tensor parallelism (Megatron layout, expressed only through the table): the fused qkv and gate_up weights
+are split on their output axis ("kv_heads", "ffn": column-parallel; each kv head carries its own q heads,
+see jaxllm/models/params.py), o and down on their input axis ("heads", "ffn": row-parallel, XLA inserts one
+all-reduce after each), embedding and lm_head on "vocab". KV heads are split over tp; when tp > K each kv
+head is repeated tp // K times at load (kv_heads_for) so every tp shard owns one whole kv head and its
+pages: the KV cache [K', P, S, H] splits on axis 0 the same way.
 
 Pipeline parallelism: layers are split into pp contiguous stages (stage_layers); a stage's weights and KV
 pages live on its row of the mesh (stage_mesh), a ("pp", "tp") mesh of shape (1, tp). jaxllm/engine/
@@ -28,6 +29,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "embed": None,
     "heads": "tp",
     "kv_heads": "tp",
+    "qkv": None,  # within a kv head of the fused qkv weight: its q heads, then k, then v
     "head_dim": None,
     "ffn": "tp",
     "layers": "pp",

@@ -72,7 +72,7 @@ def test_misshaped_tensor_names_both_shapes(llama_dir, tmp_path):
 
     d = _rewrite(llama_dir, str(tmp_path / "s"), edit)
     cfg = ModelConfig.from_hf(d, dtype="float32")
-    with pytest.raises(ValueError, match=r"k_proj\.weight.*\(8, 64\).*\(64, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"k_proj\.weight.*\(8, 64\).*\(64, 2, 4, 16\)"):
         load_params(d, cfg, ParallelConfig().make_mesh())
 
 
@@ -91,7 +91,7 @@ def test_dummy_weights_shapes_and_sharding(llama_dir):
     cfg = ModelConfig.from_hf(llama_dir, dtype="bfloat16")
     mesh = ParallelConfig(tensor_parallel_size=2).make_mesh()
     params = load_params(llama_dir, cfg, mesh, load_format="dummy")
-    wq = params["layers"][0]["wq"]
-    assert wq.shape == (64, 4, 16) and wq.dtype == jax.numpy.bfloat16
-    assert wq.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None)
-    assert float(jax.numpy.std(wq.astype("float32"))) > 0.01
+    w = params["layers"][0]["w_qkv"]  # [D, K, G + 2, H]
+    assert w.shape == (64, 2, 4, 16) and w.dtype == jax.numpy.bfloat16
+    assert w.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None, None)
+    assert float(jax.numpy.std(w.astype("float32"))) > 0.01

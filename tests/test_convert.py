@@ -51,10 +51,15 @@ def test_round_trip_cli(hf_dir, tmp_path, capsys):
     assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
     manifest = json.load(open(os.path.join(out, MANIFEST)))
     assert manifest["dtype"] == "float32" and manifest["tensor_parallel_size"] == 2
-    assert manifest["params"]["layers/1/wk"]["shape"] == [64, 2, 16]
+    assert manifest["format_version"] == 2 and manifest["params"]["layers/1/w_qkv"]["shape"] == [64, 2, 4, 16]
     for tp in (1, 4):  # the mesh it was written for does not matter; tp=4 > 2 kv heads
         for o, r, c in zip(logits(out, tp), refs, CACHED):
             assert np.max(np.abs(o - r[c:])) / np.max(np.abs(r)) <= 1e-4
+    manifest["format_version"] = 1  # a checkpoint of separate wq/wk/wv...: a clear error, never garbage
+    with open(os.path.join(out, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(ValueError, match="version 1, but this jaxllm reads 'jaxllm-orbax' version 2.*convert"):
+        logits(out, 1)
 
 
 def test_bf16_and_pp_restore(hf_dir, tmp_path):
@@ -62,8 +67,8 @@ def test_bf16_and_pp_restore(hf_dir, tmp_path):
     out = convert_checkpoint(src, str(tmp_path / "bf16"), dtype="bfloat16", progress=False)
     cfg = ModelConfig.from_hf(out)
     assert cfg.dtype == "bfloat16"
-    direct = load_params(src, cfg, ParallelConfig(2, 2).make_mesh())
-    restored = load_params(out, cfg, ParallelConfig(2, 2).make_mesh())
+    mesh = ParallelConfig(4, 2).make_mesh()  # tp=4 > 2 kv heads: restored kv heads are expanded per device
+    direct, restored = load_params(src, cfg, mesh), load_params(out, cfg, mesh)
     import jax
 
     for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(restored)):

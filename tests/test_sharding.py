@@ -48,8 +48,8 @@ def test_tp_logits_equal_tp1(ckpt):
         # Each device holds exactly its shard (loading never placed a full copy on one device).
         layer = params["layers"][0]
         K = kv_heads_for(cfg.num_kv_heads, tp)
-        expect = {"wq": (64, cfg.num_heads // tp, 16), "wk": (64, K // tp, 16), "wo": (cfg.num_heads // tp, 16, 64),
-                  "w_gate": (64, 96 // tp), "w_down": (96 // tp, 64), "attn_norm": (64,)}
+        expect = {"w_qkv": (64, K // tp, cfg.num_heads // K + 2, 16), "wo": (cfg.num_heads // tp, 16, 64),
+                  "w_gate_up": (64, 2, 96 // tp), "w_down": (96 // tp, 64), "attn_norm": (64,)}
         for name, shape in expect.items():
             shards = layer[name].addressable_shards
             assert len(shards) == tp and {s.data.shape for s in shards} == {shape}, name
@@ -62,9 +62,12 @@ def test_kv_replicated_when_tp_exceeds_kv_heads(ckpt):
     if cfg.num_kv_heads != 2:
         pytest.skip("GQA model only")
     params = load_params(model_dir, cfg, ParallelConfig(4, 1).make_mesh())
-    wk = np.asarray(params["layers"][1]["wk"])  # [D, 4, H]: heads 0,0,1,1 of the checkpoint
-    ref = np.asarray(load_params(model_dir, cfg, ParallelConfig().make_mesh())["layers"][1]["wk"])
-    np.testing.assert_array_equal(wk, np.repeat(ref, 2, axis=1))
+    # [D, K'=4, 1 + 2, H]: stored kv head 2k + j holds q head 2k + j and copies of kv head k's k and v.
+    w = np.asarray(params["layers"][1]["w_qkv"])
+    ref = np.asarray(load_params(model_dir, cfg, ParallelConfig().make_mesh())["layers"][1]["w_qkv"])
+    assert w.shape == (64, 4, 3, 16) and ref.shape == (64, 2, 4, 16)
+    np.testing.assert_array_equal(w[:, :, 0], ref[:, :, :2].reshape(64, 4, 16))
+    np.testing.assert_array_equal(w[:, :, 1:], np.repeat(ref[:, :, 2:], 2, axis=1))
     caches = make_kv_caches(cfg, ParallelConfig(4, 1).make_mesh(), num_pages=8, page_size=4)
     k_pages, v_pages = caches[0]
     assert k_pages.shape == (4, 8, 4, 16) and k_pages is not v_pages
@@ -148,7 +151,7 @@ def test_mesh_errors_and_layout():
     params = load_params("", cfg, mesh, load_format="dummy")
     rows = [set(mesh.devices[s]) for s in range(2)]
     assert set(params["embed"].devices()) == rows[0] and set(params["lm_head"].devices()) == rows[1]
-    assert set(params["layers"][0]["wq"].devices()) == rows[0]
-    assert set(params["layers"][1]["wq"].devices()) == rows[1]
+    assert set(params["layers"][0]["w_qkv"].devices()) == rows[0]
+    assert set(params["layers"][1]["w_qkv"].devices()) == rows[1]
     caches = make_kv_caches(cfg, mesh, 8, 4)
     assert set(caches[1][0].devices()) == rows[1]

@@ -38,9 +38,9 @@ def _proj(x, w, b, eq):
 
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-    q = _proj(h, lp["wq"], lp.get("bq"), "TD,DNH->TNH")
-    k = _proj(h, lp["wk"], lp.get("bk"), "TD,DKH->TKH")
-    v = _proj(h, lp["wv"], lp.get("bv"), "TD,DKH->TKH")
+    qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
+    q = qkv[:, :, :-2].reshape(len(qkv), -1, cfg.head_dim)  # [T, N, H]: q head n sits in kv head n // G
+    k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, H]
     slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
@@ -53,9 +53,8 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
         sliding_window=cfg.sliding_window, config=attn)
     x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate = _proj(h, lp["w_gate"], lp.get("b_gate"), "TD,DF->TF")
-    up = _proj(h, lp["w_up"], lp.get("b_up"), "TD,DF->TF")
-    x = x + _proj(jax.nn.silu(gate) * up, lp["w_down"], lp.get("b_down"), "TF,FD->TD")
+    gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
+    x = x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD")
     return x, kv_cache
 
 

@@ -1,7 +1,8 @@
 """Weights from an HF checkpoint directory (safetensors or pytorch_model.bin, single or sharded) into the
 params pytree of jaxllm/models/params.py.
 
-The mapping is a table: each of our weights names its HF tensor and a named hook that reshapes it.
+The mapping is a table: each of our weights names its HF tensor (or the tensors fused into it: q/k/v,
+gate/up) and a named hook that reshapes them.
 Every weight is read on the host, reshaped, and placed with jax.make_array_from_callback, so each device
 receives only its own shard and no device ever holds a full unsharded copy.
 """
@@ -24,20 +25,32 @@ from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp
 # A directory holding this file is a jaxllm (Orbax) checkpoint written by `python -m jaxllm.convert`.
 MANIFEST = "jaxllm_manifest.json"
 ORBAX_SUBDIR = "params"
+FORMAT = "jaxllm-orbax"
+FORMAT_VERSION = 2  # 2: fused w_qkv and w_gate_up; 1 (no longer read): separate wq, wk, wv, w_gate, w_up
 
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 
 
-# --- hooks: HF tensor (numpy) -> our layout. cfg-dependent ones take (x, cfg). ---------------------------
-def _in_heads(heads_attr: str) -> Callable:
-    def hook(x, cfg):  # torch Linear [heads*H, D] -> [D, heads, H]
-        return x.T.reshape(cfg.hidden_size, getattr(cfg, heads_attr), cfg.head_dim)
-
-    return hook
+# --- hooks: HF tensors (numpy) -> our layout, called as hook(*tensors, cfg). -------------------------------
+def _fuse_heads(q, k, v, cfg):  # torch rows [N*H, ..], [K*H, ..] x2 -> [K, G + 2, H, ..]: per kv head q, k, v
+    K, H = cfg.num_kv_heads, cfg.head_dim
+    return np.concatenate([x.reshape(K, -1, H, *x.shape[1:]) for x in (q, k, v)], axis=1)
 
 
-def _bias_heads(heads_attr: str) -> Callable:
-    return lambda x, cfg: x.reshape(getattr(cfg, heads_attr), cfg.head_dim)
+def _fuse_qkv(q, k, v, cfg):  # q/k/v_proj Linear weights -> [D, K, G + 2, H]
+    return np.moveaxis(_fuse_heads(q, k, v, cfg), -1, 0)
+
+
+def _w_pack(x, cfg):  # Baichuan W_pack [3*D, D] = rows of q, k, v (MHA)
+    return _fuse_qkv(*np.split(x, 3), cfg)
+
+
+def _fuse_gate_up(gate, up, cfg):  # Linear weights [F, D] x2 -> [D, 2, F]
+    return np.stack([gate.T, up.T], axis=1)
+
+
+def _stack_biases(gate, up, cfg):  # [F] x2 -> [2, F]
+    return np.stack([gate, up])
 
 
 def _out_heads(x, cfg):  # o_proj [D, N*H] -> [N, H, D]
@@ -52,42 +65,27 @@ def _identity(x, cfg):
     return x
 
 
-def _w_pack(part: int) -> Callable:
-    def hook(x, cfg):  # Baichuan W_pack [3*D, D] = rows of q, k, v (MHA)
-        rows = cfg.num_heads * cfg.head_dim
-        return _in_heads("num_heads")(x[part * rows : (part + 1) * rows], cfg)
-
-    return hook
-
-
 def _normalized_rows(x, cfg):  # Baichuan2 NormHead: unit-norm rows of lm_head
     x32 = x.astype(np.float32)
     return x32 / np.maximum(np.linalg.norm(x32, axis=-1, keepdims=True), 1e-7)
 
 
-LAYER_TABLE: dict[str, tuple[str, Callable]] = {
+_QKV = tuple(f"self_attn.{p}_proj" for p in "qkv")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+# our weight -> (HF tensor name, or names fused into it, hook)
+LAYER_TABLE: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "attn_norm": ("input_layernorm.weight", _identity),
-    "wq": ("self_attn.q_proj.weight", _in_heads("num_heads")),
-    "wk": ("self_attn.k_proj.weight", _in_heads("num_kv_heads")),
-    "wv": ("self_attn.v_proj.weight", _in_heads("num_kv_heads")),
-    "bq": ("self_attn.q_proj.bias", _bias_heads("num_heads")),
-    "bk": ("self_attn.k_proj.bias", _bias_heads("num_kv_heads")),
-    "bv": ("self_attn.v_proj.bias", _bias_heads("num_kv_heads")),
+    "w_qkv": (tuple(f"{p}.weight" for p in _QKV), _fuse_qkv),
+    "b_qkv": (tuple(f"{p}.bias" for p in _QKV), _fuse_heads),
     "wo": ("self_attn.o_proj.weight", _out_heads),
     "bo": ("self_attn.o_proj.bias", _identity),
     "mlp_norm": ("post_attention_layernorm.weight", _identity),
-    "w_gate": ("mlp.gate_proj.weight", _transpose),
-    "w_up": ("mlp.up_proj.weight", _transpose),
+    "w_gate_up": (tuple(f"{p}.weight" for p in _GATE_UP), _fuse_gate_up),
+    "b_gate_up": (tuple(f"{p}.bias" for p in _GATE_UP), _stack_biases),
     "w_down": ("mlp.down_proj.weight", _transpose),
-    "b_gate": ("mlp.gate_proj.bias", _identity),
-    "b_up": ("mlp.up_proj.bias", _identity),
     "b_down": ("mlp.down_proj.bias", _identity),
 }
-FUSED_QKV_TABLE = {
-    "wq": ("self_attn.W_pack.weight", _w_pack(0)),
-    "wk": ("self_attn.W_pack.weight", _w_pack(1)),
-    "wv": ("self_attn.W_pack.weight", _w_pack(2)),
-}
+FUSED_QKV_TABLE = {"w_qkv": ("self_attn.W_pack.weight", _w_pack)}
 TOP_TABLE: dict[str, tuple[str, Callable]] = {
     "embed": ("model.embed_tokens.weight", _identity),
     "final_norm": ("model.norm.weight", _identity),
@@ -95,8 +93,8 @@ TOP_TABLE: dict[str, tuple[str, Callable]] = {
 }
 
 
-def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[str, Callable]]:
-    """(our path as a tuple of keys) -> (HF tensor name, hook), for every weight of cfg's params."""
+def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], Callable]]:
+    """(our path as a tuple of keys) -> (HF tensor names, hook), for every weight of cfg's params."""
     layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}))
     specs = param_specs(cfg)
     table = {}
@@ -106,11 +104,12 @@ def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[str, Callable]]:
         hf_name, hook = TOP_TABLE[name]
         if name == "lm_head" and cfg.normalize_lm_head:
             hook = _normalized_rows
-        table[(name,)] = (hf_name, hook)
+        table[(name,)] = ((hf_name,), hook)
     for i, layer in enumerate(specs["layers"]):
         for key in layer:
-            hf_suffix, hook = layer_table[key]
-            table[("layers", i, key)] = (f"model.layers.{i}.{hf_suffix}", hook)
+            hf_names, hook = layer_table[key]
+            hf_names = (hf_names,) if isinstance(hf_names, str) else hf_names
+            table[("layers", i, key)] = (tuple(f"model.layers.{i}.{n}" for n in hf_names), hook)
     return table
 
 
@@ -198,26 +197,26 @@ def _path_key(path) -> tuple:
 
 def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
     """(our path, host array in our layout), checked against the declared shapes. Checkpoint layout: kv
-    heads are not repeated (tp = 1 specs)."""
+    heads are not repeated (tp = 1 specs). Fused weights are fused here, on the host, one at a time."""
     specs = param_specs(cfg)
     table = weight_table(cfg)
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key = _path_key(path)
-        hf_name, hook = table[key]
-        if hf_name not in reader:
-            raise ValueError(f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
-        raw = reader.get(hf_name)
+        hf_names, hook = table[key]
+        for hf_name in hf_names:
+            if hf_name not in reader:
+                raise ValueError(
+                    f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
+        raw = [reader.get(n) for n in hf_names]
+        got = ("Tensors " if len(raw) > 1 else "Tensor ") + ", ".join(
+            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw))
         try:
-            x = hook(raw, cfg)
+            x = hook(*raw, cfg)
         except ValueError as e:
-            raise ValueError(
-                f"Tensor {hf_name!r} has shape {tuple(raw.shape)}, which does not fit the expected shape "
-                f"{spec.shape} for {'/'.join(map(str, key))}: {e}"
-            ) from None
+            raise ValueError(f"{got}, which does not fit the expected shape "
+                             f"{spec.shape} for {'/'.join(map(str, key))}: {e}") from None
         if tuple(x.shape) != spec.shape:
-            raise ValueError(
-                f"Tensor {hf_name!r} has shape {tuple(raw.shape)} -> {tuple(x.shape)}; expected {spec.shape}."
-            )
+            raise ValueError(f"{got} -> {tuple(x.shape)}; expected {spec.shape}.")
         yield key, x
 
 
@@ -258,21 +257,28 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
 
 def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
-    whose kv heads are repeated (tp > K) are restored sharded over what divides, then repeated on device."""
+    whose kv heads are repeated (tp > K) are restored one checkpoint kv head per device, then expanded there."""
     import orbax.checkpoint as ocp
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     with open(os.path.join(model_dir, MANIFEST)) as f:
         manifest = json.load(f)
+    fmt = (manifest.get("format"), manifest.get("format_version"))
+    if fmt != (FORMAT, FORMAT_VERSION):
+        raise ValueError(
+            f"{model_dir} is a jaxllm checkpoint of format {fmt[0]!r} version {fmt[1]}, but this jaxllm reads "
+            f"{FORMAT!r} version {FORMAT_VERSION} (fused qkv and gate_up weights). Convert the HF checkpoint "
+            f"again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     saved = manifest.get("params", {})
 
     def target(spec, sh):
         if spec.kv_repeat == 1:
             return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
-        spec_axes = list(sh.spec) + [None] * (len(spec.shape) - len(sh.spec))
-        spec_axes[spec.axes.index("kv_heads")] = None
-        return jax.ShapeDtypeStruct(spec.checkpoint_shape, dtype,
-                                    sharding=NamedSharding(sh.mesh, PartitionSpec(*spec_axes)))
+        # tp > K: tp shard t = k * r + j reads checkpoint kv head k whole, then keeps its copy j (finish).
+        K, r = spec.checkpoint_shape[spec.axes.index("kv_heads")], spec.kv_repeat
+        mesh = Mesh(sh.mesh.devices.reshape(K, r), ("kv", "copy"))
+        axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in spec.axes))
+        return jax.ShapeDtypeStruct(spec.checkpoint_shape, dtype, sharding=NamedSharding(mesh, axes))
 
     abstract = jax.tree.map(target, specs, shardings, is_leaf=is_spec)
     for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]:
@@ -283,14 +289,13 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
-    expand = {}
-
     def finish(spec, sh, x):
         if spec.kv_repeat == 1:
             return x
-        if (spec, sh) not in expand:
-            expand[spec, sh] = jax.jit(spec.expand, out_shardings=sh)
-        return expand[spec, sh](x)
+        i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
+        local = [jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
+                 for s in x.addressable_shards]  # on each device, from its own data: no communication
+        return jax.make_array_from_single_device_arrays(spec.shape, sh, local)
 
     return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)
 

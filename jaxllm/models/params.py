@@ -17,30 +17,45 @@ class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, see jaxllm/sharding.py
     init: str = "normal"  # normal | ones | zeros
-    kv_repeat: int = 1  # > 1: the "kv_heads" axis is stored with each checkpoint head repeated (tp > K)
+    kv_repeat: int = 1  # > 1: tp > K, each checkpoint kv head is stored as kv_repeat heads (see expand)
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
-        """The shape in checkpoints (HF, Orbax): before kv heads are repeated."""
+        """The shape in checkpoints (HF, Orbax): before kv heads are repeated, [.., K, G + 2, ..]."""
         if self.kv_repeat == 1:
             return self.shape
-        i = self.axes.index("kv_heads")
-        return self.shape[:i] + (self.shape[i] // self.kv_repeat,) + self.shape[i + 1 :]
+        i, r = self.axes.index("kv_heads"), self.kv_repeat
+        K, G = self.shape[i] // r, (self.shape[i + 1] - 2) * r
+        return self.shape[:i] + (K, G + 2) + self.shape[i + 2 :]
 
     def expand(self, x):
-        """Checkpoint layout -> stored layout (numpy or jax array)."""
+        """Checkpoint layout [.., K, G + 2, ..] -> stored layout [.., K * r, G / r + 2, ..] (numpy or jax
+        array): copy j of kv head k takes the j-th of r slices of k's q heads and k's k and v, so q head n
+        sits in stored kv head n // (G / r), the tp shard that also holds its o columns."""
         if self.kv_repeat == 1:
             return x
         import numpy as np
 
         mod = np if isinstance(x, np.ndarray) else jnp
-        return mod.repeat(x, self.kv_repeat, axis=self.axes.index("kv_heads"))
+        i, r = self.axes.index("kv_heads"), self.kv_repeat  # axis i + 1 is "qkv"
+        x = mod.moveaxis(x, (i, i + 1), (0, 1))
+        K, G, rest = x.shape[0], x.shape[1] - 2, x.shape[2:]
+        q = x[:, :G].reshape(K, r, G // r, *rest)
+        kv = mod.broadcast_to(x[:, None, G:], (K, r, 2, *rest))
+        y = mod.concatenate([q, kv], axis=2).reshape(K * r, G // r + 2, *rest)
+        return mod.moveaxis(y, (0, 1), (i, i + 1))
 
 
 def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
     """The params pytree of the decoder, as ParamSpecs. Layers are a list: one buffer per layer's weights
     (a scan over stacked layers costs 2x per decode step on GPU, see gpu-findings.md). With tp > K the kv
-    heads are stored repeated (jaxllm/sharding.py: kv_heads_for)."""
+    heads are stored repeated (jaxllm/sharding.py: kv_heads_for).
+
+    q, k, v are one weight and gate, up another, so a decode step runs one GEMV for each (small k and v
+    GEMVs run far below memory bandwidth). w_qkv [D, K, G + 2, H] is grouped per kv head: its G q heads
+    (HF q head n belongs to kv head n // G), then k, then v; w_gate_up [D, 2, F] holds gate and up
+    columns side by side. Splitting K or F over tp then gives every shard matching q, k, v (gate, up)
+    columns with no communication."""
     D, N, K, H, F, V = (
         cfg.hidden_size,
         cfg.num_heads,
@@ -50,26 +65,21 @@ def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
         cfg.vocab_size,
     )
     r = K // cfg.num_kv_heads
+    G = N // K
     layer = {
         "attn_norm": ParamSpec((D,), ("embed",), "ones"),
-        "wq": ParamSpec((D, N, H), ("embed", "heads", "head_dim")),
-        "wk": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), kv_repeat=r),
-        "wv": ParamSpec((D, K, H), ("embed", "kv_heads", "head_dim"), kv_repeat=r),
+        "w_qkv": ParamSpec((D, K, G + 2, H), ("embed", "kv_heads", "qkv", "head_dim"), kv_repeat=r),
         "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed")),
         "mlp_norm": ParamSpec((D,), ("embed",), "ones"),
-        "w_gate": ParamSpec((D, F), ("embed", "ffn")),
-        "w_up": ParamSpec((D, F), ("embed", "ffn")),
+        "w_gate_up": ParamSpec((D, 2, F), ("embed", None, "ffn")),
         "w_down": ParamSpec((F, D), ("ffn", "embed")),
     }
     if cfg.qkv_bias:
-        layer["bq"] = ParamSpec((N, H), ("heads", "head_dim"), "zeros")
-        layer["bk"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros", r)
-        layer["bv"] = ParamSpec((K, H), ("kv_heads", "head_dim"), "zeros", r)
+        layer["b_qkv"] = ParamSpec((K, G + 2, H), ("kv_heads", "qkv", "head_dim"), "zeros", r)
     if cfg.o_bias:
         layer["bo"] = ParamSpec((D,), ("embed",), "zeros")
     if cfg.mlp_bias:
-        layer["b_gate"] = ParamSpec((F,), ("ffn",), "zeros")
-        layer["b_up"] = ParamSpec((F,), ("ffn",), "zeros")
+        layer["b_gate_up"] = ParamSpec((2, F), (None, "ffn"), "zeros")
         layer["b_down"] = ParamSpec((D,), ("embed",), "zeros")
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
