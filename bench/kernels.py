@@ -27,6 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
+from kernels_pallas._write import write_kv_kernel  # noqa: E402
 
 REPS = 10
 
@@ -177,33 +178,96 @@ def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=
         print(json.dumps(row), flush=True)
 
 
-def bench_write(results, T, copy, K=8, H=128, S=16, P=16384):
+WRITE_IMPLS = {
+    "xla_scatter": reference.write_kv,
+    "pallas": write_kv_kernel,
+}
+
+
+def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.bfloat16):
+    """REPS chained writes in one jit with the cache donated (as in the engine's step); both caches."""
     rng = np.random.default_rng(3)
-    kp = jnp.zeros((K, P, S, H), jnp.bfloat16)
-    vp = jnp.zeros((K, P, S, H), jnp.bfloat16)
+    write = WRITE_IMPLS[impl]
+    kp = jnp.full((K, P, S, H), jnp.nan, jnp.float32).astype(kv_dtype)
+    vp = jnp.full((K, P, S, H), jnp.nan, jnp.float32).astype(kv_dtype)
     kn = jnp.asarray(rng.standard_normal((T, K, H)), jnp.bfloat16)
     vn = jnp.asarray(rng.standard_normal((T, K, H)), jnp.bfloat16)
     slots = jnp.asarray(rng.permutation(P * S)[:T].astype(np.int32))
+
     def f(kp, vp, kn, vn, s):
         for i in range(REPS):
-            kp, vp = reference.write_kv(kp, vp, kn + i, vn, s)
+            kp, vp = write(kp, vp, kn + i, vn, s)
         return kp, vp
 
-    f = jax.jit(f, donate_argnums=(0, 1))
-    kp, vp = f(kp, vp, kn, vn, slots)
-    jax.block_until_ready(kp)
-    ts = []
-    for _ in range(5):
-        t0 = time.perf_counter()
+    row = dict(kind="write_kv", impl=impl, T=T, K=K, H=H, kv_dtype=str(jnp.dtype(kv_dtype)))
+    try:
+        f = jax.jit(f, donate_argnums=(0, 1))
         kp, vp = f(kp, vp, kn, vn, slots)
-        jax.block_until_ready(kp)
-        ts.append((time.perf_counter() - t0) / REPS)
-    t = float(np.median(ts))
-    nbytes = 2 * 2 * T * K * H * 2  # read new k, v and write them
-    row = dict(kind="write_kv", impl="xla_scatter_donated", T=T, K=K, H=H, time_us=t * 1e6,
-               bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy, note="REPS chained scatters in one jit, cache donated; includes one small add per rep")
+        got = np.asarray(kp.astype(jnp.float32).reshape(K, P * S, H)[:, np.asarray(slots)])
+        want = reference._quantize(kn + (REPS - 1), 1.0, kv_dtype).astype(jnp.float32)
+        want = np.asarray(want).transpose(1, 0, 2)
+        row["exact"] = bool(np.array_equal(got, want))
+        row["untouched_nan"] = int(np.isnan(np.asarray(kp.astype(jnp.float32))).sum()) == K * (P * S - T) * H
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            kp, vp = f(kp, vp, kn, vn, slots)
+            jax.block_until_ready(kp)
+            ts.append((time.perf_counter() - t0) / REPS)
+        t = float(np.median(ts))
+        nbytes = 2 * T * K * H * (2 + jnp.dtype(kv_dtype).itemsize)  # read new k, v; write their rows
+        row.update(time_us=t * 1e6, time_min_us=min(ts) * 1e6, time_max_us=max(ts) * 1e6, bytes_per_s=nbytes / t,
+                   frac_copy=nbytes / t / copy, note="REPS chained writes in one jit, cache donated; includes "
+                   "one small add per rep (k + i)")
+    except Exception as e:  # noqa: BLE001
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
     print(json.dumps(row), flush=True)
+
+
+def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
+    """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, bf16, dense KV) through
+    JAX's shipped kernels on each Pallas GPU backend: Mosaic GPU (attention_mgpu, FA3-style: TMA,
+    wgmma, warp specialization) and the Triton lowering (attention.mha). Our ragged paged prefill kernel
+    on the same shape is the goal_chunk4k row; this row says what each backend reaches on this chip."""
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.standard_normal((1, T, N, H)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.bfloat16)
+    flops = 4 * N * H * T * (T + 1) / 2
+    ref = None
+    try:
+        rep = lambda x: jnp.repeat(x, N // K, axis=2)  # noqa: E731
+        s = jnp.einsum("bqnh,bknh->bnqk", q.astype(jnp.float32), rep(k).astype(jnp.float32)) * H**-0.5
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool))[None, None], s, -jnp.inf)
+        ref = jnp.einsum("bnqk,bknh->bqnh", jax.nn.softmax(s, axis=-1), rep(v).astype(jnp.float32))
+    except Exception:  # noqa: BLE001
+        pass
+
+    def mosaic(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+
+        cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=True)
+        return am.attention(q * jnp.asarray(H**-0.5, q.dtype), k, v, cfg)
+
+    def triton(q, k, v):
+        from jax.experimental.pallas.ops.gpu import attention as ta
+
+        rep = lambda x: jnp.repeat(x, N // K, axis=2)  # noqa: E731
+        return ta.mha(q, rep(k), rep(v), segment_ids=None, sm_scale=H**-0.5, causal=True)
+
+    for name, fn in (("mosaic_gpu_attention_mgpu", mosaic), ("triton_attention_mha", triton)):
+        row = dict(kind="backend", label="dense_causal_4k", impl=name, T=T, N=N, K=K, H=H)
+        try:
+            if ref is not None:
+                row["rel_err"] = rel_err(fn(q, k, v), ref)
+            t, tmin, tmax = timeit(chained(fn), q, k, v)
+            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, tflops=flops / t / 1e12,
+                       frac_matmul=flops / t / mm_rate)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
 
 
 def main():
@@ -227,10 +291,19 @@ def main():
     results = []
     copy = copy_bw()
     info["copy_bytes_per_s"] = copy
-    mm = matmul_rate() if "prefill" in only or "ceil" in only else None
+    mm = matmul_rate() if only & {"prefill", "ceil", "backend"} else None
     info["bf16_matmul_flops"] = mm
     print(json.dumps(info), flush=True)
 
+    if "prefetch" in only:  # register prefetch of the next KV block vs the default, same run
+        pf = [dict()] + [dict(prefetch=True, block_k=bk, num_warps=w, num_stages=st)
+                         for bk in (64, 128) for w in (2, 4) for st in (1, 2)]
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", pf + [dict(num_splits=1, block_k=64, num_warps=2),
+                     dict(num_splits=1, prefetch=True, block_k=64, num_warps=4, num_stages=1)])
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", pf + [
+            dict(num_splits=n, prefetch=True, block_k=64, num_warps=w, num_stages=1) for n in (32, 64) for w in (2, 4)])
+        bench_decode(results, 16, 16384, copy, "b16_ctx16k", pf[:1] + [dict(prefetch=True, block_k=64, num_warps=4,
+                     num_stages=1), dict(prefetch=True, block_k=128, num_warps=4, num_stages=1)])
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
@@ -257,8 +330,13 @@ def main():
             bench_prefill(results, 4096, 4096, mm, "chunk4k_prefix4k", [dict()])
             bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", [dict()])
     if "write" in only:
-        for T in (64, 4096):
-            bench_write(results, T, copy)
+        for T in (1, 64, 512, 4096):
+            for impl in WRITE_IMPLS:
+                bench_write(results, T, copy, impl)
+        for impl in WRITE_IMPLS:
+            bench_write(results, 64, copy, impl, kv_dtype=jnp.float8_e4m3fn)
+    if "backend" in only:
+        bench_backends(results, mm)
 
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:

@@ -11,7 +11,8 @@ Entry points (same keyword arguments as the reference):
       decode_only is a static promise that every live sequence has exactly one query token; it dispatches
       to the split-K decode kernel.
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
-  write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale): the reference's XLA scatter.
+  write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
+      into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -28,7 +29,8 @@ from . import reference
 from ._common import kernel_supported, on_gpu
 from ._decode import paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
-from .reference import paged_decode_attention_ref, ragged_paged_attention_ref, write_kv
+from ._write import write_kv_kernel
+from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
 
 __all__ = [
     "ragged_paged_attention",
@@ -42,6 +44,14 @@ __all__ = [
 
 def _use_kernel(q, k_pages, interpret):
     return (interpret or on_gpu()) and kernel_supported(q, k_pages)
+
+
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False):
+    """k, v: [T, K, H] into their slots (page * S + offset) of both caches; slot -1 is dropped."""
+    if (interpret or on_gpu()) and k_pages.shape[-1] in (64, 128, 256):
+        return write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                               interpret=interpret)
+    return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_decode_attention(

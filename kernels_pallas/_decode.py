@@ -27,7 +27,7 @@ NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final,
+    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final, prefetch,
 ):
     if has_alibi:
         slope_ref, *outs = rest
@@ -55,11 +55,20 @@ def _decode_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
 
+    def load(i):
+        ids = jnp.clip(bt_ref[pl.ds(lo_page + i * ppb, ppb)], 0, P - 1)
+        return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
+
     def body(i, carry, masked):
+        if prefetch:
+            # Loads of block i + 1 are issued before block i's math, so they are in flight while it runs
+            # (the last block re-reads itself: an L2 hit instead of a read past the split).
+            state, (k, v) = carry
+            nxt = load(jnp.maximum(jnp.minimum(i + 1, num_blocks - 1), 0))
+        else:
+            state, (k, v) = carry, load(i)
+        k, v = k.astype(cdt), v.astype(cdt)
         p0 = lo_page + i * ppb
-        ids = jnp.clip(bt_ref[pl.ds(p0, ppb)], 0, P - 1)
-        k = k_ref[ids].reshape(BK, H).astype(cdt)
-        v = v_ref[ids].reshape(BK, H).astype(cdt)
         kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
         s = mma(q, k, trans_b=True) * qk_mult  # [Gp, BK]
         if has_alibi:
@@ -68,7 +77,8 @@ def _decode_kernel(
             valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
             s = jnp.where(valid[None, :], s, -jnp.inf)
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
-        return softmax_step(carry, s, v, cdt)
+        state = softmax_step(state, s, v, cdt)
+        return (state, nxt) if prefetch else state
 
     init = (
         jnp.full((Gp,), -jnp.inf, jnp.float32),
@@ -80,8 +90,11 @@ def _decode_kernel(
         num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
     else:
         num_full = 0
+    if prefetch:
+        init = (init, load(0))
     carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
-    m, l, acc = jax.lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
+    carry = jax.lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
+    m, l, acc = carry[0] if prefetch else carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if final:
         (o_ref,) = outs
@@ -107,12 +120,13 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
 @functools.partial(
     jax.jit,
     static_argnames=(
-        "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages",
+        "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
     ),
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=128, num_splits=None, num_warps=4, num_stages=2,
+    prefetch=False,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -162,7 +176,7 @@ def paged_decode_attention_kernel(
         ]
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb, pages_per_split=pps,
-        sliding_window=sliding_window, has_alibi=has_alibi, final=final,
+        sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch,
     )
     outs = pl.pallas_call(
         kernel,

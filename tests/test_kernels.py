@@ -17,6 +17,7 @@ import kernels_pallas as kp
 from kernels_pallas import reference
 from kernels_pallas._decode import choose_splits, paged_decode_attention_kernel
 from kernels_pallas._ragged import ragged_paged_attention_kernel, tile_plan
+from kernels_pallas._write import write_kv_kernel
 
 TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-4}
 
@@ -68,6 +69,10 @@ DECODE_CASES = [
     (6, 2, 64, 16, jnp.float32, [300, 47], dict(num_splits=3, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2,
                                                       block_k=32)),
+    # register prefetch of the next block: first/last block, empty splits, masked tail, window
+    (8, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100], dict(prefetch=True, block_k=32)),
+    (4, 2, 64, 16, jnp.float32, [300, 47, 0], dict(prefetch=True, num_splits=3, block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9], dict(prefetch=True, sliding_window=20, num_splits=2, block_k=32)),
 ]
 
 
@@ -185,3 +190,24 @@ def test_split_plan():
     assert choose_splits(64, 8, 128, 8, 16) in ((1, 128), (2, 64))
     n, pps = choose_splits(1, 8, 2048, 8, 16)
     assert n * pps >= 2048 and n >= 32 and pps % 8 == 0
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_write_kv_kernel_matches_scatter(kv_dtype):
+    """Every written slot equals the reference scatter bit for bit; padding (-1) and all other slots keep
+    what they held (NaN here, so a stray write or a lost row shows)."""
+    rng = np.random.default_rng(11)
+    K, P, S, H, T = 3, 9, 16, 64, 12  # K not a power of two (MHA models after tp may have any K)
+    pages = np.full((K, P, S, H), np.nan, np.float32)
+    kp_, vp_ = jnp.asarray(pages).astype(kv_dtype), jnp.asarray(pages).astype(kv_dtype)
+    k = jnp.asarray(rng.standard_normal((T, K, H)) * 3, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((T, K, H)) * 3, jnp.bfloat16)
+    slots = rng.permutation(P * S)[:T].astype(np.int32)
+    slots[[2, 7]] = -1
+    kw = dict(k_scale=0.37, v_scale=2.9)
+    rk, rv = reference.write_kv(kp_, vp_, k, v, jnp.asarray(slots), **kw)
+    ok, ov = write_kv_kernel(kp_, vp_, k, v, jnp.asarray(slots), interpret=True, **kw)
+    for got, want in ((ok, rk), (ov, rv)):
+        assert got.dtype == want.dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert np.isfinite(np.asarray(ok.astype(jnp.float32))).sum() == (T - 2) * K * H

@@ -75,8 +75,8 @@ def _paged_attention(q, k, v, kv_cache, meta, alibi_slopes, *, scale, sliding_wi
     if config.backend == "pallas":
         import kernels_pallas
 
-        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
-                                                   k_scale=k_scale, v_scale=v_scale)
+        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, k, v, meta.slot_mapping, k_scale=k_scale,
+                                                   v_scale=v_scale, interpret=config.interpret)
         out = kernels_pallas.ragged_paged_attention(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
             decode_only=meta.decode_only, interpret=config.interpret, **kwargs)
