@@ -226,14 +226,15 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
 
 
 def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
-    """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, bf16, dense KV) through
+    """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, fp16, dense KV) through
     JAX's shipped kernels on each Pallas GPU backend: Mosaic GPU (attention_mgpu, FA3-style: TMA,
     wgmma, warp specialization) and the Triton lowering (attention.mha). Our ragged paged prefill kernel
     on the same shape is the goal_chunk4k row; this row says what each backend reaches on this chip."""
     rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.standard_normal((1, T, N, H)), jnp.bfloat16)
-    k = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.bfloat16)
-    v = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.bfloat16)
+    # float16: attention_mgpu stages q/k/v through float16 shared memory (bf16 inputs are refused)
+    q = jnp.asarray(rng.standard_normal((1, T, N, H)), jnp.float16)
+    k = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.float16)
+    v = jnp.asarray(rng.standard_normal((1, T, K, H)), jnp.float16)
     flops = 4 * N * H * T * (T + 1) / 2
     ref = None
     try:
@@ -291,19 +292,23 @@ def main():
     results = []
     copy = copy_bw()
     info["copy_bytes_per_s"] = copy
-    mm = matmul_rate() if only & {"prefill", "ceil", "backend"} else None
+    mm = matmul_rate() if only & {"prefill", "ceil", "backend", "tune"} else None
     info["bf16_matmul_flops"] = mm
     print(json.dumps(info), flush=True)
 
-    if "prefetch" in only:  # register prefetch of the next KV block vs the default, same run
-        pf = [dict()] + [dict(prefetch=True, block_k=bk, num_warps=w, num_stages=st)
-                         for bk in (64, 128) for w in (2, 4) for st in (1, 2)]
-        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", pf + [dict(num_splits=1, block_k=64, num_warps=2),
-                     dict(num_splits=1, prefetch=True, block_k=64, num_warps=4, num_stages=1)])
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", pf + [
-            dict(num_splits=n, prefetch=True, block_k=64, num_warps=w, num_stages=1) for n in (32, 64) for w in (2, 4)])
-        bench_decode(results, 16, 16384, copy, "b16_ctx16k", pf[:1] + [dict(prefetch=True, block_k=64, num_warps=4,
-                     num_stages=1), dict(prefetch=True, block_k=128, num_warps=4, num_stages=1)])
+    if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
+        old = dict(prefetch=False, block_k=128, num_warps=4, num_stages=2)  # defaults before 2749f1e
+        near = [dict(block_k=32), dict(num_warps=8), dict(block_k=32, num_warps=8), dict(num_stages=2),
+                dict(num_splits=2)]
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(old, num_splits=2)] + near)
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(old, num_splits=64)] + near[:4]
+                     + [dict(num_splits=16), dict(num_splits=64)])
+        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), dict(old, num_splits=5)] + near[:4])
+        pre = [dict(), dict(prefetch=True)] + [dict(prefetch=True, block_m=bm, block_k=bk, num_warps=w, num_stages=st)
+                                               for bm, bk, w, st in ((128, 64, 8, 1), (128, 32, 4, 1), (128, 64, 4, 1),
+                                                                     (64, 64, 4, 1), (128, 128, 8, 1))]
+        bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre)
+        bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", pre[:3])
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]

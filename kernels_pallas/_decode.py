@@ -4,12 +4,16 @@ Grid (B, K, splits). A program owns one sequence, one kv head and one contiguous
 pages of that sequence's block table; it serves all G query heads of that kv head at once, so every KV
 byte is read from HBM exactly once per step (the GQA group is padded to >= 16 rows for the MMA). Each
 iteration gathers pages_per_block whole pages ([ppb, S, H] contiguous runs in the [K, P, S, H] layout),
-computes [Gp, BK] scores with one MMA, and runs the online softmax.
+computes [Gp, BK] scores with one MMA, and runs the online softmax. The loads of block i + 1 are issued
+before block i's math (prefetch, carried in registers): Triton's software pipeliner does not pipeline
+loads whose addresses come from the block table, and without this each block's loads wait on the last
+block's math (B64 x 2k: 264 -> 227 us on an H100, bench/KERNELS_NOTES.md).
 
 With one split the kernel normalizes and writes [B, K, Gp, H] in q's dtype. With several it writes each
 split's normalized f32 output and its (max, sum) in the log2 domain, and a small XLA fusion combines
 them; the partials are B * N * H * 4 bytes per split, tiny next to the KV they summarize.
-Splits are chosen statically from (B, K, pages per sequence) so that ~4 programs per SM exist.
+Splits are chosen statically from (B, K, pages per sequence) so that ~2 programs per SM exist (measured:
+at B64 x 2k one split beats two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _decode_kernel(
 def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
     """Static split-K plan: (num_splits, pages_per_split)."""
     if num_splits is None:
-        want = max(1, -(-4 * NUM_SMS // (B * K)))
+        want = max(1, -(-2 * NUM_SMS // (B * K)))
         min_pages = max(pages_per_block, 512 // page_size)  # at least ~512 tokens per split
         num_splits = max(1, min(want, -(-M // min_pages)))
     pps = -(-M // num_splits)
@@ -125,8 +129,8 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, interpret=False, block_k=128, num_splits=None, num_warps=4, num_stages=2,
-    prefetch=False,
+    sliding_window=None, interpret=False, block_k=64, num_splits=None, num_warps=4, num_stages=1,
+    prefetch=True,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape

@@ -27,7 +27,7 @@ from ._decode import _triton_params
 
 def _ragged_kernel(
     tseq_ref, tpos_ref, trows_ref, lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, group, sliding_window, has_alibi,
+    page_size, pages_per_block, group, sliding_window, has_alibi, prefetch,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
@@ -52,11 +52,17 @@ def _ragged_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype
 
+    def load(blk):
+        ids = jnp.clip(bt_ref[seq, pl.ds(blk * ppb, ppb)], 0, P - 1)
+        return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
+
     def block(blk, carry, masked):
-        p0 = blk * ppb
-        ids = jnp.clip(bt_ref[seq, pl.ds(p0, ppb)], 0, P - 1)
-        k = k_ref[ids].reshape(BK, H).astype(cdt)
-        v = v_ref[ids].reshape(BK, H).astype(cdt)
+        if prefetch:  # next block's loads in flight during this block's math (see _decode.py)
+            state, (k, v) = carry
+            nxt = load(jnp.maximum(jnp.minimum(blk + 1, end_blk - 1), 0))
+        else:
+            state, (k, v) = carry, load(blk)
+        k, v = k.astype(cdt), v.astype(cdt)
         kv_pos = blk * BK + jnp.arange(BK, dtype=jnp.int32)
         s = mma(q, k, trans_b=True) * qk_mult  # [BM, BK]
         if has_alibi:
@@ -68,7 +74,8 @@ def _ragged_kernel(
                 vis &= rel > -sliding_window
             s = jnp.where(vis, s, -jnp.inf)
             v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))  # NaN-safe past the end
-        return softmax_step(carry, s, v, cdt)
+        state = softmax_step(state, s, v, cdt)
+        return (state, nxt) if prefetch else state
 
     if sliding_window is None:
         lo_blk = 0
@@ -83,9 +90,11 @@ def _ragged_kernel(
         jnp.zeros((BM,), jnp.float32),
         jnp.zeros((BM, H), jnp.float32),
     )
+    if prefetch:
+        carry = (carry, load(lo_blk))
     carry = jax.lax.fori_loop(lo_blk, full_blk, functools.partial(block, masked=False), carry)
     carry = jax.lax.fori_loop(full_blk, end_blk, functools.partial(block, masked=True), carry)
-    _, l, acc = carry
+    _, l, acc = carry[0] if prefetch else carry
     o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
@@ -110,12 +119,13 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages"),
+    static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages",
+                     "prefetch"),
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2,
+    num_stages=2, prefetch=False,
 ):
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -154,7 +164,7 @@ def ragged_paged_attention_kernel(
         args.append(slopes)
     kernel = functools.partial(
         _ragged_kernel, page_size=S, pages_per_block=ppb, group=Gp, sliding_window=sliding_window,
-        has_alibi=has_alibi,
+        has_alibi=has_alibi, prefetch=prefetch,
     )
     ot = pl.pallas_call(
         kernel,

@@ -127,6 +127,8 @@ RAGGED_CASES = [
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7,
                                                          alibi_slopes=True)),
     (3, 1, 128, 16, jnp.float32, [17, 2], [17, 65], dict(block_m=16, block_k=64)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, prefetch=True)),
+    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=True)),
 ]
 
 
@@ -186,7 +188,7 @@ def test_tile_plan_covers_every_token_once():
 
 
 def test_split_plan():
-    # many programs already: no split; one long sequence: split so ~4 programs per SM exist
+    # many programs already: no split; one long sequence: split so ~2 programs per SM exist
     assert choose_splits(64, 8, 128, 8, 16) in ((1, 128), (2, 64))
     n, pps = choose_splits(1, 8, 2048, 8, 16)
     assert n * pps >= 2048 and n >= 32 and pps % 8 == 0
