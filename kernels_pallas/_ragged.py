@@ -9,7 +9,8 @@ every mix of chunk lengths in a token bucket; tiles past the last real one exit 
 
 Grid (tiles, K). A program walks its sequence's block table BK tokens (BK / S whole pages) at a time:
 first the blocks that lie wholly before the tile's first token (no mask), then the diagonal blocks with the
-causal mask. Decode tokens mixed into the batch become one-row tiles; an all-decode batch should use the
+causal mask. The next block's loads are issued before this block's math (prefetch, as in _decode.py): 4k
+chunk 608 -> 528 us, 512 chunk over an 8k prefix 343 -> 281 us on an H100. Decode tokens mixed into the batch become one-row tiles; an all-decode batch should use the
 decode kernel (decode_only=True).
 """
 
@@ -125,7 +126,7 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=False,
+    num_stages=2, prefetch=True,
 ):
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape
