@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from jaxllm.engine.input_batch import PADDING_ROW, InputBatch
+from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
+                                      PROMPT_LOGPROBS, InputBatch)
 from jaxllm.engine.sequence import Sequence
 from jaxllm.sampling_params import SamplingParams
 
@@ -38,3 +39,32 @@ def test_no_free_row_is_a_clear_error():
     with pytest.raises(RuntimeError, match="no free row"):
         b.rows([seq("b", [2])])
     assert np.all(b.tables[0, :1] == [1])
+
+
+def test_rows_record_sampler_features():
+    b = InputBatch(max_rows=4, max_pages=2)
+    plain, filt, pen, rest = (seq("p", [1], temperature=0.0), seq("f", [2], top_p=0.5),
+                              seq("r", [3], repetition_penalty=1.1),
+                              seq("x", [4], allowed_token_ids=[5], logprobs=1, prompt_logprobs=0))
+    rows = b.rows([plain, filt, pen, rest])
+    assert b.features[rows].tolist() == [HAS_PARAMS, HAS_PARAMS | FILTERING, HAS_PARAMS | PENALTIES,
+                                         HAS_PARAMS | ALLOWED_IDS | LOGPROBS | PROMPT_LOGPROBS]
+    b.release(["p"])
+    assert b.features[b.rows([seq("none", [6])])[0]] == 0  # no sampling params: a padding row
+
+
+def test_rows_follow_growth_of_many_sequences():
+    b = InputBatch(max_rows=8, max_pages=10)
+    seqs = [seq(str(i), [10 * i + 1]) for i in range(6)]
+    seqs[4].block_table = [41, 42, 43]
+    rows = b.rows(seqs)
+    for step in range(4):  # some grow by one page, one by two; one shrinks (rewritten) and grows in turn
+        seqs[step].block_table.append(10 * step + 2 + step)
+        seqs[5].block_table.extend([90 + step, 95 + step])
+        if step % 2:
+            seqs[4].block_table.append(80 + step)
+        else:
+            seqs[4].block_table = [70 + step]
+        assert b.rows(seqs).tolist() == rows.tolist()
+        for s, r in zip(seqs, rows):
+            assert b.tables[r, : len(s.block_table)].tolist() == s.block_table

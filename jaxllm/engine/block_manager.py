@@ -196,7 +196,8 @@ class BlockManager:
         the scheduler calls it after schedule() advances num_computed_tokens and after update() appends."""
         if not self.enable_prefix_caching:
             return
-        n_full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
+        num_known = len(seq.prompt_token_ids) + len(seq.output_token_ids)  # not the property: called per token
+        n_full = min(seq.num_computed_tokens, num_known) // self.block_size
         if n_full <= seq.num_committed_blocks:
             return
         hashes = self._update_block_hashes(seq)

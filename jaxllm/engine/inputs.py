@@ -46,14 +46,43 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: i
                       max_pages_pad: int, pad_page: int = 0, tables: np.ndarray | None = None) -> StepInputs:
     """tables: the chunks' block tables already as rows [len(chunks), max_pages_pad] (an InputBatch gather;
     entries past a table's pages are ignored), instead of flattening the lists."""
+    n = len(chunks)
+    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, n)
+    n_tok = int(q_lens.sum())
+    token_ids = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, n_tok)
+    starts = np.fromiter((c.start for c in chunks), np.int32, n)
+    t_lens = np.fromiter((len(c.block_table) for c in chunks), np.int32, n)
+    if tables is None:
+        tables = _flatten_tables([c.block_table for c in chunks], t_lens, max_pages_pad, pad_page)
+    return step_inputs(token_ids, q_lens, starts, t_lens, tables, block_size, num_tokens_pad, num_seqs_pad,
+                       max_pages_pad, pad_page)
+
+
+def _flatten_tables(lists: list[list[int]], t_lens: np.ndarray, M: int, pad_page: int) -> np.ndarray:
+    """Block-table lists -> rows [n, M], padded with pad_page (tables wider than M are left to step_inputs'
+    check, which reports them)."""
+    n = len(lists)
+    out = np.full((n, max(M, int(t_lens.max(initial=0)))), pad_page, np.int32)
+    n_pages = int(t_lens.sum())
+    if n_pages:
+        flat = np.fromiter(itertools.chain.from_iterable(lists), np.int32, n_pages)
+        rows = np.repeat(np.arange(n, dtype=np.int32), t_lens)
+        cols = np.arange(n_pages, dtype=np.int32) - np.repeat(np.cumsum(t_lens) - t_lens, t_lens)
+        out[rows, cols] = flat
+    return out
+
+
+def step_inputs(token_ids: np.ndarray, q_lens: np.ndarray, starts: np.ndarray, t_lens: np.ndarray,
+                tables: np.ndarray, block_size: int, num_tokens_pad: int, num_seqs_pad: int, max_pages_pad: int,
+                pad_page: int = 0) -> StepInputs:
+    """build_step_inputs from arrays: the new tokens of every chunk back to back ([sum(q_lens)]), each
+    chunk's new-token count, first position and block-table length ([n] each), and its table rows [n, >= M]
+    (only the first t_lens[i] entries of row i are read)."""
     # Vectorised over sequences: per-sequence numpy calls cost ~10 us each, which at 256 sequences is most
     # of a step's host budget (bench/host_overhead.py).
     T, B, M, S = num_tokens_pad, num_seqs_pad, max_pages_pad, block_size
-    n = len(chunks)
-    q_lens = np.fromiter((len(c.token_ids) for c in chunks), np.int32, n)
-    starts = np.fromiter((c.start for c in chunks), np.int32, n)
-    t_lens = np.fromiter((len(c.block_table) for c in chunks), np.int32, n)
-    n_tok = int(q_lens.sum())
+    n = len(q_lens)
+    n_tok = len(token_ids)
     if n_tok > T or n > B:
         raise ValueError(f"{n_tok} tokens / {n} sequences exceed the bucket {T} / {B}.")
     ends = starts + q_lens
@@ -69,26 +98,22 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: i
     np.cumsum(q_lens, out=query_start_loc[1 : n + 1])
     query_start_loc[n + 1 :] = n_tok
     block_tables = np.full((B, M), pad_page, np.int32)
-    n_pages = int(t_lens.sum())
-    if tables is not None:
-        block_tables[:n] = tables
-    elif n_pages:
-        flat = np.fromiter(itertools.chain.from_iterable(c.block_table for c in chunks), np.int32, n_pages)
-        rows = np.repeat(np.arange(n, dtype=np.int32), t_lens)
-        cols = np.arange(n_pages, dtype=np.int32) - np.repeat(np.cumsum(t_lens) - t_lens, t_lens)
-        block_tables[rows, cols] = flat
-    token_ids = np.zeros(T, np.int32)
+    block_tables[:n] = tables[:, :M]
+    padded_ids = np.zeros(T, np.int32)
     positions = np.zeros(T, np.int32)
     slot_mapping = np.full(T, -1, np.int32)
     if n_tok:
-        token_ids[:n_tok] = np.fromiter(itertools.chain.from_iterable(c.token_ids for c in chunks), np.int32, n_tok)
-        tok_seq = np.repeat(np.arange(n, dtype=np.int32), q_lens)
-        pos = np.arange(n_tok, dtype=np.int32) + np.repeat(starts - query_start_loc[:n], q_lens)
+        padded_ids[:n_tok] = token_ids
+        if n_tok == n:  # one token per sequence (decodes): no ragged expansion
+            tok_seq, pos = np.arange(n), starts
+        else:
+            tok_seq = np.repeat(np.arange(n, dtype=np.int32), q_lens)
+            pos = np.arange(n_tok, dtype=np.int32) + np.repeat(starts - query_start_loc[:n], q_lens)
         positions[:n_tok] = pos
         slot_mapping[:n_tok] = block_tables[tok_seq, pos // S] * S + pos % S
     seq_lens = np.zeros(B, np.int32)
     seq_lens[:n] = ends
     logits_indices = np.zeros(B, np.int32)
     logits_indices[:n] = query_start_loc[1 : n + 1] - 1
-    return StepInputs(token_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
+    return StepInputs(padded_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
                       logits_indices, n_tok, n, bool(n and (q_lens == 1).all()))

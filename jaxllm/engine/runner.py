@@ -10,19 +10,22 @@ the device too: the next step reads them from `prev_tokens` for sequences whose 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from operator import attrgetter
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine.input_batch import PADDING_ROW, InputBatch
-from jaxllm.engine.inputs import SeqChunk, build_step_inputs, bucket
+from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
+                                      PROMPT_LOGPROBS, InputBatch)
+from jaxllm.engine.inputs import bucket, step_inputs
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, sample
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
@@ -33,6 +36,11 @@ logger = logging.getLogger(__name__)
 
 KV_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to point at
+# Field readers for map() over a step's sequences in prepare(): a C-level loop, several times cheaper than a
+# Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
+_seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
+_seq_id, _bias_row, _output_token_ids, _num_pending = map(
+    attrgetter, ("seq_id", "bias_row", "output_token_ids", "num_pending"))
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -228,7 +236,7 @@ class ModelRunner:
         z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
         meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
                                  v.decode_only)
-        smd = self._sampling_arrays([None] * B, v.flags)
+        smd = self._sampling_arrays(B, v.flags)
         return (self.params, self.kv_caches, z(T), np.full(T, -1, np.int32), self.prev_tokens, meta, z(B), smd,
                 np.full(T, -1, np.int32))
 
@@ -236,41 +244,60 @@ class ModelRunner:
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
         bench/host_overhead.py)."""
-        self.batch.release(sched.freed)
-        seqs = [s.seq for s in sched.scheduled]
-        rows = self.batch.rows(seqs)
-        chunks, src, sample_rows, prompt_rows = [], [], {}, {}
-        n_tok = 0
-        for s in sched.scheduled:
-            seq = s.seq
-            chunks.append(SeqChunk(s.token_ids if not s.from_device else [0], s.start, seq.block_table))
-            src.extend([self._prev_rows[seq.seq_id]] if s.from_device else [-1] * s.num_tokens)
-            if s.sample:
-                sample_rows[seq.seq_id] = len(chunks) - 1
-            sp = seq.sampling_params
-            if sp is not None and sp.prompt_logprobs is not None and s.start < seq.num_prompt_tokens:
-                prompt_rows[seq.seq_id] = (n_tok, s.num_tokens)
-            n_tok += s.num_tokens
-        decode_only = all(s.num_tokens == 1 for s in sched.scheduled)
+        # The host budget is ~1 ms at 256 sequences (issue 7), so per-sequence work is C-level map()s over
+        # the scheduled list plus numpy; Python loops only visit the rare chunks that need more (prompt
+        # logprobs, penalties, biases).
+        batch = self.batch
+        batch.release(sched.freed)
+        scheduled = sched.scheduled
+        n = len(scheduled)
+        seqs = list(map(_seq, scheduled))
+        rows = batch.rows(seqs)
+        q_lens = np.fromiter(map(_num_tokens, scheduled), np.int32, n)
+        starts = np.fromiter(map(_start, scheduled), np.int32, n)
+        sample = list(map(_sample, scheduled))
+        known = list(map(_token_ids, scheduled))  # [] for a decode of a token still on the device
+        from_device = np.fromiter(map(len, known), np.int32, n) < q_lens
+        n_tok = int(q_lens.sum())
+        decode_only = n_tok == n  # every chunk is one token
         if decode_only:
-            B = T = bucket(len(chunks), self.seq_buckets)
+            B = T = bucket(n, self.seq_buckets)
         else:
             # Mixed steps: B follows T (B <= n_tok <= T), so there is one mixed variant per token bucket.
-            T = bucket(max(n_tok, len(chunks)), self.token_buckets)
+            T = bucket(max(n_tok, n), self.token_buckets)
             B = bucket(min(T, self.seq_buckets[-1]), self.seq_buckets)
-        inp = build_step_inputs(chunks, self.block_size, T, B, self.max_pages, PAD_PAGE, self.batch.tables[rows])
+        # Flat token ids: the known ones, and a 0 placeholder where the device feeds the previous step's token
+        # for this sequence (src_rows: its row in prev_tokens).
+        token_ids = np.zeros(n_tok, np.int32)
         src_rows = np.full(T, -1, np.int32)
-        src_rows[:n_tok] = src
-        flags = self._flags(seqs)
-        prompt_k = self.max_logprobs if prompt_rows else 0
+        first_tok = np.cumsum(q_lens) - q_lens
+        dev = np.flatnonzero(from_device)
+        if len(dev) < n:
+            host_tok = ~np.repeat(from_device, q_lens)
+            token_ids[host_tok] = np.fromiter(itertools.chain.from_iterable(known), np.int32, n_tok - len(dev))
+        ids = list(map(_seq_id, seqs))
+        if len(dev):
+            dev_ids = ids if len(dev) == n else [ids[i] for i in dev.tolist()]
+            src_rows[first_tok[dev]] = list(map(self._prev_rows.__getitem__, dev_ids))
+        inp = step_inputs(token_ids, q_lens, starts, batch.num_pages[rows], batch.tables[rows], self.block_size, T,
+                          B, self.max_pages, PAD_PAGE)
+        sample_idx = list(itertools.compress(range(n), sample))
+        sample_rows = dict(zip(itertools.compress(ids, sample), sample_idx))
+        features = batch.features[rows]
+        flags = self._flags(seqs, features)
+        prompt_rows = {}
         prompt_targets = np.full(T, -1, np.int32)
-        for s in sched.scheduled:
-            if s.seq.seq_id in prompt_rows:  # token j's target: the prompt token after it, if any
-                lo, n = prompt_rows[s.seq.seq_id]
-                targets = s.seq.prompt_token_ids[s.start + 1 : s.start + n + 1]
+        for i in np.flatnonzero(features & PROMPT_LOGPROBS).tolist():
+            s, lo = scheduled[i], int(first_tok[i])
+            if s.start < s.seq.num_prompt_tokens:  # token j's target: the prompt token after it, if any
+                prompt_rows[ids[i]] = (lo, s.num_tokens)
+                targets = s.seq.prompt_token_ids[s.start + 1 : s.start + s.num_tokens + 1]
                 prompt_targets[lo : lo + len(targets)] = targets
-        sampled = [s.seq if s.sample else None for s in sched.scheduled]
-        smd = self._sampling_arrays(sampled + [None] * (B - len(chunks)), flags, rows)
+        prompt_k = self.max_logprobs if prompt_rows else 0
+        live = np.asarray(sample_idx, np.int64)
+        if not features.all():  # some sequences have no sampling params: they take padding rows
+            live = live[(features[live] & HAS_PARAMS) != 0]
+        smd = self._sampling_arrays(B, flags, seqs, rows, live)
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
         widths = tuple(a.shape[1] for a in (smd.penalty_tokens, smd.penalty_is_output, smd.bias_ids,
@@ -300,38 +327,37 @@ class ModelRunner:
         return StepResult(*outputs, prompt)
 
     # ---- sampling inputs ----
-    def _flags(self, seqs) -> SamplerFlags:
-        filtering = penalties = bias = False
-        k = 0
-        for seq in seqs:
-            sp = seq.sampling_params
-            if sp is None:
-                continue
-            filtering |= sp.top_p < 1.0 or sp.top_k > 0
-            penalties |= sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-            bias |= bool(getattr(seq, "bias_row", None) or sp.allowed_token_ids)
-            if sp.logprobs is not None:
-                k = self.max_logprobs
-        return SamplerFlags(filtering, penalties, bias, k)
+    def _flags(self, seqs, features: np.ndarray) -> SamplerFlags:
+        """features: InputBatch.features of seqs' rows (what their sampling params need, fixed per request);
+        only the engine's per-token logit biases (seq.bias_row) change from step to step."""
+        bits = int(np.bitwise_or.reduce(features)) if len(features) else 0
+        with_params = itertools.compress(seqs, (features & HAS_PARAMS).tolist())
+        bias = bool(bits & ALLOWED_IDS) or any(map(_bias_row, with_params))
+        return SamplerFlags(bool(bits & FILTERING), bool(bits & PENALTIES), bias,
+                            self.max_logprobs if bits & LOGPROBS else 0)
 
-    def _sampling_arrays(self, seqs, flags: SamplerFlags, rows: np.ndarray | None = None) -> SamplingMetadata:
-        """seqs: [B], None where nothing is sampled; rows: InputBatch rows of the first len(rows) entries,
-        whose per-request settings are gathered from there (None: all padding)."""
-        B = len(seqs)
-        sps = [None if seq is None else seq.sampling_params for seq in seqs]
-        live = [i for i, sp in enumerate(sps) if sp is not None]
+    def _sampling_arrays(self, B: int, flags: SamplerFlags, seqs=(), rows: np.ndarray | None = None,
+                         live: np.ndarray | None = None) -> SamplingMetadata:
+        """B rows: seqs[i] for i in live (an index array: sampled, with sampling params) take the settings of
+        their InputBatch row rows[i]; every other row is padding."""
         table = np.tile(np.asarray(PADDING_ROW, np.float32), (B, 1))
         seeds = np.zeros(B, np.uint32)
         steps = np.zeros(B, np.int32)
-        if live:
-            live_rows = rows[live]
-            table[live] = self.batch.sampling[live_rows]
-            seeds[live] = self.batch.seeds[live_rows]
-            steps[live] = [seqs[i].num_output_tokens + seqs[i].num_pending - 1 for i in live]
+        n_live = 0 if live is None else len(live)
+        if n_live:
+            # Usually every sequence is sampled: a slice then spares the fancy indexing.
+            at = slice(0, n_live) if n_live == len(seqs) else live
+            live_rows = rows[at]
+            table[at] = self.batch.sampling[live_rows]
+            seeds[at] = self.batch.seeds[live_rows]
+            live_seqs = seqs if n_live == len(seqs) else [seqs[i] for i in live.tolist()]
+            n_out = np.fromiter(map(len, map(_output_token_ids, live_seqs)), np.int32, n_live)
+            steps[at] = n_out + np.fromiter(map(_num_pending, live_seqs), np.int32, n_live) - 1
         temp, top_p, top_k, min_p, pres, freq, rep = table.T
         top_k = top_k.astype(np.int32)
         empty = [[]] * B
         pen_rows, pen_out, bias_ids, bias_vals, allowed = empty, empty, empty, empty, empty
+        live = [] if live is None else live.tolist()
         if flags.penalties:
             pen_rows, pen_out = [[] for _ in range(B)], [[] for _ in range(B)]
             for i in live:
@@ -341,9 +367,9 @@ class ModelRunner:
         if flags.bias:  # otherwise every bias row and allowed list is empty (see _flags)
             bias_ids, bias_vals, allowed = [[] for _ in range(B)], [[] for _ in range(B)], [[] for _ in range(B)]
             for i in live:
-                row = getattr(seqs[i], "bias_row", None) or {}
+                row = seqs[i].bias_row or {}
                 bias_ids[i], bias_vals[i] = list(row.keys()), list(row.values())
-                allowed[i] = list(sps[i].allowed_token_ids or [])
+                allowed[i] = list(seqs[i].sampling_params.allowed_token_ids or [])
 
         def rows(r, fill, dtype):
             return np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)

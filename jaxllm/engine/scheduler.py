@@ -38,7 +38,7 @@ from jaxllm.engine.configs import CacheConfig, SchedulerConfig
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one of these per running sequence per step, so creation and reads are hot
 class ScheduledSeq:
     seq: Sequence
     start: int  # position of the first new token (num_computed_tokens before this step)
@@ -178,23 +178,34 @@ class Scheduler:
     def _wants_tokens(self, seq: Sequence) -> bool:
         """False once the sequence may sample no more, so the engine is about to finish it: max_tokens outputs,
         or num_tokens at max_model_len (a prompt of exactly max_model_len still samples one token, as in vLLM)."""
-        num_outputs = seq.num_output_tokens + seq.num_pending
-        if num_outputs and seq.num_tokens >= self.config.max_model_len:
+        num_outputs = len(seq.output_token_ids) + seq.num_pending  # lens, not properties: called per sequence
+        if num_outputs and len(seq.prompt_token_ids) + num_outputs >= self.config.max_model_len:
             return False
         return seq.max_tokens is None or num_outputs < seq.max_tokens
 
     def _schedule_chunk(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> None:
+        # Runs for every scheduled sequence every step (256 decodes: most of schedule()), hence the plain lens.
         start = seq.num_computed_tokens
-        known_end = min(start + num_new, seq.num_known_tokens)
-        token_ids = seq.token_ids_slice(start, known_end) if known_end > start else []
-        assert len(token_ids) in (0, num_new) and (token_ids or num_new == 1), (seq, start, num_new)
-        seq.num_computed_tokens = start + num_new
-        sample = seq.num_computed_tokens == seq.num_tokens
+        end = start + num_new
+        num_known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        if start < num_known:
+            token_ids = seq.token_ids_slice(start, min(end, num_known))
+            assert len(token_ids) == num_new, (seq, start, num_new)
+        else:  # a decode of the token still pending on the device
+            token_ids = []
+            assert num_new == 1, (seq, start, num_new)
+        seq.num_computed_tokens = end
+        sample = end == num_known + seq.num_pending
         if sample:
             seq.num_pending += 1
         out.scheduled.append(ScheduledSeq(seq, start, num_new, sample, token_ids))
         out.num_batched_tokens += num_new
-        self.block_manager.commit_full_blocks(seq)
+        # A decode fills a page once every block_size steps: call only when the next uncommitted page is full of
+        # computed and known tokens (commit_full_blocks' own test, without the call).
+        bm = self.block_manager
+        next_full = (seq.num_committed_blocks + 1) * bm.block_size
+        if end >= next_full and num_known >= next_full and bm.enable_prefix_caching:
+            bm.commit_full_blocks(seq)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
@@ -212,26 +223,31 @@ class Scheduler:
         out = SchedulerOutput(step_id=self._step_id)
         self._step_id += 1
         budget = cfg.max_num_batched_tokens
+        block_size = bm.block_size
 
         # 1. Running sequences, oldest first. Victims come from the tail, so they were not scheduled yet.
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = seq.num_tokens - seq.num_computed_tokens
+            # seq.num_tokens - seq.num_computed_tokens without the property calls (this runs for every sequence)
+            num_new = len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending - seq.num_computed_tokens
             if num_new == 0 or not self._wants_tokens(seq):
                 i += 1
                 continue
             if not cfg.enable_chunked_prefill and num_new > budget:
                 i += 1  # runs whole or not at all (only recomputes get here: prefills complete at admission)
                 continue
-            num_new = min(num_new, budget)
-            while not bm.ensure_slots(seq, num_new):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                break  # seq preempted itself: everything after it is gone too
+            if num_new > budget:
+                num_new = budget
+            # Most steps' decodes stay inside their last page: ask the block manager only at page boundaries.
+            if seq.num_computed_tokens + num_new > len(seq.block_table) * block_size:
+                while not bm.ensure_slots(seq, num_new):
+                    victim = self.running[-1]
+                    self._preempt(victim, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    break  # seq preempted itself: everything after it is gone too
             self._schedule_chunk(out, seq, num_new)
             budget -= num_new
             i += 1

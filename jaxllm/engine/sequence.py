@@ -71,6 +71,7 @@ class Sequence:
         self.skip_prefix_cache_read = skip_prefix_cache_read  # prompt_logprobs requests: compute every token
         self.cache_salt = cache_salt  # isolates prefix-cache sharing between tenants (vLLM's cache_salt)
         self.sampling_params = sampling_params  # carried for the engine; the scheduler never reads it
+        self.bias_row: dict[int, float] | None = None  # the engine's logit biases for the next token (runner reads)
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
