@@ -8,8 +8,8 @@ Entry points (same keyword arguments as the reference):
   ragged_paged_attention(q [T, N, H], k_pages, v_pages, seq_lens [B], query_start_loc [B+1],
                          block_tables [B, M], *, scale, k_scale, v_scale, alibi_slopes, sliding_window,
                          decode_only=False, interpret=False) -> [T, N, H]
-      decode_only is a static promise that every live sequence has exactly one query token; it dispatches
-      to the split-K decode kernel.
+      decode_only is a static promise that every live sequence has exactly one query token and that padding
+      sequences (seq_len 0) come after the live ones; it dispatches to the split-K decode kernel.
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
@@ -80,6 +80,10 @@ def ragged_paged_attention(
             q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, interpret=interpret, **kw
         )
     T = q.shape[0]
+    if T == seq_lens.shape[0]:
+        # The engine's decode steps: one token per sequence, padding sequences (seq_len 0) last, so token b
+        # is sequence b's and a padding token meets a padding sequence (zeros): no gathers needed.
+        return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
     qsl = query_start_loc.astype(jnp.int32)
     q_len = qsl[1:] - qsl[:-1]
     qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each sequence's single token

@@ -2,14 +2,15 @@
 
 Grid (B, K, splits). A program owns one sequence, one kv head and one contiguous run of pages_per_split
 pages of that sequence's block table; it serves all G query heads of that kv head at once, so every KV
-byte is read from HBM exactly once per step (the GQA group is padded to >= 16 rows for the MMA). Each
+byte is read from HBM exactly once per step (the MMA needs >= 16 rows: the kernel stacks copies of the
+G query rows in registers, so neither q nor the output is padded in HBM). Each
 iteration gathers pages_per_block whole pages ([ppb, S, H] contiguous runs in the [K, P, S, H] layout),
 computes [Gp, BK] scores with one MMA, and runs the online softmax. The loads of block i + 1 are issued
 before block i's math (prefetch, carried in registers): Triton's software pipeliner does not pipeline
 loads whose addresses come from the block table, and without this each block's loads wait on the last
 block's math (B64 x 2k: 264 -> 227 us on an H100, bench/KERNELS_NOTES.md).
 
-With one split the kernel normalizes and writes [B, K, Gp, H] in q's dtype. With several it writes each
+With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
 split's normalized f32 output and its (max, sum) in the log2 domain, and a small XLA fusion combines
 them; the partials are B * N * H * 4 bytes per split, tiny next to the KV they summarize.
 Splits are chosen statically from (B, K, pages per sequence) so that ~2 programs per SM exist (measured:
@@ -31,7 +32,7 @@ NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final, prefetch,
+    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final, prefetch, replicas,
 ):
     if has_alibi:
         slope_ref, *outs = rest
@@ -41,7 +42,8 @@ def _decode_kernel(
     S, ppb = page_size, pages_per_block
     BK = S * ppb
     P = k_ref.shape[0]
-    Gp, H = q_ref.shape
+    Gq, H = q_ref.shape
+    R = replicas
 
     seq_len = lens_ref[b]
     q_pos = seq_len - 1
@@ -55,6 +57,9 @@ def _decode_kernel(
     num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
 
     q = q_ref[...]
+    if R > 1:  # the MMA needs >= 16 rows: stack R copies of the group (row r is head r % Gq)
+        q = jnp.broadcast_to(q[None], (R, Gq, H)).reshape(R * Gq, H)
+    Gp = R * Gq
     qk_mult, v_scale = scal_ref[0], scal_ref[1]
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
@@ -100,6 +105,8 @@ def _decode_kernel(
     carry = jax.lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
     m, l, acc = carry[0] if prefetch else carry
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
+        out, m, l = out.reshape(R, Gq, H).max(0), m.reshape(R, Gq).max(0), l.reshape(R, Gq).max(0)
     if final:
         (o_ref,) = outs
         o_ref[...] = (out * v_scale).astype(o_ref.dtype)
@@ -122,7 +129,9 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
     """Static split-K plan: (num_splits, pages_per_split)."""
     if num_splits is None:
         want = max(1, -(-2 * NUM_SMS // (B * K)))
-        min_pages = max(pages_per_block, 512 // page_size)  # at least ~512 tokens per split
+        # >= 1024 tokens per split: below that the XLA combine costs more than the parallelism saves
+        # (a batch-1 step at max_model_len 1024 paid a 2-way split plus its combine in every layer)
+        min_pages = max(pages_per_block, 1024 // page_size)
         num_splits = max(1, min(want, -(-M // min_pages)))
     pps = -(-M // num_splits)
     pps = -(-pps // pages_per_block) * pages_per_block
@@ -144,7 +153,8 @@ def paged_decode_attention_kernel(
     K, P, S, _ = k_pages.shape
     M = block_tables.shape[1]
     G = N // K
-    Gp = max(16, next_pow2(G))
+    Gq = next_pow2(G)  # q rows per program in HBM (== G unless G is not a power of two)
+    R = max(1, 16 // Gq)  # copies stacked in-kernel for the MMA: no padded q or output in HBM
     if block_k is None:
         block_k = default_block_k(B, K)
     ppb = max(1, block_k // S)
@@ -152,8 +162,8 @@ def paged_decode_attention_kernel(
     final = splits == 1
 
     qg = q.reshape(B, K, G, H)
-    if Gp != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    if Gq != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
     bt = pad_block_tables(block_tables, pps + ppb)
     lens = seq_lens.astype(jnp.int32)
     scal = scalars(scale, k_scale, v_scale)
@@ -164,33 +174,33 @@ def paged_decode_attention_kernel(
         full((B,)),
         pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)),
         full((2,)),
-        pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0)),
+        pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
     ]
     args = [lens, bt, scal, qg, k_pages, v_pages]
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
-        slopes = jnp.pad(slopes, ((0, 0), (0, Gp - G)))
-        in_specs.append(pl.BlockSpec((None, Gp), lambda b, h, s: (h, 0)))
+        slopes = jnp.tile(jnp.pad(slopes, ((0, 0), (0, Gq - G))), (1, R))  # row r: head r % Gq
+        in_specs.append(pl.BlockSpec((None, R * Gq), lambda b, h, s: (h, 0)))
         args.append(slopes)
     if final:
-        out_shape = [jax.ShapeDtypeStruct((B, K, Gp, H), q.dtype)]
-        out_specs = [pl.BlockSpec((None, None, Gp, H), lambda b, h, s: (b, h, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), q.dtype)]
+        out_specs = [pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))]
     else:
         out_shape = [
-            jax.ShapeDtypeStruct((B, K, splits, Gp, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gq, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gq), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, splits, Gq), jnp.float32),
         ]
         out_specs = [
-            pl.BlockSpec((None, None, None, Gp, H), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, Gp), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
         ]
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb, pages_per_split=pps,
-        sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch,
+        sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
     )
     outs = pl.pallas_call(
         kernel,
@@ -205,7 +215,7 @@ def paged_decode_attention_kernel(
     if final:
         out = outs[0]
     else:
-        o, m, l = outs  # [B, K, splits, Gp(, H)]
+        o, m, l = outs  # [B, K, splits, Gq(, H)]
         m_max = m.max(axis=2, keepdims=True)
         w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)) * l, 0.0)
         denom = w.sum(axis=2)

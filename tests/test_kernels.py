@@ -69,6 +69,8 @@ DECODE_CASES = [
     (6, 2, 64, 16, jnp.float32, [300, 47], dict(num_splits=3, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2,
                                                       block_k=32)),
+    (16, 1, 64, 16, jnp.bfloat16, [70, 5], dict(num_splits=2, block_k=32)),  # G = 16: no stacked copies
+    (4, 2, 128, 16, jnp.bfloat16, [90, 3], dict(alibi_slopes=True, num_splits=2, block_k=32)),  # 8 copies of G=2
     # register prefetch of the next block: first/last block, empty splits, masked tail, window
     (8, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100], dict(prefetch=True, block_k=32)),
     (4, 2, 64, 16, jnp.float32, [300, 47, 0], dict(prefetch=True, num_splits=3, block_k=32)),
@@ -105,14 +107,14 @@ def test_decode_fp8(kv_dtype):
     check(out, ref, jnp.bfloat16)
 
 
-def test_ragged_decode_only_dispatch():
+@pytest.mark.parametrize("lens", [[33, 1, 0], [33, 1, 0, 0]])  # T > B: gathers; T == B: the engine's layout
+def test_ragged_decode_only_dispatch(lens):
     """decode_only: live sequences have one token; a padding sequence and padding tokens give zeros."""
     rng = np.random.default_rng(3)
-    lens = [33, 1, 0]
     k, v, bt = make_cache(rng, 2, 64, 16, lens)
     T = 4
     q = jnp.asarray(rng.standard_normal((T, 8, 64)), jnp.bfloat16)
-    qsl = jnp.asarray([0, 1, 2, 2], jnp.int32)
+    qsl = jnp.asarray([0, 1] + [2] * (len(lens) - 1), jnp.int32)
     args = (q, k, v, jnp.asarray(lens, jnp.int32), qsl, bt)
     out = kp.ragged_paged_attention(*args, scale=0.125, decode_only=True, interpret=True)
     ref = reference.ragged_paged_attention_ref(*args, scale=0.125)
@@ -213,3 +215,29 @@ def test_write_kv_kernel_matches_scatter(kv_dtype):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
     assert np.isfinite(np.asarray(ok.astype(jnp.float32))).sum() == (T - 2) * K * H
+
+
+def test_model_through_pallas_kernels_matches_reference(tmp_path):
+    """The decoder with backend "pallas" (write kernel, ragged kernel, decode dispatch; interpret mode)
+    gives the reference backend's logits over a shuffled NaN-filled cache with a cached-prefix step."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+    from tests.model_harness import ragged_logits
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)  # H = 64
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
+    params = load_params(str(tmp_path), cfg, ParallelConfig().make_mesh())
+    seqs, cached = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9], [8, 1, 0]
+    ref = ragged_logits(params, cfg, seqs, cached, block_size=8)
+    out = ragged_logits(params, cfg, seqs, cached, block_size=8,
+                        attn=AttentionConfig(backend="pallas", interpret=True))
+    for o, r in zip(out, ref):
+        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
