@@ -53,3 +53,20 @@ def test_throughput_smoke(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
     assert saved["env"]["jax"] and saved["env"]["command"] and "time_to_ready_s" in saved
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_startup_smoke(tmp_path):
+    """Cold then warm start in fresh processes: the warm one loads every step from the executable cache."""
+    from bench import startup
+
+    out = tmp_path / "su.json"
+    res = startup.main(["--shape", "tiny", "--load-format", "dummy", "--num-layers", "1", "--max-model-len", "64",
+                        "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
+                        "--warm-runs", "1", "--log-level", "warning", "--out", str(out)])
+    cold, warm = res["series"]["."]["cold"], res["series"]["."]["warm"][0]
+    n = cold["num_variants"]
+    assert n == 2 and cold["exec_cache"]["stores"] == n and cold["step_traces"] == n
+    assert warm["exec_cache"]["hits"] == n and warm["step_traces"] == 0
+    assert res["series"]["."]["warm_tokens_equal_cold"] and len(warm["greedy_tokens"][0]) == 8
+    assert json.loads(out.read_text())["env"]["command"]

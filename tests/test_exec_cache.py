@@ -1,0 +1,154 @@
+"""The executable cache (jaxllm/engine/exec_cache.py): a second start with the same cache loads every step
+variant without tracing and gives the same tokens; corrupt or mismatched entries fall back to compiling."""
+
+import hashlib
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.engine import exec_cache
+from jaxllm.engine import runner as runner_mod
+from jaxllm.engine import setup
+from tests.tiny_models import make_tiny_model_dir
+
+PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+LOGPROBS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2)  # variants after warm-up
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))[0]
+
+
+@pytest.fixture
+def traces(monkeypatch):
+    """Counts traces of the step function (forward runs once per trace)."""
+    count = {"n": 0}
+    forward = runner_mod.forward
+
+    def counting(*a, **k):
+        count["n"] += 1
+        return forward(*a, **k)
+
+    monkeypatch.setattr(runner_mod, "forward", counting)
+    return count
+
+
+@pytest.fixture(autouse=True)
+def no_jax_cache_writes():
+    """JAX's persistent cache directory is process-wide (the suite's default): this file's compiles write
+    nothing there, and their shapes (72 KV blocks) are this file's own, so JAX's cache never answers them
+    and every compile here is XLA's (the executable cache stores only those)."""
+    old = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+
+
+def start(model_dir, cache_dir, monkeypatch):
+    monkeypatch.setattr(setup, "_executable_cache_dir", lambda args: str(cache_dir))
+    return LLM(model_dir, dtype="float32", num_gpu_blocks_override=72, max_num_seqs=8, max_num_batched_tokens=64,
+               block_size=8, max_model_len=64, enforce_eager=False, compilation_cache_dir=None)
+
+
+def run(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    lp = llm.generate({"prompt_token_ids": PROMPTS[0]}, LOGPROBS, use_tqdm=False)[0].outputs[0]
+    return [o.outputs[0].token_ids for o in outs], (lp.token_ids, [sorted(d) for d in lp.logprobs])
+
+
+def counters(llm):
+    c = llm.llm_engine.runner.exec_cache
+    return dict(hits=c.hits, misses=c.misses, errors=c.errors, stores=c.stores, from_jax_cache=c.from_jax_cache)
+
+
+def test_second_start_loads_without_tracing(tiny, tmp_path, monkeypatch, traces):
+    first = start(tiny, tmp_path, monkeypatch)
+    n = len(first.llm_engine.runner.variants())
+    assert counters(first) == dict(hits=0, misses=n, errors=0, stores=n, from_jax_cache=0)
+    assert traces["n"] == n
+    ref = run(first)  # the logprobs request compiles (and stores) variants after warm-up
+    extra = first.llm_engine.runner.num_compiles_after_warmup
+    assert extra and counters(first)["stores"] == n + extra
+    del first
+
+    jax.clear_caches()  # so a start that needed the step would trace it again
+    traces["n"] = 0
+    second = start(tiny, tmp_path, monkeypatch)
+    assert counters(second) == dict(hits=n, misses=0, errors=0, stores=0, from_jax_cache=0)
+    assert traces["n"] == 0 and len(second.llm_engine.runner._compiled) == n
+    kv = second.llm_engine.runner.kv_caches[0][0]
+    assert run(second) == ref  # sampling and the post-warm-up variants work when loaded
+    assert kv.is_deleted()  # the KV cache is still donated
+    assert counters(second)["hits"] == n + extra and traces["n"] == 0
+
+
+def test_corrupt_and_mismatched_entries_fall_back(tiny, tmp_path, monkeypatch, traces, caplog):
+    first = start(tiny, tmp_path, monkeypatch)
+    ref = run(first)
+    r = first.llm_engine.runner
+    keys = {v: r._cache_key(v, r._dummy_args(v)) for v in r.variants()}
+    del first
+    ka, kb, kc = (keys[v] for v in r.variants()[:3])
+    a, b, c = map(r.exec_cache.path, (ka, kb, kc))
+    # c: b's valid entry relabelled with c's key (digest recomputed): the argument checks, not the key,
+    # must catch it.
+    with open(b, "rb") as f:
+        body = pickle.loads(f.read()[len(exec_cache._MAGIC) + 32 :])
+    body["key"] = kc
+    relabelled = pickle.dumps(body)
+    os.replace(c, b)  # b: c's entry under b's key
+    with open(c, "wb") as f:
+        f.write(exec_cache._MAGIC + hashlib.sha256(relabelled).digest() + relabelled)
+    with open(a, "r+b") as f:  # a: one byte of the body flipped
+        f.seek(-100, os.SEEK_END)
+        byte = f.read(1)[0]
+        f.seek(-100, os.SEEK_END)
+        f.write(bytes([byte ^ 0xFF]))
+
+    jax.clear_caches()
+    traces["n"] = 0
+    with caplog.at_level(logging.WARNING, logger="jaxllm.engine.exec_cache"):
+        second = start(tiny, tmp_path, monkeypatch)
+    n = len(second.llm_engine.runner.variants())
+    assert counters(second) == dict(hits=n - 3, misses=0, errors=3, stores=3, from_jax_cache=0)
+    assert traces["n"] == 3
+    assert sum("compiling instead" in rec.getMessage() for rec in caplog.records) == 3
+    assert run(second) == ref
+
+
+def test_executables_from_jax_cache_are_not_stored(tmp_path):
+    """JAX's persistent cache hands back deserialized executables, which on CPU do not survive a second
+    serialization; compile_and_store notices (jax.monitoring's cache-hit event, then the executable's
+    identity when JAX's in-memory cache returns it again) and skips them. In its own process, as JAX's cache
+    directory is process-wide."""
+    script = f"""
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path / "xla")!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxllm.engine.exec_cache import ExecutableCache
+
+def f(x):
+    return x + jnp.arange(x.shape[0]) * 2
+
+cache = ExecutableCache({str(tmp_path / "exe")!r}, jax.devices()[:1])
+x = np.ones(8, np.int32)
+key = cache.key("f", (x,), ())
+cache.compile_and_store(key, jax.jit(f).lower(x).compile)  # compiled by XLA: stored
+jax.clear_caches()
+cache.compile_and_store("other", jax.jit(f).lower(x).compile)  # from JAX's cache: not stored
+cache.compile_and_store("again", jax.jit(f).lower(x).compile)  # the same, from JAX's in-memory cache
+print(cache.stores, cache.from_jax_cache, cache.load(key, (x,))(x).tolist())
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "1 2 [1, 3, 5, 7, 9, 11, 13, 15]"
