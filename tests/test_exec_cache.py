@@ -42,17 +42,27 @@ def traces(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def no_jax_cache_writes():
-    """JAX's persistent cache directory is process-wide (the suite's default): this file's compiles write
-    nothing there, and their shapes (72 KV blocks) are this file's own, so JAX's cache never answers them
-    and every compile here is XLA's (the executable cache stores only those)."""
-    old = jax.config.jax_persistent_cache_min_compile_time_secs
+def no_jax_cache(tmp_path_factory):
+    """JAX's persistent cache is process-wide and may already hold these programs (an earlier run on this
+    machine wrote the suite's default directory): each test here reads an empty one of its own and writes
+    nothing, so JAX's cache never answers and every compile is XLA's (the executable cache stores only those)."""
+    from jax._src import compilation_cache
+
+    old_dir = jax.config.jax_compilation_cache_dir
+    old_min = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    compilation_cache.reset_cache()
     yield
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old)
+    jax.config.update("jax_compilation_cache_dir", old_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old_min)
+    compilation_cache.reset_cache()
 
 
 def start(model_dir, cache_dir, monkeypatch):
+    # JAX's in-memory caches outlive a test: an earlier test's compile of the same program would be handed
+    # out again and counted as JAX's cache's (not stored), so every start begins from empty caches.
+    jax.clear_caches()
     monkeypatch.setattr(setup, "_executable_cache_dir", lambda args: str(cache_dir))
     return LLM(model_dir, dtype="float32", num_gpu_blocks_override=72, max_num_seqs=8, max_num_batched_tokens=64,
                block_size=8, max_model_len=64, enforce_eager=False, compilation_cache_dir=None)
