@@ -114,8 +114,8 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
                  check=True):
     q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype)
     scale = H**-0.5
-    kv_bytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize
-    io_bytes = 2 * q.size * q.dtype.itemsize
+    nbytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize + 2 * q.size * q.dtype.itemsize  # KV + q + out
+    bandwidth = lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)  # noqa: E731
     ref = None
     if check:
         ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
@@ -124,7 +124,7 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
                    kv_dtype=str(jnp.dtype(k.dtype)), impl="pallas_triton", cfg=cfg)
         call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(  # noqa: E731
             q, k, v, lens, bt, scale=scale, **cfg)
-        _measure_decode(results, row, call, (q, k, v, lens, bt), ref, kv_bytes + io_bytes, copy)
+        _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
     if shipped:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
@@ -132,21 +132,25 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
                    kv_dtype=str(jnp.dtype(k.dtype)), impl="jax_shipped_paged_attention",
                    cfg=dict(block_h=16, pages_per_compute_block=8, k_splits=16))
         call = lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(scale, q.dtype), k, v, bt, lens)  # noqa: E731
-        _measure_decode(results, row, call, (q, k, v, lens, bt), ref, kv_bytes + io_bytes, copy)
+        _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
 
 
-def _measure_decode(results, row, call, args, ref, nbytes, copy):
-    """Checks call against ref, times it, and appends the row (with the error instead, if it fails)."""
+def _measure(results, row, call, args, ref, rates):
+    """Checks call against ref, times it, and appends the row (with the error instead, if it fails);
+    rates(t) gives the row's rate fields for t seconds per call."""
     try:
         if ref is not None:
             row["rel_err"] = rel_err(call(*args), ref)
         t, tmin, tmax = timeit(chained(call), *args)
-        row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
-                   bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)
+        row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, **rates(t))
     except Exception as e:  # noqa: BLE001 - one failing config must not end the sweep
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
     print(json.dumps(row), flush=True)
+
+
+def matmul_rates(flops, mm_rate):
+    return lambda t: dict(tflops=flops / t / 1e12, frac_matmul=flops / t / mm_rate)
 
 
 def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True):
@@ -164,18 +168,9 @@ def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=
     for cfg in configs:
         row = dict(kind="prefill", label=label, chunk=chunk, prefix=prefix, N=N, K=K, H=H, S=S,
                    impl="pallas_triton", cfg=cfg)
-        try:
-            call = lambda q, k, v, lens, qsl, bt, cfg=cfg: ragged_paged_attention_kernel(
-                q, k, v, lens, qsl, bt, scale=scale, **cfg)
-            if ref is not None:
-                row["rel_err"] = rel_err(call(q, k, v, lens, qsl, bt), ref)
-            t, tmin, tmax = timeit(chained(call), q, k, v, lens, qsl, bt)
-            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
-                       tflops=flops / t / 1e12, frac_matmul=flops / t / mm_rate)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        call = lambda q, k, v, lens, qsl, bt, cfg=cfg: ragged_paged_attention_kernel(  # noqa: E731
+            q, k, v, lens, qsl, bt, scale=scale, **cfg)
+        _measure(results, row, call, (q, k, v, lens, qsl, bt), ref, matmul_rates(flops, mm_rate))
 
 
 WRITE_IMPLS = {
@@ -204,7 +199,7 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
         f = jax.jit(f, donate_argnums=(0, 1))
         kp, vp = f(kp, vp, kn, vn, slots)
         got = np.asarray(kp.astype(jnp.float32).reshape(K, P * S, H)[:, np.asarray(slots)])
-        want = reference._quantize(kn + (REPS - 1), 1.0, kv_dtype).astype(jnp.float32)
+        want = reference.quantize(kn + (REPS - 1), 1.0, kv_dtype).astype(jnp.float32)
         want = np.asarray(want).transpose(1, 0, 2)
         row["exact"] = bool(np.array_equal(got, want))
         row["untouched_nan"] = int(np.isnan(np.asarray(kp.astype(jnp.float32))).sum()) == K * (P * S - T) * H
@@ -259,16 +254,7 @@ def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
 
     for name, fn in (("mosaic_gpu_attention_mgpu", mosaic), ("triton_attention_mha", triton)):
         row = dict(kind="backend", label="dense_causal_4k", impl=name, T=T, N=N, K=K, H=H)
-        try:
-            if ref is not None:
-                row["rel_err"] = rel_err(fn(q, k, v), ref)
-            t, tmin, tmax = timeit(chained(fn), q, k, v)
-            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, tflops=flops / t / 1e12,
-                       frac_matmul=flops / t / mm_rate)
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        _measure(results, row, fn, (q, k, v), ref, matmul_rates(flops, mm_rate))
 
 
 def main():

@@ -6,6 +6,7 @@ log2(e)), so the kernels use exp2, which is one MUFU instruction on NVIDIA GPUs.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -52,6 +53,34 @@ def mma(a, b, trans_b=False):
     """[M, C] x [C, N] (or [N, C] with trans_b) -> f32, lowered to one tensor-core MMA by Triton."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+
+def triton_params(num_warps, num_stages):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def kv_blocks(load, step, state, lo, mid, hi, *, prefetch):
+    """Runs state = step(i, state, k, v, masked) over KV blocks lo..mid (unmasked), then mid..hi (masked).
+    load(i) -> (k, v) of block i. With prefetch, block i + 1's loads are issued before block i's math and
+    carried in registers, so they are in flight while it runs: Triton's software pipeliner does not pipeline
+    loads whose addresses come from the block table. The last block re-reads itself (an L2 hit), never a
+    block past hi."""
+
+    def body(i, carry, masked):
+        if prefetch:
+            state, (k, v) = carry
+            nxt = load(jnp.maximum(jnp.minimum(i + 1, hi - 1), lo))
+        else:
+            state, (k, v) = carry, load(i)
+        state = step(i, state, k, v, masked)
+        return (state, nxt) if prefetch else state
+
+    carry = (state, load(lo)) if prefetch else state
+    carry = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
+    carry = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
+    return carry[0] if prefetch else carry
 
 
 def softmax_step(carry, s, v, p_dtype):

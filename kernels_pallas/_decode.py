@@ -25,7 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import kernel_supported, next_pow2, pad_block_tables, mma, scalars, softmax_step
+from ._common import (kernel_supported, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step,
+                      triton_params)
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
@@ -68,14 +69,7 @@ def _decode_kernel(
         ids = jnp.clip(bt_ref[pl.ds(lo_page + i * ppb, ppb)], 0, P - 1)
         return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
 
-    def body(i, carry, masked):
-        if prefetch:
-            # Loads of block i + 1 are issued before block i's math, so they are in flight while it runs
-            # (the last block re-reads itself: an L2 hit instead of a read past the split).
-            state, (k, v) = carry
-            nxt = load(jnp.maximum(jnp.minimum(i + 1, num_blocks - 1), 0))
-        else:
-            state, (k, v) = carry, load(i)
+    def step(i, state, k, v, masked):
         k, v = k.astype(cdt), v.astype(cdt)
         p0 = lo_page + i * ppb
         kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
@@ -86,8 +80,7 @@ def _decode_kernel(
             valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
             s = jnp.where(valid[None, :], s, -jnp.inf)
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
-        state = softmax_step(state, s, v, cdt)
-        return (state, nxt) if prefetch else state
+        return softmax_step(state, s, v, cdt)
 
     init = (
         jnp.full((Gp,), -jnp.inf, jnp.float32),
@@ -99,11 +92,7 @@ def _decode_kernel(
         num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
     else:
         num_full = 0
-    if prefetch:
-        init = (init, load(0))
-    carry = jax.lax.fori_loop(0, num_full, functools.partial(body, masked=False), init)
-    carry = jax.lax.fori_loop(num_full, num_blocks, functools.partial(body, masked=True), carry)
-    m, l, acc = carry[0] if prefetch else carry
+    m, l, acc = kv_blocks(load, step, init, 0, num_full, num_blocks, prefetch=prefetch)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
         out, m, l = out.reshape(R, Gq, H).max(0), m.reshape(R, Gq).max(0), l.reshape(R, Gq).max(0)
@@ -209,7 +198,7 @@ def paged_decode_attention_kernel(
         out_specs=out_specs,
         out_shape=out_shape,
         interpret=interpret,
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_{S=}_{ppb=}_{splits=}",
     )(*args)
     if final:
@@ -221,12 +210,6 @@ def paged_decode_attention_kernel(
         denom = w.sum(axis=2)
         out = (w[..., None] * o).sum(axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
     return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
-
-
-def _triton_params(num_warps, num_stages):
-    from jax.experimental.pallas import triton as plgpu
-
-    return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def supported(q, k_pages) -> bool:

@@ -9,9 +9,9 @@ every mix of chunk lengths in a token bucket; tiles past the last real one exit 
 
 Grid (tiles, K). A program walks its sequence's block table BK tokens (BK / S whole pages) at a time:
 first the blocks that lie wholly before the tile's first token (no mask), then the diagonal blocks with the
-causal mask. The next block's loads are issued before this block's math (prefetch, as in _decode.py): 4k
-chunk 608 -> 528 us, 512 chunk over an 8k prefix 343 -> 281 us on an H100. Decode tokens mixed into the batch become one-row tiles; an all-decode batch should use the
-decode kernel (decode_only=True).
+causal mask. The next block's loads are issued before this block's math (prefetch, _common.kv_blocks): 4k
+chunk 608 -> 528 us, 512 chunk over an 8k prefix 343 -> 281 us on an H100. Decode tokens mixed into the
+batch become one-row tiles; an all-decode batch should use the decode kernel (decode_only=True).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import next_pow2, pad_block_tables, mma, scalars, softmax_step
-from ._decode import _triton_params
+from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step, triton_params
 
 
 def _ragged_kernel(
@@ -57,12 +56,7 @@ def _ragged_kernel(
         ids = jnp.clip(bt_ref[seq, pl.ds(blk * ppb, ppb)], 0, P - 1)
         return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
 
-    def block(blk, carry, masked):
-        if prefetch:  # next block's loads in flight during this block's math (see _decode.py)
-            state, (k, v) = carry
-            nxt = load(jnp.maximum(jnp.minimum(blk + 1, end_blk - 1), 0))
-        else:
-            state, (k, v) = carry, load(blk)
+    def block(blk, state, k, v, masked):
         k, v = k.astype(cdt), v.astype(cdt)
         kv_pos = blk * BK + jnp.arange(BK, dtype=jnp.int32)
         s = mma(q, k, trans_b=True) * qk_mult  # [BM, BK]
@@ -75,8 +69,7 @@ def _ragged_kernel(
                 vis &= rel > -sliding_window
             s = jnp.where(vis, s, -jnp.inf)
             v = jnp.where((kv_pos < kv_hi)[:, None], v, jnp.zeros_like(v))  # NaN-safe past the end
-        state = softmax_step(state, s, v, cdt)
-        return (state, nxt) if prefetch else state
+        return softmax_step(state, s, v, cdt)
 
     if sliding_window is None:
         lo_blk = 0
@@ -91,11 +84,7 @@ def _ragged_kernel(
         jnp.zeros((BM,), jnp.float32),
         jnp.zeros((BM, H), jnp.float32),
     )
-    if prefetch:
-        carry = (carry, load(lo_blk))
-    carry = jax.lax.fori_loop(lo_blk, full_blk, functools.partial(block, masked=False), carry)
-    carry = jax.lax.fori_loop(full_blk, end_blk, functools.partial(block, masked=True), carry)
-    _, l, acc = carry[0] if prefetch else carry
+    _, l, acc = kv_blocks(load, block, carry, lo_blk, full_blk, end_blk, prefetch=prefetch)
     o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
@@ -174,7 +163,7 @@ def ragged_paged_attention_kernel(
         out_specs=pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nt, K, BM, H), q.dtype),
         interpret=interpret,
-        compiler_params=_triton_params(num_warps, num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name=f"ragged_paged_{S=}_{BM=}_{ppb=}",
     )(*args)
 

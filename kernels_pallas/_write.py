@@ -17,18 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from .reference import FP8_MAX
+from ._common import triton_params
+from .reference import quantize
 
 
-def _write_kernel(slots_ref, scale_ref, k_ref, v_ref, _k_in, _v_in, k_out, v_out, *, page_size, fp8_max):
+def _write_kernel(slots_ref, scale_ref, k_ref, v_ref, _k_in, _v_in, k_out, v_out, *, page_size):
     t = pl.program_id(0)
     slot = slots_ref[t]
     num_heads = k_ref.shape[0]
-
-    def quantize(x, scale, dtype):
-        if fp8_max is None:
-            return x.astype(dtype)
-        return jnp.clip(x.astype(jnp.float32) / scale, -fp8_max, fp8_max).astype(dtype)
 
     @pl.when(slot >= 0)
     def _():
@@ -46,14 +42,12 @@ def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scal
     In place only where the caller's pages are donated (the engine's step donates the KV cache)."""
     K, P, S, H = k_pages.shape
     T = k.shape[0]
-    fp8_max = FP8_MAX.get(jnp.dtype(k_pages.dtype))
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     pages = pl.BlockSpec((K, P, S, H), lambda t: (0, 0, 0, 0))
     row = pl.BlockSpec((None, K, H), lambda t: (t, 0, 0))
-    from ._decode import _triton_params
 
     return pl.pallas_call(
-        functools.partial(_write_kernel, page_size=S, fp8_max=fp8_max),
+        functools.partial(_write_kernel, page_size=S),
         grid=(T,),
         in_specs=[pl.BlockSpec((T,), lambda t: (0,)), pl.BlockSpec((2,), lambda t: (0,)), row, row, pages, pages],
         out_specs=[pages, pages],
@@ -61,6 +55,6 @@ def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scal
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={4: 0, 5: 1},
         interpret=interpret,
-        compiler_params=_triton_params(num_warps, 1),
+        compiler_params=triton_params(num_warps, 1),
         name=f"write_kv_{S=}",
     )(slot_mapping.astype(jnp.int32), scales, k, v, k_pages, v_pages)

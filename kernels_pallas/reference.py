@@ -30,14 +30,15 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped by mode="drop"
 
     def scatter(pages, x, scale):
-        x = _quantize(x, scale, pages.dtype)
+        x = quantize(x, scale, pages.dtype)
         flat = pages.reshape(K, P * S, H).at[:, slots].set(x.transpose(1, 0, 2), mode="drop")
         return flat.reshape(K, P, S, H)
 
     return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
 
 
-def _quantize(x, scale, dtype):
+def quantize(x, scale, dtype):
+    """x as stored in a cache of dtype: fp8 caches hold x / scale clipped to the format's range."""
     dtype = jnp.dtype(dtype)
     if dtype in FP8_MAX:
         limit = FP8_MAX[dtype]
