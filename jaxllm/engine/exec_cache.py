@@ -95,9 +95,10 @@ def _environment(devices) -> str:
 _local = threading.local()
 _listener_lock = threading.Lock()
 _listening = False
-# ids of the runtime executables JAX's persistent cache supplied: its in-memory cache hands the same one out
-# again for the same program, with no event. (A reused id only skips a store.)
-_from_jax_cache: set[int] = set()
+# The runtime executables JAX's persistent cache supplied, by id: its in-memory cache hands the same one out
+# again for the same program, with no event. They are held, not just their ids, so a freed one's id is never
+# reused by a fresh compile (which would then go unstored); one entry per cache hit of this process.
+_from_jax_cache: dict[int, object] = {}
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -116,11 +117,11 @@ def compile_tracking_jax_cache(compile_fn):
     exe = compile_fn()
     if exe is None:
         return None, False
-    rt = id(exe.runtime_executable())
+    rt = exe.runtime_executable()
     with _listener_lock:
         if _local.jax_cache_hit:
-            _from_jax_cache.add(rt)
-        return exe, rt in _from_jax_cache
+            _from_jax_cache[id(rt)] = rt
+        return exe, id(rt) in _from_jax_cache
 
 
 @functools.lru_cache(maxsize=4096)
