@@ -81,13 +81,16 @@ def matmul_rate(n=8192):
 
 
 def make_case(B, ctx, N=32, K=8, H=128, S=16, dtype=jnp.bfloat16, kv_dtype=None, q_per_seq=1, seed=0,
-              total_pages=None):
-    """Random paged cache with shuffled block tables; unused pages hold NaN (checks the kernels skip them)."""
+              total_pages=None, max_len=None):
+    """Random paged cache with shuffled block tables; unused pages hold NaN (checks the kernels skip them).
+    max_len: the block tables' width in tokens (the engine's max_model_len) when it exceeds ctx."""
     rng = np.random.default_rng(seed)
     kv_dtype = kv_dtype or dtype
     M = -(-ctx // S)
     P = total_pages or B * M + 8
     perm = rng.permutation(P)[: B * M].reshape(B, M).astype(np.int32)
+    if max_len and -(-max_len // S) > M:
+        perm = np.concatenate([perm, rng.integers(0, P, (B, -(-max_len // S) - M), np.int32)], axis=1)
     k = jax.random.normal(jax.random.PRNGKey(seed), (K, P, S, H), jnp.float32)
     v = jax.random.normal(jax.random.PRNGKey(seed + 1), (K, P, S, H), jnp.float32)
     unused = np.ones(P, bool)
@@ -111,8 +114,8 @@ def rel_err(a, b):
 
 
 def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, kv_dtype=None, shipped=True,
-                 check=True):
-    q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype)
+                 check=True, max_len=None):
+    q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype, max_len=max_len)
     scale = H**-0.5
     nbytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize + 2 * q.size * q.dtype.itemsize  # KV + q + out
     bandwidth = lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)  # noqa: E731
@@ -283,18 +286,22 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        old = dict(prefetch=False, block_k=128, num_warps=4, num_stages=2)  # defaults before 2749f1e
-        near = [dict(block_k=32), dict(num_warps=8), dict(block_k=32, num_warps=8), dict(num_stages=2),
-                dict(num_splits=2)]
-        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(old, num_splits=2)] + near)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(old, num_splits=64)] + near[:4]
-                     + [dict(num_splits=16), dict(num_splits=64)])
-        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), dict(old, num_splits=5)] + near[:4])
-        pre = [dict(), dict(prefetch=True)] + [dict(prefetch=True, block_m=bm, block_k=bk, num_warps=w, num_stages=st)
-                                               for bm, bk, w, st in ((128, 64, 8, 1), (128, 32, 4, 1), (128, 64, 4, 1),
-                                                                     (64, 64, 4, 1), (128, 128, 8, 1))]
+        prev = dict(prefetch=1)  # before the block-table entries were loaded two blocks ahead
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k",
+                     [dict(), prev, dict(block_k=32), dict(num_warps=8), dict(num_splits=2)])
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k",
+                     [dict(), prev, dict(block_k=64), dict(block_k=16), dict(num_splits=64), dict(num_splits=128),
+                      dict(num_splits=16), dict(num_warps=8), dict(num_warps=2)])
+        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), prev, dict(block_k=64)], shipped=False)
+        # the engine's batch-1 steps: short contexts in block tables max_model_len (1024) wide
+        for ctx in (200, 700):
+            bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_maxlen1k",
+                         [dict(), prev] + [dict(min_split_tokens=t) for t in (64, 128, 256)]
+                         + [dict(min_split_tokens=t, block_k=16) for t in (64, 128)],
+                         shipped=False, max_len=1024)
+        pre = [dict(), dict(prefetch=1), dict(block_k=32, num_warps=4, num_stages=1), dict(num_stages=1)]
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre)
-        bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", pre[:3])
+        bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", pre[:2])
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]

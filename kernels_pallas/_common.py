@@ -61,23 +61,39 @@ def triton_params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def kv_blocks(load, step, state, lo, mid, hi, *, prefetch):
+def kv_blocks(ids, fetch, step, state, lo, mid, hi, *, prefetch):
     """Runs state = step(i, state, k, v, masked) over KV blocks lo..mid (unmasked), then mid..hi (masked).
-    load(i) -> (k, v) of block i. With prefetch, block i + 1's loads are issued before block i's math and
-    carried in registers, so they are in flight while it runs: Triton's software pipeliner does not pipeline
-    loads whose addresses come from the block table. The last block re-reads itself (an L2 hit), never a
-    block past hi."""
+    ids(i) loads block i's page ids from the block table; fetch(ids) -> (k, v) loads those pages.
+
+    prefetch 0: each block is loaded in its own iteration. 1: block i + 1's KV loads are issued before
+    block i's math and carried in registers, so they are in flight while it runs (Triton's software
+    pipeliner does not pipeline loads whose addresses come from the block table). 2: as 1, and the page ids
+    of block i + 2 are loaded one iteration earlier still, so block i + 1's KV loads never wait on a
+    block-table load (one dependent memory round trip per iteration instead of two). Prefetches past hi
+    re-read the last block (an L2 hit), never a block past it."""
+    clamp = lambda j: jnp.maximum(jnp.minimum(j, hi - 1), lo)  # noqa: E731
 
     def body(i, carry, masked):
-        if prefetch:
+        if prefetch >= 2:
+            state, (k, v), nxt_ids = carry
+            nxt = fetch(nxt_ids)
+            after_ids = ids(clamp(i + 2))
+        elif prefetch:
             state, (k, v) = carry
-            nxt = load(jnp.maximum(jnp.minimum(i + 1, hi - 1), lo))
+            nxt = fetch(ids(clamp(i + 1)))
         else:
-            state, (k, v) = carry, load(i)
+            state, (k, v) = carry, fetch(ids(i))
         state = step(i, state, k, v, masked)
+        if prefetch >= 2:
+            return state, nxt, after_ids
         return (state, nxt) if prefetch else state
 
-    carry = (state, load(lo)) if prefetch else state
+    if prefetch >= 2:
+        carry = (state, fetch(ids(lo)), ids(clamp(lo + 1)))
+    elif prefetch:
+        carry = (state, fetch(ids(lo)))
+    else:
+        carry = state
     carry = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
     carry = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
     return carry[0] if prefetch else carry

@@ -65,8 +65,10 @@ def _decode_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
 
-    def load(i):
-        ids = jnp.clip(bt_ref[pl.ds(lo_page + i * ppb, ppb)], 0, P - 1)
+    def ids(i):
+        return jnp.clip(bt_ref[pl.ds(lo_page + i * ppb, ppb)], 0, P - 1)
+
+    def fetch(ids):
         return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
 
     def step(i, state, k, v, masked):
@@ -92,7 +94,7 @@ def _decode_kernel(
         num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
     else:
         num_full = 0
-    m, l, acc = kv_blocks(load, step, init, 0, num_full, num_blocks, prefetch=prefetch)
+    m, l, acc = kv_blocks(ids, fetch, step, init, 0, num_full, num_blocks, prefetch=prefetch)
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
         out, m, l = out.reshape(R, Gq, H).max(0), m.reshape(R, Gq).max(0), l.reshape(R, Gq).max(0)
@@ -114,13 +116,13 @@ def default_block_k(B, K):
     return 64 if B * K >= 2 * NUM_SMS else 32
 
 
-def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
+def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=1024):
     """Static split-K plan: (num_splits, pages_per_split)."""
     if num_splits is None:
         want = max(1, -(-2 * NUM_SMS // (B * K)))
         # >= 1024 tokens per split: below that the XLA combine costs more than the parallelism saves
         # (a batch-1 step at max_model_len 1024 paid a 2-way split plus its combine in every layer)
-        min_pages = max(pages_per_block, 1024 // page_size)
+        min_pages = max(pages_per_block, min_split_tokens // page_size)
         num_splits = max(1, min(want, -(-M // min_pages)))
     pps = -(-M // num_splits)
     pps = -(-pps // pages_per_block) * pages_per_block
@@ -131,12 +133,13 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None):
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
+        "min_split_tokens",
     ),
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=True,
+    prefetch=2, min_split_tokens=1024,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -147,7 +150,7 @@ def paged_decode_attention_kernel(
     if block_k is None:
         block_k = default_block_k(B, K)
     ppb = max(1, block_k // S)
-    splits, pps = choose_splits(B, K, M, ppb, S, num_splits)
+    splits, pps = choose_splits(B, K, M, ppb, S, num_splits, min_split_tokens)
     final = splits == 1
 
     qg = q.reshape(B, K, G, H)

@@ -52,8 +52,10 @@ def _ragged_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype
 
-    def load(blk):
-        ids = jnp.clip(bt_ref[seq, pl.ds(blk * ppb, ppb)], 0, P - 1)
+    def ids(blk):
+        return jnp.clip(bt_ref[seq, pl.ds(blk * ppb, ppb)], 0, P - 1)
+
+    def fetch(ids):
         return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
 
     def block(blk, state, k, v, masked):
@@ -84,7 +86,7 @@ def _ragged_kernel(
         jnp.zeros((BM,), jnp.float32),
         jnp.zeros((BM, H), jnp.float32),
     )
-    _, l, acc = kv_blocks(load, block, carry, lo_blk, full_blk, end_blk, prefetch=prefetch)
+    _, l, acc = kv_blocks(ids, fetch, block, carry, lo_blk, full_blk, end_blk, prefetch=prefetch)
     o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
@@ -115,7 +117,7 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=True,
+    num_stages=2, prefetch=2,
 ):
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape

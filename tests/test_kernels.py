@@ -71,10 +71,14 @@ DECODE_CASES = [
                                                       block_k=32)),
     (16, 1, 64, 16, jnp.bfloat16, [70, 5], dict(num_splits=2, block_k=32)),  # G = 16: no stacked copies
     (4, 2, 128, 16, jnp.bfloat16, [90, 3], dict(alibi_slopes=True, num_splits=2, block_k=32)),  # 8 copies of G=2
-    # register prefetch of the next block: first/last block, empty splits, masked tail, window
-    (8, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100], dict(prefetch=True, block_k=32)),
-    (4, 2, 64, 16, jnp.float32, [300, 47, 0], dict(prefetch=True, num_splits=3, block_k=32)),
-    (4, 2, 64, 16, jnp.bfloat16, [200, 9], dict(prefetch=True, sliding_window=20, num_splits=2, block_k=32)),
+    # prefetch modes (2, the default, loads block-table entries two blocks ahead; 1 only the next block's
+    # KV; 0 none): first/last block, one-block and empty splits, masked tail, window
+    (8, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100], dict(prefetch=1, block_k=32)),
+    (4, 2, 64, 16, jnp.float32, [300, 47, 0], dict(prefetch=1, num_splits=3, block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9], dict(prefetch=1, sliding_window=20, num_splits=2, block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=0, sliding_window=20, num_splits=2, block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [300, 17, 48, 0], dict(num_splits=5, block_k=16)),  # 1-2 blocks per split
+    (4, 2, 64, 16, jnp.bfloat16, [70, 200, 1], dict(min_split_tokens=32, block_k=16)),  # short splits
 ]
 
 
@@ -129,8 +133,9 @@ RAGGED_CASES = [
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7,
                                                          alibi_slopes=True)),
     (3, 1, 128, 16, jnp.float32, [17, 2], [17, 65], dict(block_m=16, block_k=64)),
-    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, prefetch=True)),
-    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=True)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, prefetch=1)),
+    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=1)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=0)),
 ]
 
 
