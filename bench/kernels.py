@@ -275,6 +275,25 @@ def main():
         jax.block_until_ready(ragged_paged_attention_kernel(
             q, k, v, jnp.array([4096], jnp.int32), jnp.array([0, 4096], jnp.int32), bt, scale=0.088))
         return
+    if "trace" in only:  # where a decode call's time goes: the kernel vs the ops around it (XProf)
+        import tempfile
+
+        from bench.profile_summary import summarize
+
+        traces = {}
+        for B, ctx in ((1, 32768), (64, 2048)):
+            q, k, v, lens, _, bt = make_case(B, ctx)
+            f = chained(lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt, scale=0.088))
+            jax.block_until_ready(f(q, k, v, lens, bt))
+            d = tempfile.mkdtemp()
+            with jax.profiler.trace(d):
+                for _ in range(3):
+                    jax.block_until_ready(f(q, k, v, lens, bt))
+            traces[f"B{B}_ctx{ctx}"] = dict(calls=3 * REPS, summary=summarize(d))
+            print(json.dumps(traces[f"B{B}_ctx{ctx}"])[:3000], flush=True)
+        with open(a.out.replace(".json", "_trace.json"), "w") as fh:
+            json.dump(traces, fh, indent=1)
+        only.discard("trace")
     info = dict(device=str(jax.devices()[0].device_kind), platform=platform.platform(), jax=jax.__version__,
                 git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv), reps=REPS)
     print(json.dumps(info), flush=True)
@@ -288,18 +307,19 @@ def main():
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
         prev = dict(prefetch=1)  # before the block-table entries were loaded two blocks ahead
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k",
-                     [dict(), prev, dict(block_k=32), dict(num_warps=8), dict(num_splits=2)])
+                     [dict(), prev, dict(prefetch=3), dict(prefetch=3, block_k=32), dict(num_splits=2)])
         bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k",
-                     [dict(), prev, dict(block_k=64), dict(block_k=16), dict(num_splits=64), dict(num_splits=128),
-                      dict(num_splits=16), dict(num_warps=8), dict(num_warps=2)])
-        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), prev, dict(block_k=64)], shipped=False)
+                     [dict(), prev, dict(prefetch=3), dict(prefetch=3, num_splits=64), dict(prefetch=3, block_k=16),
+                      dict(prefetch=3, block_k=16, num_splits=64), dict(num_splits=64), dict(num_warps=8),
+                      dict(prefetch=3, num_warps=8)])
+        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), prev, dict(prefetch=3)], shipped=False)
         # the engine's batch-1 steps: short contexts in block tables max_model_len (1024) wide
         for ctx in (200, 700):
             bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_maxlen1k",
-                         [dict(), prev] + [dict(min_split_tokens=t) for t in (64, 128, 256)]
-                         + [dict(min_split_tokens=t, block_k=16) for t in (64, 128)],
+                         [dict(), prev, dict(min_split_tokens=1024)] + [dict(min_split_tokens=t) for t in (64, 256)]
+                         + [dict(min_split_tokens=128, prefetch=3)],
                          shipped=False, max_len=1024)
-        pre = [dict(), dict(prefetch=1), dict(block_k=32, num_warps=4, num_stages=1), dict(num_stages=1)]
+        pre = [dict(), dict(prefetch=2), dict(prefetch=3), dict(prefetch=2, num_stages=1)]
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre)
         bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", pre[:2])
     if a.sweep:

@@ -65,38 +65,32 @@ def kv_blocks(ids, fetch, step, state, lo, mid, hi, *, prefetch):
     """Runs state = step(i, state, k, v, masked) over KV blocks lo..mid (unmasked), then mid..hi (masked).
     ids(i) loads block i's page ids from the block table; fetch(ids) -> (k, v) loads those pages.
 
-    prefetch 0: each block is loaded in its own iteration. 1: block i + 1's KV loads are issued before
-    block i's math and carried in registers, so they are in flight while it runs (Triton's software
-    pipeliner does not pipeline loads whose addresses come from the block table). 2: as 1, and the page ids
-    of block i + 2 are loaded one iteration earlier still, so block i + 1's KV loads never wait on a
-    block-table load (one dependent memory round trip per iteration instead of two). Prefetches past hi
-    re-read the last block (an L2 hit), never a block past it."""
+    Triton's software pipeliner does not pipeline loads whose addresses come from the block table, so the
+    loop carries its own prefetch in registers:
+      0: each block is loaded in its own iteration;
+      1: block i + 1's KV loads are issued before block i's math, so they are in flight while it runs;
+      2: as 1, and the page ids one block further ahead, so the KV loads never wait on a block-table load
+         (one dependent memory round trip per iteration instead of two);
+      3: as 2 with the KV of two blocks in flight (more registers, more bytes in flight per program).
+    Prefetches past hi re-read the last block (an L2 hit), never a block past it."""
+    depth, early_ids = (0, 1, 1, 2)[prefetch], prefetch >= 2
     clamp = lambda j: jnp.maximum(jnp.minimum(j, hi - 1), lo)  # noqa: E731
 
     def body(i, carry, masked):
-        if prefetch >= 2:
-            state, (k, v), nxt_ids = carry
-            nxt = fetch(nxt_ids)
-            after_ids = ids(clamp(i + 2))
-        elif prefetch:
-            state, (k, v) = carry
-            nxt = fetch(ids(clamp(i + 1)))
-        else:
-            state, (k, v) = carry, fetch(ids(i))
-        state = step(i, state, k, v, masked)
-        if prefetch >= 2:
-            return state, nxt, after_ids
-        return (state, nxt) if prefetch else state
+        if depth == 0:
+            return step(i, carry, *fetch(ids(i)), masked)
+        state, kvs, *next_ids = carry
+        new = fetch(next_ids[0] if early_ids else ids(clamp(i + depth)))  # block i + depth
+        next_ids = [ids(clamp(i + depth + 1))] if early_ids else []
+        state = step(i, state, *kvs[0], masked)
+        return (state, kvs[1:] + (new,), *next_ids)
 
-    if prefetch >= 2:
-        carry = (state, fetch(ids(lo)), ids(clamp(lo + 1)))
-    elif prefetch:
-        carry = (state, fetch(ids(lo)))
-    else:
-        carry = state
-    carry = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
-    carry = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)
-    return carry[0] if prefetch else carry
+    if depth:
+        kvs = tuple(fetch(ids(clamp(lo + j))) for j in range(depth))
+        state = (state, kvs, *([ids(clamp(lo + depth))] if early_ids else []))
+    state = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), state)
+    state = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), state)
+    return state[0] if depth else state
 
 
 def softmax_step(carry, s, v, p_dtype):

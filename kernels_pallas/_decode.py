@@ -116,12 +116,12 @@ def default_block_k(B, K):
     return 64 if B * K >= 2 * NUM_SMS else 32
 
 
-def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=1024):
+def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=128):
     """Static split-K plan: (num_splits, pages_per_split)."""
     if num_splits is None:
         want = max(1, -(-2 * NUM_SMS // (B * K)))
-        # >= 1024 tokens per split: below that the XLA combine costs more than the parallelism saves
-        # (a batch-1 step at max_model_len 1024 paid a 2-way split plus its combine in every layer)
+        # >= 128 tokens per split: batch 1 at 700 tokens in a 1024-token table 32.6 -> 20.2 us per call
+        # (1024 before; 64 and 256 were slower, bench/results/kernels_h100_38a111a_tune.json)
         min_pages = max(pages_per_block, min_split_tokens // page_size)
         num_splits = max(1, min(want, -(-M // min_pages)))
     pps = -(-M // num_splits)
@@ -139,7 +139,7 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=1024,
+    prefetch=2, min_split_tokens=128,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape

@@ -117,7 +117,7 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=2,
+    num_stages=2, prefetch=1,
 ):
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape

@@ -78,6 +78,8 @@ DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [200, 9], dict(prefetch=1, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=0, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [300, 17, 48, 0], dict(num_splits=5, block_k=16)),  # 1-2 blocks per split
+    (4, 2, 64, 16, jnp.bfloat16, [300, 17, 48, 0], dict(num_splits=5, block_k=16, prefetch=3)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=3, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 1], dict(min_split_tokens=32, block_k=16)),  # short splits
 ]
 
@@ -136,6 +138,8 @@ RAGGED_CASES = [
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, prefetch=1)),
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=1)),
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=0)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=2)),
+    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=3)),
 ]
 
 
