@@ -11,8 +11,10 @@ loads whose addresses come from the block table, and without this each block's l
 block's math (B64 x 2k: 264 -> 227 us on an H100, bench/KERNELS_NOTES.md).
 
 With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
-split's normalized f32 output and its (max, sum) in the log2 domain, and a small XLA fusion combines
-them; the partials are B * N * H * 4 bytes per split, tiny next to the KV they summarize.
+split's normalized f32 output and its (max, sum) in the log2 domain, and one small Pallas kernel
+(grid (B, K)) combines them into q's dtype; the partials are B * N * H * 4 bytes per split, tiny next to
+the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us per call at B1 x 32k on an
+H100, where the attention kernel itself takes ~54 us.)
 Splits are chosen statically from (B, K, pages per sequence) so that ~2 programs per SM exist (measured:
 at B64 x 2k one split beats two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
 """
@@ -108,6 +110,40 @@ def _decode_kernel(
         l_ref[...] = l
 
 
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
+    """One (sequence, kv head): the splits' partial outputs [SP, Gq, H] -> [Gq, H]. Slots >= splits (SP is
+    splits rounded up to a power of two) were never written and are masked out."""
+    SP = m_ref.shape[0]
+    live = (jnp.arange(SP, dtype=jnp.int32) < splits)[:, None]  # [SP, 1]
+    l = jnp.where(live, l_ref[...], 0.0)  # [SP, Gq]
+    m = jnp.where(live & (l > 0), m_ref[...], -jnp.inf)
+    m_max = m.max(axis=0)
+    w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)[None, :]) * l, 0.0)
+    denom = w.sum(axis=0)
+    o = jnp.where(live[:, :, None], o_ref[...], 0.0)
+    out = (w[:, :, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
+    out_ref[...] = out.astype(out_ref.dtype)
+
+
+def combine_splits(o, m, l, splits, dtype, *, interpret=False):
+    """o [B, K, SP, Gq, H], m / l [B, K, SP, Gq] (f32, log2 domain) -> [B, K, Gq, H] in dtype."""
+    B, K, SP, Gq, H = o.shape
+    return pl.pallas_call(
+        functools.partial(_combine_kernel, splits=splits),
+        grid=(B, K),
+        in_specs=[
+            pl.BlockSpec((None, None, SP, Gq, H), lambda b, h: (b, h, 0, 0, 0)),
+            pl.BlockSpec((None, None, SP, Gq), lambda b, h: (b, h, 0, 0)),
+            pl.BlockSpec((None, None, SP, Gq), lambda b, h: (b, h, 0, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, Gq, H), lambda b, h: (b, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, K, Gq, H), dtype),
+        interpret=interpret,
+        compiler_params=triton_params(4 if SP * Gq <= 64 else 8, 1),
+        name=f"paged_decode_combine_{splits=}",
+    )(o, m, l)
+
+
 def default_block_k(B, K):
     """Tokens per KV block. Measured on an H100 (bench/results/kernels_h100_f69dc4a_tune.json): with enough
     (sequence, kv head) programs to fill the chip unsplit, 64 (B64 x 2k: 227 us vs 287 at 32); when split-K
@@ -179,11 +215,12 @@ def paged_decode_attention_kernel(
     if final:
         out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))]
-    else:
+    else:  # SP >= splits slots (a power of two for the combine kernel); the extra ones stay unwritten
+        SP = next_pow2(splits)
         out_shape = [
-            jax.ShapeDtypeStruct((B, K, splits, Gq, H), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, Gq), jnp.float32),
-            jax.ShapeDtypeStruct((B, K, splits, Gq), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
+            jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
         ]
         out_specs = [
             pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
@@ -204,15 +241,8 @@ def paged_decode_attention_kernel(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_{S=}_{ppb=}_{splits=}",
     )(*args)
-    if final:
-        out = outs[0]
-    else:
-        o, m, l = outs  # [B, K, splits, Gq(, H)]
-        m_max = m.max(axis=2, keepdims=True)
-        w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)) * l, 0.0)
-        denom = w.sum(axis=2)
-        out = (w[..., None] * o).sum(axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out[:, :, :G].reshape(B, N, H).astype(q.dtype)
+    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret)
+    return out[:, :, :G].reshape(B, N, H)
 
 
 def supported(q, k_pages) -> bool:

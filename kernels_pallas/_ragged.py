@@ -26,7 +26,7 @@ from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softm
 
 
 def _ragged_kernel(
-    tseq_ref, tpos_ref, trows_ref, lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
+    tseq_ref, tpos_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
     page_size, pages_per_block, group, sliding_window, has_alibi, prefetch,
 ):
     if has_alibi:
@@ -42,7 +42,6 @@ def _ragged_kernel(
     seq = tseq_ref[i]
     pos0 = tpos_ref[i]
     nrows = trows_ref[i]
-    seq_len = lens_ref[seq]
     kv_hi = jnp.where(nrows > 0, pos0 + nrows, 0)  # keys [kv_lo, kv_hi) can be visible to this tile
     # Rows past the tile's last token (padding) are clamped onto it, so they never reach unwritten keys.
     row_pos = jnp.minimum(pos0 + jnp.arange(BM, dtype=jnp.int32) // group, kv_hi - 1)
@@ -121,7 +120,6 @@ def ragged_paged_attention_kernel(
 ):
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape
-    B = seq_lens.shape[0]
     G = N // K
     Gp = next_pow2(G)
     BQ = max(1, block_m // Gp)
@@ -142,12 +140,12 @@ def ragged_paged_attention_kernel(
     has_alibi = alibi_slopes is not None
     full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     in_specs = [
-        full((nt,)), full((nt,)), full((nt,)), full((B,)), full(bt.shape), full((2,)),
+        full((nt,)), full((nt,)), full((nt,)), full(bt.shape), full((2,)),
         pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
     ]
-    args = [tseq, tpos, trows, lens, bt, scal, qt, k_pages, v_pages]
+    args = [tseq, tpos, trows, bt, scal, qt, k_pages, v_pages]
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
         slopes = jnp.pad(slopes, ((0, 0), (0, Gp - G)))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 import kernels_pallas as kp
 from kernels_pallas import reference
-from kernels_pallas._decode import choose_splits, paged_decode_attention_kernel
+from kernels_pallas._decode import choose_splits, combine_splits, paged_decode_attention_kernel
 from kernels_pallas._ragged import ragged_paged_attention_kernel, tile_plan
 from kernels_pallas._write import write_kv_kernel
 
@@ -203,6 +203,28 @@ def test_split_plan():
     assert choose_splits(64, 8, 128, 8, 16) in ((1, 128), (2, 64))
     n, pps = choose_splits(1, 8, 2048, 8, 16)
     assert n * pps >= 2048 and n >= 32 and pps % 8 == 0
+
+
+def test_combine_splits_ignores_unwritten_slots():
+    """The split-K combine: 3 live splits in 4 slots (the 4th never written: NaN here), a split that saw
+    no key (l = 0, m = -inf) and a (sequence, head) whose splits all saw none (zeros out)."""
+    rng = np.random.default_rng(5)
+    B, K, SP, G, H, live = 2, 2, 4, 4, 64, 3
+    o = rng.standard_normal((B, K, SP, G, H)).astype(np.float32)
+    m = rng.standard_normal((B, K, SP, G)).astype(np.float32) * 4
+    l = rng.uniform(0.5, 3, (B, K, SP, G)).astype(np.float32)
+    o[:, :, live:], m[:, :, live:], l[:, :, live:] = np.nan, np.nan, np.nan
+    m[0, 1, 1], l[0, 1, 1] = -np.inf, 0.0
+    m[1, 0, :live], l[1, 0, :live] = -np.inf, 0.0
+    out = np.asarray(combine_splits(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), live, jnp.float32,
+                                    interpret=True))
+    w = np.where(l[:, :, :live] > 0, np.exp2(m[:, :, :live] - m[:, :, :live].max(2, keepdims=True)), 0.0)
+    w = np.nan_to_num(w) * l[:, :, :live]
+    den = w.sum(2)
+    want = (w[..., None] * o[:, :, :live]).sum(2) / np.where(den > 0, den, 1.0)[..., None]
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    assert not out[1, 0].any()
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn, jnp.float8_e5m2])
