@@ -1,14 +1,15 @@
 """Paged decode attention (one query token per sequence), split-K over the context (flash-decoding).
 
-Grid (B, K, splits). A program owns one sequence, one kv head and one contiguous run of pages_per_split
-pages of that sequence's block table; it serves all G query heads of that kv head at once, so every KV
-byte is read from HBM exactly once per step (the MMA needs >= 16 rows: the kernel stacks copies of the
-G query rows in registers, so neither q nor the output is padded in HBM). Each
+Grid (B, K, splits). A program owns one sequence, one kv head and one contiguous run of that sequence's
+live pages (the splits share them evenly, whole blocks each); it serves all G query heads of that kv head
+at once, so every KV byte is read from HBM exactly once per step (the MMA needs >= 16 rows: the kernel
+stacks copies of the G query rows in registers, so neither q nor the output is padded in HBM). Each
 iteration gathers pages_per_block whole pages ([ppb, S, H] contiguous runs in the [K, P, S, H] layout),
-computes [Gp, BK] scores with one MMA, and runs the online softmax. The loads of block i + 1 are issued
-before block i's math (prefetch, carried in registers): Triton's software pipeliner does not pipeline
-loads whose addresses come from the block table, and without this each block's loads wait on the last
-block's math (B64 x 2k: 264 -> 227 us on an H100, bench/KERNELS_NOTES.md).
+computes [Gp, BK] scores with one MMA, and runs the online softmax. Block i + 1's KV loads are issued
+before block i's math, and block i + 2's page ids before that (_common.kv_blocks, prefetch 2): Triton's
+software pipeliner does not pipeline loads whose addresses come from the block table, and without this
+each block's loads wait on the last block's math and on their own block-table load (B64 x 2k: 264 ->
+227 us with the KV prefetch, -> 222 with the ids prefetch on an H100, bench/KERNELS_NOTES.md).
 
 With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
 split's normalized f32 output and its (max, sum) in the log2 domain, and one small Pallas kernel
@@ -35,7 +36,7 @@ NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, pages_per_split, sliding_window, has_alibi, final, prefetch, replicas,
+    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas,
 ):
     if has_alibi:
         slope_ref, *outs = rest
@@ -50,12 +51,14 @@ def _decode_kernel(
 
     seq_len = lens_ref[b]
     q_pos = seq_len - 1
-    lo_page = split * pages_per_split
-    hi_page = jnp.minimum(lo_page + pages_per_split, pl.cdiv(seq_len, S))
-    lo_pos = 0
-    if sliding_window is not None:
-        lo_pos = jnp.maximum(q_pos - sliding_window + 1, 0)
-        lo_page = jnp.maximum(lo_page, lo_pos // S)
+    n_pages = pl.cdiv(seq_len, S)
+    lo_pos = 0 if sliding_window is None else jnp.maximum(q_pos - sliding_window + 1, 0)
+    first = lo_pos // S
+    # The splits share this sequence's live pages evenly (whole blocks each), not the table's width: a
+    # 200-token sequence in a 1024-token table is split as 200 tokens (at most the static pages_per_split each).
+    pps = pl.cdiv(pl.cdiv(n_pages - first, pl.num_programs(2)), ppb) * ppb
+    lo_page = first + split * pps
+    hi_page = jnp.minimum(lo_page + pps, n_pages)
     hi_pos = jnp.minimum(hi_page * S, seq_len)
     num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
 
@@ -153,7 +156,8 @@ def default_block_k(B, K):
 
 
 def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=128):
-    """Static split-K plan: (num_splits, pages_per_split)."""
+    """Static split-K plan: (num_splits, pages_per_split) for a table of M pages; the kernel divides each
+    sequence's live pages by num_splits, so no split gets more than pages_per_split."""
     if num_splits is None:
         want = max(1, -(-2 * NUM_SMS // (B * K)))
         # >= 128 tokens per split: batch 1 at 700 tokens in a 1024-token table 32.6 -> 20.2 us per call
@@ -228,7 +232,7 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
         ]
     kernel = functools.partial(
-        _decode_kernel, page_size=S, pages_per_block=ppb, pages_per_split=pps,
+        _decode_kernel, page_size=S, pages_per_block=ppb,
         sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
     )
     outs = pl.pallas_call(
