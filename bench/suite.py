@@ -173,7 +173,10 @@ def main(argv=None):
     p.add_argument("--hf-num-prompts", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=64)
     p.add_argument("--hf-batch1-output-len", type=int, default=64)
-    p.add_argument("--profile", action="store_true", help="jax.profiler traces of short runs, summed in the JSON")
+    p.add_argument("--profile", action="store_true", help="jax.profiler traces, summed in the JSON: throughput "
+                   "re-runs its workload and traces --profile-window steps of it; latency traces a short run")
+    p.add_argument("--profile-window", default="auto", metavar="START:COUNT",
+                   help="throughput stage's traced engine steps (default: 20 in the middle of the decode phase)")
     a = p.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + a.budget
@@ -192,7 +195,7 @@ def main(argv=None):
     commands = {
         "throughput": [py, f"{HERE}/throughput.py", *model, "--num-prompts", str(a.num_prompts), *tp_args,
                        "--out", w("throughput.json")]
-        + (["--profile-dir", w("prof_tp"), "--profile-prompts", "128", "--profile-output-len", "32"] if a.profile else []),
+        + (["--profile-dir", w("prof_tp"), "--profile-window", profile_window(a)] if a.profile else []),
         "latency": [py, f"{HERE}/latency.py", *model, *lat_batches, "--input-len", str(a.latency_input_len),
                     "--output-len", str(a.latency_output_len), "--num-iters", "2", "--out", w("latency.json")]
         + (["--profile-dir", w("prof_lat")] if a.profile else []),
@@ -225,6 +228,8 @@ def main(argv=None):
             ready = ("warm" if cold_used else "cold") if jax_stage else None
             est = ((READY_EST[ready] if jax_stage else 0) + WORK_EST[st]) if a.shape == "llama3-8b" else 0
             left = deadline - time.perf_counter() - RESERVE_S
+            if a.profile and st == "throughput" and a.shape == "llama3-8b":
+                est += WORK_EST[st] + 10  # the traced re-run of the workload and its summary
             est = max(est, 5)
             if left < est:
                 skipped[st] = f"needs ~{est} s, {max(left, 0):.0f} s of the budget left"
@@ -248,6 +253,18 @@ def main(argv=None):
     print(json.dumps({k: v for k, v in s.items() if k not in ("goals", "stages")}, indent=1, default=str))
     print(table(s), flush=True)
     return s
+
+
+def profile_window(a) -> str:
+    """START:COUNT of the throughput stage's trace: COUNT (20) steps in the middle of the first wave's decode
+    phase, after its chunked prefill (~num_seqs x input_len / max_num_batched_tokens steps). For 500 x 462 / 256
+    at 8192 tokens a step: 147:20 of a ~285-step run, every traced step a decode of all 500 sequences."""
+    if a.profile_window != "auto":
+        return a.profile_window
+    first_wave = min(a.num_prompts, a.max_num_seqs)
+    prefill_steps = -(-first_wave * a.input_len // a.max_num_batched_tokens)
+    count = max(1, min(20, a.output_len // 4))
+    return f"{prefill_steps + max(0, (a.output_len - count) // 2)}:{count}"
 
 
 def stage_file(work: str, st: str) -> str:

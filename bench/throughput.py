@@ -7,7 +7,12 @@ with ignore_eos, so every request produces exactly its output length.
 
 Prints requests/s, total tok/s and output tok/s; the JSON also has the time to ready (LLM() built and every
 shape bucket compiled), the engine's buckets and KV size, and compiles that happened during the timed run.
---profile-dir traces a short extra run (after the timed one) with jax.profiler and sums it up.
+--profile-dir traces a short extra run (after the timed one) with jax.profiler and sums it up: by default
+--profile-prompts prompts x --profile-output-len tokens; with --profile-window START:COUNT the timed workload
+itself again, step by step, tracing only engine steps START..START+COUNT-1 (so a decode-heavy run is traced in
+its real prefill/decode mix), e.g. for 500 x 462 / 256 at --max-num-seqs 512 (~285 steps, the first ~29 of them
+chunked prefill), as bench/suite.py --profile passes it: 20 decode steps of all 500 sequences:
+  python bench/throughput.py ... --profile-dir /tmp/prof --profile-window 147:20
 """
 
 from __future__ import annotations
@@ -39,7 +44,23 @@ def parse(argv=None):
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--profile-prompts", type=int, default=64)
     p.add_argument("--profile-output-len", type=int, default=16)
-    return p.parse_args(argv)
+    p.add_argument("--profile-window", type=_window, default=None, metavar="START:COUNT",
+                   help="with --profile-dir: re-run the timed workload and trace only engine steps "
+                        "START..START+COUNT-1 (0-based step() calls) instead of the --profile-prompts run")
+    args = p.parse_args(argv)
+    if args.profile_window is not None and not args.profile_dir:
+        p.error("--profile-window needs --profile-dir")
+    return args
+
+
+def _window(text: str) -> tuple[int, int]:
+    try:
+        start, count = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected START:COUNT (two integers), got {text!r}") from None
+    if start < 0 or count < 1:
+        raise argparse.ArgumentTypeError(f"START must be >= 0 and COUNT >= 1, got {text!r}")
+    return start, count
 
 
 def main(argv=None) -> dict:
@@ -91,7 +112,10 @@ def main(argv=None) -> dict:
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
           f"{res['output_tokens_per_s']:.2f} output tokens/s  ({len(outs)} requests, {elapsed:.1f} s; "
           f"ready in {t_ready - t0:.1f} s)", flush=True)
-    if args.profile_dir:
+    if args.profile_dir and args.profile_window is not None:
+        res["profile"] = profile_window_run(llm, prompts, params, *args.profile_window, args.profile_dir)
+        _print_window(res["profile"])
+    elif args.profile_dir:
         res["profile"] = profile_run(llm, prompts[: args.profile_prompts], args.profile_output_len, args.profile_dir)
     common.write_result("throughput", res, args.out)
     return res
@@ -106,16 +130,154 @@ def profile_run(llm, prompts, output_len: int, log_dir: str) -> dict:
 
     sp = SamplingParams(max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts, sp, use_tqdm=False)  # the same buckets, compiled, before the trace
-    opts = jax.profiler.ProfileOptions()
-    opts.python_tracer_level = 0
     t0 = time.perf_counter()
-    with jax.profiler.trace(log_dir, profiler_options=opts):
+    with jax.profiler.trace(log_dir, profiler_options=_trace_options()):
         llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     summary = summarize(log_dir)
     summary.update(num_prompts=len(prompts), output_len=output_len, traced_wall_s=wall,
                    input_len=len(prompts[0]["prompt_token_ids"]) if prompts else 0)
     return summary
+
+
+def _trace_options():
+    import jax
+
+    opts = jax.profiler.ProfileOptions()
+    opts.python_tracer_level = 0  # host tracer stays on (its default level); the Python tracer would inflate gaps
+    return opts
+
+
+def _wait_for_device(engine) -> None:
+    """Blocks until the step in flight (if any) and every KV write before it are done on the device."""
+    import jax
+
+    if engine._inflight is not None:
+        jax.block_until_ready(engine._inflight.outputs)
+    jax.block_until_ready(engine.runner.kv_caches)
+
+
+def _step_kind(sched) -> dict:
+    """What one dispatched step ran: decode_only is the runner's decode variant (every chunk one token)."""
+    seqs = sched.scheduled
+    n_prefill = sum(1 for s in seqs if s.is_prefill)
+    kind = ("decode_only" if sched.num_batched_tokens == len(seqs) else
+            "prefill_only" if n_prefill == len(seqs) else "mixed")
+    return dict(kind=kind, num_seqs=len(seqs), num_tokens=sched.num_batched_tokens, num_prefill_chunks=n_prefill,
+                num_preempted=len(sched.preempted))
+
+
+def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: str) -> dict:
+    """Runs the workload again (same prompts and sampling params) one engine step at a time, as LLM.generate
+    does, and traces only steps start..start+count-1 (0-based step() calls) with the host tracer on and the
+    Python tracer off. step() keeps one device step in flight, so before the trace starts the step in flight is
+    waited for, and before it stops the last traced step is: the trace holds exactly the device work of the
+    steps dispatched by the traced calls (and the host side of those calls: collecting and processing the
+    previous step, scheduling, preparing and dispatching). Per traced step: what it ran (from the scheduler's
+    output) and the host wall time of its step() call (which, pipelined, mostly waits for the previous step;
+    the first traced call waits for nothing, the device having been drained before the trace)."""
+    import jax
+
+    from bench.profile_summary import summarize
+
+    engine = llm.llm_engine
+    runner = engine.runner
+    bm = getattr(engine.scheduler, "block_manager", None)
+    if bm is not None and bm.enable_prefix_caching:
+        bm.reset_prefix_cache()  # the same prompts must be computed again, as in the timed run
+    compiled_before = len(runner._compiled)
+    ids = llm._add(prompts, params, None)
+    done: dict = {}
+    kinds: list[bool | None] = []  # per step() call: decode-only step dispatched (None: nothing dispatched)
+    walls: list[float] = []  # per step() call, seconds
+    traced: list = []  # (call index, SchedulerOutput or None) of the traced calls; summed up after the trace
+
+    def step() -> None:
+        t = time.perf_counter()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        walls.append(time.perf_counter() - t)
+        failed = engine.pop_failures()
+        if failed:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise next(iter(failed.values()))
+        h = engine._inflight
+        kinds.append(None if h is None else h.sched.num_batched_tokens == len(h.sched.scheduled))
+
+    t_run = time.perf_counter()
+    while engine.has_unfinished_requests() and len(walls) < start:
+        step()
+    traced_wall = drain = None
+    if len(walls) == start and engine.has_unfinished_requests():
+        _wait_for_device(engine)
+        with jax.profiler.trace(log_dir, profiler_options=_trace_options()):
+            t0 = time.perf_counter()
+            while engine.has_unfinished_requests() and len(walls) < start + count:
+                step()
+                traced.append((len(walls) - 1, engine._inflight.sched if engine._inflight is not None else None))
+            t1 = time.perf_counter()
+            _wait_for_device(engine)
+            t2 = time.perf_counter()
+            traced_wall, drain = t2 - t0, t2 - t1
+    while engine.has_unfinished_requests():
+        step()
+    rerun_wall = time.perf_counter() - t_run
+
+    if not traced:
+        summary: dict = {"error": f"the run had {len(walls)} engine steps, none in the window {start}:{count}"}
+    else:
+        summary = summarize(log_dir)
+    rows = []
+    for i, sched in traced:
+        row = dict(step=i, wall_ms=walls[i] * 1e3)
+        row.update(_step_kind(sched) if sched is not None else dict(kind="none", num_seqs=0, num_tokens=0))
+        rows.append(row)
+    by_kind = {k: sum(r["kind"] == k for r in rows) for k in ("decode_only", "mixed", "prefill_only", "none")}
+    in_window = set(range(start, start + count))
+    untraced_decode = [w for i, (w, k) in enumerate(zip(walls, kinds)) if k and i not in in_window
+                       and i - 1 not in in_window and i != start + count]  # not the calls next to the trace
+    traced_decode = [walls[i] for i, _ in traced if kinds[i]]
+    outs = [done[i] for i in ids if i in done]
+    summary.update(
+        mode="window", window=dict(start=start, count=count), traced_steps=len(rows),
+        decode_only_steps=by_kind["decode_only"], mixed_steps=by_kind["mixed"],
+        prefill_only_steps=by_kind["prefill_only"], empty_steps=by_kind["none"],
+        traced_wall_s=traced_wall, final_wait_ms=None if drain is None else drain * 1e3,
+        traced_mean_seqs=sum(r["num_seqs"] for r in rows) / len(rows) if rows else None,
+        traced_mean_tokens=sum(r["num_tokens"] for r in rows) / len(rows) if rows else None,
+        steps=rows,
+        run=dict(total_steps=len(walls), decode_only_steps=sum(1 for k in kinds if k),
+                 other_steps=sum(1 for k in kinds if k is False), wall_s=rerun_wall,
+                 median_decode_only_step_ms_untraced=_median_ms(untraced_decode),
+                 median_decode_only_step_ms_traced=_median_ms(traced_decode),
+                 num_requests=len(outs), output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+                 compiles=len(runner._compiled) - compiled_before,
+                 note="step wall = host time of one step() call; pipelined, it mostly waits for the step "
+                      "dispatched by the call before"),
+        num_prompts=len(prompts), log_dir=log_dir,
+    )
+    return summary
+
+
+def _median_ms(values: list[float]) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return 1e3 * (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
+
+
+def _print_window(p: dict) -> None:
+    if p.get("error"):
+        print(f"Profile window: {p['error']}", flush=True)
+        return
+    busy = [d.get("busy_fraction") for d in p.get("devices", []) if d.get("busy_fraction") is not None]
+    print(f"Profile window {p['window']['start']}:{p['window']['count']} of {p['run']['total_steps']} steps: "
+          f"{p['traced_steps']} traced ({p['decode_only_steps']} decode-only, {p['mixed_steps']} mixed, "
+          f"{p['prefill_only_steps']} prefill-only; {p['traced_mean_seqs']:.0f} seqs / "
+          f"{p['traced_mean_tokens']:.0f} tokens a step) in {p['traced_wall_s'] * 1e3:.1f} ms"
+          + (f"; device busy {busy[0]:.1%}" if busy else ""), flush=True)
 
 
 if __name__ == "__main__":

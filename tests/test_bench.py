@@ -56,6 +56,35 @@ def test_throughput_smoke(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_throughput_profile_window(tmp_path):
+    """--profile-window re-runs the timed workload and traces exactly COUNT of its engine steps."""
+    from bench import throughput
+
+    res = throughput.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
+                           "--output-len", "8", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager",
+                           "--compilation-cache-dir", "", "--log-level", "warning", "--profile-dir",
+                           str(tmp_path / "prof"), "--profile-window", "3:3", "--out", str(tmp_path / "tp.json")])
+    prof = res["profile"]
+    assert prof["window"] == {"start": 3, "count": 3} and prof["traced_steps"] == 3 and prof["file"]
+    assert [r["step"] for r in prof["steps"]] == [3, 4, 5] and prof["decode_only_steps"] == 3
+    assert all(r["num_seqs"] == 4 and r["num_tokens"] == 4 for r in prof["steps"]) and prof["traced_wall_s"] > 0
+    assert prof["run"]["output_tokens"] == res["workload"]["output_tokens"] == 32 and prof["run"]["compiles"] == 0
+
+
+def test_suite_profile_window():
+    import argparse
+
+    from bench import suite
+
+    a = argparse.Namespace(profile_window="auto", num_prompts=500, max_num_seqs=512, input_len=462,
+                           max_num_batched_tokens=8192, output_len=256)
+    assert suite.profile_window(a) == "147:20"  # decode of all 500 sequences (prefill ends at step ~29)
+    a.profile_window = "200:20"
+    assert suite.profile_window(a) == "200:20"
+
+
+@pytest.mark.filterwarnings("ignore")
 def test_startup_smoke(tmp_path):
     """Cold then warm start in fresh processes: the warm one loads every step from the executable cache."""
     from bench import startup
