@@ -13,6 +13,9 @@ Entry points (same keyword arguments as the reference):
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
+  qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
+               *, k_scale, v_scale, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
+      projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU.
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -29,13 +32,14 @@ from . import reference
 from ._common import kernel_supported, on_gpu
 from ._decode import paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
-from ._write import write_kv_kernel
+from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
 
 __all__ = [
     "ragged_paged_attention",
     "paged_decode_attention",
     "write_kv",
+    "qkv_write_kv",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -52,6 +56,17 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, 
         return write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
                                interpret=interpret)
     return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
+
+
+def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
+                 interpret=False):
+    """See reference.qkv_write_kv; on GPU one Pallas launch (_write.py) instead of XLA's RoPE fusions for q
+    and k, the slice for v and the write."""
+    if (interpret or on_gpu()) and k_pages.shape[-1] in (64, 128, 256):
+        return qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
+                                   v_scale=v_scale, interpret=interpret)
+    return reference.qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
+                                  v_scale=v_scale)
 
 
 def paged_decode_attention(

@@ -37,6 +37,28 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
 
 
+def apply_rope(x, positions, inv_freq):
+    """x: [T, heads, H], HF's rotate-half layout (first half / second half of each head). cos and sin are
+    rounded to x's dtype and every product and sum is rounded to it, as HF does in bf16/fp16."""
+    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(freqs).astype(x.dtype)[:, None, :]
+    sin = jnp.sin(freqs).astype(x.dtype)[:, None, :]
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0):
+    """The fused projection's output qkv [T, K, G + 2, H] (per kv head: its G query heads, then k, v) ->
+    q [T, K * G, H] with RoPE applied (inv_freq [H / 2]; None: no rotation, e.g. ALiBi models), and the
+    rotated k and v written into their slots (write_kv). Returns (q, k_pages, v_pages)."""
+    T, K, G2, H = qkv.shape
+    q = qkv[:, :, :-2].reshape(T, K * (G2 - 2), H)
+    k, v = qkv[:, :, -2], qkv[:, :, -1]
+    if inv_freq is not None:
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    return (q, *write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
+
+
 def quantize(x, scale, dtype):
     """x as stored in a cache of dtype: fp8 caches hold x / scale clipped to the format's range."""
     dtype = jnp.dtype(dtype)

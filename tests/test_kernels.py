@@ -248,6 +248,44 @@ def test_write_kv_kernel_matches_scatter(kv_dtype):
     assert np.isfinite(np.asarray(ok.astype(jnp.float32))).sum() == (T - 2) * K * H
 
 
+@pytest.mark.parametrize("G,K,H,kv_dtype,rope", [
+    (4, 2, 64, jnp.bfloat16, True),
+    (3, 3, 128, jnp.bfloat16, True),  # G and K not powers of two (Qwen2.5-7B has G = 7)
+    (1, 2, 64, jnp.float8_e4m3fn, True),
+    (2, 2, 64, jnp.float32, False),  # ALiBi models: split and write only
+])
+def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
+    """q (RoPE'd) and every written slot equal the reference (split, apply_rope, scatter) bit for bit;
+    padding slots (-1) write nothing (the NaN pages show a stray write)."""
+    rng = np.random.default_rng(13)
+    P, S, T = 7, 16, 10
+    dt = jnp.float32 if kv_dtype == jnp.float32 else jnp.bfloat16
+    pages = jnp.asarray(np.full((K, P, S, H), np.nan, np.float32)).astype(kv_dtype)
+    qkv = jnp.asarray(rng.standard_normal((T, K, G + 2, H)) * 3, dt)
+    pos = jnp.asarray(rng.integers(0, 5000, T), jnp.int32)
+    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32) if rope else None
+    slots = rng.permutation(P * S)[:T].astype(np.int32)
+    slots[[1, 6]] = -1
+    kw = dict(k_scale=0.37, v_scale=2.9)
+    want = reference.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), **kw)
+    got = kp.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), interpret=True, **kw)
+    assert got[0].shape == (T, K * G, H)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
+        if kv_dtype == jnp.float8_e4m3fn and g.shape == pages.shape:
+            # XLA:CPU (interpret mode) may drop the bf16 rounding of the rotated k before the fp8 cast (it
+            # removes f32 -> bf16 -> f32 pairs), so a value on an fp8 rounding boundary can go one step
+            # either way; one e4m3 step is 2^-3 relative.
+            np.testing.assert_allclose(g, w, rtol=0.126)
+        else:
+            np.testing.assert_array_equal(g, w)
+    assert np.isfinite(np.asarray(got[1].astype(jnp.float32))).sum() == (T - 2) * K * H
+    if rope:  # the rotation happened (not a copy)
+        assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(qkv[:, :, :G].reshape(T, K * G, H),
+                                                                                np.float32))
+
+
 def test_model_through_pallas_kernels_matches_reference(tmp_path):
     """The decoder with backend "pallas" (write kernel, ragged kernel, decode dispatch; interpret mode)
     gives the reference backend's logits over a shuffled NaN-filled cache with a cached-prefix step."""

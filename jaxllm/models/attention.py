@@ -1,5 +1,5 @@
-"""The one attention function the decoder calls: write the new tokens' K/V into the paged cache, then
-attend over it. Backends sit behind it: "reference" (pure jnp, CPU and tests) and "pallas" (GPU kernels
+"""The one attention function the decoder calls: split the fused qkv projection, apply RoPE, write the new
+tokens' K/V into the paged cache, then attend over it. Backends sit behind it: "reference" (pure jnp, CPU and tests) and "pallas" (GPU kernels
 in kernels_pallas/). The batch layout is described in kernels_pallas/reference.py.
 
 With tensor parallelism (AttentionConfig.mesh with tp > 1) both backends run inside shard_map over "tp":
@@ -46,9 +46,11 @@ class AttentionConfig:
     mesh: jax.sharding.Mesh | None = None  # ("pp", "tp") mesh of the arrays; tp > 1 -> shard_map over "tp"
 
 
-def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, *, scale, alibi_slopes=None,
+def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_freq=None, alibi_slopes=None,
                     sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig()):
-    """q: [T, N, H], k/v: [T, K, H], kv_cache: (k_pages, v_pages) [K, P, S, H] -> ([T, N, H], kv_cache)."""
+    """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
+    [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
+    the same kernel that writes k and v on GPU."""
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         from jax.sharding import PartitionSpec as P
@@ -61,28 +63,31 @@ def paged_attention(q, k, v, kv_cache, meta: AttentionMetadata, *, scale, alibi_
         # check_vma=False: the Pallas kernels do not declare how their outputs vary over mesh axes.
         return jax.shard_map(
             local, mesh=mesh, check_vma=False,
-            in_specs=(heads, heads, heads, (pages, pages), P(), None if slopes is None else P("tp")),
+            in_specs=(P(None, "tp", None, None), (pages, pages), P(), None if rope_inv_freq is None else P(),
+                      None if slopes is None else P("tp")),
             out_specs=(heads, (pages, pages)),
-        )(q, k, v, kv_cache, meta, slopes)
-    return _paged_attention(q, k, v, kv_cache, meta, alibi_slopes, scale=scale, sliding_window=sliding_window,
-                            k_scale=k_scale, v_scale=v_scale, config=config)
+        )(qkv, kv_cache, meta, rope_inv_freq, slopes)
+    return _paged_attention(qkv, kv_cache, meta, rope_inv_freq, alibi_slopes, scale=scale,
+                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, config=config)
 
 
-def _paged_attention(q, k, v, kv_cache, meta, alibi_slopes, *, scale, sliding_window, k_scale, v_scale, config):
+def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
+                     config):
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
     if config.backend == "pallas":
         import kernels_pallas
 
-        k_pages, v_pages = kernels_pallas.write_kv(k_pages, v_pages, k, v, meta.slot_mapping, k_scale=k_scale,
-                                                   v_scale=v_scale, interpret=config.interpret)
+        q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
+            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, k_scale=k_scale,
+            v_scale=v_scale, interpret=config.interpret)
         out = kernels_pallas.ragged_paged_attention(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
             decode_only=meta.decode_only, interpret=config.interpret, **kwargs)
     elif config.backend == "reference":
-        k_pages, v_pages = reference.write_kv(k_pages, v_pages, k, v, meta.slot_mapping,
-                                              k_scale=k_scale, v_scale=v_scale)
+        q, k_pages, v_pages = reference.qkv_write_kv(qkv, meta.positions, inv_freq, k_pages, v_pages,
+                                                     meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         K, _, S, H = k_pages.shape
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(

@@ -22,15 +22,6 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def apply_rope(x, positions, inv_freq):
-    """x: [T, heads, H], HF's rotate-half layout (first half / second half of each head)."""
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
-    cos = jnp.cos(freqs).astype(x.dtype)[:, None, :]
-    sin = jnp.sin(freqs).astype(x.dtype)[:, None, :]
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-
-
 def _proj(x, w, b, eq):
     y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -39,17 +30,13 @@ def _proj(x, w, b, eq):
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
-    q = qkv[:, :, :-2].reshape(len(qkv), -1, cfg.head_dim)  # [T, N, H]: q head n sits in kv head n // G
-    k, v = qkv[:, :, -2], qkv[:, :, -1]  # [T, K, H]
-    slopes = None
+    inv_freq = slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
-        q = apply_rope(q, meta.positions, inv_freq)
-        k = apply_rope(k, meta.positions, inv_freq)
     else:
         slopes = jnp.asarray(alibi_slopes(cfg.num_heads))
-    out, kv_cache = paged_attention(
-        q, k, v, kv_cache, meta, scale=cfg.head_dim**-0.5, alibi_slopes=slopes,
+    out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
+        qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=cfg.sliding_window, config=attn)
     x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
