@@ -30,7 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
-from kernels_pallas._write import write_kv_kernel  # noqa: E402
+from kernels_pallas._write import qkv_write_kv_kernel, write_kv_kernel  # noqa: E402
 
 REPS = 10
 
@@ -259,6 +259,58 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
     print(json.dumps(row), flush=True)
 
 
+def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
+    """The per-layer ops between the qkv projection and attention: XLA's RoPE fusions + the v slice + the
+    Pallas KV write (the engine before b0ba538) vs one fused Pallas launch (qkv_write_kv_kernel)."""
+    rng = np.random.default_rng(4)
+    kp = jnp.zeros((K, P, S, H), jnp.bfloat16)
+    vp = jnp.zeros((K, P, S, H), jnp.bfloat16)
+    qkv = jnp.asarray(rng.standard_normal((T, K, G + 2, H)), jnp.bfloat16)
+    pos = jnp.asarray(rng.integers(0, 4096, T), jnp.int32)
+    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
+    slots = jnp.asarray(rng.permutation(P * S)[:T].astype(np.int32))
+
+    def xla(qkv, kp, vp):
+        q = reference.apply_rope(qkv[:, :, :G].reshape(T, K * G, H), pos, inv_freq)
+        k = reference.apply_rope(qkv[:, :, G], pos, inv_freq)
+        return (q, *write_kv_kernel(kp, vp, k, qkv[:, :, G + 1], slots))
+
+    def fused(qkv, kp, vp):
+        return qkv_write_kv_kernel(qkv, pos, inv_freq, kp, vp, slots)
+
+    outs = {}
+    for impl, fn in (("xla_rope_pallas_write", xla), ("pallas_fused", fused)):
+        row = dict(kind="qkv_rope_write", impl=impl, T=T, K=K, G=G, H=H)
+        try:
+            def build(n, fn=fn):
+                def f(qkv, kp, vp):
+                    for i in range(n):  # q feeds the next rep's qkv so the reps chain
+                        q, kp, vp = fn(qkv, kp, vp)
+                        qkv = qkv.at[:, :, 0].set(q[:, ::G] * 0.5)
+                    return qkv, kp, vp
+
+                return jax.jit(f, donate_argnums=(1, 2))
+
+            fns, state = {}, [qkv, kp, vp]
+            outs[impl] = [np.asarray(x.astype(jnp.float32)) for x in fn(qkv, kp, vp)[:1]]
+
+            def run(n):
+                if n not in fns:
+                    fns[n] = build(n)
+                state[:] = fns[n](*state)
+                jax.block_until_ready(state)
+
+            t, tmin, tmax, wall = per_call(run)
+            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
+            kp, vp = state[1], state[2]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if len(outs) == 2:
+        results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(outs["pallas_fused"][0] - outs["xla_rope_pallas_write"][0]).max())
+
+
 def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
     """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, fp16, dense KV) through
     JAX's shipped kernels on each Pallas GPU backend: Mosaic GPU (attention_mgpu, FA3-style: TMA,
@@ -383,6 +435,9 @@ def main():
                 bench_write(results, T, copy, impl)
         for impl in WRITE_IMPLS:
             bench_write(results, 64, copy, impl, kv_dtype=jnp.float8_e4m3fn)
+    if "qkv" in only:
+        for T in (8, 64, 512, 8192):
+            bench_qkv(results, T)
     if "backend" in only:
         bench_backends(results, mm)
 
