@@ -395,15 +395,14 @@ def main():
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
         prev = dict(prefetch=1)  # before the block-table entries were loaded two blocks ahead
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), prev, dict(prefetch=3, block_k=32)])
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), prev, dict(num_splits=64)])
-        # the engine's batch-1 steps: short contexts in block tables max_model_len (1024) wide
-        for ctx in (130, 200, 700):
-            bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_maxlen1k",
-                         [dict(), dict(min_split_tokens=1024), dict(min_split_tokens=256), dict(min_split_tokens=64),
-                          dict(min_split_tokens=32), dict(min_split_tokens=32, block_k=16)],
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), prev])
+        # the throughput goal's decode steps: ~500 sequences at ~460-720 tokens, tables 1024 tokens wide
+        for B, ctx in ((512, 600), (256, 700)):
+            bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_maxlen1k",
+                         [dict(), dict(block_k=32), dict(block_k=32, prefetch=3), dict(prefetch=3),
+                          dict(block_k=128), dict(num_warps=8), dict(block_k=128, num_warps=8),
+                          dict(num_stages=2), dict(block_k=32, num_warps=2), dict(prefetch=1)],
                          shipped=False, max_len=1024)
-        pre = [dict(), dict(prefetch=2)]
-        bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
