@@ -36,7 +36,7 @@ NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas,
+    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask,
 ):
     if has_alibi:
         slope_ref, *outs = rest
@@ -70,11 +70,25 @@ def _decode_kernel(
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
 
-    def ids(i):
-        return jnp.clip(bt_ref[pl.ds(lo_page + i * ppb, ppb)], 0, P - 1)
+    def ids(i):  # page ids of block i; -1 for pages past this split's last one
+        first = lo_page + i * ppb
+        live = first + jnp.arange(ppb, dtype=jnp.int32) < hi_page
+        return jnp.where(live, jnp.clip(bt_ref[pl.ds(first, ppb)], 0, P - 1), -1)
 
     def fetch(ids):
-        return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
+        if not tail_mask:
+            ids = jnp.maximum(ids, 0)
+            return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
+        # pages past the end are not read at all (zeros): the last block of a short sequence would
+        # otherwise read up to ppb - 1 pages for nothing. Their values never matter (step masks every
+        # position >= hi_pos), so interpret mode, which has no masked gather, reads them instead.
+        from jax.experimental.pallas import triton as plgpu
+
+        live = jnp.broadcast_to((ids >= 0)[:, None, None], (ppb, S, H))
+        ids = jnp.maximum(ids, 0)
+        k = plgpu.load(k_ref.at[ids], mask=live, other=0)
+        v = plgpu.load(v_ref.at[ids], mask=live, other=0)
+        return k.reshape(BK, H), v.reshape(BK, H)
 
     def step(i, state, k, v, masked):
         k, v = k.astype(cdt), v.astype(cdt)
@@ -148,11 +162,13 @@ def combine_splits(o, m, l, splits, dtype, *, interpret=False):
 
 
 def default_block_k(B, K):
-    """Tokens per KV block. Measured on an H100 (bench/results/kernels_h100_f69dc4a_tune.json): with enough
-    (sequence, kv head) programs to fill the chip unsplit, 64 (B64 x 2k: 227 us vs 287 at 32); when split-K
-    has to make the parallelism (long contexts, few sequences), 32 (B16 x 16k: 409 vs 529 us; B1 x 32k: 75
-    vs 84 us)."""
-    return 64 if B * K >= 2 * NUM_SMS else 32
+    """Tokens per KV block, by measurement on an H100. When split-K has to make the parallelism (few
+    sequences, long contexts): 32 (B16 x 16k: 409 vs 529 us; B1 x 32k: 75 vs 84 us,
+    bench/results/kernels_h100_f69dc4a_tune.json). With enough (sequence, kv head) programs for one or two
+    waves unsplit: 64 (B64 x 2k: 227 us vs 287 at 32). With many waves (the throughput workload's ~500
+    sequences of ~600 tokens): 32 again (B512 x 600: 463 vs 507 us; B256 x 700: 280 vs 285 us,
+    bench/results/kernels_h100_0e2d6f7_tune.json)."""
+    return 64 if 2 * NUM_SMS <= B * K < 2048 else 32
 
 
 def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=128):
@@ -173,13 +189,13 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
-        "min_split_tokens",
+        "min_split_tokens", "tail_mask",
     ),
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=128,
+    prefetch=2, min_split_tokens=128, tail_mask=True,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -234,6 +250,7 @@ def paged_decode_attention_kernel(
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb,
         sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
+        tail_mask=tail_mask and not interpret,
     )
     outs = pl.pallas_call(
         kernel,
