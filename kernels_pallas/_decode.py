@@ -79,15 +79,17 @@ def _decode_kernel(
         if not tail_mask:
             ids = jnp.maximum(ids, 0)
             return k_ref[ids].reshape(BK, H), v_ref[ids].reshape(BK, H)
-        # pages past the end are not read at all (zeros): the last block of a short sequence would
+        # pages past the end are not read at all: the last block of a short sequence would
         # otherwise read up to ppb - 1 pages for nothing. Their values never matter (step masks every
         # position >= hi_pos), so interpret mode, which has no masked gather, reads them instead.
         from jax.experimental.pallas import triton as plgpu
 
         live = jnp.broadcast_to((ids >= 0)[:, None, None], (ppb, S, H))
         ids = jnp.maximum(ids, 0)
-        k = plgpu.load(k_ref.at[ids], mask=live, other=0)
-        v = plgpu.load(v_ref.at[ids], mask=live, other=0)
+        # no `other`: masked lanes are undefined, which step() masks anyway (Triton cannot splat a
+        # fill value into an fp8 tensor)
+        k = plgpu.load(k_ref.at[ids], mask=live)
+        v = plgpu.load(v_ref.at[ids], mask=live)
         return k.reshape(BK, H), v.reshape(BK, H)
 
     def step(i, state, k, v, masked):

@@ -47,16 +47,18 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0):
+def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
+                 write=None):
     """The fused projection's output qkv [T, K, G + 2, H] (per kv head: its G query heads, then k, v) ->
     q [T, K * G, H] with RoPE applied (inv_freq [H / 2]; None: no rotation, e.g. ALiBi models), and the
-    rotated k and v written into their slots (write_kv). Returns (q, k_pages, v_pages)."""
+    rotated k and v written into their slots by write (default write_kv). Returns (q, k_pages, v_pages)."""
     T, K, G2, H = qkv.shape
     q = qkv[:, :, :-2].reshape(T, K * (G2 - 2), H)
     k, v = qkv[:, :, -2], qkv[:, :, -1]
     if inv_freq is not None:
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
-    return (q, *write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
+    write = write or write_kv
+    return (q, *write(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
 
 
 def quantize(x, scale, dtype):
