@@ -30,7 +30,6 @@ import jax.numpy as jnp  # noqa: E402
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
-from kernels_pallas._norm import add_rms_norm_kernel  # noqa: E402
 from kernels_pallas._write import qkv_write_kv_kernel, write_kv_kernel  # noqa: E402
 
 REPS = 10
@@ -310,20 +309,6 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(outs["pallas_fused"][0] - outs["xla_rope_pallas_write"][0]).max())
 
 
-def bench_norm(results, T, D=4096):
-    """A pre-norm block's residual add + RMSNorm: XLA (reference.add_rms_norm) vs one Pallas launch."""
-    rng = np.random.default_rng(6)
-    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    d = jnp.asarray(rng.standard_normal((T, D)) * 0.1, jnp.bfloat16)
-    w = jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16)
-    ref = reference.add_rms_norm(x, d, w, 1e-5)[1]
-    for impl, fn in (("xla", lambda x, d: reference.add_rms_norm(x, d, w, 1e-5)),
-                     ("pallas_fused", lambda x, d: add_rms_norm_kernel(x, d, w, eps=1e-5))):
-        row = dict(kind="add_rms_norm", impl=impl, T=T, D=D)
-        _measure(results, row, lambda x, d, fn=fn: sum(fn(x, d)) * 0.5, (x, d), None, lambda t: {})
-        row["rel_err"] = rel_err(fn(x, d)[1], ref)
-
-
 def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
     """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, fp16, dense KV) through
     JAX's shipped kernels on each Pallas GPU backend: Mosaic GPU (attention_mgpu, FA3-style: TMA,
@@ -441,9 +426,6 @@ def main():
                 bench_write(results, T, copy, impl)
         for impl in WRITE_IMPLS:
             bench_write(results, 64, copy, impl, kv_dtype=jnp.float8_e4m3fn)
-    if "norm" in only:
-        for T in (8, 512, 8192):
-            bench_norm(results, T)
     if "qkv" in only:
         for T in (8, 512, 2048, 4096, 8192):
             bench_qkv(results, T)

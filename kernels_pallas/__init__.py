@@ -16,8 +16,6 @@ Entry points (same keyword arguments as the reference):
   qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
                *, k_scale, v_scale, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
       projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU.
-  add_rms_norm(x [T, D], delta [T, D], weight [D], *, eps, interpret=False) -> (x + delta, normed): a
-      pre-norm block's residual add and the next RMSNorm in one launch on GPU (_norm.py).
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -31,9 +29,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import reference
-from ._common import kernel_supported, next_pow2, on_gpu
+from ._common import kernel_supported, on_gpu
 from ._decode import paged_decode_attention_kernel
-from ._norm import add_rms_norm_kernel
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -43,7 +40,6 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
-    "add_rms_norm",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -75,14 +71,6 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
     return qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
                                v_scale=v_scale, interpret=interpret)
-
-
-def add_rms_norm(x, delta, weight, *, eps, interpret=False):
-    """See reference.add_rms_norm; on GPU one Pallas launch for power-of-two widths up to 16384."""
-    D = x.shape[-1]
-    if (interpret or on_gpu()) and x.ndim == 2 and D == next_pow2(D) and 64 <= D <= 16384:
-        return add_rms_norm_kernel(x, delta, weight, eps=eps, interpret=interpret)
-    return reference.add_rms_norm(x, delta, weight, eps)
 
 
 def paged_decode_attention(

@@ -37,19 +37,6 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0):
     return scatter(k_pages, k, k_scale), scatter(v_pages, v, v_scale)
 
 
-def rms_norm(x, weight, eps):
-    """HF's rounding: normalise in float32, cast back, then scale in the weight dtype."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
-def add_rms_norm(x, delta, weight, eps):
-    """(x + delta, rms_norm(x + delta, weight)): a pre-norm block's residual add and the next norm."""
-    x = x + delta
-    return x, rms_norm(x, weight, eps)
-
-
 def apply_rope(x, positions, inv_freq):
     """x: [T, heads, H], HF's rotate-half layout (first half / second half of each head). cos and sin are
     rounded to x's dtype and every product and sum is rounded to it, as HF does in bf16/fp16."""
