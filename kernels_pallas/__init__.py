@@ -61,13 +61,14 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, 
 def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
                  interpret=False):
     """See reference.qkv_write_kv; on GPU one Pallas launch (_write.py) instead of XLA's RoPE fusions for q
-    and k, the slice for v and the write, for batches of < 4096 tokens. Measured on an H100 (same run,
-    bench/results/kernels_h100_00ece8b.json): 8 tokens 3.5 vs 7.1 us, 512: 7.0 vs 11.2, but 8192: 102 vs
-    82 us (one program per token and kv head); prefill-sized batches keep XLA's RoPE + the Pallas write."""
+    and k, the slice for v and the write, for batches of < 2048 tokens. Measured on an H100 (same run,
+    bench/results/kernels_h100_97c2470.json): 8 tokens 3.3 vs 7.9 us, 512: 6.9 vs 11.3, but 2048: 27.1 vs
+    19.4 and 8192: 104 vs 98 us (one program per token and kv head); larger batches keep XLA's RoPE + the
+    Pallas write."""
     args = (qkv, positions, inv_freq, k_pages, v_pages, slot_mapping)
     if not (interpret or on_gpu()) or k_pages.shape[-1] not in (64, 128, 256):
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
-    if qkv.shape[0] >= 4096 and not interpret:
+    if qkv.shape[0] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
     return qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
                                v_scale=v_scale, interpret=interpret)
