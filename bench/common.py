@@ -29,6 +29,9 @@ LLAMA3_8B = dict(
     max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
     tie_word_embeddings=False, attention_bias=False, bos_token_id=128000, eos_token_id=128009,
     torch_dtype="bfloat16",
+    # As in Meta's file. Without it, transformers 5.17 takes a llama folder for a Mistral one and warns that the
+    # tokenizer has "an incorrect regex pattern" (the warning the H100 suite logs printed for every start).
+    transformers_version="4.40.0.dev0",
 )
 # A tiny Llama for CPU checks of the scripts (same code path, seconds to build).
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
