@@ -309,6 +309,41 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(outs["pallas_fused"][0] - outs["xla_rope_pallas_write"][0]).max())
 
 
+def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
+    """A mixed step (chunked prefill + decode tokens, as in the throughput run's first 33 steps) through the
+    entry point: the decode tokens in 1-token ragged tiles vs split off to the decode kernel."""
+    import kernels_pallas as kp
+
+    rng = np.random.default_rng(8)
+    q_lens = [chunk] * n_prefill + [1] * n_decode
+    seq_lens = [chunk] * n_prefill + [ctx] * n_decode
+    B, M = len(q_lens), -(-max(seq_lens) // S)
+    P = sum(-(-n // S) for n in seq_lens) + 8
+    perm = rng.permutation(P).astype(np.int32)
+    bt, at = np.zeros((B, M), np.int32), 0
+    for b, n in enumerate(seq_lens):
+        bt[b, : -(-n // S)] = perm[at: at + -(-n // S)]
+        at += -(-n // S)
+    k = jax.random.normal(jax.random.PRNGKey(0), (K, P, S, H), jnp.bfloat16)
+    v = jax.random.normal(jax.random.PRNGKey(1), (K, P, S, H), jnp.bfloat16)
+    T = sum(q_lens)
+    q = jax.random.normal(jax.random.PRNGKey(2), (T, N, H), jnp.bfloat16)
+    qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = (q, k, v, jnp.asarray(seq_lens, jnp.int32), qsl, jnp.asarray(bt))
+    ref = None
+    for split in (False, True):
+        row = dict(kind="mixed", label=f"{n_prefill}x{chunk}_prefill+{n_decode}x{ctx}_decode", impl="pallas_triton",
+                   cfg=dict(split_decode=split))
+        call = lambda q, k, v, l, s, b, split=split: kp.ragged_paged_attention(  # noqa: E731
+            q, k, v, l, s, b, scale=H**-0.5, split_decode=split)
+        _measure(results, row, call, args, ref, lambda t: {})
+        out = np.asarray(call(*args), np.float32)
+        if ref is None:
+            ref = out
+        else:
+            row["rel_err_vs_unsplit"] = rel_err(out, ref)
+
+
 def bench_backends(results, mm_rate, T=4096, N=32, K=8, H=128):
     """The same causal attention math (one 4k sequence, 32 q / 8 kv heads, D128, fp16, dense KV) through
     JAX's shipped kernels on each Pallas GPU backend: Mosaic GPU (attention_mgpu, FA3-style: TMA,
@@ -426,6 +461,10 @@ def main():
                 bench_write(results, T, copy, impl)
         for impl in WRITE_IMPLS:
             bench_write(results, 64, copy, impl, kv_dtype=jnp.float8_e4m3fn)
+    if "mixed" in only:
+        bench_mixed(results, 8, 512, 256, 600)
+        bench_mixed(results, 4, 1024, 480, 600)
+        bench_mixed(results, 1, 512, 8, 600)
     if "qkv" in only:
         for T in (8, 512, 2048, 4096, 8192):
             bench_qkv(results, T)

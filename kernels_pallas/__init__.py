@@ -88,27 +88,32 @@ def paged_decode_attention(
 
 def ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, decode_only=False, interpret=False,
+    alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, interpret=False,
 ):
-    """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H])."""
+    """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
+    split_decode: in a mixed batch, the sequences with one new token (decode steps) go to the decode kernel
+    and only the others get ragged tiles (a one-token tile would run 128-row MMAs over the same KV)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
         return ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kw)
-    if not decode_only:
-        return ragged_paged_attention_kernel(
-            q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, interpret=interpret, **kw
-        )
     T = q.shape[0]
-    if T == seq_lens.shape[0]:
+    if decode_only and T == seq_lens.shape[0]:
         # The engine's decode steps: one token per sequence, padding sequences (seq_len 0) last, so token b
         # is sequence b's and a padding token meets a padding sequence (zeros): no gathers needed.
         return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
+    if not (decode_only or split_decode):
+        return ragged_paged_attention_kernel(
+            q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, interpret=interpret, **kw)
     qsl = query_start_loc.astype(jnp.int32)
-    q_len = qsl[1:] - qsl[:-1]
-    qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each sequence's single token
-    lens = jnp.where(q_len > 0, seq_lens, 0)
-    od = paged_decode_attention_kernel(qd, k_pages, v_pages, lens, block_tables, interpret=interpret, **kw)
+    single = qsl[1:] - qsl[:-1] == 1
+    qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each one-token sequence's token
+    od = paged_decode_attention_kernel(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables,
+                                       interpret=interpret, **kw)
     seq, valid = reference.token_sequence_ids(qsl, T)
     out = od[seq]
+    if not decode_only:
+        rest = ragged_paged_attention_kernel(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables,
+                                             skip_single=True, interpret=interpret, **kw)
+        out = jnp.where(single[seq][:, None, None], out, rest)
     return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))

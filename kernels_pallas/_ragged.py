@@ -89,13 +89,16 @@ def _ragged_kernel(
     o_ref[...] = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
 
 
-def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
-    """Static-size tile list: per tile its sequence, first query position, first token and valid rows."""
+def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False):
+    """Static-size tile list: per tile its sequence, first query position, first token and valid rows.
+    skip_single: sequences with one query token get no tile (the caller attends them another way)."""
     B = seq_lens.shape[0]
     qsl = query_start_loc.astype(jnp.int32)
     q_len = qsl[1:] - qsl[:-1]
     n_tiles = -(-num_tokens // block_q) + B
     per_seq = (q_len + block_q - 1) // block_q
+    if skip_single:
+        per_seq = jnp.where(q_len == 1, 0, per_seq)
     tile_end = jnp.cumsum(per_seq)
     tile_start = tile_end - per_seq
     i = jnp.arange(n_tiles, dtype=jnp.int32)
@@ -111,13 +114,15 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q):
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages",
-                     "prefetch"),
+                     "prefetch", "skip_single"),
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=1,
+    num_stages=2, prefetch=1, skip_single=False,
 ):
+    """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
+    attends them with the decode kernel instead)."""
     T, N, H = q.shape
     K, P, S, _ = k_pages.shape
     G = N // K
@@ -127,7 +132,7 @@ def ragged_paged_attention_kernel(
     ppb = max(1, block_k // S)
     lens = seq_lens.astype(jnp.int32)
 
-    tseq, tpos, ttok, trows, tile_start = tile_plan(query_start_loc, lens, T, BQ)
+    tseq, tpos, ttok, trows, tile_start = tile_plan(query_start_loc, lens, T, BQ, skip_single)
     nt = tseq.shape[0]
     tok = jnp.clip(ttok[:, None] + jnp.arange(BQ, dtype=jnp.int32)[None, :], 0, T - 1)  # [nt, BQ]
     qt = q[tok].reshape(nt, BQ, K, G, H)

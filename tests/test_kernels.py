@@ -167,6 +167,20 @@ def test_ragged_matches_reference(N, K, H, S, dtype, q_lens, seq_lens, extra):
     assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
 
 
+@pytest.mark.parametrize("split_decode", [True, False])
+def test_ragged_entry_point_mixed_batch(split_decode):
+    """A mixed batch through the entry point: one-token sequences (decode steps; with split_decode they go
+    to the decode kernel), chunks over cached prefixes, a padding sequence and padding tokens."""
+    rng = np.random.default_rng(21)
+    q_lens, seq_lens = [1, 40, 1, 5, 1, 0], [70, 40, 17, 90, 1, 0]
+    q, k, v, lens, qsl, bt = _ragged_args(rng, 8, 2, 64, 16, jnp.bfloat16, q_lens, seq_lens)
+    kw = dict(scale=0.125, sliding_window=33)
+    out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, split_decode=split_decode, interpret=True, **kw)
+    ref = reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, **kw)
+    check(out, ref, jnp.bfloat16)
+    assert not np.asarray(out[int(qsl[-1]):], np.float32).any()  # padding tokens: zeros
+
+
 def test_ragged_entry_point_fp8_default_tiles():
     rng = np.random.default_rng(11)
     args = _ragged_args(rng, 8, 2, 64, 16, jnp.bfloat16, [9, 1], [40, 17], kv_dtype=jnp.float8_e4m3fn)
