@@ -1,6 +1,11 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
+      [--only ceil,tune,decode,prefill,write,qkv,mixed,backend,trace,profile]
+  stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
+  kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
+  and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
+  to <out>_trace.json); profile = one launch per goal shape for ncu.
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
