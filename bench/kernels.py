@@ -431,10 +431,12 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        nomask = dict(tail_mask=False)  # before: the last block's pages past the end were read too
-        bench_decode(results, 512, 600, copy, "b512_ctx600_maxlen1k", [dict(), nomask, dict(block_k=64)],
-                     shipped=False, max_len=1024)
-        bench_decode(results, 1, 200, copy, "b1_ctx200_maxlen1k", [dict(), nomask], shipped=False, max_len=1024)
+        # ncu (kernels_h100_0b6c0b6_ncu.txt): B1 x 32k runs 256 CTAs where 396 fit (167 registers -> 3 per SM)
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k",
+                     [dict(), dict(num_splits=40), dict(num_splits=48), dict(num_splits=49)], shipped=False)
+        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), dict(num_splits=24), dict(num_splits=25)],
+                     shipped=False, check=False)
+        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=12)], shipped=False)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
