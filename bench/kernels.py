@@ -431,12 +431,12 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        # ncu (kernels_h100_0b6c0b6_ncu.txt): B1 x 32k runs 256 CTAs where 396 fit (167 registers -> 3 per SM)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k",
-                     [dict(), dict(num_splits=40), dict(num_splits=48), dict(num_splits=49)], shipped=False)
-        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), dict(num_splits=24), dict(num_splits=25)],
-                     shipped=False, check=False)
-        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=12)], shipped=False)
+        # splits for one wave of 3 CTAs per SM (ea7ffd5) vs the ~2 per SM before
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(num_splits=32)], shipped=False)
+        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), dict(num_splits=17)], shipped=False,
+                     check=False)
+        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=9)], shipped=False)
+        bench_decode(results, 8, 4096, copy, "b8_ctx4k", [dict(), dict(num_splits=5)], shipped=False)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]

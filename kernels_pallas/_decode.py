@@ -177,7 +177,12 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     """Static split-K plan: (num_splits, pages_per_split) for a table of M pages; the kernel divides each
     sequence's live pages by num_splits, so no split gets more than pages_per_split."""
     if num_splits is None:
-        want = max(1, -(-2 * NUM_SMS // (B * K)))
+        # Programs for one wave: ~2 per SM, or 3 where the split-K tiles (block_k 32, 167 registers per
+        # thread for D128 bf16) fit 3 per SM and that gives more (ncu, bench/results/kernels_h100_0b6c0b6_ncu.txt:
+        # B1 x 32k had 256 CTAs where 396 fit). Measured (kernels_h100_ea7ffd5_tune.json): B1 x 32k 57.1 ->
+        # 54.0-55.6 us, B2 x 128k 451 -> 381 us, B4 x 8k 62.2 -> 55.1 us; one CTA past the wave (B2 x 128k
+        # with 25 splits: 516 us) costs a second wave.
+        want = max(1, -(-2 * NUM_SMS // (B * K)), 3 * NUM_SMS // (B * K))
         # >= 128 tokens per split: batch 1 at 700 tokens in a 1024-token table 32.6 -> 20.2 us per call
         # (1024 before; 64 and 256 were slower, bench/results/kernels_h100_38a111a_tune.json)
         min_pages = max(pages_per_block, min_split_tokens // page_size)
