@@ -16,8 +16,9 @@ split's normalized f32 output and its (max, sum) in the log2 domain, and one sma
 (grid (B, K)) combines them into q's dtype; the partials are B * N * H * 4 bytes per split, tiny next to
 the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us per call at B1 x 32k on an
 H100, where the attention kernel itself takes ~54 us.)
-Splits are chosen statically from (B, K, pages per sequence) so that ~2 programs per SM exist (measured:
-at B64 x 2k one split beats two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
+Splits are chosen statically from (B, K, pages per sequence) so that one wave of programs fills the chip:
+~2 per SM, or 3 where the split-K tiles fit 3 per SM (choose_splits; measured: at B64 x 2k one split beats
+two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
 """
 
 from __future__ import annotations
