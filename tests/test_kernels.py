@@ -300,9 +300,12 @@ def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
                                                                                 np.float32))
 
 
-def test_model_through_pallas_kernels_matches_reference(tmp_path):
-    """The decoder with backend "pallas" (write kernel, ragged kernel, decode dispatch; interpret mode)
-    gives the reference backend's logits over a shuffled NaN-filled cache with a cached-prefix step."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
+    """The decoder with backend "pallas" (fused qkv/RoPE/write kernel, ragged kernel, the decode kernel for the
+    one-token sequences of a mixed step; interpret mode) gives the reference backend's logits over a
+    shuffled NaN-filled cache with a cached-prefix step; with tp = 2 the kernels run inside shard_map on
+    each shard's kv heads."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -313,14 +316,15 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path):
     from tests.model_harness import ragged_logits
 
     torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)  # H = 64
+    hf = LlamaConfig(vocab_size=96, hidden_size=64 * 2 * tp, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=2 * tp, num_key_value_heads=tp, max_position_embeddings=128)  # H = 64
     LlamaForCausalLM(hf).save_pretrained(tmp_path)
     cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
-    params = load_params(str(tmp_path), cfg, ParallelConfig().make_mesh())
+    mesh = ParallelConfig(tp, 1).make_mesh()
+    params = load_params(str(tmp_path), cfg, mesh)
     seqs, cached = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9], [8, 1, 0]
-    ref = ragged_logits(params, cfg, seqs, cached, block_size=8)
+    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
     out = ragged_logits(params, cfg, seqs, cached, block_size=8,
-                        attn=AttentionConfig(backend="pallas", interpret=True))
+                        attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
     for o, r in zip(out, ref):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
