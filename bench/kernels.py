@@ -311,7 +311,8 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results.append(row)
         print(json.dumps(row), flush=True)
     if len(outs) == 2:
-        results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(outs["pallas_fused"][0] - outs["xla_rope_pallas_write"][0]).max())
+        diff = outs["pallas_fused"][0] - outs["xla_rope_pallas_write"][0]
+        results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(diff).max())
 
 
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):

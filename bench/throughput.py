@@ -157,11 +157,16 @@ def _wait_for_device(engine) -> None:
     jax.block_until_ready(engine.runner.kv_caches)
 
 
+def _decode_only(sched) -> bool:
+    """The runner's decode variant: every scheduled chunk is one token."""
+    return sched.num_batched_tokens == len(sched.scheduled)
+
+
 def _step_kind(sched) -> dict:
-    """What one dispatched step ran: decode_only is the runner's decode variant (every chunk one token)."""
+    """What one dispatched step ran."""
     seqs = sched.scheduled
     n_prefill = sum(1 for s in seqs if s.is_prefill)
-    kind = ("decode_only" if sched.num_batched_tokens == len(seqs) else
+    kind = ("decode_only" if _decode_only(sched) else
             "prefill_only" if n_prefill == len(seqs) else "mixed")
     return dict(kind=kind, num_seqs=len(seqs), num_tokens=sched.num_batched_tokens, num_prefill_chunks=n_prefill,
                 num_preempted=len(sched.preempted))
@@ -204,7 +209,7 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
                 engine.abort_request(request_id)
             raise next(iter(failed.values()))
         h = engine._inflight
-        kinds.append(None if h is None else h.sched.num_batched_tokens == len(h.sched.scheduled))
+        kinds.append(None if h is None else _decode_only(h.sched))
 
     t_run = time.perf_counter()
     while engine.has_unfinished_requests() and len(walls) < start:
@@ -261,11 +266,9 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
     return summary
 
 
-def _median_ms(values: list[float]) -> float | None:
-    if not values:
-        return None
-    v = sorted(values)
-    return 1e3 * (v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2)
+def _median_ms(seconds: list[float]) -> float | None:
+    p50 = common.pct(seconds, (50,))["p50"]
+    return None if p50 is None else p50 * 1e3
 
 
 def _print_window(p: dict) -> None:

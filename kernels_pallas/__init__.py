@@ -50,9 +50,13 @@ def _use_kernel(q, k_pages, interpret):
     return (interpret or on_gpu()) and kernel_supported(q, k_pages)
 
 
+def _use_write_kernel(k_pages, interpret):
+    return (interpret or on_gpu()) and k_pages.shape[-1] in (64, 128, 256)
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False):
     """k, v: [T, K, H] into their slots (page * S + offset) of both caches; slot -1 is dropped."""
-    if (interpret or on_gpu()) and k_pages.shape[-1] in (64, 128, 256):
+    if _use_write_kernel(k_pages, interpret):
         return write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
                                interpret=interpret)
     return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
@@ -66,12 +70,11 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     19.4 and 8192: 104 vs 98 us (one program per token and kv head); larger batches keep XLA's RoPE + the
     Pallas write."""
     args = (qkv, positions, inv_freq, k_pages, v_pages, slot_mapping)
-    if not (interpret or on_gpu()) or k_pages.shape[-1] not in (64, 128, 256):
+    if not _use_write_kernel(k_pages, interpret):
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
     if qkv.shape[0] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
-    return qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
-                               v_scale=v_scale, interpret=interpret)
+    return qkv_write_kv_kernel(*args, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
 
 
 def paged_decode_attention(

@@ -1,6 +1,7 @@
 """The one attention function the decoder calls: split the fused qkv projection, apply RoPE, write the new
-tokens' K/V into the paged cache, then attend over it. Backends sit behind it: "reference" (pure jnp, CPU and tests) and "pallas" (GPU kernels
-in kernels_pallas/). The batch layout is described in kernels_pallas/reference.py.
+tokens' K/V into the paged cache, then attend over it. Backends sit behind it: "reference" (pure jnp, CPU
+and tests) and "pallas" (GPU kernels in kernels_pallas/). The batch layout is described in
+kernels_pallas/reference.py.
 
 With tensor parallelism (AttentionConfig.mesh with tp > 1) both backends run inside shard_map over "tp":
 a Pallas kernel cannot be partitioned by XLA, and each tp shard owns whole kv heads (q heads N/tp, kv
