@@ -2,9 +2,10 @@
 
 Shapes are bucketed (T tokens, B sequences; the block table always has max_model_len / S columns) and each
 (bucket, sampler flags) variant is compiled once, ahead of time for the default flags, or loaded untraced
-from the executable cache (exec_cache.py) on a warm start. The KV cache is donated to every step. A step returns immediately (JAX dispatches asynchronously); the engine collects its
-results later, so the host prepares step N+1 while the device runs step N. Tokens a step samples stay on
-the device too: the next step reads them from `prev_tokens` for sequences whose input is still pending.
+from the executable cache (exec_cache.py) on a warm start. The KV cache is donated to every step. A step
+returns immediately (JAX dispatches asynchronously); the engine collects its results later, so the host
+prepares step N+1 while the device runs step N. Tokens a step samples stay on the device too: the next step
+reads them from `prev_tokens` for sequences whose input is still pending.
 """
 
 from __future__ import annotations
