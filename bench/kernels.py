@@ -438,6 +438,12 @@ def main():
                      check=False)
         bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=9)], shipped=False)
         bench_decode(results, 8, 4096, copy, "b8_ctx4k", [dict(), dict(num_splits=5)], shipped=False)
+        # batch 1 at the latency workload's lengths in the engine's 1024-token tables: is a split worth its
+        # combine kernel there?
+        for ctx in (192, 700):
+            bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_table1k",
+                         [dict(), dict(num_splits=1), dict(num_splits=1, block_k=64), dict(num_splits=2)],
+                         shipped=False, max_len=1024)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]

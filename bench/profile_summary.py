@@ -38,7 +38,7 @@ def _union(intervals):
     return total, gaps
 
 
-def summarize(path: str, top: int = 15) -> dict:
+def summarize(path: str, top: int = 40) -> dict:
     from jax.profiler import ProfileData
 
     f = find_xplane(path)
@@ -51,7 +51,7 @@ def summarize(path: str, top: int = 15) -> dict:
     for plane in pd.planes:
         if plane.name.startswith("/device:"):
             dev = {"plane": plane.name}
-            kernels, kernel_time = [], collections.Counter()
+            kernels, kernel_time, kernel_runs = [], collections.Counter(), collections.Counter()
             modules = collections.Counter()
             module_time = collections.Counter()
             for line in plane.lines:
@@ -64,6 +64,7 @@ def summarize(path: str, top: int = 15) -> dict:
                     for e in evs:
                         kernels.append((e.start_ns, e.start_ns + e.duration_ns))
                         kernel_time[e.name] += e.duration_ns
+                        kernel_runs[e.name] += 1
             if kernels:
                 busy, gaps = _union(kernels)
                 span = max(e for _, e in kernels) - min(s for s, _ in kernels)
@@ -72,7 +73,8 @@ def summarize(path: str, top: int = 15) -> dict:
                     span_ms=span / 1e6, busy_ms=busy / 1e6, busy_fraction=busy / span if span else None,
                     idle_ms=(span - busy) / 1e6, gaps_over_50us=len(big), gaps_over_50us_ms=sum(big) / 1e6,
                     largest_gaps_ms=[g / 1e6 for g in sorted(gaps, reverse=True)[:8]],
-                    top_kernels=[{"name": k[:120], "ms": v / 1e6, "share": v / max(busy, 1)}
+                    top_kernels=[{"name": k[:120], "ms": v / 1e6, "share": v / max(busy, 1), "runs": kernel_runs[k],
+                                  "us_per_run": v / 1e3 / kernel_runs[k]}
                                  for k, v in kernel_time.most_common(top)])
             if modules:
                 dev["xla_modules"] = [{"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}
