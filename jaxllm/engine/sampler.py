@@ -51,9 +51,13 @@ class SamplingMetadata:
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     """logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32 of the sampled tokens under the raw
-    model distribution, ranks [B] int32, top_ids [B, k], top_logprobs [B, k])."""
+    model distribution, ranks [B] int32, top_ids [B, k], top_logprobs [B, k]).
+
+    Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
+    materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     B, V = logits.shape
-    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)
+    raw_max = logits.max(-1)
+    lse = raw_max + jnp.log(jnp.exp(logits - raw_max[:, None]).sum(-1))
     x = logits
     if flags.penalties:
         x = _apply_penalties(x, md)
@@ -70,17 +74,23 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     y = x / temp
     if flags.filtering:
         y = _top_k_top_p(y, md.top_k, md.top_p)
-    probs = jax.nn.softmax(y, axis=-1)
-    y = jnp.where(probs < md.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, y)
+    # min_p keeps p >= min_p * p_max, i.e. y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all)
+    y_max = y.max(-1, keepdims=True)
+    y = jnp.where(y < y_max + jnp.log(md.min_p)[:, None], -jnp.inf, y)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
     random_tokens = jnp.argmax(y + gumbel, axis=-1).astype(jnp.int32)
     tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
 
-    token_lp = jnp.take_along_axis(raw_logprobs, tokens[:, None], axis=-1)[:, 0]
-    ranks = (raw_logprobs > token_lp[:, None]).sum(-1).astype(jnp.int32) + 1
-    k = max(flags.num_logprobs, 1)
-    top_lp, top_ids = jax.lax.top_k(raw_logprobs, k)
+    token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
+    token_lp = token_logit - lse
+    ranks = (logits > token_logit[:, None]).sum(-1).astype(jnp.int32) + 1
+    if flags.num_logprobs:
+        top_logits, top_ids = jax.lax.top_k(logits, flags.num_logprobs)
+        top_lp = top_logits - lse[:, None]
+    else:  # not returned to anyone: the raw argmax is enough to fill the [B, 1] slot
+        top_ids = (greedy_tokens if not (flags.penalties or flags.bias) else jnp.argmax(logits, -1))[:, None]
+        top_lp = (raw_max - lse)[:, None]
     return tokens, token_lp, ranks, top_ids.astype(jnp.int32), top_lp
 
 

@@ -1,0 +1,59 @@
+"""The sampler against a plain reference: the raw log-softmax materialized, min_p through softmax
+probabilities, ranks and top-k over the log-probabilities (what sample() avoids computing on the device)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, sample
+
+
+def reference(logits, md: SamplingMetadata, k: int):
+    V = logits.shape[-1]
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, -1)
+    y = logits / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
+    probs = jax.nn.softmax(y, axis=-1)
+    y = jnp.where(probs < md.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, y)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
+    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
+    tokens = jnp.where(md.temperature > 0, jnp.argmax(y + gumbel, -1), greedy)
+    token_lp = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0]
+    ranks = (raw > token_lp[:, None]).sum(-1) + 1
+    top_lp, top_ids = jax.lax.top_k(raw, k)
+    return tokens, token_lp, ranks, top_ids, top_lp
+
+
+def metadata(B, temperature, min_p, seed=0):
+    z = lambda dt=jnp.float32: jnp.zeros((B,), dt)  # noqa: E731
+    return SamplingMetadata(
+        temperature=jnp.asarray(temperature, jnp.float32), top_p=jnp.ones((B,)), top_k=z(jnp.int32),
+        min_p=jnp.asarray(min_p, jnp.float32), presence=z(), frequency=z(), repetition=jnp.ones((B,)),
+        seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32), steps=jnp.arange(B, dtype=jnp.int32) * 3,
+        penalty_tokens=-jnp.ones((B, 1), jnp.int32), penalty_is_output=jnp.zeros((B, 1), bool),
+        bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=z()[:, None], allowed_ids=-jnp.ones((B, 1), jnp.int32))
+
+
+@pytest.mark.parametrize("num_logprobs", [0, 3])
+def test_sample_matches_reference(num_logprobs):
+    B, V = 8, 1000
+    logits = jax.random.normal(jax.random.key(1), (B, V), jnp.float32) * 4
+    md = metadata(B, [0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.1, 0.05, 0.3, 0.9, 0.0, 0.2])
+    got = sample(logits, md, SamplerFlags(num_logprobs=num_logprobs))
+    want = reference(logits, md, max(num_logprobs, 1))
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[2], want[2])
+    np.testing.assert_array_equal(got[3], want[3])
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-5, atol=1e-5)
+    assert got[3].shape == (B, max(num_logprobs, 1))
+
+
+def test_min_p_keeps_only_tokens_near_the_top():
+    B, V = 64, 50
+    logits = jnp.tile(jnp.linspace(0.0, -6.0, V)[None], (B, 1))  # p_i / p_max = exp(-6 i / 49)
+    md = metadata(B, [1.0] * B, [0.1] * B, seed=5)
+    tokens = np.asarray(sample(logits, md, SamplerFlags())[0])
+    # exp(-6 i / 49) >= 0.1  <=>  i <= 18.8: tokens 0..18 are possible, none beyond
+    assert tokens.max() <= 18 and len(set(tokens.tolist())) > 5
