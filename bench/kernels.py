@@ -432,16 +432,17 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        # split-K combine inside the attention kernel (last program per group) vs its own kernel
-        sep = dict(fused_combine=False)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), sep], shipped=False)
-        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), sep], shipped=False, check=False)
-        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), sep], shipped=False)
-        bench_decode(results, 8, 4096, copy, "b8_ctx4k", [dict(), sep], shipped=False)
-        # batch 1 at the latency workload's lengths in the engine's 1024-token tables (the engine pads batch 1
-        # to 8 sequences)
-        for B, ctx in ((1, 192), (8, 192), (1, 700)):
-            bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), sep, dict(num_splits=1)],
+        # splits for one wave of 3 CTAs per SM (ea7ffd5) vs the ~2 per SM before
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(num_splits=32)], shipped=False)
+        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), dict(num_splits=17)], shipped=False,
+                     check=False)
+        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=9)], shipped=False)
+        bench_decode(results, 8, 4096, copy, "b8_ctx4k", [dict(), dict(num_splits=5)], shipped=False)
+        # batch 1 at the latency workload's lengths in the engine's 1024-token tables: is a split worth its
+        # combine kernel there?
+        for ctx in (192, 700):
+            bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_table1k",
+                         [dict(), dict(num_splits=1), dict(num_splits=1, block_k=64), dict(num_splits=2)],
                          shipped=False, max_len=1024)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)

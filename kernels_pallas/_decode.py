@@ -37,8 +37,7 @@ NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask, fused_combine,
-    interpret,
+    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask,
 ):
     if has_alibi:
         slope_ref, *outs = rest
@@ -124,60 +123,26 @@ def _decode_kernel(
     if final:
         (o_ref,) = outs
         o_ref[...] = (out * v_scale).astype(o_ref.dtype)
-    elif not fused_combine:
+    else:
         o_ref, m_ref, l_ref = outs
         o_ref[...] = out * v_scale
         m_ref[...] = m
         l_ref[...] = l
-    else:  # every split writes its slot; the last of a (sequence, kv head) to finish combines them all
-        _, o_ref, m_ref, l_ref, final_ref, count_ref = outs  # the counters' input ref is count_ref's buffer
-        o_ref[split] = out * v_scale
-        m_ref[split] = m
-        l_ref[split] = l
-        _last_combines(o_ref, m_ref, l_ref, final_ref, count_ref, b * pl.num_programs(1) + pl.program_id(1),
-                       pl.num_programs(2), interpret)
-
-
-def _last_combines(o_ref, m_ref, l_ref, out_ref, count_ref, slot, splits, interpret):
-    """Split-K combine inside the attention kernel: each program bumps its (sequence, kv head)'s counter
-    after writing its partials; the one that sees splits - 1 before it is the last, reads every slot and
-    writes the output, then zeroes the counter. The barrier orders all threads' partial stores before the
-    counter's release (the atomic is acq_rel at GPU scope); the last program's loads bypass L1 (.cg), so
-    they see the other SMs' stores. Saves the combine kernel's launch: B1 x 32k on an H100 spent 3.6 us
-    of ~57 us in it."""
-    from jax.experimental.pallas import triton as plgpu
-
-    if not interpret:  # interpret mode runs the programs one after another
-        plgpu.debug_barrier()
-    before = plgpu.atomic_add(count_ref, (slot,), jnp.int32(1))
-
-    @pl.when(before == splits - 1)
-    def _():
-        if interpret:
-            o, m, l = o_ref[...], m_ref[...], l_ref[...]
-        else:
-            o, m, l = (plgpu.load(r, cache_modifier=".cg") for r in (o_ref, m_ref, l_ref))
-        out_ref[...] = _combine(o, m, l, splits).astype(out_ref.dtype)
-        count_ref[slot] = jnp.int32(0)
-
-
-def _combine(o, m, l, splits):
-    """The splits' partial outputs o [SP, Gq, H], m / l [SP, Gq] -> [Gq, H] (f32). Slots >= splits (SP is
-    splits rounded up to a power of two) were never written and are masked out."""
-    SP = m.shape[0]
-    live = (jnp.arange(SP, dtype=jnp.int32) < splits)[:, None]  # [SP, 1]
-    l = jnp.where(live, l, 0.0)  # [SP, Gq]
-    m = jnp.where(live & (l > 0), m, -jnp.inf)
-    m_max = m.max(axis=0)
-    w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)[None, :]) * l, 0.0)
-    denom = w.sum(axis=0)
-    o = jnp.where(live[:, :, None], o, 0.0)
-    return (w[:, :, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
 
 
 def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
-    """One (sequence, kv head) of the separate combine kernel."""
-    out_ref[...] = _combine(o_ref[...], m_ref[...], l_ref[...], splits).astype(out_ref.dtype)
+    """One (sequence, kv head): the splits' partial outputs [SP, Gq, H] -> [Gq, H]. Slots >= splits (SP is
+    splits rounded up to a power of two) were never written and are masked out."""
+    SP = m_ref.shape[0]
+    live = (jnp.arange(SP, dtype=jnp.int32) < splits)[:, None]  # [SP, 1]
+    l = jnp.where(live, l_ref[...], 0.0)  # [SP, Gq]
+    m = jnp.where(live & (l > 0), m_ref[...], -jnp.inf)
+    m_max = m.max(axis=0)
+    w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)[None, :]) * l, 0.0)
+    denom = w.sum(axis=0)
+    o = jnp.where(live[:, :, None], o_ref[...], 0.0)
+    out = (w[:, :, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
+    out_ref[...] = out.astype(out_ref.dtype)
 
 
 def combine_splits(o, m, l, splits, dtype, *, interpret=False):
@@ -232,13 +197,13 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
-        "min_split_tokens", "tail_mask", "fused_combine",
+        "min_split_tokens", "tail_mask",
     ),
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=128, tail_mask=True, fused_combine=True,
+    prefetch=2, min_split_tokens=128, tail_mask=True,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -278,35 +243,22 @@ def paged_decode_attention_kernel(
     if final:
         out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), q.dtype)]
         out_specs = [pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))]
-    else:  # SP >= splits slots (a power of two for the combine); the extra ones stay unwritten
+    else:  # SP >= splits slots (a power of two for the combine kernel); the extra ones stay unwritten
         SP = next_pow2(splits)
         out_shape = [
             jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32),
             jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
             jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
         ]
-        if fused_combine:  # each program sees its (sequence, kv head)'s slots, the output and the counters
-            out_specs = [
-                pl.BlockSpec((None, None, SP, Gq, H), lambda b, h, s: (b, h, 0, 0, 0)),
-                pl.BlockSpec((None, None, SP, Gq), lambda b, h, s: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, SP, Gq), lambda b, h, s: (b, h, 0, 0)),
-                pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)),
-                full((B * K,)),
-            ]
-            out_shape += [jax.ShapeDtypeStruct((B, K, Gq, H), q.dtype), jax.ShapeDtypeStruct((B * K,), jnp.int32)]
-            in_specs.append(full((B * K,)))
-            args.append(jnp.zeros((B * K,), jnp.int32))
-        else:
-            out_specs = [
-                pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
-                pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
-                pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
-            ]
-    fused = fused_combine and not final
+        out_specs = [
+            pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+        ]
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb,
         sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
-        tail_mask=tail_mask and not interpret, fused_combine=fused, interpret=interpret,
+        tail_mask=tail_mask and not interpret,
     )
     outs = pl.pallas_call(
         kernel,
@@ -314,17 +266,11 @@ def paged_decode_attention_kernel(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases={len(args) - 1: 4} if fused else {},
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"paged_decode_{S=}_{ppb=}_{splits=}" + ("_fused" if fused else ""),
+        name=f"paged_decode_{S=}_{ppb=}_{splits=}",
     )(*args)
-    if final:
-        out = outs[0]
-    elif fused:
-        out = outs[3]
-    else:
-        out = combine_splits(*outs, splits, q.dtype, interpret=interpret)
+    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret)
     return out[:, :, :G].reshape(B, N, H)
 
 

@@ -81,10 +81,6 @@ DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [300, 17, 48, 0], dict(num_splits=5, block_k=16, prefetch=3)),
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=3, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 1], dict(min_split_tokens=32, block_k=16)),  # short splits
-    # the split-K combine as its own kernel (the default does it in the last program of each split group)
-    (6, 2, 64, 16, jnp.float32, [300, 47, 0], dict(num_splits=3, block_k=32, fused_combine=False)),
-    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2,
-                                                      block_k=32, fused_combine=False)),
 ]
 
 
