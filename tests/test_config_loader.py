@@ -95,3 +95,25 @@ def test_dummy_weights_shapes_and_sharding(llama_dir):
     assert w.shape == (64, 2, 4, 16) and w.dtype == jax.numpy.bfloat16
     assert w.sharding.spec == jax.sharding.PartitionSpec(None, "tp", None, None)
     assert float(jax.numpy.std(w.astype("float32"))) > 0.01
+
+
+def test_kv_budget_leaves_autotuning_headroom(monkeypatch):
+    """The KV cache leaves room for XLA's GEMM autotuner (operand copies up to the [V, D] lm_head) even when
+    the step's own activations are small (an 8B model with max_num_batched_tokens 128 failed to compile)."""
+    import types
+
+    import jax
+
+    from jaxllm.engine import setup
+
+    cfg = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                      num_heads=32, num_kv_heads=8, head_dim=128)
+    stats = {"bytes_limit": 72 << 30, "bytes_in_use": 16 << 30}
+    monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
+    args = types.SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None,
+                                 gpu_memory_utilization=0.9)
+    per_block = 2 << 20
+    small = setup._num_blocks(args, per_block, 128, 8, cfg, gpu=True)
+    assert small * per_block <= (72 - 16) * 2**30 - 2 * 128256 * 4096 * 2
+    big = setup._num_blocks(args, per_block, 8192, 512, cfg, gpu=True)  # activations already cover it
+    assert big < small and big * per_block > (72 - 16 - 4) * 2**30
