@@ -10,8 +10,8 @@
   serve.png            TTFT / TPOT / ITL / E2E percentiles of the suite's serve stage (when one ran)
 
 Inputs, newest first where there are several: the suite's combined JSON (a file with "summary" and "stages",
-as bench/suite.py writes to suite.json), else h100_summary.json; kernels_*_default.json (ordered by the date of
-the commit they record); parallel_throughput_*.json; pipeline_overlap_*.json.
+as bench/suite.py writes to suite.json), else h100_summary.json; kernels_*.json runs with every goal row
+(the newest by the date of the commit they record); parallel_throughput_*.json; pipeline_overlap_*.json.
 """
 
 from __future__ import annotations
@@ -56,9 +56,13 @@ def commit_time(sha) -> int:
 def pick_kernels(results_dir, explicit=None):
     if explicit:
         return explicit, load(explicit)
-    files = [f for f in glob.glob(os.path.join(results_dir, "kernels_*_default.json")) if "BADCOPY" not in f]
+    files = [f for f in glob.glob(os.path.join(results_dir, "kernels_*.json")) if "BADCOPY" not in f]
     runs = [(f, load(f)) for f in sorted(files)]
-    runs = [(f, d) for f, d in runs if d and "--sweep" not in d.get("info", {}).get("command", "")]
+    # full runs only: every goal row present (tune/trace-only files and sweeps are partial views)
+    goals = {"goal_b64_ctx2k", "goal_b1_ctx32k", "goal_chunk4k"}
+    runs = [(f, d) for f, d in runs if isinstance(d, dict) and "info" in d
+            and "--sweep" not in d["info"].get("command", "")
+            and goals <= {r.get("label") for r in d.get("results", [])}]
     if not runs:
         return None, None
     return max(runs, key=lambda fd: commit_time(fd[1]["info"].get("git_commit")))

@@ -13,9 +13,10 @@ each block's loads wait on the last block's math and on their own block-table lo
 
 With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
 split's normalized f32 output and its (max, sum) in the log2 domain, and one small Pallas kernel
-(grid (B, K)) combines them into q's dtype; the partials are B * N * H * 4 bytes per split, tiny next to
-the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us per call at B1 x 32k on an
-H100, where the attention kernel itself takes ~54 us.)
+(grid (B, K, G): one program per q head) combines them into q's dtype; the partials are B * N * H * 4
+bytes per split, tiny next to the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us
+per call at B1 x 32k on an H100, where the attention kernel itself takes ~52 us; the combine folded into
+the attention kernel's last program per group was slower, bench/KERNELS_NOTES.md.)
 Splits are chosen statically from (B, K, pages per sequence) so that one wave of programs fills the chip:
 ~2 per SM, or 3 where the split-K tiles fit 3 per SM (choose_splits; measured: at B64 x 2k one split beats
 two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
