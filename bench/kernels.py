@@ -432,18 +432,15 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        # splits for one wave of 3 CTAs per SM (ea7ffd5) vs the ~2 per SM before
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(num_splits=32)], shipped=False)
-        bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict(), dict(num_splits=17)], shipped=False,
-                     check=False)
-        bench_decode(results, 4, 8192, copy, "b4_ctx8k", [dict(), dict(num_splits=9)], shipped=False)
-        bench_decode(results, 8, 4096, copy, "b8_ctx4k", [dict(), dict(num_splits=5)], shipped=False)
-        # batch 1 at the latency workload's lengths in the engine's 1024-token tables: is a split worth its
-        # combine kernel there?
-        for ctx in (192, 700):
-            bench_decode(results, 1, ctx, copy, f"b1_ctx{ctx}_table1k",
-                         [dict(), dict(num_splits=1), dict(num_splits=1, block_k=64), dict(num_splits=2)],
-                         shipped=False, max_len=1024)
+        # B1 x 32k at 3 CTAs/SM had DRAM 75%, achieved occupancy 18% (ncu, kernels_h100_203ac19_ncu.txt):
+        # 8 warps over the same tiles halve the registers per thread
+        w8 = dict(num_warps=8)
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k",
+                     [dict(), w8, dict(w8, num_splits=33), dict(w8, num_splits=66), dict(w8, block_k=64),
+                      dict(w8, block_k=64, num_splits=33), dict(prefetch=1)], shipped=False)
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), w8, dict(w8, block_k=32)], shipped=False)
+        bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict(), w8], shipped=False)
+        bench_decode(results, 512, 600, copy, "b512_ctx600", [dict(), w8], shipped=False)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
