@@ -35,53 +35,54 @@ def _kernel(slots_ref, pos_ref, freq_ref, scale_ref, h_ref, w_ref, *rest, page_s
     half = H // 2
     copies = MAX_TOKENS // T  # stacked copies of the T rows (bitwise equal results; max() folds them)
     dt = h_ref.dtype
+    lo, hi = pl.ds(0, half), pl.ds(half, half)
 
     def body(i, acc):
         d = pl.ds(pl.multiple_of(i * block_d, block_d), block_d)
         x = h_ref[:, d]
         if copies > 1:
             x = jnp.broadcast_to(x[None], (copies, T, block_d)).reshape(MAX_TOKENS, block_d)
-        return acc + mma(x, w_ref[d, :])
+        return acc[0] + mma(x, w_ref[d, lo]), acc[1] + mma(x, w_ref[d, hi])
 
-    y = jax.lax.fori_loop(0, D // block_d, body, jnp.zeros((MAX_TOKENS, H), jnp.float32))
+    zero = jnp.zeros((MAX_TOKENS, half), jnp.float32)
+    y1, y2 = jax.lax.fori_loop(0, D // block_d, body, (zero, zero))
     if copies > 1:
-        y = y.reshape(copies, T, H).max(0)
-    y = y.astype(dt)  # rounded as XLA's GEMM output is
+        y1, y2 = (y.reshape(copies, T, half).max(0) for y in (y1, y2))
+    y1, y2 = y1.astype(dt), y2.astype(dt)  # rounded as XLA's GEMM output is
     if has_bias:
-        y = y + b_ref[...][None, :]
+        y1, y2 = y1 + b_ref[lo][None, :], y2 + b_ref[hi][None, :]
 
     def rotated():  # rounded to the input dtype after every op, as reference.apply_rope is
         if not rope:
-            return y
-        # rotate_half(y) = [-y2, y1] as an MMA with a signed permutation (exact: one +-1 term per output)
-        i, j = jnp.arange(H, dtype=jnp.int32)[:, None], jnp.arange(H, dtype=jnp.int32)[None, :]
-        perm = jnp.where(j == i + half, 1.0, jnp.where(i == j + half, -1.0, 0.0)).astype(dt)
-        rot = mma(y, perm).astype(dt)
-        freqs = pos_ref[...].astype(jnp.float32)[:, None] * freq_ref[...][None, :]  # [T, H], halves repeated
+            return y1, y2
+        freqs = pos_ref[...].astype(jnp.float32)[:, None] * freq_ref[...][None, :]  # [T, H / 2]
         cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
-        return (y * cos).astype(dt) + (rot * sin).astype(dt)
+        return (y1 * cos).astype(dt) - (y2 * sin).astype(dt), (y2 * cos).astype(dt) + (y1 * sin).astype(dt)
 
     @pl.when(c < group)
     def _():
-        q_out[:, kh * group + c, :] = rotated().astype(q_out.dtype)
+        r1, r2 = rotated()
+        q_out[:, kh * group + c, lo] = r1.astype(q_out.dtype)
+        q_out[:, kh * group + c, hi] = r2.astype(q_out.dtype)
 
-    def write(out_ref, x, scale):
+    def write(out_ref, x1, x2, scale):
         rows = jnp.arange(T, dtype=jnp.int32)[:, None]
         for t in range(T):  # static: each token's row into its slot (a one-hot sum picks row t)
             slot = slots_ref[t]
 
             @pl.when(slot >= 0)
             def _():
-                out_ref[kh, slot // page_size, slot % page_size, :] = quantize(
-                    jnp.where(rows == t, x, 0).sum(0), scale, out_ref.dtype)
+                page, off = slot // page_size, slot % page_size
+                out_ref[kh, page, off, lo] = quantize(jnp.where(rows == t, x1, 0).sum(0), scale, out_ref.dtype)
+                out_ref[kh, page, off, hi] = quantize(jnp.where(rows == t, x2, 0).sum(0), scale, out_ref.dtype)
 
     @pl.when(c == group)
     def _():
-        write(k_out, rotated(), scale_ref[0])
+        write(k_out, *rotated(), scale_ref[0])
 
     @pl.when(c == group + 1)
     def _():
-        write(v_out, y, scale_ref[1])
+        write(v_out, y1, y2, scale_ref[1])
 
 
 def supported(h, w_qkv) -> bool:
@@ -101,10 +102,10 @@ def qkv_proj_write_kv_kernel(h, w_qkv, b_qkv, positions, inv_freq, k_pages, v_pa
     _, P, S, _ = k_pages.shape
     block_d = min(block_d, D)
     rope = inv_freq is not None
-    freq = jnp.tile(jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32), 2)  # [H]
+    freq = jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32)
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     full = lambda shape: pl.BlockSpec(shape, lambda k, c: (0,) * len(shape))  # noqa: E731
-    in_specs = [full((T,)), full((T,)), full((H,)), full((2,)), full((T, D)),
+    in_specs = [full((T,)), full((T,)), full((H // 2,)), full((2,)), full((T, D)),
                 pl.BlockSpec((D, None, None, H), lambda k, c: (0, k, c, 0))]
     args = [slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq, scales, h, w_qkv]
     if b_qkv is not None:
