@@ -16,8 +16,6 @@ Entry points (same keyword arguments as the reference):
   qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
                *, k_scale, v_scale, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
       projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU.
-  qkv_proj_write_kv(h [T, D], w_qkv [D, K, G + 2, H], b_qkv | None, positions, inv_freq, k_pages, v_pages,
-                    slot_mapping, *, ...) -> the same: the projection itself too, for T <= 16 (decode steps).
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -33,9 +31,6 @@ import jax.numpy as jnp
 from . import reference
 from ._common import kernel_supported, on_gpu
 from ._decode import paged_decode_attention_kernel
-from ._qkv_proj import MAX_TOKENS as QKV_PROJ_MAX_TOKENS
-from ._qkv_proj import qkv_proj_write_kv_kernel
-from ._qkv_proj import supported as _proj_supported
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -45,8 +40,6 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
-    "qkv_proj_write_kv",
-    "QKV_PROJ_MAX_TOKENS",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -82,19 +75,6 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     if qkv.shape[0] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
     return qkv_write_kv_kernel(*args, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-
-
-def qkv_proj_write_kv(h, w_qkv, b_qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0,
-                      v_scale=1.0, interpret=False):
-    """qkv_write_kv(einsum(h, w_qkv) + b_qkv, ...); on GPU, for T <= 16 tokens, one Pallas launch that also
-    does the projection (_qkv_proj.py) instead of XLA's split-K GEMM, its reduce and qkv_write_kv's kernel."""
-    if _use_write_kernel(k_pages, interpret) and _proj_supported(h, w_qkv):
-        return qkv_proj_write_kv_kernel(h, w_qkv, b_qkv, positions, inv_freq, k_pages, v_pages, slot_mapping,
-                                        k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-    qkv = jnp.einsum("TD,DKGH->TKGH", h, w_qkv)
-    qkv = qkv if b_qkv is None else qkv + b_qkv
-    return qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, k_scale=k_scale,
-                        v_scale=v_scale, interpret=interpret)
 
 
 def paged_decode_attention(

@@ -51,8 +51,7 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
                     sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig()):
     """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
     [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
-    the same kernel that writes k and v on GPU. qkv may also be the projection's inputs (h [T, D],
-    w_qkv [D, K, G + 2, H], b_qkv | None): see attention_from_hidden."""
+    the same kernel that writes k and v on GPU."""
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         from jax.sharding import PartitionSpec as P
@@ -62,33 +61,15 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
         local = functools.partial(_paged_attention, scale=scale, sliding_window=sliding_window,
                                   k_scale=k_scale, v_scale=v_scale, config=config)
         slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
-        if isinstance(qkv, tuple):  # h replicated, the weights' kv heads sharded like the pages
-            qkv_spec = (P(), P(None, "tp", None, None), None if qkv[2] is None else P("tp", None, None))
-        else:
-            qkv_spec = P(None, "tp", None, None)
         # check_vma=False: the Pallas kernels do not declare how their outputs vary over mesh axes.
         return jax.shard_map(
             local, mesh=mesh, check_vma=False,
-            in_specs=(qkv_spec, (pages, pages), P(), None if rope_inv_freq is None else P(),
+            in_specs=(P(None, "tp", None, None), (pages, pages), P(), None if rope_inv_freq is None else P(),
                       None if slopes is None else P("tp")),
             out_specs=(heads, (pages, pages)),
         )(qkv, kv_cache, meta, rope_inv_freq, slopes)
     return _paged_attention(qkv, kv_cache, meta, rope_inv_freq, alibi_slopes, scale=scale,
                             sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, config=config)
-
-
-def attention_from_hidden(h, w_qkv, b_qkv, kv_cache, meta: AttentionMetadata, **kwargs):
-    """The fused qkv projection of h [T, D] (w_qkv [D, K, G + 2, H], b_qkv [K, G + 2, H] | None) and
-    paged_attention (same keyword arguments). With the Pallas backend and at most 16 tokens (decode steps)
-    the projection runs in the kernel that rotates and writes k / v: XLA's split-K GEMM, its reduce and a
-    launch fewer per layer."""
-    import kernels_pallas
-
-    config = kwargs.get("config", AttentionConfig())
-    if config.backend == "pallas" and h.shape[0] <= kernels_pallas.QKV_PROJ_MAX_TOKENS:
-        return paged_attention((h, w_qkv, b_qkv), kv_cache, meta, **kwargs)
-    qkv = jnp.einsum("TD,DKGH->TKGH", h, w_qkv)
-    return paged_attention(qkv if b_qkv is None else qkv + b_qkv, kv_cache, meta, **kwargs)
 
 
 def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
@@ -99,13 +80,9 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     if config.backend == "pallas":
         import kernels_pallas
 
-        write = dict(k_scale=k_scale, v_scale=v_scale, interpret=config.interpret)
-        if isinstance(qkv, tuple):
-            q, k_pages, v_pages = kernels_pallas.qkv_proj_write_kv(
-                *qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, **write)
-        else:
-            q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
-                qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, **write)
+        q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
+            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, k_scale=k_scale,
+            v_scale=v_scale, interpret=config.interpret)
         out = kernels_pallas.ragged_paged_attention(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
             decode_only=meta.decode_only, interpret=config.interpret, **kwargs)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, attention_from_hidden
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 
 
 def rms_norm(x, weight, eps):
@@ -29,16 +29,15 @@ def _proj(x, w, b, eq):
 
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
     inv_freq = slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
     else:
         slopes = jnp.asarray(alibi_slopes(cfg.num_heads))
-    # the fused projection (per kv head: G q heads, then k, v) and attention; out [T, N, H]: q head n sits
-    # in kv head n // G
-    out, kv_cache = attention_from_hidden(
-        h, lp["w_qkv"], lp.get("b_qkv"), kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq,
-        alibi_slopes=slopes, sliding_window=cfg.sliding_window, config=attn)
+    out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
+        qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
+        sliding_window=cfg.sliding_window, config=attn)
     x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
