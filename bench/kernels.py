@@ -60,8 +60,8 @@ def per_call(run, runs=5):
     return float(np.median(diff)), float(np.min(diff)), float(np.max(diff)), float(np.median(wall))
 
 
-def timeit(build, *args, runs=5):
-    """per_call for build(n) -> a jitted function of args that chains n calls."""
+def runner(build, *args):
+    """run(n): executes build(n) (a jitted function of args chaining n calls, compiled once per n) and waits."""
     fns = {}
 
     def run(n):
@@ -69,26 +69,43 @@ def timeit(build, *args, runs=5):
             fns[n] = build(n)
         jax.block_until_ready(fns[n](*args))
 
-    return per_call(run, runs)
+    return run
 
 
-def xprof_us(build, *args, runs=3):
+def timeit(build, *args, runs=5):
+    """per_call for build(n) -> a jitted function of args that chains n calls."""
+    return per_call(runner(build, *args), runs)
+
+
+def xprof_us(run, runs=3):
     """GPU time per call from an XProf trace: the kernels' summed durations (gaps between them excluded) over
-    `runs` executions of build(REPS), per call, and the per-kernel summary. For calls of a few us, where
+    `runs` executions of run(REPS), per call, and the per-kernel summary. For calls of a few us, where
     the difference of two chain lengths is within its own noise (negative minima)."""
     import tempfile
 
     from bench.profile_summary import summarize
 
-    f = build(REPS)
-    jax.block_until_ready(f(*args))
+    run(REPS)
     d = tempfile.mkdtemp()
     with jax.profiler.trace(d):
         for _ in range(runs):
-            jax.block_until_ready(f(*args))
+            run(REPS)
     summary = summarize(d)
     kernels = summary["devices"][0]["top_kernels"] if summary.get("devices") else []
     return sum(k["ms"] for k in kernels) * 1e3 / (runs * REPS), summary
+
+
+def tiny_xprof(row, run, t):
+    """Calls under TINY_S: the row's time becomes the XProf kernel time (the chain figure kept as chain_us)."""
+    if t >= TINY_S:
+        return t
+    us, summary = xprof_us(run)
+    if not us:  # no device kernels in the trace (e.g. on CPU): keep the chain figure
+        return t
+    row.update(chain_us=t * 1e6, time_us=us, timing="xprof",
+               kernels=[(k["name"][:60], round(k["us_per_run"], 2)) for k in summary["devices"][0]["top_kernels"][:4]]
+               if summary.get("devices") else [])
+    return us * 1e-6
 
 
 def chained(call):
@@ -219,15 +236,10 @@ def _measure(results, row, call, args, ref, rates):
     try:
         if ref is not None:
             row["rel_err"] = rel_err(call(*args), ref)
-        t, tmin, tmax, wall = timeit(chained(call), *args)
+        run = runner(chained(call), *args)
+        t, tmin, tmax, wall = per_call(run)
         row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
-        if t < TINY_S:  # the chain difference is noise at this size: the GPU's own kernel time instead
-            us, summary = xprof_us(chained(call), *args)
-            row.update(chain_us=row["time_us"], time_us=us, timing="xprof",
-                       kernels=[(k["name"][:60], round(k["us_per_run"], 2)) for k in
-                                summary["devices"][0]["top_kernels"][:4]] if summary.get("devices") else [])
-            t = us * 1e-6
-        row.update(**rates(t))
+        row.update(**rates(tiny_xprof(row, run, t)))
     except Exception as e:  # noqa: BLE001 - one failing config must not end the sweep
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
@@ -302,8 +314,9 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
         t, tmin, tmax, wall = per_call(run)
         nbytes = 2 * T * K * H * (2 + jnp.dtype(kv_dtype).itemsize)  # read new k, v; write their rows
         row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6,
-                   bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy, note="chained writes in one jit, cache "
-                   "donated; includes one small add per write (k + i)")
+                   note="chained writes in one jit, cache donated; includes one small add per write (k + i)")
+        t = tiny_xprof(row, run, t)
+        row.update(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
@@ -351,6 +364,7 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
 
             t, tmin, tmax, wall = per_call(run)
             row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
+            tiny_xprof(row, run, t)
             kp, vp = state[1], state[2]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -453,7 +467,7 @@ def main():
         for B, ctx in ((1, 32768), (64, 2048)):
             q, k, v, lens, _, bt = make_case(B, ctx)
             build = chained(lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt, scale=0.088))
-            _, summary = xprof_us(build, q, k, v, lens, bt)
+            _, summary = xprof_us(runner(build, q, k, v, lens, bt))
             traces[f"B{B}_ctx{ctx}"] = dict(calls=3 * REPS, summary=summary)
             print(json.dumps(traces[f"B{B}_ctx{ctx}"])[:3000], flush=True)
         with open(a.out.replace(".json", "_trace.json"), "w") as fh:
