@@ -509,6 +509,10 @@ def main():
             bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict()])
             bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict()], shipped=False, check=False)
             bench_decode(results, 64, 2048, copy, "mha_N32_K32_D64", [dict()], N=32, K=32, H=64)
+            # the throughput run's decode batch (500 live of 512, 580-600 tokens, 64-page tables, a cache the
+            # engine's size): 0.91 of copy alone (7276253) where the engine's step saw ~0.87
+            bench_engine_like(results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024,
+                              total_pages=21189)
     if "prefill" in only:
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre_cfgs)
         if not a.sweep:
