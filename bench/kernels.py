@@ -60,14 +60,20 @@ def per_call(run, runs=5):
     return float(np.median(diff)), float(np.min(diff)), float(np.max(diff)), float(np.median(wall))
 
 
-def runner(build, *args):
-    """run(n): executes build(n) (a jitted function of args chaining n calls, compiled once per n) and waits."""
+def runner(build, *args, state=None):
+    """run(n): executes build(n) (a jitted function chaining n calls, compiled once per n) on args and waits.
+    With state (a list of donated buffers, e.g. KV pages), build(n) takes (*state, *args) and returns the
+    new state, which replaces the old one in place."""
     fns = {}
 
     def run(n):
         if n not in fns:
             fns[n] = build(n)
-        jax.block_until_ready(fns[n](*args))
+        if state is None:
+            jax.block_until_ready(fns[n](*args))
+        else:
+            state[:] = fns[n](*state, *args)
+            jax.block_until_ready(state)
 
     return run
 
@@ -93,6 +99,14 @@ def xprof_us(run, runs=3):
     summary = summarize(d)
     kernels = summary["devices"][0]["top_kernels"] if summary.get("devices") else []
     return sum(k["ms"] for k in kernels) * 1e3 / (runs * REPS), summary
+
+
+def time_row(row, run):
+    """Times run (per_call) into row's time fields; calls under TINY_S from XProf (tiny_xprof). Returns the
+    seconds per call the row's rates use."""
+    t, tmin, tmax, wall = per_call(run)
+    row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
+    return tiny_xprof(row, run, t)
 
 
 def tiny_xprof(row, run, t):
@@ -236,10 +250,7 @@ def _measure(results, row, call, args, ref, rates):
     try:
         if ref is not None:
             row["rel_err"] = rel_err(call(*args), ref)
-        run = runner(chained(call), *args)
-        t, tmin, tmax, wall = per_call(run)
-        row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
-        row.update(**rates(tiny_xprof(row, run, t)))
+        row.update(**rates(time_row(row, runner(chained(call), *args))))
     except Exception as e:  # noqa: BLE001 - one failing config must not end the sweep
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
@@ -294,28 +305,20 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
 
         return jax.jit(f, donate_argnums=(0, 1))
 
-    row = dict(kind="write_kv", impl=impl, T=T, K=K, H=H, kv_dtype=str(jnp.dtype(kv_dtype)))
+    row = dict(kind="write_kv", impl=impl, T=T, K=K, H=H, kv_dtype=str(jnp.dtype(kv_dtype)),
+               note="chained writes in one jit, cache donated; includes one small add per write (k + i)")
     try:
-        fns = {REPS: build(REPS)}
-        kp, vp = fns[REPS](kp, vp, kn, vn, slots)
+        cache = [kp, vp]
+        run = runner(build, kn, vn, slots, state=cache)
+        run(REPS)
+        kp = cache[0]
         got = np.asarray(kp.astype(jnp.float32).reshape(K, P * S, H)[:, np.asarray(slots)])
         want = reference.quantize(kn + (REPS - 1), 1.0, kv_dtype).astype(jnp.float32)
         want = np.asarray(want).transpose(1, 0, 2)
         row["exact"] = bool(np.array_equal(got, want))
         row["untouched_nan"] = int(np.isnan(np.asarray(kp.astype(jnp.float32))).sum()) == K * (P * S - T) * H
-        cache = [kp, vp]
-
-        def run(n):
-            if n not in fns:
-                fns[n] = build(n)
-            cache[:] = fns[n](*cache, kn, vn, slots)
-            jax.block_until_ready(cache)
-
-        t, tmin, tmax, wall = per_call(run)
         nbytes = 2 * T * K * H * (2 + jnp.dtype(kv_dtype).itemsize)  # read new k, v; write their rows
-        row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6,
-                   note="chained writes in one jit, cache donated; includes one small add per write (k + i)")
-        t = tiny_xprof(row, run, t)
+        t = time_row(row, run)
         row.update(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -353,18 +356,9 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
 
                 return jax.jit(f, donate_argnums=(1, 2))
 
-            fns, state = {}, [qkv, kp, vp]
+            state = [qkv, kp, vp]
             outs[impl] = [np.asarray(x.astype(jnp.float32)) for x in fn(qkv, kp, vp)[:1]]
-
-            def run(n):
-                if n not in fns:
-                    fns[n] = build(n)
-                state[:] = fns[n](*state)
-                jax.block_until_ready(state)
-
-            t, tmin, tmax, wall = per_call(run)
-            row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, wall_us=wall * 1e6)
-            tiny_xprof(row, run, t)
+            time_row(row, runner(build, state=state))
             kp, vp = state[1], state[2]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
