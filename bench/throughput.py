@@ -199,15 +199,8 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
 
     def step() -> None:
         t = time.perf_counter()
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
+        llm._step(ids, done)
         walls.append(time.perf_counter() - t)
-        failed = engine.pop_failures()
-        if failed:
-            for request_id in ids:
-                engine.abort_request(request_id)
-            raise next(iter(failed.values()))
         h = engine._inflight
         kinds.append(None if h is None else _decode_only(h.sched))
 

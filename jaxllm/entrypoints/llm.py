@@ -73,23 +73,30 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
-        engine = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        done[out.request_id] = out
-                        bar.update(1)
-                failed = engine.pop_failures()
-                if failed:
-                    for request_id in ids:
-                        engine.abort_request(request_id)
-                    raise next(iter(failed.values()))
+            while self.llm_engine.has_unfinished_requests():
+                bar.update(self._step(ids, done))
         finally:
             bar.close()
         return [done[i] for i in ids]
+
+    def _step(self, ids: list[str], done: dict[str, RequestOutput]) -> int:
+        """One engine step for the requests ids: finished outputs go into done (returns how many); a failed
+        request aborts them all and raises its error."""
+        engine = self.llm_engine
+        n = 0
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+                n += 1
+        failed = engine.pop_failures()
+        if failed:
+            for request_id in ids:
+                engine.abort_request(request_id)
+            raise next(iter(failed.values()))
+        return n
 
 
 def _as_prompt_list(prompts) -> list:
