@@ -154,18 +154,21 @@ def run_child(args, argv, code_dir: str | None, cache_dir: str, mode: str) -> di
     return res if isinstance(res, list) else res | {"process_wall_s": wall}
 
 
+# Parent-only flags that take a value (the child gets its own --model / --compilation-cache-dir).
+_PARENT_FLAGS = ("--code-dir", "--warm-runs", "--out", "--shape", "--model", "--compilation-cache-dir")
+
+
 def strip_args(argv: list[str]) -> list[str]:
-    """The command line minus the parent-only flags (the child gets its own --model/--cache dir)."""
+    """The command line minus the parent-only flags (--phases and _PARENT_FLAGS, as "--f v" or "--f=v")."""
     out, skip = [], False
     for a in argv:
         if skip:
             skip = False
             continue
-        if a in ("--code-dir", "--warm-runs", "--out", "--shape", "--model", "--compilation-cache-dir"):
+        if a in _PARENT_FLAGS:
             skip = True
             continue
-        if a == "--phases" or a.split("=")[0] in ("--code-dir", "--warm-runs", "--out", "--shape", "--model",
-                                                   "--compilation-cache-dir"):
+        if a == "--phases" or a.split("=")[0] in _PARENT_FLAGS:
             continue
         out.append(a)
     return out
