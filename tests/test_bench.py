@@ -25,6 +25,17 @@ def test_generated_model_dir_detokenizes_every_id(tmp_path):
         assert json.load(f)["hidden_size"] == common.TINY["hidden_size"]
 
 
+def test_shape_model_dir_is_built_once(tmp_path, monkeypatch):
+    """Without out_dir the --shape folder is cached under ~/.cache/jaxllm/bench_models and reused."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    first = common.make_model_dir("tiny")
+    assert first.startswith(str(tmp_path / ".cache" / "jaxllm" / "bench_models"))
+    stamp = os.stat(os.path.join(first, "tokenizer.json")).st_mtime_ns
+    assert common.make_model_dir("tiny") == first
+    assert os.stat(os.path.join(first, "tokenizer.json")).st_mtime_ns == stamp  # not rebuilt
+    assert os.listdir(os.path.dirname(first)) == [os.path.basename(first)]  # no temporary folder left
+
+
 def test_workloads_are_fixed_by_seed():
     a, b = common.synthetic_sharegpt(50, seed=3), common.synthetic_sharegpt(50, seed=3)
     assert a == b and all(4 <= x <= 1024 for x in a[0] + a[1])
