@@ -205,7 +205,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
     # copies of a GEMM's operands (the largest: the [V, D] embedding / lm_head). The activation buffers are
     # not live then, so the same headroom serves both. Without it an 8B model with max_num_batched_tokens
     # 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
-    act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * 2)
+    act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * jax.numpy.dtype(cfg.dtype).itemsize)
     budget = int(limit * args.gpu_memory_utilization / 0.9) if limit else 0  # bytes_limit is ~0.9 of memory
     free = budget - in_use - act
     if free <= 0:
