@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,decode,prefill,write,qkv,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
@@ -227,9 +227,9 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
 
 
 def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0, max_len=None, total_pages=None,
-                      K=8, H=128):
+                      K=8, H=128, configs=({},)):
     """Decode over a batch like the engine's: `live` sequences with lengths ctx - jitter .. ctx, the rest
-    padding (length 0)."""
+    padding (length 0); one row per kernel config."""
     q, k, v, lens, _, bt = make_case(B, ctx, K=K, H=H, max_len=max_len, total_pages=total_pages)
     live = B if live is None else live
     rng = np.random.default_rng(4)
@@ -237,11 +237,18 @@ def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0,
     lens[:live] = ctx - rng.integers(0, jitter + 1, live)
     lens = jnp.asarray(lens)
     nbytes = int(lens.sum()) * K * H * 2 * 2 + 2 * live * q.shape[1] * H * 2
-    row = dict(kind="decode", label=f"engine_like_{label}", B=B, ctx=ctx, live=live, jitter=jitter,
-               table_pages=int(bt.shape[1]), total_pages=int(k.shape[1]), impl="pallas_triton", cfg={})
-    call = lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt, scale=H**-0.5)  # noqa: E731
-    _measure(results, row, call, (q, k, v, lens, bt), None,
-             lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy))
+    ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H**-0.5, pages_per_step=64)[:live]
+    for cfg in configs:
+        row = dict(kind="decode", label=f"engine_like_{label}", B=B, ctx=ctx, live=live, jitter=jitter,
+                   table_pages=int(bt.shape[1]), total_pages=int(k.shape[1]), impl="pallas_triton", cfg=cfg)
+        call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(  # noqa: E731
+            q, k, v, lens, bt, scale=H**-0.5, **cfg)
+        try:  # padding sequences (length 0) have no defined output: compare the live ones
+            row["rel_err"] = rel_err(call(q, k, v, lens, bt)[:live], ref)
+        except Exception as e:  # noqa: BLE001 - _measure records the failure
+            row["rel_err_error"] = str(e)[:200]
+        _measure(results, row, call, (q, k, v, lens, bt), None,
+                 lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy))
 
 
 def _measure(results, row, call, args, ref, rates):
@@ -473,7 +480,7 @@ def main():
     results = []
     copy = copy_bw()
     info["copy_bytes_per_s"] = copy
-    mm = matmul_rate() if only & {"prefill", "ceil", "backend", "tune"} else None
+    mm = matmul_rate() if only & {"prefill", "ceil", "backend", "tune", "causal"} else None
     info["bf16_matmul_flops"] = mm
     print(json.dumps(info), flush=True)
 
@@ -483,6 +490,18 @@ def main():
         for B, ctx in ((1, 192), (8, 192), (1, 700)):
             bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), dict(num_splits=1)],
                          shipped=False, max_len=1024)
+    if "causal" in only:  # ragged prefill: tiles in launch order vs the longest (last) causal tiles first
+        cfgs = [dict(), dict(heavy_first=True), dict(heavy_first=True, num_stages=3),
+                dict(heavy_first=True, block_k=32), dict(heavy_first=True, block_k=128, num_warps=8)]
+        bench_prefill(results, 4096, 0, mm, "goal_chunk4k", cfgs)
+        bench_prefill(results, 4096, 4096, mm, "chunk4k_prefix4k", cfgs[:2])
+        bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", cfgs[:2])
+    if "b1" in only:  # the engine's batch-1 decode (8 sequences, 1 live) at the latency workload's lengths
+        cfgs = [dict(), dict(num_splits=1)] + [
+            dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
+            for bk in (64, 128, 256) for w in (4, 8) for pf in (0, 2)]
+        for ctx in (144, 256, 700):
+            bench_engine_like(results, copy, f"b1_ctx{ctx}", B=8, ctx=ctx, live=1, max_len=1024, configs=cfgs)
     if a.sweep:
         dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
                     for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]

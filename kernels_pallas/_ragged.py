@@ -27,13 +27,15 @@ from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softm
 
 def _ragged_kernel(
     tseq_ref, tpos_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, group, sliding_window, has_alibi, prefetch,
+    page_size, pages_per_block, group, sliding_window, has_alibi, prefetch, heavy_first,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
     else:
         slope_ref, (o_ref,) = None, rest
     i = pl.program_id(0)
+    if heavy_first:
+        i = pl.num_programs(0) - 1 - i
     S, ppb = page_size, pages_per_block
     BK = S * ppb
     P = k_ref.shape[0]
@@ -114,12 +116,12 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False)
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages",
-                     "prefetch", "skip_single"),
+                     "prefetch", "skip_single", "heavy_first"),
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=1, skip_single=False,
+    num_stages=2, prefetch=1, skip_single=False, heavy_first=False,
 ):
     """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
     attends them with the decode kernel instead)."""
@@ -144,9 +146,10 @@ def ragged_paged_attention_kernel(
     scal = scalars(scale, k_scale, v_scale)
     has_alibi = alibi_slopes is not None
     full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
+    tile_of = (lambda i: nt - 1 - i) if heavy_first else (lambda i: i)
     in_specs = [
         full((nt,)), full((nt,)), full((nt,)), full(bt.shape), full((2,)),
-        pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
+        pl.BlockSpec((None, None, BM, H), lambda i, h: (tile_of(i), h, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
     ]
@@ -159,13 +162,13 @@ def ragged_paged_attention_kernel(
         args.append(slopes)
     kernel = functools.partial(
         _ragged_kernel, page_size=S, pages_per_block=ppb, group=Gp, sliding_window=sliding_window,
-        has_alibi=has_alibi, prefetch=prefetch,
+        has_alibi=has_alibi, prefetch=prefetch, heavy_first=heavy_first,
     )
     ot = pl.pallas_call(
         kernel,
         grid=(nt, K),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, None, BM, H), lambda i, h: (i, h, 0, 0)),
+        out_specs=pl.BlockSpec((None, None, BM, H), lambda i, h: (tile_of(i), h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((nt, K, BM, H), q.dtype),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
