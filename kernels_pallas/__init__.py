@@ -113,10 +113,10 @@ def ragged_paged_attention(
     qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each one-token sequence's token
     od = paged_decode_attention_kernel(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables,
                                        interpret=interpret, **kw)
-    seq, valid = reference.token_sequence_ids(qsl, T)
-    out = od[seq]
-    if not decode_only:
-        rest = ragged_paged_attention_kernel(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables,
-                                             skip_single=True, interpret=interpret, **kw)
-        out = jnp.where(single[seq][:, None, None], out, rest)
-    return jnp.where(valid[:, None, None], out, jnp.zeros_like(out))
+    if decode_only:
+        out = jnp.zeros_like(q)
+    else:  # the one-token sequences' rows of this output are unspecified until the scatter below
+        out = ragged_paged_attention_kernel(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables,
+                                            skip_single=True, interpret=interpret, **kw)
+    rows = jnp.where(single, qsl[:-1], T)  # T: out of range, dropped
+    return out.at[rows].set(od, mode="drop")

@@ -201,15 +201,20 @@ def test_cpu_path_is_the_reference():
 
 
 def test_tile_plan_covers_every_token_once():
+    """Live tiles cover every token of the batch once; the rest cover the padding tokens after it."""
     qsl = jnp.asarray([0, 5, 5, 6, 40], jnp.int32)
     lens = jnp.asarray([10, 0, 1, 100], jnp.int32)
-    tseq, tpos, ttok, trows, _ = tile_plan(qsl, lens, 45, 8)
-    covered = []
+    tseq, tpos, ttok, trows = tile_plan(qsl, lens, 45, 8)
+    covered, padding = [], set()
     for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows))):
         covered += list(range(t, t + r))
         if r:
             assert p == np.asarray(lens)[s] - (np.asarray(qsl)[s + 1] - np.asarray(qsl)[s]) + (t - np.asarray(qsl)[s])
+        else:
+            assert t >= 40
+            padding |= set(range(t, t + 8))
     assert sorted(covered) == list(range(40))
+    assert padding >= set(range(40, 45))
 
 
 def test_split_plan():
