@@ -30,7 +30,8 @@ from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softm
 
 def _ragged_kernel(
     tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, block_q, sliding_window, has_alibi, prefetch, num_tokens,
+    page_size, pages_per_block, block_q, group, rows_per_token, sliding_window, has_alibi, prefetch, num_tokens,
+    interpret,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
@@ -39,11 +40,13 @@ def _ragged_kernel(
     # The longest causal tiles (each sequence's last) are launched first: 4k chunk 482 -> 455 us, 4k over a
     # 4k prefix 1298 -> 1183 us on an H100 (bench/results/kernels_h100_50e0ebf_causal_b1.json).
     i = pl.num_programs(0) - 1 - pl.program_id(0)
-    S, ppb, BQ = page_size, pages_per_block, block_q
+    h = pl.program_id(1)
+    S, ppb, BQ, Gp = page_size, pages_per_block, block_q, group
     BK = S * ppb
     P = k_ref.shape[0]
-    _, Gp, H = q_ref.shape
+    H = q_ref.shape[1]
     BM = BQ * Gp
+    KGp = rows_per_token  # K * Gp
 
     seq = tseq_ref[i]
     pos0 = tpos_ref[i]
@@ -53,14 +56,16 @@ def _ragged_kernel(
     # Rows past the tile's last token (padding) are clamped onto it, so they never reach unwritten keys.
     row_pos = jnp.minimum(pos0 + jnp.arange(BM, dtype=jnp.int32) // Gp, kv_hi - 1)
 
-    # The tile's q rows are read from, and its output rows written to, the flat [T, Gp, H] arrays of this kv
-    # head directly (no gathered copies). A live tile writes its first nrows tokens (the rows after them
-    # belong to the next sequence's tiles); a dead one (nrows 0) writes zeros over BQ padding tokens.
-    r = jnp.arange(BQ, dtype=jnp.int32)
-    in_range = tok0 + r < num_tokens
-    mine = in_range & ((r < nrows) | (nrows == 0))
-    q = plgpu.load(q_ref.at[pl.ds(tok0, BQ)], mask=jnp.broadcast_to(in_range[:, None, None], (BQ, Gp, H)),
-                   other=0).reshape(BM, H)
+    # The tile's q rows are read from, and its output rows written to, q and the output viewed as
+    # [T * K * Gp, H] (row (t * K + h) * Gp + g) by row index: no gathered copies, and plain 2-D tiles (a
+    # [BQ, Gp, H] slice reshaped to [BM, H] measured 15% slower). A live tile writes its first nrows tokens
+    # (the rows after them belong to the next sequence's tiles); a dead one (nrows 0) writes zeros over BQ
+    # padding tokens.
+    t = jnp.arange(BM, dtype=jnp.int32) // Gp
+    head_row = h * Gp + jnp.arange(BM, dtype=jnp.int32) % Gp
+    tok = tok0 + t
+    mine = (tok < num_tokens) & ((t < nrows) | (nrows == 0))
+    q = q_ref[jnp.minimum(tok, num_tokens - 1) * KGp + head_row]
     qk_mult, v_scale = scal_ref[0], scal_ref[1]
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype
@@ -100,8 +105,11 @@ def _ragged_kernel(
         jnp.zeros((BM, H), jnp.float32),
     )
     _, l, acc = kv_blocks(ids, fetch, block, carry, lo_blk, full_blk, end_blk, prefetch=prefetch)
-    out = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype).reshape(BQ, Gp, H)
-    plgpu.store(o_ref.at[pl.ds(tok0, BQ)], out, mask=jnp.broadcast_to(mine[:, None, None], (BQ, Gp, H)))
+    out = (acc * (v_scale / jnp.where(l > 0, l, 1.0))[:, None]).astype(o_ref.dtype)
+    if interpret:  # no masked scatter there: the rows that are not this tile's go to a spare token's rows
+        o_ref[jnp.where(mine, tok, num_tokens) * KGp + head_row] = out
+    else:
+        plgpu.store(o_ref.at[tok * KGp + head_row], out, mask=jnp.broadcast_to(mine[:, None], (BM, H)))
 
 
 def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False):
@@ -151,21 +159,17 @@ def ragged_paged_attention_kernel(
 
     tseq, tpos, ttok, trows = tile_plan(query_start_loc, lens, T, BQ, skip_single)
     nt = tseq.shape[0]
-    qg = q.reshape(T, K, G, H)
-    # Interpret mode slices blocks with dynamic_slice, which moves a slice past the end back inside: pad the
-    # token axis by a tile there (and the head axis when G is not a power of two, as the MMA rows need).
-    Tp = T + BQ if interpret else T
-    if Gp != G or Tp != T:
-        qg = jnp.pad(qg, ((0, Tp - T), (0, 0), (0, Gp - G), (0, 0)))
+    qg = q if Gp == G else jnp.pad(q.reshape(T, K, G, H), ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qg = qg.reshape(T * K * Gp, H)
+    To = T + 1 if interpret else T  # interpret mode: one spare token for the rows a tile does not own
 
     bt = pad_block_tables(block_tables, ppb)
     scal = scalars(scale, k_scale, v_scale)
     has_alibi = alibi_slopes is not None
     full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
-    rows = pl.BlockSpec((Tp, None, Gp, H), lambda i, h: (0, h, 0, 0))  # one kv head's q (or output) rows
     in_specs = [
         full((nt,)), full((nt,)), full((nt,)), full((nt,)), full(bt.shape), full((2,)),
-        rows,
+        full(qg.shape),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
     ]
@@ -177,19 +181,21 @@ def ragged_paged_attention_kernel(
         in_specs.append(pl.BlockSpec((None, BM), lambda i, h: (h, 0)))
         args.append(slopes)
     kernel = functools.partial(
-        _ragged_kernel, page_size=S, pages_per_block=ppb, block_q=BQ, sliding_window=sliding_window,
-        has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, 
+        _ragged_kernel, page_size=S, pages_per_block=ppb, block_q=BQ, group=Gp, rows_per_token=K * Gp,
+        sliding_window=sliding_window,
+        has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,
         grid=(nt, K),
         in_specs=in_specs,
-        out_specs=rows,
-        out_shape=jax.ShapeDtypeStruct((Tp, K, Gp, H), q.dtype),
+        out_specs=full((To * K * Gp, H)),
+        out_shape=jax.ShapeDtypeStruct((To * K * Gp, H), q.dtype),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"ragged_paged_{S=}_{BM=}_{ppb=}",
     )(*args)
-    if Gp != G or Tp != T:
+    out = out.reshape(To, K, Gp, H)
+    if Gp != G or To != T:
         out = out[:T, :, :G]
     return out.reshape(T, N, H)
