@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
@@ -490,11 +490,11 @@ def main():
         for B, ctx in ((1, 192), (8, 192), (1, 700)):
             bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), dict(num_splits=1)],
                          shipped=False, max_len=1024)
-    if "causal" in only:  # ragged prefill at the goal shape: tile options, and where a call's time goes
-        cfgs = [dict(), dict(block_k=128), dict(block_k=128, num_stages=1), dict(block_k=128, num_stages=3),
-                dict(block_k=128, prefetch=0, num_stages=3), dict(block_m=64, num_warps=4),
-                dict(block_m=64, block_k=128, num_warps=4), dict(block_m=256, block_k=32, num_warps=8)]
+    if "causal" in only:  # ragged prefill: the defaults against the previous tiles, and where a call's time goes
+        cfgs = [dict(), dict(block_k=64, num_stages=2)]
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", cfgs)
+        bench_prefill(results, 4096, 4096, mm, "chunk4k_prefix4k", cfgs)
+        bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", cfgs)
         q, k, v, _, _, bt = make_case(1, 4096, q_per_seq=4096)
         args = (q, k, v, jnp.array([4096], jnp.int32), jnp.array([0, 4096], jnp.int32), bt)
         build = chained(lambda *a: ragged_paged_attention_kernel(*a, scale=0.088))
@@ -502,6 +502,9 @@ def main():
         results.append(dict(kind="trace", label="goal_chunk4k", impl="pallas_triton", cfg={}, calls=3 * REPS,
                             summary=summary, time_us=0.0))
         print(json.dumps(summary)[:3000], flush=True)
+    if "combine" in only:  # batch 1 x 32k: the split-K combine's tiling (it is launch/latency-bound)
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict()] + [
+            dict(combine_block_h=hb, combine_warps=w) for hb in (64, 32) for w in (1, 2, 4)], shipped=False)
     if "b1" in only:  # the engine's batch-1 decode (8 sequences, 1 live) at the latency workload's lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)

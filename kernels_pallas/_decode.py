@@ -146,23 +146,26 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def combine_splits(o, m, l, splits, dtype, *, interpret=False):
+def combine_splits(o, m, l, splits, dtype, *, interpret=False, block_h=None, num_warps=None):
     """o [B, K, SP, Gq, H], m / l [B, K, SP, Gq] (f32, log2 domain) -> [B, K, Gq, H] in dtype. One program
-    per (sequence, q head) (per kv head before: 3.6 -> 3.4 us at B1 x 32k on an H100; the call is
-    launch-bound, bench/KERNELS_NOTES.md)."""
+    per (sequence, q head, block_h columns) (per kv head before: 3.6 -> 3.4 us at B1 x 32k on an H100; the
+    call is launch-bound, bench/KERNELS_NOTES.md)."""
     B, K, SP, Gq, H = o.shape
+    HB = block_h or H
+    if num_warps is None:
+        num_warps = 4 if SP * HB >= 4096 else 2
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits),
-        grid=(B, K, Gq),
+        grid=(B, K, Gq, H // HB),
         in_specs=[
-            pl.BlockSpec((None, None, SP, None, H), lambda b, h, g: (b, h, 0, g, 0)),
-            pl.BlockSpec((None, None, SP, None), lambda b, h, g: (b, h, 0, g)),
-            pl.BlockSpec((None, None, SP, None), lambda b, h, g: (b, h, 0, g)),
+            pl.BlockSpec((None, None, SP, None, HB), lambda b, h, g, c: (b, h, 0, g, c)),
+            pl.BlockSpec((None, None, SP, None), lambda b, h, g, c: (b, h, 0, g)),
+            pl.BlockSpec((None, None, SP, None), lambda b, h, g, c: (b, h, 0, g)),
         ],
-        out_specs=pl.BlockSpec((None, None, None, H), lambda b, h, g: (b, h, g, 0)),
+        out_specs=pl.BlockSpec((None, None, None, HB), lambda b, h, g, c: (b, h, g, c)),
         out_shape=jax.ShapeDtypeStruct((B, K, Gq, H), dtype),
         interpret=interpret,
-        compiler_params=triton_params(4 if SP * H >= 4096 else 2, 1),
+        compiler_params=triton_params(num_warps, 1),
         name=f"paged_decode_combine_{splits=}",
     )(o, m, l)
 
@@ -200,13 +203,13 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     jax.jit,
     static_argnames=(
         "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
-        "min_split_tokens", "tail_mask",
+        "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps",
     ),
 )
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=128, tail_mask=True,
+    prefetch=2, min_split_tokens=128, tail_mask=True, combine_block_h=None, combine_warps=None,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -273,7 +276,8 @@ def paged_decode_attention_kernel(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_{S=}_{ppb=}_{splits=}",
     )(*args)
-    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret)
+    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret,
+                                               block_h=combine_block_h, num_warps=combine_warps)
     return out[:, :, :G].reshape(B, N, H)
 
 

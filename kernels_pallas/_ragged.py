@@ -143,8 +143,8 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False)
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=64, num_warps=8,
-    num_stages=2, prefetch=1, skip_single=False,
+    alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=128, num_warps=8,
+    num_stages=1, prefetch=1, skip_single=False,
 ):
     """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
     attends them with the decode kernel instead). Padding tokens (past the last sequence) get zeros."""
