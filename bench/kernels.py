@@ -502,9 +502,17 @@ def main():
         results.append(dict(kind="trace", label="goal_chunk4k", impl="pallas_triton", cfg={}, calls=3 * REPS,
                             summary=summary, time_us=0.0))
         print(json.dumps(summary)[:3000], flush=True)
-    if "combine" in only:  # batch 1 x 32k: the split-K combine's tiling (it is launch/latency-bound)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict()] + [
-            dict(combine_block_h=hb, combine_warps=w) for hb in (64, 32) for w in (1, 2, 4)], shipped=False)
+    if "combine" in only:  # batch 1 x 32k: the split-K combine's tiling (it is launch/latency-bound), XProf times
+        q, k, v, lens, _, bt = make_case(1, 32768)
+        for cfg in [dict()] + [dict(combine_block_h=hb, combine_warps=w) for hb in (64, 32) for w in (1, 2, 4)]:
+            build = chained(lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(
+                q, k, v, lens, bt, scale=0.088, **cfg))
+            us, summary = xprof_us(runner(build, q, k, v, lens, bt))
+            kernels = {x["name"][:40]: round(x["us_per_run"], 2) for x in summary["devices"][0]["top_kernels"]}
+            row = dict(kind="combine_xprof", label="goal_b1_ctx32k", impl="pallas_triton", cfg=cfg, time_us=us,
+                       kernels=kernels)
+            results.append(row)
+            print(json.dumps(row), flush=True)
     if "b1" in only:  # the engine's batch-1 decode (8 sequences, 1 live) at the latency workload's lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
