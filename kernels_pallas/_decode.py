@@ -13,7 +13,7 @@ each block's loads wait on the last block's math and on their own block-table lo
 
 With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
 split's normalized f32 output and its (max, sum) in the log2 domain, and one small Pallas kernel
-(grid (B, K, G): one program per q head) combines them into q's dtype; the partials are B * N * H * 4
+(grid (B, K, G, H / 32): single-warp programs) combines them into q's dtype; the partials are B * N * H * 4
 bytes per split, tiny next to the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us
 per call at B1 x 32k on an H100, where the attention kernel itself takes ~52 us; the combine folded into
 the attention kernel's last program per group was slower, bench/KERNELS_NOTES.md.)
@@ -146,14 +146,13 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
     out_ref[...] = out.astype(out_ref.dtype)
 
 
-def combine_splits(o, m, l, splits, dtype, *, interpret=False, block_h=None, num_warps=None):
-    """o [B, K, SP, Gq, H], m / l [B, K, SP, Gq] (f32, log2 domain) -> [B, K, Gq, H] in dtype. One program
-    per (sequence, q head, block_h columns) (per kv head before: 3.6 -> 3.4 us at B1 x 32k on an H100; the
-    call is launch-bound, bench/KERNELS_NOTES.md)."""
+def combine_splits(o, m, l, splits, dtype, *, interpret=False, block_h=32, num_warps=1):
+    """o [B, K, SP, Gq, H], m / l [B, K, SP, Gq] (f32, log2 domain) -> [B, K, Gq, H] in dtype. One single-warp
+    program per (sequence, q head, 32 columns): the call is latency-bound, so the more and smaller the
+    programs the sooner it ends (B1 x 32k on an H100, XProf: 3.39 us with one 4-warp program per q head,
+    2.53 with 64 columns, 2.29 with 32; kernels_h100_ce5d5f4.json)."""
     B, K, SP, Gq, H = o.shape
-    HB = block_h or H
-    if num_warps is None:
-        num_warps = 4 if SP * HB >= 4096 else 2
+    HB = min(block_h, H)
     return pl.pallas_call(
         functools.partial(_combine_kernel, splits=splits),
         grid=(B, K, Gq, H // HB),
@@ -209,7 +208,7 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
     sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=128, tail_mask=True, combine_block_h=None, combine_warps=None,
+    prefetch=2, min_split_tokens=128, tail_mask=True, combine_block_h=32, combine_warps=1,
 ):
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
