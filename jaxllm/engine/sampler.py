@@ -51,7 +51,7 @@ class SamplingMetadata:
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     """logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32 of the sampled tokens under the raw
-    model distribution, ranks [B] int32, top_ids [B, k], top_logprobs [B, k]).
+    model distribution, ranks [B] int32 (zeros unless flags.num_logprobs), top_ids [B, k], top_logprobs [B, k]).
 
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
@@ -74,8 +74,11 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     y = x / temp
     if flags.filtering:
         y = _top_k_top_p(y, md.top_k, md.top_p)
-    # min_p keeps p >= min_p * p_max, i.e. y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all)
-    y_max = y.max(-1, keepdims=True)
+    # min_p keeps p >= min_p * p_max, i.e. y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all).
+    # y_max = max(x) / temp exactly (dividing by temp > 0 is monotonic, and top-k/top-p keep the best token),
+    # so the logits' max serves unless penalties or biases changed x: one pass over [B, V] less.
+    x_max = raw_max if x is logits else x.max(-1)
+    y_max = x_max[:, None] / temp
     y = jnp.where(y < y_max + jnp.log(md.min_p)[:, None], -jnp.inf, y)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
@@ -84,7 +87,10 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
 
     token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     token_lp = token_logit - lse
-    ranks = (logits > token_logit[:, None]).sum(-1).astype(jnp.int32) + 1
+    if flags.num_logprobs:  # the rank is only returned with logprobs (the runner asks for >= 1 then)
+        ranks = (logits > token_logit[:, None]).sum(-1).astype(jnp.int32) + 1
+    else:
+        ranks = jnp.zeros((B,), jnp.int32)
     if flags.num_logprobs:
         top_logits, top_ids = jax.lax.top_k(logits, flags.num_logprobs)
         top_lp = top_logits - lse[:, None]
