@@ -100,6 +100,26 @@ def test_second_start_loads_without_tracing(tiny, tmp_path, monkeypatch, traces)
     assert counters(second)["hits"] == n + extra and traces["n"] == 0
 
 
+def test_warm_up_compiles_while_the_kv_cache_is_unallocated(tiny, tmp_path, monkeypatch):
+    """Parallel compiles autotune on device memory: warm-up runs them against the KV cache's shapes (its
+    buffers freed) and allocates the cache again afterwards, the same shapes and shardings."""
+    from jaxllm.engine.runner import ModelRunner
+
+    seen = []
+    compile_variants = ModelRunner._compile_variants
+
+    def spy(self, workers):
+        seen.extend(type(a) for a in jax.tree.leaves(self.kv_caches))
+        return compile_variants(self, workers)
+
+    monkeypatch.setattr(ModelRunner, "_compile_variants", spy)
+    llm = start(tiny, tmp_path, monkeypatch)
+    kv = llm.llm_engine.runner.kv_caches
+    assert seen and set(seen) == {jax.ShapeDtypeStruct}
+    assert all(isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72 for a in jax.tree.leaves(kv))
+    assert run(llm)[0]  # the compiled steps run on the new cache
+
+
 def test_corrupt_and_mismatched_entries_fall_back(tiny, tmp_path, monkeypatch, traces, caplog):
     first = start(tiny, tmp_path, monkeypatch)
     ref = run(first)

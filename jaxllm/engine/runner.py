@@ -242,38 +242,58 @@ class ModelRunner:
         the compiles down (2 threads: 35 -> 43 s), so all are traced first."""
         self.eager = enforce_eager
         if not enforce_eager:
-            t0 = time.perf_counter()
-            todo = [v for v in self.variants() if v not in self._compiled]
-            args = {v: self._dummy_args(v) for v in todo}
-            workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
-            with ThreadPoolExecutor(workers) as pool:
-                for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
-                    if exe is not None:
-                        self._compiled[v] = exe
-                t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self._compiled])
-                overlap = (os.cpu_count() or 1) > workers
-                jobs = []
-                for v in todo:
-                    if v not in self._compiled:
-                        low = self._lower(v, args[v])
-                        jobs.append((v, low, pool.submit(self._compile, v, args[v], low, True) if overlap else None))
-                t2 = time.perf_counter()
-                jobs = [(v, low, job or pool.submit(self._compile, v, args[v], low, True)) for v, low, job in jobs]
-                done = [(v, low, job.result()) for v, low, job in jobs]
-            retried = 0
-            for v, low, exe in done:
-                if exe is None:  # out of device memory for parallel autotuning: compile this one alone
-                    exe, retried = self._compile(v, args[v], low), retried + 1
-                self._compiled[v] = exe
-            if retried:
-                logger.warning("%d step variants ran out of device memory compiling in parallel; compiled them "
-                               "one at a time", retried)
-            if self.exec_cache is not None:
-                self.exec_cache.prune()
-            logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
-                        "compiled (%d threads)", time.perf_counter() - t0, n_loaded,
-                        self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers)
+            # XLA's GEMM autotuner measures on its own copies of each GEMM's operands, in device memory, and the
+            # compiles below run in parallel: compile against the KV cache's shapes while its memory is free
+            # (an H100 start-up with the cache allocated had a compile fail for memory and redone alone: 37 ->
+            # 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
+            kv_free = (self.pipeline is None and not self.warmed_up
+                       and any(v not in self._compiled for v in self.variants()))
+            if kv_free:
+                spec = [tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in layer)
+                        for layer in self.kv_caches]
+                for a in jax.tree.leaves(self.kv_caches):
+                    a.delete()
+                self.kv_caches = spec
+            try:
+                self._compile_variants(workers)
+            finally:
+                if kv_free:
+                    self.kv_caches = self._allocate_kv()
         self.warmed_up = True
+
+    def _compile_variants(self, workers) -> None:
+        """Loads or compiles every variant not compiled yet (see warm_up)."""
+        t0 = time.perf_counter()
+        todo = [v for v in self.variants() if v not in self._compiled]
+        args = {v: self._dummy_args(v) for v in todo}
+        workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
+                if exe is not None:
+                    self._compiled[v] = exe
+            t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self._compiled])
+            overlap = (os.cpu_count() or 1) > workers
+            jobs = []
+            for v in todo:
+                if v not in self._compiled:
+                    low = self._lower(v, args[v])
+                    jobs.append((v, low, pool.submit(self._compile, v, args[v], low, True) if overlap else None))
+            t2 = time.perf_counter()
+            jobs = [(v, low, job or pool.submit(self._compile, v, args[v], low, True)) for v, low, job in jobs]
+            done = [(v, low, job.result()) for v, low, job in jobs]
+        retried = 0
+        for v, low, exe in done:
+            if exe is None:  # out of device memory for parallel autotuning: compile this one alone
+                exe, retried = self._compile(v, args[v], low), retried + 1
+            self._compiled[v] = exe
+        if retried:
+            logger.warning("%d step variants ran out of device memory compiling in parallel; compiled them "
+                           "one at a time", retried)
+        if self.exec_cache is not None:
+            self.exec_cache.prune()
+        logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
+                    "compiled (%d threads)", time.perf_counter() - t0, n_loaded,
+                    self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers)
 
     def _dummy_args(self, v: StepVariant):
         T, B = v.num_tokens, v.num_seqs

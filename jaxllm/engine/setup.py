@@ -201,10 +201,11 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
     in_use = stats.get("bytes_in_use", 0)  # weights (this device's shard)
     # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
     act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
-    # XLA's GEMM autotuner runs while the step variants compile, after the KV cache is allocated, on its own
-    # copies of a GEMM's operands (the largest: the [V, D] embedding / lm_head). The activation buffers are
-    # not live then, so the same headroom serves both. Without it an 8B model with max_num_batched_tokens
-    # 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
+    # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
+    # lm_head). Warm-up compiles with the KV cache's memory free (ModelRunner.warm_up), but a variant
+    # compiled later (a request's sampler flags) autotunes next to the allocated cache. The activation
+    # buffers are not live then, so the same headroom serves both. Without it an 8B model with
+    # max_num_batched_tokens 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
     act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * jax.numpy.dtype(cfg.dtype).itemsize)
     budget = int(limit * args.gpu_memory_utilization / 0.9) if limit else 0  # bytes_limit is ~0.9 of memory
     free = budget - in_use - act
