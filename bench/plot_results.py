@@ -119,7 +119,9 @@ def shape_label(r) -> str:
 
 def plot_kernels(kfile, k, out):
     rows = [r for r in k["results"] if r.get("kind") == "decode"]
-    ours = {r["label"]: r for r in rows if r["impl"] == "pallas_triton" and not r.get("cfg")}
+    # uniform shapes only (the engine-shaped batch of live and padding sequences has its own row format)
+    ours = {r["label"]: r for r in rows if r["impl"] == "pallas_triton" and not r.get("cfg")
+            and not r["label"].startswith("engine_like")}
     ship = {}
     for r in rows:  # the shipped kernel's best config per shape, if it was swept
         if r["impl"] == "jax_shipped_paged_attention" and (r["label"] not in ship
