@@ -491,7 +491,7 @@ def main():
             bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), dict(num_splits=1)],
                          shipped=False, max_len=1024)
     if "causal" in only:  # ragged prefill: the defaults against the previous tiles, and where a call's time goes
-        cfgs = [dict(), dict(heads_inner=True)]
+        cfgs = [dict(), dict(block_k=64, num_stages=2)]
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", cfgs)
         bench_prefill(results, 4096, 4096, mm, "chunk4k_prefix4k", cfgs)
         bench_prefill(results, 512, 8192, mm, "chunk512_prefix8k", cfgs)
@@ -502,9 +502,6 @@ def main():
         results.append(dict(kind="trace", label="goal_chunk4k", impl="pallas_triton", cfg={}, calls=3 * REPS,
                             summary=summary, time_us=0.0))
         print(json.dumps(summary)[:3000], flush=True)
-    if "b1k16" in only:  # batch 1 x 32k with 16-token blocks (fewer registers) and splits for 4 programs per SM
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", [dict(), dict(block_k=16), dict(block_k=16, num_splits=66),
-                     dict(block_k=16, num_splits=66, prefetch=3)], shipped=False)
     if "combine" in only:  # batch 1 x 32k: the split-K combine's tiling (it is launch/latency-bound), XProf times
         q, k, v, lens, _, bt = make_case(1, 32768)
         for cfg in [dict()] + [dict(combine_block_h=hb, combine_warps=w) for hb in (64, 32) for w in (1, 2, 4)]:

@@ -31,7 +31,7 @@ from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softm
 def _ragged_kernel(
     tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
     page_size, pages_per_block, block_q, group, rows_per_token, sliding_window, has_alibi, prefetch, num_tokens,
-    interpret, tiles_axis,
+    interpret,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
@@ -39,8 +39,8 @@ def _ragged_kernel(
         slope_ref, (o_ref,) = None, rest
     # The longest causal tiles (each sequence's last) are launched first: 4k chunk 482 -> 455 us, 4k over a
     # 4k prefix 1298 -> 1183 us on an H100 (bench/results/kernels_h100_50e0ebf_causal_b1.json).
-    i = pl.num_programs(tiles_axis) - 1 - pl.program_id(tiles_axis)
-    h = pl.program_id(1 - tiles_axis)
+    i = pl.num_programs(0) - 1 - pl.program_id(0)
+    h = pl.program_id(1)
     S, ppb, BQ, Gp = page_size, pages_per_block, block_q, group
     BK = S * ppb
     P = k_ref.shape[0]
@@ -139,12 +139,12 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False)
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages",
-                     "prefetch", "skip_single", "heads_inner"),
+                     "prefetch", "skip_single"),
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=128, num_warps=8,
-    num_stages=1, prefetch=1, skip_single=False, heads_inner=False,
+    num_stages=1, prefetch=1, skip_single=False,
 ):
     """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
     attends them with the decode kernel instead). Padding tokens (past the last sequence) get zeros."""
@@ -166,29 +166,28 @@ def ragged_paged_attention_kernel(
     bt = pad_block_tables(block_tables, ppb)
     scal = scalars(scale, k_scale, v_scale)
     has_alibi = alibi_slopes is not None
-    full = lambda shape: pl.BlockSpec(shape, lambda a, b: (0,) * len(shape))
-    head = (lambda a, b: a) if heads_inner else (lambda a, b: b)  # the grid's kv-head index
+    full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     in_specs = [
         full((nt,)), full((nt,)), full((nt,)), full((nt,)), full(bt.shape), full((2,)),
         full(qg.shape),
-        pl.BlockSpec((None, P, S, H), lambda a, b: (head(a, b), 0, 0, 0)),
-        pl.BlockSpec((None, P, S, H), lambda a, b: (head(a, b), 0, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
+        pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
     ]
     args = [tseq, tpos, ttok, trows, bt, scal, qg, k_pages, v_pages]
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
         slopes = jnp.pad(slopes, ((0, 0), (0, Gp - G)))
         slopes = jnp.tile(slopes, (1, BQ))  # row r = token r // Gp, head r % Gp
-        in_specs.append(pl.BlockSpec((None, BM), lambda a, b: (head(a, b), 0)))
+        in_specs.append(pl.BlockSpec((None, BM), lambda i, h: (h, 0)))
         args.append(slopes)
     kernel = functools.partial(
         _ragged_kernel, page_size=S, pages_per_block=ppb, block_q=BQ, group=Gp, rows_per_token=K * Gp,
         sliding_window=sliding_window,
-        has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, interpret=interpret, tiles_axis=int(heads_inner),
+        has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,
-        grid=(K, nt) if heads_inner else (nt, K),
+        grid=(nt, K),
         in_specs=in_specs,
         out_specs=full((To * K * Gp, H)),
         out_shape=jax.ShapeDtypeStruct((To * K * Gp, H), q.dtype),
