@@ -3,13 +3,14 @@
 Tiling. Each sequence's chunk of q_len tokens is cut into tiles of BQ tokens; a tile never spans two
 sequences. A tile's rows are (token, query head of one kv group) pairs, BM = BQ * Gp rows, so the GQA
 group shares every KV load and the MMA M dimension is full even for G = 8 (BQ = 16) or G = 1 (BQ = 128).
-A program reads its tile's q rows straight from q viewed as [T, K, Gp, H] (BQ tokens x the Gp heads of
-its kv head) and writes its output rows the same way (masked stores: a tile writes only its own tokens),
-so no gathered copy of q or of the output exists. The number of tiles is static (T // BQ + B bounds it),
-so one compiled kernel serves every mix of chunk lengths in a token bucket; the tiles past the last real
-one write zeros over the padding tokens.
+A program reads its tile's q rows straight from q viewed as [T * K * Gp, H] (row (t * K + h) * Gp + g: BQ
+tokens x the Gp heads of its kv head, by row index) and writes its output rows the same way (masked stores:
+a tile writes only its own tokens), so no gathered copy of q or of the output exists. The number of tiles
+is static (T // BQ + B bounds it), so one compiled kernel serves every mix of chunk lengths in a token
+bucket; the tiles past the last real one write zeros over the padding tokens.
 
-Grid (tiles, K), the tiles in reverse order: each sequence's last (longest causal) tiles start first. A program walks its sequence's block table BK tokens (BK / S whole pages) at a time:
+Grid (tiles, K), the tiles in reverse order: each sequence's last (longest causal) tiles start first. A
+program walks its sequence's block table BK tokens (BK / S whole pages) at a time:
 first the blocks that lie wholly before the tile's first token (no mask), then the diagonal blocks with the
 causal mask. The next block's loads are issued before this block's math (prefetch, _common.kv_blocks): 4k
 chunk 608 -> 528 us, 512 chunk over an 8k prefix 343 -> 281 us on an H100. Decode tokens mixed into the

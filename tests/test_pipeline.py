@@ -45,7 +45,7 @@ def pipeline_logits(model_dir, cfg, tp, pp, microbatches=None):
     tables = [[int(pages.pop()) for _ in range(-(-len(s) // S))] for s in SEQS]
     prev = jnp.zeros(8, jnp.int32)
     for step in range(2):
-        chunks, spans = [], []
+        chunks = []
         for s, c, t in zip(SEQS, CACHED, tables):
             lo, hi = (0, c) if step == 0 else (c, len(s))
             if hi > lo:

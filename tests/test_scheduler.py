@@ -74,7 +74,7 @@ class FakeEngine:
         return seq.block_table[pos // bs], pos % bs
 
     def launch(self) -> SchedulerOutput:
-        sched, bm, cfg = self.sched, self.sched.block_manager, self.sched.config
+        sched, cfg = self.sched, self.sched.config
         assert all(s.num_pending <= len(self.inflight) for s in sched.seqs.values())
         out = sched.schedule()
         self.steps += 1
