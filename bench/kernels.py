@@ -5,7 +5,9 @@
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
-  to <out>_trace.json); profile = one launch per goal shape for ncu.
+  to <out>_trace.json); profile = one launch per goal shape for ncu; causal = the ragged prefill defaults vs
+  the previous tiles plus an XProf split of the goal-shape call; combine = XProf times of the split-K
+  combine's tilings at B1 x 32k; b1 = decode configs over the engine's padded batch-1 (8 sequences, 1 live).
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
