@@ -152,10 +152,8 @@ def ragged_paged_attention_ref(
 
 
 def paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kwargs):
-    """One query token per sequence (q: [B, N, H]): the ragged case with query_start_loc = 0..B."""
+    """One query token per sequence (q: [B, N, H]): the ragged case with query_start_loc = 0..B. A padding
+    sequence (seq_len 0), wherever it sits, owns its token too and sees no key: zeros."""
     B = q.shape[0]
-    query_start_loc = jnp.where(seq_lens > 0, 1, 0).astype(jnp.int32).cumsum()
-    query_start_loc = jnp.concatenate([jnp.zeros((1,), jnp.int32), query_start_loc])
-    out = ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kwargs)
-    # Padding sequences (seq_len 0) sit after the real ones, so the ragged layout equals the [B] layout.
-    return out[:B]
+    query_start_loc = jnp.arange(B + 1, dtype=jnp.int32)
+    return ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kwargs)

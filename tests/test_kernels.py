@@ -81,6 +81,7 @@ DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [300, 17, 48, 0], dict(num_splits=5, block_k=16, prefetch=3)),
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=3, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 1], dict(min_split_tokens=32, block_k=16)),  # short splits
+    (4, 2, 64, 16, jnp.bfloat16, [40, 0, 70, 0, 5], dict(num_splits=2, block_k=32)),  # padding between live ones
 ]
 
 
