@@ -33,6 +33,33 @@ def test_engine_greedy_equal_tp1(tiny, ref, tp, pp):
     assert greedy(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp) == ref
 
 
+def test_pipeline_warm_up_compiles_before_serving(tiny, ref):
+    """pp > 1 with warm-up on (enforce_eager False, the default): start-up compiles every stage and the sampling
+    head for each step shape (it used to lower the single-mesh step over the stages' devices and fail), and
+    serving the prompts compiles nothing but the row gather of multi-micro-batch steps."""
+    import jax
+
+    compiles = []
+
+    def on_event(name, secs, **kw):
+        if name == "/jax/core/compile/backend_compile_duration":
+            compiles.append(secs)
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    try:
+        llm = LLM(tiny, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32,
+                  block_size=8, enforce_eager=False, max_model_len=64, compilation_cache_dir=None,
+                  pipeline_parallel_size=2)
+        at_start = len(compiles)
+        one = llm.generate({"prompt_token_ids": PROMPTS[3]}, GREEDY, use_tqdm=False)  # one micro-batch a step
+        assert at_start and len(compiles) == at_start
+    finally:
+        jax.monitoring.unregister_event_duration_listener(on_event)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    assert one[0].outputs[0].token_ids == ref[3]
+
+
 def test_engine_loads_converted_checkpoint(tiny, ref, tmp_path):
     from convert import convert_checkpoint
 

@@ -149,11 +149,39 @@ class PipelineExecutor:
         return [kv for stage in stage_kv for kv in stage], hidden
 
     def _micro_batch(self, group: list[SeqChunk]):
+        """A group's padded inputs, in one of the runner's step shapes (decode: B = T = the sequence bucket;
+        otherwise T = the token bucket and B = the sequence bucket of min(T, max sequences)), so warm_up
+        can compile every stage for every shape a step can use."""
         n = sum(len(c.token_ids) for c in group)
-        B = bucket(len(group), self.seq_buckets)
         decode_only = all(len(c.token_ids) == 1 for c in group)
-        T = B if decode_only else bucket(max(n, B), self.token_buckets)
+        if decode_only:
+            T = B = bucket(len(group), self.seq_buckets)
+        else:
+            T = bucket(n, self.token_buckets)
+            B = bucket(min(T, self.seq_buckets[-1]), self.seq_buckets)
         return build_step_inputs(group, self.block_size, T, B, self.max_pages, self.pad_page), n
+
+    def warm_up(self, kv_caches, prev_tokens, shapes):
+        """Runs every stage once per micro-batch shape (T, B, decode_only) on inputs that write no KV slot and
+        attend to nothing, so the stage jits (and the row gather of a step that is one micro-batch) compile
+        before serving. Returns the KV caches (donated and given back) and {T: hidden} as forward() makes it
+        (for warming the sampling head)."""
+        stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
+        prev0 = jax.device_put(prev_tokens, self.replicated[0])
+        hiddens = {}
+        for T, B, decode_only in shapes:
+            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
+            meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1),
+                                     np.full((B, self.max_pages), self.pad_page, np.int32), decode_only)
+            x = z(T)
+            for s, fn in enumerate(self._fns):
+                if s == 0:
+                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, np.full(T, -1, np.int32), prev0, meta)
+                else:
+                    x = jax.device_put(x, self.replicated[s])
+                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
+            hiddens[T] = _gather_rows([x], jax.device_put(np.arange(T, dtype=np.int32), self.replicated[-1]))
+        return [kv for stage in stage_kv for kv in stage], hiddens
 
 
 def _with_mesh(attn: AttentionConfig, mesh) -> AttentionConfig:

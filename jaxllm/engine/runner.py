@@ -154,7 +154,7 @@ class ModelRunner:
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
         self._jit = jax.jit(_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"), donate_argnums=(1,))
         self.pipeline = None
-        if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled on first use)
+        if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled by warm_up)
             from jaxllm.engine.pipeline import PipelineExecutor
 
             self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
@@ -163,7 +163,7 @@ class ModelRunner:
             self._sample_jit = jax.jit(_sample_fn, static_argnames=("cfg", "flags", "prompt_k"))
         self._compiled: dict[StepVariant, object] = {}
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
-        # Not with pipeline stages (their jits compile on first use) nor across processes.
+        # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None
         if executable_cache_dir and self.pipeline is None and jax.process_count() == 1:
             self.exec_cache = ExecutableCache(executable_cache_dir, mesh.devices.flat)
@@ -241,13 +241,14 @@ class ModelRunner:
         thread, 10 buckets of a 32-layer model: 81 -> 66 s, 68 -> 53 s); otherwise tracing would only slow
         the compiles down (2 threads: 35 -> 43 s), so all are traced first."""
         self.eager = enforce_eager
-        if not enforce_eager:
+        if not enforce_eager and self.pipeline is not None:
+            self._warm_up_pipeline()
+        elif not enforce_eager:
             # XLA's GEMM autotuner measures on its own copies of each GEMM's operands, in device memory, and the
             # compiles below run in parallel: compile against the KV cache's shapes while its memory is free
             # (an H100 start-up with the cache allocated had a compile fail for memory and redone alone: 37 ->
             # 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
-            kv_free = (self.pipeline is None and not self.warmed_up
-                       and any(v not in self._compiled for v in self.variants()))
+            kv_free = not self.warmed_up and any(v not in self._compiled for v in self.variants())
             if kv_free:
                 spec = [tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in layer)
                         for layer in self.kv_caches]
@@ -260,6 +261,25 @@ class ModelRunner:
                 if kv_free:
                     self.kv_caches = self._allocate_kv()
         self.warmed_up = True
+
+    def _warm_up_pipeline(self) -> None:
+        """pp > 1: the stages are separate jits on their own devices (pipeline.py), called per micro-batch, and
+        the sampling head another on the last stage: each is run once per step shape on inputs that write
+        no KV slot (twice for the head, whose prev_tokens argument is the initial array the first time and
+        its own output after)."""
+        t0 = time.perf_counter()
+        variants = self.variants()
+        shapes = sorted({(v.num_tokens, v.num_seqs, v.decode_only) for v in variants})
+        self.kv_caches, hiddens = self.pipeline.warm_up(self.kv_caches, self.prev_tokens, shapes)
+        for _ in range(2):
+            for v in variants:
+                _, _, _, _, _, _, logits_indices, smd, prompt_targets = self._dummy_args(v)
+                self.prev_tokens, outputs, _ = self._sample_jit(
+                    self.pipeline.head_params, hiddens[v.num_tokens], self.prev_tokens, logits_indices, smd,
+                    prompt_targets, cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
+        jax.block_until_ready((self.kv_caches, outputs))
+        logger.info("Pipeline stages and sampling head compiled for %d step shapes in %.1f s", len(shapes),
+                    time.perf_counter() - t0)
 
     def _compile_variants(self, workers) -> None:
         """Loads or compiles every variant not compiled yet (see warm_up)."""
