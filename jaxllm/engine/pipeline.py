@@ -134,19 +134,23 @@ class PipelineExecutor:
             src[:n] = src_of[tok : tok + n]
             mb_meta = AttentionMetadata(mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc,
                                         mb.block_tables, mb.decode_only)
-            x = mb.token_ids
-            for s, fn in enumerate(self._fns):
-                if s == 0:
-                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src, prev0, mb_meta)
-                else:
-                    x = jax.device_put(x, self.replicated[s])
-                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, mb_meta)
-            outs.append(x)
+            outs.append(self._run_stages(stage_kv, mb.token_ids, src, prev0, mb_meta))
             index[tok : tok + n] = offset + np.arange(n)
             offset += mb.token_ids.shape[0]
             tok += n
         hidden = _gather_rows(outs, jax.device_put(index, self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hidden
+
+    def _run_stages(self, stage_kv, token_ids, src_rows, prev0, meta):
+        """One micro-batch through every stage (stage_kv updated in place); its hidden states on the last."""
+        x = token_ids
+        for s, fn in enumerate(self._fns):
+            if s == 0:
+                stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src_rows, prev0, meta)
+            else:
+                x = jax.device_put(x, self.replicated[s])
+                stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
+        return x
 
     def _micro_batch(self, group: list[SeqChunk]):
         """A group's padded inputs, in one of the runner's step shapes (decode: B = T = the sequence bucket;
@@ -169,17 +173,11 @@ class PipelineExecutor:
         stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
         prev0 = jax.device_put(prev_tokens, self.replicated[0])
         hiddens = {}
+        z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         for T, B, decode_only in shapes:
-            z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
             meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1),
                                      np.full((B, self.max_pages), self.pad_page, np.int32), decode_only)
-            x = z(T)
-            for s, fn in enumerate(self._fns):
-                if s == 0:
-                    stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, np.full(T, -1, np.int32), prev0, meta)
-                else:
-                    x = jax.device_put(x, self.replicated[s])
-                    stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
+            x = self._run_stages(stage_kv, z(T), np.full(T, -1, np.int32), prev0, meta)
             hiddens[T] = _gather_rows([x], jax.device_put(np.arange(T, dtype=np.int32), self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hiddens
 
