@@ -87,14 +87,12 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
 
     token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     token_lp = token_logit - lse
-    if flags.num_logprobs:  # the rank is only returned with logprobs (the runner asks for >= 1 then)
+    if flags.num_logprobs:  # the rank, like the top-k, is only returned with logprobs (the runner asks for >= 1)
         ranks = (logits > token_logit[:, None]).sum(-1).astype(jnp.int32) + 1
-    else:
-        ranks = jnp.zeros((B,), jnp.int32)
-    if flags.num_logprobs:
         top_logits, top_ids = jax.lax.top_k(logits, flags.num_logprobs)
         top_lp = top_logits - lse[:, None]
-    else:  # not returned to anyone: the raw argmax is enough to fill the [B, 1] slot
+    else:  # not returned to anyone: zero ranks, and the raw argmax is enough to fill the [B, 1] slot
+        ranks = jnp.zeros((B,), jnp.int32)
         top_ids = (greedy_tokens if not (flags.penalties or flags.bias) else jnp.argmax(logits, -1))[:, None]
         top_lp = (raw_max - lse)[:, None]
     return tokens, token_lp, ranks, top_ids.astype(jnp.int32), top_lp
