@@ -225,7 +225,8 @@ def test_split_plan():
     assert n * pps >= 2048 and n >= 32 and pps % 8 == 0
 
 
-def test_combine_splits_ignores_unwritten_slots():
+@pytest.mark.parametrize("block_h", [32, 64, 128])  # column programs per q head: 2, 1, and block_h > H (1)
+def test_combine_splits_ignores_unwritten_slots(block_h):
     """The split-K combine: 3 live splits in 4 slots (the 4th never written: NaN here), a split that saw
     no key (l = 0, m = -inf) and a (sequence, head) whose splits all saw none (zeros out)."""
     rng = np.random.default_rng(5)
@@ -237,7 +238,7 @@ def test_combine_splits_ignores_unwritten_slots():
     m[0, 1, 1], l[0, 1, 1] = -np.inf, 0.0
     m[1, 0, :live], l[1, 0, :live] = -np.inf, 0.0
     out = np.asarray(combine_splits(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), live, jnp.float32,
-                                    interpret=True))
+                                    interpret=True, block_h=block_h))
     w = np.where(l[:, :, :live] > 0, np.exp2(m[:, :, :live] - m[:, :, :live].max(2, keepdims=True)), 0.0)
     w = np.nan_to_num(w) * l[:, :, :live]
     den = w.sum(2)
