@@ -1,0 +1,177 @@
+"""Probe: where a batch-1 decode step's small kernels come from, and what changes them.
+
+Builds the engine's decode step shape for batch 1 (Llama-3-8B shape, bf16 dummy weights; 8 padded rows, one
+live sequence of --ctx tokens, Pallas attention) from the model code itself (decoder.forward +
+compute_logits + argmax, KV cache donated), then for each variant:
+  - writes the optimized HLO (compiled.as_text(), gzipped) so the fusion decisions can be read,
+  - times --steps chained steps (wall per step, dispatch pipelined) and sums an XProf trace per kernel.
+Variants are decoder code variants (a function replacing decoder.decoder_layer) and XLA options passed to
+compile() (env_option_overrides), so they share one process and one set of weights.
+
+  python bench/step_probe.py --out OUT.json [--hlo-dir DIR] [--variants base,cublas,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from bench.common import SHAPES  # noqa: E402
+from jaxllm.config import ModelConfig  # noqa: E402
+from jaxllm.models import decoder  # noqa: E402
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata  # noqa: E402
+from jaxllm.models.params import dummy_params, param_shardings, param_specs  # noqa: E402
+from jaxllm.sharding import make_kv_caches  # noqa: E402
+
+BASE_LAYER = decoder.decoder_layer
+
+
+def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn):
+    """decoder_layer with gate and up as two weights (two GEMMs), so silu(gate) * up can fuse into the down
+    projection's operand instead of being a kernel of its own."""
+    lp = dict(lp)
+    wg, wu = lp.pop("w_gate"), lp.pop("w_up")
+    x_in = x
+    h = decoder.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = jnp.einsum("TD,DKGH->TKGH", h, lp["w_qkv"])
+    inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
+    out, kv_cache = decoder.paged_attention(qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq,
+                                            config=attn)
+    x = x_in + jnp.einsum("TNH,NHD->TD", out, lp["wo"])
+    h = decoder.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    g, u = jnp.einsum("TD,DF->TF", h, wg), jnp.einsum("TD,DF->TF", h, wu)
+    return x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, lp["w_down"]), kv_cache
+
+
+def split_gate_up_params(params):
+    layers = []
+    for lp in params["layers"]:
+        lp = dict(lp)
+        w = lp.pop("w_gate_up")
+        lp["w_gate"], lp["w_up"] = jnp.array(w[:, 0]), jnp.array(w[:, 1])
+        layers.append(lp)
+    return dict(params, layers=layers)
+
+
+# name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None)
+VARIANTS = {
+    "base": (None, {}, None),
+    "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None),
+    "no_split_k": (None, {"xla_gpu_enable_split_k_autotuning": False}, None),
+    "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params),
+}
+
+
+def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16):
+    pages_per_seq = max_len // S
+    bt = np.zeros((rows, pages_per_seq), np.int32)
+    bt[0] = 1 + np.random.default_rng(0).permutation(pages_per_seq)  # page 0 is the padding page
+    meta = AttentionMetadata(
+        positions=jnp.asarray([ctx - 1] + [0] * (rows - 1), jnp.int32),
+        slot_mapping=jnp.asarray([int(bt[0, (ctx - 1) // S]) * S + (ctx - 1) % S] + [-1] * (rows - 1), jnp.int32),
+        seq_lens=jnp.asarray([ctx] + [0] * (rows - 1), jnp.int32),
+        query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
+        block_tables=jnp.asarray(bt), decode_only=True)
+    return jnp.zeros((rows,), jnp.int32), meta, pages_per_seq + 1
+
+
+def make_step(cfg, attn):
+    def step(params, kv, tokens, meta):
+        kv, hidden = decoder.forward(params, kv, tokens, meta, cfg, attn)
+        logits = decoder.compute_logits(params, hidden, cfg)
+        return kv, jnp.argmax(logits, -1).astype(jnp.int32)
+
+    return jax.jit(step, donate_argnums=(1,))
+
+
+def xprof(fn, n):
+    from bench.profile_summary import summarize
+
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        fn(n)
+    s = summarize(d, top=60)
+    dev = s["devices"][0] if s.get("devices") else {}
+    ks = dev.get("top_kernels", [])
+    return dict(busy_ms_per_step=dev.get("busy_ms", 0) / n, span_ms_per_step=dev.get("span_ms", 0) / n,
+                kernels=[dict(name=k["name"][:80], us=round(k["us_per_run"], 2), per_step=round(k["runs"] / n, 2),
+                              us_per_step=round(k["ms"] * 1e3 / n, 2)) for k in ks])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--hlo-dir", default=None)
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--ctx", type=int, default=200)
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
+    p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke test)")
+    a = p.parse_args()
+    cfg = ModelConfig.from_hf(SHAPES[a.shape], dtype="bfloat16")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("pp", "tp"))
+    specs = param_specs(cfg)
+    params = dummy_params(specs, jnp.bfloat16, param_shardings(specs, mesh))
+    tokens, meta, num_pages = build_inputs(cfg, a.ctx)
+    kv = make_kv_caches(cfg, mesh, num_pages, 16)
+    attn = AttentionConfig(backend="pallas", interpret=a.interpret)
+    rows = []
+    for name in a.variants.split(","):
+        layer, opts, transform = VARIANTS[name]
+        vparams = transform(params) if transform else params
+        decoder.decoder_layer = layer or BASE_LAYER
+        row = dict(variant=name, xla_options={k: str(v) for k, v in opts.items()})
+        try:
+            t0 = time.perf_counter()
+            compiled = make_step(cfg, attn).lower(vparams, kv, tokens, meta).compile(
+                compiler_options=opts or None)
+            row["compile_s"] = time.perf_counter() - t0
+            if a.hlo_dir:
+                os.makedirs(a.hlo_dir, exist_ok=True)
+                with gzip.open(os.path.join(a.hlo_dir, f"step_b1_{name}.hlo.txt.gz"), "wt") as f:
+                    f.write(compiled.as_text())
+
+            def run(n):
+                nonlocal kv
+                out = None
+                for _ in range(n):
+                    kv, out = compiled(vparams, kv, tokens, meta)
+                jax.block_until_ready(out)
+
+            run(5)
+            walls = []
+            for _ in range(3):
+                t0 = time.perf_counter()
+                run(a.steps)
+                walls.append((time.perf_counter() - t0) / a.steps * 1e3)
+            row["wall_ms_per_step"] = walls
+            row["tok_s"] = 1e3 / min(walls)
+            row.update(xprof(run, 10))
+        except Exception as e:  # noqa: BLE001 - one variant failing must not lose the others' rows
+            row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        finally:
+            decoder.decoder_layer = BASE_LAYER
+            vparams = None  # frees a transformed copy before the next variant
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
+        for k in row.get("kernels", [])[:16]:
+            print("   ", k, flush=True)
+    info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, git_commit=os.environ.get("GIT_COMMIT"),
+                command=" ".join(sys.argv), ctx=a.ctx, shape=a.shape)
+    with open(a.out, "w") as f:
+        json.dump(dict(info=info, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
