@@ -30,10 +30,11 @@ SHAPES = {
     "o": (4096, 4096, None, "residual"),
     "gate_up": (4096, 28672, "norm", None),
     "down": (14336, 4096, "silu", "residual"),
+    "down_plain": (14336, 4096, None, None),
 }
 CONFIGS = [dict(block_n=bn, block_k=bk, num_warps=w, num_stages=s)
-           for bn, bk, w, s in ((32, 256, 4, 4), (32, 128, 4, 4), (32, 512, 4, 3), (32, 256, 4, 6), (64, 256, 4, 4),
-                                (64, 128, 4, 5), (16, 512, 4, 4), (32, 256, 8, 4), (64, 256, 8, 4), (16, 256, 4, 6))]
+           for bn, bk, w, s in ((32, 256, 4, 4), (64, 256, 4, 4), (64, 256, 4, 3), (64, 256, 4, 5), (64, 512, 4, 3),
+                                (128, 256, 4, 3), (128, 128, 4, 4), (32, 256, 4, 3), (32, 512, 4, 2), (64, 128, 4, 3))]
 
 
 def trace_us(fn, calls=40):
@@ -53,12 +54,14 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--rows", default="8")
+    p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--quick", action="store_true", help="the first 3 configs only")
     a = p.parse_args()
     rows = []
     key = jax.random.key(0)
     for T in map(int, a.rows.split(",")):
-        for name, (D, N, pro, epi) in SHAPES.items():
+        for name in a.shapes.split(","):
+            D, N, pro, epi = SHAPES[name]
             ks = jax.random.split(key, COPIES + 3)
             ws = [(jax.random.normal(ks[i], (D, N), jnp.float32) * 0.02).astype(jnp.bfloat16) for i in range(COPIES)]
             x = jax.random.normal(ks[-1], (T, 2, D) if pro == "silu" else (T, D), jnp.bfloat16)

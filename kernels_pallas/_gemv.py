@@ -9,7 +9,7 @@ no reduction pass), and
   prologue "norm": x is the residual stream; the RMSNorm is applied on the fly: the MMA takes
       bf16(x * norm_weight) and the accumulator is scaled by rsqrt(mean(x^2) + eps), whose sum of squares
       is gathered in the same loop (one pass over x);
-  prologue "silu": x is [T, 2, F] (gate, up); the MMA takes bf16(silu(gate) * up);
+  prologue "silu": x is [T, 2, F] (gate, up), read as [T, 2F]; the MMA takes bf16(silu(gate) * up);
   epilogue "residual": out = bf16(bf16(acc) + residual), the residual add of `x + proj(...)`.
 
 The rounding points differ from the unfused ops (the norm scale is applied after the MMA instead of before
@@ -44,10 +44,10 @@ def _gemv_kernel(x_ref, w_ref, *rest, prologue, epilogue, eps, block_k, replicas
     def body(i, carry):
         acc, ss = carry
         cols = pl.ds(i * BK, BK)
-        if prologue == "silu":
-            g = x_ref[:, 0, cols].astype(jnp.float32)
-            u = x_ref[:, 1, cols].astype(jnp.float32)
-            a = (g * jax.nn.sigmoid(g) * u).astype(cdt)
+        if prologue == "silu":  # x_ref [T, 2 * D]: gate columns, then up columns
+            g = x_ref[:, cols].astype(jnp.float32)
+            u = x_ref[:, pl.ds(D + i * BK, BK)].astype(jnp.float32)
+            a = (g / (1.0 + jnp.exp(-g)) * u).astype(cdt)
         else:
             x = x_ref[:, cols]
             if prologue == "norm":
@@ -78,6 +78,8 @@ def fused_gemv(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue
     prologue: None | "norm" (norm_weight [D]) | "silu"; epilogue: None | "residual" (residual [T, N])."""
     T = x.shape[0]
     D, N = w.shape
+    if prologue == "silu":
+        x = x.reshape(T, 2 * D)
     if T & (T - 1) or T > 16:
         raise ValueError(f"fused_gemv takes 1..16 rows (a power of two), got {T}.")
     BN, BK = min(block_n, N), min(block_k, D)
