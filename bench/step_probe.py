@@ -64,22 +64,9 @@ def split_gate_up_params(params):
     return dict(params, layers=layers)
 
 
-def xla_projections_layer(*args):
-    """decoder_layer with the fused decode projections off (kernels_pallas.decode_projection -> None)."""
-    import kernels_pallas
-
-    real = kernels_pallas.decode_projection
-    kernels_pallas.decode_projection = lambda *a, **k: None
-    try:
-        return BASE_LAYER(*args)
-    finally:
-        kernels_pallas.decode_projection = real
-
-
 # name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None)
 VARIANTS = {
     "base": (None, {}, None),
-    "xla_projections": (xla_projections_layer, {}, None),
     "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None),
     "no_split_k": (None, {"xla_gpu_enable_split_k_autotuning": False}, None),
     "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params),
@@ -126,7 +113,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--hlo-dir", default=None)
-    p.add_argument("--variants", default="base,xla_projections")
+    p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ctx", type=int, default=200)
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))

@@ -17,11 +17,6 @@ Entry points (same keyword arguments as the reference):
                *, k_scale, v_scale, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
       projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU.
 
-  decode_projection(x [T, D], w [D, N], norm_weight=None, residual=None, *, prologue, epilogue, eps,
-                    interpret=False) -> [T, N] | None: a decode step's projection as one GEMV with the RMSNorm
-      before it or the residual add after it fused in (_gemv.py), on GPU for T <= 8 rows; None where it
-      does not apply (the caller runs the unfused ops).
-
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
 
@@ -36,7 +31,6 @@ import jax.numpy as jnp
 from . import reference
 from ._common import kernel_supported, on_gpu
 from ._decode import paged_decode_attention_kernel
-from ._gemv import fused_gemv
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -46,7 +40,6 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
-    "decode_projection",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -82,28 +75,6 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     if qkv.shape[0] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
     return qkv_write_kv_kernel(*args, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-
-
-# Tiles of the fused decode projections, by measurement on an H100 (T = 8 rows, Llama-3-8B shapes, XProf
-# kernel sums; bench/results/fused_gemv_probe_h100_*.json): RMSNorm + qkv [4096, 6144] 21.1-21.4 us vs XLA's
-# norm + split-K GEMM + reduce 22.0-22.4; o [4096, 4096] + residual 13.4 vs 14.5-14.7. The gate_up (norm)
-# and down (silu) projections stay with XLA: 82.5 vs 79.0 us, and 142 vs 43.7 us (every program recomputes
-# silu over the whole input).
-_DECODE_GEMV_TILES = {"norm": dict(block_n=64, block_k=256), "residual": dict(block_n=32, block_k=256)}
-
-
-def decode_projection(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue=None, eps=1e-6,
-                      interpret=False):
-    """x [T, D] @ w [D, N] with the RMSNorm of x (prologue "norm") or `+ residual` (epilogue "residual")
-    fused in, as one Pallas GEMV for decode-sized batches (T <= 8, a power of two) on GPU; None otherwise,
-    and for shapes the tiles do not divide."""
-    T, D = x.shape
-    N = w.shape[1]
-    tiles = _DECODE_GEMV_TILES[prologue or epilogue]
-    if not (interpret or on_gpu()) or T > 8 or T & (T - 1) or D % tiles["block_k"] or N % tiles["block_n"]:
-        return None
-    return fused_gemv(x, w, norm_weight, residual, prologue=prologue, epilogue=epilogue, eps=eps, num_warps=4,
-                      num_stages=4, interpret=interpret, **tiles)
 
 
 def paged_decode_attention(

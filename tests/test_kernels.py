@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import kernels_pallas as kp
 from kernels_pallas import reference
 from kernels_pallas._decode import choose_splits, combine_splits, paged_decode_attention_kernel
-from kernels_pallas._gemv import fused_gemv, fused_gemv_ref
 from kernels_pallas._ragged import ragged_paged_attention_kernel, tile_plan
 from kernels_pallas._write import write_kv_kernel
 
@@ -308,41 +307,6 @@ def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
                                                                                 np.float32))
 
 
-@pytest.mark.parametrize("T", [1, 2, 8, 16])
-@pytest.mark.parametrize("prologue,epilogue", [(None, None), ("norm", None), (None, "residual"), ("silu", "residual"),
-                                               ("norm", "residual")])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_fused_gemv_matches_unfused_ops(T, prologue, epilogue, dtype):
-    """The decode GEMV with its prologue / epilogue against the ops the decoder writes (norm, silu * up,
-    residual add): rows stacked for the MMA (T < 16) come back once each, several column programs and
-    contraction blocks (N = 3 x 32, D = 4 x 64); the norm's rounding point differs (scale after the MMA),
-    so bf16 agrees to its rounding, f32 tightly."""
-    k = jax.random.split(jax.random.key(T), 4)
-    D, N = 256, 96
-    x = jax.random.normal(k[0], (T, 2, D) if prologue == "silu" else (T, D)).astype(dtype) * 3
-    w = (jax.random.normal(k[1], (D, N)) * 0.05).astype(dtype)
-    nw = (1 + 0.1 * jax.random.normal(k[2], (D,))).astype(dtype)
-    res = jax.random.normal(k[3], (T, N)).astype(dtype)
-    kw = dict(prologue=prologue, epilogue=epilogue, eps=1e-5)
-    got = fused_gemv(x, w, nw, res, block_n=32, block_k=64, interpret=True, **kw)
-    want = fused_gemv_ref(x, w, nw, res, **kw)
-    assert got.shape == (T, N) and got.dtype == jnp.dtype(dtype)
-    g, r = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    np.testing.assert_allclose(g, r, rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)] * np.abs(r).max())
-
-
-def test_decode_projection_dispatch():
-    """decode_projection takes decode-sized row counts (a power of two <= 8) whose shapes divide its tiles,
-    and returns None otherwise (the decoder then runs the unfused ops); off GPU without interpret, None."""
-    x, w, nw = jnp.ones((8, 256)), jnp.ones((256, 128)), jnp.ones((256,))
-    assert kp.decode_projection(x, w, nw, prologue="norm", interpret=True).shape == (8, 128)
-    assert kp.decode_projection(x, w, nw, prologue="norm") is None  # CPU, not interpret
-    assert kp.decode_projection(jnp.ones((16, 256)), w, nw, prologue="norm", interpret=True) is None
-    assert kp.decode_projection(jnp.ones((6, 256)), w, nw, prologue="norm", interpret=True) is None
-    assert kp.decode_projection(jnp.ones((8, 200)), jnp.ones((200, 128)), jnp.ones((200,)), prologue="norm",
-                                interpret=True) is None
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     """The decoder with backend "pallas" (fused qkv/RoPE/write kernel, ragged kernel, the decode kernel for the
@@ -369,44 +333,5 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
     out = ragged_logits(params, cfg, seqs, cached, block_size=8,
                         attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
-    for o, r in zip(out, ref):
-        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
-
-
-def test_decode_step_through_fused_projections_matches_reference(tmp_path, monkeypatch):
-    """A decode-shaped step (3 sequences of one new token in an 8-row batch) through the decoder with the
-    Pallas backend takes the fused norm + qkv and o + residual GEMVs (counted) and gives the reference
-    backend's logits."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jaxllm.config import ModelConfig
-    from jaxllm.models.attention import AttentionConfig
-    from jaxllm.models.loader import load_params
-    from jaxllm.sharding import ParallelConfig
-    from tests.model_harness import ragged_logits
-
-    torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # H = 64
-    LlamaForCausalLM(hf).save_pretrained(tmp_path)
-    cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
-    mesh = ParallelConfig(1, 1).make_mesh()
-    params = load_params(str(tmp_path), cfg, mesh)
-    seqs = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9]
-    cached = [len(s) - 1 for s in seqs]
-    taken = []
-    real = kp.decode_projection
-
-    def counting(*args, **kw):
-        out = real(*args, **kw)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(kp, "decode_projection", counting)
-    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
-    out = ragged_logits(params, cfg, seqs, cached, block_size=8,
-                        attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
-    assert taken.count(True) == 2 * cfg.num_layers  # the decode step's qkv and o per layer; not the prefill's
     for o, r in zip(out, ref):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())

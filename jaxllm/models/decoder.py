@@ -27,27 +27,9 @@ def _proj(x, w, b, eq):
     return y if b is None else y + b
 
 
-def _fused_projection(attn: AttentionConfig, x, w, bias, **kw):
-    """The Pallas decode GEMV with the norm / residual add fused in (kernels_pallas.decode_projection), or
-    None: only with the Pallas backend, without tensor parallelism (XLA partitions the plain GEMMs) and
-    without a bias."""
-    if attn.backend != "pallas" or bias is not None or (attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1):
-        return None
-    import kernels_pallas
-
-    return kernels_pallas.decode_projection(x, w, interpret=attn.interpret, **kw)
-
-
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
-    T, D = x.shape
-    w_qkv = lp["w_qkv"]  # per kv head: G q heads, then k, v
-    qkv = _fused_projection(attn, x, w_qkv.reshape(D, -1), lp.get("b_qkv"), norm_weight=lp["attn_norm"],
-                            prologue="norm", eps=cfg.rms_norm_eps)
-    if qkv is None:
-        h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
-        qkv = _proj(h, w_qkv, lp.get("b_qkv"), "TD,DKGH->TKGH")
-    else:
-        qkv = qkv.reshape((T,) + w_qkv.shape[1:])
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
     inv_freq = slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
@@ -56,9 +38,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
         qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=cfg.sliding_window, config=attn)
-    x_attn = _fused_projection(attn, out.reshape(T, -1), lp["wo"].reshape(-1, D), lp.get("bo"), residual=x,
-                               epilogue="residual")
-    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD") if x_attn is None else x_attn
+    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
     x = x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD")
