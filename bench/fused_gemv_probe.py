@@ -1,10 +1,16 @@
-"""Probe: kernels_pallas fused_gemv (one program per BN columns, the norm / silu prologue and the residual
-epilogue fused in) against what XLA makes of the same unfused ops (its split-K GEMM, reduce, norm, add and
+"""Probe: a fused decode GEMV (one program per BN columns over the whole contraction, no split-K; the RMSNorm
+or silu(gate) * up prologue and the residual-add epilogue fused in) against what XLA makes of the same unfused ops (its split-K GEMM, reduce, norm, add and
 silu * mul kernels), at decode row counts, on a decoder layer's four projections (Llama-3-8B shapes).
 Times: summed kernel durations of an XProf trace per call; calls rotate over 4 weight copies so the weights
 come from HBM as in a real step (the qkv and o weights would otherwise sit in the 50 MB L2).
 
   python bench/fused_gemv_probe.py --out OUT.json [--rows 8,16] [--quick]
+
+Measured on an H100 (bench/results/fused_gemv_probe_h100_*.json, KERNELS_NOTES "Stop 13"): the norm + qkv and
+the o + residual kernels beat XLA's kernels by 1.3 and ~1 us, gate_up and down lose; inside the decode step
+(bench/step_probe.py) the two winners saved 19 us of 5.69 ms and the engine's batch-1 ITL did not move
+(5.71 vs 5.73 ms), so the decoder does not use them. The prologue "norm" applies the norm scale after the
+MMA (the MMA takes bf16(x * norm_weight)), so results match the unfused ops to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -21,7 +27,102 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from kernels_pallas._gemv import fused_gemv, fused_gemv_ref  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from kernels_pallas._common import mma, triton_params  # noqa: E402
+
+
+def _gemv_kernel(x_ref, w_ref, *rest, prologue, epilogue, eps, block_k, replicas):
+    refs = list(rest)
+    nw_ref = refs.pop(0) if prologue == "norm" else None
+    res_ref = refs.pop(0) if epilogue == "residual" else None
+    (o_ref,) = refs
+    D, BN = w_ref.shape
+    T = o_ref.shape[0]
+    BK, R = block_k, replicas
+    cdt = w_ref.dtype
+
+    def rows(a):  # [T, BK] -> [R * T, BK]: stacked copies for the MMA
+        return a if R == 1 else jnp.broadcast_to(a[None], (R,) + a.shape).reshape((R * a.shape[0],) + a.shape[1:])
+
+    def body(i, carry):
+        acc, ss = carry
+        cols = pl.ds(i * BK, BK)
+        if prologue == "silu":  # x_ref [T, 2 * D]: gate columns, then up columns
+            g = x_ref[:, cols].astype(jnp.float32)
+            u = x_ref[:, pl.ds(D + i * BK, BK)].astype(jnp.float32)
+            a = (g / (1.0 + jnp.exp(-g)) * u).astype(cdt)
+        else:
+            x = x_ref[:, cols]
+            if prologue == "norm":
+                x32 = x.astype(jnp.float32)
+                ss = ss + (x32 * x32).sum(axis=1)
+                a = (x32 * nw_ref[cols].astype(jnp.float32)[None, :]).astype(cdt)
+            else:
+                a = x.astype(cdt)
+        return acc + mma(rows(a), w_ref[cols, :]), ss
+
+    init = (jnp.zeros((R * T, BN), jnp.float32), jnp.zeros((T,), jnp.float32))
+    acc, ss = jax.lax.fori_loop(0, D // BK, body, init)
+    if R > 1:  # the copies are bitwise equal
+        acc = acc.reshape(R, T, BN).max(0)
+    if prologue == "norm":
+        acc = acc * jax.lax.rsqrt(ss / D + eps)[:, None]
+    out = acc.astype(o_ref.dtype)
+    if epilogue == "residual":
+        out = (out.astype(jnp.float32) + res_ref[...].astype(jnp.float32)).astype(o_ref.dtype)
+    o_ref[...] = out
+
+
+@functools.partial(jax.jit, static_argnames=("prologue", "epilogue", "eps", "block_n", "block_k", "num_warps",
+                                             "num_stages", "interpret"))
+def fused_gemv(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue=None, eps=1e-6, block_n=32,
+               block_k=256, num_warps=4, num_stages=4, interpret=False):
+    """x [T, D] (prologue "silu": [T, 2, D]) @ w [D, N] -> [T, N] in x's dtype, T a power of two <= 16.
+    prologue: None | "norm" (norm_weight [D]) | "silu"; epilogue: None | "residual" (residual [T, N])."""
+    T = x.shape[0]
+    D, N = w.shape
+    if prologue == "silu":
+        x = x.reshape(T, 2 * D)
+    if T & (T - 1) or T > 16:
+        raise ValueError(f"fused_gemv takes 1..16 rows (a power of two), got {T}.")
+    BN, BK = min(block_n, N), min(block_k, D)
+    if N % BN or D % BK:
+        raise ValueError(f"fused_gemv: N={N} and D={D} must divide by block_n={BN} and block_k={BK}.")
+    full = lambda a: pl.BlockSpec(a.shape, lambda j: (0,) * a.ndim)  # noqa: E731
+    in_specs = [full(x), pl.BlockSpec((D, BN), lambda j: (0, j))]
+    args = [x, w]
+    if prologue == "norm":
+        in_specs.append(full(norm_weight))
+        args.append(norm_weight)
+    if epilogue == "residual":
+        in_specs.append(pl.BlockSpec((T, BN), lambda j: (0, j)))
+        args.append(residual)
+    kernel = functools.partial(_gemv_kernel, prologue=prologue, epilogue=epilogue, eps=eps, block_k=BK,
+                               replicas=max(1, 16 // T))
+    return pl.pallas_call(
+        kernel,
+        grid=(N // BN,),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((T, BN), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((T, N), x.dtype),
+        compiler_params=triton_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"gemv_{prologue}_{epilogue}_{BN=}_{BK=}",
+    )(*args)
+
+
+def fused_gemv_ref(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue=None, eps=1e-6):
+    """The unfused ops, as the decoder writes them (HF's rounding)."""
+    if prologue == "norm":
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+        x = norm_weight * x32.astype(x.dtype)
+    elif prologue == "silu":
+        x = jax.nn.silu(x[:, 0]) * x[:, 1]
+    y = jnp.einsum("TD,DN->TN", x, w)
+    return y + residual if epilogue == "residual" else y
+
 
 COPIES = 4
 # name -> (D, N, prologue, epilogue)
