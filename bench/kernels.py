@@ -1,13 +1,13 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
   to <out>_trace.json); profile = one launch per goal shape for ncu; causal = the ragged prefill defaults vs
   the previous tiles plus an XProf split of the goal-shape call; combine = XProf times of the split-K
-  combine's tilings at B1 x 32k; b1 = decode configs over the engine's padded batch-1 (8 sequences, 1 live).
+  combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in flight; b1 = decode configs over the engine's padded batch-1 (8 sequences, 1 live).
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
@@ -515,6 +515,14 @@ def main():
                        kernels=kernels)
             results.append(row)
             print(json.dumps(row), flush=True)
+    if "inflight" in only:  # decode: more KV bytes in flight per SM (prefetch 3 = two blocks ahead, bigger
+        # blocks) with fewer, longer splits so the extra registers still give one wave; defaults repeated
+        b1 = [dict(), dict(prefetch=3), dict(prefetch=3, num_splits=33), dict(prefetch=3, num_splits=32),
+              dict(num_splits=33), dict(block_k=64, num_splits=33), dict(block_k=64, num_splits=33, prefetch=1),
+              dict(block_k=64), dict()]
+        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", b1, shipped=False)
+        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(prefetch=3),
+                                                                 dict(block_k=32, prefetch=3), dict()], shipped=False)
     if "b1" in only:  # the engine's batch-1 decode (8 sequences, 1 live) at the latency workload's lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
