@@ -7,7 +7,8 @@
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
   to <out>_trace.json); profile = one launch per goal shape for ncu; causal = the ragged prefill defaults vs
   the previous tiles plus an XProf split of the goal-shape call; combine = XProf times of the split-K
-  combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in flight; b1 = decode configs over the engine's padded batch-1 (8 sequences, 1 live).
+  combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in flight; b1 = decode configs
+  over the engine's padded batch-1 (8 sequences, 1 live).
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
