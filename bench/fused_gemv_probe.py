@@ -1,6 +1,7 @@
 """Probe: a fused decode GEMV (one program per BN columns over the whole contraction, no split-K; the RMSNorm
 or silu(gate) * up prologue and the residual-add epilogue fused in) against what XLA makes of the same unfused
-ops (its split-K GEMM, reduce, norm, add and silu * mul kernels), at decode row counts, on a decoder layer's four projections (Llama-3-8B shapes).
+ops (its split-K GEMM, reduce, norm, add and silu * mul kernels), at decode row counts, on a decoder layer's
+four projections (Llama-3-8B shapes).
 Times: summed kernel durations of an XProf trace per call; calls rotate over 4 weight copies so the weights
 come from HBM as in a real step (the qkv and o weights would otherwise sit in the 50 MB L2).
 
