@@ -79,12 +79,20 @@ async def read_json(request: web.Request, max_bytes: int) -> dict:
     if not raw:
         raise APIError("The request body is empty; expected a JSON object.", 400)
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_reject_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise APIError(f"Invalid JSON in request body: {e}", 400) from None
+    except RecursionError:
+        raise APIError("Invalid JSON in request body: nested too deeply.", 400) from None
     if not isinstance(data, dict):
         raise APIError(f"The request body must be a JSON object, got {type(data).__name__}.", 400)
     return data
+
+
+def _reject_constant(name: str):
+    # Python's json reads NaN / Infinity, which JSON does not have; a NaN logit bias or penalty would pass
+    # every range check (comparisons with NaN are false).
+    raise json.JSONDecodeError(f"{name} is not a JSON number", name, 0)
 
 
 def parse_model(cls: type[M], data: dict) -> M:

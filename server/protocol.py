@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 # Token ids must be real ints: "1" or true are type errors, not token 1.
 TokenIds = list[StrictInt]
-Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]  # vLLM: torch.long's range
 
 
 def random_id(prefix: str) -> str:

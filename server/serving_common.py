@@ -313,7 +313,7 @@ class EngineRunner:
         req = rs.request
         tracker = self.metrics.tracker()
         gen = None
-        got_output = False
+        got_output = failed = False
         try:
             gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority)
             async for out in gen:
@@ -326,12 +326,16 @@ class EngineRunner:
         except asyncio.CancelledError:
             raise
         except Exception as e:
+            # Rejected (bad input, a request id already in use) or failed in the engine: either way the
+            # engine holds nothing of it, and an abort by id could hit another request of the same id.
+            failed = True
             self._queue.put_nowait((i, None, e))
         finally:
             if not rs.finished:
                 if got_output:
                     tracker.on_abort(rs.last, req.params.n)
-                await _close_and_abort(self.engine, gen, req.request_id)
+                if not failed:
+                    await _close_and_abort(self.engine, gen, req.request_id)
 
 
 async def _close_and_abort(engine: EngineClient, gen, request_id: str) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
-                                      PROMPT_LOGPROBS, InputBatch)
+                                      PROMPT_LOGPROBS, InputBatch, key_seed)
 from jaxllm.engine.sequence import Sequence
 from jaxllm.sampling_params import SamplingParams
 
@@ -21,7 +21,7 @@ def test_rows_track_tables_and_settings():
     rows = b.rows([a, c])
     assert b.tables[rows[0], :1].tolist() == [5] and b.tables[rows[1], :2].tolist() == [7, 8]
     assert b.sampling[rows[0]].tolist() == pytest.approx([0.5, 1.0, 3, 0.0, 0.0, 0.0, 1.0])
-    assert b.sampling[rows[1]].tolist() == list(PADDING_ROW) and b.seeds[rows[0]] == 42
+    assert b.sampling[rows[1]].tolist() == list(PADDING_ROW) and b.seeds[rows[0]] == key_seed(42)
     a.block_table.append(9)  # a grew a page: only that page is written, the row stays
     assert b.rows([a]).tolist() == [rows[0]] and b.tables[rows[0], :2].tolist() == [5, 9]
     b.release(["a", "zzz"])  # unknown ids are ignored
@@ -68,3 +68,11 @@ def test_rows_follow_growth_of_many_sequences():
         assert b.rows(seqs).tolist() == rows.tolist()
         for s, r in zip(seqs, rows):
             assert b.tables[r, : len(s.block_table)].tolist() == s.block_table
+
+
+def test_key_seed_uses_all_64_bits():
+    """Request seeds that differ only above bit 31 (or are negative) get different 32-bit key seeds."""
+    seeds = [0, 1, 2**32, 2**32 + 1, 2**63, 2**63 - 1, -1, -2, 5, 2**40 + 5]
+    keys = [key_seed(s) for s in seeds]
+    assert len(set(keys)) == len(seeds) and all(0 <= k < 2**32 for k in keys)
+    assert key_seed(-1) == key_seed(2**64 - 1)  # the same 64-bit value

@@ -57,3 +57,14 @@ def test_min_p_keeps_only_tokens_near_the_top():
     tokens = np.asarray(sample(logits, md, SamplerFlags())[0])
     # exp(-6 i / 49) >= 0.1  <=>  i <= 18.8: tokens 0..18 are possible, none beyond
     assert tokens.max() <= 18 and len(set(tokens.tolist())) > 5
+
+
+def test_top_p_below_float32_keeps_the_best_token():
+    """top_p is validated as (0, 1] in double precision; 1e-300 is 0 in float32, where no token would pass
+    `mass of better tokens < top_p`: the best token always stays, so top_p that small is greedy."""
+    B, V = 4, 300
+    logits = jax.random.normal(jax.random.key(3), (B, V), jnp.float32) * 3
+    md = metadata(B, [1.0] * B, [0.0] * B, seed=9)
+    md = md.__class__(**{**md.__dict__, "top_p": jnp.asarray([1e-300, 1e-30, 1e-3, 1e-300], jnp.float32)})
+    tokens = np.asarray(sample(logits, md, SamplerFlags(filtering=True))[0])
+    np.testing.assert_array_equal(tokens, np.asarray(jnp.argmax(logits, -1)))

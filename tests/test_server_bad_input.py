@@ -62,6 +62,13 @@ CASES = [
     ("malformed json", COMPLETIONS, {"data": b'{"model": "fake-model", "prompt": ', "headers":
                                      {"Content-Type": "application/json"}}, 400, "Invalid JSON"),
     ("not an object", COMPLETIONS, {"json_body": ["prompt"]}, 400, "must be a JSON object"),
+    ("nested too deeply", COMPLETIONS, {"data": b'{"prompt": "a", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                                        "headers": {"Content-Type": "application/json"}}, 400, "nested too deeply"),
+    ("NaN logit bias", COMPLETIONS, {"data": b'{"prompt": "a", "logit_bias": {"5": NaN}}',
+                                     "headers": {"Content-Type": "application/json"}}, 400, "NaN is not a JSON number"),
+    ("Infinity penalty", CHAT, {"data": b'{"messages": [{"role": "user", "content": "x"}], "presence_penalty": '
+                                        b'-Infinity}', "headers": {"Content-Type": "application/json"}}, 400,
+     "-Infinity is not a JSON number"),
     ("empty body", CHAT, {"data": b"", "headers": {"Content-Type": "application/json"}}, 400, "body is empty"),
     ("binary body", CHAT, {"data": b"\xff\xfe\x00", "headers": {"Content-Type": "application/json"}}, 400,
      "Invalid JSON"),
@@ -198,3 +205,26 @@ def test_generic_content_type_is_read_as_json(server, tok):
     # aiohttp labels raw bytes application/octet-stream, as many HTTP tools do when none is given
     status, body = post(server.base_url + COMPLETIONS, data=b'{"prompt": "a", "max_tokens": 1}')
     assert status == 200, body
+
+
+def test_request_id_in_use_leaves_the_running_request_alone(tok):
+    """A request that reuses the request_id of one still running gets a 400, and the running one is neither
+    aborted nor left waiting: it finishes with all its tokens (the rejected request used to abort it by id)."""
+    engine = FakeEngine(tok, max_model_len=MAX_LEN, step_s=0.02)
+    body = {"model": MODEL, "prompt": "The quick brown", "max_tokens": 30, "ignore_eos": True, "request_id": "dup"}
+
+    async def go(url):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            async with s.post(url, json={**body, "stream": True}) as first:
+                assert first.status == 200
+                await first.content.readline()  # the first event: the request is running
+                async with s.post(url, json=body) as second:
+                    dup = (second.status, await second.json())
+                text = (await first.read()).decode()
+        return dup, [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+
+    with ServerThread(engine) as srv:
+        (status, err), events = asyncio.run(go(srv.base_url + COMPLETIONS))
+        assert status == 400 and "already running" in err["error"]["message"], err
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert engine.aborted == [] and srv.call(engine.live_requests) == []

@@ -83,6 +83,16 @@ class InputBatch:
         self.num_pages[row] = 0
         sp = seq.sampling_params
         self.sampling[row] = PADDING_ROW if sp is None else [getattr(sp, f) for f in SAMPLING_FIELDS]
-        self.seeds[row] = (getattr(seq, "rng_seed", 0) or 0) & 0xFFFFFFFF
+        self.seeds[row] = key_seed(getattr(seq, "rng_seed", 0) or 0)
         self.features[row] = feature_bits(sp)
         return row
+
+
+def key_seed(seed: int) -> int:
+    """The sampler's 32-bit key seed for a request seed of up to 64 bits (negative ones as two's complement):
+    splitmix64's finalizer, so seeds that differ only in their high bits (0 and 2**32, 5 and 2**63 + 5) still
+    get unrelated streams (truncating to the low 32 bits made them equal)."""
+    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) >> 32

@@ -119,7 +119,8 @@ def _top_k_top_p(y, top_k, top_p):
     sorted_y = jnp.where(jnp.arange(V)[None, :] < k[:, None], sorted_y, -jnp.inf)
     probs = jax.nn.softmax(sorted_y, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass of strictly better tokens
-    keep = before < top_p[:, None]
+    keep = (before < top_p[:, None]) | (jnp.arange(V) == 0)[None, :]  # the best token always stays (top_p
+    # may be a positive double that is 0 in float32)
     cutoff = jnp.min(jnp.where(keep, sorted_y, jnp.inf), axis=-1, keepdims=True)
     threshold = jnp.maximum(cutoff, kth)
     return jnp.where(y < threshold, -jnp.inf, y)
