@@ -46,7 +46,12 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self._verify()
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
@@ -94,6 +99,10 @@ class SamplingParams:
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
         )
+        _check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
+               f"logit_bias values must be finite, got {self.logit_bias}.")
+        _check(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
+               f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
         if self.allowed_token_ids is not None:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.")
         if self.seed is not None:

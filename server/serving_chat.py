@@ -8,6 +8,7 @@ from typing import Any
 
 from aiohttp import web
 
+from jaxllm.entrypoints.chat_utils import flatten_content
 from server.errors import APIError, parse_model, read_json
 from server.protocol import (
     ChatChoice,
@@ -44,8 +45,6 @@ from server.serving_common import (
 # apply_chat_template arguments a request's chat_template_kwargs may not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
                              "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template"}
-_TEXT_PART_TYPES = ("text", "input_text")
-
 
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file path, or the template itself (anything with braces or newlines)."""
@@ -64,17 +63,10 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     conversation = []
     for m in messages:
         msg = m.model_dump(exclude_none=True)
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                ptype = part.get("type")
-                if ptype not in _TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-                    raise APIError(f"Content part type '{ptype}' is not supported by jaxllm (text-only models); "
-                                   "send text parts only.", param="messages")
-                texts.append(part["text"])
-            content = "\n".join(texts)
-        msg["content"] = content if content is not None else ""
+        try:
+            msg["content"] = flatten_content(m.content)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
         conversation.append(msg)
     return conversation
 

@@ -1,6 +1,9 @@
 """The whole engine against HF transformers: greedy tokens equal under batching, chunked prefill, prefix
 caching and preemption; sampling, stops, logprobs and validation behave like vLLM."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -157,6 +160,81 @@ def test_stop_token_ids_min_tokens_and_stop_strings(llm, hf_refs):
     check_free(llm)
 
 
+def test_stop_token_text_kept_only_with_include_stop_str(llm, hf_refs):
+    """A stop token id's own text is in the output only with include_stop_str_in_output (vLLM V1)."""
+    ref = hf_refs[tuple(PROMPTS[0])]
+    stop_tok = ref[3]
+    k = ref.index(stop_tok)
+    tok = llm.get_tokenizer()
+    for include, n in ((False, k), (True, k + 1)):
+        c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(
+            temperature=0, max_tokens=10, stop_token_ids=[stop_tok], include_stop_str_in_output=include),
+            use_tqdm=False)[0].outputs[0]
+        assert c.token_ids == ref[: k + 1] and c.stop_reason == stop_tok
+        assert c.text == tok.decode(ref[:n], skip_special_tokens=True)
+
+
+def test_generation_config_eos_ids_and_max_new_tokens(tiny, hf_refs, tmp_path):
+    """generation_config.json's extra EOS ids stop like stop_token_ids and report their id as stop_reason
+    (the tokenizer's own EOS reports None); its max_new_tokens caps max_tokens, explicit or None."""
+    model_dir = shutil.copytree(tiny[0], tmp_path / "model")
+    ref = hf_refs[tuple(PROMPTS[0])]
+    extra = ref[2]
+    with open(model_dir / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [2, extra], "max_new_tokens": 6}, f)
+    llm = make_llm(str(model_dir))
+    c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10),
+                     use_tqdm=False)[0].outputs[0]
+    assert c.token_ids == ref[: ref.index(extra) + 1] and c.finish_reason == "stop" and c.stop_reason == extra
+    for max_tokens in (10, None):
+        c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+        assert c.outputs[0].token_ids == ref[:6] and c.outputs[0].finish_reason == "length"
+
+
+def test_max_logprobs_minus_one_returns_the_whole_vocabulary(tiny):
+    llm = make_llm(tiny[0], max_logprobs=-1)
+    V = llm.llm_engine.vocab_size
+    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(
+        temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=5, ignore_eos=True), use_tqdm=False)[0]
+    assert [len(d) for d in out.outputs[0].logprobs] == [V, V]
+    assert out.prompt_logprobs[0] is None and 5 <= len(out.prompt_logprobs[1]) <= 6
+    ranks = sorted(lp.rank for lp in out.outputs[0].logprobs[0].values())
+    assert ranks == list(range(1, V + 1))
+
+
+def test_failed_add_leaves_nothing_behind(llm, monkeypatch):
+    """A request whose set-up fails after it was registered (here: the bad-words encoding) is removed again:
+    a half-added request used to wait forever and hang every later generate()."""
+    def boom(params):
+        raise RuntimeError("bad words exploded")
+
+    monkeypatch.setattr(llm.llm_engine, "_bad_word_ids", boom)
+    with pytest.raises(RuntimeError, match="exploded"):
+        llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert len(llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
+    check_free(llm)
+
+
+def test_offline_api_input_errors(llm):
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate("x", {"max_tokens": 3}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts \(2\) and priority \(1\)"):
+        llm.generate(["a", "b"], GREEDY, priority=[1], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(5, use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias must map token ids to numbers"):
+        SamplingParams(logit_bias={"abc": 1})
+    with pytest.raises(ValueError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias={1: float("nan")})
+    with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
+        SamplingParams(bad_words=[1])
+    assert SamplingParams(bad_words="abc").bad_words == ["abc"]
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
 def test_text_prompts_and_chat(llm):
     outs = llm.generate(["the engine was paged", "blocks were counted"], GREEDY, use_tqdm=False)
     tok = llm.get_tokenizer()
@@ -165,6 +243,13 @@ def test_text_prompts_and_chat(llm):
     chat = llm.chat([{"role": "user", "content": "the scheduler saw"}], GREEDY, use_tqdm=False)
     assert chat[0].outputs[0].token_ids and chat[0].prompt_token_ids[-1] == tok.encode(
         "<s>assistant:", add_special_tokens=False)[-1]
+    # OpenAI content parts: text parts joined with newlines (vLLM); other parts are refused
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "the scheduler"},
+                                                   {"type": "text", "text": "saw"}]}], GREEDY, use_tqdm=False)
+    joined = llm.chat([{"role": "user", "content": "the scheduler\nsaw"}], GREEDY, use_tqdm=False)
+    assert parts[0].prompt_token_ids == joined[0].prompt_token_ids
+    with pytest.raises(ValueError, match="Content part type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
 
 
 def test_penalties_and_logit_bias(llm, hf_refs):
@@ -222,6 +307,22 @@ def test_engine_level_validation(llm):
     assert not llm.llm_engine.has_unfinished_requests()
     check_free(llm)
     assert llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_runner_rows_come_back_when_a_step_schedules_nothing(tiny):
+    """One sequence finishes while the other waits on its last token still on the device: that schedule() is
+    empty and no step runs. The finished sequence's InputBatch row must still come back (it leaked, one per
+    such step, until generate() failed with "InputBatch has no free row")."""
+    llm = make_llm(tiny[0], max_num_seqs=2)
+    batch = llm.llm_engine.runner.batch
+    rows = batch.tables.shape[0]
+    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    for _ in range(3 * rows):
+        outs = llm.generate([{"prompt_token_ids": [5, 9]}, {"prompt_token_ids": [7]}], params, use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outs] == [4, 5]
+    assert len(batch._free) + len(llm.llm_engine.scheduler._freed) == rows
+    check_free(llm)
 
 
 def test_max_model_len_and_kv_errors(tiny):

@@ -108,6 +108,8 @@ class LLMEngine:
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        # generation_config.json's max_new_tokens caps every request (vLLM's max_tokens resolution)
+        max_tokens = min(max_tokens, self.generation_defaults.get("max_tokens") or max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         req = _Request(request_id, text, ids, params, [], metrics)
         for i in range(params.n):
@@ -123,10 +125,14 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._requests[request_id] = req
-        for state in req.seqs:
-            self._update_bias(state)
-            self._seq_to_req[state.seq.seq_id] = request_id
-            self.scheduler.add(state.seq)
+        try:
+            for state in req.seqs:
+                self._update_bias(state)
+                self._seq_to_req[state.seq.seq_id] = request_id
+                self.scheduler.add(state.seq)
+        except Exception:  # all or nothing: a half-added request would wait forever
+            self.abort_request(request_id)
+            raise
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -249,10 +255,12 @@ class LLMEngine:
         p, seq = req.params, state.seq
         n_out = seq.num_output_tokens
         if token in p.all_stop_token_ids and n_out >= p.min_tokens:
-            # The stop token itself is not detokenized (vLLM); EOS reports stop_reason None.
-            state.text += state.detok.flush() if p.detokenize else ""
-            eos_only = token in self.eos_token_ids and token not in p.stop_token_ids
-            self._finish(state, "stop", None if eos_only else token)
+            # The stop token's text is kept only with include_stop_str_in_output (vLLM). The tokenizer's EOS
+            # reports stop_reason None; any other stop id (generation_config's extra EOS ids too) reports itself.
+            if p.detokenize:
+                state.text += (state.detok.append(token) if p.include_stop_str_in_output else "") + state.detok.flush()
+            model_eos = token == self.tokenizer.eos_token_id and token not in p.stop_token_ids
+            self._finish(state, "stop", None if model_eos else token)
             return
         delta = state.detok.append(token) if p.detokenize else ""
         state.text += delta
@@ -300,6 +308,7 @@ class LLMEngine:
         return cached
 
     def _logprob_dict(self, token, lp, rank, top_ids, top_lps, k) -> dict[int, Logprob]:
+        k = self.vocab_size if k == -1 else k  # -1: the whole vocabulary (allowed when max_logprobs is -1)
         d = {token: Logprob(lp, rank, self.tokenizer.decode([token]))}
         for tid, tlp, r in zip(top_ids[:k], top_lps[:k], range(1, k + 1)):
             tid = int(tid)

@@ -64,8 +64,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # seq_ids preempted by this schedule()
     num_batched_tokens: int = 0
-    # seq_ids finished, aborted or preempted since the previous schedule(): the runner drops their per-sequence
-    # state (a preempted sequence comes back with fresh pages and a recompute).
+    # seq_ids finished, aborted or preempted since the previous non-empty schedule(): the runner drops their
+    # per-sequence state (a preempted sequence comes back with fresh pages and a recompute). An empty schedule
+    # (no step runs, so no runner sees it) keeps them for the next one.
     freed: list[str] = field(default_factory=list)
     step_id: int = 0
 
@@ -276,7 +277,8 @@ class Scheduler:
                 self._schedule_chunk(out, seq, num_new)
                 budget -= num_new
 
-        out.freed, self._freed = self._freed, []
+        if out.scheduled:
+            out.freed, self._freed = self._freed, []
         return out
 
     def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:

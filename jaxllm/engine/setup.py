@@ -6,7 +6,7 @@ import json
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
@@ -62,11 +62,6 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    from jaxllm.engine.runner import ModelRunner
-    from jaxllm.models.attention import AttentionConfig
-    from jaxllm.models.loader import load_params
-    from jaxllm.sharding import ParallelConfig
-
     path = resolve_model_path(args.model)
     with open(os.path.join(path, "config.json")) as f:
         hf = json.load(f)
@@ -76,6 +71,23 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
     tokenizer_future = pool.submit(_load_tokenizer, args.tokenizer or path)
     pool.shutdown(wait=False)  # its thread ends after this one task
+    try:
+        return _build_parts(args, path, hf, tokenizer_future)
+    except BaseException:
+        # A failed LLM() that returns while the thread still imports transformers leaves the module half
+        # imported for a retry in the same process (AttributeError on PreTrainedTokenizerFast).
+        wait([tokenizer_future])
+        raise
+
+
+def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> EngineParts:
+    import jax
+
+    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
         raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
@@ -120,7 +132,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                          kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, max_logprobs=max(args.max_logprobs, 1),
+                         max_model_len=max_model_len, max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
                          executable_cache_dir=_executable_cache_dir(args))
     t0 = time.perf_counter()
     runner.warm_up(enforce_eager=args.enforce_eager)

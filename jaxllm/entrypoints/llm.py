@@ -6,6 +6,7 @@ import itertools
 from typing import Any, Sequence
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.entrypoints.chat_utils import flatten_content
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class LLM:
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
+            conv = [{**m, "content": flatten_content(m.get("content"))} for m in conv]
             ids = tok.apply_chat_template(
                 conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tools=tools, tokenize=True,
@@ -52,12 +54,18 @@ class LLM:
             return [self.get_default_sampling_params()] * n
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
-        sampling_params = list(sampling_params)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}.")
         if len(sampling_params) != n:
             raise ValueError(f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be the same.")
-        return sampling_params
+        return list(sampling_params)
 
     def _add(self, prompts, params, priority) -> list[str]:
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the "
+                             "same.")
         ids, engine = [], self.llm_engine
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
@@ -78,6 +86,10 @@ class LLM:
         try:
             while self.llm_engine.has_unfinished_requests():
                 bar.update(self._step(ids, done))
+        except BaseException:  # an engine error or a KeyboardInterrupt: leave nothing of this call behind
+            for request_id in ids:
+                self.llm_engine.abort_request(request_id)
+            raise
         finally:
             bar.close()
         return [done[i] for i in ids]
@@ -102,6 +114,9 @@ class LLM:
 def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a dict, a list of token ids or a list of these, got "
+                         f"{type(prompts).__name__}.")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
