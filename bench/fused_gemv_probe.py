@@ -189,7 +189,7 @@ def main():
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del ws
+            ws = None  # frees the weight copies before the next shape
     info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, git_commit=os.environ.get("GIT_COMMIT"),
                 command=" ".join(sys.argv))
     with open(a.out, "w") as f:
