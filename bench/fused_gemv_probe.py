@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from jax.experimental import pallas as pl  # noqa: E402
 
+from bench.common import environment, write_result  # noqa: E402
 from kernels_pallas._common import mma, triton_params  # noqa: E402
 
 
@@ -190,10 +191,7 @@ def main():
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             ws = None  # frees the weight copies before the next shape
-    info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, git_commit=os.environ.get("GIT_COMMIT"),
-                command=" ".join(sys.argv))
-    with open(a.out, "w") as f:
-        json.dump(dict(info=info, rows=rows), f, indent=1)
+    write_result("fused_gemv_probe", dict(env=environment(), rows=rows), a.out)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.common import SHAPES  # noqa: E402
+from bench.common import SHAPES, environment, write_result  # noqa: E402
 from jaxllm.config import ModelConfig  # noqa: E402
 from jaxllm.models import decoder  # noqa: E402
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata  # noqa: E402
@@ -167,10 +167,7 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for k in row.get("kernels", [])[:16]:
             print("   ", k, flush=True)
-    info = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, git_commit=os.environ.get("GIT_COMMIT"),
-                command=" ".join(sys.argv), ctx=a.ctx, shape=a.shape)
-    with open(a.out, "w") as f:
-        json.dump(dict(info=info, rows=rows), f, indent=1)
+    write_result("step_probe", dict(env=environment(), ctx=a.ctx, shape=a.shape, rows=rows), a.out)
 
 
 if __name__ == "__main__":
