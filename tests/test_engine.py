@@ -232,6 +232,11 @@ def test_offline_api_input_errors(llm):
     with pytest.raises(ValueError, match="bad_words must be a list of non-empty strings"):
         SamplingParams(bad_words=[1])
     assert SamplingParams(bad_words="abc").bad_words == ["abc"]
+    with pytest.raises(ValueError, match="prompt_token_ids must be a list of ints"):
+        llm.generate({"prompt_token_ids": [1.0, 2]}, use_tqdm=False)
+    for name, value in (("max_model_len", "512"), ("max_num_seqs", 0), ("max_num_batched_tokens", -1)):
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer, got {value!r}"):
+            LLM(None, **{name: value})
     assert not llm.llm_engine.has_unfinished_requests()
 
 

@@ -86,7 +86,10 @@ class LLMEngine:
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError(f"prompt_token_ids must be a list of ints, got {ids!r:.80}.")
+                return prompt.get("prompt"), list(ids)
             if "prompt" in prompt:
                 prompt = prompt["prompt"]
             else:
