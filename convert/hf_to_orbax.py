@@ -49,6 +49,9 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
         raise ConversionError(f"--model {model_dir} is already a jaxllm checkpoint (it has {MANIFEST}).")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ConversionError(f"--model {model_dir} has no config.json; point it at an HF model directory.")
+    if os.path.commonpath([model_dir, out_dir]) == out_dir:
+        raise ConversionError(f"--out {out_dir} is --model {model_dir} or contains it: writing there would delete "
+                              "the checkpoint being converted.")
     _check_out_dir(out_dir, overwrite)
     try:
         cfg = ModelConfig.from_hf(model_dir, dtype=dtype)
@@ -78,7 +81,7 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
                 sharding = _chunk_sharding(mesh, flat_specs[key], width)
                 arrays[key] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
                 bar.update(1)
-        except ValueError as e:  # missing tensor / shape that does not fit the config: the loader's message
+        except ValueError as e:  # missing / unused tensor, shape that does not fit the config: the loader's message
             raise ConversionError(f"{model_dir}: {e}") from None
         finally:
             bar.close()
@@ -98,14 +101,16 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
         with open(os.path.join(model_dir, "config.json")) as f:
             hf = json.load(f)
         hf["torch_dtype"] = cfg.dtype
+        if "dtype" in hf:  # transformers 5 writes "dtype"; both must name what the arrays hold
+            hf["dtype"] = cfg.dtype
         _write_json(os.path.join(tmp, "config.json"), hf)
         for name in COPIED_FILES:
             src = os.path.join(model_dir, name)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, name))
         _write_json(os.path.join(tmp, MANIFEST), manifest)  # last: its presence marks a complete checkpoint
-        if overwrite and os.path.exists(out_dir):
-            shutil.rmtree(out_dir)
+        if os.path.isdir(out_dir) and (overwrite or not os.listdir(out_dir)):
+            shutil.rmtree(out_dir)  # an empty --out, or --overwrite: replaced only now, once the new one is whole
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,8 +124,6 @@ def _check_out_dir(out_dir: str, overwrite: bool) -> None:
             raise ConversionError(f"--out {out_dir} exists and is not a directory.")
         if os.listdir(out_dir) and not overwrite:
             raise ConversionError(f"--out {out_dir} exists and is not empty; pass --overwrite to replace it.")
-        if not os.listdir(out_dir):
-            os.rmdir(out_dir)  # an empty directory is replaced by the rename
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise ConversionError(f"--out {out_dir}: the parent directory {parent} does not exist.")

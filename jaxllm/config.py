@@ -93,7 +93,7 @@ class ModelConfig:
     def from_hf(cls, config: str | os.PathLike | dict[str, Any], dtype: str = "auto") -> ModelConfig:
         """Reads a model directory, a config.json path, or its dict. Unsupported options raise ValueError
         naming the field."""
-        hf = _read_hf_config(config)
+        hf = read_hf_config(config)
         archs = hf.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
@@ -182,7 +182,7 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
-def _read_hf_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
+def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:
     if isinstance(config, dict):
         return config
     path = os.fspath(config)
@@ -191,7 +191,10 @@ def _read_hf_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any
     if not os.path.exists(path):
         raise ValueError(f"No config.json found at {path}.")
     with open(path) as f:
-        return json.load(f)
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
 
 
 def _require(hf: dict[str, Any], key: str):

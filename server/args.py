@@ -116,7 +116,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, gguf, dummy (random weights).")
+    e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, dummy (random weights).")
     e.add_argument("--generation-config", default="auto",
                    help="'auto': the model's generation_config.json; 'vllm': ignore it; or a directory.")
     e.add_argument("--enforce-eager", action="store_true",

@@ -66,6 +66,50 @@ def test_missing_tensor_named(llama_dir, tmp_path):
         load_params(d, cfg, ParallelConfig().make_mesh())
 
 
+def test_unused_tensors_are_an_error(llama_dir, tmp_path):
+    """Weights the config does not use mean the two disagree (here: a checkpoint with a bias the config has
+    not, and a config with one layer fewer): loading would silently run another model. RoPE buffers are fine."""
+    def add(t):
+        t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
+        t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
+
+    d = _rewrite(llama_dir, str(tmp_path / "b"), add)
+    cfg = ModelConfig.from_hf(d, dtype="float32")
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) the model config does not use, e\.g\. "
+                                         r"'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+        load_params(d, cfg, ParallelConfig().make_mesh())
+    hf = json.load(open(os.path.join(llama_dir, "config.json")))
+    cfg = ModelConfig.from_hf(hf | {"num_hidden_layers": hf["num_hidden_layers"] - 1}, dtype="float32")
+    with pytest.raises(ValueError, match="does not use.*model\\.layers\\.1\\."):
+        load_params(llama_dir, cfg, ParallelConfig().make_mesh())
+
+
+def test_unreadable_weight_files_are_named(llama_dir, tmp_path):
+    d = _rewrite(llama_dir, str(tmp_path / "t"), lambda t: None)
+    path = os.path.join(d, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(100)
+    cfg = ModelConfig.from_hf(d, dtype="float32")
+    with pytest.raises(ValueError, match="Cannot read weights from .*model.safetensors"):
+        load_params(d, cfg, ParallelConfig().make_mesh())
+
+
+def test_legacy_torch_bin_loads(llama_dir, tmp_path):
+    """pytorch_model.bin written without the zip format (torch < 1.6) cannot be memory-mapped: read normally."""
+    import torch
+
+    tensors = load_file(os.path.join(llama_dir, "model.safetensors"))
+    d = tmp_path / "legacy"
+    d.mkdir()
+    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, d / "pytorch_model.bin",
+               _use_new_zipfile_serialization=False)
+    (d / "config.json").write_text(open(os.path.join(llama_dir, "config.json")).read())
+    cfg = ModelConfig.from_hf(str(d), dtype="float32")
+    mesh = ParallelConfig().make_mesh()
+    got, want = load_params(str(d), cfg, mesh), load_params(llama_dir, cfg, mesh)
+    np.testing.assert_array_equal(np.asarray(got["layers"][1]["w_down"]), np.asarray(want["layers"][1]["w_down"]))
+
+
 def test_misshaped_tensor_names_both_shapes(llama_dir, tmp_path):
     def edit(t):
         t["model.layers.0.self_attn.k_proj.weight"] = np.zeros((8, 64), np.float32)

@@ -116,5 +116,16 @@ def test_bad_inputs(hf_dir, tmp_path):
     with pytest.raises(ConversionError, match="cannot write|not writable"):
         convert_checkpoint(src, "/proc/jaxllm-ckpt", progress=False)
     assert not _leftovers(tmp_path, "o")
+    # --out may not be the source or contain it (--overwrite would delete the checkpoint being converted)
+    with pytest.raises(ConversionError, match="would delete the checkpoint being converted"):
+        convert_checkpoint(src, src, overwrite=True)
+    with pytest.raises(ConversionError, match="would delete the checkpoint being converted"):
+        convert_checkpoint(src, os.path.dirname(src), overwrite=True)
+    assert os.path.isfile(os.path.join(src, "pytorch_model.bin"))
+    # an empty --out survives a failed conversion
+    (tmp_path / "empty_out").mkdir()
+    with pytest.raises(ConversionError, match="tensor_parallel_size"):
+        convert_checkpoint(src, str(tmp_path / "empty_out"), tp=8)
+    assert (tmp_path / "empty_out").is_dir()
     # The CLI prints the message and exits 2 rather than a traceback.
     assert convert_main(["--model", str(tmp_path / "missing"), "--out", out]) == 2

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import CacheConfig, SchedulerConfig
 
@@ -63,8 +63,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     path = resolve_model_path(args.model)
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
+    if not os.path.isdir(path):
+        raise ValueError(f"Model directory {path!r} does not exist (jaxllm loads local HF-layout directories).")
+    hf = read_hf_config(path)
     # The tokenizer (and the transformers import) loads on a thread while the weights load and the steps
     # compile or load from the executable cache, which mostly release the GIL (2-core VM, warm start of a
     # 32-layer tiny model: LLM() 10.0-11.8 -> 8.2-8.5 s).

@@ -12,6 +12,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from typing import Callable, Iterator
 
 import jax
@@ -122,7 +123,11 @@ class CheckpointReader:
         self._index: dict[str, str] = {}
         self._handles: dict[str, object] = {}
         for path in self.files:
-            for name in self._open(path).keys():
+            try:
+                names = list(self._open(path).keys())
+            except Exception as e:  # noqa: BLE001 - truncated / corrupt files: name the file, not the parser
+                raise ValueError(f"Cannot read weights from {path}: {type(e).__name__}: {e}") from None
+            for name in names:
                 self._index[name] = path
 
     def _open(self, path: str):
@@ -154,7 +159,13 @@ class _TorchFile:
                 f"Reading {path} needs PyTorch: pip install 'jaxllm[torch]' (or torch==2.13.0 for the CPU build)."
             ) from e
         self._torch = torch
-        self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            self._state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            # Files written by torch < 1.6 (or with _use_new_zipfile_serialization=False) cannot be mapped.
+            self._state = torch.load(path, map_location="cpu", weights_only=True)
 
     def keys(self):
         return self._state.keys()
@@ -178,7 +189,10 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
                              else "pytorch_model.bin.index.json")
         if os.path.exists(index):
             with open(index) as f:
-                names = sorted(set(json.load(f)["weight_map"].values()))
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index} has no weight_map.")
+            names = sorted(set(weight_map.values()))
             missing = [n for n in names if not os.path.exists(os.path.join(model_dir, n))]
             if missing:
                 raise ValueError(f"{index} lists shard files that are missing: {missing}.")
@@ -191,6 +205,10 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
 
 
 # --- loading ------------------------------------------------------------------------------------------------
+# Checkpoint tensors that are buffers, not weights (RoPE tables some exports keep); vLLM skips them too.
+_IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
 def _path_key(path) -> tuple:
     return tuple(p.key if hasattr(p, "key") else p.idx for p in path)
 
@@ -200,6 +218,12 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
     heads are not repeated (tp = 1 specs). Fused weights are fused here, on the host, one at a time."""
     specs = param_specs(cfg)
     table = weight_table(cfg)
+    used = {n for names, _ in table.values() for n in names}
+    unused = [n for n in reader.keys() if n not in used and not _IGNORED.search(n)
+              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unused:  # the config and the checkpoint disagree (layer count, biases): loading would run another model
+        raise ValueError(f"Checkpoint has {len(unused)} tensor(s) the model config does not use, e.g. "
+                         f"{', '.join(map(repr, unused[:3]))}; check that config.json belongs to these weights.")
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key = _path_key(path)
         hf_names, hook = table[key]
