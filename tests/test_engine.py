@@ -90,6 +90,47 @@ def test_preemption_keeps_greedy(tiny, hf_refs):
     check_free(llm)
 
 
+def _same_prompt_logprobs(got, want):
+    assert len(got) == len(want) and got[0] is None and want[0] is None
+    for g, w in zip(got[1:], want[1:]):
+        assert g.keys() == w.keys()
+        for t in g:
+            assert g[t].logprob == pytest.approx(w[t].logprob, abs=1e-5)
+
+
+def test_prompt_logprobs_survive_preemption_mid_prefill(tiny):
+    """A chunked prefill preempted halfway is recomputed from position 0: the prompt logprobs already kept
+    stay, the recomputed ones are not filed a second time (they landed on later positions before)."""
+    llm = make_llm(tiny[0], num_gpu_blocks_override=10, max_num_batched_tokens=8, max_num_seqs=4, max_model_len=64)
+    prompt = list(range(10, 50))
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    alone = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].prompt_logprobs
+    before = llm.llm_engine.scheduler.num_preemptions
+    busy = llm.generate([{"prompt_token_ids": list(range(60, 100))}, {"prompt_token_ids": prompt}],
+                        [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), sp], use_tqdm=False)[1]
+    assert llm.llm_engine.scheduler.num_preemptions > before
+    _same_prompt_logprobs(busy.prompt_logprobs, alone)
+    check_free(llm)
+
+
+def test_prompt_logprobs_not_taken_from_an_aborted_request_of_the_same_id(tiny):
+    llm = make_llm(tiny[0], max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    prompt = list(range(60, 90))
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)
+    want = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].prompt_logprobs
+    engine.add_request("x", {"prompt_token_ids": list(range(10, 50))}, sp)
+    engine.step()  # its first chunk is in flight
+    engine.abort_request("x")
+    engine.add_request("x", {"prompt_token_ids": prompt}, sp)
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in done] == ["x"]
+    _same_prompt_logprobs(done[0].prompt_logprobs, want)
+    check_free(llm)
+
+
 def test_seeded_sampling_reproducible_and_batch_independent(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234, max_tokens=8, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0].token_ids

@@ -267,7 +267,7 @@ class LLMEngine:
             return
         delta = state.detok.append(token) if p.detokenize else ""
         state.text += delta
-        if delta and state.stops.stop and n_out >= p.min_tokens:
+        if delta and state.stops.stop and n_out > p.min_tokens:  # vLLM V1: past min_tokens
             match = state.stops.check(state.text, len(delta))
             if match is not None:
                 state.text = state.text[: match.text_end]
@@ -321,17 +321,22 @@ class LLMEngine:
 
     def _collect_prompt_logprobs(self, handle: StepHandle, result: StepResult, touched) -> None:
         t_lp, t_rank, top_ids, top_lps = result.prompt
-        for seq_id, (lo, n) in handle.prompt_rows.items():
+        scheduled = {s.seq.seq_id: s.seq for s in handle.sched.scheduled}
+        for seq_id, (lo, n, start) in handle.prompt_rows.items():
             req = self._requests.get(self._seq_to_req.get(seq_id, ""))
-            if req is None or req.prompt_logprobs is None or req.seqs[0].seq.seq_id != seq_id:
+            # The chunk must belong to this request's sequence: an aborted request's id may be in use again.
+            if req is None or req.prompt_logprobs is None or req.seqs[0].seq is not scheduled.get(seq_id):
                 continue
             k = req.params.prompt_logprobs
             for j in range(n):
-                if len(req.prompt_logprobs) >= len(req.prompt_token_ids):
+                pos = start + j + 1  # prompt position of token j's target = its index in prompt_logprobs
+                if pos >= len(req.prompt_token_ids):
                     break
-                target = req.prompt_token_ids[len(req.prompt_logprobs)]
+                if pos < len(req.prompt_logprobs):  # recomputed after a preemption: kept from the first pass
+                    continue
                 req.prompt_logprobs.append(self._logprob_dict(
-                    target, float(t_lp[lo + j]), int(t_rank[lo + j]), top_ids[lo + j], top_lps[lo + j], k))
+                    req.prompt_token_ids[pos], float(t_lp[lo + j]), int(t_rank[lo + j]), top_ids[lo + j],
+                    top_lps[lo + j], k))
 
     def _make_output(self, req: _Request) -> RequestOutput | None:
         finished = all(s.finish_reason is not None for s in req.seqs)

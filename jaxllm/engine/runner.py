@@ -70,7 +70,7 @@ class StepHandle:
     sched: SchedulerOutput
     rows: dict[str, int]  # seq_id -> row of the sampled outputs (sample=True chunks only)
     outputs: tuple  # device arrays
-    prompt_rows: dict[str, tuple[int, int]]  # seq_id -> (first token index, count) when prompt logprobs
+    prompt_rows: dict[str, tuple[int, int, int]]  # seq_id -> (first token index, count, first prompt position)
     num_logprobs: int
 
 
@@ -81,7 +81,7 @@ class PreparedStep:
     variant: StepVariant
     host_args: tuple  # (token_ids [T], src_rows [T], meta, logits_indices [B], smd, prompt_targets [T])
     sample_rows: dict[str, int]
-    prompt_rows: dict[str, tuple[int, int]]
+    prompt_rows: dict[str, tuple[int, int, int]]
     num_logprobs: int
 
 
@@ -374,7 +374,7 @@ class ModelRunner:
         for i in np.flatnonzero(features & PROMPT_LOGPROBS).tolist():
             s, lo = scheduled[i], int(first_tok[i])
             if s.start < s.seq.num_prompt_tokens:  # token j's target: the prompt token after it, if any
-                prompt_rows[ids[i]] = (lo, s.num_tokens)
+                prompt_rows[ids[i]] = (lo, s.num_tokens, s.start)
                 targets = s.seq.prompt_token_ids[s.start + 1 : s.start + s.num_tokens + 1]
                 prompt_targets[lo : lo + len(targets)] = targets
         prompt_k = self.max_logprobs if prompt_rows else 0
