@@ -37,7 +37,7 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
     import jax
 
     import jaxllm
-    from jaxllm.config import ModelConfig
+    from jaxllm.config import ModelConfig, read_hf_config, stored_dtype
     from jaxllm.models.loader import CheckpointReader, is_jaxllm_checkpoint, iter_host_weights
     from jaxllm.models.params import is_spec, param_specs
     from jaxllm.sharding import ParallelConfig
@@ -54,6 +54,8 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
                               "the checkpoint being converted.")
     _check_out_dir(out_dir, overwrite)
     try:
+        if dtype == "auto":  # storage keeps the checkpoint's dtype (vLLM's float32 -> bf16 rule is for running)
+            dtype = stored_dtype(read_hf_config(model_dir))
         cfg = ModelConfig.from_hf(model_dir, dtype=dtype)
         ParallelConfig(tp, pp).validate(cfg)
         reader = CheckpointReader(model_dir, load_format)

@@ -154,9 +154,14 @@ def resolve_dtype(dtype: str, hf: dict[str, Any]) -> str:
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r} is not supported; use one of auto, {', '.join(DTYPES)}.")
         return DTYPES[dtype]
-    stored = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-    stored = str(stored).replace("torch.", "")
-    return "bfloat16" if stored in ("float32", "float") else DTYPES.get(stored, "bfloat16")
+    stored = stored_dtype(hf)
+    return "bfloat16" if stored == "float32" else stored
+
+
+def stored_dtype(hf: dict[str, Any]) -> str:
+    """The dtype config.json says the weights are stored in (bfloat16 when it says nothing usable)."""
+    stored = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
+    return DTYPES.get(stored, "bfloat16")
 
 
 def _rope_config(hf: dict[str, Any]) -> RopeConfig:

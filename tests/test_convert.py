@@ -44,13 +44,15 @@ def logits(model_dir, tp):
 def test_round_trip_cli(hf_dir, tmp_path, capsys):
     src, refs = hf_dir
     out = str(tmp_path / "ckpt")
-    assert convert_main(["--model", src, "--out", out, "--tp", "2", "--dtype", "float32", "--no-progress"]) == 0
+    # --dtype auto stores the checkpoint's own dtype (float32 here); running it applies vLLM's rule later
+    assert convert_main(["--model", src, "--out", out, "--tp", "2", "--no-progress"]) == 0
     files = set(os.listdir(out))
     assert {MANIFEST, "params", "config.json", "generation_config.json", "tokenizer.json",
             "tokenizer_config.json"} <= files
     assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
     manifest = json.load(open(os.path.join(out, MANIFEST)))
     assert manifest["dtype"] == "float32" and manifest["tensor_parallel_size"] == 2
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "float32"
     assert manifest["format_version"] == 2 and manifest["params"]["layers/1/w_qkv"]["shape"] == [64, 2, 4, 16]
     for tp in (1, 4):  # the mesh it was written for does not matter; tp=4 > 2 kv heads
         for o, r, c in zip(logits(out, tp), refs, CACHED):
