@@ -161,3 +161,9 @@ def test_kv_budget_leaves_autotuning_headroom(monkeypatch):
     assert small * per_block <= (72 - 16) * 2**30 - 2 * 128256 * 4096 * 2
     big = setup._num_blocks(args, per_block, 8192, 512, cfg, gpu=True)  # activations already cover it
     assert big < small and big * per_block > (72 - 16 - 4) * 2**30
+    # a tiny model still leaves 1 GiB of working memory (all but ~60 MB went to its cache on an H100)
+    tiny = ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    stats.update(bytes_in_use=1 << 20)
+    blocks = setup._num_blocks(args, 4096, 16384, 1024, tiny, gpu=True)
+    assert (72 << 30) - (1 << 20) - blocks * 4096 >= 1 << 30

@@ -200,6 +200,9 @@ def _executable_cache_dir(args: EngineArgs) -> str | None:
     return os.path.join(os.path.expanduser(args.compilation_cache_dir), "jaxllm_executables")
 
 
+_MIN_WORKSPACE_BYTES = 1 << 30
+
+
 def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
@@ -220,6 +223,9 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
     # buffers are not live then, so the same headroom serves both. Without it an 8B model with
     # max_num_batched_tokens 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
     act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * jax.numpy.dtype(cfg.dtype).itemsize)
+    # And a floor for what does not scale with the model (cuBLAS / XLA workspaces, Pallas scratch, the
+    # sampler's buffers): a tiny model on an H100 was given all but ~60 MB and its first step ran out of memory.
+    act = max(act, _MIN_WORKSPACE_BYTES)
     budget = int(limit * args.gpu_memory_utilization / 0.9) if limit else 0  # bytes_limit is ~0.9 of memory
     free = budget - in_use - act
     if free <= 0:
