@@ -31,6 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 
 from bench.common import environment, write_result  # noqa: E402
+from jaxllm.models.decoder import rms_norm  # noqa: E402
 from kernels_pallas._common import mma, triton_params  # noqa: E402
 
 
@@ -117,9 +118,7 @@ def fused_gemv(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue
 def fused_gemv_ref(x, w, norm_weight=None, residual=None, *, prologue=None, epilogue=None, eps=1e-6):
     """The unfused ops, as the decoder writes them (HF's rounding)."""
     if prologue == "norm":
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-        x = norm_weight * x32.astype(x.dtype)
+        x = rms_norm(x, norm_weight, eps)
     elif prologue == "silu":
         x = jax.nn.silu(x[:, 0]) * x[:, 1]
     y = jnp.einsum("TD,DN->TN", x, w)

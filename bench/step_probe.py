@@ -68,7 +68,6 @@ def split_gate_up_params(params):
 VARIANTS = {
     "base": (None, {}, None),
     "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None),
-    "no_split_k": (None, {"xla_gpu_enable_split_k_autotuning": False}, None),
     "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params),
 }
 

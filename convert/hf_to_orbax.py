@@ -54,9 +54,10 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
                               "the checkpoint being converted.")
     _check_out_dir(out_dir, overwrite)
     try:
+        hf = read_hf_config(model_dir)
         if dtype == "auto":  # storage keeps the checkpoint's dtype (vLLM's float32 -> bf16 rule is for running)
-            dtype = stored_dtype(read_hf_config(model_dir))
-        cfg = ModelConfig.from_hf(model_dir, dtype=dtype)
+            dtype = stored_dtype(hf)
+        cfg = ModelConfig.from_hf(hf, dtype=dtype)
         ParallelConfig(tp, pp).validate(cfg)
         reader = CheckpointReader(model_dir, load_format)
     except ValueError as e:
@@ -100,9 +101,7 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
             "params": {"/".join(map(str, k)): {"shape": list(s.shape), "axes": list(s.axes)}
                        for k, s in flat_specs.items()},
         }
-        with open(os.path.join(model_dir, "config.json")) as f:
-            hf = json.load(f)
-        hf["torch_dtype"] = cfg.dtype
+        hf = dict(hf, torch_dtype=cfg.dtype)
         if "dtype" in hf:  # transformers 5 writes "dtype"; both must name what the arrays hold
             hf["dtype"] = cfg.dtype
         _write_json(os.path.join(tmp, "config.json"), hf)

@@ -20,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
     p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size the checkpoint is chunked for.")
     p.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size it is written for (validated).")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype).")
+    p.add_argument("--dtype", default="auto",
+                   help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype).")
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt"])
     p.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out.")
     p.add_argument("--no-progress", action="store_true")

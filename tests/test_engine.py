@@ -259,6 +259,27 @@ def test_failed_add_leaves_nothing_behind(llm, monkeypatch):
     check_free(llm)
 
 
+def test_request_failing_mid_generate_aborts_the_call(llm, monkeypatch):
+    """A request that fails while its output is processed raises out of generate(), and the call's other
+    requests are aborted with it: nothing stays in the engine, which keeps working."""
+    real = llm.llm_engine._on_token
+
+    def on_token(req, *args):
+        if req.prompt_token_ids == [9, 9]:
+            raise RuntimeError("detokenizer exploded")
+        return real(req, *args)
+
+    monkeypatch.setattr(llm.llm_engine, "_on_token", on_token)
+    with pytest.raises(RuntimeError, match="exploded"):
+        llm.generate([{"prompt_token_ids": [1, 2]}, {"prompt_token_ids": [9, 9]}], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    assert not llm.llm_engine._requests  # (the step already in flight is collected by the next call)
+    check_free(llm)
+    assert len(llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10
+    assert not llm.llm_engine.has_unfinished_requests()
+    check_free(llm)
+
+
 def test_offline_api_input_errors(llm):
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         llm.generate("x", {"max_tokens": 3}, use_tqdm=False)

@@ -133,7 +133,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                          kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len, max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
+                         max_model_len=max_model_len,
+                         max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
                          executable_cache_dir=_executable_cache_dir(args))
     t0 = time.perf_counter()
     runner.warm_up(enforce_eager=args.enforce_eager)

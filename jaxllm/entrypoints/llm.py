@@ -6,8 +6,8 @@ import itertools
 from typing import Any, Sequence
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.entrypoints.chat_utils import flatten_content
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.entrypoints.chat_utils import flatten_content
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -59,7 +59,8 @@ class LLM:
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}.")
         if len(sampling_params) != n:
-            raise ValueError(f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be the same.")
+            raise ValueError(f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be "
+                             "the same.")
         return list(sampling_params)
 
     def _add(self, prompts, params, priority) -> list[str]:
@@ -96,7 +97,7 @@ class LLM:
 
     def _step(self, ids: list[str], done: dict[str, RequestOutput]) -> int:
         """One engine step for the requests ids: finished outputs go into done (returns how many); a failed
-        request aborts them all and raises its error."""
+        request raises its error (and _run aborts them all)."""
         engine = self.llm_engine
         n = 0
         for out in engine.step():
@@ -105,8 +106,6 @@ class LLM:
                 n += 1
         failed = engine.pop_failures()
         if failed:
-            for request_id in ids:
-                engine.abort_request(request_id)
             raise next(iter(failed.values()))
         return n
 
