@@ -1,11 +1,19 @@
 """pp = 2 with warm-up (enforce_eager off) on two GPUs: start-up compiles the stages and the sampling head, a
 one-micro-batch request compiles nothing after it, and greedy tokens equal pp = 1 (tiny random Llama, float32,
 Pallas attention). `python bench/pp_warmup_check.py` writes $OUT/pp_gpu_check.json (or ./)."""
-import json, os, sys, tempfile, time
-sys.path.insert(0, ".")
-import jax
-from jaxllm import LLM, SamplingParams
-from tests.tiny_models import make_tiny_model_dir
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+
+from bench.common import environment, write_result  # noqa: E402
+from jaxllm import LLM, SamplingParams  # noqa: E402
+from tests.tiny_models import make_tiny_model_dir  # noqa: E402
 
 d = make_tiny_model_dir("llama", tempfile.mkdtemp())[0]
 prompts = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35], [101, 7], [8] * 19, [3], [44, 55, 66, 77]]
@@ -29,9 +37,6 @@ for pp in (1, 2):
     compiles.clear()
     del llm
 res["equal"] = res[1]["tokens"] == res[2]["tokens"]
-res["devices"] = [str(x) for x in jax.devices()]
-res["jax"] = jax.__version__
-res["commit"] = os.environ.get("GIT_COMMIT", "unknown")
-res["command"] = "python bench/pp_warmup_check.py"
+res["env"] = environment() | {"devices": [str(x) for x in jax.devices()]}
 print(json.dumps(res))
-json.dump(res, open(os.environ.get("OUT", ".") + "/pp_gpu_check.json", "w"), indent=1)
+write_result("pp_warmup_check", res, os.path.join(os.environ.get("OUT", "."), "pp_gpu_check.json"))
