@@ -66,6 +66,23 @@ def test_throughput_smoke(tmp_path):
     assert saved["env"]["jax"] and saved["env"]["command"] and "time_to_ready_s" in saved
 
 
+def test_first_use_smoke(tmp_path):
+    """The split sampler compiles sampler programs only; the whole-step mode compiles step programs."""
+    from bench import first_use
+
+    out = tmp_path / "fu.json"
+    res = first_use.main(["--shape", "tiny", "--load-format", "dummy", "--input-len", "8", "--output-len", "3",
+                          "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
+                          "--max-num-batched-tokens", "16", "--compilation-cache-dir", "", "--log-level", "warning",
+                          "--out", str(out)])
+    rows = {(r["mode"], r["setting"]): r for r in res["rows"]}
+    split, whole = rows["split_sampler", "top_p_top_k"], rows["whole_step", "top_p_top_k"]
+    assert split["step_programs_compiled"] == 0 and split["sampler_programs_compiled"] > 0
+    assert whole["step_programs_compiled"] > 0 and whole["sampler_programs_compiled"] == 0
+    assert all(r["first"]["tokens"] == r["again"]["tokens"] == 3 for r in res["rows"])
+    assert json.loads(out.read_text())["env"]["command"]
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_throughput_profile_window(tmp_path):
     """--profile-window re-runs the timed workload and traces exactly COUNT of its engine steps."""

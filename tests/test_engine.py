@@ -423,3 +423,34 @@ def test_fp8_kv_cache(tiny, hf_refs, kv_dtype, np_name):
 def test_bad_kv_cache_dtype(tiny):
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         make_llm(tiny[0], kv_cache_dtype="int4")
+
+
+def test_non_default_sampler_flags_compile_only_a_sampler(tiny):
+    """After warm-up, top-p / top-k, penalties, logit biases and logprobs run the bucket's start-up program and
+    a small sampler-only program on its logits: no step program compiles, and the tokens and logprobs equal
+    those of a whole step program compiled for those flags."""
+    llm = make_llm(tiny[0], enforce_eager=False)
+    runner = llm.llm_engine.runner
+    n_steps = len(runner._compiled)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, seed=4, max_tokens=6,
+                             ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, logit_bias={7: 5.0}, max_tokens=6, ignore_eos=True)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
+
+    def run():
+        outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        return [o.token_ids for o in outs], [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs or []]
+                                             for o in outs]
+
+    split = run()
+    assert len(runner._compiled) == n_steps and runner._samplers  # (samplers may come from the exec cache)
+    runner.split_sampler = False
+    whole = run()
+    assert len(runner._compiled) > n_steps
+    assert split[0] == whole[0]
+    for a, b in zip(split[1], whole[1]):
+        assert [sorted(d) for d in a] == [sorted(d) for d in b]
+        for da, db in zip(a, b):
+            assert [da[t] for t in sorted(da)] == pytest.approx([db[t] for t in sorted(db)], abs=1e-5)
+    check_free(llm)

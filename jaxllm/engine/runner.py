@@ -100,16 +100,26 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
-    return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, cfg=cfg,
-                                   flags=flags, prompt_k=prompt_k))
-
-
-def _sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, *, cfg: ModelConfig,
-               flags: SamplerFlags, prompt_k: int):
-    """Logits, sampling and prompt logprobs from the last layer's hidden states (also the pipeline's tail)."""
     logits = compute_logits(params, hidden[logits_indices], cfg)
+    # The logits are returned too (XLA writes them to memory for the sampler anyway): a step whose sampler
+    # flags are not the default runs this program with the default flags and then a sampler-only program on
+    # them (ModelRunner.execute), so a request with top-p, penalties or logprobs compiles only the small one.
+    return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
+                                   flags=flags, prompt_k=prompt_k), logits)
+
+
+def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
+    """Sampling from the logits of the B sampled rows; prev_tokens only gives the next one's shape."""
     tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
     next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    return next_prev, (tokens, lp, ranks, top_ids, top_lp)
+
+
+def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
+               flags: SamplerFlags, prompt_k: int):
+    """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
+    the pipeline's tail)."""
+    next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
     prompt = None
     if prompt_k:
         all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
@@ -118,7 +128,24 @@ def _sample_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets,
         t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
         p_lp, p_ids = jax.lax.top_k(all_lp, prompt_k)
         prompt = (t_lp, t_rank, p_ids.astype(jnp.int32), p_lp)
-    return next_prev, (tokens, lp, ranks, top_ids, top_lp), prompt
+    return next_prev, outputs, prompt
+
+
+def _pipeline_head_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, *, cfg: ModelConfig,
+                      flags: SamplerFlags, prompt_k: int):
+    """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage)."""
+    logits = compute_logits(params, hidden[logits_indices], cfg)
+    return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags,
+                      prompt_k=prompt_k)
+
+
+def _plain(smd: SamplingMetadata) -> SamplingMetadata:
+    """smd with the default flags' one-column penalty, bias and allowed-id rows (the start-up programs'
+    shapes); the start-up program's own sampling is discarded when the flags are not the default."""
+    B = smd.temperature.shape[0]
+    empty = np.full((B, 1), -1, np.int32)
+    return dataclasses.replace(smd, penalty_tokens=empty, penalty_is_output=np.zeros((B, 1), bool), bias_ids=empty,
+                               bias_values=np.zeros((B, 1), np.float32), allowed_ids=empty)
 
 
 def _compile_or_none(lowered):
@@ -160,8 +187,12 @@ class ModelRunner:
             self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
                                              max_pages=self.max_pages, token_buckets=self.token_buckets,
                                              seq_buckets=self.seq_buckets, pad_page=PAD_PAGE)
-            self._sample_jit = jax.jit(_sample_fn, static_argnames=("cfg", "flags", "prompt_k"))
+            self._sample_jit = jax.jit(_pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k"))
         self._compiled: dict[StepVariant, object] = {}
+        # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
+        self._sampler_jit = jax.jit(_sample_logits_fn, static_argnames=("flags",))
+        self._samplers: dict[tuple, object] = {}
+        self.split_sampler = True  # False: a whole step program per sampler flags (tests compare the two)
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None
@@ -398,17 +429,48 @@ class ModelRunner:
             self.prev_tokens, outputs, prompt = self._sample_jit(
                 self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
                 cfg=self.cfg, flags=p.variant.flags, prompt_k=p.variant.prompt_logprobs)
-        else:
+        elif p.variant.flags == SamplerFlags() or p.variant.prompt_logprobs or not self.split_sampler:
             args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
                     prompt_targets)
             exe = self._executable(p.variant, args)
-            self.kv_caches, self.prev_tokens, outputs, prompt = exe(*args)
+            self.kv_caches, self.prev_tokens, outputs, prompt, _ = exe(*args)
+        else:
+            # Non-default sampler flags: the bucket's start-up program (default flags) runs the model and
+            # returns the logits, then a sampler-only program samples them with these flags. Only the small
+            # program compiles on first use (a whole step would stall every running request for seconds).
+            v = p.variant
+            base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
+            args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices,
+                    _plain(smd), prompt_targets)
+            self.kv_caches, _, _, _, logits = self._executable(base, args)(*args)
+            sargs = (logits, self.prev_tokens, smd)
+            self.prev_tokens, outputs = self._sampler_executable(v, sargs)(*sargs)
+            prompt = None
         self._prev_rows = dict(p.sample_rows)
         return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 
     def collect(self, handle: StepHandle) -> StepResult:
         outputs, prompt = jax.device_get(handle.outputs)
         return StepResult(*outputs, prompt)
+
+    def _sampler_executable(self, v: StepVariant, args):
+        """The sampler-only program for v's B, flags and row widths (from the executable cache, or compiled on
+        first use: a fraction of a second where a whole step takes seconds)."""
+        key = (v.num_seqs, v.flags, v.sampler_widths)
+        exe = self._samplers.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            ck = None if self.exec_cache is None else self.exec_cache.key("sample", args, (v.flags,))
+            exe = None if ck is None else self.exec_cache.load(ck, args)
+            if exe is None:
+                compile_fn = self._sampler_jit.lower(*args, flags=v.flags).compile
+                exe = compile_fn() if ck is None else self.exec_cache.compile_and_store(ck, compile_fn)
+                if self.warmed_up and not self.eager:
+                    self.num_compiles_after_warmup += 1
+            self._samplers[key] = exe
+            logger.info("Sampler for B=%d %s %s ready in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
+                        time.perf_counter() - t0)
+        return exe
 
     # ---- sampling inputs ----
     def _flags(self, seqs, features: np.ndarray) -> SamplerFlags:

@@ -1,0 +1,83 @@
+"""The stall a request with non-default sampler flags causes the first time it meets a shape bucket.
+
+Start-up compiles every bucket for the plain sampler (temperature, min_p, seeds). A request that needs top-p /
+top-k, penalties, logit biases or logprobs used to compile a whole step program for its flags on first use,
+and every running request waited for it; now the bucket's start-up program returns the logits and only a
+sampler-only program compiles (runner.split_sampler). For each sampler setting below this times a batch-1
+request of --output-len tokens twice (the first meets the compile, the second does not), first with the split
+sampler, then with a whole step program per flags (the old way) for the same settings, in one process:
+
+  python bench/first_use.py --shape llama3-8b --load-format dummy --dtype bfloat16 --max-model-len 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+SETTINGS = {
+    "top_p_top_k": dict(temperature=0.8, top_p=0.9, top_k=50),
+    "penalties": dict(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.3),
+    "logprobs": dict(temperature=0.8, logprobs=5),
+}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=32)
+    return p.parse_args(argv)
+
+
+def timed(llm, prompt, sp) -> dict:
+    t0 = time.perf_counter()
+    out = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0]
+    e2e = time.perf_counter() - t0
+    m = out.metrics
+    return dict(e2e_s=e2e, ttft_s=m.first_token_time - m.arrival_time, tokens=len(out.outputs[0].token_ids))
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    common.setup_logging(args.log_level)
+    from jaxllm import LLM, SamplingParams
+
+    model = common.resolve_model(args)
+    t0 = time.perf_counter()
+    llm = LLM(model, **common.engine_kwargs(args, model))
+    ready = time.perf_counter() - t0
+    runner = llm.llm_engine.runner
+    prompt = common.random_token_prompts(1, args.input_len, llm.llm_engine.vocab_size, args.seed)[0]
+    base = dict(max_tokens=args.output_len, ignore_eos=True, seed=0)
+    rows = [dict(mode="plain", setting="temperature", first=timed(llm, prompt, SamplingParams(**base)),
+                 again=timed(llm, prompt, SamplingParams(**base)))]
+    for split in (True, False):
+        runner.split_sampler = split
+        for name, kw in SETTINGS.items():
+            sp = SamplingParams(**base, **kw)
+            n_steps, n_samplers = len(runner._compiled), len(runner._samplers)
+            first = timed(llm, prompt, sp)
+            again = timed(llm, prompt, sp)
+            rows.append(dict(mode="split_sampler" if split else "whole_step", setting=name, first=first,
+                             again=again, stall_s=first["e2e_s"] - again["e2e_s"],
+                             step_programs_compiled=len(runner._compiled) - n_steps,
+                             sampler_programs_compiled=len(runner._samplers) - n_samplers))
+            print(f"{rows[-1]['mode']:>13} {name:>12}: first {first['e2e_s']:.2f} s, again {again['e2e_s']:.2f} s "
+                  f"(TTFT {first['ttft_s'] * 1e3:.0f} / {again['ttft_s'] * 1e3:.0f} ms), compiled "
+                  f"{rows[-1]['step_programs_compiled']} step / {rows[-1]['sampler_programs_compiled']} sampler "
+                  "programs", flush=True)
+    res = dict(env=common.environment(), engine=common.engine_summary(llm), ready_s=ready,
+               workload=dict(input_len=args.input_len, output_len=args.output_len, batch=1), rows=rows)
+    common.write_result("first_use", res, args.out)
+    return res
+
+
+if __name__ == "__main__":
+    main()
