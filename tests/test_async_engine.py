@@ -1,6 +1,7 @@
 """AsyncLLM: streaming, abort on early close, per-request failures, bad input, and no leaked blocks."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -95,3 +96,76 @@ def test_failing_request_leaves_others_running(engine, monkeypatch):
     outs = asyncio.run(main())
     assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 12
     assert engine.is_running and free_blocks_ok(engine)
+
+
+class _StubEngine:
+    """Just enough of LLMEngine for AsyncLLM: step() blocks until released, then raises (die) or returns no
+    outputs."""
+
+    model_name, max_model_len, vocab_size, max_logprobs, tokenizer, generation_defaults = "x", 64, 10, 20, None, {}
+
+    def __init__(self, die: bool):
+        import threading
+
+        self.die = die
+        self.requests: set[str] = set()
+        self.in_step, self.release = threading.Event(), threading.Event()
+
+    def add_request(self, request_id, prompt, params, priority=0):
+        self.requests.add(request_id)
+
+    def abort_request(self, request_id):
+        self.requests.discard(request_id)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def pop_failures(self):
+        return {}
+
+    def step(self):
+        self.in_step.set()
+        self.release.wait()
+        if self.die:
+            raise RuntimeError("device fell over")
+        time.sleep(0.01)
+        return []
+
+
+def test_requests_added_while_the_engine_dies_fail_instead_of_hanging():
+    from jaxllm.engine.protocol import EngineDeadError
+
+    async def main():
+        fake = _StubEngine(die=True)
+        eng = AsyncLLM(fake)
+        running = asyncio.create_task(collect(eng, [1], GREEDY, "running"))
+        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        queued = asyncio.create_task(collect(eng, [1], GREEDY, "queued"))  # its add waits behind the step
+        await asyncio.sleep(0.05)
+        fake.release.set()
+        for task in (running, queued):
+            with pytest.raises(EngineDeadError, match="device fell over"):
+                await asyncio.wait_for(task, 5)
+        with pytest.raises(EngineDeadError, match="device fell over"):
+            await asyncio.wait_for(collect(eng, [1], GREEDY, "later"), 5)
+        assert eng.errored
+
+    asyncio.run(main())
+
+
+def test_streams_open_at_shutdown_end_with_an_error():
+    from jaxllm.engine.protocol import EngineDeadError
+
+    async def main():
+        fake = _StubEngine(die=False)
+        eng = AsyncLLM(fake)
+        stream = asyncio.create_task(collect(eng, [1], GREEDY, "open"))  # steps forever without output
+        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        fake.release.set()
+        await eng.shutdown()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(stream, 5)
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(collect(eng, [1], GREEDY, "after"), 5)
+
+    asyncio.run(main())

@@ -3,7 +3,8 @@
 The LLMEngine runs in one background thread, so device steps and host bookkeeping never block the event
 loop. Front ends talk to it through a command queue (add, abort); outputs come back to each request's
 asyncio.Queue through loop.call_soon_threadsafe. If a step raises, the engine is dead: every open request
-gets EngineDeadError and /health reports it.
+gets EngineDeadError and /health reports it. Once the loop has ended (died or shut down), adds still queued and
+any later generate() fail at once instead of waiting for a loop that will never read them.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class AsyncLLM:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._dead: BaseException | None = None
         self._stopped = False
+        self._closed: str | None = None  # set when the loop has ended: why new requests fail
+        self._close_lock = threading.Lock()  # orders "check closed + queue an add" against closing
         self._profiling = False
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
@@ -66,7 +69,10 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         added = loop.create_future()
-        self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added))
+        with self._close_lock:
+            if self._closed is not None:
+                raise EngineDeadError(self._closed)
+            self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added))
         await added  # raises the engine's ValueError for bad input
         finished = False
         try:
@@ -124,8 +130,25 @@ class AsyncLLM:
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell everyone
             logger.exception("Engine loop died")
             self._dead = e
-            for request_id in list(self._streams):
-                self._deliver(request_id, EngineDeadError(f"The engine died: {e!r}"), True)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """The loop has ended (died or shut down): fail every open stream, and the adds it will never read
+        (queued while it stepped, or since)."""
+        reason = f"The engine died: {self._dead!r}" if self._dead is not None else "The engine is shut down."
+        with self._close_lock:
+            self._closed = reason
+        for request_id in list(self._streams):
+            self._deliver(request_id, EngineDeadError(reason), True)
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                loop, added = cmd[5], cmd[7]
+                _call_soon(loop, _set_exception, added, EngineDeadError(reason))
 
     def _drain(self, block: bool) -> None:
         while True:
