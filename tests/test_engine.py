@@ -349,6 +349,7 @@ def test_penalties_and_logit_bias(llm, hf_refs):
     ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
     ({"max_tokens": 3, "min_tokens": 4}, "min_tokens must be less than or equal to max_tokens=3, got 4."),
     ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
+    ({"stop": "a", "detokenize": False}, "stop strings are only supported when detokenize is True"),
     ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
     ({"n": 0}, "n must be at least 1, got 0."),
     ({"logprobs": -2}, "logprobs must be non-negative, got -2."),
@@ -425,13 +426,19 @@ def test_bad_kv_cache_dtype(tiny):
         make_llm(tiny[0], kv_cache_dtype="int4")
 
 
-def test_non_default_sampler_flags_compile_only_a_sampler(tiny):
-    """After warm-up, top-p / top-k, penalties, logit biases and logprobs run the bucket's start-up program and
-    a small sampler-only program on its logits: no step program compiles, and the tokens and logprobs equal
-    those of a whole step program compiled for those flags."""
-    llm = make_llm(tiny[0], enforce_eager=False)
+def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
+    """After warm-up, a step with top-p / top-k, penalties, logit biases or logprobs whose step program is not
+    compiled yet runs the bucket's start-up program and a sampler-only program on its rows while that step
+    program compiles in the background; once it is ready the steps use it. Both ways give the same tokens and
+    logprobs."""
+    import threading
+
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
     runner = llm.llm_engine.runner
     n_steps = len(runner._compiled)
+    gate = threading.Event()
+    compile_in_background = runner._compile_in_background
+    runner._compile_in_background = lambda v, args: gate.wait() and compile_in_background(v, args)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, seed=4, max_tokens=6,
                              ignore_eos=True, logprobs=2),
@@ -444,10 +451,13 @@ def test_non_default_sampler_flags_compile_only_a_sampler(tiny):
                                              for o in outs]
 
     split = run()
-    assert len(runner._compiled) == n_steps and runner._samplers  # (samplers may come from the exec cache)
-    runner.split_sampler = False
+    assert len(runner._compiled) == n_steps and runner._samplers and runner._pending
+    gate.set()
+    runner.wait_for_background_compiles()
+    assert len(runner._compiled) > n_steps and not runner._pending
+    n_samplers = len(runner._samplers)
     whole = run()
-    assert len(runner._compiled) > n_steps
+    assert len(runner._samplers) == n_samplers  # the step programs ran
     assert split[0] == whole[0]
     for a, b in zip(split[1], whole[1]):
         assert [sorted(d) for d in a] == [sorted(d) for d in b]
