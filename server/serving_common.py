@@ -52,12 +52,11 @@ class ServerState:
         return self.served_model_names[0]
 
     def check_model(self, name: str | None) -> str:
-        """The model name to report back; an unknown name is a 404 (an absent one means the default)."""
-        if not name:
-            return self.model_name
-        if name not in self.served_model_names:
+        """The model name to report back: the first served name whichever one the request used (vLLM);
+        an unknown name is a 404 (an absent one means the default)."""
+        if name and name not in self.served_model_names:
             raise model_not_found(name)
-        return name
+        return self.model_name
 
     def default_sampling(self) -> dict[str, Any]:
         """generation_config defaults the engine exposes, as SamplingParams field names (max_tokens is the

@@ -69,9 +69,9 @@ def test_completion_basic(client, tok):
     assert extra(c, "prompt_token_ids") == tok.encode("The quick brown")
     assert r.usage.prompt_tokens == len(tok.encode("The quick brown"))
     assert r.usage.completion_tokens == 5 and r.usage.total_tokens == r.usage.prompt_tokens + 5
-    # the alias is accepted and reported back; the default max_tokens is 16
+    # the alias is accepted, and responses name the first served name (vLLM); the default max_tokens is 16
     r2 = client.completions.create(model="alias", prompt="The quick brown")
-    assert r2.model == "alias" and r2.usage.completion_tokens == 16
+    assert r2.model == MODEL and r2.usage.completion_tokens == 16
 
 
 def test_completion_echo_and_logprobs(client, tok):
@@ -216,6 +216,9 @@ def test_chat_streaming(client):
     roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
     finishes = [c.choices[0].index for c in chunks if c.choices[0].finish_reason]
     assert sorted(roles) == [0, 1] and sorted(finishes) == [0, 1]
+    # asked for by an alias, every chunk still names the first served name (vLLM)
+    chunks = list(client.chat.completions.create(**dict(kw, model="alias"), stream=True))
+    assert chunks and all(c.model == MODEL for c in chunks)
 
 
 def test_chat_echo_and_continue_final_message(server, client, tok):
