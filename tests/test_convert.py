@@ -57,6 +57,10 @@ def test_round_trip_cli(hf_dir, tmp_path, capsys):
     for tp in (1, 4):  # the mesh it was written for does not matter; tp=4 > 2 kv heads
         for o, r, c in zip(logits(out, tp), refs, CACHED):
             assert np.max(np.abs(o - r[c:])) / np.max(np.abs(r)) <= 1e-4
+    cfg = ModelConfig.from_hf(out, dtype="float32")
+    for fmt in ("safetensors", "pt"):  # the weights are there, in Orbax: say how to load them
+        with pytest.raises(ValueError, match="is a jaxllm \\(Orbax\\) checkpoint, not .* load_format='auto'"):
+            load_params(out, cfg, ParallelConfig(1, 1).make_mesh(), load_format=fmt)
     manifest["format_version"] = 1  # a checkpoint of separate wq/wk/wv...: a clear error, never garbage
     with open(os.path.join(out, MANIFEST), "w") as f:
         json.dump(manifest, f)

@@ -201,6 +201,9 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
                        if not os.path.basename(f).startswith("training_args"))
         if files:
             return files
+    if is_jaxllm_checkpoint(model_dir):  # converted by `python -m jaxllm.convert`: Orbax, read by "auto" only
+        raise ValueError(f"{model_dir} is a jaxllm (Orbax) checkpoint, not {load_format} weights; load it with "
+                         "load_format='auto' (--load-format auto, the default).")
     raise ValueError(f"No weights (load_format={load_format!r}) found in {model_dir}.")
 
 
