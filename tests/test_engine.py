@@ -404,6 +404,11 @@ def test_max_model_len_caps_output(llm):
     out = llm.generate({"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    # max_tokens=None fills the context; a prompt of exactly max_model_len still gets its one token (vLLM)
+    for n, want in ((100, 28), (128, 1)):
+        out = llm.generate({"prompt_token_ids": [3] * n}, SamplingParams(temperature=0, max_tokens=None,
+                                                                         ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        assert len(out.token_ids) == want and out.finish_reason == "length"
     check_free(llm)
 
 

@@ -100,12 +100,13 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
-    logits = compute_logits(params, hidden[logits_indices], cfg)
-    # The logits are returned too (XLA writes them to memory for the sampler anyway): a step whose sampler
-    # flags are not the default runs this program with the default flags and then a sampler-only program on
-    # them (ModelRunner.execute), so a request with top-p, penalties or logprobs compiles only the small one.
+    rows = hidden[logits_indices]
+    # The sampled rows' hidden states are returned too ([B, D]: small; returning the [B, V] float32 logits
+    # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
+    # default can run this program and a sampler-only program on them (ModelRunner.execute).
+    logits = compute_logits(params, rows, cfg)
     return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
-                                   flags=flags, prompt_k=prompt_k), logits)
+                                   flags=flags, prompt_k=prompt_k), rows)
 
 
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
@@ -113,6 +114,12 @@ def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
     tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
     next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
     return next_prev, (tokens, lp, ranks, top_ids, top_lp)
+
+
+def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags):
+    """The sampler-only program: logits of the sampled rows' hidden states (head: the final norm and output
+    weights), then sampling."""
+    return _sample_logits_fn(compute_logits(head, rows, cfg), prev_tokens, smd, flags=flags)
 
 
 def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
@@ -190,9 +197,13 @@ class ModelRunner:
             self._sample_jit = jax.jit(_pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k"))
         self._compiled: dict[StepVariant, object] = {}
         # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
-        self._sampler_jit = jax.jit(_sample_logits_fn, static_argnames=("flags",))
+        self._sampler_jit = jax.jit(_sample_rows_fn, static_argnames=("cfg", "flags"))
+        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
         self._samplers: dict[tuple, object] = {}
-        self.split_sampler = True  # False: a whole step program per sampler flags (tests compare the two)
+        # Whole step programs for non-default sampler flags, compiling in the background (see execute).
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
+        self._pending: dict[StepVariant, object] = {}
+        self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None
@@ -429,21 +440,21 @@ class ModelRunner:
             self.prev_tokens, outputs, prompt = self._sample_jit(
                 self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
                 cfg=self.cfg, flags=p.variant.flags, prompt_k=p.variant.prompt_logprobs)
-        elif p.variant.flags == SamplerFlags() or p.variant.prompt_logprobs or not self.split_sampler:
+        elif self._whole_step(p.variant, p.host_args):
             args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
                     prompt_targets)
             exe = self._executable(p.variant, args)
             self.kv_caches, self.prev_tokens, outputs, prompt, _ = exe(*args)
         else:
-            # Non-default sampler flags: the bucket's start-up program (default flags) runs the model and
-            # returns the logits, then a sampler-only program samples them with these flags. Only the small
-            # program compiles on first use (a whole step would stall every running request for seconds).
+            # Non-default sampler flags whose step program is still compiling in the background: the bucket's
+            # start-up program (default flags; its own sampling is discarded) runs the model and returns the
+            # sampled rows' hidden states, and a sampler-only program samples them with these flags.
             v = p.variant
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
             args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices,
                     _plain(smd), prompt_targets)
-            self.kv_caches, _, _, _, logits = self._executable(base, args)(*args)
-            sargs = (logits, self.prev_tokens, smd)
+            self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
+            sargs = (self._head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = self._sampler_executable(v, sargs)(*sargs)
             prompt = None
         self._prev_rows = dict(p.sample_rows)
@@ -453,20 +464,65 @@ class ModelRunner:
         outputs, prompt = jax.device_get(handle.outputs)
         return StepResult(*outputs, prompt)
 
+    def _whole_step(self, v: StepVariant, host_args) -> bool:
+        """Whether v runs as one step program: default flags, prompt logprobs (rare; they need every token's
+        logits), eager mode and warm-up do. Other flags do once their program is ready: the first step that
+        needs it loads it from the executable cache or, on a miss, starts compiling it in the background (a
+        whole 8B step takes seconds to compile, and every running request would wait) and runs split until
+        then (the model, then a sampler-only program: one more output-head GEMM per step)."""
+        if v in self._compiled or v.flags == SamplerFlags() or v.prompt_logprobs or not self.split_sampler:
+            return True
+        if self.eager or not self.warmed_up:
+            return True
+        job = self._pending.get(v)
+        if job is None:
+            args = self._spec_args(host_args)
+            exe = self._load(v, args)
+            if exe is not None:
+                self._compiled[v] = exe
+                return True
+            self._pending[v] = self._background.submit(self._compile_in_background, v, args)
+        elif job.done():
+            del self._pending[v]
+            self._compiled[v] = job.result()  # raises what the background compile raised
+            return True
+        return False
+
+    def _spec_args(self, host_args):
+        """A step's arguments with the device arrays as shape / dtype / sharding specs (for lowering away from
+        the step: the KV cache is donated to every step)."""
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = host_args
+        return (self.params, jax.tree.map(spec, self.kv_caches), token_ids, src_rows, spec(self.prev_tokens), meta,
+                logits_indices, smd, prompt_targets)
+
+    def _compile_in_background(self, v: StepVariant, args):
+        t0 = time.perf_counter()
+        exe = self._compile(v, args, self._lower(v, args))
+        self.num_compiles_after_warmup += 1
+        logger.info("Compiled step %s in %.1f s in the background (its steps ran split until then)", v,
+                    time.perf_counter() - t0)
+        return exe
+
+    def wait_for_background_compiles(self) -> None:
+        """Blocks until the step programs compiling in the background are ready (tests, benchmarks)."""
+        for v, job in list(self._pending.items()):
+            self._compiled[v] = job.result()
+            del self._pending[v]
+
     def _sampler_executable(self, v: StepVariant, args):
         """The sampler-only program for v's B, flags and row widths (from the executable cache, or compiled on
-        first use: a fraction of a second where a whole step takes seconds)."""
+        first use: a small program, ~1.3 s on an H100 host for an 8B model's vocabulary)."""
         key = (v.num_seqs, v.flags, v.sampler_widths)
         exe = self._samplers.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            ck = None if self.exec_cache is None else self.exec_cache.key("sample", args, (v.flags,))
+            ck = None if self.exec_cache is None else self.exec_cache.key("sample", args, (self.cfg, v.flags))
             exe = None if ck is None else self.exec_cache.load(ck, args)
             if exe is None:
-                compile_fn = self._sampler_jit.lower(*args, flags=v.flags).compile
+                compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags).compile
                 exe = compile_fn() if ck is None else self.exec_cache.compile_and_store(ck, compile_fn)
-                if self.warmed_up and not self.eager:
-                    self.num_compiles_after_warmup += 1
+                self.num_compiles_after_warmup += 1
             self._samplers[key] = exe
             logger.info("Sampler for B=%d %s %s ready in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
                         time.perf_counter() - t0)
