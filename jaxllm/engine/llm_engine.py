@@ -110,7 +110,8 @@ class LLMEngine:
         params.verify_for_model(self.vocab_size, self.max_logprobs)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
-        max_tokens = self.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1)
+        max_tokens = max(self.max_model_len - len(ids), 1) if params.max_tokens is None else params.max_tokens
         # generation_config.json's max_new_tokens caps every request (vLLM's max_tokens resolution)
         max_tokens = min(max_tokens, self.generation_defaults.get("max_tokens") or max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
