@@ -55,8 +55,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     api_key = opt("api_key")
     if api_key:
         middlewares.insert(0, _auth_middleware(api_key))
+    cors = _Cors(opt("allowed_origins") or ["*"], opt("allowed_methods") or ["*"], opt("allowed_headers") or ["*"],
+                 bool(opt("allow_credentials", False)))
+    middlewares.insert(0, cors.preflight)  # outermost, as vLLM's CORSMiddleware: before the API-key check
     # aiohttp refuses bodies past client_max_size itself; read_json turns that into our 413.
     app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    app.on_response_prepare.append(cors.add_headers)  # every response, streamed and error ones included
     app[STATE] = state
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
@@ -94,6 +98,55 @@ async def start_server(app: web.Application, host: str | None, port: int, *, ssl
 
 
 # ----------------------------------------------------------------------------------------------- middlewares
+
+
+class _Cors:
+    """CORS as vLLM configures Starlette's CORSMiddleware (--allowed-origins / --allowed-methods /
+    --allowed-headers / --allow-credentials; by default any origin, method and header), so browser clients
+    on another origin can call the API: preflight OPTIONS requests are answered, responses carry
+    Access-Control-Allow-Origin."""
+
+    _ALL_METHODS = "DELETE, GET, HEAD, OPTIONS, PATCH, POST, PUT"
+
+    def __init__(self, origins: list[str], methods: list[str], headers: list[str], credentials: bool):
+        self.any_origin = "*" in origins
+        self.origins = set(origins)
+        self.methods = self._ALL_METHODS if "*" in methods else ", ".join(m.upper() for m in methods)
+        self.any_header = "*" in headers
+        self.headers = ", ".join(sorted({"accept", "accept-language", "content-language", "content-type"}
+                                        | {h.lower() for h in headers} - {"*"}))
+        self.credentials = credentials
+
+    def _allow_origin(self, origin: str, headers) -> bool:
+        if not (self.any_origin or origin in self.origins):
+            return False
+        if self.any_origin and not self.credentials:
+            headers["Access-Control-Allow-Origin"] = "*"
+        else:
+            headers["Access-Control-Allow-Origin"] = origin
+            headers.add("Vary", "Origin")
+        if self.credentials:
+            headers["Access-Control-Allow-Credentials"] = "true"
+        return True
+
+    @web.middleware
+    async def preflight(self, request: web.Request, handler):
+        origin = request.headers.get("Origin")
+        if request.method != "OPTIONS" or origin is None or "Access-Control-Request-Method" not in request.headers:
+            return await handler(request)
+        resp = web.Response(status=200, text="OK")
+        if not self._allow_origin(origin, resp.headers):
+            return web.Response(status=400, text="Disallowed CORS origin")
+        resp.headers["Access-Control-Allow-Methods"] = self.methods
+        requested = request.headers.get("Access-Control-Request-Headers")
+        resp.headers["Access-Control-Allow-Headers"] = requested if self.any_header and requested else self.headers
+        resp.headers["Access-Control-Max-Age"] = "600"
+        return resp
+
+    async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        origin = request.headers.get("Origin")
+        if origin is not None and "Access-Control-Allow-Origin" not in response.headers:  # preflights have it
+            self._allow_origin(origin, response.headers)
 
 
 def _auth_middleware(api_key: str):

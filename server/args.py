@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 
@@ -75,6 +76,10 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help=f"Require 'Authorization: Bearer <key>' on /v1/*. Falls back to ${API_KEY_ENV_VARS[0]}, "
                         f"then ${API_KEY_ENV_VARS[1]}.")
+    s.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: allowed origins (JSON list).")
+    s.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: allowed methods (JSON list).")
+    s.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: allowed headers (JSON list).")
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
     s.add_argument("--profile-dir", default=None,
                    help="Enables POST /start_profile and /stop_profile, writing jax.profiler traces here "
                         "(view with TensorBoard or XProf).")

@@ -359,3 +359,39 @@ def test_args():
     assert parse_args([]).model is None and parse_args(["--model", "/x"]).model == "/x"
     with pytest.raises(SystemExit):
         parse_args(["/m", "--max-model-len", "lots"])
+
+
+def test_cors_like_vllm(tok):
+    """vLLM's default CORS (any origin, method and header): browser clients on another origin work."""
+    async def go(base):
+        async with aiohttp.ClientSession() as s:
+            pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+                   "Access-Control-Request-Headers": "authorization, content-type"}
+            async with s.options(base + "/v1/chat/completions", headers=pre) as r:
+                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+                assert "POST" in r.headers["Access-Control-Allow-Methods"]
+                assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
+            body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True}
+            async with s.post(base + "/v1/completions", json=body, headers={"Origin": "http://ui.example",
+                                                                           "Authorization": "Bearer k"}) as r:
+                assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
+                assert (await r.text()).endswith("data: [DONE]\n\n")
+            async with s.get(base + "/v1/models", headers={"Origin": "http://ui.example"}) as r:
+                assert r.status == 401 and r.headers["Access-Control-Allow-Origin"] == "*"
+            async with s.get(base + "/health") as r:  # no Origin: no CORS headers
+                assert "Access-Control-Allow-Origin" not in r.headers
+
+    with ServerThread(FakeEngine(tok), "--api-key", "k") as srv:
+        asyncio.run(go(srv.base_url))
+
+    async def restricted(base):
+        async with aiohttp.ClientSession() as s:
+            pre = {"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"}
+            async with s.options(base + "/v1/completions", headers=pre) as r:
+                assert r.status == 400
+            async with s.get(base + "/v1/models", headers={"Origin": "http://ui.example"}) as r:
+                assert r.headers["Access-Control-Allow-Origin"] == "http://ui.example"
+                assert r.headers["Access-Control-Allow-Credentials"] == "true"
+
+    with ServerThread(FakeEngine(tok), "--allowed-origins", '["http://ui.example"]', "--allow-credentials") as srv:
+        asyncio.run(restricted(srv.base_url))
