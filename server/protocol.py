@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 # Token ids must be real ints: "1" or true are type errors, not token 1.
 TokenIds = list[StrictInt]
@@ -88,6 +88,17 @@ class _SamplingFields(OpenAIModel):
     prompt_embeds: Any = None
     logits_processors: Any = None
 
+    # Fields vLLM declares Optional with a default: an explicit null (clients that send every field) means
+    # the default there, so it must here too, not a 400.
+    _null_means_default: ClassVar[tuple[str, ...]] = ("stream",)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_to_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(data.get(k, 0) is None for k in cls._null_means_default):
+            data = {k: v for k, v in data.items() if not (v is None and k in cls._null_means_default)}
+        return data
+
 
 class CompletionRequest(_SamplingFields):
     prompt: StrictStr | list[StrictStr] | TokenIds | list[TokenIds]
@@ -96,6 +107,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     suffix: str | None = None
     add_special_tokens: bool = True
+    _null_means_default = ("stream", "echo")
 
 
 class ChatMessage(OpenAIModel):
@@ -125,6 +137,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
+    _null_means_default = ("stream", "n", "logprobs")
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 

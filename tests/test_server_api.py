@@ -395,3 +395,24 @@ def test_cors_like_vllm(tok):
 
     with ServerThread(FakeEngine(tok), "--allowed-origins", '["http://ui.example"]', "--allow-credentials") as srv:
         asyncio.run(restricted(srv.base_url))
+
+
+def test_explicit_nulls_mean_defaults(server):
+    """Clients that send every field send null for the ones they leave unset; where vLLM declares the field
+    Optional with a default, null means that default (no 400)."""
+    msgs = [{"role": "user", "content": "Where do birds sing?"}]
+    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "temperature": None, "stop": None,
+             "seed": None, "stream_options": None, "tools": None, "tool_choice": None, "response_format": None}
+    status, body = http("POST", server.base_url + "/v1/chat/completions",
+                        json={"model": MODEL, "messages": msgs, "max_tokens": 3, **nulls})
+    assert status == 200, body
+    r = json.loads(body)
+    assert len(r["choices"]) == 1 and r["choices"][0]["logprobs"] is None and r["usage"]["completion_tokens"] == 3
+    status, body = http("POST", server.base_url + "/v1/completions",
+                        json={"model": MODEL, "prompt": "The quick", "max_tokens": 3, "stream": None, "echo": None,
+                              "logprobs": None, "suffix": None, "best_of": None})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"]
+    status, body = http("POST", server.base_url + "/v1/completions",  # vLLM's completions `n` is not Optional
+                        json={"model": MODEL, "prompt": "The quick", "n": None})
+    assert status == 400 and "n: Input should be a valid integer" in body
