@@ -169,3 +169,24 @@ def test_streams_open_at_shutdown_end_with_an_error():
             await asyncio.wait_for(collect(eng, [1], GREEDY, "after"), 5)
 
     asyncio.run(main())
+
+
+def test_generate_cancelled_while_its_add_waits_aborts_the_request():
+    async def main():
+        fake = _StubEngine(die=False)
+        eng = AsyncLLM(fake)
+        running = asyncio.create_task(collect(eng, [1], GREEDY, "running"))
+        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        cancelled = asyncio.create_task(collect(eng, [1], GREEDY, "cancelled"))
+        await asyncio.sleep(0.05)  # its add waits behind the step
+        cancelled.cancel()
+        fake.release.set()
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if fake.requests == {"running"}:
+                break
+        assert fake.requests == {"running"}  # the engine dropped it: nobody would ever read its outputs
+        running.cancel()
+        await eng.shutdown()
+
+    asyncio.run(main())

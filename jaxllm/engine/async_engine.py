@@ -73,7 +73,12 @@ class AsyncLLM:
             if self._closed is not None:
                 raise EngineDeadError(self._closed)
             self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added))
-        await added  # raises the engine's ValueError for bad input
+        try:
+            await added  # raises the engine's ValueError for bad input
+        except asyncio.CancelledError:
+            if added.done() and not added.cancelled() and added.exception() is None:
+                self._commands.put(("abort", request_id))  # added, then cancelled before this resumed
+            raise
         finished = False
         try:
             while True:
@@ -165,12 +170,20 @@ class AsyncLLM:
                     _call_soon(loop, _set_exception, added, e)
                     continue
                 self._streams[request_id] = (loop, stream)
-                if not _call_soon(loop, _set_result, added):
+                if not _call_soon(loop, self._added, added, request_id):
                     self._streams.pop(request_id, None)
                     self.engine.abort_request(request_id)
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
                 self._streams.pop(cmd[1], None)
+
+    def _added(self, added: asyncio.Future, request_id: str) -> None:
+        """On the front end's loop: the request is in; if its generate() was cancelled while waiting for
+        this, nobody will read it, so abort it."""
+        if added.cancelled():
+            self._commands.put(("abort", request_id))
+        elif not added.done():
+            added.set_result(None)
 
     def _deliver(self, request_id: str, item, last: bool) -> None:
         entry = self._streams.pop(request_id, None) if last else self._streams.get(request_id)
@@ -188,11 +201,6 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return True
     except RuntimeError:
         return False
-
-
-def _set_result(fut: asyncio.Future) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _set_exception(fut: asyncio.Future, e: BaseException) -> None:
