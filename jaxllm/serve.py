@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import ssl
 import sys
 
@@ -33,8 +34,14 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
     from server.app import build_app, start_server
     from server.serving_common import STATE
 
+    sock = None
     if engine is None:
-        engine = build_engine(args)
+        sock = bind_socket(args.host, args.port)  # before the model loads (minutes), as vLLM does
+        try:
+            engine = build_engine(args)
+        except BaseException:
+            sock.close()
+            raise
     runner = None
     try:
         app = build_app(engine, args)
@@ -42,7 +49,7 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         if args.ssl_certfile:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-        runner, port = await start_server(app, args.host, args.port, ssl_context=ssl_context,
+        runner, port = await start_server(app, args.host, args.port, ssl_context=ssl_context, sock=sock,
                                           access_log=not getattr(args, "disable_access_log", False))
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -64,6 +71,20 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         if runner is not None:
             await runner.cleanup()
         await engine.shutdown()
+
+
+def bind_socket(host: str | None, port: int) -> socket.socket:
+    """The listening socket (all interfaces when host is None), bound before the engine is built so that a
+    port in use fails at once, not after the model has loaded."""
+    try:
+        if host:
+            return socket.create_server((host, port))
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as e:
+        raise SystemExit(f"Cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}. Is another server "
+                         "running there? Pick another --port.") from None
 
 
 def _version() -> str:

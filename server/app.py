@@ -84,14 +84,18 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
 
 
 async def start_server(app: web.Application, host: str | None, port: int, *, ssl_context=None,
-                       access_log: bool = True, shutdown_timeout: float = 5.0) -> tuple[web.AppRunner, int]:
+                       access_log: bool = True, shutdown_timeout: float = 5.0, sock=None) -> tuple[web.AppRunner, int]:
     """Starts serving; returns the runner (call .cleanup() to stop) and the bound port (port 0 picks one).
+    `sock`: an already bound listening socket to serve on instead of host and port.
 
     On cleanup, requests still running after `shutdown_timeout` seconds are cancelled (and so aborted)."""
     kwargs = {} if access_log else {"access_log": None}
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **kwargs)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
+    if sock is not None:
+        site = web.SockSite(runner, sock, ssl_context=ssl_context)
+    else:
+        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     return runner, bound

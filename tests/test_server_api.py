@@ -416,3 +416,32 @@ def test_explicit_nulls_mean_defaults(server):
     status, body = http("POST", server.base_url + "/v1/completions",  # vLLM's completions `n` is not Optional
                         json={"model": MODEL, "prompt": "The quick", "n": None})
     assert status == 400 and "n: Input should be a valid integer" in body
+
+
+def test_port_in_use_fails_before_the_engine_loads(tok, monkeypatch):
+    """As vLLM: the socket is bound before the model loads, so a busy port fails at once, not minutes later."""
+    import socket
+
+    import jaxllm.serve as serve
+
+    built = []
+    monkeypatch.setattr(serve, "build_engine", lambda args: built.append(args) or FakeEngine(tok))
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        args = parse_args(["m", "--host", "127.0.0.1", "--port", str(port), "--disable-access-log"])
+        with pytest.raises(SystemExit, match=f"Cannot listen on 127.0.0.1:{port}"):
+            asyncio.run(serve.run_server(args))
+    assert not built
+
+    async def serve_once():  # a free port: the engine is built after the bind, and that socket serves
+        stop, ready = asyncio.Event(), asyncio.get_running_loop().create_future()
+        args = parse_args(["m", "--host", "127.0.0.1", "--port", "0", "--disable-access-log"])
+        task = asyncio.create_task(serve.run_server(args, stop=stop, on_ready=ready.set_result))
+        bound = await asyncio.wait_for(ready, 30)
+        async with aiohttp.ClientSession() as s, s.get(f"http://127.0.0.1:{bound}/v1/models") as r:
+            status = r.status
+        stop.set()
+        await task
+        return status
+
+    assert asyncio.run(serve_once()) == 200 and len(built) == 1
