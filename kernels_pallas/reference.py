@@ -145,7 +145,10 @@ def ragged_paged_attention_ref(
         jnp.zeros((T, K, G), jnp.float32),
         jnp.zeros((T, K, G, H), jnp.float32),
     )
-    _, l_fin, acc = jax.lax.fori_loop(0, num_steps, body, init)
+    # Only the steps that hold some token's context run (a traced trip count): the work follows the longest
+    # live sequence, not the block table's width (max_model_len).
+    live_steps = jnp.minimum(num_steps, -(-jnp.max(ctx_len) // (step * S)))
+    _, l_fin, acc = jax.lax.fori_loop(0, live_steps, body, init)
     out = acc / jnp.where(l_fin > 0, l_fin, 1.0)[..., None]
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     return out.reshape(T, N, H).astype(q.dtype)

@@ -4,6 +4,7 @@ caching and preemption; sampling, stops, logprobs and validation behave like vLL
 import json
 import shutil
 
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -469,3 +470,27 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
         for da, db in zip(a, b):
             assert [da[t] for t in sorted(da)] == pytest.approx([db[t] for t in sorted(db)], abs=1e-5)
     check_free(llm)
+
+
+def test_cpu_kv_cache_of_a_16_bit_model_is_stored_as_float32(tiny, monkeypatch):
+    """XLA's CPU backend widens a bf16 scatter's whole operand (the KV write copied every layer's cache each
+    step), so on CPU the pages are float32 holding bf16 values: same tokens and logprobs as bf16 pages."""
+    from jaxllm.engine import runner as runner_mod
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run():
+        llm = make_llm(tiny[0], dtype="bfloat16")
+        r = llm.llm_engine.runner
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return r, [o.token_ids for o in outs], [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs]
+                                                 for o in outs]
+
+    r, tokens, lps = run()
+    assert r.kv_caches[0][0].dtype == jnp.float32
+    assert r.kv_bytes_per_block(r.cfg, 8, "auto") == 2 * r.cfg.num_layers * r.cfg.num_kv_heads * 8 * r.cfg.head_dim * 4
+    monkeypatch.setattr(runner_mod, "kv_storage_dtype", lambda dtype: dtype)
+    r16, tokens16, lps16 = run()
+    assert r16.kv_caches[0][0].dtype == jnp.bfloat16
+    assert tokens == tokens16 and lps == lps16

@@ -45,6 +45,17 @@ _seq_id, _bias_row, _output_token_ids, _num_pending = map(
     attrgetter, ("seq_id", "bias_row", "output_token_ids", "num_pending"))
 
 
+def kv_storage_dtype(dtype):
+    """The KV cache's element type in memory. On CPU, bfloat16 / float16 pages are stored as float32: XLA's
+    CPU backend widens a 16-bit scatter's whole operand to float32 and back, so every KV write copied every
+    layer's cache (the demo model: ~1 s per token at the default KV size; a float32 scatter is in place).
+    The values stay those of the model's dtype (each written value is one of them, and the CPU attention
+    reads pages as float32 anyway), so outputs do not change; the cache holds half the tokens per byte."""
+    if dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and jax.default_backend() == "cpu":
+        return jnp.dtype(jnp.float32)
+    return dtype
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -181,7 +192,7 @@ class ModelRunner:
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
-        self.kv_dtype = jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype)
+        self.kv_dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype))
         self.kv_caches = self._allocate_kv()
         self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
         self._prev_rows: dict[str, int] = {}
@@ -225,7 +236,7 @@ class ModelRunner:
         (kv heads are repeated when tp > K)."""
         from jaxllm.sharding import kv_heads_for, stage_layers
 
-        dtype = jnp.dtype(KV_DTYPES.get(kv_cache_dtype) or cfg.dtype)
+        dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES.get(kv_cache_dtype) or cfg.dtype))
         layers = max(len(r) for r in stage_layers(cfg.num_layers, pp))
         heads = kv_heads_for(cfg.num_kv_heads, tp) // tp
         return 2 * layers * heads * block_size * cfg.head_dim * dtype.itemsize

@@ -23,6 +23,8 @@ from kernels_pallas import reference
 
 # Working-set cap of the reference path: the per-step gathered K/V slice stays under this many bytes.
 _REFERENCE_STEP_BYTES = 64 << 20
+# ... and at most this many keys, so the loop over the block table ends soon after the longest live context.
+_REFERENCE_STEP_TOKENS = 256
 
 
 @functools.partial(
@@ -93,7 +95,7 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
-            pages_per_step=max(1, _REFERENCE_STEP_BYTES // per_page), **kwargs)
+            pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)), **kwargs)
     else:
         raise ValueError(f"attention backend={config.backend!r} is not one of 'reference', 'pallas'.")
     return out, (k_pages, v_pages)
