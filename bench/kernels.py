@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,write,qkv,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,mgpu,write,qkv,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
@@ -39,6 +39,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
 from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
+from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
 from kernels_pallas._write import qkv_write_kv_kernel, write_kv_kernel  # noqa: E402
 
@@ -271,7 +272,8 @@ def matmul_rates(flops, mm_rate):
     return lambda t: dict(tflops=flops / t / 1e12, frac_matmul=flops / t / mm_rate)
 
 
-def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True):
+def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True,
+                  impl="pallas_triton"):
     ctx = prefix + chunk
     q, k, v, _, _, bt = make_case(1, ctx, N=N, K=K, H=H, S=S, q_per_seq=chunk)
     lens = jnp.array([ctx], jnp.int32)
@@ -284,10 +286,9 @@ def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=
     if check:
         ref = reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=scale, pages_per_step=16)
     for cfg in configs:
-        row = dict(kind="prefill", label=label, chunk=chunk, prefix=prefix, N=N, K=K, H=H, S=S,
-                   impl="pallas_triton", cfg=cfg)
-        call = lambda q, k, v, lens, qsl, bt, cfg=cfg: ragged_paged_attention_kernel(  # noqa: E731
-            q, k, v, lens, qsl, bt, scale=scale, **cfg)
+        row = dict(kind="prefill", label=label, chunk=chunk, prefix=prefix, N=N, K=K, H=H, S=S, impl=impl, cfg=cfg)
+        fn = ragged_prefill_mgpu if impl == "mosaic_gpu" else ragged_paged_attention_kernel
+        call = lambda q, k, v, lens, qsl, bt, cfg=cfg, fn=fn: fn(q, k, v, lens, qsl, bt, scale=scale, **cfg)  # noqa: E731
         _measure(results, row, call, (q, k, v, lens, qsl, bt), ref, matmul_rates(flops, mm_rate))
 
 
@@ -554,6 +555,14 @@ def main():
             # engine's size): 0.91 of copy alone (7276253) where the engine's step saw ~0.87
             bench_engine_like(results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024,
                               total_pages=21189)
+    if "mgpu" in only:  # the Mosaic GPU prefill kernel against the Triton one, same inputs and run
+        for chunk, prefix, label in ((4096, 0, "goal_chunk4k"), (4096, 4096, "chunk4k_prefix4k"),
+                                     (512, 8192, "chunk512_prefix8k")):
+            bench_prefill(results, chunk, prefix, mm, label, [dict()])
+            bench_prefill(results, chunk, prefix, mm, label, [dict(block_kv=128, steps_in_flight=2),
+                                                              dict(block_kv=128, steps_in_flight=3),
+                                                              dict(block_kv=64, steps_in_flight=4)],
+                          impl="mosaic_gpu")
     if "prefill" in only:
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre_cfgs)
         if not a.sweep:
