@@ -15,8 +15,10 @@ stale values of a freed sequence, NaN included, and P being 0 there does not mak
 warpgroups consume every block of the tile (the earlier one's extra diagonal keys are masked), so the ring's
 "consumed" barriers always get both arrivals in order.
 
-Output: each warpgroup writes its 64 rows to a padded [tiles * 128, N, H] buffer with one TMA; the caller
-gathers the tokens' rows (a copy of the output, ~5% of a 4k chunk's time).
+q is gathered into the tiles' padded row order ([tiles * 128, N, H]) and each warpgroup writes its 64 output
+rows to a buffer of that shape with one TMA; the caller gathers the tokens' rows back (TMA boxes into tiled
+SMEM need provably aligned row offsets, and a sequence's chunk starts at any token; the two copies cost ~10%
+of a 4k chunk's time).
 """
 
 from __future__ import annotations
@@ -58,7 +60,6 @@ def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref
     wg = lax.axis_index("wg")
     seq = tseq_ref[tile]
     pos0 = tpos_ref[tile]
-    tok0 = ttok_ref[tile]
     nrows = trows_ref[tile]
     kv_hi = jnp.where(nrows > 0, pos0 + nrows, 0)  # keys [0, kv_hi) can be visible to this tile
     steps = (kv_hi + BK - 1) // BK
@@ -69,7 +70,7 @@ def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref
             plgpu.set_max_registers(232, action="increase")
         q_smem = q_smem2.at[wg]
         row0 = wg * BQ
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + row0, BQ), head], q_smem, q_ready.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile * TILE + row0, BQ), head], q_smem, q_ready.at[wg])
         plgpu.barrier_wait(q_ready.at[wg])
         # Row r's query position (rows past the tile's tokens are clamped onto its last one: they never see
         # keys the real rows do not).
@@ -186,8 +187,10 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
     nt = tseq.shape[0]
     bt = pad_block_tables(block_tables, ppb).astype(jnp.int32)
     dtype = q.dtype
-    if interpret:  # TMA reads past the end as zeros; the CPU interpreter raises instead
-        q = jnp.pad(q, ((0, TILE), (0, 0), (0, 0)))
+    # q in the tiles' padded row order (tile i's rows are tokens ttok[i] ..; past the end: a zero row): TMA
+    # row offsets into the tiled SMEM must be provably aligned, and a sequence's chunk starts anywhere.
+    src = jnp.minimum(ttok[:, None] + jnp.arange(TILE, dtype=jnp.int32)[None, :], T).reshape(-1)
+    q = jnp.concatenate([q, jnp.zeros((1, N, H), dtype)])[src]
     kernel = functools.partial(
         _kernel, num_tiles=nt, group=group, block_kv=block_kv, page_size=S, steps_in_flight=steps_in_flight,
         scale_log2=scale * math.log2(math.e), dtype=dtype, interpret=interpret)
