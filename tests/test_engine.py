@@ -472,6 +472,30 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
     check_free(llm)
 
 
+def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs):
+    """A step program compiling in the background that fails (here: raises) is logged and its steps keep
+    running split: the requests finish with the right tokens. The error was raised from the step that found
+    it done, failing every request in it (and killing AsyncLLM's engine loop, so every open request)."""
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
+    runner = llm.llm_engine.runner
+    tries = []
+
+    def fail(v, args):
+        tries.append(v)
+        raise RuntimeError("compile failed")
+
+    runner._compile_in_background = fail
+    params = [GREEDY, SamplingParams(temperature=0, logprobs=1, max_tokens=10, ignore_eos=True)] * 2
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    for _ in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS[:4]]
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        check_free(llm)
+    runner.wait_for_background_compiles()
+    assert tries and len(tries) == len(set(tries))  # each failed variant is not compiled again
+
+
 def test_cpu_kv_cache_of_a_16_bit_model_is_stored_as_float32(tiny, monkeypatch):
     """XLA's CPU backend widens a bf16 scatter's whole operand (the KV write copied every layer's cache each
     step), so on CPU the pages are float32 holding bf16 values: same tokens and logprobs as bf16 pages."""

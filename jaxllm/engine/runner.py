@@ -214,6 +214,7 @@ class ModelRunner:
         # Whole step programs for non-default sampler flags, compiling in the background (see execute).
         self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
         self._pending: dict[StepVariant, object] = {}
+        self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
@@ -485,6 +486,8 @@ class ModelRunner:
             return True
         if self.eager or not self.warmed_up:
             return True
+        if v in self._split_only:
+            return False
         job = self._pending.get(v)
         if job is None:
             args = self._spec_args(host_args)
@@ -495,9 +498,20 @@ class ModelRunner:
             self._pending[v] = self._background.submit(self._compile_in_background, v, args)
         elif job.done():
             del self._pending[v]
-            self._compiled[v] = job.result()  # raises what the background compile raised
-            return True
+            return self._file_background_compile(v, job)
         return False
+
+    def _file_background_compile(self, v: StepVariant, job) -> bool:
+        """Files a finished background compile (waits for it); True when v's step program is ready. One that
+        failed is logged and v keeps running split, which gives the same tokens: raising here failed the step,
+        so every request in it (and, in AsyncLLM, the engine)."""
+        try:
+            self._compiled[v] = job.result()
+            return True
+        except Exception:  # noqa: BLE001 - an optimisation failed; the split programs still serve v
+            logger.exception("Compiling step %s in the background failed; its steps keep running split", v)
+            self._split_only.add(v)
+            return False
 
     def _spec_args(self, host_args):
         """A step's arguments with the device arrays as shape / dtype / sharding specs (for lowering away from
@@ -518,8 +532,8 @@ class ModelRunner:
     def wait_for_background_compiles(self) -> None:
         """Blocks until the step programs compiling in the background are ready (tests, benchmarks)."""
         for v, job in list(self._pending.items()):
-            self._compiled[v] = job.result()
             del self._pending[v]
+            self._file_background_compile(v, job)
 
     def _sampler_executable(self, v: StepVariant, args):
         """The sampler-only program for v's B, flags and row widths (from the executable cache, or compiled on
