@@ -1,4 +1,5 @@
-"""Paged attention kernels for NVIDIA GPUs (Pallas, Triton lowering), each beside the pure-jnp reference.
+"""Paged attention kernels for NVIDIA GPUs (Pallas: Triton lowering, and Mosaic GPU for prefill on Hopper),
+each beside the pure-jnp reference.
 
 KV layout (fixed, see reference.py): per layer k_pages, v_pages: [K, P, S, H]. One page of one kv head is
 one contiguous S * H run, so a program that owns (sequence, kv head) gathers whole pages with unit
@@ -9,7 +10,9 @@ Entry points (same keyword arguments as the reference):
                          block_tables [B, M], *, scale, k_scale, v_scale, alibi_slopes, sliding_window,
                          decode_only=False, interpret=False) -> [T, N, H]
       decode_only is a static promise that every live sequence has exactly one query token and that padding
-      sequences (seq_len 0) come after the live ones; it dispatches to the split-K decode kernel.
+      sequences (seq_len 0) come after the live ones; it dispatches to the split-K decode kernel. Otherwise
+      the chunks go to the ragged prefill kernel: Mosaic GPU (_prefill_mgpu.py) on H100 / H200 for bf16 /
+      fp16 pages without ALiBi, sliding window or fp8, the Triton one (_ragged.py) for everything else.
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
@@ -29,8 +32,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import reference
-from ._common import kernel_supported, on_gpu
+from . import _prefill_mgpu
+from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import paged_decode_attention_kernel
+from ._prefill_mgpu import ragged_prefill_mgpu
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -89,13 +94,30 @@ def paged_decode_attention(
     return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
 
 
+def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
+    """"mosaic" (Mosaic GPU kernel, _prefill_mgpu.py: 0.62-0.78 of the bf16 matmul rate on an H100 where the
+    Triton kernel reaches 0.49-0.56, bench/results/kernels_h100_f9e386d_mgpu_prefill.json) on sm_90 GPUs for
+    what it supports (bf16 / fp16, no ALiBi, window or fp8); "triton" otherwise (and by default in interpret
+    mode: the Mosaic GPU interpreter is much slower on CPU)."""
+    if requested not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"prefill_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
+    ok = _prefill_mgpu.supported(q, k_pages, **kw)
+    if requested == "mosaic" and not ok:
+        raise ValueError("the Mosaic GPU prefill kernel does not take these inputs (see _prefill_mgpu.supported)")
+    if requested == "auto":
+        return "mosaic" if ok and not interpret and on_hopper() else "triton"
+    return requested
+
+
 def ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, interpret=False,
+    alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, prefill_backend="auto",
+    interpret=False,
 ):
     """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
     split_decode: in a mixed batch, the sequences with one new token (decode steps) go to the decode kernel
-    and only the others get ragged tiles (a one-token tile would run 128-row MMAs over the same KV)."""
+    and only the others get ragged tiles (a one-token tile would run 128-row MMAs over the same KV).
+    prefill_backend: "auto" | "mosaic" | "triton" for the ragged tiles (see _prefill_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
@@ -105,9 +127,16 @@ def ragged_paged_attention(
         # The engine's decode steps: one token per sequence, padding sequences (seq_len 0) last, so token b
         # is sequence b's and a padding token meets a padding sequence (zeros): no gathers needed.
         return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
+    backend = _prefill_backend(q, k_pages, kw, prefill_backend, interpret)
+
+    def prefill(skip_single):
+        args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables)
+        if backend == "mosaic":
+            return ragged_prefill_mgpu(*args, scale=scale, skip_single=skip_single, interpret=interpret)
+        return ragged_paged_attention_kernel(*args, skip_single=skip_single, interpret=interpret, **kw)
+
     if not (decode_only or split_decode):
-        return ragged_paged_attention_kernel(
-            q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, interpret=interpret, **kw)
+        return prefill(skip_single=False)
     qsl = query_start_loc.astype(jnp.int32)
     single = qsl[1:] - qsl[:-1] == 1
     qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each one-token sequence's token
@@ -116,7 +145,6 @@ def ragged_paged_attention(
     if decode_only:
         out = jnp.zeros_like(q)
     else:  # the one-token sequences' rows of this output are unspecified until the scatter below
-        out = ragged_paged_attention_kernel(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables,
-                                            skip_single=True, interpret=interpret, **kw)
+        out = prefill(skip_single=True)
     rows = jnp.where(single, qsl[:-1], T)  # T: out of range, dropped
     return out.at[rows].set(od, mode="drop")

@@ -36,6 +36,13 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def on_hopper() -> bool:
+    """An sm_90 GPU (H100 / H200): the Mosaic GPU kernels use wgmma, which only sm_90a has."""
+    if not on_gpu():
+        return False
+    return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
+
+
 def pad_block_tables(block_tables, multiple: int):
     """Pads the page axis so a kernel may read a whole group of `multiple` entries past the last page."""
     M = block_tables.shape[1]

@@ -335,3 +335,40 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
                         attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
     for o, r in zip(out, ref):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+# ---- Mosaic GPU prefill kernel (_prefill_mgpu.py), in jax's Mosaic GPU interpreter (slow: two cases) ----
+
+def test_mosaic_prefill_matches_reference():
+    """Chunks over cached prefixes (one ends mid-page: NaN in the page's tail), padding tokens: zeros."""
+    from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
+
+    rng = np.random.default_rng(5)
+    q_lens, seq_lens = [70, 5], [100, 40]
+    args = _ragged_args(rng, 4, 2, 64, 16, jnp.bfloat16, q_lens, seq_lens)
+    out = ragged_prefill_mgpu(*args, scale=0.125, block_kv=64, interpret=True)
+    check(out, reference.ragged_paged_attention_ref(*args, scale=0.125), jnp.bfloat16)
+    assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
+
+
+def test_mosaic_prefill_through_the_entry_point_mixed_batch():
+    """One-token sequences to the decode kernel, the rest to Mosaic tiles (skip_single), fp16, G = 4."""
+    rng = np.random.default_rng(8)
+    q_lens, seq_lens = [1, 30, 1, 0], [50, 45, 17, 0]
+    q, k, v, lens, qsl, bt = _ragged_args(rng, 8, 2, 64, 16, jnp.float16, q_lens, seq_lens)
+    out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, scale=0.125, prefill_backend="mosaic", interpret=True)
+    check(out, reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=0.125), jnp.float16)
+    assert not np.asarray(out[int(qsl[-1]):], np.float32).any()
+
+
+def test_prefill_backend_choice():
+    q = jnp.zeros((8, 8, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    choose = kp._prefill_backend
+    assert choose(q, pages, dict(scale=1.0), "auto", interpret=True) == "triton"  # CPU / interpreter
+    assert choose(q, pages, dict(scale=1.0), "mosaic", interpret=True) == "mosaic"
+    with pytest.raises(ValueError, match="Mosaic GPU prefill kernel does not take"):
+        choose(q, pages, dict(scale=1.0, sliding_window=8), "mosaic", interpret=True)
+    with pytest.raises(ValueError, match="prefill_backend"):
+        choose(q, pages, dict(scale=1.0), "cuda", interpret=True)
+    assert not kp._prefill_mgpu.supported(q, pages.astype(jnp.float8_e4m3fn))
