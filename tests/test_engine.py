@@ -2,7 +2,10 @@
 caching and preemption; sampling, stops, logprobs and validation behave like vLLM."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -494,6 +497,31 @@ def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs
         check_free(llm)
     runner.wait_for_background_compiles()
     assert tries and len(tries) == len(set(tries))  # each failed variant is not compiled again
+
+
+def test_exit_does_not_wait_for_queued_background_compiles(tiny):
+    """At interpreter exit the background compiles still queued are dropped (only the one running finishes):
+    the process waited for every one of them (a whole step each: seconds to minutes on a large model, for
+    every flags / bucket / row width variant requested so far) before it could exit. In its own process."""
+    script = f"""
+import time
+from jaxllm import LLM, SamplingParams
+llm = LLM({tiny[0]!r}, dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
+          block_size=8, max_model_len=128, compilation_cache_dir=None)
+runner = llm.llm_engine.runner
+compile_step = runner._compile
+runner._compile = lambda *a: print("compiling", flush=True) or time.sleep(1) or compile_step(*a)
+params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **k)
+          for k in (dict(logprobs=1), dict(logprobs=1, logit_bias={{3: 1.0}}), dict(presence_penalty=0.5))]
+llm.generate([[1, 2, 3]] * 3, params, use_tqdm=False)
+print("queued", len(runner._pending), flush=True)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    queued = int(next(line for line in lines if line.startswith("queued")).split()[1])
+    assert queued >= 3 and lines.count("compiling") <= 1
 
 
 def test_cpu_kv_cache_of_a_16_bit_model_is_stored_as_float32(tiny, monkeypatch):

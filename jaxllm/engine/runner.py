@@ -11,10 +11,13 @@ reads them from `prev_tokens` for sequences whose input is still pending.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import os
+import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from operator import attrgetter
@@ -166,6 +169,12 @@ def _plain(smd: SamplingMetadata) -> SamplingMetadata:
                                bias_values=np.zeros((B, 1), np.float32), allowed_ids=empty)
 
 
+def _drop_queued(pool_ref) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _compile_or_none(lowered):
     """Compiles; None when XLA's autotuner runs out of device memory (several compiles at once, KV cache
     already allocated): the caller compiles that variant again on its own."""
@@ -213,6 +222,9 @@ class ModelRunner:
         self._samplers: dict[tuple, object] = {}
         # Whole step programs for non-default sampler flags, compiling in the background (see execute).
         self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
+        # At exit Python joins the pool's thread only once it has run every queued job (a whole step compile
+        # each): drop them first. (concurrent.futures registered its own hook earlier, so it runs after this.)
+        threading._register_atexit(functools.partial(_drop_queued, weakref.ref(self._background)))
         self._pending: dict[StepVariant, object] = {}
         self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
