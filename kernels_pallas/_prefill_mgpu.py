@@ -4,21 +4,21 @@ Same contract as _ragged.ragged_paged_attention_kernel (a flat batch of query ch
 sequence's whole paged context), for bf16 / fp16 pages, head dim 64 / 128 and page sizes 8..128 that divide the
 KV block; no ALiBi, sliding window or fp8 (the Triton kernel serves those).
 
-Tiling. Each sequence's chunk is cut into tiles of 128 tokens (tile_plan, as the Triton kernel); one CTA owns
-(query head, tile): two compute warpgroups of 64 query rows each and one memory warpgroup. The memory
-warpgroup walks the sequence's block table BK keys at a time and copies each page's K and V ([S, H], one TMA
-each) into a ring of steps_in_flight SMEM slots (table entries past the context are clipped into the cache:
-their keys are masked and their V rows zeroed, see below). Each compute warpgroup multiplies its q tile by every K block (wgmma into
-registers), runs an online softmax in the log2 domain with the causal mask on the diagonal blocks, and
-multiplies P by V (wgmma). V rows past the context in the last block are zeroed in SMEM first (they may hold
-stale values of a freed sequence, NaN included, and P being 0 there does not make 0 * NaN zero). Both
-warpgroups consume every block of the tile (the earlier one's extra diagonal keys are masked), so the ring's
-"consumed" barriers always get both arrivals in order.
-
-q is gathered into the tiles' padded row order ([tiles * 128, N, H]) and each warpgroup writes its 64 output
-rows to a buffer of that shape with one TMA; the caller gathers the tokens' rows back (TMA boxes into tiled
-SMEM need provably aligned row offsets, and a sequence's chunk starts at any token; the two copies cost ~10%
-of a 4k chunk's time).
+Tiling. A CTA owns (query head, tile): two compute warpgroups of 64 query rows each and one memory warpgroup.
+A sequence's tiles are 128-row boxes of q ([T, N, H], read in place) starting at its first token rounded down
+to a multiple of 8 (Mosaic GPU's layout inference must see that TMA row offsets into the tiled SMEM are
+multiples of 8; a chunk starts at any token): the first box may hold up to 7 rows of the sequence before, and
+the last one rows after it. Those rows are computed and not stored: each warpgroup stores only its own
+sequence's rows, from an untiled SMEM buffer in power-of-two TMA pieces. Tiles after the live ones write zeros
+over the padding tokens after the last sequence; the rest of the static grid exits at once.
+The memory warpgroup walks the sequence's block table BK keys at a time and copies each page's K and V ([S, H],
+one TMA each) into a ring of steps_in_flight SMEM slots (table entries past the context are clipped into the
+cache: their keys are masked and their V rows zeroed, see below). Each compute warpgroup multiplies its q tile
+by every K block (wgmma into registers), runs an online softmax in the log2 domain with the causal mask on the
+diagonal blocks, and multiplies P by V (wgmma). V rows past the context in the last block are zeroed in SMEM
+first (they may hold stale values of a freed sequence, NaN included, and P being 0 there does not make 0 * NaN
+zero). Both warpgroups consume every block of the tile (the earlier one's extra diagonal keys are masked), so
+the ring's "consumed" barriers always get both arrivals in order.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import pad_block_tables
-from ._ragged import tile_plan
 
 BQ = 64  # query rows per compute warpgroup
 TILE = 2 * BQ  # tokens per CTA
@@ -49,11 +48,47 @@ def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, k_scale=1.0
             and sliding_window is None and unit_scales)
 
 
-def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, scoped, *,
-            num_tiles, group, block_kv, page_size, steps_in_flight, scale_log2, dtype, interpret):
+def tile_plan_aligned(query_start_loc, seq_lens, num_tokens, skip_single=False):
+    """Static-size tile list for the kernel: per tile its sequence, first row / 8 (box rows [8u, 8u + TILE)),
+    the query position of the box's row 0, the box rows [lo, hi) it stores and the keys it may see (kv_hi; 0
+    for the tiles that only zero padding tokens, and lo = hi = 0 for the unused rest)."""
+    B = seq_lens.shape[0]
+    T = num_tokens
+    qsl = query_start_loc.astype(jnp.int32)
+    lens = seq_lens.astype(jnp.int32)
+    q_len = qsl[1:] - qsl[:-1]
+    a = qsl[:-1] // 8 * 8  # each sequence's first box row
+    per_seq = jnp.where(q_len > 0, (qsl[1:] - a + TILE - 1) // TILE, 0)
+    if skip_single:
+        per_seq = jnp.where(q_len == 1, 0, per_seq)
+    a_pad = qsl[-1] // 8 * 8  # padding tokens [qsl[-1], T): zeroed by their own boxes
+    n_pad = jnp.where(qsl[-1] < T, (T - a_pad + TILE - 1) // TILE, 0)
+    n_tiles = 2 * (-(-T // TILE)) + B + 1  # >= sum(per_seq) + n_pad for any batch
+    tile_end = jnp.cumsum(per_seq)
+    live_end = tile_end[-1]
+    i = jnp.arange(n_tiles, dtype=jnp.int32)
+    b = jnp.clip(jnp.searchsorted(tile_end, i, side="right"), 0, B - 1).astype(jnp.int32)
+    j = i - (tile_end[b] - per_seq[b])
+    live = i < live_end
+    pad = ~live & (i < live_end + n_pad)
+    jp = i - live_end
+    row0 = jnp.where(live, a[b] + j * TILE, a_pad + jp * TILE)
+    lo_tok = jnp.where(live, qsl[b], qsl[-1])
+    hi_tok = jnp.where(live, qsl[b + 1], T)
+    lo = jnp.where(live | pad, jnp.clip(lo_tok - row0, 0, TILE), 0)
+    hi = jnp.where(live | pad, jnp.clip(hi_tok - row0, 0, TILE), 0)
+    pos = lens[b] - q_len[b] + (row0 - qsl[b])  # query position of the box's row 0 (negative: rows before)
+    kv_hi = jnp.where(live & (hi > lo), pos + hi, 0)
+    unit = jnp.where(live | pad, row0 // 8, 0)
+    return b, unit.astype(jnp.int32), pos.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), \
+        kv_hi.astype(jnp.int32)
+
+
+def _kernel(tseq_ref, tunit_ref, tpos_ref, tlo_ref, thi_ref, tkv_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, scoped,
+            *, num_tiles, group, block_kv, page_size, steps_in_flight, scale_log2, dtype, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    (q_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free) = scoped
+    (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free) = scoped
     BK, S = block_kv, page_size
     ppb = BK // S
     P = k_ref.shape[1]
@@ -63,22 +98,18 @@ def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref
     kvh = head // group
     wg = lax.axis_index("wg")
     seq = tseq_ref[tile]
+    row0 = tunit_ref[tile] * 8  # a multiple of 8, visibly so
     pos0 = tpos_ref[tile]
-    nrows = trows_ref[tile]
-    kv_hi = jnp.where(nrows > 0, pos0 + nrows, 0)  # keys [0, kv_hi) can be visible to this tile
+    lo, hi = tlo_ref[tile], thi_ref[tile]
+    kv_hi = tkv_ref[tile]  # keys [0, kv_hi) can be visible to this tile
     steps = (kv_hi + BK - 1) // BK
 
-    @pl.when(wg < 2)
+    @pl.when((wg < 2) & (hi > lo))
     def _compute():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        q_smem = q_smem2.at[wg]
-        row0 = wg * BQ
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tile * TILE + row0, BQ), head], q_smem, q_ready.at[wg])
-        plgpu.barrier_wait(q_ready.at[wg])
-        # Row r's query position (rows past the tile's tokens are clamped onto its last one: they never see
-        # keys the real rows do not).
-        last = jnp.maximum(kv_hi - 1, 0)
+        q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+        r0 = wg * BQ
         layout = plgpu.Layout.WGMMA
 
         # Register layouts are Mosaic GPU's; the CPU interpreter takes plain arrays.
@@ -104,15 +135,20 @@ def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref
 
             return pl.run_scoped(scope, plgpu.ACC(shape, jnp.float32))
 
-        q_pos = jnp.minimum(pos0 + row0 + iota((BQ, BK), 0), last)
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0 + r0, BQ), head], q_smem, q_ready.at[wg])
+        plgpu.barrier_wait(q_ready.at[wg])
+        # Row r's query position, clamped onto the tile's last token (the rows after it are not stored and
+        # must not see keys the stored rows do not).
+        last = jnp.maximum(kv_hi - 1, 0)
+        q_pos = jnp.minimum(pos0 + r0 + iota((BQ, BK), 0), last)
         k_off = iota((BQ, BK), 1)
-        full = jnp.where(nrows > 0, jnp.minimum((pos0 + row0 + 1) // BK, steps), 0)  # blocks no row masks
+        first = jnp.maximum(pos0 + r0 + jnp.maximum(lo - r0, 0), 0)  # this warpgroup's first stored row's position
+        full = jnp.minimum((first + 1) // BK, steps)  # blocks no stored row masks (rows before may: not stored)
 
         def block(step, carry, masked):
             acc, m_i, l_i = carry
             slot = lax.rem(step, steps_in_flight)
             plgpu.barrier_wait(k_ready.at[slot])
-
             s = mma(q_smem, k_smem.at[slot], (BQ, BK), trans_b=True) * scale_log2
             plgpu.barrier_arrive(k_free.at[slot])
             if masked:
@@ -144,20 +180,29 @@ def _kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref
         carry = lax.fori_loop(0, full, functools.partial(block, masked=False), carry)
         acc, _, l_i = lax.fori_loop(full, steps, functools.partial(block, masked=True), carry)
         l_i = jnp.where(l_i > 0, l_i, 1.0)
-        q_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
+        o_smem[...] = (acc / lax.broadcast_in_dim(l_i, acc.shape, [0])).astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[pl.ds(tile * TILE + row0, BQ), head])
+        # This warpgroup's stored rows [a, b) of its 64, in power-of-two pieces (their offsets are dynamic:
+        # the SMEM buffer is untiled for that).
+        a = jnp.clip(lo - r0, 0, BQ)
+        n = jnp.clip(hi - r0, 0, BQ) - a
+        at = a
+        for size in (64, 32, 16, 8, 4, 2, 1):
+            @pl.when((n & size) != 0)
+            def _store(at=at, size=size):
+                plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(at, size)], o_ref.at[pl.ds(row0 + r0 + at, size), head])
+
+            at = at + (n & size)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
+    @pl.when((wg == 2) & (hi > lo))
     def _memory():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
 
         def load(step, slot):
             for j in range(ppb):
-                page_idx = step * ppb + j
-                page = jnp.clip(bt_ref[seq, page_idx], 0, P - 1)  # past the context: any page, zeroed below
+                page = jnp.clip(bt_ref[seq, step * ppb + j], 0, P - 1)  # past the context: any page, see above
                 dst = pl.ds(j * S, S)
                 plgpu.copy_gmem_to_smem(k_ref.at[kvh, page], k_smem.at[slot, dst], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[kvh, page], v_smem.at[slot, dst], v_ready.at[slot])
@@ -186,27 +231,24 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
     K, P, S, _ = k_pages.shape
     group = N // K
     ppb = block_kv // S
-    lens = seq_lens.astype(jnp.int32)
-    tseq, tpos, ttok, trows = tile_plan(query_start_loc, lens, T, TILE, skip_single)
-    nt = tseq.shape[0]
+    plan = tile_plan_aligned(query_start_loc, seq_lens, T, skip_single)
+    nt = plan[0].shape[0]
     bt = pad_block_tables(block_tables, ppb).astype(jnp.int32)
     dtype = q.dtype
-    # q in the tiles' padded row order (tile i's rows are tokens ttok[i] ..; past the end: a zero row): TMA
-    # row offsets into the tiled SMEM must be provably aligned, and a sequence's chunk starts anywhere.
-    src = jnp.minimum(ttok[:, None] + jnp.arange(TILE, dtype=jnp.int32)[None, :], T).reshape(-1)
-    q = jnp.concatenate([q, jnp.zeros((1, N, H), dtype)])[src]
+    if interpret:  # TMA reads rows past the end as zeros; the CPU interpreter raises instead
+        q = jnp.pad(q, ((0, TILE), (0, 0), (0, 0)))
     kernel = functools.partial(
         _kernel, num_tiles=nt, group=group, block_kv=block_kv, page_size=S, steps_in_flight=steps_in_flight,
         scale_log2=scale * math.log2(math.e), dtype=dtype, interpret=interpret)
 
-    def entry(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref, o_ref):
-        transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    def entry(*refs):
+        tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         pl.run_scoped(
-            lambda *scoped: kernel(tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, q_ref, k_ref, v_ref, o_ref,
-                                   (scoped[0:3], scoped[3:6], scoped[6:8])),
-            plgpu.SMEM((2, BQ, H), dtype, transforms=transforms),
-            plgpu.SMEM((steps_in_flight, block_kv, H), dtype, transforms=transforms),
-            plgpu.SMEM((steps_in_flight, block_kv, H), dtype, transforms=transforms),
+            lambda *scoped: kernel(*refs, (scoped[0:4], scoped[4:7], scoped[7:9])),
+            plgpu.SMEM((2, BQ, H), dtype, transforms=tiled),
+            plgpu.SMEM((2, BQ, H), dtype),  # output staging: untiled (stored at any row)
+            plgpu.SMEM((steps_in_flight, block_kv, H), dtype, transforms=tiled),
+            plgpu.SMEM((steps_in_flight, block_kv, H), dtype, transforms=tiled),
             plgpu.Barrier(num_arrivals=ppb, num_barriers=steps_in_flight),
             plgpu.Barrier(num_arrivals=ppb, num_barriers=steps_in_flight),
             plgpu.Barrier(num_barriers=2),
@@ -220,28 +262,13 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
-    out = plgpu.kernel(
+    return plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((nt * TILE, N, H), dtype),
+        out_type=jax.ShapeDtypeStruct((T, N, H), dtype),
         grid=(N, nt),
         grid_names=("heads", "tiles"),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kw,
-    )(tseq, tpos, ttok, trows, bt, q, k_pages, v_pages)
-    # Token t's row in the padded output: its tile's block of TILE rows, then its offset in the tile.
-    qsl = query_start_loc.astype(jnp.int32)
-    q_len = qsl[1:] - qsl[:-1]
-    per_seq = (q_len + TILE - 1) // TILE
-    if skip_single:
-        per_seq = jnp.where(q_len == 1, 0, per_seq)
-    tile_start = jnp.cumsum(per_seq) - per_seq
-    t = jnp.arange(T, dtype=jnp.int32)
-    b = jnp.clip(jnp.searchsorted(qsl, t, side="right").astype(jnp.int32) - 1, 0, seq_lens.shape[0] - 1)
-    off = t - qsl[b]
-    live = t < qsl[-1]
-    pad_off = t - qsl[-1]
-    tile_of = jnp.where(live, tile_start[b] + off // TILE, tile_start[-1] + per_seq[-1] + pad_off // TILE)
-    row = jnp.clip(tile_of * TILE + jnp.where(live, off, pad_off) % TILE, 0, nt * TILE - 1)
-    return out[row]
+    )(*plan, bt, q, k_pages, v_pages)
