@@ -235,8 +235,11 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
     nt = plan[0].shape[0]
     bt = pad_block_tables(block_tables, ppb).astype(jnp.int32)
     dtype = q.dtype
-    if interpret:  # TMA reads rows past the end as zeros; the CPU interpreter raises instead
-        q = jnp.pad(q, ((0, TILE), (0, 0), (0, 0)))
+    # TMA reads rows past the end as zeros, but wants the row count a multiple of its 8-row tiling (the engine's
+    # token buckets are); the CPU interpreter raises on reads past the end.
+    rows = TILE if interpret else -T % 8
+    if rows:
+        q = jnp.pad(q, ((0, rows), (0, 0), (0, 0)))
     kernel = functools.partial(
         _kernel, num_tiles=nt, group=group, block_kv=block_kv, page_size=S, steps_in_flight=steps_in_flight,
         scale_log2=scale * math.log2(math.e), dtype=dtype, interpret=interpret)
@@ -262,9 +265,9 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
-    return plgpu.kernel(
+    out = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct((T, N, H), dtype),
+        out_type=jax.ShapeDtypeStruct((T + (-T % 8), N, H), dtype),
         grid=(N, nt),
         grid_names=("heads", "tiles"),
         num_threads=3,
@@ -272,3 +275,4 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kw,
     )(*plan, bt, q, k_pages, v_pages)
+    return out[:T] if T % 8 else out
