@@ -218,7 +218,8 @@ class ModelRunner:
         self._compiled: dict[StepVariant, object] = {}
         # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
         self._sampler_jit = jax.jit(_sample_rows_fn, static_argnames=("cfg", "flags"))
-        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
+        # (params None: a host-only runner, for prepare() alone, as bench/host_overhead.py builds)
+        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
         self._samplers: dict[tuple, object] = {}
         # Whole step programs for non-default sampler flags, compiling in the background (see execute).
         self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
