@@ -147,6 +147,17 @@ def _device_ids(compiled) -> list[int]:
     return [d.id for d in devices]
 
 
+def _load_kernel_runtimes() -> None:
+    """A Mosaic GPU kernel in a loaded executable finds its runtime library (mosaic_gpu_launch_kernel, ...)
+    through an environment variable that jax's Mosaic GPU module sets when it is imported; a warm start loads
+    executables without tracing anything, so nothing else would import it (every entry with the Mosaic GPU
+    prefill kernel was unusable: "Failed to lookup host symbol")."""
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401
+    except ImportError:
+        pass
+
+
 class ExecutableCache:
     """Compiled executables on disk, keyed by key(); counters say what happened (tests, logs)."""
 
@@ -158,6 +169,8 @@ class ExecutableCache:
         self.from_jax_cache = 0  # compiles JAX's cache answered: not stored (see the module docstring)
         self._lock = threading.Lock()
         self._env = _environment(self.devices)
+        if self.devices and self.devices[0].platform == "gpu":
+            _load_kernel_runtimes()
 
     def key(self, name: str, args, static) -> str:
         """Digest of the environment, the function name, its static arguments (their repr) and the
