@@ -18,9 +18,11 @@ checkout (e.g. `git archive` of a base commit), so a before/after pair is measur
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -187,6 +189,12 @@ def main(argv=None) -> dict:
     common.setup_logging(args.log_level)
     model = common.resolve_model(args)
     if args.num_layers:
+        # A copy: the generated folder is shared by every bench script of that shape (editing it in place
+        # made later runs of other scripts use the truncated model).
+        copy = tempfile.mkdtemp(prefix="jaxllm-startup-model-")
+        atexit.register(shutil.rmtree, copy, True)
+        shutil.copytree(model, copy, dirs_exist_ok=True)
+        model = copy
         path = os.path.join(model, "config.json")
         with open(path) as f:
             cfg = json.load(f)

@@ -128,3 +128,6 @@ def test_startup_smoke(tmp_path):
     assert warm["exec_cache"]["hits"] == n and warm["step_traces"] == 0
     assert res["series"]["."]["warm_tokens_equal_cold"] and len(warm["greedy_tokens"][0]) == 8
     assert json.loads(out.read_text())["env"]["command"]
+    # --num-layers edits a copy: the shared generated folder keeps its shape for the other bench scripts
+    with open(os.path.join(common.make_model_dir("tiny"), "config.json")) as f:
+        assert json.load(f)["num_hidden_layers"] == common.SHAPES["tiny"]["num_hidden_layers"]
