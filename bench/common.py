@@ -93,6 +93,16 @@ def _cached_model_dir(shape: str) -> str:
     return path
 
 
+def build_llm(args):
+    """The LLM for the parsed model args: (llm, perf_counter before LLM(), perf_counter once it is ready)."""
+    from jaxllm import LLM
+
+    model = resolve_model(args)
+    t0 = time.perf_counter()
+    llm = LLM(model, **engine_kwargs(args, model))
+    return llm, t0, time.perf_counter()
+
+
 def resolve_model(args) -> str | None:
     """--model PATH, or --shape NAME (a generated folder, dummy weights), or None (the demo model)."""
     if getattr(args, "shape", None):

@@ -54,12 +54,9 @@ def timed(llm, prompt, sp) -> dict:
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import SamplingParams
 
-    model = common.resolve_model(args)
-    t0 = time.perf_counter()
-    llm = LLM(model, **common.engine_kwargs(args, model))
-    ready = time.perf_counter() - t0
+    llm, t0, t_ready = common.build_llm(args)
     runner = llm.llm_engine.runner
     prompt = common.random_token_prompts(1, args.input_len, llm.llm_engine.vocab_size, args.seed)[0]
     base = dict(max_tokens=args.output_len, ignore_eos=True, seed=0)
@@ -83,7 +80,7 @@ def main(argv=None) -> dict:
                   f"background wait after it {wait:.2f} s, again {again['e2e_s']:.2f} s; compiled "
                   f"{rows[-1]['step_programs_compiled']} step / {rows[-1]['sampler_programs_compiled']} sampler "
                   "programs", flush=True)
-    res = dict(env=common.environment(), engine=common.engine_summary(llm), ready_s=ready,
+    res = dict(env=common.environment(), engine=common.engine_summary(llm), ready_s=t_ready - t0,
                workload=dict(input_len=args.input_len, output_len=args.output_len, batch=1), rows=rows)
     common.write_result("first_use", res, args.out)
     return res

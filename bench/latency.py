@@ -55,12 +55,7 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> di
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
-    from jaxllm import LLM
-
-    model = common.resolve_model(args)
-    t0 = time.perf_counter()
-    llm = LLM(model, **common.engine_kwargs(args, model))
-    t_ready = time.perf_counter()
+    llm, t0, t_ready = common.build_llm(args)
     env = common.environment()
     runner = llm.llm_engine.runner
     compiled_before = len(runner._compiled)

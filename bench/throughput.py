@@ -66,12 +66,9 @@ def _window(text: str) -> tuple[int, int]:
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
-    from jaxllm import LLM, SamplingParams
+    from jaxllm import SamplingParams
 
-    model = common.resolve_model(args)
-    t0 = time.perf_counter()
-    llm = LLM(model, **common.engine_kwargs(args, model))
-    t_ready = time.perf_counter()
+    llm, t0, t_ready = common.build_llm(args)
     env = common.environment()
     vocab = llm.llm_engine.vocab_size
     if args.dataset == "random":
