@@ -23,6 +23,7 @@ Effective bytes for attention = KV read once (sum of context lengths * K * H * 2
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -288,7 +289,7 @@ def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=
     for cfg in configs:
         row = dict(kind="prefill", label=label, chunk=chunk, prefix=prefix, N=N, K=K, H=H, S=S, impl=impl, cfg=cfg)
         fn = ragged_prefill_mgpu if impl == "mosaic_gpu" else ragged_paged_attention_kernel
-        call = lambda q, k, v, lens, qsl, bt, cfg=cfg, fn=fn: fn(q, k, v, lens, qsl, bt, scale=scale, **cfg)  # noqa: E731
+        call = functools.partial(fn, scale=scale, **cfg)
         _measure(results, row, call, (q, k, v, lens, qsl, bt), ref, matmul_rates(flops, mm_rate))
 
 
