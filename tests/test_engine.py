@@ -546,3 +546,26 @@ def test_cpu_kv_cache_of_a_16_bit_model_is_stored_as_float32(tiny, monkeypatch):
     r16, tokens16, lps16 = run()
     assert r16.kv_caches[0][0].dtype == jnp.bfloat16
     assert tokens == tokens16 and lps == lps16
+
+
+def test_penalty_sampler_for_the_next_row_width_compiles_ahead(tiny):
+    """Penalty rows (each sequence's token ids) double their width as sequences grow; each width is its own
+    sampler program. The next width's is compiled in the background when a width is first used, so a running
+    request does not wait for the compiler when its sequence crosses it."""
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
+    runner = llm.llm_engine.runner
+
+    def penalty_widths():
+        return {k[2][0] for k in runner._samplers if k[1].penalties}
+
+    def generate(n):
+        sp = SamplingParams(temperature=1.0, presence_penalty=0.5, seed=5, max_tokens=n, ignore_eos=True)
+        out = llm.generate({"prompt_token_ids": PROMPTS[4]}, sp, use_tqdm=False)[0].outputs[0]
+        runner.wait_for_background_compiles()
+        return out
+
+    generate(4)  # 9 + 4 tokens: rows of width 16
+    assert penalty_widths() == {16, 32}  # 32 compiled ahead, before any sequence needed it
+    assert len(generate(12).token_ids) == 12  # 9 + 12 tokens: crosses into 32 (and compiles 64 ahead)
+    assert penalty_widths() == {16, 32, 64}
+    check_free(llm)

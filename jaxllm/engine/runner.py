@@ -227,6 +227,8 @@ class ModelRunner:
         # each): drop them first. (concurrent.futures registered its own hook earlier, so it runs after this.)
         threading._register_atexit(functools.partial(_drop_queued, weakref.ref(self._background)))
         self._pending: dict[StepVariant, object] = {}
+        self._sampler_jobs: dict[tuple, object] = {}  # sampler programs compiling ahead of need (_sampler_ahead)
+        self._rows_spec: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the start-up programs' sampled rows
         self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
@@ -479,9 +481,12 @@ class ModelRunner:
             args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices,
                     _plain(smd), prompt_targets)
             self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
+            self._rows_spec.setdefault(v.num_seqs, jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=rows.sharding))
             sargs = (self._head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = self._sampler_executable(v, sargs)(*sargs)
             prompt = None
+        if p.variant.flags.penalties and self.split_sampler and self.warmed_up and not self.eager:
+            self._sampler_ahead(p.variant, smd)
         self._prev_rows = dict(p.sample_rows)
         return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 
@@ -547,6 +552,8 @@ class ModelRunner:
         for v, job in list(self._pending.items()):
             del self._pending[v]
             self._file_background_compile(v, job)
+        for job in list(self._sampler_jobs.values()):
+            job.exception()
 
     def _sampler_executable(self, v: StepVariant, args):
         """The sampler-only program for v's B, flags and row widths (from the executable cache, or compiled on
@@ -565,6 +572,32 @@ class ModelRunner:
             logger.info("Sampler for B=%d %s %s ready in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
                         time.perf_counter() - t0)
         return exe
+
+    def _sampler_ahead(self, v: StepVariant, smd) -> None:
+        """Penalty rows hold each sequence's token ids, so their width (a power of two) doubles as sequences
+        grow, and each width is a step program and a sampler program of its own. A step with penalties makes
+        sure the next width's sampler program is compiled or compiling in the background, so the step that
+        crosses it runs split (see _whole_step) without waiting for a compiler (every running request would)."""
+        widths = (2 * v.sampler_widths[0], 2 * v.sampler_widths[1]) + tuple(v.sampler_widths[2:])
+        key = (v.num_seqs, v.flags, widths)
+        rows = self._rows_spec.get(v.num_seqs)
+        if (rows is None or key in self._samplers or key in self._sampler_jobs
+                or widths[0] > 2 * self.max_pages * self.block_size):
+            return
+        prev = jax.ShapeDtypeStruct(self.prev_tokens.shape, self.prev_tokens.dtype, sharding=self.prev_tokens.sharding)
+        wider = lambda a: np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)  # noqa: E731
+        smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
+                                  penalty_is_output=wider(smd.penalty_is_output))
+
+        def compile_ahead():
+            try:
+                exe = self._sampler_jit.lower(self._head, rows, prev, smd, cfg=self.cfg, flags=v.flags).compile()
+            except Exception:  # noqa: BLE001 - only an optimisation: the step that needs it compiles it then
+                logger.exception("Compiling the sampler for B=%d %s %s ahead failed", v.num_seqs, v.flags, widths)
+                return
+            self._samplers.setdefault(key, exe)
+
+        self._sampler_jobs[key] = self._background.submit(compile_ahead)
 
     # ---- sampling inputs ----
     def _flags(self, seqs, features: np.ndarray) -> SamplerFlags:
