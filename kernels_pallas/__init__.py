@@ -35,7 +35,6 @@ from . import reference
 from . import _prefill_mgpu
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import paged_decode_attention_kernel
-from ._prefill_mgpu import ragged_prefill_mgpu
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -95,8 +94,8 @@ def paged_decode_attention(
 
 
 def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
-    """"mosaic" (Mosaic GPU kernel, _prefill_mgpu.py: 0.62-0.78 of the bf16 matmul rate on an H100 where the
-    Triton kernel reaches 0.49-0.56, bench/results/kernels_h100_f9e386d_mgpu_prefill.json) on sm_90 GPUs for
+    """"mosaic" (Mosaic GPU kernel, _prefill_mgpu.py: 0.64-0.77 of the bf16 matmul rate on an H100 where the
+    Triton kernel reaches 0.47-0.55, bench/results/kernels_h100_2088a1e_mgpu_prefill.json) on sm_90 GPUs for
     what it supports (bf16 / fp16, no ALiBi, window or fp8); "triton" otherwise (and by default in interpret
     mode: the Mosaic GPU interpreter is much slower on CPU)."""
     if requested not in ("auto", "mosaic", "triton"):
@@ -132,7 +131,7 @@ def ragged_paged_attention(
     def prefill(skip_single):
         args = (q, k_pages, v_pages, seq_lens, query_start_loc, block_tables)
         if backend == "mosaic":
-            return ragged_prefill_mgpu(*args, scale=scale, skip_single=skip_single, interpret=interpret)
+            return _prefill_mgpu.ragged_prefill_mgpu(*args, scale=scale, skip_single=skip_single, interpret=interpret)
         return ragged_paged_attention_kernel(*args, skip_single=skip_single, interpret=interpret, **kw)
 
     if not (decode_only or split_decode):

@@ -132,14 +132,20 @@ class _StubEngine:
         return []
 
 
+async def _running_in_step(die: bool):
+    """An AsyncLLM over a _StubEngine, with request "running" added and the engine held inside its step."""
+    fake = _StubEngine(die=die)
+    eng = AsyncLLM(fake)
+    running = asyncio.create_task(collect(eng, [1], GREEDY, "running"))
+    await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+    return fake, eng, running
+
+
 def test_requests_added_while_the_engine_dies_fail_instead_of_hanging():
     from jaxllm.engine.protocol import EngineDeadError
 
     async def main():
-        fake = _StubEngine(die=True)
-        eng = AsyncLLM(fake)
-        running = asyncio.create_task(collect(eng, [1], GREEDY, "running"))
-        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        fake, eng, running = await _running_in_step(die=True)
         queued = asyncio.create_task(collect(eng, [1], GREEDY, "queued"))  # its add waits behind the step
         await asyncio.sleep(0.05)
         fake.release.set()
@@ -157,10 +163,7 @@ def test_streams_open_at_shutdown_end_with_an_error():
     from jaxllm.engine.protocol import EngineDeadError
 
     async def main():
-        fake = _StubEngine(die=False)
-        eng = AsyncLLM(fake)
-        stream = asyncio.create_task(collect(eng, [1], GREEDY, "open"))  # steps forever without output
-        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        fake, eng, stream = await _running_in_step(die=False)  # steps forever without output
         fake.release.set()
         await eng.shutdown()
         with pytest.raises(EngineDeadError, match="shut down"):
@@ -173,10 +176,7 @@ def test_streams_open_at_shutdown_end_with_an_error():
 
 def test_generate_cancelled_while_its_add_waits_aborts_the_request():
     async def main():
-        fake = _StubEngine(die=False)
-        eng = AsyncLLM(fake)
-        running = asyncio.create_task(collect(eng, [1], GREEDY, "running"))
-        await asyncio.get_running_loop().run_in_executor(None, fake.in_step.wait)
+        fake, eng, running = await _running_in_step(die=False)
         cancelled = asyncio.create_task(collect(eng, [1], GREEDY, "cancelled"))
         await asyncio.sleep(0.05)  # its add waits behind the step
         cancelled.cancel()

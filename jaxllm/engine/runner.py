@@ -160,13 +160,22 @@ def _pipeline_head_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_t
                       prompt_k=prompt_k)
 
 
+def _spec(a) -> jax.ShapeDtypeStruct:
+    """A device array's shape, dtype and sharding (to lower a program without holding the array)."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+# SamplingMetadata's ragged per-row fields, padded with (fill, dtype); a StepVariant's sampler_widths are their
+# widths in this order, all 1 (one column of fill) unless the step's flags need them.
+_ROW_FIELDS = (("penalty_tokens", -1, np.int32), ("penalty_is_output", False, bool), ("bias_ids", -1, np.int32),
+               ("bias_values", 0.0, np.float32), ("allowed_ids", -1, np.int32))
+
+
 def _plain(smd: SamplingMetadata) -> SamplingMetadata:
-    """smd with the default flags' one-column penalty, bias and allowed-id rows (the start-up programs'
-    shapes); the start-up program's own sampling is discarded when the flags are not the default."""
+    """smd with the default flags' one-column ragged rows (the start-up programs' shapes); the start-up
+    program's own sampling is discarded when the flags are not the default."""
     B = smd.temperature.shape[0]
-    empty = np.full((B, 1), -1, np.int32)
-    return dataclasses.replace(smd, penalty_tokens=empty, penalty_is_output=np.zeros((B, 1), bool), bias_ids=empty,
-                               bias_values=np.zeros((B, 1), np.float32), allowed_ids=empty)
+    return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS})
 
 
 def _drop_queued(pool_ref) -> None:
@@ -319,7 +328,7 @@ class ModelRunner:
             # 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
             kv_free = not self.warmed_up and any(v not in self._compiled for v in self.variants())
             if kv_free:
-                spec = [tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in layer)
+                spec = [tuple(_spec(a) for a in layer)
                         for layer in self.kv_caches]
                 for a in jax.tree.leaves(self.kv_caches):
                     a.delete()
@@ -453,8 +462,7 @@ class ModelRunner:
         smd = self._sampling_arrays(B, flags, seqs, rows, live)
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
-        widths = tuple(a.shape[1] for a in (smd.penalty_tokens, smd.penalty_is_output, smd.bias_ids,
-                                            smd.bias_values, smd.allowed_ids))
+        widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS)
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
         host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
         return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs)
@@ -481,11 +489,11 @@ class ModelRunner:
             args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices,
                     _plain(smd), prompt_targets)
             self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
-            self._rows_spec.setdefault(v.num_seqs, jax.ShapeDtypeStruct(rows.shape, rows.dtype, sharding=rows.sharding))
+            self._rows_spec.setdefault(v.num_seqs, _spec(rows))
             sargs = (self._head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = self._sampler_executable(v, sargs)(*sargs)
             prompt = None
-        if p.variant.flags.penalties and self.split_sampler and self.warmed_up and not self.eager:
+        if p.variant.flags.penalties:
             self._sampler_ahead(p.variant, smd)
         self._prev_rows = dict(p.sample_rows)
         return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
@@ -534,10 +542,9 @@ class ModelRunner:
     def _spec_args(self, host_args):
         """A step's arguments with the device arrays as shape / dtype / sharding specs (for lowering away from
         the step: the KV cache is donated to every step)."""
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)  # noqa: E731
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets = host_args
-        return (self.params, jax.tree.map(spec, self.kv_caches), token_ids, src_rows, spec(self.prev_tokens), meta,
-                logits_indices, smd, prompt_targets)
+        return (self.params, jax.tree.map(_spec, self.kv_caches), token_ids, src_rows, _spec(self.prev_tokens),
+                meta, logits_indices, smd, prompt_targets)
 
     def _compile_in_background(self, v: StepVariant, args):
         t0 = time.perf_counter()
@@ -580,11 +587,11 @@ class ModelRunner:
         crosses it runs split (see _whole_step) without waiting for a compiler (every running request would)."""
         widths = (2 * v.sampler_widths[0], 2 * v.sampler_widths[1]) + tuple(v.sampler_widths[2:])
         key = (v.num_seqs, v.flags, widths)
-        rows = self._rows_spec.get(v.num_seqs)
+        rows = self._rows_spec.get(v.num_seqs)  # None until a split step of this B ran (so never when eager)
         if (rows is None or key in self._samplers or key in self._sampler_jobs
                 or widths[0] > 2 * self.max_pages * self.block_size):
             return
-        prev = jax.ShapeDtypeStruct(self.prev_tokens.shape, self.prev_tokens.dtype, sharding=self.prev_tokens.sharding)
+        prev = _spec(self.prev_tokens)
         wider = lambda a: np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)  # noqa: E731
         smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
                                   penalty_is_output=wider(smd.penalty_is_output))
@@ -644,10 +651,8 @@ class ModelRunner:
                 bias_ids[i], bias_vals[i] = list(row.keys()), list(row.values())
                 allowed[i] = list(seqs[i].sampling_params.allowed_token_ids or [])
 
-        def rows(r, fill, dtype):
-            return np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
-
+        ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in _ROW_FIELDS' order
         return SamplingMetadata(
             temp, top_p, top_k, min_p, pres, freq, rep, seeds, steps,
-            rows(pen_rows, -1, np.int32), rows(pen_out, False, bool), rows(bias_ids, -1, np.int32),
-            rows(bias_vals, 0.0, np.float32), rows(allowed, -1, np.int32))
+            *(np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
+              for r, (_, fill, dtype) in zip(ragged, _ROW_FIELDS)))
