@@ -1,6 +1,7 @@
 """The whole engine against HF transformers: greedy tokens equal under batching, chunked prefill, prefix
 caching and preemption; sampling, stops, logprobs and validation behave like vLLM."""
 
+import gc
 import json
 import os
 import shutil
@@ -395,6 +396,16 @@ def test_runner_rows_come_back_when_a_step_schedules_nothing(tiny):
         assert [len(o.outputs[0].token_ids) for o in outs] == [4, 5]
     assert len(batch._free) + len(llm.llm_engine.scheduler._freed) == rows
     check_free(llm)
+
+
+def test_start_up_objects_are_moved_out_of_the_collector(tiny):
+    """A full collection walked every object start-up left (~10^6 with an 8B model's engine) and stalled the
+    step in flight by up to 0.48 s on the H100's host. The engine freezes them once built, as vLLM does."""
+    gc.unfreeze()
+    llm = make_llm(tiny[0])
+    assert gc.get_freeze_count() > len(gc.get_objects())  # most live objects are out of the collector's view
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_max_model_len_and_kv_errors(tiny):
