@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.sampling_params import RequestOutputKind
 from tests.tiny_models import make_tiny_model_dir
 
 PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
@@ -166,6 +167,46 @@ def test_n_and_logprobs(llm):
     check_free(llm)
 
 
+def test_output_kinds_cumulative_delta_and_final_only(llm):
+    """vLLM's RequestOutputKind: CUMULATIVE outputs carry everything so far, DELTA only what is new (joined, the
+    same as the final cumulative output; the prompt's logprobs once), FINAL_ONLY one output at the end.
+    LLM.generate asks for FINAL_ONLY on a copy: the caller's params are left as they were."""
+    engine = llm.llm_engine
+    base = dict(n=2, temperature=1.0, seed=11, max_tokens=9, logprobs=2, prompt_logprobs=1, ignore_eos=True,
+                stop=["never-in-this-vocab"])
+    got = {}
+    for kind in RequestOutputKind:
+        engine.add_request(kind.name, {"prompt_token_ids": PROMPTS[0]}, SamplingParams(output_kind=kind, **base))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+    cum, delta, final = got["CUMULATIVE"], got["DELTA"], got["FINAL_ONLY"]
+    assert len(final) == 1 and final[0].finished and len(cum) >= base["max_tokens"]
+    assert [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
+    end = cum[-1]
+    assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in end.outputs]
+    assert final[0].outputs[0].text == end.outputs[0].text
+    for i, c in enumerate(end.outputs):
+        parts = [o.outputs[i] for o in delta]
+        assert sum((p.token_ids for p in parts), []) == c.token_ids
+        assert "".join(p.text for p in parts) == c.text
+        joined = [d for p in parts for d in p.logprobs]  # another row of the batch: equal up to rounding
+        assert [list(d) for d in joined] == [list(d) for d in c.logprobs]
+        assert [lp.logprob for d in joined for lp in d.values()] == pytest.approx(
+            [lp.logprob for d in c.logprobs for lp in d.values()], abs=1e-5)
+        assert parts[-1].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
+        assert parts[-1].finish_reason == "length"
+    sent = [o.prompt_logprobs for o in delta if o.prompt_logprobs is not None]
+    assert len(sent) == 1 and len(sent[0]) == len(end.prompt_logprobs) == len(PROMPTS[0])
+    assert [None if d is None else list(d) for d in sent[0]] == [None if d is None else list(d)
+                                                                  for d in end.prompt_logprobs]
+    sp = SamplingParams(**base)
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
+    assert sp.output_kind is RequestOutputKind.CUMULATIVE
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in end.outputs]
+    check_free(llm)
+
+
 def test_greedy_logprobs_match_hf(llm, tiny):
     _, model = tiny
     p = PROMPTS[0]
@@ -257,7 +298,7 @@ def test_failed_add_leaves_nothing_behind(llm, monkeypatch):
 
     monkeypatch.setattr(llm.llm_engine, "_bad_word_ids", boom)
     with pytest.raises(RuntimeError, match="exploded"):
-        llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)
+        llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"], max_tokens=10), use_tqdm=False)
     monkeypatch.undo()
     assert not llm.llm_engine.has_unfinished_requests()
     assert len(llm.generate({"prompt_token_ids": [1, 2]}, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 10

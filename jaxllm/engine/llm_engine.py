@@ -24,7 +24,7 @@ from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ class _SeqState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # RequestOutputKind.DELTA: how much of the text, tokens and logprobs earlier outputs carried
+    sent_text: int = 0
+    sent_tokens: int = 0
 
 
 @dataclass
@@ -51,6 +54,7 @@ class _Request:
     seqs: list[_SeqState]
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
 
 
 class LLMEngine:
@@ -245,7 +249,7 @@ class LLMEngine:
         return outputs
 
     def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
-        state = next(s for s in req.seqs if s.seq is seq)
+        state = req.seqs[0] if len(req.seqs) == 1 else next(s for s in req.seqs if s.seq is seq)
         row = handle.rows[seq.seq_id]
         token = seq.output_token_ids[-1]
         self.generation_tokens_total += 1
@@ -294,6 +298,9 @@ class LLMEngine:
         """Host-side logit biases for the next token: min_tokens suppresses stop tokens, bad_words bans the
         token that would complete a bad word."""
         p, seq = state.seq.sampling_params, state.seq
+        if not (p.logit_bias or p.bad_words or seq.num_output_tokens < p.min_tokens):
+            seq.bias_row = None  # nothing to bias (most requests: this runs for every token)
+            return
         row = dict(p.logit_bias or {})
         if seq.num_output_tokens < p.min_tokens:
             for t in p.all_stop_token_ids:
@@ -347,20 +354,38 @@ class LLMEngine:
                     top_lps[lo + j], k))
 
     def _make_output(self, req: _Request) -> RequestOutput | None:
+        """The request's output now (None for a FINAL_ONLY request still running); a finished request is
+        forgotten."""
         finished = all(s.finish_reason is not None for s in req.seqs)
+        kind = req.params.output_kind
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
         outs = []
         for s in req.seqs:
             done = s.finish_reason is not None
             text = s.text if done else s.stops.visible_text(s.text, False)
-            outs.append(CompletionOutput(s.index, text, list(s.seq.output_token_ids),
+            tokens, logprobs = s.seq.output_token_ids, s.logprobs
+            if kind is RequestOutputKind.DELTA:
+                t0, n0 = s.sent_text, s.sent_tokens
+                s.sent_text, s.sent_tokens = len(text), len(tokens)
+                text, tokens = text[t0:], tokens[n0:]
+                logprobs = None if logprobs is None else logprobs[n0:]
+            outs.append(CompletionOutput(s.index, text, list(tokens),
                                          s.cumulative_logprob if s.logprobs is not None else None,
-                                         s.logprobs, s.finish_reason, s.stop_reason))
+                                         logprobs, s.finish_reason, s.stop_reason))
+        prompt_logprobs = req.prompt_logprobs
+        if kind is RequestOutputKind.DELTA:  # all of the prompt's logprobs, once, when its prefill is done
+            complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(req.prompt_token_ids)
+            if req.prompt_logprobs_sent or not complete:
+                prompt_logprobs = None
+            else:
+                req.prompt_logprobs_sent = True
         if finished:
             req.metrics.finished_time = time.time()
             del self._requests[req.request_id]
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, req.prompt_logprobs, outs,
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
                              finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
 
     # ---- stats ----
