@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
     from jaxllm.distributed import maybe_initialize
+    from jaxllm.engine.setup import request_device_memory
 
+    request_device_memory(args.gpu_memory_utilization)  # before jax.distributed starts the backend
     maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     if args.model is None:
         from jaxllm.demo import demo_model_path

@@ -449,6 +449,37 @@ def test_start_up_objects_are_moved_out_of_the_collector(tiny):
     assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
+def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
+    """jax's GPU allocator takes 0.75 of the device unless told otherwise, and the KV cache was sized inside
+    that: 0.9 meant 0.75 of the device. The engine asks for gpu_memory_utilization before the backend starts
+    (not when the user set the variable), and sizes the cache from the whole device."""
+    code = ("import os; from jaxllm.engine.setup import request_device_memory; request_device_memory(0.85); "
+            "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'))")
+    env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k}
+    run = lambda e: subprocess.run([sys.executable, "-c", code], env=e, capture_output=True, text=True,
+                                   check=True).stdout.split()[-1]
+    assert run(env) == "0.8500"
+    assert run(env | {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == "None"  # the user's choice stands
+
+    from types import SimpleNamespace
+
+    import jax
+
+    from jaxllm.engine import setup
+
+    gib = 2**30
+    dev = SimpleNamespace(memory_stats=lambda: {"bytes_limit": 72 * gib, "bytes_in_use": 16 * gib})
+    monkeypatch.setattr(jax, "devices", lambda: [dev])
+    cfg = SimpleNamespace(hidden_size=64, intermediate_size=128, vocab_size=256, dtype="float32")
+    args = SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.9")  # 72 GiB of an 80 GiB device
+    blocks = setup._num_blocks(args, gib // 16, 16, 8, cfg, True)
+    assert blocks == (72 - 16 - 1) * 16  # all of the allocator's 72 GiB, less weights and the 1 GiB floor
+    monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")  # jax's default 0.75: 72 GiB of a 96 GiB device
+    args.gpu_memory_utilization = 0.5  # 48 GiB of it
+    assert setup._num_blocks(args, gib // 16, 16, 8, cfg, True) == (48 - 16 - 1) * 16
+
+
 def test_max_model_len_and_kv_errors(tiny):
     with pytest.raises(ValueError, match=r"User-specified max_model_len \(1000\) is greater than the derived"):
         make_llm(tiny[0], max_model_len=1000)
