@@ -38,6 +38,26 @@ def _union(intervals):
     return total, gaps
 
 
+def kernel_category(name: str) -> str:
+    """The part of a step a GPU kernel belongs to, from its name (our Pallas kernels are named after their
+    function; XLA's GEMMs are cuBLAS nvjet / cutlass kernels or Triton gemm fusions)."""
+    n = name.lower()
+    if "paged_decode" in n:
+        return "decode_attention"
+    if "ragged" in n or "prefill" in n or "mosaic" in n:
+        return "prefill_attention"
+    if "qkv_write" in n or "write_kv" in n:
+        return "kv_write"
+    if any(k in n for k in ("nvjet", "gemm", "cutlass", "xmma", "sm90_")):
+        return "gemm"
+    if "memcpy" in n or "memset" in n:
+        return "memcpy"
+    return "other"
+
+
+_GAP_SIZES = (("under_2us", 0, 2e3), ("2_10us", 2e3, 1e4), ("10_100us", 1e4, 1e5), ("over_100us", 1e5, float("inf")))
+
+
 def summarize(path: str, top: int = 40) -> dict:
     from jax.profiler import ProfileData
 
@@ -73,6 +93,8 @@ def summarize(path: str, top: int = 40) -> dict:
                     span_ms=span / 1e6, busy_ms=busy / 1e6, busy_fraction=busy / span if span else None,
                     idle_ms=(span - busy) / 1e6, gaps_over_50us=len(big), gaps_over_50us_ms=sum(big) / 1e6,
                     largest_gaps_ms=[g / 1e6 for g in sorted(gaps, reverse=True)[:8]],
+                    gaps_ms_by_size={k: sum(g for g in gaps if lo <= g < hi) / 1e6 for k, lo, hi in _GAP_SIZES},
+                    by_category_ms=_by_category(kernel_time),
                     top_kernels=[{"name": k[:120], "ms": v / 1e6, "share": v / max(busy, 1), "runs": kernel_runs[k],
                                   "us_per_run": v / 1e3 / kernel_runs[k]}
                                  for k, v in kernel_time.most_common(top)])
@@ -90,6 +112,13 @@ def summarize(path: str, top: int = 40) -> dict:
     out["host_compile_events"] = [{"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6}
                                   for k, c in compiles.most_common(top)]
     return out
+
+
+def _by_category(kernel_time) -> dict:
+    cats = collections.Counter()
+    for name, ns in kernel_time.items():
+        cats[kernel_category(name)] += ns
+    return {k: v / 1e6 for k, v in cats.most_common()}
 
 
 if __name__ == "__main__":

@@ -66,6 +66,24 @@ def test_throughput_smoke(tmp_path):
     assert saved["env"]["jax"] and saved["env"]["command"] and "time_to_ready_s" in saved
 
 
+def test_step_phases_smoke(tmp_path):
+    """Per-step host phase timers around the throughput workload; the engine's classes are restored after."""
+    from bench import step_phases
+    from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.engine.runner import ModelRunner
+
+    before = (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable)
+    res = step_phases.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
+                            "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+                            "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--compilation-cache-dir", "",
+                            "--min-seqs", "4", "--out", str(tmp_path / "tp.json")])
+    assert (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable) == before
+    saved = json.loads((tmp_path / "tp_step_phases.json").read_text())
+    assert saved["steps"] >= 3 and saved["steady_steps"] >= 1
+    assert saved["steady_median_ms"]["exe_call"] > 0 and saved["steady_median_ms"]["on_token"] > 0
+    assert res["throughput"]["requests_per_s"] > 0
+
+
 def test_first_use_smoke(tmp_path):
     """The split sampler runs sampler programs until the step programs are compiled in the background; the
     whole-step mode compiles only step programs."""
@@ -131,3 +149,18 @@ def test_startup_smoke(tmp_path):
     # --num-layers edits a copy: the shared generated folder keeps its shape for the other bench scripts
     with open(os.path.join(common.make_model_dir("tiny"), "config.json")) as f:
         assert json.load(f)["num_hidden_layers"] == common.SHAPES["tiny"]["num_hidden_layers"]
+
+
+def test_profile_kernel_categories():
+    """Kernel names from the H100's traces, sorted into the parts of a step that bench/profile_summary.py
+    totals."""
+    from bench.profile_summary import kernel_category
+
+    assert kernel_category("paged_decode_S_16_ppb_2_splits_1") == "decode_attention"
+    assert kernel_category("paged_decode_combine_splits_6") == "decode_attention"
+    assert kernel_category("entry_mosaic_gpu_kernel") == "prefill_attention"
+    assert kernel_category("qkv_write_kv_S_16_G_4") == "kv_write"
+    assert kernel_category("nvjet_sm90_tst_320x128_64x3_2x4_h_bz_coopB_NNT") == "gemm"
+    assert kernel_category("gemm_fusion_dot_33") == "gemm"
+    assert kernel_category("MemcpyH2D") == "memcpy"
+    assert kernel_category("loop_multiply_fusion_31") == "other"
