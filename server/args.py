@@ -18,7 +18,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
-    "max_logprobs", "quantization", "trust_remote_code",
+    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
@@ -127,6 +127,9 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--enforce-eager", action="store_true",
                    help="Skip compiling all shape buckets at start-up (compile on first use).")
     e.add_argument("--max-logprobs", type=int, default=20)
+    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
+                        "priority values run first, then arrival order.")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
     e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,

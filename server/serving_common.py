@@ -109,7 +109,7 @@ def reject_unsupported(req) -> None:
         raise APIError("Custom logits_processors are not supported by jaxllm.", param="logits_processors")
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
-    if req.stream and req.prompt_logprobs is not None:
+    if req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
 

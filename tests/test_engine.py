@@ -333,6 +333,9 @@ def test_offline_api_input_errors(llm):
         llm.generate(["a", "b"], GREEDY, priority=[1], use_tqdm=False)
     with pytest.raises(ValueError, match="prompts must be"):
         llm.generate(5, use_tqdm=False)
+    with pytest.raises(ValueError, match="Got priority 2 but Priority scheduling is not enabled"):  # fcfs
+        llm.generate(["a", "b"], GREEDY, priority=[0, 2], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="logit_bias must map token ids to numbers"):
         SamplingParams(logit_bias={"abc": 1})
     with pytest.raises(ValueError, match="logit_bias values must be finite"):
@@ -380,6 +383,40 @@ def test_penalties_and_logit_bias(llm, hf_refs):
                            SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[10, 11], ignore_eos=True),
                            use_tqdm=False)[0].outputs[0]
     assert set(allowed.token_ids) <= {10, 11}
+    check_free(llm)
+
+
+def test_use_tqdm_callable_makes_the_progress_bar(llm):
+    """vLLM's use_tqdm also takes a callable that builds the bar (e.g. functools.partial(tqdm, leave=False))."""
+    made = []
+
+    class Bar:
+        def __init__(self, **kw):
+            self.kw, self.n = kw, 0
+            made.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], GREEDY, use_tqdm=Bar)
+    assert len(outs) == 3 and len(made) == 1
+    assert made[0].kw["total"] == 3 and made[0].n == 3 and made[0].closed and not made[0].kw["disable"]
+
+
+def test_priority_scheduling_policy(tiny):
+    """scheduling_policy="priority" (vLLM's): lower priority values are admitted first; fcfs refuses non-zero
+    priorities (above). With room for one sequence at a time, the order of admission is the order of the
+    first tokens."""
+    llm = make_llm(tiny[0], scheduling_policy="priority", max_num_seqs=1)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}], GREEDY,
+                        priority=[5, 1], use_tqdm=False)
+    first = [o.metrics.first_token_time for o in outs]
+    assert first[1] < first[0]
+    with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
+        make_llm(tiny[0], scheduling_policy="lifo")
     check_free(llm)
 
 

@@ -106,6 +106,8 @@ CASES = [
      "n must be 1 when using greedy sampling, got 2."),
     ("n=0", COMPLETIONS, {"json_body": {"prompt": "a", "n": 0}}, 400, "n must be at least 1, got 0."),
     ("seed past int64", COMPLETIONS, {"json_body": {"prompt": "a", "seed": 2**63}}, 400, "seed"),
+    ("prompt_logprobs with stream", COMPLETIONS, {"json_body": {"prompt": "a", "prompt_logprobs": 1, "stream": True}},
+     400, "`prompt_logprobs` are not available when `stream=True`."),
     ("logprobs > max", COMPLETIONS, {"json_body": {"prompt": "a", "logprobs": 21}}, 400,
      "Requested logprobs of 21, which is greater than max allowed: 20."),
     ("top_logprobs without logprobs", CHAT, {"json_body": {"messages": USER, "top_logprobs": 2}}, 400,

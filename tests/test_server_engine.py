@@ -67,12 +67,21 @@ def test_real_engine_routes(served):
                                                  extra_body={"ignore_eos": True}))
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 6
     assert chunks[-2].choices[0].finish_reason == "length"
+    # vLLM accepts prompt_logprobs=0 with stream (only > 0 or -1 is refused); nothing extra is streamed
+    streamed = list(client.completions.create(model="tiny", prompt=[5, 9, 2], max_tokens=3, stream=True,
+                                              temperature=0, extra_body={"ignore_eos": True, "prompt_logprobs": 0}))
+    whole = client.completions.create(model="tiny", prompt=[5, 9, 2], max_tokens=3, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length"
 
     with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, your "
                                                      "request has 200 input tokens"):
         client.completions.create(model="tiny", prompt=[5] * 200)
     with pytest.raises(openai.BadRequestError, match="Requested logprobs of 25, which is greater than max"):
         client.completions.create(model="tiny", prompt=[5], logprobs=25)
+    with pytest.raises(openai.BadRequestError, match="Got priority 3 but Priority scheduling is not enabled"):
+        client.completions.create(model="tiny", prompt=[5], max_tokens=2, extra_body={"priority": 3})
     assert wait_until(lambda: blocks_free(engine)), "KV blocks leaked"
 
 

@@ -28,6 +28,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     enforce_eager: bool = False
     max_logprobs: int = 20
+    scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     # jaxllm-specific: explicit KV size (tests, CPU), attention backend, compile cache.
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -51,6 +52,8 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}.")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet (only unquantized weights).")
         if self.attention_backend not in ("auto", "reference", "pallas"):

@@ -115,6 +115,8 @@ class LLMEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if priority != 0 and self.args.scheduling_policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         params = (params or self.default_sampling_params()).clone()
         text, ids = self.tokenize_prompt(prompt)
         self.validate_prompt(ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
@@ -26,13 +26,15 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | Callable[..., Any] = True,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False)."""
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         ids = self._add(prompts, params, priority)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True, chat_template: str | None = None,
              add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -86,11 +88,12 @@ class LLM:
             raise
         return ids
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool | Callable[..., Any]) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        make_bar = use_tqdm if callable(use_tqdm) else tqdm
+        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.llm_engine.has_unfinished_requests():
                 bar.update(self._step(ids, done))
