@@ -189,6 +189,9 @@ def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) ->
     if truncate is None:
         return ids
     k = max_model_len if truncate == -1 else truncate
+    if k > max_model_len:
+        raise APIError(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len})."
+                       " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
     return ids[-k:] if k > 0 else []
 
 

@@ -106,6 +106,9 @@ CASES = [
      "n must be 1 when using greedy sampling, got 2."),
     ("n=0", COMPLETIONS, {"json_body": {"prompt": "a", "n": 0}}, 400, "n must be at least 1, got 0."),
     ("seed past int64", COMPLETIONS, {"json_body": {"prompt": "a", "seed": 2**63}}, 400, "seed"),
+    ("truncate past max_model_len", COMPLETIONS, {"json_body": {"prompt": "a", "truncate_prompt_tokens": MAX_LEN + 1}},
+     400, f"truncate_prompt_tokens value ({MAX_LEN + 1}) is greater than max_model_len ({MAX_LEN}). Please, select a "
+          "smaller truncation size."),
     ("prompt_logprobs with stream", COMPLETIONS, {"json_body": {"prompt": "a", "prompt_logprobs": 1, "stream": True}},
      400, "`prompt_logprobs` are not available when `stream=True`."),
     ("logprobs > max", COMPLETIONS, {"json_body": {"prompt": "a", "logprobs": 21}}, 400,
