@@ -8,6 +8,8 @@ ModelConfig fields (biases, RoPE vs ALiBi, sliding window, tied embeddings), not
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -45,6 +47,14 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     return x, kv_cache
 
 
+@functools.lru_cache(maxsize=None)
+def _traced_once(layer_fn):
+    """layer_fn as a nested jit: every layer of a step has the same input shapes, so the first call's trace
+    serves the others (tracing the unrolled layer loop was most of a cold start: 17 step variants of a
+    32-layer model, ~2 s of Python each). XLA inlines the calls, so the compiled step is the same."""
+    return jax.jit(layer_fn, static_argnums=(4, 5))
+
+
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
             attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
@@ -52,8 +62,9 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
     layers = range(cfg.num_layers) if layers is None else layers
     x = params["embed"][token_ids] if hidden is None else hidden
     kv_caches = list(kv_caches)
+    layer = _traced_once(decoder_layer)  # looked up here: bench/step_probe.py swaps decoder_layer
     for i in layers:
-        x, kv_caches[i] = decoder_layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
+        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
     return kv_caches, x
 
 
