@@ -172,7 +172,33 @@ def plot_kernels(kfile, k, out):
     return True
 
 
-def kernel_figures(k) -> dict:
+# The Mosaic GPU prefill kernel's defaults (kernels_pallas/_prefill_mgpu.ragged_prefill_mgpu; a test checks): the
+# configuration the entry point runs on Hopper.
+MGPU_PREFILL_DEFAULTS = {"block_kv": 128, "steps_in_flight": 2}
+
+
+def pick_mgpu_prefill(results_dir):
+    """(file, (row, the Triton kernel's row of the same run or None)) of the newest run with the Mosaic GPU
+    prefill kernel's goal-shape row at its defaults (the kernel the engine uses on H100 since stop 14; full
+    kernel runs before it measured only the Triton one)."""
+    best = None
+    for f in sorted(glob.glob(os.path.join(results_dir, "kernels_*.json"))):
+        d = load(f)
+        if not isinstance(d, dict) or "info" not in d:
+            continue
+        row = next((r for r in d.get("results", []) if r.get("kind") == "prefill" and r.get("label") == "goal_chunk4k"
+                    and r.get("impl") == "mosaic_gpu" and r.get("cfg") == MGPU_PREFILL_DEFAULTS
+                    and r.get("frac_matmul")), None)
+        if row is not None:
+            triton = next((r for r in d["results"] if r.get("kind") == "prefill" and r.get("label") == "goal_chunk4k"
+                           and r.get("impl") == "pallas_triton" and not r.get("cfg") and r.get("frac_matmul")), None)
+            t = commit_time(d["info"].get("git_commit"))
+            if best is None or t > best[0]:
+                best = (t, f, (row, triton))
+    return (best[1], best[2]) if best else (None, None)
+
+
+def kernel_figures(k, mgpu_prefill=None) -> dict:
     if not k:
         return {}
     res = k["results"]
@@ -186,13 +212,14 @@ def kernel_figures(k) -> dict:
         if r:
             out[name] = (r["frac_copy"] * 100, GOALS["decode_frac_copy"] * 100, "%",
                          {"JAX shipped kernel": s["frac_copy"] * 100} if s and "frac_copy" in s else {})
-    r = ours("prefill", "goal_chunk4k")
+    r, tri = mgpu_prefill or (ours("prefill", "goal_chunk4k"), None)
     if r:
-        out["prefill 4k chunk, % matmul"] = (r["frac_matmul"] * 100, GOALS["prefill_frac_matmul"] * 100, "%", {})
+        refs = {"our Triton kernel (same run)": tri["frac_matmul"] * 100} if tri else {}
+        out["prefill 4k chunk, % matmul"] = (r["frac_matmul"] * 100, GOALS["prefill_frac_matmul"] * 100, "%", refs)
     return out
 
 
-def plot_goals(sfile, s, k, kfile, out):
+def plot_goals(sfile, s, k, kfile, out, mgpu=(None, None)):
     """One row per figure: value / goal (goal / value for times), so 1.0 is the goal for every row."""
     rows = []  # (name, value, goal, unit, lower_is_better, {reference name: value})
     if s:
@@ -210,12 +237,13 @@ def plot_goals(sfile, s, k, kfile, out):
                  " ms", True, {})):
             if s.get(key) is not None:
                 rows.append((name, s[key], GOALS[key], unit, low, rf))
-    for name, (v, g, unit, rf) in kernel_figures(k).items():
+    for name, (v, g, unit, rf) in kernel_figures(k, mgpu[1]).items():
         rows.append((name, v, g, unit, False, rf))
     if not rows:
         return False
     fig, ax = plt.subplots(figsize=(10, 0.55 * len(rows) + 1.6), dpi=DPI)
-    colors = {"HF transformers": "#bbbbbb", "vLLM (README ref.)": "#ff7f0e", "JAX shipped kernel": "#9467bd"}
+    colors = {"HF transformers": "#bbbbbb", "vLLM (README ref.)": "#ff7f0e", "JAX shipped kernel": "#9467bd",
+              "our Triton kernel (same run)": "#8c564b"}
     seen = set()
     for i, (name, v, g, unit, low, rf) in enumerate(rows):
         y = len(rows) - 1 - i
@@ -239,7 +267,7 @@ def plot_goals(sfile, s, k, kfile, out):
     ax.set_xlim(0, max(1.45, max((r[2] / r[1] if r[4] else r[1] / r[2]) for r in rows) + 0.45))
     ax.tick_params(axis="x", labelsize=7)
     ax.legend(fontsize=7, loc="lower right")
-    src = [os.path.basename(f) for f in (sfile, kfile) if f]
+    src = [os.path.basename(f) for f in (sfile, kfile, mgpu[0]) if f]
     where = f"{s.get('device') or 'H100'}, commit {s.get('commit') or 'see files'}" if s else ""
     hf = ("HF and jaxllm from the same suite run" if "same suite run" in (s or {}).get("hf_note", "")
           else (s or {}).get("hf_note") or "")
@@ -329,7 +357,8 @@ def main(argv=None):
     kfile, k = pick_kernels(a.results_dir, a.kernels)
     sfile, s, stages = pick_suite(a.results_dir, a.suite)
     jobs = (("kernels_decode.png", lambda f: k is not None and plot_kernels(kfile, k, f), "no kernels_*_default.json"),
-            ("engine_vs_goals.png", lambda f: plot_goals(sfile, s, k, kfile, f), "no suite, summary or kernels JSON"),
+            ("engine_vs_goals.png", lambda f: plot_goals(sfile, s, k, kfile, f, pick_mgpu_prefill(a.results_dir)),
+             "no suite, summary or kernels JSON"),
             ("parallel.png", lambda f: plot_parallel(a.results_dir, f), "no parallel/pipeline JSON"),
             ("serve.png", lambda f: plot_serve(sfile, stages, f), "no suite JSON with a serve stage"))
     for name, fn, why in jobs:

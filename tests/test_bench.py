@@ -164,3 +164,18 @@ def test_profile_kernel_categories():
     assert kernel_category("gemm_fusion_dot_33") == "gemm"
     assert kernel_category("MemcpyH2D") == "memcpy"
     assert kernel_category("loop_multiply_fusion_31") == "other"
+
+
+def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
+    """bench/plot_results.py names the Mosaic GPU prefill kernel's defaults to find the entry point's row."""
+    import inspect
+
+    pytest.importorskip("matplotlib")
+    from bench import plot_results
+    from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
+
+    params = inspect.signature(ragged_prefill_mgpu).parameters
+    assert plot_results.MGPU_PREFILL_DEFAULTS == {k: params[k].default for k in plot_results.MGPU_PREFILL_DEFAULTS}
+    f, (row, triton) = plot_results.pick_mgpu_prefill(os.path.join(os.path.dirname(__file__), "..", "bench",
+                                                                    "results"))
+    assert f and row["impl"] == "mosaic_gpu" and row["frac_matmul"] > 0.5 and triton["impl"] == "pallas_triton"
