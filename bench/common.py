@@ -93,6 +93,22 @@ def _cached_model_dir(shape: str) -> str:
     return path
 
 
+def time_calls(obj, name: str, record: dict, key: str):
+    """Replaces obj.name with a wrapper that adds each call's wall seconds to record[key]; returns the
+    original (setattr(obj, name, original) undoes it)."""
+    fn = getattr(obj, name)
+
+    def timed(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            record[key] = record.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(obj, name, timed)
+    return fn
+
+
 def build_llm(args):
     """The LLM for the parsed model args: (llm, perf_counter before LLM(), perf_counter once it is ready)."""
     from jaxllm import LLM

@@ -45,18 +45,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def _timed(obj, name: str, record: dict, key: str):
-    fn = getattr(obj, name)
-
-    def wrapper(*a, **k):
-        t0 = time.perf_counter()
-        try:
-            return fn(*a, **k)
-        finally:
-            record[key] = record.get(key, 0.0) + time.perf_counter() - t0
-
-    setattr(obj, name, wrapper)
-
 
 def child(args) -> dict:
     """One start in this process: LLM() with its parts timed."""
@@ -70,12 +58,12 @@ def child(args) -> dict:
     import jaxllm
     import jaxllm.models.loader as loader
 
-    _timed(loader, "load_params", parts, "weights_s")
+    common.time_calls(loader, "load_params", parts, "weights_s")
     from jaxllm.engine import setup
 
-    _timed(setup, "build_engine_parts", parts, "engine_parts_s")
-    _timed(runner_mod.ModelRunner, "_allocate_kv", parts, "kv_alloc_s")
-    _timed(runner_mod.ModelRunner, "warm_up", parts, "warm_up_s")
+    common.time_calls(setup, "build_engine_parts", parts, "engine_parts_s")
+    common.time_calls(runner_mod.ModelRunner, "_allocate_kv", parts, "kv_alloc_s")
+    common.time_calls(runner_mod.ModelRunner, "warm_up", parts, "warm_up_s")
     traces = {"n": 0}
     orig_forward = runner_mod.forward
 

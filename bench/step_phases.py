@@ -33,20 +33,12 @@ def install_timers(current: dict):
     function that undoes both."""
     from jaxllm.engine import llm_engine, runner, scheduler
 
+    from bench.common import time_calls
+
     originals = []
 
     def wrap(cls, name, key):
-        f = getattr(cls, name)
-        originals.append((cls, name, f))
-
-        def timed(*a, **k):
-            t = time.perf_counter()
-            try:
-                return f(*a, **k)
-            finally:
-                current[key] = current.get(key, 0.0) + time.perf_counter() - t
-
-        setattr(cls, name, timed)
+        originals.append((cls, name, time_calls(cls, name, current, key)))
 
     wrap(scheduler.Scheduler, "schedule", "schedule")
     wrap(scheduler.Scheduler, "update", "sched_update")
