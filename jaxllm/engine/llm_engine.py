@@ -84,9 +84,9 @@ class LLMEngine:
         self._stats_lock = threading.Lock()  # stats() runs on the front end's thread
         self.failed: dict[str, Exception] = {}  # request_id -> error, for requests that failed mid-flight
         # Start-up leaves ~10^6 long-lived objects (tokenizer, traced model code, compiled programs). Each full
-        # collection walked them all (~0.4 s on the H100's host) and stalled the step in flight: 0.95 s of a
-        # 14.2 s throughput run. As vLLM does, collect once and move them out of the collector's view; later
-        # objects are collected as usual.
+        # collection walked them all and stalled the step in flight (a 483 ms step in a 14.2 s throughput run on
+        # the H100). As vLLM does, collect once and move them out of the collector's view; later objects are
+        # collected as usual.
         gc.collect()
         gc.freeze()
 

@@ -34,8 +34,8 @@ class LLM:
         ids = self._add(prompts, params, priority)
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, continue_final_message: bool = False,
+    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
              chat_template_kwargs: dict | None = None, tools=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
