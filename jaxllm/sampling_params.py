@@ -53,6 +53,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.") from None
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:

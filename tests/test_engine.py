@@ -187,7 +187,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in end.outputs]
     assert final[0].outputs[0].text == end.outputs[0].text
     for i, c in enumerate(end.outputs):
-        parts = [o.outputs[i] for o in delta]
+        parts = [p for o in delta for p in o.outputs if p.index == c.index]
         assert sum((p.token_ids for p in parts), []) == c.token_ids
         assert "".join(p.text for p in parts) == c.text
         joined = [d for p in parts for d in p.logprobs]  # another row of the batch: equal up to rounding
@@ -204,6 +204,33 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
     assert sp.output_kind is RequestOutputKind.CUMULATIVE
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in end.outputs]
+    check_free(llm)
+
+
+def test_delta_outputs_send_each_completion_when_it_has_news_and_its_finish_once(llm):
+    """n=2 where one sequence stops early (a stop token only it samples, found from a seeded first run): in
+    DELTA outputs the stopped completion is not sent again, and a running one only with new tokens."""
+    engine = llm.llm_engine
+    base = dict(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    (first,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**base), use_tqdm=False)
+    a, b = (c.token_ids for c in first.outputs)
+    stop = next(t for t in a[2:] if t not in b and t not in a[:a.index(t)])
+    engine.add_request("d", {"prompt_token_ids": PROMPTS[0]},
+                       SamplingParams(output_kind=RequestOutputKind.DELTA, stop_token_ids=[stop], **base))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += engine.step()
+    sent = {0: [], 1: []}
+    for o in outs:
+        for c in o.outputs:
+            assert c.token_ids or c.finish_reason, "a completion sent with nothing new"
+            sent[c.index].append(c)
+    assert [c.finish_reason for c in sent[0]].count("stop") == 1 and sent[0][-1].finish_reason == "stop"
+    assert sum((c.token_ids for c in sent[0]), []) == a[:a.index(stop) + 1]
+    assert sum((c.token_ids for c in sent[1]), []) == b and len(sent[1]) > len(sent[0])
+    assert [c.finish_reason for c in sent[1]].count("length") == 1 and outs[-1].finished
+    with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
+        SamplingParams(output_kind="stream")
     check_free(llm)
 
 
@@ -403,7 +430,7 @@ def test_use_tqdm_callable_makes_the_progress_bar(llm):
 
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], GREEDY, use_tqdm=Bar)
     assert len(outs) == 3 and len(made) == 1
-    assert made[0].kw["total"] == 3 and made[0].n == 3 and made[0].closed and not made[0].kw["disable"]
+    assert made[0].kw["total"] == 3 and made[0].n == 3 and made[0].closed and "disable" not in made[0].kw
 
 
 def test_priority_scheduling_policy(tiny):

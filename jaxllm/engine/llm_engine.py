@@ -40,9 +40,11 @@ class _SeqState:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # RequestOutputKind.DELTA: how much of the text, tokens and logprobs earlier outputs carried
+    # RequestOutputKind.DELTA: how much of the text, tokens and logprobs earlier outputs carried, and whether
+    # one carried the finish
     sent_text: int = 0
     sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -369,7 +371,10 @@ class LLMEngine:
             tokens, logprobs = s.seq.output_token_ids, s.logprobs
             if kind is RequestOutputKind.DELTA:
                 t0, n0 = s.sent_text, s.sent_tokens
-                s.sent_text, s.sent_tokens = len(text), len(tokens)
+                # vLLM sends a completion only when it has something new, its finish once
+                if s.sent_finish or (not done and len(text) == t0 and len(tokens) == n0):
+                    continue
+                s.sent_text, s.sent_tokens, s.sent_finish = len(text), len(tokens), done
                 text, tokens = text[t0:], tokens[n0:]
                 logprobs = None if logprobs is None else logprobs[n0:]
             outs.append(CompletionOutput(s.index, text, list(tokens),
@@ -382,6 +387,8 @@ class LLMEngine:
                 prompt_logprobs = None
             else:
                 req.prompt_logprobs_sent = True
+            if not outs and prompt_logprobs is None and not finished:
+                return None  # nothing new
         if finished:
             req.metrics.finished_time = time.time()
             del self._requests[req.request_id]

@@ -92,8 +92,10 @@ class LLM:
         from tqdm.auto import tqdm
 
         done: dict[str, RequestOutput] = {}
-        make_bar = use_tqdm if callable(use_tqdm) else tqdm
-        bar = make_bar(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        if callable(use_tqdm):  # vLLM's: the caller's bar factory, with its own settings
+            bar = use_tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        else:
+            bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.llm_engine.has_unfinished_requests():
                 bar.update(self._step(ids, done))
