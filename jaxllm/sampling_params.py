@@ -45,6 +45,7 @@ class SamplingParams:
     bad_words: list[str] | None = None
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     # Filled by the engine, not by users: EOS ids from generation_config (stop unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -74,6 +75,9 @@ class SamplingParams:
 
     def _verify(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        t = self.truncate_prompt_tokens
+        _check(t is None or (isinstance(t, int) and (t >= 1 or t == -1)),
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}")
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",

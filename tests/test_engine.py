@@ -433,6 +433,25 @@ def test_use_tqdm_callable_makes_the_progress_bar(llm):
     assert made[0].kw["total"] == 3 and made[0].n == 3 and made[0].closed and "disable" not in made[0].kw
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, hf_refs):
+    """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len); larger
+    than max_model_len, or 0, is refused."""
+    long = [9, 9, 9] + PROMPTS[0]
+    (out,) = llm.generate({"prompt_token_ids": long},
+                          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                         truncate_prompt_tokens=len(PROMPTS[0])), use_tqdm=False)
+    assert out.prompt_token_ids == PROMPTS[0] and out.outputs[0].token_ids == hf_refs[tuple(PROMPTS[0])]
+    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
+                          use_tqdm=False)
+    assert out.prompt_token_ids == PROMPTS[0]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(129\) is greater than max_model_len "
+                                         r"\(128\). Please, select a smaller truncation size."):
+        llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(truncate_prompt_tokens=129), use_tqdm=False)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1 or -1, got 0"):
+        SamplingParams(truncate_prompt_tokens=0)
+    check_free(llm)
+
+
 def test_priority_scheduling_policy(tiny):
     """scheduling_policy="priority" (vLLM's): lower priority values are admitted first; fcfs refuses non-zero
     priorities (above). With room for one sequence at a time, the order of admission is the order of the
