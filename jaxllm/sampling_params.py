@@ -156,6 +156,17 @@ class SamplingParams:
         return {k: v for k, v in self.__dict__.items() if k != "all_stop_token_ids"}
 
 
+def truncate_prompt_ids(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len; None: all of it)."""
+    if truncate is None:
+        return ids
+    k = max_model_len if truncate == -1 else truncate
+    if k > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len})."
+                         " Please, select a smaller truncation size.")
+    return ids[-k:] if k > 0 else []
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)

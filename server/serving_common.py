@@ -20,7 +20,7 @@ from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient, EngineDeadError
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, truncate_prompt_ids
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
 from server.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob, UsageInfo
@@ -186,13 +186,10 @@ async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
 
 def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
     """vLLM's truncate_prompt_tokens: keep the last k tokens (-1: the model's context length)."""
-    if truncate is None:
-        return ids
-    k = max_model_len if truncate == -1 else truncate
-    if k > max_model_len:
-        raise APIError(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len})."
-                       " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
-    return ids[-k:] if k > 0 else []
+    try:
+        return truncate_prompt_ids(ids, truncate, max_model_len)
+    except ValueError as e:
+        raise APIError(str(e), param="truncate_prompt_tokens") from None
 
 
 def check_token_ids(ids: list[int], vocab_size: int) -> None:

@@ -24,7 +24,7 @@ from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -121,12 +121,7 @@ class LLMEngine:
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         params = (params or self.default_sampling_params()).clone()
         text, ids = self.tokenize_prompt(prompt)
-        if params.truncate_prompt_tokens is not None:  # vLLM: the prompt's last k tokens
-            k = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
-            if k > self.max_model_len:
-                raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
-                                 f"({self.max_model_len}). Please, select a smaller truncation size.")
-            ids = ids[-k:]
+        ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
         if not params.ignore_eos:
