@@ -93,19 +93,23 @@ def _cached_model_dir(shape: str) -> str:
     return path
 
 
-def time_calls(obj, name: str, record: dict, key: str):
-    """Replaces obj.name with a wrapper that adds each call's wall seconds to record[key]; returns the
-    original (setattr(obj, name, original) undoes it)."""
-    fn = getattr(obj, name)
-
-    def timed(*a, **k):
+def timed(fn, record: dict, key: str):
+    """fn, adding each call's wall seconds to record[key]."""
+    def call(*a, **k):
         t0 = time.perf_counter()
         try:
             return fn(*a, **k)
         finally:
             record[key] = record.get(key, 0.0) + time.perf_counter() - t0
 
-    setattr(obj, name, timed)
+    return call
+
+
+def time_calls(obj, name: str, record: dict, key: str):
+    """Replaces obj.name with timed(obj.name, record, key); returns the original (setattr(obj, name,
+    original) undoes it)."""
+    fn = getattr(obj, name)
+    setattr(obj, name, timed(fn, record, key))
     return fn
 
 

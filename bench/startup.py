@@ -45,7 +45,6 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-
 def child(args) -> dict:
     """One start in this process: LLM() with its parts timed."""
     t_import = time.perf_counter()

@@ -33,7 +33,7 @@ def install_timers(current: dict):
     function that undoes both."""
     from jaxllm.engine import llm_engine, runner, scheduler
 
-    from bench.common import time_calls
+    from bench.common import time_calls, timed
 
     originals = []
 
@@ -49,15 +49,7 @@ def install_timers(current: dict):
     executable = runner.ModelRunner._executable
 
     def timed_executable(self, v, args):
-        exe = executable(self, v, args)
-
-        def call(*a):
-            t = time.perf_counter()
-            try:
-                return exe(*a)
-            finally:
-                current["exe_call"] = current.get("exe_call", 0.0) + time.perf_counter() - t
-        return call
+        return timed(executable(self, v, args), current, "exe_call")
 
     originals.append((runner.ModelRunner, "_executable", executable))
     runner.ModelRunner._executable = timed_executable
@@ -87,6 +79,8 @@ def main(argv=None) -> dict:
     if "--min-seqs" in argv:
         i = argv.index("--min-seqs")
         del argv[i:i + 2]
+    if "--profile-dir" in argv:
+        p.error("--profile-dir re-runs the workload after the timed run; run it without")
     from jaxllm.engine import llm_engine
 
     current: dict = {}
@@ -103,8 +97,6 @@ def main(argv=None) -> dict:
         steps.append(row)
         return out
 
-    if "--profile-dir" in argv:
-        p.error("--profile-dir re-runs the workload after the timed run; run it without")
     from bench import throughput
 
     llm_engine.LLMEngine.step = timed_step
@@ -117,7 +109,7 @@ def main(argv=None) -> dict:
     steady = [r for r in run if r["num_running"] >= own.min_seqs]
     out = dict(
         throughput=dict(requests_per_s=res["requests_per_s"], elapsed_s=res["elapsed_s"], commit=res["env"]["commit"],
-                        device=res["env"]["device"], jax=res["env"]["jax"], command=" ".join(sys.argv)),
+                        device=res["env"]["device"], jax=res["env"]["jax"], command=res["env"]["command"]),
         steps=len(run), steady_steps=len(steady), min_seqs=own.min_seqs,
         totals_s={k: round(sum(r.get(k, 0.0) for r in run) / 1e3, 3) for k in PHASES + ("total",)},
         steady_median_ms={k: round(statistics.median(r.get(k, 0.0) for r in steady), 3) for k in PHASES + ("total",)}
