@@ -52,7 +52,10 @@ def _traced_once(layer_fn):
     """layer_fn as a nested jit: every layer of a step has the same input shapes, so the first call's trace
     serves the others. Tracing the unrolled 32-layer loop of 17 step variants took 28-34 s of Python in an
     H100 cold start (17-19 s now; the compiles alongside it still bound that start at ~40 s) and most of a
-    2-core VM's (a 32-layer tiny model's LLM(): 40.5 -> 32.6 s). XLA inlines the calls: same compiled step."""
+    2-core VM's (a 32-layer tiny model's cold LLM(): 42.5-49.4 -> 41.9 s, tracing 11-12 -> 1.9 s,
+    bench/results/cpu_vm_startup_layer_jit.json). XLA inlines the calls (the same operations), but the compiled
+    step is not bit-identical to the unrolled one's: that model's float32 logprobs moved by ~1e-3 and its
+    greedy tokens after the 5th (random weights; the HF parity tests hold as before)."""
     return jax.jit(layer_fn, static_argnums=(4, 5))
 
 
