@@ -5,8 +5,9 @@ live sequence of --ctx tokens, Pallas attention) from the model code itself (dec
 compute_logits + argmax, KV cache donated), then for each variant:
   - writes the optimized HLO (compiled.as_text(), gzipped) so the fusion decisions can be read,
   - times --steps chained steps (wall per step, dispatch pipelined) and sums an XProf trace per kernel.
-Variants are decoder code variants (a function replacing decoder.decoder_layer) and XLA options passed to
-compile() (env_option_overrides), so they share one process and one set of weights.
+Variants are decoder code variants (a function replacing decoder.decoder_layer, or decoder module settings
+such as the small-batch split-K plan) and XLA options passed to compile() (env_option_overrides), so they
+share one process and one set of weights; "name@2" repeats a variant.
 
   python bench/step_probe.py --out OUT.json [--hlo-dir DIR] [--variants base,cublas,...]
 """
@@ -64,12 +65,17 @@ def split_gate_up_params(params):
     return dict(params, layers=layers)
 
 
-# name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None)
+# name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None,
+#          decoder module settings: the small-batch split-K path (decoder.split_k_plan) is off unless set)
+NO_SPLIT = {"SPLIT_K_MAX_TOKENS": 0}
 VARIANTS = {
-    "base": (None, {}, None),
-    "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None),
-    "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params),
+    "base": (None, {}, None, NO_SPLIT),
+    "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None, NO_SPLIT),
+    "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params, NO_SPLIT),
 }
+for _q, _o, _d in [(4, 8, 8), (4, 4, 4), (8, 8, 8), (2, 4, 4), (4, 8, 16)]:
+    VARIANTS[f"split_{_q}_{_o}_{_d}"] = (None, {}, None, {"SPLIT_K_MAX_TOKENS": 16,
+                                                          "SPLIT_K": {"qkv": _q, "o": _o, "down": _d}})
 
 
 def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16):
@@ -127,10 +133,13 @@ def main():
     attn = AttentionConfig(backend="pallas", interpret=a.interpret)
     rows = []
     for name in a.variants.split(","):
-        layer, opts, transform = VARIANTS[name]
+        layer, opts, transform, settings = VARIANTS[name.split("@")[0]]  # "base@2": a repeat
         vparams = transform(params) if transform else params
         decoder.decoder_layer = layer or BASE_LAYER
-        row = dict(variant=name, xla_options={k: str(v) for k, v in opts.items()})
+        saved = {k: getattr(decoder, k) for k in settings}
+        for k, v in settings.items():
+            setattr(decoder, k, v)
+        row = dict(variant=name, xla_options={k: str(v) for k, v in opts.items()}, decoder_settings=settings)
         try:
             t0 = time.perf_counter()
             compiled = make_step(cfg, attn).lower(vparams, kv, tokens, meta).compile(
@@ -161,6 +170,8 @@ def main():
             row["error"] = f"{type(e).__name__}: {str(e)[:500]}"
         finally:
             decoder.decoder_layer = BASE_LAYER
+            for k, v in saved.items():
+                setattr(decoder, k, v)
             vparams = None  # frees a transformed copy before the next variant
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)

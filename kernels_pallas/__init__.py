@@ -17,8 +17,12 @@ Entry points (same keyword arguments as the reference):
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
   qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
-               *, k_scale, v_scale, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
-      projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU.
+               *, k_scale, v_scale, dtype=None, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
+      projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU; qkv may be
+      the projection's split-K partials [S, T, K, G + 2, H] (float32), summed and rounded to dtype in the launch.
+  add_rms_norm(parts [S, T, D], x [T, D], weight [D], eps, bias=None, interpret=False) -> (x', h): a
+      projection's split-K partials summed, added to the residual x, and the RMSNorm of the sum, in one
+      launch on GPU (_norm.py).
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -32,7 +36,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import reference
-from . import _prefill_mgpu
+from . import _norm, _prefill_mgpu
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
@@ -44,6 +48,7 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
+    "add_rms_norm",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -67,18 +72,27 @@ def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, 
 
 
 def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                 interpret=False):
+                 dtype=None, interpret=False):
     """See reference.qkv_write_kv; on GPU one Pallas launch (_write.py) instead of XLA's RoPE fusions for q
     and k, the slice for v and the write, for batches of < 2048 tokens. Measured on an H100 (same run,
     bench/results/kernels_h100_97c2470.json): 8 tokens 3.3 vs 7.9 us, 512: 6.9 vs 11.3, but 2048: 27.1 vs
     19.4 and 8192: 104 vs 98 us (one program per token and kv head); larger batches keep XLA's RoPE + the
-    Pallas write."""
+    Pallas write. Split-K partials (qkv [S, T, ...], float32; dtype: the model's) are summed in the launch."""
     args = (qkv, positions, inv_freq, k_pages, v_pages, slot_mapping)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, dtype=dtype)
     if not _use_write_kernel(k_pages, interpret):
-        return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale)
-    if qkv.shape[0] >= 2048 and not interpret:
-        return reference.qkv_write_kv(*args, k_scale=k_scale, v_scale=v_scale, write=write_kv_kernel)
-    return qkv_write_kv_kernel(*args, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        return reference.qkv_write_kv(*args, **kw)
+    if qkv.shape[-4] >= 2048 and not interpret:
+        return reference.qkv_write_kv(*args, write=write_kv_kernel, **kw)
+    return qkv_write_kv_kernel(*args, interpret=interpret, **kw)
+
+
+def add_rms_norm(parts, x, weight, eps, bias=None, *, interpret=False):
+    """See reference.add_rms_norm; on GPU one Pallas launch (_norm.py) for the split reduction, the residual
+    add and the norm (hidden sizes that are powers of two; the reference otherwise)."""
+    if (interpret or on_gpu()) and _norm.supported(parts, x):
+        return _norm.add_rms_norm_kernel(parts, x, weight, bias, eps=float(eps), interpret=interpret)
+    return reference.add_rms_norm(parts, x, weight, eps, bias)
 
 
 def paged_decode_attention(

@@ -62,20 +62,28 @@ def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scal
 
 
 def _qkv_write_kernel(slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _v_in, q_out, k_out, v_out, *,
-                      page_size, group, rope):
+                      page_size, group, rope, dt):
     """Program (t, h): token t, kv head h. Its G query rows -> q_out (rotated); its k (rotated) and v rows
-    -> their cache slot. Rows are read and written as two halves, which is what rotate-half RoPE pairs."""
+    -> their cache slot. Rows are read and written as two halves, which is what rotate-half RoPE pairs.
+    qkv_ref is [T, K, G + 2, H] in dt, or split-K partials [S, T, K, G + 2, H] (f32) summed here."""
     t, h = pl.program_id(0), pl.program_id(1)
     H = qkv_ref.shape[-1]
     half = H // 2
     lo, hi = pl.ds(0, half), pl.ds(half, half)
     if rope:
-        dt = qkv_ref.dtype
         freqs = pos_ref[t].astype(jnp.float32) * freq_ref[...]  # [H / 2]
         cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
 
+    def load(row, part):
+        if len(qkv_ref.shape) == 4:
+            return qkv_ref[t, h, row, part]
+        acc = qkv_ref[0, t, h, row, part]
+        for s in range(1, qkv_ref.shape[0]):  # static: a handful of splits
+            acc = acc + qkv_ref[s, t, h, row, part]
+        return acc.astype(dt)
+
     def rotated(row):  # rounded to the input dtype after every op, as reference.apply_rope is
-        x1, x2 = qkv_ref[t, h, row, lo], qkv_ref[t, h, row, hi]
+        x1, x2 = load(row, lo), load(row, hi)
         if not rope:
             return x1, x2
         return (x1 * cos).astype(dt) - (x2 * sin).astype(dt), (x2 * cos).astype(dt) + (x1 * sin).astype(dt)
@@ -93,35 +101,37 @@ def _qkv_write_kernel(slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _
         k1, k2 = rotated(group)
         k_out[h, page, off, lo] = quantize(k1, k_scale, k_out.dtype)
         k_out[h, page, off, hi] = quantize(k2, k_scale, k_out.dtype)
-        v_out[h, page, off, lo] = quantize(qkv_ref[t, h, group + 1, lo], v_scale, v_out.dtype)
-        v_out[h, page, off, hi] = quantize(qkv_ref[t, h, group + 1, hi], v_scale, v_out.dtype)
+        v_out[h, page, off, lo] = quantize(load(group + 1, lo), v_scale, v_out.dtype)
+        v_out[h, page, off, hi] = quantize(load(group + 1, hi), v_scale, v_out.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "dtype"))
 def qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                        interpret=False, num_warps=1):
+                        dtype=None, interpret=False, num_warps=1):
     """Same contract as reference.qkv_write_kv: one launch splits the fused projection's output into q,
     applies RoPE to q and k, and writes k and v into their slots (in place where the pages are donated).
-    Replaces XLA's RoPE fusions for q and k, the slice for v and the separate write."""
-    T, K, G2, H = qkv.shape
+    Replaces XLA's RoPE fusions for q and k, the slice for v and the separate write. With split-K partials
+    (qkv [S, T, K, G + 2, H], float32) it also replaces the reduction kernel after XLA's split-K GEMM."""
+    T, K, G2, H = qkv.shape[-4:]
     G = G2 - 2
     _, P, S, _ = k_pages.shape
+    dt = jnp.dtype(qkv.dtype if qkv.ndim == 4 else dtype)
     rope = inv_freq is not None
     freq = jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32)
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     full = lambda shape: pl.BlockSpec(shape, lambda t, h: (0,) * len(shape))  # noqa: E731
     q, k_pages, v_pages = pl.pallas_call(
-        functools.partial(_qkv_write_kernel, page_size=S, group=G, rope=rope),
+        functools.partial(_qkv_write_kernel, page_size=S, group=G, rope=rope, dt=dt),
         grid=(T, K),
         in_specs=[full((T,)), full((T,)), full((H // 2,)), full((2,)), full(qkv.shape),
                   full(k_pages.shape), full(v_pages.shape)],
         out_specs=[full((T, K * G, H)), full(k_pages.shape), full(v_pages.shape)],
-        out_shape=[jax.ShapeDtypeStruct((T, K * G, H), qkv.dtype),
+        out_shape=[jax.ShapeDtypeStruct((T, K * G, H), dt),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
         input_output_aliases={5: 1, 6: 2},
         interpret=interpret,
         compiler_params=triton_params(num_warps, 1),
-        name=f"qkv_write_kv_{S=}_{G=}",
+        name=f"qkv_write_kv_{S=}_{G=}" + ("" if qkv.ndim == 4 else f"_splits={qkv.shape[0]}"),
     )(slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq, scales, qkv, k_pages, v_pages)
     return q, k_pages, v_pages

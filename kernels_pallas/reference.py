@@ -48,10 +48,14 @@ def apply_rope(x, positions, inv_freq):
 
 
 def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                 write=None):
+                 write=None, dtype=None):
     """The fused projection's output qkv [T, K, G + 2, H] (per kv head: its G query heads, then k, v) ->
     q [T, K * G, H] with RoPE applied (inv_freq [H / 2]; None: no rotation, e.g. ALiBi models), and the
-    rotated k and v written into their slots by write (default write_kv). Returns (q, k_pages, v_pages)."""
+    rotated k and v written into their slots by write (default write_kv). Returns (q, k_pages, v_pages).
+    qkv may instead be the projection's split-K partials [S, T, K, G + 2, H] (float32): they are summed and
+    rounded to dtype first."""
+    if qkv.ndim == 5:
+        qkv = qkv.sum(0).astype(dtype)
     T, K, G2, H = qkv.shape
     q = qkv[:, :, :-2].reshape(T, K * (G2 - 2), H)
     k, v = qkv[:, :, -2], qkv[:, :, -1]
@@ -59,6 +63,24 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     write = write or write_kv
     return (q, *write(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm with HF's rounding: normalise in float32, cast back, then scale in the weight dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def add_rms_norm(parts, x, weight, eps, bias=None):
+    """The residual add of a projection computed as split-K partials, and the RMSNorm after it: y = the
+    partials parts [S, T, D] (float32) summed and rounded to x's dtype (+ bias), x' = x + y, and
+    (x', rms_norm(x', weight)). The same roundings as projecting in x's dtype and adding (decoder.py)."""
+    y = parts.sum(0).astype(x.dtype)
+    if bias is not None:
+        y = y + bias
+    x = x + y
+    return x, rms_norm(x, weight, eps)
 
 
 def quantize(x, scale, dtype):

@@ -50,12 +50,15 @@ class AttentionConfig:
 
 
 def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_freq=None, alibi_slopes=None,
-                    sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig()):
+                    sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig(), dtype=None):
     """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
     [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
-    the same kernel that writes k and v on GPU."""
+    the same kernel that writes k and v on GPU. qkv may be the projection's split-K partials [S, T, K, G + 2,
+    H] (float32, one tp shard only), summed and rounded to dtype first (in that kernel on GPU)."""
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        if qkv.ndim != 4:
+            raise ValueError("split-K qkv partials are for one tp shard only (decoder.split_k_plan)")
         from jax.sharding import PartitionSpec as P
 
         heads = P(None, "tp", None)
@@ -71,11 +74,12 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
             out_specs=(heads, (pages, pages)),
         )(qkv, kv_cache, meta, rope_inv_freq, slopes)
     return _paged_attention(qkv, kv_cache, meta, rope_inv_freq, alibi_slopes, scale=scale,
-                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, config=config)
+                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, config=config,
+                            dtype=dtype)
 
 
 def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
-                     config):
+                     config, dtype=None):
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
@@ -84,13 +88,14 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
 
         q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
             qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, k_scale=k_scale,
-            v_scale=v_scale, interpret=config.interpret)
+            v_scale=v_scale, dtype=dtype, interpret=config.interpret)
         out = kernels_pallas.ragged_paged_attention(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
             decode_only=meta.decode_only, interpret=config.interpret, **kwargs)
     elif config.backend == "reference":
         q, k_pages, v_pages = reference.qkv_write_kv(qkv, meta.positions, inv_freq, k_pages, v_pages,
-                                                     meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+                                                     meta.slot_mapping, k_scale=k_scale, v_scale=v_scale,
+                                                     dtype=dtype)
         K, _, S, H = k_pages.shape
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(
