@@ -22,15 +22,18 @@ from jax.experimental import pallas as pl
 from ._common import triton_params
 
 
-def _add_norm_kernel(parts_ref, x_ref, w_ref, *rest, eps, has_bias):
+def _add_norm_kernel(parts_ref, x_ref, w_ref, *rest, eps, has_bias, block_load):
     if has_bias:
         b_ref, x_out, h_out = rest
     else:
         (x_out, h_out), b_ref = rest, None
     dt = x_ref.dtype
-    acc = parts_ref[0, :]
-    for s in range(1, parts_ref.shape[0]):  # static: a handful of splits
-        acc = acc + parts_ref[s, :]
+    if block_load:  # one [S, D] load: every split's bytes in flight at once
+        acc = parts_ref[...].sum(axis=0)
+    else:
+        acc = parts_ref[0, :]
+        for s in range(1, parts_ref.shape[0]):  # static: a handful of splits
+            acc = acc + parts_ref[s, :]
     y = acc.astype(dt)
     if has_bias:
         y = (y.astype(jnp.float32) + b_ref[...].astype(jnp.float32)).astype(dt)
@@ -46,8 +49,8 @@ def supported(parts, x) -> bool:
     return x.ndim == 2 and parts.ndim == 3 and D >= 16 and D & (D - 1) == 0
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps"))
-def add_rms_norm_kernel(parts, x, weight, bias=None, *, eps, interpret=False, num_warps=8):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "num_warps", "block_load"))
+def add_rms_norm_kernel(parts, x, weight, bias=None, *, eps, interpret=False, num_warps=8, block_load=False):
     """Same contract as reference.add_rms_norm: parts [S, T, D] f32, x [T, D], weight [D] (bias [D] | None)
     -> (x + y, rms_norm(x + y) * weight), both in x's dtype. Grid (T,)."""
     S, T, D = parts.shape
@@ -56,7 +59,7 @@ def add_rms_norm_kernel(parts, x, weight, bias=None, *, eps, interpret=False, nu
     row = pl.BlockSpec((None, D), lambda t: (t, 0))
     args = [parts, x, weight] + ([bias] if has_bias else [])
     return pl.pallas_call(
-        functools.partial(_add_norm_kernel, eps=eps, has_bias=has_bias),
+        functools.partial(_add_norm_kernel, eps=eps, has_bias=has_bias, block_load=block_load),
         grid=(T,),
         in_specs=[pl.BlockSpec((S, None, D), lambda t: (0, t, 0)), row, vec] + ([vec] if has_bias else []),
         out_specs=[row, row],
