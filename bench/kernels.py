@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,mgpu,write,qkv,norm,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,mgpu,write,qkv,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; mixed = mixed prefill + decode steps through the entry point with
   and without split_decode; trace = an XProf split of a decode call (kernel vs the ops around it, written
@@ -381,47 +381,6 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(diff).max())
 
 
-def bench_norm(results, S, T=8, D=4096):
-    """Split-K reduction + residual add + RMSNorm (the decoder's small-batch path): XLA's fusions of the same
-    ops vs the Pallas kernel (_norm.py) in several configurations; chained calls (x <- x'), XProf times."""
-    from kernels_pallas._norm import add_rms_norm_kernel
-
-    rng = np.random.default_rng(5)
-    parts = jnp.asarray(rng.standard_normal((S, T, D)) * 0.01, jnp.float32)
-    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
-    w = jnp.asarray(1 + rng.standard_normal(D) * 0.1, jnp.bfloat16)
-    impls = {"xla": lambda p, x, w: reference.add_rms_norm(p, x, w, 1e-5)}
-    for nw in (4, 8, 16, 32):
-        for bl in (False, True):
-            impls[f"pallas_w{nw}" + ("_block" if bl else "")] = functools.partial(
-                lambda p, x, w, nw, bl: add_rms_norm_kernel(p, x, w, eps=1e-5, num_warps=nw, block_load=bl),
-                nw=nw, bl=bl)
-    want = reference.add_rms_norm(parts, x, w, 1e-5)
-    for name, fn in impls.items():
-        row = dict(kind="add_rms_norm", impl=name, S=S, T=T, D=D)
-        try:
-            got = fn(parts, x, w)
-            row["max_err"] = float(max(jnp.abs(g.astype(jnp.float32) - r.astype(jnp.float32)).max()
-                                       for g, r in zip(got, want)))
-
-            def build(n, fn=fn):
-                def f(x, p, w):
-                    for _ in range(n):  # h feeds the next call's x: a dependency chain, like the decoder's
-                        x, h = fn(p, x, w)
-                        x = h
-                    return x
-
-                return jax.jit(f)
-
-            row["time_us"], summary = xprof_us(runner(build, x, parts, w))
-            row["kernels"] = [(k["name"][:50], round(k["us_per_run"], 2))
-                              for k in summary["devices"][0]["top_kernels"][:4]] if summary.get("devices") else []
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        results.append(row)
-        print(json.dumps(row), flush=True)
-
-
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
     """A mixed step (chunked prefill + decode tokens, as in the throughput run's first 33 steps) through the
     entry point: the decode tokens in 1-token ragged tiles vs split off to the decode kernel."""
@@ -597,9 +556,6 @@ def main():
             # engine's size): 0.91 of copy alone (7276253) where the engine's step saw ~0.87
             bench_engine_like(results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024,
                               total_pages=21189)
-    if "norm" in only:
-        for S in (4, 8):
-            bench_norm(results, S)
     if "mgpu" in only:  # the Mosaic GPU prefill kernel against the Triton one, same inputs and run
         for chunk, prefix, label in ((4096, 0, "goal_chunk4k"), (4096, 4096, "chunk4k_prefix4k"),
                                      (512, 8192, "chunk512_prefix8k")):

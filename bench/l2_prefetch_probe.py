@@ -85,15 +85,18 @@ def main():
     x = jnp.asarray(rng.standard_normal((8, D)), jnp.bfloat16)
     rows = []
     variants = [dict(frac=0.0)] + [dict(frac=f, eviction=e) for f in (0.5, 1.0) for e in ("evict_last", None)]
-    variants += [dict(frac=1.0, eviction="evict_last", programs=256), dict(frac=0.0), dict(frac=0.0, hot=True)]
+    variants += [dict(frac=1.0, eviction="evict_last", programs=256), dict(frac=0.0), dict(frac=0.0, hot=True),
+                 dict(frac=1.0, xla=True)]
     for v in variants:
         v = dict(v)
-        frac, hot = v.pop("frac"), v.pop("hot", False)
+        frac, hot, xla = v.pop("frac"), v.pop("hot", False), v.pop("xla", False)
 
-        def chain(x, *ws, frac=frac, v=v, hot=hot):
+        def chain(x, *ws, frac=frac, v=v, hot=hot, xla=xla):
             for i in range(a.n):
                 w = ws[0] if hot else ws[i % COPIES]  # hot: one copy, which stays in L2
-                if frac:
+                if xla:  # XLA's reduction reads the whole weight
+                    x = x + (w.astype(jnp.float32).sum() * 0).astype(x.dtype)
+                elif frac:
                     dep = read_into_l2(w, frac, **v)
                     x = x + (dep[0, 0] * 0).astype(x.dtype)  # (XLA drops an unused barrier operand)
                 x = jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16) * 0.5
@@ -102,7 +105,7 @@ def main():
         fn = jax.jit(chain)
         try:
             kernels, busy_ms = xprof(fn, (x, *ws))
-            row = dict(frac=frac, hot=hot, **v, kernels_us=kernels, busy_us_per_call=busy_ms * 1e3 / (3 * a.n))
+            row = dict(frac=frac, hot=hot, xla_reader=xla, **v, kernels_us=kernels, busy_us_per_call=busy_ms * 1e3 / (3 * a.n))
         except Exception as e:  # noqa: BLE001
             row = dict(frac=frac, **v, error=f"{type(e).__name__}: {str(e)[:400]}")
         print(row, flush=True)

@@ -66,16 +66,15 @@ def split_gate_up_params(params):
 
 
 # name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None,
-#          decoder module settings: the small-batch split-K path (decoder.split_k_plan) is off unless set)
-NO_SPLIT = {"SPLIT_K_MAX_TOKENS": 0}
+#          decoder module settings: the small-batch split-K qkv projection (decoder.qkv_splits) is off unless set)
+NO_SPLIT = {"QKV_SPLIT_MAX_TOKENS": 0}
 VARIANTS = {
     "base": (None, {}, None, NO_SPLIT),
     "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None, NO_SPLIT),
     "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params, NO_SPLIT),
 }
-for _q, _o, _d in [(4, 8, 8), (4, 4, 4), (8, 8, 8), (2, 4, 4), (4, 8, 16)]:
-    VARIANTS[f"split_{_q}_{_o}_{_d}"] = (None, {}, None, {"SPLIT_K_MAX_TOKENS": 16,
-                                                          "SPLIT_K": {"qkv": _q, "o": _o, "down": _d}})
+for _q in (2, 4, 8):
+    VARIANTS[f"split_qkv_{_q}"] = (None, {}, None, {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": _q})
 
 
 def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16):

@@ -20,9 +20,6 @@ Entry points (same keyword arguments as the reference):
                *, k_scale, v_scale, dtype=None, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
       projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU; qkv may be
       the projection's split-K partials [S, T, K, G + 2, H] (float32), summed and rounded to dtype in the launch.
-  add_rms_norm(parts [S, T, D], x [T, D], weight [D], eps, bias=None, interpret=False) -> (x', h): a
-      projection's split-K partials summed, added to the residual x, and the RMSNorm of the sum, in one
-      launch on GPU (_norm.py).
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -36,7 +33,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import reference
-from . import _norm, _prefill_mgpu
+from . import _prefill_mgpu
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
@@ -48,7 +45,6 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
-    "add_rms_norm",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -85,14 +81,6 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     if qkv.shape[-4] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, write=write_kv_kernel, **kw)
     return qkv_write_kv_kernel(*args, interpret=interpret, **kw)
-
-
-def add_rms_norm(parts, x, weight, eps, bias=None, *, interpret=False):
-    """See reference.add_rms_norm; on GPU one Pallas launch (_norm.py) for the split reduction, the residual
-    add and the norm (hidden sizes that are powers of two; the reference otherwise)."""
-    if (interpret or on_gpu()) and _norm.supported(parts, x):
-        return _norm.add_rms_norm_kernel(parts, x, weight, bias, eps=float(eps), interpret=interpret)
-    return reference.add_rms_norm(parts, x, weight, eps, bias)
 
 
 def paged_decode_attention(

@@ -65,24 +65,6 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     return (q, *write(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
 
 
-def rms_norm(x, weight, eps):
-    """RMSNorm with HF's rounding: normalise in float32, cast back, then scale in the weight dtype."""
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(x.dtype)
-
-
-def add_rms_norm(parts, x, weight, eps, bias=None):
-    """The residual add of a projection computed as split-K partials, and the RMSNorm after it: y = the
-    partials parts [S, T, D] (float32) summed and rounded to x's dtype (+ bias), x' = x + y, and
-    (x', rms_norm(x', weight)). The same roundings as projecting in x's dtype and adding (decoder.py)."""
-    y = parts.sum(0).astype(x.dtype)
-    if bias is not None:
-        y = y + bias
-    x = x + y
-    return x, rms_norm(x, weight, eps)
-
-
 def quantize(x, scale, dtype):
     """x as stored in a cache of dtype: fp8 caches hold x / scale clipped to the format's range."""
     dtype = jnp.dtype(dtype)

@@ -327,30 +327,6 @@ def test_qkv_write_kv_kernel_sums_split_k_partials():
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
 
 
-@pytest.mark.parametrize("dtype,splits,bias", [(jnp.bfloat16, 8, False), (jnp.bfloat16, 1, True),
-                                               (jnp.float32, 4, False)])
-def test_add_rms_norm_kernel_matches_reference(dtype, splits, bias):
-    """Split-K partials summed + residual add + RMSNorm in one launch: x' bit for bit, the normed rows
-    within one rounding of the model dtype (the mean of squares is summed in another order)."""
-    from kernels_pallas._norm import add_rms_norm_kernel
-
-    rng = np.random.default_rng(15)
-    T, D = 5, 256
-    parts = jnp.asarray(rng.standard_normal((splits, T, D)), jnp.float32)
-    x = jnp.asarray(rng.standard_normal((T, D)) * 4, dtype)
-    w = jnp.asarray(1 + rng.standard_normal(D) * 0.1, dtype)
-    b = jnp.asarray(rng.standard_normal(D), dtype) if bias else None
-    want = reference.add_rms_norm(parts, x, w, 1e-5, b)
-    got = add_rms_norm_kernel(parts, x, w, b, eps=1e-5, interpret=True)
-    assert [g.dtype for g in got] == [jnp.dtype(dtype)] * 2
-    np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
-    np.testing.assert_allclose(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32),
-                               rtol=TOL[jnp.dtype(dtype)], atol=TOL[jnp.dtype(dtype)])
-    # the plain ops it replaces: project in the model dtype, add, normalize
-    y = parts.sum(0).astype(dtype) + (0 if b is None else b)
-    np.testing.assert_array_equal(np.asarray(want[0], np.float32), np.asarray(x + y, np.float32))
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     """The decoder with backend "pallas" (fused qkv/RoPE/write kernel, ragged kernel, the decode kernel for the
@@ -382,11 +358,11 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
 
 
 @pytest.mark.parametrize("cached,split_tokens", [([8, 1, 0], 9 + 5), ([10, 1, 8], 3 + 5)])
-def test_model_split_k_small_batch_path_matches_reference(tmp_path, monkeypatch, cached, split_tokens):
-    """Token batches of <= decoder.SPLIT_K_MAX_TOKENS on the Pallas backend take the split-K path (qkv, o and
-    down as split-K partials, summed in the qkv/RoPE/write kernel and in add_rms_norm's kernel): logits equal
-    the reference backend's. [8, 1, 0]: the first step (9 cached tokens + 5 padding) takes it and the cached
-    prefix it writes is read by the plain second step; [10, 1, 8]: the second, decode-only step takes it."""
+def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached, split_tokens):
+    """Token batches of <= decoder.QKV_SPLIT_MAX_TOKENS on the Pallas backend compute the qkv projection as
+    split-K partials, summed in the qkv/RoPE/write kernel: logits equal the reference backend's. [8, 1, 0]: the
+    first step (9 cached tokens + 5 padding) takes it and the prefix it writes is read by the plain second
+    step; [10, 1, 8]: the second, decode-only step takes it."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -406,14 +382,15 @@ def test_model_split_k_small_batch_path_matches_reference(tmp_path, monkeypatch,
     params = load_params(str(tmp_path), cfg, mesh)
     seqs = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9]
     pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh)
-    assert decoder.split_k_plan(split_tokens, params["layers"][0], cfg, pallas) == (4, 4, 8)
-    assert decoder.split_k_plan(17, params["layers"][0], cfg, pallas) is None
-    norms = []
-    real = kp.add_rms_norm
-    monkeypatch.setattr(kp, "add_rms_norm", lambda *a, **k: norms.append(a[0].shape) or real(*a, **k))
+    assert decoder.qkv_splits(split_tokens, params["layers"][0], cfg, pallas) == 4
+    assert decoder.qkv_splits(17, params["layers"][0], cfg, pallas) == 0
+    assert decoder.qkv_splits(8, dict(params["layers"][0], b_qkv=None), cfg, pallas) == 0
+    seen = []
+    real = kp.qkv_write_kv
+    monkeypatch.setattr(kp, "qkv_write_kv", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
     jax.clear_caches()  # the harness's step and the layer are jitted: trace them again with the spy
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas)
-    assert norms and {n[1] for n in norms} == {split_tokens}
+    assert (4, split_tokens, 2, 4, 32) in seen  # [splits, T, K, G + 2, H] partials
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
     for o, r in zip(out, ref):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
