@@ -138,6 +138,9 @@ def main():
         saved = {k: getattr(decoder, k) for k in settings}
         for k, v in settings.items():
             setattr(decoder, k, v)
+        # the decoder layer's nested jit caches its trace by argument shapes, not by module settings
+        decoder._traced_once.cache_clear()
+        jax.clear_caches()
         row = dict(variant=name, xla_options={k: str(v) for k, v in opts.items()}, decoder_settings=settings)
         try:
             t0 = time.perf_counter()
