@@ -1,4 +1,6 @@
 """Probe: does a batch-1 decode GEMM run faster when its weight was read into the 50 MB L2 just before?
+Measured on an H100 (bench/results/l2_prefetch_probe_h100_*.json): no. The GEMM takes ~13 us cold and ~7 us
+when the previous call used the same weight, but ~13 us after a Pallas kernel or XLA reduction read it.
 
 At batch 1 each layer spends ~20 us in latency-bound kernels (attention, norms, small fusions) during which
 HBM is nearly idle. If a GEMM's weight could be pulled into L2 during that time (by extra programs in those
@@ -105,7 +107,8 @@ def main():
         fn = jax.jit(chain)
         try:
             kernels, busy_ms = xprof(fn, (x, *ws))
-            row = dict(frac=frac, hot=hot, xla_reader=xla, **v, kernels_us=kernels, busy_us_per_call=busy_ms * 1e3 / (3 * a.n))
+            row = dict(frac=frac, hot=hot, xla_reader=xla, **v, kernels_us=kernels,
+                       busy_us_per_call=busy_ms * 1e3 / (3 * a.n))
         except Exception as e:  # noqa: BLE001
             row = dict(frac=frac, **v, error=f"{type(e).__name__}: {str(e)[:400]}")
         print(row, flush=True)

@@ -6,8 +6,8 @@ compute_logits + argmax, KV cache donated), then for each variant:
   - writes the optimized HLO (compiled.as_text(), gzipped) so the fusion decisions can be read,
   - times --steps chained steps (wall per step, dispatch pipelined) and sums an XProf trace per kernel.
 Variants are decoder code variants (a function replacing decoder.decoder_layer, or decoder module settings
-such as the small-batch split-K plan) and XLA options passed to compile() (env_option_overrides), so they
-share one process and one set of weights; "name@2" repeats a variant.
+such as the small-batch split-K qkv projection) and XLA options passed to compile() (env_option_overrides),
+so they share one process and one set of weights; "name@2" repeats a variant.
 
   python bench/step_probe.py --out OUT.json [--hlo-dir DIR] [--variants base,cublas,...]
 """

@@ -58,7 +58,7 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         if qkv.ndim != 4:
-            raise ValueError("split-K qkv partials are for one tp shard only (decoder.split_k_plan)")
+            raise ValueError("split-K qkv partials are for one tp shard only (decoder.qkv_splits)")
         from jax.sharding import PartitionSpec as P
 
         heads = P(None, "tp", None)
