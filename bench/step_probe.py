@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import SHAPES, environment, write_result  # noqa: E402
 from jaxllm.config import ModelConfig  # noqa: E402
-from jaxllm.models import decoder  # noqa: E402
+from jaxllm.models import attention, decoder  # noqa: E402
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata  # noqa: E402
 from jaxllm.models.params import dummy_params, param_shardings, param_specs  # noqa: E402
 from jaxllm.sharding import make_kv_caches  # noqa: E402
@@ -66,15 +66,27 @@ def split_gate_up_params(params):
 
 
 # name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None,
-#          decoder module settings: the small-batch split-K qkv projection (decoder.qkv_splits) is off unless set)
-NO_SPLIT = {"QKV_SPLIT_MAX_TOKENS": 0}
+#          module settings: decoder.NAME, or attention.NAME for "attention.NAME"). The small-batch split-K qkv
+#          projection (decoder.qkv_splits) and the fused decode kernel (attention.FUSED_DECODE) are off unless set.
+NO_SPLIT = {"QKV_SPLIT_MAX_TOKENS": 0, "attention.FUSED_DECODE": False}
 VARIANTS = {
     "base": (None, {}, None, NO_SPLIT),
     "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None, NO_SPLIT),
     "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params, NO_SPLIT),
 }
 for _q in (2, 4, 8):
-    VARIANTS[f"split_qkv_{_q}"] = (None, {}, None, {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": _q})
+    VARIANTS[f"split_qkv_{_q}"] = (None, {}, None, {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": _q,
+                                                    "attention.FUSED_DECODE": False})
+_FUSED = {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": 4, "attention.FUSED_DECODE": True}
+VARIANTS["fused"] = (None, {}, None, _FUSED)
+for _n in (1, 2):
+    VARIANTS[f"fused_{_n}split"] = (None, {}, None, dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}))
+VARIANTS["fused_plain_qkv"] = (None, {}, None, dict(_FUSED, QKV_SPLIT_MAX_TOKENS=0))
+
+
+def _setting(key):
+    """(module, attribute) of a variant's setting key."""
+    return (attention, key.split(".", 1)[1]) if key.startswith("attention.") else (decoder, key)
 
 
 def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16):
@@ -135,9 +147,9 @@ def main():
         layer, opts, transform, settings = VARIANTS[name.split("@")[0]]  # "base@2": a repeat
         vparams = transform(params) if transform else params
         decoder.decoder_layer = layer or BASE_LAYER
-        saved = {k: getattr(decoder, k) for k in settings}
+        saved = {k: getattr(*_setting(k)) for k in settings}
         for k, v in settings.items():
-            setattr(decoder, k, v)
+            setattr(*_setting(k), v)
         # the decoder layer's nested jit caches its trace by argument shapes, not by module settings
         decoder._traced_once.cache_clear()
         jax.clear_caches()
@@ -173,7 +185,7 @@ def main():
         finally:
             decoder.decoder_layer = BASE_LAYER
             for k, v in saved.items():
-                setattr(decoder, k, v)
+                setattr(*_setting(k), v)
             vparams = None  # frees a transformed copy before the next variant
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)

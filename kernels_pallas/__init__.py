@@ -30,12 +30,13 @@ not a power of two >= 8), the entry points call the reference; that is the CPU p
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from . import reference
 from . import _prefill_mgpu
 from ._common import kernel_supported, on_gpu, on_hopper
-from ._decode import paged_decode_attention_kernel
+from ._decode import fused_decode_attention_kernel, paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
@@ -45,6 +46,7 @@ __all__ = [
     "paged_decode_attention",
     "write_kv",
     "qkv_write_kv",
+    "fused_decode_attention",
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
@@ -81,6 +83,28 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     if qkv.shape[-4] >= 2048 and not interpret:
         return reference.qkv_write_kv(*args, write=write_kv_kernel, **kw)
     return qkv_write_kv_kernel(*args, interpret=interpret, **kw)
+
+
+def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *,
+                           scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None, sliding_window=None, dtype=None,
+                           interpret=False, **tuning):
+    """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
+    sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
+    launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
+    T, K, G2, H = qkv.shape[-4:]
+    if T != seq_lens.shape[0]:
+        raise ValueError(f"fused_decode_attention needs one token per sequence: {T} tokens, "
+                         f"{seq_lens.shape[0]} sequences")
+    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+              sliding_window=sliding_window)
+    probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
+    if not (_use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)):
+        q, k_pages, v_pages = qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, dtype=dtype,
+                                           k_scale=k_scale, v_scale=v_scale, interpret=interpret)
+        return paged_decode_attention(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw), \
+            k_pages, v_pages
+    return fused_decode_attention_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens,
+                                         block_tables, dtype=dtype, interpret=interpret, **kw, **tuning)
 
 
 def paged_decode_attention(

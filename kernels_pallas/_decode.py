@@ -32,23 +32,63 @@ from jax.experimental import pallas as pl
 
 from ._common import (kernel_supported, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step,
                       triton_params)
+from .reference import quantize
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.
 
 
+def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
+    """The fused path's inputs of program (b, h): the G query rows of kv head h ([Gq, H], rows past G repeat
+    the last one) and the new token's k and v ([H]) from the projection's output qkv [T, K, G + 2, H] (or its
+    split-K partials [S, T, K, G + 2, H], f32, summed and rounded to dt), RoPE applied to q and k with the
+    same roundings as reference.apply_rope. Rotate-half reads each row twice, the second time with its
+    halves swapped (a gather load), so no register tile has to be split or joined."""
+    H = qkv_ref.shape[-1]
+    half = H // 2
+    cols = jnp.arange(H, dtype=jnp.int32)
+    swapped = jnp.where(cols < half, cols + half, cols - half)
+
+    def load(rows, cols):
+        if len(qkv_ref.shape) == 4:
+            return qkv_ref[b, h, rows, cols]
+        acc = qkv_ref[0, b, h, rows, cols]
+        for s in range(1, qkv_ref.shape[0]):  # static: a handful of splits
+            acc = acc + qkv_ref[s, b, h, rows, cols]
+        return acc.astype(dt)
+
+    if rope:
+        freqs = pos_ref[b].astype(jnp.float32) * freq_ref[...]  # [H]: inv_freq twice
+        cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
+        sign = jnp.where(cols < half, -1.0, 1.0).astype(dt)
+
+    def rotated(rows, cols, swapped_cols):  # x1 cos - x2 sin | x2 cos + x1 sin, each product rounded to dt
+        x = load(rows, cols)
+        if not rope:
+            return x
+        return (x * cos).astype(dt) + (load(rows, swapped_cols) * sign * sin).astype(dt)
+
+    rows = jnp.broadcast_to(jnp.minimum(jnp.arange(Gq, dtype=jnp.int32), group - 1)[:, None], (Gq, H))
+    q = rotated(rows, jnp.broadcast_to(cols[None, :], (Gq, H)), jnp.broadcast_to(swapped[None, :], (Gq, H)))
+    k = rotated(group, cols, swapped)
+    return q, k, load(group + 1, cols)
+
+
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask,
+    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask, fused=None,
 ):
-    if has_alibi:
-        slope_ref, *outs = rest
+    rest = list(rest)
+    slope_ref = rest.pop(0) if has_alibi else None
+    if fused:  # q_ref is the projection's qkv; the new token's k / v are written here, not read from the cache
+        slots_ref, pos_ref, freq_ref = rest[:3]
+        *outs, k_out, v_out = rest[3:]
     else:
-        slope_ref, outs = None, list(rest)
+        outs = rest
     b, split = pl.program_id(0), pl.program_id(2)
     S, ppb = page_size, pages_per_block
     BK = S * ppb
     P = k_ref.shape[0]
-    Gq, H = q_ref.shape
+    Gq, H = (fused["Gq"], q_ref.shape[-1]) if fused else q_ref.shape
     R = replicas
 
     seq_len = lens_ref[b]
@@ -63,12 +103,28 @@ def _decode_kernel(
     hi_page = jnp.minimum(lo_page + pps, n_pages)
     hi_pos = jnp.minimum(hi_page * S, seq_len)
     num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
+    qk_mult, v_scale = scal_ref[0], scal_ref[1]
 
-    q = q_ref[...]
+    if fused:
+        dt = fused["dt"]
+        q, k_new, v_new = _fused_qkv(q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"],
+                                     rope=fused["rope"], dt=dt)
+        k_new, v_new = quantize(k_new, scal_ref[2], k_out.dtype), quantize(v_new, v_scale, v_out.dtype)
+        # The program whose pages hold q_pos writes the new token's slot and takes its key from registers;
+        # every program reads the cache only below q_pos (another program may be writing that slot).
+        own = (seq_len > 0) & (lo_page * S <= q_pos) & (q_pos < hi_page * S)
+        hi_pos = jnp.minimum(hi_pos, q_pos)
+        slot = slots_ref[b]
+
+        @pl.when(own & (slot >= 0))
+        def _():
+            k_out[slot // S, slot % S, :] = k_new
+            v_out[slot // S, slot % S, :] = v_new
+    else:
+        q = q_ref[...]
     if R > 1:  # the MMA needs >= 16 rows: stack R copies of the group (row r is head r % Gq)
         q = jnp.broadcast_to(q[None], (R, Gq, H)).reshape(R * Gq, H)
     Gp = R * Gq
-    qk_mult, v_scale = scal_ref[0], scal_ref[1]
     slopes = slope_ref[...] if has_alibi else None
     cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
 
@@ -112,6 +168,11 @@ def _decode_kernel(
         jnp.zeros((Gp,), jnp.float32),
         jnp.zeros((Gp, H), jnp.float32),
     )
+    if fused:  # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
+        kn, vn = k_new.astype(cdt).astype(jnp.float32), v_new.astype(cdt).astype(jnp.float32)
+        s_new = (q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult
+        init = (jnp.where(own, s_new, init[0]), jnp.where(own, 1.0, init[1]),
+                jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), init[2]))
     # Blocks wholly inside [lo_pos, hi_pos) skip the mask; only the last (and, with a window, all) pay it.
     if sliding_window is None:
         num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
@@ -198,22 +259,53 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     return -(-M // pps), pps
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
-        "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps",
-    ),
-)
+_STATIC = ("scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
+           "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, interpret=False, block_k=None, num_splits=None, num_warps=4, num_stages=1,
-    prefetch=2, min_split_tokens=128, tail_mask=True, combine_block_h=32, combine_warps=1,
+    sliding_window=None, interpret=False, **tuning,
 ):
+    """q [B, N, H] over the paged cache -> [B, N, H]. tuning: block_k, num_splits, num_warps, num_stages,
+    prefetch, min_split_tokens, tail_mask, combine_block_h, combine_warps (static; defaults by measurement)."""
     B, N, H = q.shape
-    K, P, S, _ = k_pages.shape
+    G = N // k_pages.shape[0]
+    return _decode(q, None, k_pages, v_pages, seq_lens, block_tables, B=B, G=G, dtype=q.dtype, scale=scale,
+                   k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                   interpret=interpret, **tuning)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dtype",))
+def fused_decode_attention_kernel(
+    qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *, scale, k_scale=1.0,
+    v_scale=1.0, alibi_slopes=None, sliding_window=None, dtype=None, interpret=False, **tuning,
+):
+    """The decode step's attention from the projection's output: qkv [B, K, G + 2, H] (token b is sequence
+    b's one new token), or its split-K partials [S, B, K, G + 2, H] (f32; dtype: the model's). RoPE on q and
+    k, the new k / v written into slot_mapping's slots and attention over the cache plus that token, in one
+    launch: what reference.qkv_write_kv followed by paged_decode_attention does. -> (out [B, N, H], k_pages,
+    v_pages); in place where the pages are donated."""
+    B, K, G2, H = qkv.shape[-4:]
+    dt = jnp.dtype(qkv.dtype if qkv.ndim == 4 else dtype)
+    rope = inv_freq is not None
+    freq = jnp.tile(jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32), 2)
+    extra = (slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq)
+    return _decode(qkv, (extra, dict(group=G2 - 2, rope=rope, dt=dt)), k_pages, v_pages, seq_lens, block_tables,
+                   B=B, G=G2 - 2, dtype=dt, scale=scale, k_scale=k_scale, v_scale=v_scale,
+                   alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret, **tuning)
+
+
+def _decode(
+    q, fused, k_pages, v_pages, seq_lens, block_tables, *, B, G, dtype, scale, k_scale, v_scale, alibi_slopes,
+    sliding_window, interpret, block_k=None, num_splits=None, num_warps=4, num_stages=1, prefetch=2,
+    min_split_tokens=128, tail_mask=True, combine_block_h=32, combine_warps=1,
+):
+    """The pallas_call of either entry point. q is [B, N, H], or with fused = ((slots, positions, freq), static
+    settings) the projection's qkv, which the kernel reads whole and indexes by (b, h)."""
+    K, P, S, H = k_pages.shape
     M = block_tables.shape[1]
-    G = N // K
     Gq = next_pow2(G)  # q rows per program in HBM (== G unless G is not a power of two)
     R = max(1, 16 // Gq)  # copies stacked in-kernel for the MMA: no padded q or output in HBM
     if block_k is None:
@@ -222,31 +314,37 @@ def paged_decode_attention_kernel(
     splits, pps = choose_splits(B, K, M, ppb, S, num_splits, min_split_tokens)
     final = splits == 1
 
-    qg = q.reshape(B, K, G, H)
-    if Gq != G:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
     bt = pad_block_tables(block_tables, pps + ppb)
     lens = seq_lens.astype(jnp.int32)
     scal = scalars(scale, k_scale, v_scale)
     has_alibi = alibi_slopes is not None
 
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))
-    in_specs = [
-        full((B,)),
-        pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)),
-        full((2,)),
-        pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)),
-        pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
-        pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0)),
-    ]
-    args = [lens, bt, scal, qg, k_pages, v_pages]
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    pages = pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0))
+    if fused:
+        (slots, positions, freq), settings = fused
+        settings = dict(settings, Gq=Gq)
+        scal = jnp.concatenate([scal, jnp.asarray(k_scale, jnp.float32).reshape(1)])
+        q_spec = full(q.shape)
+    else:
+        settings = None
+        q = q.reshape(B, K, G, H)
+        if Gq != G:
+            q = jnp.pad(q, ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
+        q_spec = pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))
+    in_specs = [full((B,)), pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)), full(scal.shape), q_spec,
+                pages, pages]
+    args = [lens, bt, scal, q, k_pages, v_pages]
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
         slopes = jnp.tile(jnp.pad(slopes, ((0, 0), (0, Gq - G))), (1, R))  # row r: head r % Gq
         in_specs.append(pl.BlockSpec((None, R * Gq), lambda b, h, s: (h, 0)))
         args.append(slopes)
+    if fused:
+        in_specs += [full((B,)), full((B,)), full((H,))]
+        args += [slots, positions, freq]
     if final:
-        out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), dtype)]
         out_specs = [pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))]
     else:  # SP >= splits slots (a power of two for the combine kernel); the extra ones stay unwritten
         SP = next_pow2(splits)
@@ -260,10 +358,16 @@ def paged_decode_attention_kernel(
             pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
             pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
         ]
+    aliases = {}
+    if fused:
+        aliases = {4: len(out_shape), 5: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+        out_specs += [pages, pages]
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb,
         sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
-        tail_mask=tail_mask and not interpret,
+        tail_mask=tail_mask and not interpret, fused=settings,
     )
     outs = pl.pallas_call(
         kernel,
@@ -271,13 +375,17 @@ def paged_decode_attention_kernel(
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"paged_decode_{S=}_{ppb=}_{splits=}",
+        name=f"paged_decode_{S=}_{ppb=}_{splits=}" + ("_fused" if fused else ""),
     )(*args)
-    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret,
+    if fused:
+        *outs, k_pages, v_pages = outs
+    out = outs[0] if final else combine_splits(*outs, splits, dtype, interpret=interpret,
                                                block_h=combine_block_h, num_warps=combine_warps)
-    return out[:, :, :G].reshape(B, N, H)
+    out = out[:, :, :G].reshape(B, K * G, H)
+    return (out, k_pages, v_pages) if fused else out
 
 
 def supported(q, k_pages) -> bool:

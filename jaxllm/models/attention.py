@@ -25,6 +25,11 @@ from kernels_pallas import reference
 _REFERENCE_STEP_BYTES = 64 << 20
 # ... and at most this many keys, so the loop over the block table ends soon after the longest live context.
 _REFERENCE_STEP_TOKENS = 256
+# Decode-only steps on the Pallas backend (one token per sequence, the engine's layout): RoPE, the KV write and
+# the attention in one kernel launch (kernels_pallas.fused_decode_attention) instead of two. Static tuning
+# arguments of that kernel (num_splits, block_k, ...) for probes; empty: its defaults.
+FUSED_DECODE = True
+FUSED_DECODE_TUNING: dict = {}
 
 
 @functools.partial(
@@ -83,7 +88,13 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
-    if config.backend == "pallas":
+    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
+        import kernels_pallas
+
+        out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
+            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.seq_lens, meta.block_tables,
+            dtype=dtype, interpret=config.interpret, **kwargs, **FUSED_DECODE_TUNING)
+    elif config.backend == "pallas":
         import kernels_pallas
 
         q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
