@@ -68,9 +68,11 @@ def triton_params(num_warps, num_stages):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def kv_blocks(ids, fetch, step, state, lo, mid, hi, *, prefetch):
+def kv_blocks(ids, fetch, step, state, lo, mid, hi, *, prefetch, start=None):
     """Runs state = step(i, state, k, v, masked) over KV blocks lo..mid (unmasked), then mid..hi (masked).
     ids(i) loads block i's page ids from the block table; fetch(ids) -> (k, v) loads those pages.
+    start(state) -> state, if given, runs once the first blocks' loads are issued (math whose inputs were
+    loaded earlier then waits alongside those loads, not before them).
 
     Triton's software pipeliner does not pipeline loads whose addresses come from the block table, so the
     loop carries its own prefetch in registers:
@@ -94,7 +96,10 @@ def kv_blocks(ids, fetch, step, state, lo, mid, hi, *, prefetch):
 
     if depth:
         kvs = tuple(fetch(ids(clamp(lo + j))) for j in range(depth))
-        state = (state, kvs, *([ids(clamp(lo + depth))] if early_ids else []))
+        next_ids = [ids(clamp(lo + depth))] if early_ids else []
+        state = (start(state) if start else state, kvs, *next_ids)
+    elif start:
+        state = start(state)
     state = jax.lax.fori_loop(lo, mid, functools.partial(body, masked=False), state)
     state = jax.lax.fori_loop(mid, hi, functools.partial(body, masked=True), state)
     return state[0] if depth else state

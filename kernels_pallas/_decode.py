@@ -42,35 +42,48 @@ def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
     the last one) and the new token's k and v ([H]) from the projection's output qkv [T, K, G + 2, H] (or its
     split-K partials [S, T, K, G + 2, H], f32, summed and rounded to dt), RoPE applied to q and k with the
     same roundings as reference.apply_rope. Rotate-half reads each row twice, the second time with its
-    halves swapped (a gather load), so no register tile has to be split or joined."""
+    halves swapped (a gather load), so no register tile has to be split or joined.
+
+    Issues the loads now and returns finish() -> (q, k, v), the math: the kernel calls it once its first
+    KV loads are issued, so these L2 reads overlap the block-table -> KV round trips instead of preceding
+    them."""
     H = qkv_ref.shape[-1]
     half = H // 2
     cols = jnp.arange(H, dtype=jnp.int32)
     swapped = jnp.where(cols < half, cols + half, cols - half)
+    parts = 1 if len(qkv_ref.shape) == 4 else qkv_ref.shape[0]
 
-    def load(rows, cols):
+    def load(rows, cols):  # the partials, each loaded (summed in finish)
         if len(qkv_ref.shape) == 4:
-            return qkv_ref[b, h, rows, cols]
-        acc = qkv_ref[0, b, h, rows, cols]
-        for s in range(1, qkv_ref.shape[0]):  # static: a handful of splits
-            acc = acc + qkv_ref[s, b, h, rows, cols]
-        return acc.astype(dt)
-
-    if rope:
-        freqs = pos_ref[b].astype(jnp.float32) * freq_ref[...]  # [H]: inv_freq twice
-        cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
-        sign = jnp.where(cols < half, -1.0, 1.0).astype(dt)
-
-    def rotated(rows, cols, swapped_cols):  # x1 cos - x2 sin | x2 cos + x1 sin, each product rounded to dt
-        x = load(rows, cols)
-        if not rope:
-            return x
-        return (x * cos).astype(dt) + (load(rows, swapped_cols) * sign * sin).astype(dt)
+            return [qkv_ref[b, h, rows, cols]]
+        return [qkv_ref[s, b, h, rows, cols] for s in range(parts)]  # static: a handful of splits
 
     rows = jnp.broadcast_to(jnp.minimum(jnp.arange(Gq, dtype=jnp.int32), group - 1)[:, None], (Gq, H))
-    q = rotated(rows, jnp.broadcast_to(cols[None, :], (Gq, H)), jnp.broadcast_to(swapped[None, :], (Gq, H)))
-    k = rotated(group, cols, swapped)
-    return q, k, load(group + 1, cols)
+    q_cols, q_swapped = jnp.broadcast_to(cols[None, :], (Gq, H)), jnp.broadcast_to(swapped[None, :], (Gq, H))
+    raw = dict(q=load(rows, q_cols), k=load(group, cols), v=load(group + 1, cols))
+    if rope:
+        raw.update(q_sw=load(rows, q_swapped), k_sw=load(group, swapped), pos=pos_ref[b], freq=freq_ref[...])
+
+    def finish():
+        def summed(xs):
+            acc = xs[0]
+            for x in xs[1:]:
+                acc = acc + x
+            return acc.astype(dt)
+
+        def rotated(name):  # x1 cos - x2 sin | x2 cos + x1 sin, each product rounded to dt
+            x = summed(raw[name])
+            if not rope:
+                return x
+            return (x * cos).astype(dt) + (summed(raw[name + "_sw"]) * sign * sin).astype(dt)
+
+        if rope:
+            freqs = raw["pos"].astype(jnp.float32) * raw["freq"]  # [H]: inv_freq twice
+            cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
+            sign = jnp.where(cols < half, -1.0, 1.0).astype(dt)
+        return rotated("q"), rotated("k"), summed(raw["v"])
+
+    return finish
 
 
 def _decode_kernel(
@@ -105,28 +118,39 @@ def _decode_kernel(
     num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
     qk_mult, v_scale = scal_ref[0], scal_ref[1]
 
+    cdt = fused["dt"] if fused else q_ref.dtype  # fp8 pages are widened to q's dtype before the MMA
+    slopes = slope_ref[...] if has_alibi else None
+    Gp = R * Gq
+    init = (
+        jnp.full((Gp,), -jnp.inf, jnp.float32),
+        jnp.zeros((Gp,), jnp.float32),
+        jnp.zeros((Gp, H), jnp.float32),
+    )
+
+    def stacked(q):  # the MMA needs >= 16 rows: stack R copies of the group (row r is head r % Gq)
+        return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
+
     if fused:
-        dt = fused["dt"]
-        q, k_new, v_new = _fused_qkv(q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"],
-                                     rope=fused["rope"], dt=dt)
-        k_new, v_new = quantize(k_new, scal_ref[2], k_out.dtype), quantize(v_new, v_scale, v_out.dtype)
-        # The program whose pages hold q_pos writes the new token's slot and takes its key from registers;
-        # every program reads the cache only below q_pos (another program may be writing that slot).
+        finish = _fused_qkv(q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"],
+                            rope=fused["rope"], dt=cdt)
+        # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
+        # registers; every program reads the cache only below q_pos (another program may be writing it).
         own = (seq_len > 0) & (lo_page * S <= q_pos) & (q_pos < hi_page * S)
         hi_pos = jnp.minimum(hi_pos, q_pos)
-        slot = slots_ref[b]
+        new_kv, q = [], None  # set by start()
 
-        @pl.when(own & (slot >= 0))
-        def _():
-            k_out[slot // S, slot % S, :] = k_new
-            v_out[slot // S, slot % S, :] = v_new
+        def start(state):  # after the first KV loads are issued: q, the new token's k / v, and its score
+            nonlocal q
+            q, k_new, v_new = finish()
+            q = stacked(q)
+            new_kv[:] = [quantize(k_new, scal_ref[2], k_out.dtype), quantize(v_new, v_scale, v_out.dtype)]
+            kn, vn = (x.astype(cdt).astype(jnp.float32) for x in new_kv)
+            # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
+            s_new = (q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult
+            return (jnp.where(own, s_new, state[0]), jnp.where(own, 1.0, state[1]),
+                    jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), state[2]))
     else:
-        q = q_ref[...]
-    if R > 1:  # the MMA needs >= 16 rows: stack R copies of the group (row r is head r % Gq)
-        q = jnp.broadcast_to(q[None], (R, Gq, H)).reshape(R * Gq, H)
-    Gp = R * Gq
-    slopes = slope_ref[...] if has_alibi else None
-    cdt = q.dtype  # fp8 pages are widened to q's dtype before the MMA
+        q, start = stacked(q_ref[...]), None
 
     def ids(i):  # page ids of block i; -1 for pages past this split's last one
         first = lo_page + i * ppb
@@ -163,22 +187,20 @@ def _decode_kernel(
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
         return softmax_step(state, s, v, cdt)
 
-    init = (
-        jnp.full((Gp,), -jnp.inf, jnp.float32),
-        jnp.zeros((Gp,), jnp.float32),
-        jnp.zeros((Gp, H), jnp.float32),
-    )
-    if fused:  # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
-        kn, vn = k_new.astype(cdt).astype(jnp.float32), v_new.astype(cdt).astype(jnp.float32)
-        s_new = (q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult
-        init = (jnp.where(own, s_new, init[0]), jnp.where(own, 1.0, init[1]),
-                jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), init[2]))
     # Blocks wholly inside [lo_pos, hi_pos) skip the mask; only the last (and, with a window, all) pay it.
     if sliding_window is None:
         num_full = jnp.clip((hi_pos - lo_page * S) // BK, 0, num_blocks)
     else:
         num_full = 0
-    m, l, acc = kv_blocks(ids, fetch, step, init, 0, num_full, num_blocks, prefetch=prefetch)
+    m, l, acc = kv_blocks(ids, fetch, step, init, 0, num_full, num_blocks, prefetch=prefetch, start=start)
+    if fused:
+        slot = slots_ref[b]
+
+        @pl.when(own & (slot >= 0))
+        def _():
+            k_out[slot // S, slot % S, :] = new_kv[0]
+            v_out[slot // S, slot % S, :] = new_kv[1]
+
     out = acc / jnp.where(l > 0, l, 1.0)[:, None]
     if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
         out, m, l = out.reshape(R, Gq, H).max(0), m.reshape(R, Gq).max(0), l.reshape(R, Gq).max(0)
