@@ -131,6 +131,7 @@ def main():
     p.add_argument("--hlo-dir", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ctx", type=int, default=200)
+    p.add_argument("--rows", type=int, default=8, help="padded batch rows (the engine's smallest decode bucket: 8)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke test)")
@@ -139,7 +140,7 @@ def main():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("pp", "tp"))
     specs = param_specs(cfg)
     params = dummy_params(specs, jnp.bfloat16, param_shardings(specs, mesh))
-    tokens, meta, num_pages = build_inputs(cfg, a.ctx)
+    tokens, meta, num_pages = build_inputs(cfg, a.ctx, rows=a.rows)
     kv = make_kv_caches(cfg, mesh, num_pages, 16)
     attn = AttentionConfig(backend="pallas", interpret=a.interpret)
     rows = []
@@ -191,7 +192,7 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for k in row.get("kernels", [])[:16]:
             print("   ", k, flush=True)
-    write_result("step_probe", dict(env=environment(), ctx=a.ctx, shape=a.shape, rows=rows), a.out)
+    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, shape=a.shape, rows=rows), a.out)
 
 
 if __name__ == "__main__":
