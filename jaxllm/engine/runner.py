@@ -59,6 +59,13 @@ def kv_storage_dtype(dtype):
     return dtype
 
 
+# The smallest decode bucket (padded sequences). A batch-1 decode step of the Llama-3-8B shape on an H100
+# (bench/step_probe.py --rows, XProf): 1 row 5.63 ms (XLA turns the M = 1 qkv GEMM into a 23 us reduction
+# instead of an 18.7 us GEMM), 2 rows 5.44 ms, 8 rows 5.61 ms (the attention grid and the small fusions run
+# over 4x the rows; bench/results/step_probe_h100_30bea4e_rows*.json).
+SMALLEST_SEQ_BUCKET = 2
+
+
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     out, b = [], lo
     while b < hi:
@@ -206,7 +213,7 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
-        self.seq_buckets = pow2_buckets(min(8, max_num_seqs), max_num_seqs)
+        self.seq_buckets = pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs)
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
