@@ -142,7 +142,7 @@ def test_startup_smoke(tmp_path):
                         "--warm-runs", "1", "--log-level", "warning", "--out", str(out)])
     cold, warm = res["series"]["."]["cold"], res["series"]["."]["warm"][0]
     n = cold["num_variants"]
-    assert n == 2 and cold["exec_cache"]["stores"] == n and cold["step_traces"] == n
+    assert n == 4 and cold["exec_cache"]["stores"] == n  # decode buckets 2, 4, 8; the 16-token mixed bucket and cold["step_traces"] == n
     assert warm["exec_cache"]["hits"] == n and warm["step_traces"] == 0
     assert res["series"]["."]["warm_tokens_equal_cold"] and len(warm["greedy_tokens"][0]) == 8
     assert json.loads(out.read_text())["env"]["command"]
@@ -158,6 +158,7 @@ def test_profile_kernel_categories():
 
     assert kernel_category("paged_decode_S_16_ppb_2_splits_1") == "decode_attention"
     assert kernel_category("paged_decode_combine_splits_6") == "decode_attention"
+    assert kernel_category("paged_decode_S_16_ppb_2_splits_8_fused") == "decode_attention"
     assert kernel_category("entry_mosaic_gpu_kernel") == "prefill_attention"
     assert kernel_category("qkv_write_kv_S_16_G_4") == "kv_write"
     assert kernel_category("nvjet_sm90_tst_320x128_64x3_2x4_h_bz_coopB_NNT") == "gemm"

@@ -327,6 +327,69 @@ def test_qkv_write_kv_kernel_sums_split_k_partials():
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
 
 
+FUSED_DECODE_CASES = [
+    # G, K, H, S, kv_dtype, lens, parts (split-K partials; 0: plain qkv in the model dtype), rope, extra
+    (4, 2, 64, 16, jnp.bfloat16, [1, 16, 17, 100, 0], 4, True, {}),  # 1: only the new token; 17: q_pos opens a page
+    (4, 2, 64, 16, jnp.bfloat16, [300, 33, 48, 0], 4, True, dict(num_splits=5, block_k=16)),  # 1-2 blocks a split
+    (4, 2, 64, 16, jnp.bfloat16, [70, 200, 2], 0, True, dict(num_splits=1, block_k=32)),  # one split: final output
+    (7, 1, 128, 16, jnp.bfloat16, [31, 32, 90], 2, True, dict(num_splits=2, block_k=32)),  # G = 7: padded q rows
+    (2, 2, 64, 16, jnp.float8_e4m3fn, [40, 1, 16], 0, True, dict(prefetch=1)),  # quantized on the way in
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], 0, False, dict(sliding_window=20, alibi_slopes=True,
+                                                              num_splits=2, block_k=32, prefetch=3)),
+]
+
+
+@pytest.mark.parametrize("G,K,H,S,kv_dtype,lens,parts,rope,extra", FUSED_DECODE_CASES)
+def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, parts, rope, extra):
+    """fused_decode_attention (RoPE, KV write, attention over the cache plus the new token, one launch) gives
+    what the reference's qkv_write_kv followed by its decode attention gives, and writes the same slots bit
+    for bit. The new token's slot holds NaN before the call: the kernel must take that token's k / v from
+    registers, never from the cache it is writing. Padding sequences (seq_len 0, slot -1) give zeros and
+    write nothing."""
+    rng = np.random.default_rng(sum(lens) + G)
+    B = len(lens)
+    k, v, bt = make_cache(rng, K, H, S, lens, kv_dtype=kv_dtype)
+    slots = np.array([int(bt[b, (n - 1) // S]) * S + (n - 1) % S if n else -1 for b, n in enumerate(lens)], np.int32)
+    k, v = (np.array(x.astype(jnp.float32)) for x in (k, v))
+    for slot in slots[slots >= 0]:
+        k[:, slot // S, slot % S] = v[:, slot // S, slot % S] = np.nan
+    k, v = jnp.asarray(k).astype(kv_dtype), jnp.asarray(v).astype(kv_dtype)
+    shape = (parts, B, K, G + 2, H) if parts else (B, K, G + 2, H)
+    qkv = jnp.asarray(rng.standard_normal(shape) * 2, jnp.float32 if parts else jnp.bfloat16)
+    pos = jnp.asarray([max(n - 1, 0) for n in lens], jnp.int32)
+    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32) if rope else None
+    kw = dict(scale=H**-0.5, k_scale=0.5, v_scale=2.0) if kv_dtype == jnp.float8_e4m3fn else dict(scale=H**-0.5)
+    extra = dict(extra)
+    if extra.pop("alibi_slopes", False):
+        kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, G * K + 1) * 4, jnp.float32)
+    if "sliding_window" in extra:
+        kw["sliding_window"] = extra.pop("sliding_window")
+    lens_a, slots_a = jnp.asarray(lens, jnp.int32), jnp.asarray(slots)
+    scales = {k_: kw[k_] for k_ in ("k_scale", "v_scale") if k_ in kw}
+    q, k_ref, v_ref = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots_a, dtype=jnp.bfloat16, **scales)
+    want = reference.paged_decode_attention_ref(q, k_ref, v_ref, lens_a, bt, **kw)
+    out, k_out, v_out = kp.fused_decode_attention(qkv, pos, inv_freq, k, v, slots_a, lens_a, bt, dtype=jnp.bfloat16,
+                                                  interpret=True, **kw, **extra)
+    live = np.asarray(lens) > 0
+    check(out[live], want[live], jnp.bfloat16)
+    assert not np.asarray(out[~live], np.float32).any()
+    for got, ref in ((k_out, k_ref), (v_out, v_ref)):
+        got, ref = np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32))
+        if kv_dtype == jnp.float8_e4m3fn:  # one e4m3 step either way (see the qkv_write_kv test)
+            np.testing.assert_allclose(got, ref, rtol=0.126)
+        else:
+            np.testing.assert_array_equal(got, ref)
+
+
+def test_fused_decode_refuses_a_ragged_batch():
+    rng = np.random.default_rng(0)
+    k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])
+    qkv = jnp.zeros((3, 2, 6, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="one token per sequence: 3 tokens, 2 sequences"):
+        kp.fused_decode_attention(qkv, jnp.zeros(3, jnp.int32), None, k, v, jnp.zeros(3, jnp.int32),
+                                  jnp.asarray([5, 7], jnp.int32), bt, scale=0.125, interpret=True)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     """The decoder with backend "pallas" (fused qkv/RoPE/write kernel, ragged kernel, the decode kernel for the
@@ -392,6 +455,41 @@ def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached,
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas)
     assert (4, split_tokens, 2, 4, 32) in seen  # [splits, T, K, G + 2, H] partials
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
+    for o, r in zip(out, ref):
+        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
+    """A decode-only step in the engine's layout (token b is sequence b's; padding tokens meet padding
+    sequences) goes through kernels_pallas.fused_decode_attention and gives the reference backend's logits:
+    at tp 1 from the split-K qkv partials, at tp 2 inside shard_map from each shard's plain qkv."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+    from tests.model_harness import ragged_logits
+
+    torch.manual_seed(2)
+    hf = LlamaConfig(vocab_size=96, hidden_size=64 * 2 * tp, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4 * tp, num_key_value_heads=2 * tp, max_position_embeddings=128)  # H = 32
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
+    mesh = ParallelConfig(tp, 1).make_mesh()
+    params = load_params(str(tmp_path), cfg, mesh)
+    seqs, cached = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9], [10, 1, 8]
+    seen = []
+    real = kp.fused_decode_attention
+    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+    jax.clear_caches()  # the harness's step and the layer are jitted: trace them again with the spy
+    pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh)
+    out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas, pad_tokens=2, pad_seqs=2)
+    assert seen == [(4, 5, 2, 4, 32)] if tp == 1 else seen == [(5, 2, 4, 32)]  # [S,] T = B = 5, K per shard 2
+    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2,
+                        pad_seqs=2)
     for o, r in zip(out, ref):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
