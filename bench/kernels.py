@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
-from kernels_pallas._decode import paged_decode_attention_kernel  # noqa: E402
+from kernels_pallas._decode import fused_decode_attention_kernel, paged_decode_attention_kernel  # noqa: E402
 from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
 from kernels_pallas._write import qkv_write_kv_kernel, write_kv_kernel  # noqa: E402
@@ -381,6 +381,57 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(diff).max())
 
 
+def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
+    """A decode step's attention from the qkv projection ([B, K, G + 2, H], bf16): the qkv/RoPE/write kernel then
+    the decode kernel (the engine before 5f73bd6, and above attention.FUSED_DECODE_MAX_SEQS) vs the fused decode
+    kernel (one launch). B sequences of ctx tokens in M-page tables, the first `live` of them live (the
+    engine's padded batch-1 bucket has 2 rows, 1 live)."""
+    rng = np.random.default_rng(6)
+    live = B if live is None else live
+    P = B * M + 1
+    kp = jnp.asarray(rng.standard_normal((K, P, S, H)), jnp.bfloat16)
+    vp = jnp.asarray(rng.standard_normal((K, P, S, H)), jnp.bfloat16)
+    bt = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M).astype(np.int32))
+    lens = jnp.asarray([ctx] * live + [0] * (B - live), jnp.int32)
+    slots = jnp.where(lens > 0, bt[:, (ctx - 1) // S] * S + (ctx - 1) % S, -1)
+    pos = jnp.maximum(lens - 1, 0)
+    qkv = jnp.asarray(rng.standard_normal((B, K, G + 2, H)), jnp.bfloat16)
+    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
+    scale = H**-0.5
+
+    def separate(qkv, kp, vp):
+        q, kp, vp = qkv_write_kv_kernel(qkv, pos, inv_freq, kp, vp, slots)
+        return paged_decode_attention_kernel(q, kp, vp, lens, bt, scale=scale), kp, vp
+
+    def fused(qkv, kp, vp):
+        return fused_decode_attention_kernel(qkv, pos, inv_freq, kp, vp, slots, lens, bt, scale=scale)
+
+    outs = {}
+    for impl, fn in (("qkv_write_then_decode", separate), ("pallas_fused_decode", fused)):
+        row = dict(kind="fused_decode", impl=impl, B=B, live=live, ctx=ctx, M=M, K=K, G=G, H=H)
+        try:
+            def build(n, fn=fn):
+                def f(kp, vp, qkv):
+                    for i in range(n):  # the output feeds the next rep's q rows so the reps chain
+                        out, kp, vp = fn(qkv, kp, vp)
+                        qkv = qkv.at[:, :, 0].set(out[:, ::G] * 0.5)
+                    return kp, vp
+
+                return jax.jit(f, donate_argnums=(0, 1))
+
+            outs[impl] = np.asarray(fn(qkv, kp, vp)[0].astype(jnp.float32))
+            state = [kp, vp]
+            time_row(row, runner(build, qkv, state=state))
+            kp, vp = state
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    if len(outs) == 2:
+        results[-1]["max_abs_diff_vs_separate"] = float(np.abs(outs["pallas_fused_decode"] -
+                                                               outs["qkv_write_then_decode"]).max())
+
+
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
     """A mixed step (chunked prefill + decode tokens, as in the throughput run's first 33 steps) through the
     entry point: the decode tokens in 1-token ragged tiles vs split off to the decode kernel."""
@@ -582,6 +633,9 @@ def main():
     if "qkv" in only:
         for T in (8, 512, 2048, 4096, 8192):
             bench_qkv(results, T)
+    if "fused" in only:
+        for B, ctx, live in ((2, 200, 1), (8, 200, 8), (64, 2048, 64), (256, 700, 256), (512, 600, 500)):
+            bench_fused_decode(results, B, ctx, live=live, M=128 if ctx > 1024 else 64)
     if "backend" in only:
         bench_backends(results, mm)
 

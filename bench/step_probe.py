@@ -80,7 +80,8 @@ for _q in (2, 4, 8):
 _FUSED = {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": 4, "attention.FUSED_DECODE": True}
 VARIANTS["fused"] = (None, {}, None, _FUSED)
 for _n in (1, 2):
-    VARIANTS[f"fused_{_n}split"] = (None, {}, None, dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}))
+    VARIANTS[f"fused_{_n}split"] = (None, {}, None,
+                                    dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}))
 VARIANTS["fused_plain_qkv"] = (None, {}, None, dict(_FUSED, QKV_SPLIT_MAX_TOKENS=0))
 
 

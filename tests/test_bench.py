@@ -142,7 +142,8 @@ def test_startup_smoke(tmp_path):
                         "--warm-runs", "1", "--log-level", "warning", "--out", str(out)])
     cold, warm = res["series"]["."]["cold"], res["series"]["."]["warm"][0]
     n = cold["num_variants"]
-    assert n == 4 and cold["exec_cache"]["stores"] == n  # decode buckets 2, 4, 8; the 16-token mixed bucket and cold["step_traces"] == n
+    # decode buckets 2, 4, 8 and the 16-token mixed bucket
+    assert n == 4 and cold["exec_cache"]["stores"] == n and cold["step_traces"] == n
     assert warm["exec_cache"]["hits"] == n and warm["step_traces"] == 0
     assert res["series"]["."]["warm_tokens_equal_cold"] and len(warm["greedy_tokens"][0]) == 8
     assert json.loads(out.read_text())["env"]["command"]

@@ -25,10 +25,15 @@ from kernels_pallas import reference
 _REFERENCE_STEP_BYTES = 64 << 20
 # ... and at most this many keys, so the loop over the block table ends soon after the longest live context.
 _REFERENCE_STEP_TOKENS = 256
-# Decode-only steps on the Pallas backend (one token per sequence, the engine's layout): RoPE, the KV write and
-# the attention in one kernel launch (kernels_pallas.fused_decode_attention) instead of two. Static tuning
-# arguments of that kernel (num_splits, block_k, ...) for probes; empty: its defaults.
+# Decode-only steps on the Pallas backend (one token per sequence, the engine's layout) of up to this many
+# sequences: RoPE, the KV write and the attention in one kernel launch (kernels_pallas.fused_decode_attention)
+# instead of two. Llama-3-8B shape on an H100 (bench/results/kernels_h100_4d50d46_fused_decode.json, per call):
+# 8 x 200 tokens 60.3 vs 65.6 us, 64 x 2k 208.5 vs 211.4, 256 x 700 291.4 vs 296.4, but 512 x 600 476.3 vs 473.3
+# (4096 programs each redo the RoPE loads where the separate write kernel takes ~5 us); the batch-1 step 5.68 ->
+# 5.61 ms (step_probe_h100_30bea4e_rows8.json). FUSED_DECODE_TUNING: static tuning arguments of that kernel
+# (num_splits, block_k, ...) for probes; empty: its defaults.
 FUSED_DECODE = True
+FUSED_DECODE_MAX_SEQS = 256
 FUSED_DECODE_TUNING: dict = {}
 
 
@@ -88,7 +93,8 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
-    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
+    B = meta.seq_lens.shape[0]
+    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == B <= FUSED_DECODE_MAX_SEQS:
         import kernels_pallas
 
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
