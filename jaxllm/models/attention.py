@@ -25,15 +25,13 @@ from kernels_pallas import reference
 _REFERENCE_STEP_BYTES = 64 << 20
 # ... and at most this many keys, so the loop over the block table ends soon after the longest live context.
 _REFERENCE_STEP_TOKENS = 256
-# Decode-only steps on the Pallas backend (one token per sequence, the engine's layout) of up to this many
-# sequences: RoPE, the KV write and the attention in one kernel launch (kernels_pallas.fused_decode_attention)
-# instead of two. Llama-3-8B shape on an H100 (bench/results/kernels_h100_4d50d46_fused_decode.json, per call):
-# 8 x 200 tokens 60.3 vs 65.6 us, 64 x 2k 208.5 vs 211.4, 256 x 700 291.4 vs 296.4, but 512 x 600 476.3 vs 473.3
-# (4096 programs each redo the RoPE loads where the separate write kernel takes ~5 us); the batch-1 step 5.68 ->
-# 5.61 ms (step_probe_h100_30bea4e_rows8.json). FUSED_DECODE_TUNING: static tuning arguments of that kernel
-# (num_splits, block_k, ...) for probes; empty: its defaults.
+# Decode-only steps on the Pallas backend (one token per sequence, the engine's layout): RoPE, the KV write and
+# the attention in one kernel launch (kernels_pallas.fused_decode_attention) instead of two. Llama-3-8B shape
+# on an H100, per call (bench/kernels.py --only fused, bench/results/kernels_h100_61c7612_fused_decode.json):
+# 2 rows (1 live) x 200 tokens 6.2 vs 8.0 us, 8 x 200 9.1 vs 10.4, 64 x 2k 202.5 vs 207.1, 256 x 700 285.4 vs
+# 286.2, 512 (500 live) x 600 466.3 vs 466.4; the batch-1 step 5.68 -> 5.61 ms (step_probe_h100_30bea4e_rows8.json).
+# FUSED_DECODE_TUNING: static tuning arguments of that kernel (num_splits, block_k, ...) for probes.
 FUSED_DECODE = True
-FUSED_DECODE_MAX_SEQS = 256
 FUSED_DECODE_TUNING: dict = {}
 
 
@@ -93,8 +91,7 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     k_pages, v_pages = kv_cache
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
-    B = meta.seq_lens.shape[0]
-    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == B <= FUSED_DECODE_MAX_SEQS:
+    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
         import kernels_pallas
 
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
