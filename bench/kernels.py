@@ -383,9 +383,8 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
 
 def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
     """A decode step's attention from the qkv projection ([B, K, G + 2, H], bf16): the qkv/RoPE/write kernel then
-    the decode kernel (the engine before 5f73bd6) vs the fused decode
-    kernel (one launch). B sequences of ctx tokens in M-page tables, the first `live` of them live (the
-    engine's padded batch-1 bucket has 2 rows, 1 live)."""
+    the decode kernel (the engine before 5f73bd6) vs the fused decode kernel (one launch). B sequences of ctx
+    tokens in M-page tables, the first `live` of them live (the engine's padded batch-1 bucket: 2 rows, 1 live)."""
     rng = np.random.default_rng(6)
     live = B if live is None else live
     P = B * M + 1
