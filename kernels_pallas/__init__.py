@@ -61,6 +61,12 @@ def _use_write_kernel(k_pages, interpret):
     return (interpret or on_gpu()) and k_pages.shape[-1] in (64, 128, 256)
 
 
+def _check_partials(qkv, dtype):
+    if qkv.ndim == 5 and dtype is None:
+        raise ValueError("qkv given as split-K partials [S, T, K, G + 2, H] needs dtype= (the model's dtype, "
+                         "which the summed partials are rounded to)")
+
+
 def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False):
     """k, v: [T, K, H] into their slots (page * S + offset) of both caches; slot -1 is dropped."""
     if _use_write_kernel(k_pages, interpret):
@@ -76,6 +82,7 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     bench/results/kernels_h100_97c2470.json): 8 tokens 3.3 vs 7.9 us, 512: 6.9 vs 11.3, but 2048: 27.1 vs
     19.4 and 8192: 104 vs 98 us (one program per token and kv head); larger batches keep XLA's RoPE + the
     Pallas write. Split-K partials (qkv [S, T, ...], float32; dtype: the model's) are summed in the launch."""
+    _check_partials(qkv, dtype)
     args = (qkv, positions, inv_freq, k_pages, v_pages, slot_mapping)
     kw = dict(k_scale=k_scale, v_scale=v_scale, dtype=dtype)
     if not _use_write_kernel(k_pages, interpret):
@@ -91,6 +98,7 @@ def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapp
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
     sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
     launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
+    _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
         raise ValueError(f"fused_decode_attention needs one token per sequence: {T} tokens, "

@@ -381,13 +381,19 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
             np.testing.assert_array_equal(got, ref)
 
 
-def test_fused_decode_refuses_a_ragged_batch():
+def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     rng = np.random.default_rng(0)
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])
     qkv = jnp.zeros((3, 2, 6, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="one token per sequence: 3 tokens, 2 sequences"):
         kp.fused_decode_attention(qkv, jnp.zeros(3, jnp.int32), None, k, v, jnp.zeros(3, jnp.int32),
                                   jnp.asarray([5, 7], jnp.int32), bt, scale=0.125, interpret=True)
+    parts = jnp.zeros((4, 2, 2, 6, 64), jnp.float32)
+    with pytest.raises(ValueError, match="split-K partials .* needs dtype="):
+        kp.fused_decode_attention(parts, jnp.zeros(2, jnp.int32), None, k, v, jnp.zeros(2, jnp.int32),
+                                  jnp.asarray([5, 7], jnp.int32), bt, scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match="split-K partials .* needs dtype="):
+        kp.qkv_write_kv(parts, jnp.zeros(2, jnp.int32), None, k, v, jnp.zeros(2, jnp.int32), interpret=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
