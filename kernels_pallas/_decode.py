@@ -17,6 +17,12 @@ split's normalized f32 output and its (max, sum) in the log2 domain, and one sma
 bytes per split, tiny next to the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us
 per call at B1 x 32k on an H100, where the attention kernel itself takes ~52 us; the combine folded into
 the attention kernel's last program per group was slower, bench/KERNELS_NOTES.md.)
+The fused entry point (fused_decode_attention_kernel, the engine's decode-only steps) takes the qkv projection
+instead of q: each program reads its kv head's q rows and the new token's k / v ([T, K, G + 2, H], or split-K
+partials summed here), applies RoPE, reads the cache only below q_pos (another program may be writing that
+slot) and starts its online softmax from the new token's score; the program whose pages hold q_pos writes the
+new k / v into their slot at the end. One launch instead of the qkv/RoPE/write kernel and this one: 6.2 vs 8.0 us
+for the engine's batch-1 bucket, equal at 512 x 600 (bench/KERNELS_NOTES.md, stop 17).
 Splits are chosen statically from (B, K, pages per sequence) so that one wave of programs fills the chip:
 ~2 per SM, or 3 where the split-K tiles fit 3 per SM (choose_splits; measured: at B64 x 2k one split beats
 two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
