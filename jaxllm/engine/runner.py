@@ -130,6 +130,64 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
                                    flags=flags, prompt_k=prompt_k), rows)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["treedef", "leaves"])
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where each host input of a step sits in its two transfer buffers (a pytree with no leaves: static).
+    leaves: per leaf of treedef, (dtype name, shape, "i" (int32 buffer) or "f" (float32 buffer), offset)."""
+
+    treedef: object
+    leaves: tuple
+
+
+def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
+    """A step's ~23 host arrays (token ids, attention metadata, the sampling arrays) as one int32 and one
+    float32 array: two host-to-device transfers per step instead of one per array, and fewer graph nodes for
+    XLA to repoint at new input buffers. int32 leaves go in as they are, uint32 as their bits, bool as 0 / 1."""
+    leaves, treedef = jax.tree.flatten(host_args)
+    ints, floats, spec, ni, nf = [], [], [], 0, 0
+    for x in leaves:
+        x = np.asarray(x)
+        if x.dtype == np.float32:
+            floats.append(x.ravel())
+            spec.append(("float32", x.shape, "f", nf))
+            nf += x.size
+            continue
+        if x.dtype == np.uint32:
+            flat = x.ravel().view(np.int32)
+        elif x.dtype in (np.int32, np.bool_):
+            flat = x.ravel().astype(np.int32, copy=False)
+        else:
+            raise TypeError(f"step input of dtype {x.dtype} cannot be packed (int32, uint32, bool, float32)")
+        ints.append(flat)
+        spec.append((x.dtype.name, x.shape, "i", ni))
+        ni += x.size
+    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
+    return cat(ints, np.int32), cat(floats, np.float32), PackedLayout(treedef, tuple(spec))
+
+
+def unpack_host_args(ints, floats, layout: PackedLayout):
+    """pack_host_args inverted inside the jitted step (static slices of the two buffers)."""
+    out = []
+    for dtype, shape, buf, off in layout.leaves:
+        n = int(np.prod(shape, dtype=np.int64))
+        x = jax.lax.slice(ints if buf == "i" else floats, (off,), (off + n,)).reshape(shape)
+        if dtype == "uint32":
+            x = jax.lax.bitcast_convert_type(x, jnp.uint32)
+        elif dtype == "bool":
+            x = x != 0
+        out.append(x)
+    return jax.tree.unflatten(layout.treedef, out)
+
+
+def _packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
+                    attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+    """_step_fn on the host inputs as pack_host_args made them."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets = unpack_host_args(ints, floats, layout)
+    return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
+                    cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
+
+
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
     """Sampling from the logits of the B sampled rows; prev_tokens only gives the next one's shape."""
     tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
@@ -222,7 +280,8 @@ class ModelRunner:
         self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
         self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
-        self._jit = jax.jit(_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"), donate_argnums=(1,))
+        self._jit = jax.jit(_packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"),
+                            donate_argnums=(1,))
         self.pipeline = None
         if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled by warm_up)
             from jaxllm.engine.pipeline import PipelineExecutor
@@ -358,7 +417,7 @@ class ModelRunner:
         self.kv_caches, hiddens = self.pipeline.warm_up(self.kv_caches, self.prev_tokens, shapes)
         for _ in range(2):
             for v in variants:
-                _, _, _, _, _, _, logits_indices, smd, prompt_targets = self._dummy_args(v)
+                _, _, _, logits_indices, smd, prompt_targets = self._dummy_host(v)
                 self.prev_tokens, outputs, _ = self._sample_jit(
                     self.pipeline.head_params, hiddens[v.num_tokens], self.prev_tokens, logits_indices, smd,
                     prompt_targets, cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
@@ -400,14 +459,22 @@ class ModelRunner:
                     "compiled (%d threads)", time.perf_counter() - t0, n_loaded,
                     self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers)
 
-    def _dummy_args(self, v: StepVariant):
+    def _dummy_host(self, v: StepVariant):
+        """Host inputs of v's shapes that write no KV slot: (token_ids, src_rows, meta, logits_indices, smd,
+        prompt_targets)."""
         T, B = v.num_tokens, v.num_seqs
         z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
         meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
                                  v.decode_only)
-        smd = self._sampling_arrays(B, v.flags)
-        return (self.params, self.kv_caches, z(T), np.full(T, -1, np.int32), self.prev_tokens, meta, z(B), smd,
-                np.full(T, -1, np.int32))
+        return (z(T), np.full(T, -1, np.int32), meta, z(B), self._sampling_arrays(B, v.flags), np.full(T, -1, np.int32))
+
+    def _dummy_args(self, v: StepVariant):
+        return self._step_args(self._dummy_host(v))
+
+    def _step_args(self, host_args) -> tuple:
+        """The step program's arguments for these host inputs (packed: pack_host_args)."""
+        ints, floats, layout = pack_host_args(host_args)
+        return self.params, self.kv_caches, ints, floats, self.prev_tokens, layout
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
@@ -483,8 +550,7 @@ class ModelRunner:
                 self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
                 cfg=self.cfg, flags=p.variant.flags, prompt_k=p.variant.prompt_logprobs)
         elif self._whole_step(p.variant, p.host_args):
-            args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices, smd,
-                    prompt_targets)
+            args = self._step_args(p.host_args)
             exe = self._executable(p.variant, args)
             self.kv_caches, self.prev_tokens, outputs, prompt, _ = exe(*args)
         else:
@@ -493,8 +559,7 @@ class ModelRunner:
             # sampled rows' hidden states, and a sampler-only program samples them with these flags.
             v = p.variant
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
-            args = (self.params, self.kv_caches, token_ids, src_rows, self.prev_tokens, meta, logits_indices,
-                    _plain(smd), prompt_targets)
+            args = self._step_args((token_ids, src_rows, meta, logits_indices, _plain(smd), prompt_targets))
             self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
             self._rows_spec.setdefault(v.num_seqs, _spec(rows))
             sargs = (self._head, rows, self.prev_tokens, smd)
@@ -549,9 +614,8 @@ class ModelRunner:
     def _spec_args(self, host_args):
         """A step's arguments with the device arrays as shape / dtype / sharding specs (for lowering away from
         the step: the KV cache is donated to every step)."""
-        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = host_args
-        return (self.params, jax.tree.map(_spec, self.kv_caches), token_ids, src_rows, _spec(self.prev_tokens),
-                meta, logits_indices, smd, prompt_targets)
+        ints, floats, layout = pack_host_args(host_args)
+        return self.params, jax.tree.map(_spec, self.kv_caches), ints, floats, _spec(self.prev_tokens), layout
 
     def _compile_in_background(self, v: StepVariant, args):
         t0 = time.perf_counter()
