@@ -737,3 +737,36 @@ def test_penalty_sampler_for_the_next_row_width_compiles_ahead(tiny):
     assert len(generate(12).token_ids) == 12  # 9 + 12 tokens: crosses into 32 (and compiles 64 ahead)
     assert penalty_widths() == {16, 32, 64}
     check_free(llm)
+
+
+def test_packed_host_inputs_round_trip():
+    """A step's host inputs (int32, uint32 seeds, bool rows, float32, 2-D tables, a static field) go to the
+    device as one int32 and one float32 array and come back out of the jitted step equal, bit for bit."""
+    import jax
+    import numpy as np
+
+    from jaxllm.engine.runner import pack_host_args, unpack_host_args
+    from jaxllm.engine.sampler import SamplingMetadata
+    from jaxllm.models.attention import AttentionMetadata
+
+    rng = np.random.default_rng(0)
+    B, T = 3, 5
+    i32 = lambda *s: rng.integers(-5, 1000, s).astype(np.int32)  # noqa: E731
+    f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    meta = AttentionMetadata(i32(T), i32(T), i32(B), i32(B + 1), i32(B, 4), True)
+    smd = SamplingMetadata(f32(B), f32(B), i32(B), f32(B), f32(B), f32(B), f32(B),
+                           np.array([0, 2**32 - 1, 2**31 + 5], np.uint32), i32(B), i32(B, 2),
+                           np.array([[True, False], [False, False], [True, True]]), i32(B, 1), f32(B, 1), i32(B, 3))
+    host = (i32(T), i32(T), meta, i32(B), smd, i32(T))
+    ints, floats, layout = pack_host_args(host)
+    assert ints.dtype == np.int32 and floats.dtype == np.float32
+    got = jax.jit(unpack_host_args, static_argnums=2)(ints, floats, layout)
+    want_leaves, want_tree = jax.tree.flatten(host)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    assert got_tree == want_tree and got[2].decode_only is True
+    for g, w in zip(got_leaves, want_leaves):
+        g = np.asarray(g)
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(TypeError, match="dtype int64 cannot be packed"):
+        pack_host_args((np.zeros(3, np.int64),))
