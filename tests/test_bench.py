@@ -132,6 +132,25 @@ def test_suite_profile_window():
 
 
 @pytest.mark.filterwarnings("ignore")
+def test_first_steps_trace_smoke(tmp_path, monkeypatch):
+    """The batch-1 first-token trace runs, applies its engine overrides and keeps the traced host steps."""
+    from bench import first_steps_trace
+    from jaxllm.engine import runner
+    from jaxllm.models import attention
+
+    monkeypatch.setattr(runner, "SMALLEST_SEQ_BUCKET", runner.SMALLEST_SEQ_BUCKET)  # restored after the test
+    monkeypatch.setattr(attention, "FUSED_DECODE", attention.FUSED_DECODE)
+    out = tmp_path / "fst.json"
+    res = first_steps_trace.main(["--shape", "tiny", "--load-format", "dummy", "--input-len", "8", "--output-len", "3",
+                                  "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
+                                  "--max-num-batched-tokens", "16", "--compilation-cache-dir", "", "--warm", "1",
+                                  "--smallest-seq-bucket", "8", "--no-fused-decode", "--log-level", "warning",
+                                  "--out", str(out)])
+    assert res["smallest_seq_bucket"] == 8 and res["fused_decode"] is False
+    assert len(res["ttft_ms_untraced"]) == 1 and res["ttft_ms_traced"] > 0
+    assert any("step" in e["name"] for e in res["events"]) and json.loads(out.read_text())["env"]["command"]
+
+
 def test_startup_smoke(tmp_path):
     """Cold then warm start in fresh processes: the warm one loads every step from the executable cache."""
     from bench import startup
