@@ -8,7 +8,7 @@
   to <out>_trace.json); profile = one launch per goal shape for ncu; causal = the ragged prefill defaults vs
   the previous tiles plus an XProf split of the goal-shape call; combine = XProf times of the split-K
   combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in flight; b1 = decode configs
-  over the engine's padded batch-1 (8 sequences, 1 live).
+  over the engine's padded batch-1 as it was before stop 17 (8 sequences, 1 live; 2 since).
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
@@ -540,8 +540,8 @@ def main():
     print(json.dumps(info), flush=True)
 
     if "tune" in only:  # the current defaults against the previous ones and their neighbours, same run
-        # batch 1 at the latency workload's lengths in the engine's 1024-token tables (the engine pads batch 1
-        # to 8 sequences): split-K plus its combine vs one program per kv head
+        # batch 1 at the latency workload's lengths in the engine's 1024-token tables (the engine padded batch 1
+        # to 8 sequences until stop 17, to 2 since): split-K plus its combine vs one program per kv head
         for B, ctx in ((1, 192), (8, 192), (1, 700)):
             bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), dict(num_splits=1)],
                          shipped=False, max_len=1024)
@@ -576,7 +576,7 @@ def main():
         bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", b1, shipped=False)
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(prefetch=3),
                                                                  dict(block_k=32, prefetch=3), dict()], shipped=False)
-    if "b1" in only:  # the engine's batch-1 decode (8 sequences, 1 live) at the latency workload's lengths
+    if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
             for bk in (64, 128, 256) for w in (4, 8) for pf in (0, 2)]

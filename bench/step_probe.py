@@ -1,6 +1,6 @@
 """Probe: where a batch-1 decode step's small kernels come from, and what changes them.
 
-Builds the engine's decode step shape for batch 1 (Llama-3-8B shape, bf16 dummy weights; 8 padded rows, one
+Builds the engine's decode step shape for batch 1 (Llama-3-8B shape, bf16 dummy weights; --rows padded rows, one
 live sequence of --ctx tokens, Pallas attention) from the model code itself (decoder.forward +
 compute_logits + argmax, KV cache donated), then for each variant:
   - writes the optimized HLO (compiled.as_text(), gzipped) so the fusion decisions can be read,
@@ -132,7 +132,8 @@ def main():
     p.add_argument("--hlo-dir", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ctx", type=int, default=200)
-    p.add_argument("--rows", type=int, default=8, help="padded batch rows (the engine's smallest decode bucket: 8)")
+    p.add_argument("--rows", type=int, default=8,
+                   help="padded batch rows: 8 as in the earlier probes; the engine pads batch 1 to 2 since stop 17")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke test)")
