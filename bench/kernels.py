@@ -4,12 +4,13 @@
       [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
-  qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill +
-  decode steps through the entry point with and without split_decode; trace = an XProf split of a decode
-  call (kernel vs the ops around it, written to <out>_trace.json); profile = one launch per goal shape for ncu; causal = the ragged prefill defaults vs
-  the previous tiles plus an XProf split of the goal-shape call; combine = XProf times of the split-K
-  combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in flight; b1 = decode configs
-  over the engine's padded batch-1 as it was before stop 17 (8 sequences, 1 live; 2 since).
+  qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
+  steps through the entry point with and without split_decode; trace = an XProf split of a decode call (kernel
+  vs the ops around it, written to <out>_trace.json); profile = one launch per goal shape for ncu; causal =
+  the ragged prefill defaults vs the previous tiles plus an XProf split of the goal-shape call; combine =
+  XProf times of the split-K combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in
+  flight; b1 = decode configs over the engine's padded batch-1 as it was before stop 17 (8 sequences, 1 live;
+  2 since).
 
 Each timed call is chained inside one jit (the output feeds the next call's q), so XLA cannot fold
 repeats, and the time per call is the difference of two chain lengths, (t(3 REPS) - t(REPS)) / 2 REPS:
