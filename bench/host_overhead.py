@@ -1,5 +1,5 @@
-"""Host overhead per engine step without a device: Scheduler.schedule() + ModelRunner.prepare() (the numpy
-half of execute) + Scheduler.update(), at N running sequences in steady decode. Goal (issue 7): schedule +
+"""Host overhead per engine step without a device: Scheduler.schedule() + ModelRunner.prepare() and
+pack_host_args (the numpy half of execute) + Scheduler.update(), at N running sequences in steady decode. Goal (issue 7): schedule +
 prepare <= 1 ms at 256 sequences.
 
   python bench/host_overhead.py --num-seqs 256 --context 512 --steps 200
@@ -68,6 +68,8 @@ def main(argv=None) -> dict:
     args = parse(argv)
     import numpy as np
 
+    from jaxllm.engine.runner import pack_host_args
+
     sched, runner = build(args)
     # Prefill every sequence (one big step), deliver its tokens: from here on every step is a decode.
     out = sched.schedule()
@@ -81,6 +83,7 @@ def main(argv=None) -> dict:
         out = sched.schedule()
         t1 = time.perf_counter()
         p = runner.prepare(out)
+        pack_host_args(p.host_args)
         runner._prev_rows = dict(p.sample_rows)
         t2 = time.perf_counter()
         if prev is not None:
