@@ -1,6 +1,6 @@
 """Host overhead per engine step without a device: Scheduler.schedule() + ModelRunner.prepare() and
-pack_host_args (the numpy half of execute) + Scheduler.update(), at N running sequences in steady decode. Goal (issue 7): schedule +
-prepare <= 1 ms at 256 sequences.
+pack_host_args (the numpy half of execute) + Scheduler.update(), at N running sequences in steady decode.
+Goal (issue 7): schedule + prepare <= 1 ms at 256 sequences.
 
   python bench/host_overhead.py --num-seqs 256 --context 512 --steps 200
 

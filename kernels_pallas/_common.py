@@ -62,6 +62,15 @@ def mma(a, b, trans_b=False):
     return jax.lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
 
 
+def sum_partials(parts, dtype):
+    """Split-K partials of the qkv projection (f32 values, in split order) summed in that order and rounded to
+    dtype once: what reference.qkv_write_kv's sum + cast gives (the kernels' bit-exact tests check it)."""
+    acc = parts[0]
+    for x in parts[1:]:
+        acc = acc + x
+    return acc.astype(dtype)
+
+
 def triton_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._common import (kernel_supported, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step,
-                      triton_params)
+                      sum_partials, triton_params)
 from .reference import quantize
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.
@@ -57,12 +57,11 @@ def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
     half = H // 2
     cols = jnp.arange(H, dtype=jnp.int32)
     swapped = jnp.where(cols < half, cols + half, cols - half)
-    parts = 1 if len(qkv_ref.shape) == 4 else qkv_ref.shape[0]
 
     def load(rows, cols):  # the partials, each loaded (summed in finish)
         if len(qkv_ref.shape) == 4:
             return [qkv_ref[b, h, rows, cols]]
-        return [qkv_ref[s, b, h, rows, cols] for s in range(parts)]  # static: a handful of splits
+        return [qkv_ref[s, b, h, rows, cols] for s in range(qkv_ref.shape[0])]  # static: a handful of splits
 
     rows = jnp.broadcast_to(jnp.minimum(jnp.arange(Gq, dtype=jnp.int32), group - 1)[:, None], (Gq, H))
     q_cols, q_swapped = jnp.broadcast_to(cols[None, :], (Gq, H)), jnp.broadcast_to(swapped[None, :], (Gq, H))
@@ -71,11 +70,7 @@ def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
         raw.update(q_sw=load(rows, q_swapped), k_sw=load(group, swapped), pos=pos_ref[b], freq=freq_ref[...])
 
     def finish():
-        def summed(xs):
-            acc = xs[0]
-            for x in xs[1:]:
-                acc = acc + x
-            return acc.astype(dt)
+        summed = functools.partial(sum_partials, dtype=dt)
 
         def rotated(name):  # x1 cos - x2 sin | x2 cos + x1 sin, each product rounded to dt
             x = summed(raw[name])

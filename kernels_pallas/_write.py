@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import triton_params
+from ._common import sum_partials, triton_params
 from .reference import quantize
 
 
@@ -77,10 +77,7 @@ def _qkv_write_kernel(slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _
     def load(row, part):
         if len(qkv_ref.shape) == 4:
             return qkv_ref[t, h, row, part]
-        acc = qkv_ref[0, t, h, row, part]
-        for s in range(1, qkv_ref.shape[0]):  # static: a handful of splits
-            acc = acc + qkv_ref[s, t, h, row, part]
-        return acc.astype(dt)
+        return sum_partials([qkv_ref[s, t, h, row, part] for s in range(qkv_ref.shape[0])], dt)  # a few splits
 
     def rotated(row):  # rounded to the input dtype after every op, as reference.apply_rope is
         x1, x2 = load(row, lo), load(row, hi)
