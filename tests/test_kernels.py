@@ -469,11 +469,13 @@ def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached,
 def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     """A decode-only step in the engine's layout (token b is sequence b's; padding tokens meet padding
     sequences) goes through kernels_pallas.fused_decode_attention and gives the reference backend's logits:
-    at tp 1 from the split-K qkv partials, at tp 2 inside shard_map from each shard's plain qkv."""
+    at tp 1 from the split-K qkv partials (with 2 splits set through attention.FUSED_DECODE_TUNING), at tp 2
+    inside shard_map from each shard's plain qkv."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from jaxllm.config import ModelConfig
+    from jaxllm.models import attention
     from jaxllm.models.attention import AttentionConfig
     from jaxllm.models.loader import load_params
     from jaxllm.sharding import ParallelConfig
@@ -487,13 +489,22 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     mesh = ParallelConfig(tp, 1).make_mesh()
     params = load_params(str(tmp_path), cfg, mesh)
     seqs, cached = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9], [10, 1, 8]
-    seen = []
+    seen, tuning = [], []
     real = kp.fused_decode_attention
-    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+
+    def spy(qkv, *a, **k):
+        seen.append(qkv.shape)
+        tuning.append(k.get("num_splits"))
+        return real(qkv, *a, **k)
+
+    monkeypatch.setattr(kp, "fused_decode_attention", spy)
+    if tp == 1:  # attention.FUSED_DECODE_TUNING reaches the kernel (bench/step_probe.py's variants set it)
+        monkeypatch.setattr(attention, "FUSED_DECODE_TUNING", {"num_splits": 2})
     jax.clear_caches()  # the harness's step and the layer are jitted: trace them again with the spy
     pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh)
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas, pad_tokens=2, pad_seqs=2)
     assert seen == [(4, 5, 2, 4, 32)] if tp == 1 else seen == [(5, 2, 4, 32)]  # [S,] T = B = 5, K per shard 2
+    assert tuning == [2 if tp == 1 else None]
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2,
                         pad_seqs=2)
     for o, r in zip(out, ref):
