@@ -200,3 +200,24 @@ def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
     f, (row, triton) = plot_results.pick_mgpu_prefill(os.path.join(os.path.dirname(__file__), "..", "bench",
                                                                     "results"))
     assert f and row["impl"] == "mosaic_gpu" and row["frac_matmul"] > 0.5 and triton["impl"] == "pallas_triton"
+
+
+def test_decode_tail_probe_kernels_match_the_reference():
+    """bench/decode_tail_probe.py's two kernels (interpret mode): the stamped copy of the entry point's decode
+    kernel gives one stamp per program, and the work-stealing prototype's output matches the reference (its
+    programs run one after another here, so the first takes every block and the others none)."""
+    import jax.numpy as jnp
+
+    from bench import decode_tail_probe as probe
+    from bench.kernels import make_case, rel_err
+    from kernels_pallas import reference
+
+    q, k, v, lens, _, bt = make_case(2, 333)
+    t0, t1 = probe.stamped_decode(q, k, v, lens, bt, num_splits=3)
+    assert t0.shape == t1.shape == (2, 8, 3)
+    ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=probe.H_SCALE, pages_per_step=64)
+    out = probe.steal_decode(q, k, v, lens, bt, splits=3)
+    assert out.shape == ref.shape and rel_err(out, ref) < 1e-2
+    assert rel_err(probe.steal_decode(q, k, v, lens * 0 + 320, bt, splits=3, mask_all=False),
+                   reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=probe.H_SCALE)) < 1e-2
+    assert not jnp.isnan(out).any()

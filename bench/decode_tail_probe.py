@@ -1,0 +1,266 @@
+"""Probe: where the split-K decode kernel loses time at batch 1 x long context, and whether work stealing wins it.
+
+Two stages:
+  tail   the decode kernel as the entry point builds it, each program stamping %globaltimer at its start and
+         after its last store: per call, the start and end spread of the programs (launch stagger vs tail).
+  steal  a prototype of the same kernel where the programs of a (sequence, kv head) take KV blocks one at a
+         time from an atomic counter (kept in the block table's zero padding, so no extra memset) instead of a
+         static run of pages: chain time per call against the static kernel, same inputs, same run.
+
+  python bench/decode_tail_probe.py --out OUT.json [--only tail,steal]
+
+On CPU both run in interpret mode on small cases (the stamps are zeros there, the counter a plain
+read-modify-write, since interpret mode runs the programs one after another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+
+from bench.kernels import chained, copy_bw, make_case, per_call, rel_err, runner  # noqa: E402
+from kernels_pallas import _decode as D  # noqa: E402
+from kernels_pallas import reference  # noqa: E402
+from kernels_pallas._common import mma, next_pow2, pad_block_tables, scalars, softmax_step, triton_params  # noqa: E402
+
+INTERPRET = jax.default_backend() != "gpu"
+STAMP = 16  # lanes per stamp (a Triton tensor, not a scalar); all equal
+
+
+def _stamp(x):
+    """%globaltimer's low 32 bits (ns), issued once x is available."""
+    if INTERPRET:
+        return jnp.zeros((STAMP,), jnp.int32) + x.astype(jnp.int32) * 0
+    from jax.experimental.pallas import triton as plgpu
+
+    [t] = plgpu.elementwise_inline_asm("mov.u32 $0, %globaltimer_lo;", args=[jnp.broadcast_to(x.astype(jnp.int32), (STAMP,))],
+                                       constraints="=r,r", pack=1,
+                                       result_shape_dtypes=[jax.ShapeDtypeStruct((STAMP,), jnp.int32)])
+    return t
+
+
+def _stamped_kernel(*refs, **kw):
+    *inner, o_ref, m_ref, l_ref, t0_ref, t1_ref = refs
+    t0_ref[...] = _stamp(pl.program_id(2) + 7 * pl.program_id(1))
+    D._decode_kernel(*inner, o_ref, m_ref, l_ref, **kw)
+    if not INTERPRET:
+        from jax.experimental.pallas import triton as plgpu
+
+        plgpu.debug_barrier()
+    t1_ref[...] = _stamp(jax.lax.bitcast_convert_type(m_ref[0], jnp.int32))  # after this program's stores
+
+
+def _specs(B, K, Gq, H, P, S, splits, bt_width):
+    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    pages = pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0))
+    bt = pl.BlockSpec((None, bt_width), lambda b, h, s: (b, 0))
+    ins = [full((B,)), bt, full((2,)), pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)), pages, pages]
+    SP = next_pow2(splits)
+    shapes = [jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32), jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
+              jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32)]
+    outs = [pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0))]
+    return ins, shapes, outs, bt
+
+
+@functools.partial(jax.jit, static_argnames=("num_splits",))
+def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
+    """The entry point's split-K decode kernel (default tiles, G a power of two) with per-program stamps:
+    -> (start [B, K, splits], end [B, K, splits]) in ns (mod 2^32)."""
+    B, N, H = q.shape
+    K, P, S, _ = k.shape
+    G = N // K
+    R = max(1, 16 // G)
+    ppb = max(1, D.default_block_k(B, K) // S)
+    splits, pps = D.choose_splits(B, K, block_tables.shape[1], ppb, S, num_splits)
+    bt = pad_block_tables(block_tables, pps + ppb)
+    ins, shapes, outs, _ = _specs(B, K, G, H, P, S, splits, bt.shape[1])
+    shapes += [jax.ShapeDtypeStruct((B, K, splits, STAMP), jnp.int32)] * 2
+    outs += [pl.BlockSpec((None, None, None, STAMP), lambda b, h, s: (b, h, s, 0))] * 2
+    kernel = functools.partial(_stamped_kernel, page_size=S, pages_per_block=ppb, sliding_window=None, has_alibi=False,
+                               final=False, prefetch=2, replicas=R, tail_mask=not INTERPRET)
+    res = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
+                         interpret=INTERPRET, compiler_params=triton_params(4, 1), name="paged_decode_stamped")(
+        lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
+    return res[3][..., 0], res[4][..., 0]
+
+
+def spread(t0, t1) -> dict:
+    t0 = np.asarray(t0, np.int64).ravel()
+    t1 = np.asarray(t1, np.int64).ravel()
+    base = t0.min()
+    start = (t0 - base) % 2**32 / 1e3
+    end = (t1 - base) % 2**32 / 1e3
+    pct = lambda x: [round(float(np.percentile(x, p)), 2) for p in (0, 10, 50, 90, 100)]  # noqa: E731
+    return dict(programs=int(t0.size), span_us=round(float(end.max()), 2), start_us_p0_10_50_90_100=pct(start),
+                end_us_p0_10_50_90_100=pct(end), mean_end_us=round(float(end.mean()), 2))
+
+
+# ----------------------------------------------------------------------------------------- work stealing
+
+
+def _next_block(ref, col):
+    """The counter's old value, incremented (atomically on the GPU)."""
+    if INTERPRET:
+        old = ref[col]
+        ref[col] = old + 1
+        return old
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.atomic_add(ref, (col,), jnp.int32(1))
+
+
+def _steal_kernel(lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, bt_out, *, page_size,
+                  pages_per_block, replicas, counter_col, mask_all, lookahead):
+    b, h = pl.program_id(0), pl.program_id(1)
+    S, ppb = page_size, pages_per_block
+    BK = S * ppb
+    P = k_ref.shape[0]
+    Gq, H = q_ref.shape
+    R = replicas
+    Gp = R * Gq
+    seq_len = lens_ref[b]
+    n_pages = pl.cdiv(seq_len, S)
+    n_blocks = pl.cdiv(n_pages, ppb)
+    qk_mult, v_scale = scal_ref[0], scal_ref[1]
+    cdt = q_ref.dtype
+    q = q_ref[...]
+    q = jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
+    col = counter_col + h
+
+    def ids(c):  # block c's page ids; -1 past the sequence (those loads are masked off)
+        first = c * ppb
+        live = (first + jnp.arange(ppb, dtype=jnp.int32) < n_pages) & (c < n_blocks)
+        return jnp.where(live, jnp.clip(bt_ref[pl.ds(jnp.minimum(first, n_blocks * ppb), ppb)], 0, P - 1), -1)
+
+    def fetch(pids):
+        if INTERPRET:
+            pids = jnp.maximum(pids, 0)
+            return k_ref[pids].reshape(BK, H), v_ref[pids].reshape(BK, H)
+        from jax.experimental.pallas import triton as plgpu
+
+        live = jnp.broadcast_to((pids >= 0)[:, None, None], (ppb, S, H))
+        pids = jnp.maximum(pids, 0)
+        return (plgpu.load(k_ref.at[pids], mask=live).reshape(BK, H),
+                plgpu.load(v_ref.at[pids], mask=live).reshape(BK, H))
+
+    def step(c, state, k, v):
+        k, v = k.astype(cdt), v.astype(cdt)
+        kv_pos = c * BK + jnp.arange(BK, dtype=jnp.int32)
+        s = mma(q, k, trans_b=True) * qk_mult
+        if mask_all:
+            valid = kv_pos < seq_len
+            s = jnp.where(valid[None, :], s, -jnp.inf)
+            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        return softmax_step(state, s, v, cdt)
+
+    init = (jnp.full((Gp,), -jnp.inf, jnp.float32), jnp.zeros((Gp,), jnp.float32), jnp.zeros((Gp, H), jnp.float32))
+    # in flight at the top of an iteration: block c0's KV, block c1's page ids, the next `lookahead` block numbers
+    cs = [_next_block(bt_out, col) for _ in range(2 + lookahead)]
+
+    def body(carry):
+        state, c0, kv0, c1, ids1, *ahead = carry
+        c_new = _next_block(bt_out, col)
+        ids2 = ids(ahead[0])
+        kv1 = fetch(ids1)
+        state = step(c0, state, *kv0)
+        return (state, c1, kv1, ahead[0], ids2, *ahead[1:], c_new)
+
+    carry = (init, cs[0], fetch(ids(cs[0])), cs[1], ids(cs[1]), *cs[2:])
+    m, l, acc = jax.lax.while_loop(lambda c: c[1] < n_blocks, body, carry)[0]
+    out = acc / jnp.where(l > 0, l, 1.0)[:, None]
+    if R > 1:
+        out, m, l = out.reshape(R, Gq, H).max(0), m.reshape(R, Gq).max(0), l.reshape(R, Gq).max(0)
+    o_ref[...] = out * v_scale
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "block_k", "mask_all", "lookahead"))
+def steal_decode(q, k, v, lens, block_tables, *, splits, block_k=32, mask_all=True, lookahead=1):
+    """Decode with `splits` programs per (sequence, kv head) taking blocks from a shared counter, then the
+    entry point's combine. G a power of two, no window / ALiBi / fp8 (a prototype). mask_all=False skips the
+    length mask: right only when every block is full (it times what the mask costs)."""
+    B, N, H = q.shape
+    K, P, S, _ = k.shape
+    G = N // K
+    M = block_tables.shape[1]
+    ppb = max(1, block_k // S)
+    width = M + ppb  # ids() may read one block past the sequence's last
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, width - M + K)))  # then K zeroed counters
+    ins, shapes, outs, bt_spec = _specs(B, K, G, H, P, S, splits, bt.shape[1])
+    shapes.append(jax.ShapeDtypeStruct(bt.shape, jnp.int32))
+    outs.append(bt_spec)
+    kernel = functools.partial(_steal_kernel, page_size=S, pages_per_block=ppb, replicas=max(1, 16 // G),
+                               counter_col=width, mask_all=mask_all, lookahead=lookahead)
+    o, m, l, _ = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
+                                input_output_aliases={1: 3}, interpret=INTERPRET,
+                                compiler_params=triton_params(4, 1), name=f"paged_decode_steal_{splits=}")(
+        lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
+    return D.combine_splits(o, m, l, splits, q.dtype, interpret=INTERPRET)[:, :, :G].reshape(B, N, H)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", default="tail,steal")
+    a = ap.parse_args()
+    only = set(a.only.split(","))
+    info = dict(device=str(jax.devices()[0].device_kind), platform=platform.platform(), jax=jax.__version__,
+                git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv))
+    results = []
+    if "tail" in only:
+        cases = [(1, 32768, None), (1, 32768, 47), (1, 32768, 66), (16, 16384, None), (64, 2048, None)]
+        for B, ctx, splits in cases if not INTERPRET else [(1, 1024, None)]:
+            q, k, v, lens, _, bt = make_case(B, ctx)
+            runs = []
+            for i in range(11):
+                t0, t1 = jax.block_until_ready(stamped_decode(q, k, v, lens, bt, num_splits=splits))
+                if i >= 6:  # the first calls warm up
+                    runs.append(spread(t0, t1))
+            results.append(dict(stage="tail", B=B, ctx=ctx, num_splits=splits, runs=runs))
+            print(json.dumps(results[-1])[:600], flush=True)
+    if "steal" in only:
+        info["copy_bytes_per_s"] = copy = copy_bw() if not INTERPRET else None
+        cases = [(1, 32768, 49), (4, 8192, 12), (2, 131072, 24), (1, 4000, 49)]
+        cfgs = [dict(lookahead=1), dict(lookahead=2), dict(lookahead=1, mask_all=False)]
+        for B, ctx, splits in cases if not INTERPRET else [(1, 1000, 5), (2, 333, 3)]:
+            q, k, v, lens, _, bt = make_case(B, ctx)
+            ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H_SCALE, pages_per_step=64) \
+                if ctx <= 32768 else None
+            nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
+            static = ("static (entry point defaults)", lambda q, k, v, lens, bt: D.paged_decode_attention_kernel(
+                q, k, v, lens, bt, scale=H_SCALE, interpret=INTERPRET))
+            variants = [static] + [(f"steal {cfg}", lambda q, k, v, lens, bt, cfg=cfg: steal_decode(
+                q, k, v, lens, bt, splits=splits, **cfg)) for cfg in cfgs] + [static]
+            for name, fn in variants:
+                row = dict(stage="steal", B=B, ctx=ctx, splits=splits, impl=name)
+                out = jax.block_until_ready(fn(q, k, v, lens, bt))
+                row["rel_err"] = rel_err(out, ref) if ref is not None else None
+                if not INTERPRET:
+                    t, tmin, tmax, wall = per_call(runner(chained(fn), q, k, v, lens, bt))
+                    row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
+                               frac_copy=nbytes / t / copy)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(dict(info=info, results=results), f, indent=1)
+
+
+H_SCALE = 128**-0.5
+
+if __name__ == "__main__":
+    main()
