@@ -38,27 +38,30 @@ INTERPRET = jax.default_backend() != "gpu"
 STAMP = 16  # lanes per stamp (a Triton tensor, not a scalar); all equal
 
 
-def _stamp(x):
-    """%globaltimer's low 32 bits (ns), issued once x is available."""
+def _stamp(x, register="%globaltimer_lo"):
+    """%globaltimer's low 32 bits (ns) (or another special register, e.g. %smid), read once x is available."""
     if INTERPRET:
         return jnp.zeros((STAMP,), jnp.int32) + x.astype(jnp.int32) * 0
     from jax.experimental.pallas import triton as plgpu
 
-    [t] = plgpu.elementwise_inline_asm("mov.u32 $0, %globaltimer_lo;", args=[jnp.broadcast_to(x.astype(jnp.int32), (STAMP,))],
+    [t] = plgpu.elementwise_inline_asm(f"mov.u32 $0, {register};", args=[jnp.broadcast_to(x.astype(jnp.int32), (STAMP,))],
                                        constraints="=r,r", pack=1,
                                        result_shape_dtypes=[jax.ShapeDtypeStruct((STAMP,), jnp.int32)])
     return t
 
 
-def _stamped_kernel(*refs, **kw):
-    *inner, o_ref, m_ref, l_ref, t0_ref, t1_ref = refs
+def _stamped_kernel(*refs, final, **kw):
+    *inner, t0_ref, t1_ref, sm_ref = refs
+    outs = inner[-1:] if final else inner[-3:]
     t0_ref[...] = _stamp(pl.program_id(2) + 7 * pl.program_id(1))
-    D._decode_kernel(*inner, o_ref, m_ref, l_ref, **kw)
+    D._decode_kernel(*inner, final=final, **kw)
     if not INTERPRET:
         from jax.experimental.pallas import triton as plgpu
 
         plgpu.debug_barrier()
-    t1_ref[...] = _stamp(jax.lax.bitcast_convert_type(m_ref[0], jnp.int32))  # after this program's stores
+    last = outs[0][0, 0] if final else outs[1][0]  # read back after this program's stores
+    t1_ref[...] = _stamp(jax.lax.bitcast_convert_type(last.astype(jnp.float32), jnp.int32))
+    sm_ref[...] = _stamp(pl.program_id(0), "%smid")
 
 
 def _specs(B, K, Gq, H, P, S, splits, bt_width):
@@ -77,35 +80,55 @@ def _specs(B, K, Gq, H, P, S, splits, bt_width):
 
 @functools.partial(jax.jit, static_argnames=("num_splits",))
 def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
-    """The entry point's split-K decode kernel (default tiles, G a power of two) with per-program stamps:
-    -> (start [B, K, splits], end [B, K, splits]) in ns (mod 2^32)."""
+    """The entry point's decode kernel (default tiles, G a power of two) with per-program stamps: -> (start,
+    end, SM id), each [B, K, splits]; times in ns (mod 2^32)."""
     B, N, H = q.shape
     K, P, S, _ = k.shape
     G = N // K
     R = max(1, 16 // G)
     ppb = max(1, D.default_block_k(B, K) // S)
     splits, pps = D.choose_splits(B, K, block_tables.shape[1], ppb, S, num_splits)
+    final = splits == 1
     bt = pad_block_tables(block_tables, pps + ppb)
     ins, shapes, outs, _ = _specs(B, K, G, H, P, S, splits, bt.shape[1])
-    shapes += [jax.ShapeDtypeStruct((B, K, splits, STAMP), jnp.int32)] * 2
-    outs += [pl.BlockSpec((None, None, None, STAMP), lambda b, h, s: (b, h, s, 0))] * 2
-    kernel = functools.partial(_stamped_kernel, page_size=S, pages_per_block=ppb, sliding_window=None, has_alibi=False,
-                               final=False, prefetch=2, replicas=R, tail_mask=not INTERPRET)
+    if final:
+        shapes = [jax.ShapeDtypeStruct((B, K, G, H), q.dtype)]
+        outs = [pl.BlockSpec((None, None, G, H), lambda b, h, s: (b, h, 0, 0))]
+    shapes += [jax.ShapeDtypeStruct((B, K, splits, STAMP), jnp.int32)] * 3
+    outs += [pl.BlockSpec((None, None, None, STAMP), lambda b, h, s: (b, h, s, 0))] * 3
+    kernel = functools.partial(_stamped_kernel, page_size=S, pages_per_block=ppb, sliding_window=None,
+                               has_alibi=False, final=final, prefetch=2, replicas=R, tail_mask=not INTERPRET)
     res = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
                          interpret=INTERPRET, compiler_params=triton_params(4, 1), name="paged_decode_stamped")(
         lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
-    return res[3][..., 0], res[4][..., 0]
+    return tuple(x[..., 0] for x in res[-3:])
 
 
-def spread(t0, t1) -> dict:
+def spread(t0, t1, sm) -> dict:
+    """Start / end percentiles over the programs, and how full the SMs were: the time-averaged number of
+    resident programs per SM over the call's span, over the most any SM held at once."""
     t0 = np.asarray(t0, np.int64).ravel()
     t1 = np.asarray(t1, np.int64).ravel()
+    sm = np.asarray(sm).ravel()
     base = t0.min()
     start = (t0 - base) % 2**32 / 1e3
     end = (t1 - base) % 2**32 / 1e3
+    span = float(end.max())
     pct = lambda x: [round(float(np.percentile(x, p)), 2) for p in (0, 10, 50, 90, 100)]  # noqa: E731
-    return dict(programs=int(t0.size), span_us=round(float(end.max()), 2), start_us_p0_10_50_90_100=pct(start),
-                end_us_p0_10_50_90_100=pct(end), mean_end_us=round(float(end.mean()), 2))
+    peak, resident = 0, 0.0
+    for i in np.unique(sm):
+        ev = sorted([(t, 1) for t in start[sm == i]] + [(t, -1) for t in end[sm == i]])
+        n, last = 0, 0.0
+        for t, d in ev:
+            resident += n * (t - last)
+            n, last = n + d, t
+            peak = max(peak, n)
+    n_sm = len(np.unique(sm))
+    fill = resident / (span * n_sm * peak) if span > 0 and peak else 0.0
+    return dict(programs=int(t0.size), sms=n_sm, peak_per_sm=peak, span_us=round(span, 2),
+                start_us_p0_10_50_90_100=pct(start), end_us_p0_10_50_90_100=pct(end),
+                mean_end_us=round(float(end.mean()), 2), mean_program_us=round(float((end - start).mean()), 2),
+                sm_fill=round(float(fill), 3))
 
 
 # ----------------------------------------------------------------------------------------- work stealing
@@ -222,15 +245,22 @@ def main():
                 git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv))
     results = []
     if "tail" in only:
-        cases = [(1, 32768, None), (1, 32768, 47), (1, 32768, 66), (16, 16384, None), (64, 2048, None)]
-        for B, ctx, splits in cases if not INTERPRET else [(1, 1024, None)]:
-            q, k, v, lens, _, bt = make_case(B, ctx)
+        # (B, ctx, splits, live): the last is the throughput run's decode batch (500 live of 512, 580-600 tokens)
+        cases = [(1, 32768, None, None), (1, 32768, 47, None), (16, 16384, None, None), (64, 2048, None, None),
+                 (512, 600, None, 500)]
+        for B, ctx, splits, live in cases if not INTERPRET else [(1, 1024, None, None), (8, 100, None, 6)]:
+            q, k, v, lens, _, bt = make_case(B, ctx, max_len=1024 if live else None)
+            if live is not None:
+                rng = np.random.default_rng(4)
+                lens = np.zeros(B, np.int32)
+                lens[:live] = ctx - rng.integers(0, 21, live)
+                lens = jnp.asarray(lens)
             runs = []
             for i in range(11):
-                t0, t1 = jax.block_until_ready(stamped_decode(q, k, v, lens, bt, num_splits=splits))
+                stamps = jax.block_until_ready(stamped_decode(q, k, v, lens, bt, num_splits=splits))
                 if i >= 6:  # the first calls warm up
-                    runs.append(spread(t0, t1))
-            results.append(dict(stage="tail", B=B, ctx=ctx, num_splits=splits, runs=runs))
+                    runs.append(spread(*stamps))
+            results.append(dict(stage="tail", B=B, ctx=ctx, live=live, num_splits=splits, runs=runs))
             print(json.dumps(results[-1])[:600], flush=True)
     if "steal" in only:
         info["copy_bytes_per_s"] = copy = copy_bw() if not INTERPRET else None

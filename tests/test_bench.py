@@ -213,8 +213,10 @@ def test_decode_tail_probe_kernels_match_the_reference():
     from kernels_pallas import reference
 
     q, k, v, lens, _, bt = make_case(2, 333)
-    t0, t1 = probe.stamped_decode(q, k, v, lens, bt, num_splits=3)
-    assert t0.shape == t1.shape == (2, 8, 3)
+    for splits in (3, 1):
+        stamps = probe.stamped_decode(q, k, v, lens, bt, num_splits=splits)
+        assert [x.shape for x in stamps] == [(2, 8, splits)] * 3
+        assert probe.spread(*stamps)["programs"] == 16 * splits
     ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=probe.H_SCALE, pages_per_step=64)
     out = probe.steal_decode(q, k, v, lens, bt, splits=3)
     assert out.shape == ref.shape and rel_err(out, ref) < 1e-2
