@@ -243,17 +243,29 @@ def _plain(smd: SamplingMetadata) -> SamplingMetadata:
     return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS})
 
 
+def compile_options(v: StepVariant) -> dict:
+    """XLA options of v's step program. On a GPU, steps with prompt tokens (prefill, mixed) are compiled without
+    command buffers (CUDA graphs): a prefill that arrives at an idle device otherwise waits for the graph's
+    update (when the step's buffers moved since it last ran) and launch before its first kernel, and its kernels
+    are long enough to hide one launch each. Decode-only steps keep them: one launch per kernel cost batch 1
+    5.44 -> 5.64 ms per token, while turning them off everywhere took batch-1 TTFT 14.3 -> 13.4 ms (H100,
+    bench/results/h100_command_buffers_ab_5e05ff0.json)."""
+    if v.decode_only or jax.default_backend() != "gpu":
+        return {}
+    return {"xla_gpu_enable_command_buffer": ""}
+
+
 def _drop_queued(pool_ref) -> None:
     pool = pool_ref()
     if pool is not None:
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _compile_or_none(lowered):
+def _compile_or_none(lowered, options):
     """Compiles; None when XLA's autotuner runs out of device memory (several compiles at once, KV cache
     already allocated): the caller compiles that variant again on its own."""
     try:
-        return lowered.compile()
+        return lowered.compile(compiler_options=options)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -345,7 +357,9 @@ class ModelRunner:
         return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
 
     def _cache_key(self, v: StepVariant, args) -> str:
-        return self.exec_cache.key("step", args, (self.cfg, self.attn, v.flags, v.prompt_logprobs))
+        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs)
+        options = compile_options(v)
+        return self.exec_cache.key("step", args, static + ((tuple(sorted(options.items())),) if options else ()))
 
     def _load(self, v: StepVariant, args):
         """v's executable from the executable cache, or None (no cache, a miss, or an unusable entry)."""
@@ -354,7 +368,9 @@ class ModelRunner:
     def _compile(self, v: StepVariant, args, lowered, oom_none: bool = False):
         """Compiles (and stores in the executable cache); with oom_none, None when XLA's autotuner ran out
         of device memory (see _compile_or_none)."""
-        compile_fn = (lambda: _compile_or_none(lowered)) if oom_none else lowered.compile
+        options = compile_options(v)
+        compile_fn = functools.partial(_compile_or_none, lowered, options) if oom_none else functools.partial(
+            lowered.compile, compiler_options=options)
         if self.exec_cache is None:
             return compile_fn()
         return self.exec_cache.compile_and_store(self._cache_key(v, args), compile_fn)
