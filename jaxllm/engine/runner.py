@@ -248,8 +248,9 @@ def compile_options(v: StepVariant) -> dict:
     command buffers (CUDA graphs): a prefill that arrives at an idle device otherwise waits for the graph's
     update (when the step's buffers moved since it last ran) and launch before its first kernel, and its kernels
     are long enough to hide one launch each. Decode-only steps keep them: one launch per kernel cost batch 1
-    5.44 -> 5.64 ms per token, while turning them off everywhere took batch-1 TTFT 14.3 -> 13.4 ms (H100,
-    bench/results/h100_command_buffers_ab_5e05ff0.json)."""
+    5.44 -> 5.64 ms per token (h100_command_buffers_ab_5e05ff0.json). H100, one call: batch-1 TTFT 13.6 / 13.9
+    -> 11.3 / 11.0 ms, ITL and throughput unchanged (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json
+    in bench/results)."""
     if v.decode_only or jax.default_backend() != "gpu":
         return {}
     return {"xla_gpu_enable_command_buffer": ""}
