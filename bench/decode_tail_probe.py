@@ -211,8 +211,8 @@ def _steal_kernel(lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, o_ref, m_ref,
     l_ref[...] = l
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "block_k", "mask_all", "lookahead"))
-def steal_decode(q, k, v, lens, block_tables, *, splits, block_k=32, mask_all=True, lookahead=1):
+@functools.partial(jax.jit, static_argnames=("scale", "splits", "block_k", "mask_all", "lookahead"))
+def steal_decode(q, k, v, lens, block_tables, *, scale, splits, block_k=32, mask_all=True, lookahead=1):
     """Decode with `splits` programs per (sequence, kv head) taking blocks from a shared counter, then the
     entry point's combine. G a power of two, no window / ALiBi / fp8 (a prototype). mask_all=False skips the
     length mask: right only when every block is full (it times what the mask costs)."""
@@ -231,7 +231,7 @@ def steal_decode(q, k, v, lens, block_tables, *, splits, block_k=32, mask_all=Tr
     o, m, l, _ = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
                                 input_output_aliases={1: 3}, interpret=INTERPRET,
                                 compiler_params=triton_params(4, 1), name=f"paged_decode_steal_{splits=}")(
-        lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
+        lens.astype(jnp.int32), bt, scalars(scale, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
     return D.combine_splits(o, m, l, splits, q.dtype, interpret=INTERPRET)[:, :, :G].reshape(B, N, H)
 
 
@@ -268,13 +268,14 @@ def main():
         cfgs = [dict(lookahead=1), dict(lookahead=2), dict(lookahead=1, mask_all=False)]
         for B, ctx, splits in cases if not INTERPRET else [(1, 1000, 5), (2, 333, 3)]:
             q, k, v, lens, _, bt = make_case(B, ctx)
-            ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H_SCALE, pages_per_step=64) \
+            scale = q.shape[-1] ** -0.5
+            ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64) \
                 if ctx <= 32768 else None
             nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
             static = ("static (entry point defaults)", lambda q, k, v, lens, bt: D.paged_decode_attention_kernel(
-                q, k, v, lens, bt, scale=H_SCALE, interpret=INTERPRET))
+                q, k, v, lens, bt, scale=scale, interpret=INTERPRET))
             variants = [static] + [(f"steal {cfg}", lambda q, k, v, lens, bt, cfg=cfg: steal_decode(
-                q, k, v, lens, bt, splits=splits, **cfg)) for cfg in cfgs] + [static]
+                q, k, v, lens, bt, scale=scale, splits=splits, **cfg)) for cfg in cfgs] + [static]
             for name, fn in variants:
                 row = dict(stage="steal", B=B, ctx=ctx, splits=splits, impl=name)
                 out = jax.block_until_ready(fn(q, k, v, lens, bt))
@@ -289,8 +290,6 @@ def main():
     with open(a.out, "w") as f:
         json.dump(dict(info=info, results=results), f, indent=1)
 
-
-H_SCALE = 128**-0.5
 
 if __name__ == "__main__":
     main()

@@ -217,9 +217,10 @@ def test_decode_tail_probe_kernels_match_the_reference():
         stamps = probe.stamped_decode(q, k, v, lens, bt, num_splits=splits)
         assert [x.shape for x in stamps] == [(2, 8, splits)] * 3
         assert probe.spread(*stamps)["programs"] == 16 * splits
-    ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=probe.H_SCALE, pages_per_step=64)
-    out = probe.steal_decode(q, k, v, lens, bt, splits=3)
+    scale = q.shape[-1] ** -0.5
+    ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
+    out = probe.steal_decode(q, k, v, lens, bt, scale=scale, splits=3)
     assert out.shape == ref.shape and rel_err(out, ref) < 1e-2
-    assert rel_err(probe.steal_decode(q, k, v, lens * 0 + 320, bt, splits=3, mask_all=False),
-                   reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=probe.H_SCALE)) < 1e-2
+    assert rel_err(probe.steal_decode(q, k, v, lens * 0 + 320, bt, scale=scale, splits=3, mask_all=False),
+                   reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=scale)) < 1e-2
     assert not jnp.isnan(out).any()
