@@ -1,7 +1,7 @@
-"""Probe: where a batch-1 decode step's small kernels come from, and what changes them.
+"""Probe: where a decode step's kernel time goes (batch 1 by default), and what changes it.
 
-Builds the engine's decode step shape for batch 1 (Llama-3-8B shape, bf16 dummy weights; --rows padded rows, one
-live sequence of --ctx tokens, Pallas attention) from the model code itself (decoder.forward +
+Builds the engine's decode step shape (Llama-3-8B shape, bf16 dummy weights; --rows padded rows, --live of them
+holding a sequence of --ctx tokens, Pallas attention) from the model code itself (decoder.forward +
 compute_logits + argmax, KV cache donated), then for each variant:
   - writes the optimized HLO (compiled.as_text(), gzipped) so the fusion decisions can be read,
   - times --steps chained steps (wall per step, dispatch pipelined) and sums an XProf trace per kernel.
@@ -83,6 +83,7 @@ for _n in (1, 2):
     VARIANTS[f"fused_{_n}split"] = (None, {}, None,
                                     dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}))
 VARIANTS["fused_plain_qkv"] = (None, {}, None, dict(_FUSED, QKV_SPLIT_MAX_TOKENS=0))
+VARIANTS["fused_cublas"] = (None, {"xla_gpu_enable_triton_gemm": False}, None, _FUSED)
 
 
 def _setting(key):
@@ -90,17 +91,22 @@ def _setting(key):
     return (attention, key.split(".", 1)[1]) if key.startswith("attention.") else (decoder, key)
 
 
-def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16):
-    pages_per_seq = max_len // S
-    bt = np.zeros((rows, pages_per_seq), np.int32)
-    bt[0] = 1 + np.random.default_rng(0).permutation(pages_per_seq)  # page 0 is the padding page
+def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16, live: int = 1):
+    """A decode step's inputs: `live` of `rows` sequences hold ctx tokens each (pages shuffled, none shared),
+    the rest are padding rows."""
+    used = ctx // S + 1  # pages each live sequence holds; the rest of its table row is the padding page 0
+    bt = np.zeros((rows, max_len // S), np.int32)
+    perm = np.random.default_rng(0).permutation(live * used)
+    for b in range(live):
+        bt[b, :used] = 1 + perm[b * used:(b + 1) * used]
+    slot = [int(bt[b, (ctx - 1) // S]) * S + (ctx - 1) % S for b in range(live)]
     meta = AttentionMetadata(
-        positions=jnp.asarray([ctx - 1] + [0] * (rows - 1), jnp.int32),
-        slot_mapping=jnp.asarray([int(bt[0, (ctx - 1) // S]) * S + (ctx - 1) % S] + [-1] * (rows - 1), jnp.int32),
-        seq_lens=jnp.asarray([ctx] + [0] * (rows - 1), jnp.int32),
+        positions=jnp.asarray([ctx - 1] * live + [0] * (rows - live), jnp.int32),
+        slot_mapping=jnp.asarray(slot + [-1] * (rows - live), jnp.int32),
+        seq_lens=jnp.asarray([ctx] * live + [0] * (rows - live), jnp.int32),
         query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
         block_tables=jnp.asarray(bt), decode_only=True)
-    return jnp.zeros((rows,), jnp.int32), meta, pages_per_seq + 1
+    return jnp.zeros((rows,), jnp.int32), meta, live * used + 1
 
 
 def make_step(cfg, attn):
@@ -134,6 +140,7 @@ def main():
     p.add_argument("--ctx", type=int, default=200)
     p.add_argument("--rows", type=int, default=8,
                    help="padded batch rows: 8 as in the earlier probes; the engine pads batch 1 to 2 since stop 17")
+    p.add_argument("--live", type=int, default=1, help="rows holding a sequence of --ctx tokens (the rest pad)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU smoke test)")
@@ -142,7 +149,7 @@ def main():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("pp", "tp"))
     specs = param_specs(cfg)
     params = dummy_params(specs, jnp.bfloat16, param_shardings(specs, mesh))
-    tokens, meta, num_pages = build_inputs(cfg, a.ctx, rows=a.rows)
+    tokens, meta, num_pages = build_inputs(cfg, a.ctx, rows=a.rows, live=a.live)
     kv = make_kv_caches(cfg, mesh, num_pages, 16)
     attn = AttentionConfig(backend="pallas", interpret=a.interpret)
     rows = []
@@ -194,7 +201,7 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for k in row.get("kernels", [])[:16]:
             print("   ", k, flush=True)
-    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, shape=a.shape, rows=rows), a.out)
+    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, live=a.live, shape=a.shape, rows=rows), a.out)
 
 
 if __name__ == "__main__":
