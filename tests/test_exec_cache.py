@@ -188,30 +188,35 @@ print(cache.stores, cache.from_jax_cache, cache.load(key, (x,))(x).tolist())
     assert out.stdout.split("\n")[-2] == "1 2 [1, 3, 5, 7, 9, 11, 13, 15]"
 
 
-def test_prefill_steps_compile_without_command_buffers_on_gpu(tmp_path, monkeypatch):
-    """On a GPU, steps with prompt tokens are compiled with command buffers off (runner.compile_options) and
-    decode-only steps keep them; the option is one this jaxlib knows, and it is part of the cache key, so an
-    executable compiled with other options is never loaded for the step."""
+def test_gpu_step_compile_options(tmp_path, monkeypatch):
+    """On a GPU, steps with prompt tokens are compiled with command buffers off and decode-only steps of
+    CUBLAS_MIN_DECODE_SEQS+ sequences with Triton GEMMs off (runner.compile_options); smaller decode-only steps
+    and every step off GPU get no options. The options are ones this jaxlib knows, and they are part of the
+    cache key, so an executable compiled with other options is never loaded for the step."""
     import types
 
     import jax.numpy as jnp
 
     from jaxllm.engine.sampler import SamplerFlags
 
+    big = runner_mod.CUBLAS_MIN_DECODE_SEQS
     mixed = runner_mod.StepVariant(64, 8, False, SamplerFlags(), 0)
-    decode = runner_mod.StepVariant(8, 8, True, SamplerFlags(), 0)
+    small_decode = runner_mod.StepVariant(big // 2, big // 2, True, SamplerFlags(), 0)
+    big_decode = runner_mod.StepVariant(big, big, True, SamplerFlags(), 0)
+    variants = (mixed, small_decode, big_decode)
     fake = types.SimpleNamespace(exec_cache=exec_cache.ExecutableCache(str(tmp_path), jax.devices()), cfg="cfg",
                                  attn="attn")
     args = (jnp.ones(4),)
-    cpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in (mixed, decode)]
-    assert runner_mod.compile_options(mixed) == runner_mod.compile_options(decode) == {}
+    cpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in variants]
+    assert [runner_mod.compile_options(v) for v in variants] == [{}, {}, {}]
 
     monkeypatch.setattr(runner_mod.jax, "default_backend", lambda: "gpu")
-    options = runner_mod.compile_options(mixed)
-    assert options == {"xla_gpu_enable_command_buffer": ""} and runner_mod.compile_options(decode) == {}
-    gpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in (mixed, decode)]
-    assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1]
+    options = [runner_mod.compile_options(v) for v in variants]
+    assert options == [{"xla_gpu_enable_command_buffer": ""}, {}, {"xla_gpu_enable_triton_gemm": False}]
+    gpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in variants]
+    assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1] and gpu_keys[2] != cpu_keys[2]
     monkeypatch.undo()
-    # a real XLA option (an unknown name is an INVALID_ARGUMENT at compile time)
-    exe = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile(compiler_options=options)
-    assert float(exe(jnp.ones(4))[0]) == 2.0
+    # real XLA options (an unknown name is an INVALID_ARGUMENT at compile time)
+    for opts in options:
+        exe = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile(compiler_options=opts)
+        assert float(exe(jnp.ones(4))[0]) == 2.0

@@ -243,17 +243,32 @@ def _plain(smd: SamplingMetadata) -> SamplingMetadata:
     return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS})
 
 
+# decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS)
+CUBLAS_MIN_DECODE_SEQS = 32
+
+
 def compile_options(v: StepVariant) -> dict:
-    """XLA options of v's step program. On a GPU, steps with prompt tokens (prefill, mixed) are compiled without
-    command buffers (CUDA graphs): a prefill that arrives at an idle device otherwise waits for the graph's
-    update (when the step's buffers moved since it last ran) and launch before its first kernel, and its kernels
-    are long enough to hide one launch each. Decode-only steps keep them: one launch per kernel cost batch 1
-    5.44 -> 5.64 ms per token (h100_command_buffers_ab_5e05ff0.json). H100, one call: batch-1 TTFT 13.6 / 13.9
-    -> 11.3 / 11.0 ms, ITL and throughput unchanged (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json
-    in bench/results)."""
-    if v.decode_only or jax.default_backend() != "gpu":
+    """XLA options of v's step program on a GPU (none elsewhere).
+
+    Steps with prompt tokens (prefill, mixed) are compiled without command buffers (CUDA graphs): a prefill that
+    arrives at an idle device otherwise waits for the graph's update (when the step's buffers moved since it last
+    ran) and launch before its first kernel, and its kernels are long enough to hide one launch each. Decode-only
+    steps keep them: one launch per kernel cost batch 1 5.44 -> 5.64 ms per token (h100_command_buffers_ab_5e05ff0
+    .json). H100, one call: batch-1 TTFT 13.6 / 13.9 -> 11.3 / 11.0 ms, ITL and throughput unchanged
+    (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json in bench/results).
+
+    Decode-only steps of CUBLAS_MIN_DECODE_SEQS or more sequences use cuBLAS instead of XLA's Triton GEMMs: the
+    autotuner keeps Triton GEMM fusions there (with the residual add and norm scale fused around them), which
+    bench/step_probe.py measured slower per step on the H100 at ctx 192 (step_probe_h100_e104111_rows*.json):
+    32 rows 6.35 -> 6.26 ms, 64 rows 7.03 -> 6.50-6.54, 128 rows 8.15 -> 7.54, 256 rows 10.48 -> 10.13, 512 rows
+    (500 live, ctx 600) 26.45 -> 26.08; at 8 and 16 rows Triton wins (5.67 vs 5.93, 5.89 vs 5.97)."""
+    if jax.default_backend() != "gpu":
         return {}
-    return {"xla_gpu_enable_command_buffer": ""}
+    if not v.decode_only:
+        return {"xla_gpu_enable_command_buffer": ""}
+    if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
 
 
 def _drop_queued(pool_ref) -> None:
