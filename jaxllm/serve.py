@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> None:
     from jaxllm.distributed import maybe_initialize
     from jaxllm.engine.setup import request_device_memory
 
-    request_device_memory(args.gpu_memory_utilization)  # before jax.distributed starts the backend
+    # before jax.distributed starts the backend
+    request_device_memory(args.gpu_memory_utilization, args.tensor_parallel_size * args.pipeline_parallel_size == 1)
     maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     if args.model is None:
         from jaxllm.demo import demo_model_path

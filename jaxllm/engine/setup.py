@@ -57,21 +57,32 @@ def default_limits(args: EngineArgs, gpu: bool) -> tuple[int, int]:
 
 _FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # jax's name, and its old one
 _JAX_DEFAULT_FRACTION = 0.75
+_ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
-def request_device_memory(gpu_memory_utilization: float) -> None:
+def request_device_memory(gpu_memory_utilization: float, single_device: bool = True) -> None:
     """JAX's GPU allocator may use XLA_CLIENT_MEM_FRACTION of each GPU's memory, read when the backend
     starts: 0.75 unless set. vLLM's gpu_memory_utilization is a fraction of the whole device (weights,
     activations and KV cache), so, before the backend starts and unless the user set the variable, ask for that
     fraction. (At 0.75 the 500 x 462/256 benchmark's 500 sequences did not fit an H100's KV cache at once: 24
-    preemptions, ~5% of the run.) Called before anything touches a device (serve calls it first too)."""
+    preemptions, ~5% of the run.) Called before anything touches a device (serve calls it first too).
+
+    A single-device engine also asks for the stream-ordered allocator (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async,
+    unless set). With the default BFC allocator a decode step's temporary buffer moved between steps at some
+    batch sizes, and XLA then re-recorded every command of the step's CUDA graph before launching it: 1.0 ms
+    per step at batch 64 with Triton GEMMs, 2.5 ms with cuBLAS (traced commands), against 0.15-0.2 ms when only
+    the step's inputs and outputs moved (H100, XLA's command-buffer log; h100_allocator_ab_*.json in
+    bench/results). Multi-device engines keep the default: not measured there."""
     from jax._src import xla_bridge
 
     if not 0.0 < gpu_memory_utilization <= 1.0:  # EngineArgs.validate() says what is wrong
         return
-    if any(v in os.environ for v in _FRACTION_VARS) or xla_bridge.backends_are_initialized():
+    if xla_bridge.backends_are_initialized():
         return
-    os.environ[_FRACTION_VARS[0]] = f"{gpu_memory_utilization:.4f}"
+    if single_device:
+        os.environ.setdefault(_ALLOCATOR_VAR, "cuda_async")
+    if not any(v in os.environ for v in _FRACTION_VARS):
+        os.environ[_FRACTION_VARS[0]] = f"{gpu_memory_utilization:.4f}"
 
 
 def _allocator_fraction() -> float:
@@ -83,7 +94,8 @@ def _allocator_fraction() -> float:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.validate()
-    request_device_memory(args.gpu_memory_utilization)
+    request_device_memory(args.gpu_memory_utilization,
+                          args.tensor_parallel_size * args.pipeline_parallel_size == 1)
     import jax
 
     if args.compilation_cache_dir:
