@@ -201,7 +201,8 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for k in row.get("kernels", [])[:16]:
             print("   ", k, flush=True)
-    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, live=a.live, shape=a.shape, rows=rows), a.out)
+    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, live=a.live, shape=a.shape,
+                                    rows=rows), a.out)
 
 
 if __name__ == "__main__":

@@ -541,8 +541,11 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
             "request_device_memory(0.85, sys.argv[1] == '1'); "
             "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))")
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k and k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
-    run = lambda e, single="1": subprocess.run([sys.executable, "-c", code, single], env=e, capture_output=True,  # noqa: E731
-                                               text=True, check=True).stdout.split()[-2:]
+
+    def run(e, single="1"):
+        return subprocess.run([sys.executable, "-c", code, single], env=e, capture_output=True, text=True,
+                              check=True).stdout.split()[-2:]
+
     assert run(env) == ["0.8500", "cuda_async"]  # one device: the stream-ordered allocator too
     assert run(env, single="0") == ["0.8500", "None"]  # tp / pp > 1: jax's default allocator
     # the user's choices stand
