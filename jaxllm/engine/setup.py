@@ -69,12 +69,12 @@ def request_device_memory(gpu_memory_utilization: float, single_device: bool = T
 
     A single-device engine also asks for the stream-ordered allocator (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async,
     unless set). With the default BFC allocator a decode step's temporary buffer moved between steps at some
-    batch sizes, and XLA then re-recorded every command of the step's CUDA graph before launching it: 1.0 ms
-    per step at batch 64 with Triton GEMMs, 2.5 ms with cuBLAS (traced commands), against 0.15-0.2 ms when only
-    the step's inputs and outputs moved (H100, XLA's command-buffer log). Engine A/B with runner.compile_options'
-    cuBLAS decode steps (bench/results/h100_allocator_cublas_ab_1c6c1b4_vs_e104111.json): batch-64 ITL 7.20 /
-    7.56 -> 6.95 / 6.95 ms, batch 128 9.61 -> 9.01, batch 1 unchanged. Multi-device engines keep the default:
-    not measured there."""
+    batch sizes, and XLA then re-recorded the step's CUDA graph before launching it: 1.0 ms per step at batch
+    64 with Triton GEMMs, 2.5 ms with cuBLAS (traced commands), against 0.15-0.2 ms when only the step's inputs
+    and outputs moved (H100, XLA's command-buffer log; XLA's SKIP_TEMP mode, which pins temporaries, gave ~0.2
+    ms too, on a slow VMM allocator). Engine A/B with runner.compile_options' cuBLAS decode steps
+    (bench/results/h100_allocator_cublas_ab_1c6c1b4_vs_e104111.json): batch-64 ITL 7.20 / 7.56 -> 6.95 / 6.95
+    ms, batch 128 9.61 -> 9.01, batch 1 unchanged. Multi-device engines keep the default: not measured there."""
     from jax._src import xla_bridge
 
     if not 0.0 < gpu_memory_utilization <= 1.0:  # EngineArgs.validate() says what is wrong
