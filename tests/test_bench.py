@@ -224,3 +224,42 @@ def test_decode_tail_probe_kernels_match_the_reference():
     assert rel_err(probe.steal_decode(q, k, v, lens * 0 + 320, bt, scale=scale, splits=3, mask_all=False),
                    reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=scale)) < 1e-2
     assert not jnp.isnan(out).any()
+
+
+def test_gpu_parity_smoke(tmp_path):
+    """bench/gpu_parity.py end to end on CPU (reference attention): the engine's greedy tokens pass against HF
+    float32, and the preemption configuration does preempt."""
+    from bench import gpu_parity
+
+    out = tmp_path / "gp.json"
+    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.1", "--enforce-eager",
+                           "--configs", "batch", "preemption", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(out)])
+    assert res["passed"] and json.loads(out.read_text())["passed"]
+    batch, pre = res["configs"]["batch"], res["configs"]["preemption"]
+    assert batch["parity"]["positions"] == (6 + 4 + 3) * 32 and batch["parity"]["hf_baseline"]
+    assert pre["preemptions"] > 0 and pre["parity"]["passed"]
+
+
+def test_gpu_parity_compare_fails_on_a_wrong_token():
+    """The parity check fails where the engine took a token the reference gives a low logprob, and not where
+    the reference nearly ties."""
+    import numpy as np
+
+    from bench.gpu_parity import compare
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 50))
+    ref = [lg - np.log(np.exp(lg).sum(-1, keepdims=True)) for lg in logits]
+    seqs = [dict(prompt=[1], tokens=r.argmax(-1).tolist(), logprobs=r.max(-1).tolist()) for r in ref]
+    assert compare(seqs, ref, tol=0.1)["passed"] and compare(seqs, ref)["tokens_equal_frac"] == 1.0
+    runner_up = np.argsort(ref[0][2])[-2]
+    ref[0][2, runner_up] = ref[0][2].max() - 0.01  # a near tie: the engine may take either
+    tie = [dict(s) for s in seqs]
+    tie[0] = dict(seqs[0], tokens=seqs[0]["tokens"][:2] + [int(runner_up)] + seqs[0]["tokens"][3:])
+    res = compare(tie, ref, tol=0.1)
+    assert res["passed"] and res["tokens_equal_frac"] == 0.9
+    wrong = [dict(s) for s in seqs]
+    wrong[1] = dict(seqs[1], tokens=seqs[1]["tokens"][:4] + [int(ref[1][4].argmin())])
+    res = compare(wrong, ref, tol=0.1)
+    assert not res["passed"] and res["positions_over_tol"] == 1 and res["gap_max"] > 1

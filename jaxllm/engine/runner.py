@@ -469,13 +469,23 @@ class ModelRunner:
                     self._compiled[v] = exe
             t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self._compiled])
             overlap = (os.cpu_count() or 1) > workers
+            seconds: dict[StepVariant, float] = {}
+
+            def compile_timed(v, low):
+                t = time.perf_counter()
+                try:
+                    return self._compile(v, args[v], low, True)
+                finally:
+                    seconds[v] = time.perf_counter() - t
+
             jobs = []
-            for v in todo:
-                if v not in self._compiled:
-                    low = self._lower(v, args[v])
-                    jobs.append((v, low, pool.submit(self._compile, v, args[v], low, True) if overlap else None))
+            # Most tokens first: the big steps' compiles (their GEMMs' autotuning) are the longest, so they
+            # start while the small ones are still being traced instead of after them.
+            for v in sorted((v for v in todo if v not in self._compiled), key=lambda v: -v.num_tokens):
+                low = self._lower(v, args[v])
+                jobs.append((v, low, pool.submit(compile_timed, v, low) if overlap else None))
             t2 = time.perf_counter()
-            jobs = [(v, low, job or pool.submit(self._compile, v, args[v], low, True)) for v, low, job in jobs]
+            jobs = [(v, low, job or pool.submit(compile_timed, v, low)) for v, low, job in jobs]
             done = [(v, low, job.result()) for v, low, job in jobs]
         retried = 0
         for v, low, exe in done:
@@ -487,9 +497,12 @@ class ModelRunner:
                            "one at a time", retried)
         if self.exec_cache is not None:
             self.exec_cache.prune()
+        slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:3]
         logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
-                    "compiled (%d threads)", time.perf_counter() - t0, n_loaded,
-                    self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers)
+                    "compiled (%d threads; longest: %s)", time.perf_counter() - t0, n_loaded,
+                    self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers,
+                    ", ".join(f"{v.num_seqs}x{v.num_tokens}{'d' if v.decode_only else ''} {s:.1f} s"
+                              for v, s in slowest) or "-")
 
     def _dummy_host(self, v: StepVariant):
         """Host inputs of v's shapes that write no KV slot: (token_ids, src_rows, meta, logits_indices, smd,

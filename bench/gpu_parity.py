@@ -1,0 +1,231 @@
+"""The whole engine on the device against HF transformers on the same weights: greedy tokens and their
+logprobs through the code paths that only run on a GPU (the Pallas prefill / fused decode / split-K kernels,
+decode steps of 32+ sequences on cuBLAS GEMMs, the cuda_async allocator), with chunked prefill, prefix
+caching, preemption and an fp8 KV cache.
+
+    python bench/gpu_parity.py --out bench/results/gpu_parity_h100_<commit>.json
+
+A random Llama checkpoint with Llama-3-8B's widths (32 q / 8 kv heads of 128, MLP 14336) and --num-layers
+layers is saved as bf16 safetensors. Each configuration builds LLM(...) on it and generates greedy tokens
+with their logprobs. HF transformers then scores every generated sequence teacher-forced, in float32 with
+TF32 off (the reference) and in bfloat16 (the baseline: what HF's own 16-bit run does against the same
+reference). Per generated position:
+  gap    = reference max logprob - reference logprob of the engine's token (0 where the tokens agree),
+  lp_err = |engine logprob - reference logprob| of that token.
+A configuration passes when no position's gap exceeds its tolerance (--gap-tol, --gap-tol-fp8 for fp8 pages,
+--gap-tol-f32): the engine may pick another token only where the reference itself nearly ties, and a wrong
+page, slot or position makes gaps of whole nats. Random-weight logits tie often, so exact-token agreement is
+reported beside it, with HF's own bf16 agreement as the baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import SHAPES, engine_summary, environment, random_token_prompts, setup_logging, \
+    write_result, write_token_id_tokenizer  # noqa: E402
+
+# name -> (LLM kwargs, what it exercises); each also has "dtype" and gets the shared ones in run_config.
+CONFIGS = {
+    "batch": (dict(dtype="bfloat16"), "64 prompts of 16-600 tokens and 4 of 1,500-3,000 (chunked at "
+              "512 tokens a step), then 3 long ones alone (small decode buckets, split-K decode)"),
+    "prefix_cache": (dict(dtype="bfloat16", enable_prefix_caching=True),
+                     "16 prompts sharing a 800-token prefix, generated twice (the second time from the cache)"),
+    "preemption": (dict(dtype="bfloat16"),
+                   "64 prompts of 100-400 tokens with KV blocks for a third of their tokens: sequences preempted"),
+    "fp8_kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), "16 prompts, fp8 (e4m3) KV pages"),
+    "float32": (dict(dtype="float32"), "16 prompts, float32 weights and KV"),
+}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--widths", choices=sorted(SHAPES), default="llama3-8b", help="hidden / heads / MLP widths")
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=32000)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--scale", type=float, default=1.0, help="prompt counts and lengths times this (CPU checks)")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--gap-tol", type=float, default=0.1, help="16-bit weights and KV (nats)")
+    p.add_argument("--gap-tol-fp8", type=float, default=0.5)
+    p.add_argument("--gap-tol-f32", type=float, default=0.02, help="the Pallas kernels' f32 dots may use TF32")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--model-dir", default="/tmp/jaxllm_gpu_parity_model")
+    p.add_argument("--compilation-cache-dir", default="", help="empty: none (every configuration compiles)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None)
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+def make_checkpoint(args) -> str:
+    """A random Llama (HF's init, norms perturbed so they matter) saved as bf16 safetensors + a token-id tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    shape = SHAPES[args.widths]
+    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "rope_theta")
+    cfg = LlamaConfig(**{k: shape[k] for k in keys}, vocab_size=args.vocab_size, num_hidden_layers=args.num_layers,
+                      max_position_embeddings=8192,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(args.model_dir)
+    write_token_id_tokenizer(args.model_dir, args.vocab_size, 1, 2)
+    return args.model_dir
+
+
+def workloads(name: str, vocab: int, scale: float, seed: int) -> list[list[list[int]]]:
+    """The prompt lists one configuration generates, in order (each list is one generate() call)."""
+    n = lambda x: max(1, int(round(x * scale)))  # noqa: E731
+    rng = np.random.default_rng(seed)
+    if name == "batch":
+        lens = rng.integers(16, n(600) + 1, n(64)).tolist() + rng.integers(n(1500), n(3000) + 1, 4).tolist()
+        return [random_token_prompts(len(lens), 0, vocab, seed=seed + 1, lens=lens),
+                random_token_prompts(3, 0, vocab, seed=seed + 2, lens=[n(3000), n(1500), 40])]
+    if name == "prefix_cache":
+        prefix = random_token_prompts(1, n(800), vocab, seed=seed + 3)[0]
+        tails = random_token_prompts(n(16), 0, vocab, seed=seed + 4, lens=rng.integers(1, n(200) + 1, n(16)))
+        prompts = [prefix + t for t in tails]
+        return [prompts, prompts]
+    if name == "preemption":
+        return [random_token_prompts(n(64), 0, vocab, seed=seed + 5, lens=rng.integers(n(100), n(400) + 1, n(64)))]
+    return [random_token_prompts(n(16), 0, vocab, seed=seed + 6, lens=rng.integers(16, n(600) + 1, n(16)))]
+
+
+def run_config(args, model_dir: str, name: str) -> dict:
+    """Builds the configuration's LLM, runs its workloads; returns the sequences, logprobs and engine facts."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.engine import runner as runner_mod
+
+    kw, what = CONFIGS[name]
+    kw = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512, gpu_memory_utilization=0.5,
+              num_gpu_blocks_override=4096, enforce_eager=args.enforce_eager, seed=args.seed,
+              compilation_cache_dir=args.compilation_cache_dir or None) | kw
+    batches = workloads(name, args.vocab_size, args.scale, args.seed)
+    if name == "preemption":  # a third of the blocks the sequences need (at least one whole max_model_len)
+        need = sum(-(-(len(p) + args.output_len) // 16) for p in batches[0])
+        kw["max_model_len"] = max(128, int(1024 * args.scale))
+        kw["num_gpu_blocks_override"] = max(need // 3, kw["max_model_len"] // 16 + 1)
+    t0 = time.perf_counter()
+    llm = LLM(model_dir, **kw)
+    ready = time.perf_counter() - t0
+    runner = llm.llm_engine.runner
+    steps: dict[str, int] = {}
+    prepare = runner.prepare
+
+    def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
+        p = prepare(sched)
+        v = p.variant
+        key = f"{'decode' if v.decode_only else 'mixed'}{v.num_seqs}x{v.num_tokens}"
+        if runner_mod.compile_options(v).get("xla_gpu_enable_triton_gemm") is False:
+            key += "_cublas"
+        steps[key] = steps.get(key, 0) + 1
+        return p
+
+    runner.prepare = counting_prepare
+    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=1)
+    seqs = []
+    for prompts in batches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            c = o.outputs[0]
+            seqs.append(dict(prompt=p, tokens=list(c.token_ids),
+                             logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    st = llm.llm_engine.stats()
+    facts = dict(what=what, llm_kwargs=kw, ready_s=ready, engine=engine_summary(llm), steps=steps,
+                 preemptions=st.num_preemptions, prefix_cache_hit_tokens=st.prefix_cache_hits,
+                 kv_cache_dtype=str(runner.kv_caches[0][0].dtype))
+    del llm, runner
+    gc.collect()
+    return dict(facts=facts, seqs=seqs)
+
+
+def teacher_forced(model, seqs, device) -> list[np.ndarray]:
+    """Per sequence, the model's logprobs [generated positions, V] (float32) with the engine's tokens as the
+    prefix."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor([(s["prompt"] + s["tokens"])[:-1]], device=device)
+            logits = model(ids, logits_to_keep=len(s["tokens"])).logits[0].float()
+            out.append(torch.log_softmax(logits, -1).cpu().numpy())
+    return out
+
+
+def compare(seqs, ref, base=None, tol: float = 0.1) -> dict:
+    """The engine's tokens and logprobs against the reference's logprobs (ref: teacher_forced), and a baseline
+    model's (base) own argmax and logprobs against the same reference."""
+    rows = [np.arange(len(s["tokens"])) for s in seqs]
+    tokens = [np.asarray(s["tokens"]) for s in seqs]
+    gaps = np.concatenate([r.max(-1) - r[i, t] for r, i, t in zip(ref, rows, tokens)])
+    lp_err = np.concatenate([np.abs(np.asarray(s["logprobs"]) - r[i, t])
+                             for s, r, i, t in zip(seqs, ref, rows, tokens)])
+    equal = [t == r.argmax(-1) for r, t in zip(ref, tokens)]
+    res = dict(positions=int(len(gaps)), tokens_equal_frac=float(np.concatenate(equal).mean()),
+               sequences=len(seqs), sequences_all_equal=sum(bool(e.all()) for e in equal),
+               gap_max=float(gaps.max()), gap_p99=float(np.percentile(gaps, 99)), gap_tol=tol,
+               positions_over_tol=int((gaps > tol).sum()), lp_err_max=float(lp_err.max()),
+               lp_err_mean=float(lp_err.mean()), passed=bool(gaps.max() <= tol))
+    if base is not None:
+        bgap = np.concatenate([r.max(-1) - r[i, b.argmax(-1)] for r, b, i in zip(ref, base, rows)])
+        berr = np.concatenate([np.abs(b[i, t] - r[i, t]) for r, b, i, t in zip(ref, base, rows, tokens)])
+        bequal = np.concatenate([b.argmax(-1) == r.argmax(-1) for r, b in zip(ref, base)])
+        res["hf_baseline"] = dict(tokens_equal_frac=float(bequal.mean()), gap_max=float(bgap.max()),
+                                  lp_err_max=float(berr.max()), lp_err_mean=float(berr.mean()))
+    return res
+
+
+def main(argv=None):
+    args = parse(argv)
+    setup_logging(args.log_level)
+    import torch
+
+    model_dir = make_checkpoint(args)
+    result = dict(env=environment(), workload=vars(args) | {"model": model_dir}, configs={})
+    runs = {name: run_config(args, model_dir, name) for name in args.configs}
+
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    t0 = time.perf_counter()
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+    base_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    for name, run in runs.items():
+        ref = teacher_forced(ref_model, run["seqs"], device)
+        base = teacher_forced(base_model, run["seqs"], device)
+        tol = args.gap_tol_fp8 if "fp8" in run["facts"]["llm_kwargs"].get("kv_cache_dtype", "") else (
+            args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol)
+        res = compare(run["seqs"], ref, base, tol)
+        result["configs"][name] = run["facts"] | dict(parity=res)
+        hb = res["hf_baseline"]
+        print(f"{name}: {'PASS' if res['passed'] else 'FAIL'} {res['positions']} positions, tokens equal "
+              f"{res['tokens_equal_frac']:.3f} (HF bf16 {hb['tokens_equal_frac']:.3f}), gap max {res['gap_max']:.4f} "
+              f"(tol {tol}; HF bf16 {hb['gap_max']:.4f}), logprob err max {res['lp_err_max']:.4f} / mean "
+              f"{res['lp_err_mean']:.5f} (HF bf16 {hb['lp_err_max']:.4f} / {hb['lp_err_mean']:.5f}), preemptions "
+              f"{run['facts']['preemptions']}, prefix hits {run['facts']['prefix_cache_hit_tokens']}, steps "
+              f"{run['facts']['steps']}", flush=True)
+    result["hf_scoring_s"] = time.perf_counter() - t0
+    result["passed"] = all(c["parity"]["passed"] for c in result["configs"].values())
+    write_result("gpu_parity", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
