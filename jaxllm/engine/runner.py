@@ -479,11 +479,10 @@ class ModelRunner:
                     seconds[v] = time.perf_counter() - t
 
             jobs = []
-            # Most tokens first: the big steps' compiles (their GEMMs' autotuning) are the longest, so they
-            # start while the small ones are still being traced instead of after them.
-            for v in sorted((v for v in todo if v not in self._compiled), key=lambda v: -v.num_tokens):
-                low = self._lower(v, args[v])
-                jobs.append((v, low, pool.submit(compile_timed, v, low) if overlap else None))
+            for v in todo:
+                if v not in self._compiled:
+                    low = self._lower(v, args[v])
+                    jobs.append((v, low, pool.submit(compile_timed, v, low) if overlap else None))
             t2 = time.perf_counter()
             jobs = [(v, low, job or pool.submit(compile_timed, v, low)) for v, low, job in jobs]
             done = [(v, low, job.result()) for v, low, job in jobs]
