@@ -165,6 +165,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default here: random prompts share nothing, as in vLLM's bench")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result JSON path (default bench/results/<script>_<device>.json)")
     p.add_argument("--log-level", default="info")
@@ -184,7 +186,8 @@ def engine_kwargs(args, model: str | None) -> dict:
               attention_backend=args.attention_backend, seed=args.seed,
               compilation_cache_dir=args.compilation_cache_dir or None,
               num_gpu_blocks_override=args.num_gpu_blocks_override,
-              enable_prefix_caching=args.enable_prefix_caching)
+              enable_prefix_caching=args.enable_prefix_caching,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
     return kw
 
 
