@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     from jaxllm.engine.setup import request_device_memory
 
     # before jax.distributed starts the backend
-    request_device_memory(args.gpu_memory_utilization, args.tensor_parallel_size * args.pipeline_parallel_size == 1)
+    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size)
     maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     if args.model is None:
         from jaxllm.demo import demo_model_path

@@ -535,19 +535,19 @@ def test_start_up_objects_are_moved_out_of_the_collector(tiny):
 def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
     """jax's GPU allocator takes 0.75 of the device unless told otherwise, and the KV cache was sized inside
     that: 0.9 meant 0.75 of the device. The engine asks for gpu_memory_utilization before the backend starts
-    (not when the user set the variable), and sizes the cache from the whole device. A single-device engine
-    also asks for the stream-ordered allocator (cuda_async), unless the user chose one."""
+    (not when the user set the variable), and sizes the cache from the whole device. An engine without
+    pipeline stages also asks for the stream-ordered allocator (cuda_async), unless the user chose one."""
     code = ("import os, sys; from jaxllm.engine.setup import request_device_memory; "
-            "request_device_memory(0.85, sys.argv[1] == '1'); "
+            "request_device_memory(0.85, int(sys.argv[1])); "
             "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))")
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k and k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
 
-    def run(e, single="1"):
-        return subprocess.run([sys.executable, "-c", code, single], env=e, capture_output=True, text=True,
+    def run(e, pp="1"):
+        return subprocess.run([sys.executable, "-c", code, pp], env=e, capture_output=True, text=True,
                               check=True).stdout.split()[-2:]
 
-    assert run(env) == ["0.8500", "cuda_async"]  # one device: the stream-ordered allocator too
-    assert run(env, single="0") == ["0.8500", "None"]  # tp / pp > 1: jax's default allocator
+    assert run(env) == ["0.8500", "cuda_async"]  # no pipeline stages (any tp): the stream-ordered allocator too
+    assert run(env, pp="2") == ["0.8500", "None"]  # pp > 1: jax's default allocator
     # the user's choices stand
     assert run(env | {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}) == ["None", "cuda_async"]
     assert run(env | {"XLA_PYTHON_CLIENT_ALLOCATOR": "bfc"}) == ["0.8500", "bfc"]

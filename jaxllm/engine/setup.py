@@ -60,28 +60,29 @@ _JAX_DEFAULT_FRACTION = 0.75
 _ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
-def request_device_memory(gpu_memory_utilization: float, single_device: bool = True) -> None:
+def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size: int = 1) -> None:
     """JAX's GPU allocator may use XLA_CLIENT_MEM_FRACTION of each GPU's memory, read when the backend
     starts: 0.75 unless set. vLLM's gpu_memory_utilization is a fraction of the whole device (weights,
     activations and KV cache), so, before the backend starts and unless the user set the variable, ask for that
     fraction. (At 0.75 the 500 x 462/256 benchmark's 500 sequences did not fit an H100's KV cache at once: 24
     preemptions, ~5% of the run.) Called before anything touches a device (serve calls it first too).
 
-    A single-device engine also asks for the stream-ordered allocator (XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async,
-    unless set). With the default BFC allocator a decode step's temporary buffer moved between steps at some
-    batch sizes, and XLA then re-recorded the step's CUDA graph before launching it: 1.0 ms per step at batch
-    64 with Triton GEMMs, 2.5 ms with cuBLAS (traced commands), against 0.15-0.2 ms when only the step's inputs
-    and outputs moved (H100, XLA's command-buffer log; XLA's SKIP_TEMP mode, which pins temporaries, gave ~0.2
-    ms too, on a slow VMM allocator). Engine A/B with runner.compile_options' cuBLAS decode steps
-    (bench/results/h100_allocator_cublas_ab_1c6c1b4_vs_e104111.json): batch-64 ITL 7.20 / 7.56 -> 6.95 / 6.95
-    ms, batch 128 9.61 -> 9.01, batch 1 unchanged. Multi-device engines keep the default: not measured there."""
+    An engine without pipeline stages also asks for the stream-ordered allocator (XLA_PYTHON_CLIENT_ALLOCATOR=
+    cuda_async, unless set). With the default BFC allocator a decode step's temporary buffer moved between steps
+    at some batch sizes, and XLA then re-recorded the step's CUDA graph before launching it: 1.0 ms per step at
+    batch 64 with Triton GEMMs, 2.5 ms with cuBLAS (traced commands), against 0.15-0.2 ms when only the step's
+    inputs and outputs moved (H100, XLA's command-buffer log; XLA's SKIP_TEMP mode, which pins temporaries, gave
+    ~0.2 ms too, on a slow VMM allocator). Engine A/Bs: one H100 (h100_allocator_cublas_ab_1c6c1b4_vs_e104111.json)
+    batch-64 ITL 7.20 / 7.56 -> 6.95 / 6.95 ms, batch 128 9.61 -> 9.01, batch 1 unchanged; tp 2 on two H200s
+    (h200x2_tp2_allocator_ab_6d5184f.json) batch 1 4.41 / 4.54 -> 4.17 / 4.29 ms, batch 64 8.29 / 7.42 -> 6.30 /
+    6.62, batch 128 8.80 / 7.69 -> 7.60 / 7.78. Pipeline stages keep the default: not measured there."""
     from jax._src import xla_bridge
 
     if not 0.0 < gpu_memory_utilization <= 1.0:  # EngineArgs.validate() says what is wrong
         return
     if xla_bridge.backends_are_initialized():
         return
-    if single_device:
+    if pipeline_parallel_size == 1:
         os.environ.setdefault(_ALLOCATOR_VAR, "cuda_async")
     if not any(v in os.environ for v in _FRACTION_VARS):
         os.environ[_FRACTION_VARS[0]] = f"{gpu_memory_utilization:.4f}"
@@ -96,8 +97,7 @@ def _allocator_fraction() -> float:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.validate()
-    request_device_memory(args.gpu_memory_utilization,
-                          args.tensor_parallel_size * args.pipeline_parallel_size == 1)
+    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size)
     import jax
 
     if args.compilation_cache_dir:
