@@ -263,3 +263,14 @@ def test_gpu_parity_compare_fails_on_a_wrong_token():
     wrong[1] = dict(seqs[1], tokens=seqs[1]["tokens"][:4] + [int(ref[1][4].argmin())])
     res = compare(wrong, ref, tol=0.1)
     assert not res["passed"] and res["positions_over_tol"] == 1 and res["gap_max"] > 1
+
+
+def test_lowering_profile_smoke(tmp_path):
+    """bench/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
+    from bench import lowering_profile
+
+    res = lowering_profile.main(["--num-layers", "1", "--vocab-size", "512", "--max-num-seqs", "4",
+                                 "--max-num-batched-tokens", "16", "--model-dir", str(tmp_path / "m"),
+                                 "--out", str(tmp_path / "lp.json")])
+    assert [r["variant"] for r in res["rows"]] == ["2x2d", "4x4d", "4x16"]
+    assert res["parts"]["pallas_triton_lowering"]["calls"] >= 3 and res["total_s"] > 0
