@@ -14,6 +14,7 @@ threads beside the tracing (runner.warm_up).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import dataclasses
 import io
@@ -41,20 +42,30 @@ def parse(argv=None):
     return p.parse_args(argv)
 
 
-def pretend_gpu(hopper: bool) -> None:
+@contextlib.contextmanager
+def pretend_gpu(hopper: bool):
+    """The kernels' GPU checks answer yes (on_hopper: `hopper`) inside the block."""
     import kernels_pallas
     from kernels_pallas import _common, _decode, _prefill_mgpu
 
-    for mod in (_common, kernels_pallas, _decode, _prefill_mgpu):
-        if hasattr(mod, "on_gpu"):
-            mod.on_gpu = lambda: True
-        if hasattr(mod, "on_hopper"):
-            mod.on_hopper = lambda: hopper
+    saved = [(mod, name, getattr(mod, name)) for mod in (_common, kernels_pallas, _decode, _prefill_mgpu)
+             for name in ("on_gpu", "on_hopper") if hasattr(mod, name)]
+    for mod, name, _ in saved:
+        setattr(mod, name, (lambda: True) if name == "on_gpu" else (lambda: hopper))
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def main(argv=None):
     args = parse(argv)
-    pretend_gpu(args.hopper)
+    with pretend_gpu(args.hopper):
+        return _profile(args)
+
+
+def _profile(args) -> dict:
     from jaxllm import LLM
 
     common.SHAPES["lowering"] = dict(common.LLAMA3_8B, num_hidden_layers=args.num_layers, vocab_size=args.vocab_size)
