@@ -8,12 +8,14 @@ check is made to answer yes, so each step's jaxpr holds the same pallas_calls as
 lowering runs on the CPU. The Mosaic GPU prefill kernel is left out (--hopper lowers it too where this jaxlib
 can). A decoder layer is traced once per step (decoder._traced_once), so --num-layers 2 gives each step's
 tracing cost at a fraction of the 32-layer model's weights. Compiling is not done: on the GPU host it runs in
-threads beside the tracing (runner.warm_up).
+threads beside the tracing (runner.warm_up). The JSON also counts the Triton lowerings by distinct kernel body:
+what a cache of lowered kernels shared between steps could save.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import dataclasses
@@ -59,10 +61,34 @@ def pretend_gpu(hopper: bool):
             setattr(mod, name, fn)
 
 
+@contextlib.contextmanager
+def counting_kernel_bodies(counts: collections.Counter):
+    """Counts the Triton lowerings by kernel body (its jaxpr's text) inside the block: how many a cache of
+    lowered kernels shared between steps could save."""
+    from jax._src.pallas.triton import lowering
+
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def counted(jaxpr, *a, **kw):
+        counts[str(jaxpr)] += 1
+        return lower(jaxpr, *a, **kw)
+
+    lowering.lower_jaxpr_to_triton_module = counted
+    try:
+        yield
+    finally:
+        lowering.lower_jaxpr_to_triton_module = lower
+
+
 def main(argv=None):
     args = parse(argv)
-    with pretend_gpu(args.hopper):
-        return _profile(args)
+    bodies: collections.Counter = collections.Counter()
+    with pretend_gpu(args.hopper), counting_kernel_bodies(bodies):
+        result = _profile(args)
+    result["triton_lowerings"] = dict(calls=sum(bodies.values()), distinct_kernel_bodies=len(bodies))
+    print(f"Triton lowerings: {sum(bodies.values())}, distinct kernel bodies {len(bodies)}", flush=True)
+    common.write_result("lowering_profile", result, args.out)
+    return result
 
 
 def _profile(args) -> dict:
@@ -105,7 +131,6 @@ def _profile(args) -> dict:
                   profile_top=text.getvalue().splitlines()[-args.top - 2:])
     print(f"{len(rows)} variants: trace {result['trace_s']:.1f} s + lower {result['lower_s']:.1f} s; "
           + ", ".join(f"{k} {p['seconds']:.1f} s ({p['calls']} calls)" for k, p in parts.items()), flush=True)
-    common.write_result("lowering_profile", result, args.out)
     return result
 
 

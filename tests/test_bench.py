@@ -274,6 +274,7 @@ def test_lowering_profile_smoke(tmp_path):
                                  "--out", str(tmp_path / "lp.json")])
     assert [r["variant"] for r in res["rows"]] == ["2x2d", "4x4d", "4x16"]
     assert res["parts"]["pallas_triton_lowering"]["calls"] >= 3 and res["total_s"] > 0
+    assert res["triton_lowerings"]["calls"] == res["parts"]["pallas_triton_lowering"]["calls"]
     from kernels_pallas import _common
 
     assert not _common.on_gpu()  # the GPU pretence ends with the script (later tests in this process see the CPU)
