@@ -56,15 +56,15 @@ def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) 
     fast.save_pretrained(out_dir)
 
 
-def make_model_dir(shape: str = "llama3-8b", out_dir: str | None = None) -> str:
-    """Writes config.json + generation_config.json + a token-id tokenizer for `shape`; LLM(dir,
-    load_format="dummy") then builds that shape with random weights on the device. Without out_dir the folder
-    is kept under ~/.cache/jaxllm/bench_models, keyed by the shape and the tokenizer libraries' versions, and
-    reused: like a real checkpoint folder it is on disk before the engine starts (building the 128k-word
-    tokenizer took ~3 s, which the warm time-to-ready counted as start-up)."""
+def make_model_dir(shape: str | dict = "llama3-8b", out_dir: str | None = None) -> str:
+    """Writes config.json + generation_config.json + a token-id tokenizer for `shape` (a SHAPES name, or a
+    config dict given with out_dir); LLM(dir, load_format="dummy") then builds that shape with random weights on
+    the device. Without out_dir the folder is kept under ~/.cache/jaxllm/bench_models, keyed by the shape and the
+    tokenizer libraries' versions, and reused: like a real checkpoint folder it is on disk before the engine
+    starts (building the 128k-word tokenizer took ~3 s, which the warm time-to-ready counted as start-up)."""
     if out_dir is None:
         return _cached_model_dir(shape)
-    cfg = SHAPES[shape]
+    cfg = SHAPES[shape] if isinstance(shape, str) else shape
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)

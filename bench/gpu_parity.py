@@ -129,9 +129,8 @@ def run_config(args, model_dir: str, name: str) -> dict:
 
     def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
         p = prepare(sched)
-        v = p.variant
-        key = f"{'decode' if v.decode_only else 'mixed'}{v.num_seqs}x{v.num_tokens}"
-        if runner_mod.compile_options(v).get("xla_gpu_enable_triton_gemm") is False:
+        key = p.variant.shape_name
+        if runner_mod.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
             key += "_cublas"
         steps[key] = steps.get(key, 0) + 1
         return p

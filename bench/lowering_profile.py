@@ -94,8 +94,8 @@ def main(argv=None):
 def _profile(args) -> dict:
     from jaxllm import LLM
 
-    common.SHAPES["lowering"] = dict(common.LLAMA3_8B, num_hidden_layers=args.num_layers, vocab_size=args.vocab_size)
-    model = common.make_model_dir("lowering", args.model_dir)
+    shape = dict(common.LLAMA3_8B, num_hidden_layers=args.num_layers, vocab_size=args.vocab_size)
+    model = common.make_model_dir(shape, args.model_dir)
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=True, compilation_cache_dir=None, num_gpu_blocks_override=512)
@@ -110,8 +110,7 @@ def _profile(args) -> dict:
         t1 = time.perf_counter()
         traced.lower(lowering_platforms=("cuda",))
         prof.disable()
-        rows.append(dict(variant=f"{v.num_seqs}x{v.num_tokens}{'d' if v.decode_only else ''}",
-                         trace_s=t1 - t0, lower_s=time.perf_counter() - t1))
+        rows.append(dict(variant=v.shape_name, trace_s=t1 - t0, lower_s=time.perf_counter() - t1))
     stats = pstats.Stats(prof)
     total = sum(x["trace_s"] + x["lower_s"] for x in rows)
 

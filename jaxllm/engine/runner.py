@@ -83,6 +83,11 @@ class StepVariant:
     prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
     sampler_widths: tuple = (1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows
 
+    @property
+    def shape_name(self) -> str:
+        """B x T, with a trailing d for decode-only steps (logs, benchmark rows)."""
+        return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}"
+
 
 @dataclass
 class StepHandle:
@@ -500,7 +505,7 @@ class ModelRunner:
         logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
                     "compiled (%d threads; longest: %s)", time.perf_counter() - t0, n_loaded,
                     self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers,
-                    ", ".join(f"{v.num_seqs}x{v.num_tokens}{'d' if v.decode_only else ''} {s:.1f} s"
+                    ", ".join(f"{v.shape_name} {s:.1f} s"
                               for v, s in slowest) or "-")
 
     def _dummy_host(self, v: StepVariant):
