@@ -278,3 +278,15 @@ def test_lowering_profile_smoke(tmp_path):
     from kernels_pallas import _common
 
     assert not _common.on_gpu()  # the GPU pretence ends with the script (later tests in this process see the CPU)
+
+
+def test_model_args_carry_parallel_sizes():
+    """The bench scripts' -tp / -pp reach LLM(...) through common.engine_kwargs."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    common.add_model_args(p)
+    kw = common.engine_kwargs(p.parse_args(["-tp", "2", "--pipeline-parallel-size", "4"]), None)
+    assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 4)
+    kw = common.engine_kwargs(p.parse_args([]), None)
+    assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (1, 1)
