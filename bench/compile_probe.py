@@ -1,0 +1,156 @@
+"""Probe: what XLA compile options cost at start-up and per step (issue 7's cold start).
+
+For each option set, a fresh process (XLA's in-process autotuning results start empty) with a fresh
+compilation cache builds LLM(...) cold with runner.compile_options extended by the set's options for the steps
+it names ("mixed": steps with prompt tokens, "decode": decode-only steps, "all"). It reports LLM() seconds,
+the warm-up log line and each variant's compile seconds (several compile at once, as in a real start), then
+times every compiled step on its warm-up inputs (chained calls, KV donated; the inputs write no KV slot, so a
+mixed step's attention does little and its time is mostly the GEMMs the options change).
+
+  python bench/compile_probe.py --shape llama3-8b --load-format dummy --dtype bfloat16 --max-model-len 1024 \\
+      --max-num-seqs 512 --max-num-batched-tokens 8192 --sets base,mixed_cublas --out OUT.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+# name -> {step kind: extra XLA options}
+SETS = {
+    "base": {},
+    "mixed_cublas": {"mixed": {"xla_gpu_enable_triton_gemm": False}},
+    "autotune2": {"all": {"xla_gpu_autotune_level": 2}},
+    "mixed_cublas_autotune2": {"mixed": {"xla_gpu_enable_triton_gemm": False}, "all": {"xla_gpu_autotune_level": 2}},
+    "autotune0": {"all": {"xla_gpu_autotune_level": 0}},
+}
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--sets", default="base,mixed_cublas", help=f"comma-separated, from {sorted(SETS)}")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def extra_options(spec: dict, decode_only: bool) -> dict:
+    out = dict(spec.get("all", {}))
+    out.update(spec.get("decode" if decode_only else "mixed", {}))
+    return out
+
+
+def time_steps(runner) -> list[dict]:
+    """Device time per call of each compiled step: (t(n2) - t(n1)) / (n2 - n1) over chained calls, so the fixed
+    cost of dispatching the first call and syncing cancels."""
+    import jax
+
+    rows = []
+    for v in runner.variants():
+        exe = runner._compiled[v]
+        n1, n2 = (2, 6) if v.num_tokens >= 1024 else (5, 25)
+
+        def chain(n):
+            params, _, ints, floats, _, layout = runner._dummy_args(v)
+            t0 = time.perf_counter()
+            for _ in range(n):
+                runner.kv_caches, runner.prev_tokens, outputs, _, _ = exe(
+                    params, runner.kv_caches, ints, floats, runner.prev_tokens, layout)
+            jax.block_until_ready(outputs)
+            return time.perf_counter() - t0
+
+        chain(2)  # first calls: graph instantiation, buffers
+        samples = [(chain(n2) - chain(n1)) / (n2 - n1) * 1e3 for _ in range(3)]
+        rows.append(dict(step=v.shape_name, ms=min(samples), ms_samples=samples))
+        print(f"step {rows[-1]}", flush=True)
+    return rows
+
+
+def child(args) -> dict:
+    import logging
+
+    import jax
+
+    from jaxllm import LLM
+    from jaxllm.engine import runner as runner_mod
+
+    spec = SETS[args.child]
+    base_options = runner_mod.compile_options
+
+    def compile_options(v):
+        return base_options(v) | extra_options(spec, v.decode_only)
+
+    runner_mod.compile_options = compile_options
+    seconds: dict[str, float] = {}
+    base_compile = runner_mod.ModelRunner._compile
+
+    def timed_compile(self, v, *a, **k):
+        t0 = time.perf_counter()
+        try:
+            return base_compile(self, v, *a, **k)
+        finally:
+            seconds[v.shape_name] = round(time.perf_counter() - t0, 2)
+
+    runner_mod.ModelRunner._compile = timed_compile
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    logging.getLogger("jaxllm").addHandler(Keep(logging.INFO))
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **common.engine_kwargs(args, args.model))
+    llm_init = time.perf_counter() - t0
+    print(f"set {args.child}: LLM() {llm_init:.1f} s", flush=True)
+    runner = llm.llm_engine.runner
+    return dict(set=args.child, options=spec, llm_init_s=llm_init, compile_s=seconds, jax=jax.__version__,
+                log=[m for m in messages if "variants" in m or "weights" in m],
+                steps=time_steps(runner))
+
+
+def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
+    common.setup_logging(args.log_level)
+    if args.child:
+        res = child(args)
+        print("RESULT " + json.dumps(res), flush=True)
+        return res
+    model = common.resolve_model(args)
+    names = args.sets.split(",")
+    unknown = [n for n in names if n not in SETS]
+    if unknown:
+        raise SystemExit(f"unknown sets {unknown}; known: {sorted(SETS)}")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="jaxllm-compile-probe-") as work:
+        for i, name in enumerate(names):
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--model", model,
+                   "--compilation-cache-dir", os.path.join(work, f"cache{i}")]
+            t0 = time.perf_counter()
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT)
+            lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+            if out.returncode or not lines:
+                sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
+                results.append(dict(set=name, failed=out.returncode, stderr=out.stderr[-2000:]))
+                continue
+            res = json.loads(lines[-1][len("RESULT "):]) | {"process_wall_s": time.perf_counter() - t0}
+            results.append(res)
+            print(json.dumps({k: res[k] for k in ("set", "llm_init_s", "log")}), flush=True)
+    result = dict(env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"},
+                  results=results)
+    common.write_result("compile_probe", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()
