@@ -19,19 +19,25 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-# name -> {step kind: extra XLA options}
+# name -> {step kind ("mixed", "decode", "all"): extra XLA options; "workers": compile threads of warm-up;
+# "nice": niceness of the compile threads (the tracing thread keeps its own)}
+CUBLAS_MIXED = {"mixed": {"xla_gpu_enable_triton_gemm": False}}
 SETS = {
     "base": {},
-    "mixed_cublas": {"mixed": {"xla_gpu_enable_triton_gemm": False}},
+    "mixed_cublas": CUBLAS_MIXED,
     "autotune2": {"all": {"xla_gpu_autotune_level": 2}},
-    "mixed_cublas_autotune2": {"mixed": {"xla_gpu_enable_triton_gemm": False}, "all": {"xla_gpu_autotune_level": 2}},
+    "mixed_cublas_autotune2": CUBLAS_MIXED | {"all": {"xla_gpu_autotune_level": 2}},
     "autotune0": {"all": {"xla_gpu_autotune_level": 0}},
+    "mixed_cublas_w4": CUBLAS_MIXED | {"workers": 4},
+    "mixed_cublas_w12": CUBLAS_MIXED | {"workers": 12},
+    "mixed_cublas_nice": CUBLAS_MIXED | {"nice": 10},
 }
 
 
@@ -39,6 +45,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     common.add_model_args(p)
     p.add_argument("--sets", default="base,mixed_cublas", help=f"comma-separated, from {sorted(SETS)}")
+    p.add_argument("--no-time-steps", action="store_true", help="skip the per-step timing")
+    p.add_argument("--trace-only", action="store_true",
+                   help="also one process that traces and lowers every step (no compiles alongside)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -94,6 +103,8 @@ def child(args) -> dict:
     base_compile = runner_mod.ModelRunner._compile
 
     def timed_compile(self, v, *a, **k):
+        if spec.get("nice") and threading.current_thread() is not threading.main_thread():
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), spec["nice"])
         t0 = time.perf_counter()
         try:
             return base_compile(self, v, *a, **k)
@@ -101,6 +112,10 @@ def child(args) -> dict:
             seconds[v.shape_name] = round(time.perf_counter() - t0, 2)
 
     runner_mod.ModelRunner._compile = timed_compile
+    if spec.get("workers"):
+        warm_up = runner_mod.ModelRunner.warm_up
+        runner_mod.ModelRunner.warm_up = lambda self, enforce_eager=False, workers=None: warm_up(
+            self, enforce_eager, spec["workers"])
     messages = []
 
     class Keep(logging.Handler):
@@ -115,7 +130,24 @@ def child(args) -> dict:
     runner = llm.llm_engine.runner
     return dict(set=args.child, options=spec, llm_init_s=llm_init, compile_s=seconds, jax=jax.__version__,
                 log=[m for m in messages if "variants" in m or "weights" in m],
-                steps=time_steps(runner))
+                steps=[] if args.no_time_steps else time_steps(runner))
+
+
+def trace_only(args) -> dict:
+    """Every step traced and lowered one after another, nothing compiling beside it."""
+    from jaxllm import LLM
+
+    kw = common.engine_kwargs(args, args.model) | dict(enforce_eager=True)
+    r = LLM(args.model, **kw).llm_engine.runner
+    rows = {}
+    t_all = time.perf_counter()
+    for v in r.variants():
+        t0 = time.perf_counter()
+        r._lower(v, r._dummy_args(v))
+        rows[v.shape_name] = round(time.perf_counter() - t0, 3)
+    total = time.perf_counter() - t_all
+    print(f"trace_only: {total:.1f} s", flush=True)
+    return dict(set="trace_only", lower_s=rows, total_s=total)
 
 
 def main(argv=None) -> dict:
@@ -123,12 +155,13 @@ def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
     if args.child:
-        res = child(args)
+        res = trace_only(args) if args.child == "trace_only" else child(args)
         print("RESULT " + json.dumps(res), flush=True)
         return res
     model = common.resolve_model(args)
     names = args.sets.split(",")
-    unknown = [n for n in names if n not in SETS]
+    names += ["trace_only"] if args.trace_only else []
+    unknown = [n for n in names if n not in SETS and n != "trace_only"]
     if unknown:
         raise SystemExit(f"unknown sets {unknown}; known: {sorted(SETS)}")
     results = []
@@ -145,7 +178,7 @@ def main(argv=None) -> dict:
                 continue
             res = json.loads(lines[-1][len("RESULT "):]) | {"process_wall_s": time.perf_counter() - t0}
             results.append(res)
-            print(json.dumps({k: res[k] for k in ("set", "llm_init_s", "log")}), flush=True)
+            print(json.dumps({k: res.get(k) for k in ("set", "llm_init_s", "log", "total_s")}), flush=True)
     result = dict(env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"},
                   results=results)
     common.write_result("compile_probe", result, args.out)
