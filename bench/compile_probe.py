@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,10 @@ def parse(argv=None):
     p.add_argument("--no-time-steps", action="store_true", help="skip the per-step timing")
     p.add_argument("--trace-only", action="store_true",
                    help="also one process that traces and lowers every step (no compiles alongside)")
+    p.add_argument("--ab-steps", default=None,
+                   help="instead: in one process, compile these steps (e.g. 512x2048,512x8192) once per set, one "
+                        "at a time, and time the sets' programs alternately")
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -58,30 +63,66 @@ def extra_options(spec: dict, decode_only: bool) -> dict:
     return out
 
 
-def time_steps(runner) -> list[dict]:
-    """Device time per call of each compiled step: (t(n2) - t(n1)) / (n2 - n1) over chained calls, so the fixed
+def step_ms(runner, v, exe) -> float:
+    """Milliseconds per call of exe (v's program): (t(n2) - t(n1)) / (n2 - n1) over chained calls, so the fixed
     cost of dispatching the first call and syncing cancels."""
     import jax
 
+    n1, n2 = (2, 6) if v.num_tokens >= 1024 else (5, 25)
+
+    def chain(n):
+        params, _, ints, floats, _, layout = runner._dummy_args(v)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            runner.kv_caches, runner.prev_tokens, outputs, _, _ = exe(
+                params, runner.kv_caches, ints, floats, runner.prev_tokens, layout)
+        jax.block_until_ready(outputs)
+        return time.perf_counter() - t0
+
+    return (chain(n2) - chain(n1)) / (n2 - n1) * 1e3
+
+
+def time_steps(runner) -> list[dict]:
+    """Each compiled step's time per call (median of three)."""
     rows = []
     for v in runner.variants():
         exe = runner._compiled[v]
-        n1, n2 = (2, 6) if v.num_tokens >= 1024 else (5, 25)
-
-        def chain(n):
-            params, _, ints, floats, _, layout = runner._dummy_args(v)
-            t0 = time.perf_counter()
-            for _ in range(n):
-                runner.kv_caches, runner.prev_tokens, outputs, _, _ = exe(
-                    params, runner.kv_caches, ints, floats, runner.prev_tokens, layout)
-            jax.block_until_ready(outputs)
-            return time.perf_counter() - t0
-
-        chain(2)  # first calls: graph instantiation, buffers
-        samples = [(chain(n2) - chain(n1)) / (n2 - n1) * 1e3 for _ in range(3)]
-        rows.append(dict(step=v.shape_name, ms=min(samples), ms_samples=samples))
+        step_ms(runner, v, exe)  # first calls: graph instantiation, buffers
+        samples = [step_ms(runner, v, exe) for _ in range(3)]
+        rows.append(dict(step=v.shape_name, ms=statistics.median(samples), ms_samples=samples))
         print(f"step {rows[-1]}", flush=True)
     return rows
+
+
+def ab_steps(args) -> dict:
+    """--ab-steps: each named step compiled once per set (alone, nothing else compiling), then the sets'
+    programs timed in alternation for --rounds rounds."""
+    from jaxllm import LLM
+    from jaxllm.engine import runner as runner_mod
+
+    kw = common.engine_kwargs(args, args.model) | dict(enforce_eager=True)
+    r = LLM(args.model, **kw).llm_engine.runner
+    by_name = {v.shape_name: v for v in r.variants()}
+    names = args.sets.split(",")
+    exes, compile_s = {}, {}
+    for step in args.ab_steps.split(","):
+        v = by_name[step]
+        for name in names:
+            options = runner_mod.compile_options(v) | extra_options(SETS[name], v.decode_only)
+            lowered = r._lower(v, r._dummy_args(v))
+            t0 = time.perf_counter()
+            exes[step, name] = lowered.compile(compiler_options=options)
+            compile_s[f"{step} {name}"] = round(time.perf_counter() - t0, 2)
+            step_ms(r, v, exes[step, name])
+            print(f"compiled {step} {name} in {compile_s[f'{step} {name}']} s", flush=True)
+    samples = {k: [] for k in exes}
+    for _ in range(args.rounds):
+        for (step, name), exe in exes.items():
+            samples[step, name].append(step_ms(r, by_name[step], exe))
+    rows = [dict(step=step, set=name, ms=statistics.median(s), ms_samples=s) for (step, name), s in samples.items()]
+    for row in rows:
+        print(f"ab {row['step']} {row['set']}: {row['ms']:.2f} ms", flush=True)
+    return dict(set="ab_steps", compile_s=compile_s, rows=rows)
 
 
 def child(args) -> dict:
@@ -155,13 +196,13 @@ def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
     if args.child:
-        res = trace_only(args) if args.child == "trace_only" else child(args)
+        res = {"trace_only": trace_only, "ab_steps": ab_steps}.get(args.child, child)(args)
         print("RESULT " + json.dumps(res), flush=True)
         return res
     model = common.resolve_model(args)
     names = args.sets.split(",")
-    names += ["trace_only"] if args.trace_only else []
-    unknown = [n for n in names if n not in SETS and n != "trace_only"]
+    unknown = [n for n in names if n not in SETS]
+    names = ["ab_steps"] if args.ab_steps else names + (["trace_only"] if args.trace_only else [])
     if unknown:
         raise SystemExit(f"unknown sets {unknown}; known: {sorted(SETS)}")
     results = []
