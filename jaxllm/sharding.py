@@ -17,6 +17,7 @@ pipeline.py runs one jitted function per stage and moves hidden states between r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -167,17 +168,25 @@ def kv_cache_shardings(cfg, mesh: Mesh, rules=LOGICAL_RULES) -> list:
     return out
 
 
+def kv_cache_specs(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None) -> list:
+    """Per layer (k_pages, v_pages) as jax.ShapeDtypeStructs with their shardings: what make_kv_caches
+    allocates, for lowering the step programs before (or without) the memory."""
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
+    shape = (kv_heads_for(cfg.num_kv_heads, mesh_tp(mesh)), num_pages, page_size, cfg.head_dim)
+    return [(jax.ShapeDtypeStruct(shape, dtype, sharding=sh),) * 2 for sh in kv_cache_shardings(cfg, mesh)]
+
+
 def make_kv_caches(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None, fill=0.0):
     """Per layer (k_pages, v_pages) [K', P, S, H], created sharded (each device allocates its own shard)."""
     import jax.numpy as jnp
 
-    dtype = jnp.dtype(cfg.dtype if dtype is None else dtype)
-    K = kv_heads_for(cfg.num_kv_heads, mesh_tp(mesh))
-    shape = (K, num_pages, page_size, cfg.head_dim)
     caches, fns = [], {}
-    for sh in kv_cache_shardings(cfg, mesh):
+    for spec, _ in kv_cache_specs(cfg, mesh, num_pages, page_size, dtype):
+        sh = spec.sharding
         if sh not in fns:
-            fns[sh] = jax.jit(lambda: (jnp.full(shape, fill, dtype), jnp.full(shape, fill, dtype)),
-                             out_shardings=(sh, sh))
+            full = functools.partial(jnp.full, spec.shape, fill, spec.dtype)
+            fns[sh] = jax.jit(lambda full=full: (full(), full()), out_shardings=(sh, sh))
         caches.append(fns[sh]())
     return caches

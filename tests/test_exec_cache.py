@@ -103,24 +103,60 @@ def test_second_start_loads_without_tracing(tiny, tmp_path, monkeypatch, traces)
     assert counters(second)["hits"] == n + extra_steps and traces["n"] == 0
 
 
-def test_warm_up_compiles_while_the_kv_cache_is_unallocated(tiny, tmp_path, monkeypatch):
-    """Parallel compiles autotune on device memory: warm-up runs them against the KV cache's shapes (its
-    buffers freed) and allocates the cache again afterwards, the same shapes and shardings."""
+def test_warm_up_compiles_while_the_weights_load_and_the_kv_cache_is_unallocated(tiny, tmp_path, monkeypatch):
+    """The steps are compiled against abstract weights while the weights load on a thread, and against the KV
+    cache's shapes with its memory free (parallel compiles autotune on device memory); then the loaded weights
+    are bound and the cache allocated, with the shapes and shardings the steps were compiled for."""
     from jaxllm.engine.runner import ModelRunner
 
     seen = []
     compile_variants = ModelRunner._compile_variants
 
-    def spy(self, workers):
-        seen.extend(type(a) for a in jax.tree.leaves(self.kv_caches))
-        return compile_variants(self, workers)
+    def spy(self, workers, weights=None):
+        assert weights is not None  # a Future of the params
+        seen.extend(type(a) for a in jax.tree.leaves((self.params, self.kv_caches)))
+        return compile_variants(self, workers, weights)
 
     monkeypatch.setattr(ModelRunner, "_compile_variants", spy)
     llm = start(tiny, tmp_path, monkeypatch)
-    kv = llm.llm_engine.runner.kv_caches
+    runner = llm.llm_engine.runner
     assert seen and set(seen) == {jax.ShapeDtypeStruct}
-    assert all(isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72 for a in jax.tree.leaves(kv))
-    assert run(llm)[0]  # the compiled steps run on the new cache
+    assert all(isinstance(a, jax.Array) and not a.is_deleted() for a in jax.tree.leaves(runner.params))
+    assert all(isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72
+               for a in jax.tree.leaves(runner.kv_caches))
+    assert run(llm)[0]  # the compiled steps run on the loaded weights and the new cache
+
+
+def test_a_failing_weight_load_stops_warm_up_early(tiny, tmp_path, monkeypatch, traces):
+    """A checkpoint that fails to load (on the weights' thread) is reported as itself, and the variants not
+    yet traced are not traced for nothing."""
+    from jaxllm.models import loader
+
+    def broken(*a, **k):
+        raise ValueError("a broken checkpoint")
+
+    monkeypatch.setattr(loader, "load_params", broken)
+    with pytest.raises(ValueError, match="a broken checkpoint"):
+        start(tiny, tmp_path, monkeypatch)
+    assert traces["n"] <= 1  # 6 traces without stopping (the 9 variants share some)
+
+
+def test_set_params_rejects_weights_the_steps_were_not_compiled_for(tiny):
+    from jaxllm.config import ModelConfig, read_hf_config
+    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.models.loader import abstract_weights, load_params
+    from jaxllm.sharding import ParallelConfig
+
+    cfg = ModelConfig.from_hf(read_hf_config(tiny), dtype="float32")
+    mesh = ParallelConfig(1, 1).make_mesh()
+    runner = ModelRunner(cfg, abstract_weights(cfg, mesh), mesh, num_blocks=8, block_size=8, max_model_len=64)
+    assert not runner.has_weights and isinstance(runner.kv_caches[0][0], jax.ShapeDtypeStruct)
+    params = load_params(tiny, cfg, mesh)
+    wrong = jax.tree.map(lambda a: a.astype("bfloat16"), params)
+    with pytest.raises(ValueError, match="differ from those the step programs were compiled for"):
+        runner.set_params(wrong)
+    runner.set_params(params)
+    assert runner.has_weights and runner._head["lm_head"] is params["lm_head"]
 
 
 def test_corrupt_and_mismatched_entries_fall_back(tiny, tmp_path, monkeypatch, traces, caplog):
@@ -212,7 +248,8 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner_mod.jax, "default_backend", lambda: "gpu")
     options = [runner_mod.compile_options(v) for v in variants]
-    assert options == [{"xla_gpu_enable_command_buffer": ""}, {}, {"xla_gpu_enable_triton_gemm": False}]
+    assert options == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}, {},
+                       {"xla_gpu_enable_triton_gemm": False}]
     gpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in variants]
     assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1] and gpu_keys[2] != cpu_keys[2]
     monkeypatch.undo()

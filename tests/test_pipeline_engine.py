@@ -17,8 +17,9 @@ def tiny(tmp_path_factory):
 
 
 def greedy(model_dir, **kw):
+    kw.setdefault("enforce_eager", True)
     llm = LLM(model_dir, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32,
-              block_size=8, enforce_eager=True, max_model_len=64, compilation_cache_dir=None, **kw)
+              block_size=8, max_model_len=64, compilation_cache_dir=None, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -65,3 +66,14 @@ def test_engine_loads_converted_checkpoint(tiny, ref, tmp_path):
 
     out = convert_checkpoint(tiny, str(tmp_path / "orbax"), tp=2, dtype="float32", progress=False)
     assert greedy(out, tensor_parallel_size=2) == ref
+
+
+def test_tp_warm_up_binds_each_loaders_weights(tiny, ref, tmp_path):
+    """With warm-up on and no pipeline stages, the steps compile against abstract_weights while the weights
+    load: each loader (HF safetensors; a converted Orbax checkpoint, at tp=4 through its repeated-kv-heads path)
+    must hand back the shardings they were compiled for (set_params checks)."""
+    from convert import convert_checkpoint
+
+    out = convert_checkpoint(tiny, str(tmp_path / "orbax"), tp=2, dtype="float32", progress=False)
+    assert greedy(tiny, tensor_parallel_size=2, enforce_eager=False) == ref
+    assert greedy(out, tensor_parallel_size=4, enforce_eager=False) == ref

@@ -35,7 +35,7 @@ from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, samp
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.models.decoder import compute_logits, forward
-from jaxllm.sharding import make_kv_caches, mesh_pp
+from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
 
 logger = logging.getLogger(__name__)
 
@@ -262,6 +262,13 @@ def compile_options(v: StepVariant) -> dict:
     .json). H100, one call: batch-1 TTFT 13.6 / 13.9 -> 11.3 / 11.0 ms, ITL and throughput unchanged
     (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json in bench/results).
 
+    They also use cuBLAS instead of XLA's Triton GEMMs, which compile in half the time and run as fast or
+    faster. One H100 process compiling each step alone, then timing the two alternately (T x B, ms per step;
+    compile_probe_h100_b691aa4_ab_steps.json): 16x16 6.33 -> 6.51, 128x128 8.27 -> 7.68, 512x512 16.32 ->
+    15.86, 512x2048 47.7 -> 46.8, 512x8192 174.9 -> 154.1; compiles 8.3-9.9 -> 4.6-6.3 s. In a cold start's
+    8 parallel compiles the longest took 32-36 -> 14-17 s and LLM() 73.8 -> 60.5 s (compile_probe_h100_ce2244f
+    .json: the 8B shape, 19 steps; tracing them, ~25-35 s with compiles alongside, is now what ready waits on).
+
     Decode-only steps of CUBLAS_MIN_DECODE_SEQS or more sequences use cuBLAS instead of XLA's Triton GEMMs: the
     autotuner keeps Triton GEMM fusions there (with the residual add and norm scale fused around them), which
     bench/step_probe.py measured slower per step on the H100 at ctx 192 (step_probe_h100_e104111_rows*.json):
@@ -270,10 +277,14 @@ def compile_options(v: StepVariant) -> dict:
     if jax.default_backend() != "gpu":
         return {}
     if not v.decode_only:
-        return {"xla_gpu_enable_command_buffer": ""}
+        return {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
     if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
         return {"xla_gpu_enable_triton_gemm": False}
     return {}
+
+
+def _failed(future) -> bool:
+    return future is not None and future.done() and future.exception() is not None
 
 
 def _drop_queued(pool_ref) -> None:
@@ -309,7 +320,8 @@ class ModelRunner:
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
         self.kv_dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype))
-        self.kv_caches = self._allocate_kv()
+        # Weights still loading (abstract_weights): the KV cache is allocated once they are bound (warm_up).
+        self.kv_caches = self._allocate_kv() if self.has_weights else self._kv_specs()
         self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
         self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
@@ -318,6 +330,9 @@ class ModelRunner:
         self.pipeline = None
         if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled by warm_up)
             from jaxllm.engine.pipeline import PipelineExecutor
+
+            if not self.has_weights:
+                raise ValueError("Pipeline stages are warmed up by running them: they need the loaded weights.")
 
             self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
                                              max_pages=self.max_pages, token_buckets=self.token_buckets,
@@ -352,6 +367,30 @@ class ModelRunner:
     def _allocate_kv(self):
         # kv heads over tp (repeated when tp > K), each layer on its pipeline stage's devices.
         return make_kv_caches(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def _kv_specs(self):
+        return kv_cache_specs(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def _kv_allocated(self) -> bool:
+        return isinstance(self.kv_caches[0][0], jax.Array)
+
+    @property
+    def has_weights(self) -> bool:
+        """False while params are abstract_weights (the steps can be compiled, not run; see set_params)."""
+        return not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.params))
+
+    def set_params(self, params) -> None:
+        """Binds weights to the runner: their tree, shapes, dtypes and shardings must be those the step
+        programs were compiled for (the abstract_weights the runner was built with)."""
+        old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
+        same = jax.tree.structure(params) == jax.tree.structure(self.params) and all(
+            a.shape == b.shape and a.dtype == b.dtype and b.sharding.is_equivalent_to(a.sharding, len(a.shape))
+            for a, b in zip(old, new))
+        if not same:
+            raise ValueError("The loaded weights' tree, shapes, dtypes or shardings differ from those the step "
+                             "programs were compiled for.")
+        self.params = params
+        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
 
     @staticmethod
     def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1,
@@ -414,33 +453,37 @@ class ModelRunner:
                 logger.debug(msg, v, time.perf_counter() - t0)
         return exe
 
-    def warm_up(self, enforce_eager: bool = False, workers: int | None = None) -> None:
+    def warm_up(self, enforce_eager: bool = False, workers: int | None = None, weights=None) -> None:
         """Compiles every shape bucket now, so serving never stalls on the compiler (enforce_eager: skip).
         Buckets in the executable cache are loaded, untraced. The others are traced one after another
         (Python) and compiled in a thread pool (XLA releases the GIL). When the pool leaves a core free, each
         bucket is compiled as soon as it is traced, so tracing overlaps compiling (2-core VM, 1 compile
         thread, 10 buckets of a 32-layer model: 81 -> 66 s, 68 -> 53 s); otherwise tracing would only slow
-        the compiles down (2 threads: 35 -> 43 s), so all are traced first."""
+        the compiles down (2 threads: 35 -> 43 s), so all are traced first.
+
+        weights: a Future of the params, for a runner built on abstract_weights: the steps are traced and
+        compiled while they load, then bound (set_params) and the KV cache allocated. If loading fails,
+        compiling stops early and the loader's error is raised."""
         self.eager = enforce_eager
-        if not enforce_eager and self.pipeline is not None:
-            self._warm_up_pipeline()
-        elif not enforce_eager:
-            # XLA's GEMM autotuner measures on its own copies of each GEMM's operands, in device memory, and the
-            # compiles below run in parallel: compile against the KV cache's shapes while its memory is free
-            # (an H100 start-up with the cache allocated had a compile fail for memory and redone alone: 37 ->
-            # 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
-            kv_free = not self.warmed_up and any(v not in self._compiled for v in self.variants())
-            if kv_free:
-                spec = [tuple(_spec(a) for a in layer)
-                        for layer in self.kv_caches]
-                for a in jax.tree.leaves(self.kv_caches):
-                    a.delete()
-                self.kv_caches = spec
-            try:
-                self._compile_variants(workers)
-            finally:
-                if kv_free:
-                    self.kv_caches = self._allocate_kv()
+        try:
+            if not enforce_eager and self.pipeline is not None:
+                self._warm_up_pipeline()
+            elif not enforce_eager:
+                # XLA's GEMM autotuner measures on its own copies of each GEMM's operands, in device memory, and
+                # the compiles below run in parallel: compile against the KV cache's shapes while its memory is
+                # free (an H100 start-up with the cache allocated had a compile fail for memory and redone alone:
+                # 37 -> 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
+                if (not self.warmed_up and self._kv_allocated()
+                        and any(v not in self._compiled for v in self.variants())):
+                    for a in jax.tree.leaves(self.kv_caches):
+                        a.delete()
+                    self.kv_caches = self._kv_specs()
+                self._compile_variants(workers, weights)
+        finally:
+            if weights is not None:
+                self.set_params(weights.result())
+            if not self._kv_allocated() and self.has_weights:
+                self.kv_caches = self._allocate_kv()
         self.warmed_up = True
 
     def _warm_up_pipeline(self) -> None:
@@ -462,8 +505,9 @@ class ModelRunner:
         logger.info("Pipeline stages and sampling head compiled for %d step shapes in %.1f s", len(shapes),
                     time.perf_counter() - t0)
 
-    def _compile_variants(self, workers) -> None:
-        """Loads or compiles every variant not compiled yet (see warm_up)."""
+    def _compile_variants(self, workers, weights=None) -> None:
+        """Loads or compiles every variant not compiled yet (see warm_up); stops tracing once the weights
+        Future (if any) has failed."""
         t0 = time.perf_counter()
         todo = [v for v in self.variants() if v not in self._compiled]
         args = {v: self._dummy_args(v) for v in todo}
@@ -485,6 +529,10 @@ class ModelRunner:
 
             jobs = []
             for v in todo:
+                if _failed(weights):
+                    for _, _, job in jobs:  # the queued ones; warm_up raises the loader's error
+                        job is not None and job.cancel()
+                    return
                 if v not in self._compiled:
                     low = self._lower(v, args[v])
                     jobs.append((v, low, pool.submit(compile_timed, v, low) if overlap else None))

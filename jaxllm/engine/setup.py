@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -127,7 +128,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
-    from jaxllm.models.loader import load_params
+    from jaxllm.models.loader import abstract_weights, load_params
     from jaxllm.sharding import ParallelConfig
 
     if hf.get("quantization_config"):
@@ -149,14 +150,27 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         backend = "pallas" if gpu else "reference"
 
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
-    t0 = time.perf_counter()
-    params = load_params(path, cfg, mesh, load_format=args.load_format, seed=args.seed)
-    jax.block_until_ready(params)
-    logger.info("Loaded %s weights (%s) in %.1f s", path, args.load_format, time.perf_counter() - t0)
-
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
-    num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
+    # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
+    # what they are compiled for (abstract_weights) and the memory left for the KV cache are known before.
+    overlap = args.pipeline_parallel_size == 1 and not args.enforce_eager
+    t0 = time.perf_counter()
+
+    def load():
+        params = load_params(path, cfg, mesh, load_format=args.load_format, seed=args.seed)
+        jax.block_until_ready(params)
+        logger.info("Loaded %s weights (%s) in %.1f s", path, args.load_format, time.perf_counter() - t0)
+        return params
+
+    if overlap:
+        params = abstract_weights(cfg, mesh)
+        weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
+                           for p in jax.tree.leaves(params))
+        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes)
+    else:
+        params = load()
+        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
     needed = -(-max_model_len // args.block_size) + 1
     if num_blocks < needed:
         raise ValueError(
@@ -171,16 +185,25 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     tokens = (num_blocks - 1) * args.block_size
     logger.info("KV cache size: %d tokens", tokens)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
-    runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
-                         kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
-                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len,
-                         max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                         executable_cache_dir=_executable_cache_dir(args))
-    t0 = time.perf_counter()
-    runner.warm_up(enforce_eager=args.enforce_eager)
+    weights = None
+    if overlap:
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
+        weights = pool.submit(load)
+        pool.shutdown(wait=False)
+    try:
+        runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
+                             kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
+                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                             max_model_len=max_model_len,
+                             max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
+                             executable_cache_dir=_executable_cache_dir(args))
+        runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
+    except BaseException:
+        if weights is not None:
+            wait([weights])  # no weights left loading behind a failed start (device memory, a retry)
+        raise
     if not args.enforce_eager:
-        logger.info("Compiled all shape buckets in %.1f s", time.perf_counter() - t0)
+        logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
     tokenizer = tokenizer_future.result()
     eos, defaults = _generation_config(args.generation_config, path, cfg, tokenizer)
@@ -245,7 +268,8 @@ def _executable_cache_dir(args: EngineArgs) -> str | None:
 _MIN_WORKSPACE_BYTES = 1 << 30
 
 
-def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
+def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0) -> int:
+    """KV blocks that fit; weight_bytes: this device's weights when they are not loaded yet."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes:
@@ -256,7 +280,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu) -> int:
     if not stats:
         return max(_CPU_KV_BYTES // per_block, 2)
     limit = stats.get("bytes_limit", 0)
-    in_use = stats.get("bytes_in_use", 0)  # weights (this device's shard)
+    in_use = stats.get("bytes_in_use", 0) + weight_bytes  # weights (this device's shard)
     # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
     act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
     # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /

@@ -251,16 +251,27 @@ def is_jaxllm_checkpoint(model_dir: str) -> bool:
     return os.path.isfile(os.path.join(model_dir, MANIFEST))
 
 
+def _weights_layout(cfg: ModelConfig, mesh):
+    """(dtype, ParamSpec tree, sharding tree) of cfg's weights on mesh."""
+    import jax.numpy as jnp
+
+    ParallelConfig(mesh_tp(mesh), mesh_pp(mesh)).validate(cfg)
+    specs = param_specs(cfg, tp=mesh_tp(mesh))
+    return jnp.dtype(cfg.dtype), specs, param_shardings(specs, mesh)
+
+
+def abstract_weights(cfg: ModelConfig, mesh):
+    """What load_params returns, as jax.ShapeDtypeStructs with their shardings (no memory): the step programs
+    are lowered against it while the weights load."""
+    dtype, specs, shardings = _weights_layout(cfg, mesh)
+    return abstract_params(specs, dtype, shardings)
+
+
 def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto", seed: int = 0):
     """The params pytree, created sharded over mesh. load_format="dummy" makes random weights on device.
     A directory written by `python -m jaxllm.convert` (it holds MANIFEST) is restored from Orbax straight
     into mesh's shardings, whatever mesh it was converted for."""
-    import jax.numpy as jnp
-
-    ParallelConfig(mesh_tp(mesh), mesh_pp(mesh)).validate(cfg)
-    dtype = jnp.dtype(cfg.dtype)
-    specs = param_specs(cfg, tp=mesh_tp(mesh))
-    shardings = param_shardings(specs, mesh)
+    dtype, specs, shardings = _weights_layout(cfg, mesh)
     if load_format == "dummy":
         return dummy_params(specs, dtype, shardings, seed=seed)
     if load_format == "auto" and is_jaxllm_checkpoint(model_dir):
@@ -327,4 +338,4 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)
 
 
-__all__ = ["CheckpointReader", "load_params", "weight_table", "abstract_params", "ParamSpec"]
+__all__ = ["CheckpointReader", "load_params", "abstract_weights", "weight_table", "abstract_params", "ParamSpec"]
