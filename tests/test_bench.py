@@ -241,6 +241,18 @@ def test_gpu_parity_smoke(tmp_path):
     assert pre["preemptions"] > 0 and pre["parity"]["passed"]
 
 
+def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_path):
+    """The fp8 configuration is checked against HF with its keys and values rounded to float8 like the engine's
+    pages: that reference is closer to the engine than the plain one (on CPU, reference attention)."""
+    from bench import gpu_parity
+
+    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.25", "--enforce-eager",
+                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m")])
+    parity = res["configs"]["fp8_kv"]["parity"]
+    assert res["configs"]["fp8_kv"]["kv_cache_dtype"] == "float8_e4m3fn" and parity["passed"]
+    assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
+
+
 def test_gpu_parity_compare_fails_on_a_wrong_token():
     """The parity check fails where the engine took a token the reference gives a low logprob, and not where
     the reference nearly ties."""
