@@ -12,15 +12,18 @@ TF32 off (the reference) and in bfloat16 (the baseline: what HF's own 16-bit run
 reference). Per generated position:
   gap    = reference max logprob - reference logprob of the engine's token (0 where the tokens agree),
   lp_err = |engine logprob - reference logprob| of that token.
-A configuration passes when no position's gap exceeds its tolerance (--gap-tol, --gap-tol-f32): the engine may
-pick another token only where the reference itself nearly ties, and a wrong page, slot or position makes gaps
-of whole nats. Random-weight logits tie often, so exact-token agreement is reported beside it, with HF's own
+A configuration passes when no position's gap exceeds its tolerance (--gap-tol, --gap-tol-fp8, --gap-tol-f32):
+the engine may pick another token only where the reference itself nearly ties, and a wrong page, slot or
+position makes gaps of whole nats. Random-weight logits tie often, so exact-token agreement is reported beside it, with HF's own
 bf16 agreement as the baseline.
 
 fp8 KV pages store every key and value rounded to float8 (scale 1, clipped to the format's range), a loss of
 its own: for those configurations the reference and the baseline are the same HF models with their keys and
 values rounded alike (attention implementation "jaxllm_fp8_kv"), and the gaps against the plain float32
-reference are reported beside them as what the fp8 pages cost.
+reference are reported beside them as what the fp8 pages cost. 16-bit compute next to fp8 rounding still
+moves some keys and values across a rounding boundary (an fp8 step is 2^-3 relative, bf16's 2^-8), which
+HF's own bf16 run shows as well (H100, 8B widths: gap max 0.30 against the rounded reference, the engine
+0.23; gpu_parity_h100_9da7efd_fp8.json), hence --gap-tol-fp8.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ def parse(argv=None):
     p.add_argument("--scale", type=float, default=1.0, help="prompt counts and lengths times this (CPU checks)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--gap-tol", type=float, default=0.1, help="16-bit weights and KV (nats)")
+    p.add_argument("--gap-tol-fp8", type=float, default=0.5, help="fp8 KV pages, against the rounded reference")
     p.add_argument("--gap-tol-f32", type=float, default=0.02, help="the Pallas kernels' f32 dots may use TF32")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--model-dir", default="/tmp/jaxllm_gpu_parity_model")
@@ -249,6 +253,7 @@ def main(argv=None):
         base = teacher_forced(base_model, run["seqs"], device)
         tol = args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol
         fp8 = run["facts"]["kv_cache_dtype"] if run["facts"]["kv_cache_dtype"] in FP8_MAX else None
+        tol = args.gap_tol_fp8 if fp8 else tol
         if fp8:  # the fp8 pages' own loss, against the plain reference; the check is against rounded K/V
             cost = compare(run["seqs"], ref, base, tol)
             fp8_ref, fp8_base = hf_models(model_dir, device, fp8)
