@@ -569,6 +569,9 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
     monkeypatch.delenv("XLA_CLIENT_MEM_FRACTION")  # jax's default 0.75: 72 GiB of a 96 GiB device
     args.gpu_memory_utilization = 0.5  # 48 GiB of it
     assert setup._num_blocks(args, gib // 16, 16, 8, cfg, True) == (48 - 16 - 1) * 16
+    # before the weights load (they load while the steps compile): their bytes are counted in advance
+    dev.memory_stats = lambda: {"bytes_limit": 72 * gib, "bytes_in_use": 0}
+    assert setup._num_blocks(args, gib // 16, 16, 8, cfg, True, weight_bytes=16 * gib) == (48 - 16 - 1) * 16
 
 
 def test_max_model_len_and_kv_errors(tiny):
