@@ -14,8 +14,8 @@ reference). Per generated position:
   lp_err = |engine logprob - reference logprob| of that token.
 A configuration passes when no position's gap exceeds its tolerance (--gap-tol, --gap-tol-fp8, --gap-tol-f32):
 the engine may pick another token only where the reference itself nearly ties, and a wrong page, slot or
-position makes gaps of whole nats. Random-weight logits tie often, so exact-token agreement is reported beside it, with HF's own
-bf16 agreement as the baseline.
+position makes gaps of whole nats. Random-weight logits tie often, so exact-token agreement is reported beside
+it, with HF's own bf16 agreement as the baseline.
 
 fp8 KV pages store every key and value rounded to float8 (scale 1, clipped to the format's range), a loss of
 its own: for those configurations the reference and the baseline are the same HF models with their keys and
@@ -176,19 +176,30 @@ def teacher_forced(model, seqs, device) -> list[np.ndarray]:
 
 
 FP8_KV_ATTENTION = "jaxllm_fp8_kv"
-FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+
+
+def fp8_format(kv_cache_dtype: str) -> str | None:
+    """kv_cache_dtype (the pages' dtype name) when it is a float8 format, else None."""
+    import jax.numpy as jnp
+
+    from kernels_pallas.reference import FP8_MAX
+
+    return kv_cache_dtype if jnp.dtype(kv_cache_dtype) in FP8_MAX else None
 
 
 def fp8_kv_attention(module, query, key, value, attention_mask, **kw):
     """HF's SDPA attention over keys and values rounded as the engine's fp8 pages store them (the
     kv_cache_dtype's float8 format, scale 1, clipped to its range)."""
+    import jax.numpy as jnp
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from kernels_pallas.reference import FP8_MAX
+
     fmt = module.config.jaxllm_fp8_format
+    limit = FP8_MAX[jnp.dtype(fmt)]
 
     def stored(x):
-        limit = FP8_MAX[fmt]
         return x.float().clamp(-limit, limit).to(getattr(torch, fmt)).to(x.dtype)
 
     return sdpa_attention_forward(module, query, stored(key), stored(value), attention_mask, **kw)
@@ -251,9 +262,9 @@ def main(argv=None):
     for name, run in runs.items():
         ref = teacher_forced(ref_model, run["seqs"], device)
         base = teacher_forced(base_model, run["seqs"], device)
-        tol = args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol
-        fp8 = run["facts"]["kv_cache_dtype"] if run["facts"]["kv_cache_dtype"] in FP8_MAX else None
-        tol = args.gap_tol_fp8 if fp8 else tol
+        fp8 = fp8_format(run["facts"]["kv_cache_dtype"])
+        tol = args.gap_tol_fp8 if fp8 else (
+            args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol)
         if fp8:  # the fp8 pages' own loss, against the plain reference; the check is against rounded K/V
             cost = compare(run["seqs"], ref, base, tol)
             fp8_ref, fp8_base = hf_models(model_dir, device, fp8)

@@ -531,7 +531,8 @@ class ModelRunner:
             for v in todo:
                 if _failed(weights):
                     for _, _, job in jobs:  # the queued ones; warm_up raises the loader's error
-                        job is not None and job.cancel()
+                        if job is not None:
+                            job.cancel()
                     return
                 if v not in self._compiled:
                     low = self._lower(v, args[v])
