@@ -246,8 +246,8 @@ def main():
     results = []
     if "tail" in only:
         # (B, ctx, splits, live): the last is the throughput run's decode batch (500 live of 512, 580-600 tokens)
-        cases = [(1, 32768, None, None), (1, 32768, 47, None), (16, 16384, None, None), (64, 2048, None, None),
-                 (512, 600, None, 500)]
+        cases = [(1, 32768, None, None), (1, 32768, 47, None), (1, 32768, 98, None), (1, 32768, 147, None),
+                 (16, 16384, None, None), (64, 2048, None, None), (512, 600, None, 500)]
         for B, ctx, splits, live in cases if not INTERPRET else [(1, 1024, None, None), (8, 100, None, 6)]:
             q, k, v, lens, _, bt = make_case(B, ctx, max_len=1024 if live else None)
             if live is not None:

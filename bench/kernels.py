@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -578,6 +578,12 @@ def main():
         bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", b1, shipped=False)
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(prefetch=3),
                                                                  dict(block_k=32, prefetch=3), dict()], shipped=False)
+    if "waves" in only:  # split-K over several waves of programs (the block scheduler balances what one wave
+        # cannot: B1 x 32k's programs end over ~4 us, bench/KERNELS_NOTES.md stop 18) against the one-wave default
+        for B, ctx, splits in ((1, 32768, (49, 66, 98, 132, 147, 198, 264)), (4, 8192, (12, 24, 36, 49)),
+                               (2, 131072, (24, 48, 72, 96))):
+            cfgs = [dict()] + [dict(num_splits=n) for n in splits] + [dict()]
+            bench_decode(results, B, ctx, copy, f"waves_b{B}_ctx{ctx}", cfgs, shipped=False, check=ctx <= 32768)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
