@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -209,7 +209,7 @@ def rel_err(a, b):
 
 
 def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, kv_dtype=None, shipped=True,
-                 check=True, max_len=None):
+                 check=True, max_len=None, impl="pallas_triton", fn=paged_decode_attention_kernel):
     q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype, max_len=max_len)
     scale = H**-0.5
     nbytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize + 2 * q.size * q.dtype.itemsize  # KV + q + out
@@ -219,8 +219,8 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
         ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
     for cfg in configs:
         row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
-                   kv_dtype=str(jnp.dtype(k.dtype)), impl="pallas_triton", cfg=cfg)
-        call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(  # noqa: E731
+                   kv_dtype=str(jnp.dtype(k.dtype)), impl=impl, cfg=cfg)
+        call = lambda q, k, v, lens, bt, cfg=cfg: fn(  # noqa: E731
             q, k, v, lens, bt, scale=scale, **cfg)
         _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
     if shipped:
@@ -584,6 +584,16 @@ def main():
                                (2, 131072, (24, 48, 72, 96))):
             cfgs = [dict()] + [dict(num_splits=n) for n in splits] + [dict()]
             bench_decode(results, B, ctx, copy, f"waves_b{B}_ctx{ctx}", cfgs, shipped=False, check=ctx <= 32768)
+    if "mgpu_decode" in only:  # the Mosaic GPU decode kernel (_decode_mgpu.py) against the Triton one, same inputs
+        from kernels_pallas._decode_mgpu import paged_decode_mgpu
+
+        mg = [dict(block_kv=64, slots=2), dict(block_kv=64, slots=2, regs=(208, 48)), dict(block_kv=64, slots=3),
+              dict(block_kv=64, slots=3, ctas_per_sm=1), dict(block_kv=64, slots=4, ctas_per_sm=1),
+              dict(block_kv=128, slots=2, ctas_per_sm=1), dict(block_kv=64, slots=2, ctas_per_sm=3)]
+        for B, ctx in ((1, 32768), (64, 2048), (16, 16384), (4, 8192)):
+            bench_decode(results, B, ctx, copy, f"mgpu_b{B}_ctx{ctx}", [dict()], shipped=False)
+            bench_decode(results, B, ctx, copy, f"mgpu_b{B}_ctx{ctx}", mg, shipped=False, impl="mosaic_gpu",
+                         fn=paged_decode_mgpu)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
