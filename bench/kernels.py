@@ -234,7 +234,7 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
 
 
 def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0, max_len=None, total_pages=None,
-                      K=8, H=128, configs=({},)):
+                      K=8, H=128, configs=({},), fn=paged_decode_attention_kernel):
     """Decode over a batch like the engine's: `live` sequences with lengths ctx - jitter .. ctx, the rest
     padding (length 0); one row per kernel config."""
     q, k, v, lens, _, bt = make_case(B, ctx, K=K, H=H, max_len=max_len, total_pages=total_pages)
@@ -247,8 +247,9 @@ def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0,
     ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H**-0.5, pages_per_step=64)[:live]
     for cfg in configs:
         row = dict(kind="decode", label=f"engine_like_{label}", B=B, ctx=ctx, live=live, jitter=jitter,
-                   table_pages=int(bt.shape[1]), total_pages=int(k.shape[1]), impl="pallas_triton", cfg=cfg)
-        call = lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(  # noqa: E731
+                   table_pages=int(bt.shape[1]), total_pages=int(k.shape[1]),
+                   impl="pallas_triton" if fn is paged_decode_attention_kernel else fn.__name__, cfg=cfg)
+        call = lambda q, k, v, lens, bt, cfg=cfg: fn(  # noqa: E731
             q, k, v, lens, bt, scale=H**-0.5, **cfg)
         try:  # padding sequences (length 0) have no defined output: compare the live ones
             row["rel_err"] = rel_err(call(q, k, v, lens, bt)[:live], ref)
@@ -587,13 +588,19 @@ def main():
     if "mgpu_decode" in only:  # the Mosaic GPU decode kernel (_decode_mgpu.py) against the Triton one, same inputs
         from kernels_pallas._decode_mgpu import paged_decode_mgpu
 
-        mg = [dict(block_kv=64, slots=2), dict(block_kv=64, slots=2, regs=(208, 48)), dict(block_kv=64, slots=3),
-              dict(block_kv=64, slots=3, ctas_per_sm=1), dict(block_kv=64, slots=4, ctas_per_sm=1),
-              dict(block_kv=128, slots=2, ctas_per_sm=1), dict(block_kv=64, slots=2, ctas_per_sm=3)]
-        for B, ctx in ((1, 32768), (64, 2048), (16, 16384), (4, 8192)):
-            bench_decode(results, B, ctx, copy, f"mgpu_b{B}_ctx{ctx}", [dict()], shipped=False)
-            bench_decode(results, B, ctx, copy, f"mgpu_b{B}_ctx{ctx}", mg, shipped=False, impl="mosaic_gpu",
-                         fn=paged_decode_mgpu)
+        deep = [dict(slots=4, ctas_per_sm=1), dict(slots=5, ctas_per_sm=1), dict(slots=4, num_splits=17)]
+        wide = [dict(slots=2), dict(block_kv=128, slots=2), dict(slots=3)]
+        for B, ctx, mg in ((1, 32768, deep + [dict(slots=2)]), (64, 2048, wide), (16, 16384, wide + deep[:2]),
+                           (4, 8192, deep[:2] + [dict(slots=3, ctas_per_sm=1)]), (2, 131072, deep[:2])):
+            label = f"mgpu_b{B}_ctx{ctx}"
+            bench_decode(results, B, ctx, copy, label, [dict()], shipped=False, check=ctx <= 32768)
+            bench_decode(results, B, ctx, copy, label, mg + mg[:1], shipped=False, impl="mosaic_gpu",
+                         fn=paged_decode_mgpu, check=ctx <= 32768)
+            bench_decode(results, B, ctx, copy, label, [dict()], shipped=False, check=False)
+        for cfg in ({}, dict(slots=2)):  # the throughput run's decode batch
+            fn = paged_decode_mgpu if cfg else paged_decode_attention_kernel
+            bench_engine_like(results, copy, "engine_shape_cache21k" + ("_mosaic" if cfg else ""), live=500,
+                              jitter=20, max_len=1024, total_pages=21189, configs=(cfg,), fn=fn)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)

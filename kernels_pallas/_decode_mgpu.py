@@ -15,7 +15,8 @@ the shared memory held: every operation on the tile is row-wise (scores, softmax
 the stored rows, and only those rows are stored. The memory warpgroup copies each page's K and V ([S, H], one
 TMA each) of the split's blocks into a ring of `slots` shared-memory slots; table entries past the split are
 clipped into the cache, their keys masked and their V rows zeroed in shared memory before the P.V wgmma (stale
-pages may hold NaN). Each split writes its normalized float32 output and its (max, sum) in the log2 domain.
+pages may hold NaN). With one split the kernel writes the output in q's dtype; with several each split writes
+its normalized float32 output and its (max, sum) in the log2 domain for _decode.combine_splits.
 """
 
 from __future__ import annotations
@@ -58,9 +59,13 @@ def _q_rows(G):
     return 8 * (-(-(7 + G) // 8))
 
 
-def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped, *, G, num_splits, block_kv,
-            page_size, slots, scale_log2, dtype, regs, interpret):
+def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, G, num_splits, block_kv, page_size, slots, scale_log2,
+            dtype, regs, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    *outs, scoped = refs
+    final = num_splits == 1
+    o_ref, m_ref, l_ref = outs if not final else (outs[0], None, None)
 
     (q_smem, k_smem, v_smem, o_smem, m_smem, l_smem), (q_ready, k_ready, v_ready), (k_free, v_free) = scoped
     BK, S = block_kv, page_size
@@ -144,13 +149,19 @@ def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, scoped, 
         )
         carry = lax.fori_loop(0, full, functools.partial(block, masked=False), carry)
         acc, m_i, l_i = lax.fori_loop(full, steps, functools.partial(block, masked=True), carry)
-        o_smem[...] = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
-        m_smem[...] = m_i
-        l_smem[...] = l_i
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r0, G)], o_ref.at[b, h, split])
-        plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(r0, G)], m_ref.at[b, h, split])
-        plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(r0, G)], l_ref.at[b, h, split])
+        out = acc / lax.broadcast_in_dim(jnp.where(l_i > 0, l_i, 1.0), acc.shape, [0])
+        if final:  # one split: the output itself, in q's dtype
+            o_smem[...] = out.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r0, G)], o_ref.at[b, h])
+        else:
+            o_smem[...] = out
+            m_smem[...] = m_i
+            l_smem[...] = l_i
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(r0, G)], o_ref.at[b, h, split])
+            plgpu.copy_smem_to_gmem(m_smem.at[pl.ds(r0, G)], m_ref.at[b, h, split])
+            plgpu.copy_smem_to_gmem(l_smem.at[pl.ds(r0, G)], l_ref.at[b, h, split])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -205,7 +216,7 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
             plgpu.SMEM((BQ, H), q.dtype, transforms=tiled),
             plgpu.SMEM((slots, block_kv, H), q.dtype, transforms=tiled),
             plgpu.SMEM((slots, block_kv, H), q.dtype, transforms=tiled),
-            plgpu.SMEM((BQ, H), jnp.float32),  # output staging: untiled (stored from row r0)
+            plgpu.SMEM((BQ, H), q.dtype if splits == 1 else jnp.float32),  # output staging: untiled (rows from r0)
             plgpu.SMEM((BQ,), jnp.float32),
             plgpu.SMEM((BQ,), jnp.float32),
             plgpu.Barrier(num_barriers=1),
@@ -221,10 +232,15 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
-    partial_shape = jax.ShapeDtypeStruct((B, K, SP, G), jnp.float32)
-    o, m, l = plgpu.kernel(
+    final = splits == 1
+    if final:
+        out_type = (jax.ShapeDtypeStruct((B, K, G, H), q.dtype),)
+    else:
+        partial_shape = jax.ShapeDtypeStruct((B, K, SP, G), jnp.float32)
+        out_type = (jax.ShapeDtypeStruct((B, K, SP, G, H), jnp.float32), partial_shape, partial_shape)
+    outs = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((B, K, SP, G, H), jnp.float32), partial_shape, partial_shape),
+        out_type=out_type,
         grid=(B, K, splits),
         grid_names=("b", "h", "s"),
         num_threads=2,
@@ -232,4 +248,5 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
         compiler_params=plgpu.CompilerParams(approx_math=True),
         **kw,
     )(seq_lens.astype(jnp.int32), bt, q2, k_pages, v_pages)
-    return combine_splits(o, m, l, splits, q.dtype, interpret=interpret).reshape(B, N, H)
+    out = outs[0] if final else combine_splits(*outs, splits, q.dtype, interpret=interpret)
+    return out.reshape(B, N, H)
