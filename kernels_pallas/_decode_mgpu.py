@@ -184,6 +184,14 @@ def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, G, num_splits, block_k
                 plgpu.copy_gmem_to_smem(k_ref.at[h, page], k_smem.at[slot, dst], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[h, page], v_smem.at[slot, dst], v_ready.at[slot])
 
+        # The last `slots` blocks' releases, so every barrier phase is observed (Mosaic GPU's interpreter checks
+        # it; on the GPU this only waits for the compute warpgroup, which the CTA does anyway).
+        @pl.loop(jnp.maximum(steps - slots, 0), steps)
+        def _(step):
+            slot = lax.rem(step, slots)
+            plgpu.barrier_wait(k_free.at[slot])
+            plgpu.barrier_wait(v_free.at[slot])
+
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "slots", "num_splits", "ctas_per_sm", "regs",
                                              "interpret"))
