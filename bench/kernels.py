@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -601,6 +601,38 @@ def main():
             fn = paged_decode_mgpu if cfg else paged_decode_attention_kernel
             bench_engine_like(results, copy, "engine_shape_cache21k" + ("_mosaic" if cfg else ""), live=500,
                               jitter=20, max_len=1024, total_pages=21189, configs=(cfg,), fn=fn)
+    if "mgpu_xprof" in only:  # the same comparison by XProf kernel time (the chain difference of short Mosaic GPU
+        # calls moved by 2x between repeats in 88e7d4d): per call, the summed kernels (combine included)
+        from kernels_pallas._decode_mgpu import paged_decode_mgpu
+
+        impls = dict(triton=paged_decode_attention_kernel, mosaic=paged_decode_mgpu)
+        cases = {(1, 32768): [("triton", {}), ("mosaic", dict(slots=4, ctas_per_sm=1)),
+                              ("mosaic", dict(slots=5, ctas_per_sm=1)), ("mosaic", dict(slots=2)), ("triton", {})],
+                 (64, 2048): [("triton", {}), ("mosaic", dict(slots=2)), ("mosaic", dict(block_kv=128, slots=2)),
+                              ("mosaic", dict(slots=3)), ("triton", {})],
+                 (16, 16384): [("triton", {}), ("mosaic", dict(block_kv=128, slots=2)),
+                               ("mosaic", dict(slots=4, ctas_per_sm=1))],
+                 (4, 8192): [("triton", {}), ("mosaic", dict(slots=4, ctas_per_sm=1)),
+                             ("mosaic", dict(slots=3, ctas_per_sm=1))]}
+        for (B, ctx), variants in cases.items():
+            q, k, v, lens, _, bt = make_case(B, ctx)
+            nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
+            for name, cfg in variants:
+                fn = impls[name]
+                build = chained(lambda q, k, v, lens, bt, fn=fn, cfg=cfg: fn(q, k, v, lens, bt, scale=0.088, **cfg))
+                run = runner(build, q, k, v, lens, bt)
+                row = dict(kind="decode_xprof", label=f"b{B}_ctx{ctx}", impl=name, cfg=cfg)
+                try:
+                    t = time_row(row, run)
+                    us, summary = xprof_us(run)
+                    row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy,
+                               frac_copy=nbytes / t / copy, bytes_per_s=nbytes / t,
+                               kernels={x["name"][:40]: round(x["us_per_run"], 2)
+                                        for x in summary["devices"][0]["top_kernels"]})
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                results.append(row)
+                print(json.dumps(row), flush=True)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
