@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -623,6 +623,39 @@ def main():
                 run = runner(build, q, k, v, lens, bt)
                 row = dict(kind="decode_xprof", label=f"b{B}_ctx{ctx}", impl=name, cfg=cfg)
                 try:
+                    t = time_row(row, run)
+                    us, summary = xprof_us(run)
+                    row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy,
+                               frac_copy=nbytes / t / copy, bytes_per_s=nbytes / t,
+                               kernels={x["name"][:40]: round(x["us_per_run"], 2)
+                                        for x in summary["devices"][0]["top_kernels"]})
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    if "decode_backend" in only:  # where the Mosaic GPU decode kernel beats the Triton one (XProf kernel time and
+        # chain time per call, same inputs, same run): the goal shapes, shorter contexts, the engine's batch
+        from kernels_pallas._decode_mgpu import paged_decode_mgpu
+
+        deep, wide = dict(slots=4, ctas_per_sm=1), dict(slots=2, ctas_per_sm=2)
+        cases = [(1, 32768, None, None, [deep, wide]), (4, 8192, None, None, [deep]), (16, 16384, None, None, [deep]),
+                 (2, 131072, None, None, [deep]), (64, 2048, None, None, [deep, dict(block_kv=128, slots=2), wide]),
+                 (64, 512, 2048, None, [deep, wide]), (8, 4096, None, None, [deep, wide]),
+                 (512, 600, 1024, 500, [deep, wide]), (128, 1024, None, None, [deep, wide])]
+        for B, ctx, max_len, live, mg in cases:
+            q, k, v, lens, _, bt = make_case(B, ctx, max_len=max_len, total_pages=21189 if live else None)
+            if live is not None:
+                lens = np.zeros(B, np.int32)
+                lens[:live] = ctx - np.random.default_rng(4).integers(0, 21, live)
+                lens = jnp.asarray(lens)
+            nbytes = int(lens.sum()) * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
+            for name, cfg in [("triton", {})] + [("mosaic", c) for c in mg] + [("triton", {})]:
+                fn = paged_decode_attention_kernel if name == "triton" else paged_decode_mgpu
+                call = lambda q, k, v, lens, bt, fn=fn, cfg=cfg: fn(q, k, v, lens, bt, scale=0.088, **cfg)  # noqa: E731
+                row = dict(kind="decode_xprof", label=f"b{B}_ctx{ctx}" + (f"_live{live}" if live else ""),
+                           table_tokens=int(bt.shape[1]) * 16, impl=name, cfg=cfg)
+                try:
+                    run = runner(chained(call), q, k, v, lens, bt)
                     t = time_row(row, run)
                     us, summary = xprof_us(run)
                     row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy,

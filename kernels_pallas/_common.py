@@ -43,6 +43,15 @@ def on_hopper() -> bool:
     return getattr(jax.devices()[0], "compute_capability", None) == "9.0"
 
 
+def whole_blocks_table(block_tables, pages_per_block: int):
+    """The table as int32 with its page axis a multiple of pages_per_block: enough for kernels whose blocks
+    start at multiples of pages_per_block and never pass the last one that holds a live page (no pad op
+    when the width already is one, as with the engine's power-of-two tables)."""
+    pad = -block_tables.shape[1] % pages_per_block
+    bt = block_tables.astype(jnp.int32)
+    return jnp.pad(bt, ((0, 0), (0, pad))) if pad else bt
+
+
 def pad_block_tables(block_tables, multiple: int):
     """Pads the page axis so a kernel may read a whole group of `multiple` entries past the last page."""
     M = block_tables.shape[1]

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import next_pow2, pad_block_tables
+from ._common import next_pow2, whole_blocks_table
 from ._decode import NUM_SMS, combine_splits
 
 BQ = 64  # wgmma rows
@@ -207,7 +207,7 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
     ppb = block_kv // S
     splits = num_splits or choose_splits(B, K, block_tables.shape[1], ppb, S, ctas_per_sm)
     SP = next_pow2(splits)
-    bt = pad_block_tables(block_tables, ppb)
+    bt = whole_blocks_table(block_tables, ppb)
     q2 = q.reshape(B * N, H)
     # TMA reads rows past the end as zeros but wants whole 8-row tiles; the CPU interpreter raises on them.
     pad = _q_rows(G) if interpret else -(B * N) % 8
