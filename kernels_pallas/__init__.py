@@ -1,5 +1,5 @@
-"""Paged attention kernels for NVIDIA GPUs (Pallas: Triton lowering, and Mosaic GPU for prefill on Hopper),
-each beside the pure-jnp reference.
+"""Paged attention kernels for NVIDIA GPUs (Pallas: Triton lowering, and Mosaic GPU for prefill and decode on
+Hopper), each beside the pure-jnp reference.
 
 KV layout (fixed, see reference.py): per layer k_pages, v_pages: [K, P, S, H]. One page of one kv head is
 one contiguous S * H run, so a program that owns (sequence, kv head) gathers whole pages with unit
@@ -13,7 +13,10 @@ Entry points (same keyword arguments as the reference):
       sequences (seq_len 0) come after the live ones; it dispatches to the split-K decode kernel. Otherwise
       the chunks go to the ragged prefill kernel: Mosaic GPU (_prefill_mgpu.py) on H100 / H200 for bf16 /
       fp16 pages without ALiBi, sliding window or fp8, the Triton one (_ragged.py) for everything else.
-  paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]
+  paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]: the
+      split-K decode kernel, Mosaic GPU (_decode_mgpu.py) on H100 / H200 for bf16 / fp16 pages without ALiBi,
+      window or fp8, the Triton one (_decode.py) for everything else; the decode tokens of ragged batches too.
+      The engine's decode-only steps call fused_decode_attention (Triton: RoPE and the KV write folded in).
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
   qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
@@ -34,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from . import reference
-from . import _prefill_mgpu
+from . import _decode_mgpu, _prefill_mgpu
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import fused_decode_attention_kernel, paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
@@ -117,13 +120,38 @@ def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapp
 
 def paged_decode_attention(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, interpret=False,
+    sliding_window=None, decode_backend="auto", interpret=False,
 ):
-    """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros."""
+    """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros.
+    decode_backend: "auto" | "mosaic" | "triton" (see _decode_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
         return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
+    return _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
+
+
+def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
+    """"mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
+    window or fp8); "triton" otherwise (and by default in interpret mode: the Mosaic GPU interpreter is much
+    slower on CPU). Measured on an H100, XProf kernel time per call, same run (bench/results/
+    kernels_h100_3baf4dc_decode_backend.json): B1 x 32k 51.9 vs 53.8 us, B64 x 2k 185.2 vs 202.5, B16 x 16k
+    361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, B64 x 512 54.8 vs 57.0; the throughput run's batch (500 of 512
+    sequences of ~600 tokens) 451.3 vs 449.8: equal."""
+    if requested not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"decode_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
+    ok = _decode_mgpu.supported(q, k_pages, **kw)
+    if requested == "mosaic" and not ok:
+        raise ValueError("the Mosaic GPU decode kernel does not take these inputs (see _decode_mgpu.supported)")
+    if requested == "auto":
+        return "mosaic" if ok and not interpret and on_hopper() else "triton"
+    return requested
+
+
+def _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret):
+    if _decode_backend(q, k_pages, kw, requested, interpret) == "mosaic":
+        return _decode_mgpu.paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, scale=kw["scale"],
+                                              interpret=interpret)
     return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
 
 
@@ -145,12 +173,13 @@ def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
 def ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, prefill_backend="auto",
-    interpret=False,
+    decode_backend="auto", interpret=False,
 ):
     """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
     split_decode: in a mixed batch, the sequences with one new token (decode steps) go to the decode kernel
     and only the others get ragged tiles (a one-token tile would run 128-row MMAs over the same KV).
-    prefill_backend: "auto" | "mosaic" | "triton" for the ragged tiles (see _prefill_backend)."""
+    prefill_backend: "auto" | "mosaic" | "triton" for the ragged tiles (see _prefill_backend); decode_backend the
+    same for the one-token sequences (see _decode_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
@@ -159,7 +188,7 @@ def ragged_paged_attention(
     if decode_only and T == seq_lens.shape[0]:
         # The engine's decode steps: one token per sequence, padding sequences (seq_len 0) last, so token b
         # is sequence b's and a padding token meets a padding sequence (zeros): no gathers needed.
-        return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
+        return _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
     backend = _prefill_backend(q, k_pages, kw, prefill_backend, interpret)
 
     def prefill(skip_single):
@@ -173,8 +202,7 @@ def ragged_paged_attention(
     qsl = query_start_loc.astype(jnp.int32)
     single = qsl[1:] - qsl[:-1] == 1
     qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each one-token sequence's token
-    od = paged_decode_attention_kernel(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables,
-                                       interpret=interpret, **kw)
+    od = _decode(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables, kw, decode_backend, interpret)
     if decode_only:
         out = jnp.zeros_like(q)
     else:  # the one-token sequences' rows of this output are unspecified until the scatter below

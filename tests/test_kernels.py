@@ -82,17 +82,20 @@ DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], dict(prefetch=3, sliding_window=20, num_splits=2, block_k=32)),
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 1], dict(min_split_tokens=32, block_k=16)),  # short splits
     (4, 2, 64, 16, jnp.bfloat16, [40, 0, 70, 0, 5], dict(num_splits=2, block_k=32)),  # padding between live ones
+    # tables exactly as wide as the longest sequence: 7 pages (padded to whole 2-page blocks), 6 pages (no pad)
+    (8, 2, 64, 16, jnp.bfloat16, [100, 7, 0], dict(table_pages=7, num_splits=2, block_k=32)),
+    (8, 2, 64, 16, jnp.bfloat16, [96, 3, 40], dict(table_pages=6, num_splits=3, block_k=32)),
 ]
 
 
 @pytest.mark.parametrize("N,K,H,S,dtype,lens,extra", DECODE_CASES)
 def test_decode_matches_reference(N, K, H, S, dtype, lens, extra):
     rng = np.random.default_rng(len(lens) * 100 + N + S)
-    k, v, bt = make_cache(rng, K, H, S, lens, dtype=dtype)
+    extra = dict(extra)
+    k, v, bt = make_cache(rng, K, H, S, lens, M=extra.pop("table_pages", None), dtype=dtype)
     q = jnp.asarray(rng.standard_normal((len(lens), N, H)), dtype)
     seq_lens = jnp.asarray(lens, jnp.int32)
     kw = dict(scale=H**-0.5)
-    extra = dict(extra)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
     if "sliding_window" in extra:
@@ -534,6 +537,43 @@ def test_mosaic_prefill_through_the_entry_point_mixed_batch():
     out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, scale=0.125, prefill_backend="mosaic", interpret=True)
     check(out, reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=0.125), jnp.float16)
     assert not np.asarray(out[int(qsl[-1]):], np.float32).any()
+
+
+# ---- Mosaic GPU decode kernel (_decode_mgpu.py), in the interpreter (slow: small grids) ----
+
+@pytest.mark.parametrize("N,K,dtype,lens,table_pages,splits,slots", [
+    # split-K: empty / one-token / page-boundary / padding sequences, NaN in unused pages and page tails
+    (8, 2, jnp.bfloat16, [100, 1, 17, 0], None, 2, 4),
+    # one split (the output written in q's dtype, no combine); G = 8; 4 blocks through a 2-slot ring; a table
+    # exactly as wide as the longest sequence and not a whole number of 4-page blocks (13 pages)
+    (8, 1, jnp.float16, [200, 16, 33], 13, 1, 2),
+])
+def test_mosaic_decode_matches_reference(N, K, dtype, lens, table_pages, splits, slots):
+    from kernels_pallas._decode_mgpu import paged_decode_mgpu
+
+    rng = np.random.default_rng(11)
+    k, v, bt = make_cache(rng, K, 64, 16, lens, M=table_pages, dtype=dtype)
+    q = jnp.asarray(rng.standard_normal((len(lens), N, 64)), dtype)
+    seq_lens = jnp.asarray(lens, jnp.int32)
+    out = paged_decode_mgpu(q, k, v, seq_lens, bt, scale=0.125, num_splits=splits, slots=slots, interpret=True)
+    check(out, reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, scale=0.125), dtype)
+    assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any(), "a padding sequence must give zeros"
+
+
+def test_decode_backend_choice():
+    q = jnp.zeros((2, 8, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    choose = kp._decode_backend
+    assert choose(q, pages, dict(scale=1.0), "auto", interpret=True) == "triton"  # CPU / interpreter
+    assert choose(q, pages, dict(scale=1.0), "mosaic", interpret=True) == "mosaic"
+    with pytest.raises(ValueError, match="Mosaic GPU decode kernel does not take"):
+        choose(q, pages, dict(scale=1.0, alibi_slopes=jnp.ones(8)), "mosaic", interpret=True)
+    with pytest.raises(ValueError, match="decode_backend"):
+        choose(q, pages, dict(scale=1.0), "cuda", interpret=True)
+    for bad in (dict(sliding_window=8), dict(k_scale=0.5)):
+        assert not kp._decode_mgpu.supported(q, pages, **bad)
+    assert not kp._decode_mgpu.supported(q, pages.astype(jnp.float8_e4m3fn))
+    assert not kp._decode_mgpu.supported(jnp.zeros((2, 40, 64), jnp.bfloat16), pages)  # G = 20 > 16 rows
 
 
 def test_prefill_backend_choice():
