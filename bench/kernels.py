@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,goal,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -127,6 +127,22 @@ def tiny_xprof(row, run, t):
                kernels=[(k["name"][:60], round(k["us_per_run"], 2)) for k in summary["devices"][0]["top_kernels"][:4]]
                if summary.get("devices") else [])
     return us * 1e-6
+
+
+def xprof_row(results, row, call, args, nbytes, copy):
+    """Times call both ways (chain difference and XProf kernel time per call, see xprof_us) into row, with
+    each figure's fraction of the copy ceiling, and appends it (with the error instead, if it fails)."""
+    try:
+        run = runner(chained(call), *args)
+        t = time_row(row, run)
+        us, summary = xprof_us(run)
+        row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy, frac_copy=nbytes / t / copy,
+                   bytes_per_s=nbytes / t, kernels={x["name"][:40]: round(x["us_per_run"], 2)
+                                                    for x in summary["devices"][0]["top_kernels"]})
+    except Exception as e:  # noqa: BLE001 - one failing row must not end the run
+        row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+    results.append(row)
+    print(json.dumps(row), flush=True)
 
 
 def chained(call):
@@ -654,18 +670,26 @@ def main():
                 call = lambda q, k, v, lens, bt, fn=fn, cfg=cfg: fn(q, k, v, lens, bt, scale=0.088, **cfg)  # noqa: E731
                 row = dict(kind="decode_xprof", label=f"b{B}_ctx{ctx}" + (f"_live{live}" if live else ""),
                            table_tokens=int(bt.shape[1]) * 16, impl=name, cfg=cfg)
-                try:
-                    run = runner(chained(call), q, k, v, lens, bt)
-                    t = time_row(row, run)
-                    us, summary = xprof_us(run)
-                    row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy,
-                               frac_copy=nbytes / t / copy, bytes_per_s=nbytes / t,
-                               kernels={x["name"][:40]: round(x["us_per_run"], 2)
-                                        for x in summary["devices"][0]["top_kernels"]})
-                except Exception as e:  # noqa: BLE001
-                    row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-                results.append(row)
-                print(json.dumps(row), flush=True)
+                xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
+    if "goal" in only:  # the decode goal shapes through the entry point (the backend it picks), the Triton kernel
+        # and JAX's shipped kernel, each by chain difference and by XProf kernel time, twice
+        import kernels_pallas as kp
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        impls = [("entry_point", lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)),
+                 ("pallas_triton", lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt,
+                                                                                           scale=0.088)),
+                 ("jax_shipped_paged_attention", lambda q, k, v, lens, bt: paged_attention(
+                     q * jnp.asarray(0.088, q.dtype), k, v, bt, lens))]
+        for B, ctx in ((64, 2048), (1, 32768)):
+            q, k, v, lens, _, bt = make_case(B, ctx)
+            nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
+            ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=0.088, pages_per_step=64)
+            for rep in range(2):
+                for name, call in impls:
+                    row = dict(kind="decode_goal", label=f"goal_b{B}_ctx{ctx}", impl=name, rep=rep,
+                               rel_err=rel_err(call(q, k, v, lens, bt), ref) if rep == 0 else None)
+                    xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)

@@ -33,6 +33,8 @@ not a power of two >= 8), the entry points call the reference; that is the CPU p
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -120,10 +122,11 @@ def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapp
 
 def paged_decode_attention(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, decode_backend="auto", interpret=False,
+    sliding_window=None, decode_backend=None, interpret=False,
 ):
     """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros.
-    decode_backend: "auto" | "mosaic" | "triton" (see _decode_backend)."""
+    decode_backend: "auto" | "mosaic" | "triton", or None: $JAXLLM_DECODE_BACKEND, else "auto" (see
+    _decode_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
@@ -138,6 +141,8 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     kernels_h100_3baf4dc_decode_backend.json): B1 x 32k 51.9 vs 53.8 us, B64 x 2k 185.2 vs 202.5, B16 x 16k
     361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, B64 x 512 54.8 vs 57.0; the throughput run's batch (500 of 512
     sequences of ~600 tokens) 451.3 vs 449.8: equal."""
+    if requested is None:  # the default: JAXLLM_DECODE_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND), else auto
+        requested = os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
     if requested not in ("auto", "mosaic", "triton"):
         raise ValueError(f"decode_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
     ok = _decode_mgpu.supported(q, k_pages, **kw)
@@ -173,7 +178,7 @@ def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
 def ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
     alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, prefill_backend="auto",
-    decode_backend="auto", interpret=False,
+    decode_backend=None, interpret=False,
 ):
     """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
     split_decode: in a mixed batch, the sequences with one new token (decode steps) go to the decode kernel

@@ -560,7 +560,7 @@ def test_mosaic_decode_matches_reference(N, K, dtype, lens, table_pages, splits,
     assert not np.asarray(out[np.asarray(lens) == 0], np.float32).any(), "a padding sequence must give zeros"
 
 
-def test_decode_backend_choice():
+def test_decode_backend_choice(monkeypatch):
     q = jnp.zeros((2, 8, 64), jnp.bfloat16)
     pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
     choose = kp._decode_backend
@@ -574,6 +574,12 @@ def test_decode_backend_choice():
         assert not kp._decode_mgpu.supported(q, pages, **bad)
     assert not kp._decode_mgpu.supported(q, pages.astype(jnp.float8_e4m3fn))
     assert not kp._decode_mgpu.supported(jnp.zeros((2, 40, 64), jnp.bfloat16), pages)  # G = 20 > 16 rows
+    assert choose(q, pages, dict(scale=1.0), None, interpret=True) == "triton"  # None: the environment, else auto
+    monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "mosaic")
+    assert choose(q, pages, dict(scale=1.0), None, interpret=True) == "mosaic"
+    monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "flash")
+    with pytest.raises(ValueError, match="decode_backend='flash'"):
+        choose(q, pages, dict(scale=1.0), None, interpret=True)
 
 
 def test_prefill_backend_choice():
