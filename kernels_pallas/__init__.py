@@ -27,6 +27,12 @@ Entry points (same keyword arguments as the reference):
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
 
+Mosaic GPU kernels refuse inputs whose address is not a multiple of 256 bytes, and XLA hands a custom call a
+static slice of another buffer as that buffer at the slice's offset (its dynamic-slice fusion): a seq_lens or
+block table sliced out of a larger array must start on a 256-byte boundary (bench/mosaic_align_probe.py; the
+engine's packed step inputs are laid out so, runner.pack_host_args). An input computed in the step is a buffer
+of its own and always aligned.
+
 Off GPU (and not interpret), and for shapes the kernels do not take (head dim not 64/128/256, page size
 not a power of two >= 8), the entry points call the reference; that is the CPU path of the engine.
 """

@@ -771,6 +771,8 @@ def test_packed_host_inputs_round_trip():
     host = (i32(T), i32(T), meta, i32(B), smd, i32(T))
     ints, floats, layout = pack_host_args(host)
     assert ints.dtype == np.int32 and floats.dtype == np.float32
+    # every array starts on a 256-byte boundary (Mosaic GPU kernels refuse inputs that do not)
+    assert all(off % 64 == 0 for _, _, _, off in layout.leaves)
     got = jax.jit(unpack_host_args, static_argnums=2)(ints, floats, layout)
     want_leaves, want_tree = jax.tree.flatten(host)
     got_leaves, got_tree = jax.tree.flatten(got)

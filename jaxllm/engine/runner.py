@@ -154,9 +154,9 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
     for x in leaves:
         x = np.asarray(x)
         if x.dtype == np.float32:
-            floats.append(x.ravel())
+            floats.append(_aligned(x.ravel()))
             spec.append(("float32", x.shape, "f", nf))
-            nf += x.size
+            nf += floats[-1].size
             continue
         if x.dtype == np.uint32:
             flat = x.ravel().view(np.int32)
@@ -164,11 +164,24 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
             flat = x.ravel().astype(np.int32, copy=False)
         else:
             raise TypeError(f"step input of dtype {x.dtype} cannot be packed (int32, uint32, bool, float32)")
-        ints.append(flat)
+        ints.append(_aligned(flat))
         spec.append((x.dtype.name, x.shape, "i", ni))
-        ni += x.size
+        ni += ints[-1].size
     cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
     return cat(ints, np.int32), cat(floats, np.float32), PackedLayout(treedef, tuple(spec))
+
+
+# Each packed array starts at a multiple of 256 bytes: a static slice of a step argument can reach a kernel
+# as that argument's buffer at the slice's offset, and Mosaic GPU kernels refuse inputs that are not 256-byte
+# aligned ("Input buffer 1 is not 256-byte aligned": the decode kernel's block table, at the engine's batch
+# shapes; bench/mosaic_align_probe.py).
+_PACK_ALIGN = 256 // 4
+
+
+def _aligned(flat: np.ndarray) -> np.ndarray:
+    """flat, zero-padded to a whole number of _PACK_ALIGN elements (4-byte ones)."""
+    pad = -flat.size % _PACK_ALIGN
+    return np.concatenate([flat, np.zeros(pad, flat.dtype)]) if pad else flat
 
 
 def unpack_host_args(ints, floats, layout: PackedLayout):
