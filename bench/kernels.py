@@ -763,7 +763,13 @@ def main():
         rate = r.get("bytes_per_s", 0) / 1e12 if "bytes_per_s" in r else r.get("tflops", 0)
         frac = r.get("frac_copy", r.get("frac_matmul", 0))
         print(f'{r["kind"]:8s} {str(r.get("label")):20s} {r["impl"][:28]:28s} {json.dumps(r.get("cfg", {}))[:60]:60s}'
-              f' {r["time_us"]:9.1f} {rate:7.3f} {frac:5.2f} {r.get("rel_err") or float("nan"):.1e}')  # None: a repeat (checked once)
+              f' {r["time_us"]:9.1f} {rate:7.3f} {frac:5.2f} {_err(r):.1e}')
+
+
+def _err(row) -> float:
+    """A row's rel_err for the table; NaN where there is none (repeats are checked once: None)."""
+    err = row.get("rel_err")
+    return float("nan") if err is None else err
 
 
 if __name__ == "__main__":

@@ -143,10 +143,12 @@ def paged_decode_attention(
 def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     """"mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
     window or fp8); "triton" otherwise (and by default in interpret mode: the Mosaic GPU interpreter is much
-    slower on CPU). Measured on an H100, XProf kernel time per call, same run (bench/results/
-    kernels_h100_3baf4dc_decode_backend.json): B1 x 32k 51.9 vs 53.8 us, B64 x 2k 185.2 vs 202.5, B16 x 16k
-    361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, B64 x 512 54.8 vs 57.0; the throughput run's batch (500 of 512
-    sequences of ~600 tokens) 451.3 vs 449.8: equal."""
+    slower on CPU). XProf kernel time per call, Mosaic vs Triton, same run: on an H200 (bench/results/
+    kernels_h200_7955086_goal.json) B64 x 2k 131.5 vs 172.4-172.7 us, B1 x 32k 37.0-37.6 vs 43.4-43.5; on an
+    H100 at 3baf4dc (bench/KERNELS_NOTES.md "Stop 22": that run's JSON was lost with its session) B1 x 32k
+    51.9 vs 53.8, B64 x 2k 185.2 vs 202.5, B16 x 16k 361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, and the throughput
+    run's batch (500 of 512 sequences of ~600 tokens) 451.3 vs 449.8: equal. The engine's throughput is the
+    same with either (H200, 500 x 462 / 256: 41.5-41.6 vs 41.4-42.3 req/s, throughput_h200_*_{auto,triton})."""
     if requested is None:  # the default: JAXLLM_DECODE_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND), else auto
         requested = os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
     if requested not in ("auto", "mosaic", "triton"):

@@ -339,7 +339,7 @@ def _decode(
 
     # The splits' blocks start at multiples of ppb (block tables are read a block at a time and never past the
     # block of a split's last page) unless a window moves the first page: the bench's B1 x 32k call spent
-    # 1.2 us of its ~54 in XLA's pad of the table (kernels_h100_ebd9225_mgpu_xprof.json).
+    # 1.2 us of its ~54 in XLA's pad of the table (H100 XProf at ebd9225, bench/KERNELS_NOTES.md "Stop 22").
     bt = whole_blocks_table(block_tables, ppb) if sliding_window is None else pad_block_tables(block_tables, pps + ppb)
     lens = seq_lens.astype(jnp.int32)
     scal = scalars(scale, k_scale, v_scale)

@@ -200,11 +200,11 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
     """q [B, N, H] over the paged cache -> [B, N, H]; see the module docstring. regs: (compute, memory)
     registers per thread for the two warpgroups (setmaxnreg), or None to leave them to the compiler.
 
-    Defaults by measurement (H100, XProf kernel time, bench/results/kernels_h100_{cd90f98,88e7d4d,ebd9225,
-    3baf4dc}*.json): a 4-slot ring of 64-key blocks with one CTA per SM (128 KB of KV in flight per SM) and
-    splits for one wave: B1 x 32k 51.9-52.4 us against 54.5 with 2 slots and two CTAs per SM; B64 x 2k 185.2
-    (2 slots: 190.4-190.7; 128-key blocks: 183.7-185.1); setmaxnreg (208 / 48) was slower (59.6 vs 57.3 us
-    chain time at B1 x 32k)."""
+    Defaults by measurement (H100 runs at cd90f98 / 88e7d4d / ebd9225 / 3baf4dc, XProf kernel time; their JSON
+    was lost with the session that made them, bench/KERNELS_NOTES.md "Stop 22"): a 4-slot ring of 64-key
+    blocks with one CTA per SM (128 KB of KV in flight per SM) and splits for one wave: B1 x 32k 51.9-52.4 us
+    against 54.5 with 2 slots and two CTAs per SM; B64 x 2k 185.2 (2 slots: 190.4-190.7; 128-key blocks:
+    183.7-185.1); setmaxnreg (208 / 48) was slower (59.6 vs 57.3 us chain time at B1 x 32k)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     B, N, H = q.shape
