@@ -144,7 +144,7 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     """"mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
     window or fp8); "triton" otherwise (and by default in interpret mode: the Mosaic GPU interpreter is much
     slower on CPU). XProf kernel time per call, Mosaic vs Triton, same run: on an H200 (bench/results/
-    kernels_h200_7955086_goal.json) B64 x 2k 131.5 vs 172.4-172.7 us, B1 x 32k 37.0-37.6 vs 43.4-43.5; on an
+    kernels_h200_29176ac_goal.json) B64 x 2k 131.5 vs 172.4-172.7 us, B1 x 32k 37.0-37.6 vs 43.4-43.5; on an
     H100 at 3baf4dc (bench/KERNELS_NOTES.md "Stop 22": that run's JSON was lost with its session) B1 x 32k
     51.9 vs 53.8, B64 x 2k 185.2 vs 202.5, B16 x 16k 361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, and the throughput
     run's batch (500 of 512 sequences of ~600 tokens) 451.3 vs 449.8: equal. The engine's throughput is the
