@@ -137,7 +137,7 @@ def paged_decode_attention(
               sliding_window=sliding_window)
     if not _use_kernel(q, k_pages, interpret):
         return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
-    return _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
+    return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
 
 
 def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
@@ -161,7 +161,8 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     return requested
 
 
-def _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret):
+def _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret):
+    """The decode kernel _decode_backend picks (named apart from the _decode module, which it would shadow)."""
     if _decode_backend(q, k_pages, kw, requested, interpret) == "mosaic":
         return _decode_mgpu.paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, scale=kw["scale"],
                                               interpret=interpret)
@@ -201,7 +202,7 @@ def ragged_paged_attention(
     if decode_only and T == seq_lens.shape[0]:
         # The engine's decode steps: one token per sequence, padding sequences (seq_len 0) last, so token b
         # is sequence b's and a padding token meets a padding sequence (zeros): no gathers needed.
-        return _decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
+        return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
     backend = _prefill_backend(q, k_pages, kw, prefill_backend, interpret)
 
     def prefill(skip_single):
@@ -215,7 +216,7 @@ def ragged_paged_attention(
     qsl = query_start_loc.astype(jnp.int32)
     single = qsl[1:] - qsl[:-1] == 1
     qd = q[jnp.clip(qsl[:-1], 0, T - 1)]  # [B, N, H]: each one-token sequence's token
-    od = _decode(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables, kw, decode_backend, interpret)
+    od = _run_decode(qd, k_pages, v_pages, jnp.where(single, seq_lens, 0), block_tables, kw, decode_backend, interpret)
     if decode_only:
         out = jnp.zeros_like(q)
     else:  # the one-token sequences' rows of this output are unspecified until the scatter below
