@@ -154,9 +154,8 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
     for x in leaves:
         x = np.asarray(x)
         if x.dtype == np.float32:
-            floats.append(_aligned(x.ravel()))
             spec.append(("float32", x.shape, "f", nf))
-            nf += floats[-1].size
+            nf += _append_aligned(floats, x.ravel())
             continue
         if x.dtype == np.uint32:
             flat = x.ravel().view(np.int32)
@@ -164,9 +163,8 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
             flat = x.ravel().astype(np.int32, copy=False)
         else:
             raise TypeError(f"step input of dtype {x.dtype} cannot be packed (int32, uint32, bool, float32)")
-        ints.append(_aligned(flat))
         spec.append((x.dtype.name, x.shape, "i", ni))
-        ni += ints[-1].size
+        ni += _append_aligned(ints, flat)
     cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)  # noqa: E731
     return cat(ints, np.int32), cat(floats, np.float32), PackedLayout(treedef, tuple(spec))
 
@@ -176,12 +174,17 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
 # aligned ("Input buffer 1 is not 256-byte aligned": the decode kernel's block table, at the engine's batch
 # shapes; bench/mosaic_align_probe.py).
 _PACK_ALIGN = 256 // 4
+_PADS = {np.dtype(dt): np.zeros(_PACK_ALIGN, dt) for dt in (np.int32, np.float32)}
 
 
-def _aligned(flat: np.ndarray) -> np.ndarray:
-    """flat, zero-padded to a whole number of _PACK_ALIGN elements (4-byte ones)."""
+def _append_aligned(parts: list, flat: np.ndarray) -> int:
+    """Appends flat (int32 or float32) and the zeros that round it up to a whole number of _PACK_ALIGN
+    elements; returns how many elements that added."""
     pad = -flat.size % _PACK_ALIGN
-    return np.concatenate([flat, np.zeros(pad, flat.dtype)]) if pad else flat
+    parts.append(flat)
+    if pad:
+        parts.append(_PADS[flat.dtype][:pad])
+    return flat.size + pad
 
 
 def unpack_host_args(ints, floats, layout: PackedLayout):
