@@ -154,6 +154,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="generate a config + tokenizer of this shape in a temp dir (use with --load-format dummy)")
     p.add_argument("--load-format", default="auto")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -188,6 +189,8 @@ def engine_kwargs(args, model: str | None) -> dict:
               num_gpu_blocks_override=args.num_gpu_blocks_override,
               enable_prefix_caching=args.enable_prefix_caching,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+    if getattr(args, "tokenizer", None):
+        kw["tokenizer"] = args.tokenizer
     return kw
 
 

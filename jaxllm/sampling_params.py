@@ -20,6 +20,48 @@ class RequestOutputKind(enum.Enum):
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: exactly one constraint (json schema, json_object, regex, choice or a Lark /
+    GBNF grammar) on a request's output; compiled by the engine (jaxllm/engine/structured.py)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False  # accepted: jaxllm has one backend, so there is nothing to fall back to
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                 if getattr(self, k) is not None}
+        _check(len(kinds) <= 1, "You can only use one kind of structured outputs constraint but multiple are "
+                                f"specified: {kinds}")
+        _check(len(kinds) == 1, "You must use one kind of structured outputs constraint but none are specified: "
+                                f"{self.__dict__}")
+        _check(self.structural_tag is None, "structured_outputs.structural_tag is not supported by jaxllm.")
+        _check(self.json_object in (None, True), f"structured_outputs.json_object must be true when given, got "
+                                                 f"{self.json_object!r}.")
+        _check(self.regex is None or isinstance(self.regex, str), f"structured_outputs.regex must be a string, "
+                                                                  f"got {self.regex!r:.80}.")
+        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+               f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r:.80}.")
+        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
+                                       and all(isinstance(c, str) for c in self.choice)),
+               f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}.")
+        _check(self.json is None or isinstance(self.json, (str, dict)),
+               f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {self.json!r:.80}.")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+
+GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before v0.11
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     presence_penalty: float = 0.0
@@ -46,6 +88,8 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before v0.11: moved to structured_outputs
     # Filled by the engine, not by users: EOS ids from generation_config (stop unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -67,6 +111,13 @@ class SamplingParams:
                 raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}.") from None
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs is None, "Give structured_outputs or guided_decoding, not both.")
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.")
         self._verify()
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0

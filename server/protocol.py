@@ -75,7 +75,8 @@ class _SamplingFields(OpenAIModel):
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
     cache_salt: str | None = None
-    # Known fields we cannot honour: refused with 400 when set (see serving_common.reject_unsupported).
+    # Structured outputs (serving_common.structured_outputs reads them; the guided_* fields are vLLM's legacy
+    # names; jaxllm has one backend, llguidance, whatever guided_decoding_backend names)
     response_format: ResponseFormat | None = None
     structured_outputs: Any = None
     guided_json: Any = None
@@ -84,6 +85,7 @@ class _SamplingFields(OpenAIModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    # Known fields we cannot honour: refused with 400 when set (see serving_common.reject_unsupported).
     use_beam_search: bool = False
     prompt_embeds: Any = None
     logits_processors: Any = None

@@ -9,6 +9,7 @@ error, client gone, handler cancelled) closes every engine iterator and aborts w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient, EngineDeadError
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams, truncate_prompt_ids
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt_ids
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
 from server.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob, UsageInfo
@@ -91,13 +92,6 @@ def log_ignored_fields(req, route: str) -> None:
 
 def reject_unsupported(req) -> None:
     """Known fields that would change the output but that jaxllm cannot honour yet: a 400, never ignored."""
-    rf = req.response_format
-    if rf is not None and rf.type != "text":
-        raise APIError(f"response_format type '{rf.type}' is not supported by jaxllm yet (no structured output); "
-                       "use type 'text' or leave it out.", param="response_format")
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
-        if getattr(req, name) is not None:
-            raise APIError(f"Structured output (`{name}`) is not supported by jaxllm yet.", param=name)
     if req.use_beam_search:
         raise APIError("Beam search is not supported by jaxllm.", param="use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
@@ -130,6 +124,51 @@ def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: in
     if cap:
         candidates.append(int(cap))
     return min(candidates)
+
+
+_LEGACY_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+
+
+def structured_outputs(req) -> StructuredOutputsParams | None:
+    """The request's output constraint, as vLLM reads it: `structured_outputs`, else the legacy guided_*
+    fields; then response_format json_object / json_schema sets its json_object / json. Grammars are compiled
+    (and refused with a 400 if invalid) when the engine adds the request."""
+    so = req.structured_outputs
+    if so is not None:
+        param = "structured_outputs"
+        if not isinstance(so, dict):
+            raise APIError(f"structured_outputs must be an object, got {type(so).__name__}.", param=param)
+        unknown = sorted(set(so) - {f.name for f in dataclasses.fields(StructuredOutputsParams)})
+        if unknown:
+            raise APIError(f"structured_outputs has unknown fields {unknown}.", param=param)
+        kw = dict(so)
+    else:
+        kw = {key: getattr(req, name) for name, key in _LEGACY_GUIDED.items() if getattr(req, name) is not None}
+        param = next((name for name in _LEGACY_GUIDED if getattr(req, name) is not None), None)
+        if list(kw) == ["whitespace_pattern"]:  # a whitespace pattern alone constrains nothing
+            kw = {}
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        param = "response_format"
+        if rf.type == "json_object":
+            kw["json_object"] = True
+        elif rf.type == "json_schema":
+            js = rf.json_schema
+            schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
+            if schema is None:
+                raise APIError("response_format of type 'json_schema' needs json_schema.schema (the JSON schema).",
+                               param=param)
+            kw["json"] = schema
+        else:
+            raise APIError(f"response_format type '{rf.type}' is not supported; use 'text', 'json_object' or "
+                           "'json_schema'.", param=param)
+    if not kw:
+        return None
+    try:
+        return StructuredOutputsParams(**kw)
+    except (TypeError, ValueError) as e:
+        raise APIError(str(e), param=param) from None
 
 
 def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: int | None,
@@ -171,6 +210,7 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
             logit_bias=logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
+            structured_outputs=structured_outputs(req),
         )
         params.verify_for_model(state.engine.vocab_size, state.engine.max_logprobs)
     except ValueError as e:

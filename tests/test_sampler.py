@@ -32,7 +32,8 @@ def metadata(B, temperature, min_p, seed=0):
         min_p=jnp.asarray(min_p, jnp.float32), presence=z(), frequency=z(), repetition=jnp.ones((B,)),
         seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32), steps=jnp.arange(B, dtype=jnp.int32) * 3,
         penalty_tokens=-jnp.ones((B, 1), jnp.int32), penalty_is_output=jnp.zeros((B, 1), bool),
-        bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=z()[:, None], allowed_ids=-jnp.ones((B, 1), jnp.int32))
+        bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=z()[:, None], allowed_ids=-jnp.ones((B, 1), jnp.int32),
+        token_bitmask=-jnp.ones((B, 1), jnp.int32))
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 3])
@@ -68,3 +69,30 @@ def test_top_p_below_float32_keeps_the_best_token():
     md = md.__class__(**{**md.__dict__, "top_p": jnp.asarray([1e-300, 1e-30, 1e-3, 1e-300], jnp.float32)})
     tokens = np.asarray(sample(logits, md, SamplerFlags(filtering=True))[0])
     np.testing.assert_array_equal(tokens, np.asarray(jnp.argmax(logits, -1)))
+
+
+def test_token_bitmask_allows_only_its_tokens():
+    """Structured outputs' mask: bit t % 32 of word t // 32 allows token t (V not a multiple of 32); greedy
+    and sampled rows pick allowed tokens only, logprobs stay those of the raw distribution, and an all-ones
+    row changes nothing."""
+    import dataclasses
+
+    B, V = 6, 1000
+    rng = np.random.default_rng(0)
+    logits = jax.random.normal(jax.random.key(2), (B, V), jnp.float32) * 4
+    allowed = rng.random((B, V)) < 0.05
+    allowed[:, 7] = True
+    allowed[5] = True  # a row with every token allowed
+    bits = np.zeros((B, (V + 31) // 32 * 32), bool)
+    bits[:, :V] = allowed
+    words = np.packbits(bits.reshape(B, -1, 32), axis=-1, bitorder="little").view(np.int32)[..., 0]
+    md = dataclasses.replace(metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), token_bitmask=jnp.asarray(words))
+    tokens, token_lp, *_ = sample(logits, md, SamplerFlags(grammar=True))
+    tokens = np.asarray(tokens)
+    assert all(allowed[i, tokens[i]] for i in range(B))
+    raw = np.asarray(logits)
+    for i in (0, 2, 5):  # greedy rows: the best allowed token
+        assert tokens[i] == np.argmax(np.where(allowed[i], raw[i], -np.inf))
+    np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5)
+    plain = sample(logits, dataclasses.replace(md, token_bitmask=-jnp.ones((B, 1), jnp.int32)), SamplerFlags())
+    assert tokens[5] == plain[0][5]

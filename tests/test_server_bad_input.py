@@ -130,15 +130,18 @@ CASES = [
      400, "Tool calling is not supported"),
     ("tool_choice required", CHAT, {"json_body": {"messages": USER, "tool_choice": "required"}}, 400,
      "Tool calling is not supported"),
-    ("json_object", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "json_object"}}}, 400,
-     "response_format type 'json_object' is not supported"),
-    ("json_schema", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "json_schema",
-                                                                              "json_schema": {"name": "x"}}}}, 400,
-     "response_format type 'json_schema' is not supported"),
-    ("guided_json", COMPLETIONS, {"json_body": {"prompt": "a", "guided_json": {"type": "object"}}}, 400,
-     "Structured output (`guided_json`)"),
-    ("structured_outputs", CHAT, {"json_body": {"messages": USER, "structured_outputs": {"choice": ["a"]}}}, 400,
-     "Structured output (`structured_outputs`)"),
+    ("json_schema without its schema", CHAT, {"json_body": {"messages": USER, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}}, 400, "needs json_schema.schema"),
+    ("response_format type", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "xml"}}}, 400,
+     "response_format type 'xml' is not supported"),
+    ("two structured constraints", COMPLETIONS, {"json_body": {"prompt": "a", "structured_outputs": {
+        "choice": ["a"], "regex": "a+"}}}, 400, "You can only use one kind of structured outputs constraint"),
+    ("structured_outputs unknown field", CHAT, {"json_body": {"messages": USER, "structured_outputs": {
+        "choise": ["a"]}}}, 400, "structured_outputs has unknown fields ['choise']"),
+    ("guided_choice empty", COMPLETIONS, {"json_body": {"prompt": "a", "guided_choice": []}}, 400,
+     "structured_outputs.choice must be a non-empty list of strings"),
+    ("structural_tag", CHAT, {"json_body": {"messages": USER, "structured_outputs": {"structural_tag": "{}"}}},
+     400, "structural_tag is not supported"),
     ("image part", CHAT, {"json_body": {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}}, 400, "Content part type 'image_url'"),
     ("beam search", COMPLETIONS, {"json_body": {"prompt": "a", "use_beam_search": True}}, 400, "Beam search"),

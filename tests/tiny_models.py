@@ -135,26 +135,36 @@ the waiting and the running, and it chose by the budget of tokens. Then the samp
 greedy or with a seed, and the detokenizer spoke the words aloud, one delta at a time."""
 
 
-def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128) -> None:
-    """A small BPE tokenizer (ids < vocab_size) with bos/eos and a chat template, saved in HF layout."""
+_JSON_TEXT = """{"name": "Ada", "age": 36, "tags": ["math", "engines"], "ok": true, "score": -1.5e3}
+[{"id": 1, "city": "Paris"}, {"id": 2, "city": "Berlin"}, null, false, 0.25, "yes", "no"]"""
+JSON_ALPHABET = list('{}[]":,0123456789-+.eE_ ')
+
+
+def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = False) -> None:
+    """A small BPE tokenizer (ids < vocab_size) with bos/eos and a chat template, saved in HF layout; json_text:
+    trained on JSON too, with JSON's punctuation and digits in its alphabet (for structured-output tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
+    alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!? ")
+    if json_text:
+        alphabet += [c for c in JSON_ALPHABET if c not in alphabet]
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!? "))
-    tok.train_from_iterator([_TEXT] * 4, trainer)
+                                  initial_alphabet=alphabet)
+    tok.train_from_iterator([_TEXT] * 4 + ([_JSON_TEXT] * 4 if json_text else []), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                           "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     fast.save_pretrained(out_dir)
 
 
-def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0):
-    """A complete tiny model directory (weights, config, tokenizer); returns (dir, HF model)."""
+def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0, json_text: bool = False):
+    """A complete tiny model directory (weights, config, tokenizer; see save_tiny_tokenizer for json_text);
+    returns (dir, HF model)."""
     model = make_hf_model(arch, seed=seed)
     save_checkpoint(model, arch, out_dir)
-    save_tiny_tokenizer(out_dir, model.config.vocab_size)
+    save_tiny_tokenizer(out_dir, model.config.vocab_size, json_text)
     return out_dir, model

@@ -19,7 +19,7 @@ SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
 PADDING_ROW = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # a greedy, filter-free row
 
 # Bits of InputBatch.features: what a row's sampling params ask of the sampler (fixed for a request).
-HAS_PARAMS, FILTERING, PENALTIES, ALLOWED_IDS, LOGPROBS, PROMPT_LOGPROBS = (1 << i for i in range(6))
+HAS_PARAMS, FILTERING, PENALTIES, ALLOWED_IDS, LOGPROBS, PROMPT_LOGPROBS, STRUCTURED = (1 << i for i in range(7))
 
 _seq_id = attrgetter("seq_id")
 _block_table = attrgetter("block_table")
@@ -31,7 +31,7 @@ def feature_bits(sp) -> int:
     penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
     return (HAS_PARAMS | FILTERING * (sp.top_p < 1.0 or sp.top_k > 0) | PENALTIES * penalties
             | ALLOWED_IDS * bool(sp.allowed_token_ids) | LOGPROBS * (sp.logprobs is not None)
-            | PROMPT_LOGPROBS * (sp.prompt_logprobs is not None))
+            | PROMPT_LOGPROBS * (sp.prompt_logprobs is not None) | STRUCTURED * (sp.structured_outputs is not None))
 
 
 class InputBatch:

@@ -2,8 +2,8 @@
 
 step() keeps one device step in flight: it schedules and dispatches step N+1 before it waits for step N's
 tokens, so host work (scheduling, input preparation, detokenization) overlaps the device. Requests whose
-sampling needs exact token history on the host (penalties, min_tokens, bad_words) turn this off for the steps
-they run in, so their inputs are never one token stale.
+sampling needs exact token history on the host (penalties, min_tokens, bad_words, structured outputs) turn this
+off for the steps they run in, so their inputs are never one token stale.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
+from jaxllm.engine.structured import Grammars
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
@@ -45,6 +46,7 @@ class _SeqState:
     sent_text: int = 0
     sent_tokens: int = 0
     sent_finish: bool = False
+    matcher: object = None  # structured outputs: the llguidance matcher of this sequence's output
 
 
 @dataclass
@@ -79,6 +81,9 @@ class LLMEngine:
         self._seq_to_req: dict[str, str] = {}
         self._inflight: StepHandle | None = None
         self._rng = random.Random(args.seed)
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.grammars.prepare_in_background()
+        self._advanced: list[_SeqState] = []  # constrained sequences that took a token: their masks are stale
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         # Tokens per step since the last stats(); bounded, since offline runs never call stats().
@@ -124,6 +129,8 @@ class LLMEngine:
         ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
+        so = params.structured_outputs
+        grammar = None if so is None else self.grammars.compile(so)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1)
@@ -141,7 +148,11 @@ class LLMEngine:
                                            params.spaces_between_special_tokens)
             state = _SeqState(seq, i, detok, StopChecker(params.stop, params.include_stop_str_in_output),
                               logprobs=[] if params.logprobs is not None else None)
+            if grammar is not None:
+                state.matcher = self.grammars.matcher(grammar)
             req.seqs.append(state)
+        if grammar is not None:
+            self._fill_masks(req.seqs)
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None]
         self._requests[request_id] = req
@@ -211,7 +222,7 @@ class LLMEngine:
         for seq in self.scheduler.running:
             sp = seq.sampling_params
             if sp is not None and (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
-                                   or sp.min_tokens or sp.bad_words):
+                                   or sp.min_tokens or sp.bad_words or sp.structured_outputs is not None):
                 return True
         return False
 
@@ -246,6 +257,9 @@ class LLMEngine:
                 touched.pop(req.request_id, None)
                 continue
             touched[req.request_id] = req
+        if self._advanced:
+            self._fill_masks(self._advanced)
+            self._advanced = []
         outputs = []
         for req in touched.values():
             out = self._make_output(req)
@@ -270,6 +284,11 @@ class LLMEngine:
                                                      req.params.logprobs))
         self._append_token(req, state, token)
         self._update_bias(state)
+        if state.matcher is not None and state.finish_reason is None:
+            if not state.matcher.consume_token(token):
+                raise RuntimeError(f"Token {token} does not follow the request's structured-output grammar: "
+                                   f"{state.matcher.get_error()}")
+            self._advanced.append(state)
 
     def _append_token(self, req: _Request, state: _SeqState, token: int) -> None:
         p, seq = req.params, state.seq
@@ -315,6 +334,14 @@ class LLMEngine:
             if not prefix or seq.output_token_ids[-len(prefix):] == prefix:
                 row[word_ids[-1]] = float("-inf")
         seq.bias_row = row
+
+    def _fill_masks(self, states: list[_SeqState]) -> None:
+        """Structured outputs: each sequence's allowed next tokens, for all of them at once (Grammars.fill)."""
+        states = [s for s in states if s.finish_reason is None]
+        if states:
+            masks = self.grammars.fill([s.matcher for s in states])
+            for state, mask in zip(states, masks):
+                state.seq.token_bitmask = mask
 
     def _bad_word_ids(self, p: SamplingParams) -> list[list[int]]:
         if not p.bad_words:

@@ -29,7 +29,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.engine.exec_cache import ExecutableCache
 from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
-                                      PROMPT_LOGPROBS, InputBatch)
+                                      PROMPT_LOGPROBS, STRUCTURED, InputBatch)
 from jaxllm.engine.inputs import bucket, step_inputs
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, sample
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -44,8 +44,8 @@ PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to po
 # Field readers for map() over a step's sequences in prepare(): a C-level loop, several times cheaper than a
 # Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
 _seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
-_seq_id, _bias_row, _output_token_ids, _num_pending = map(
-    attrgetter, ("seq_id", "bias_row", "output_token_ids", "num_pending"))
+_seq_id, _bias_row, _output_token_ids, _num_pending, _token_bitmask = map(
+    attrgetter, ("seq_id", "bias_row", "output_token_ids", "num_pending", "token_bitmask"))
 
 
 def kv_storage_dtype(dtype):
@@ -261,7 +261,8 @@ def _plain(smd: SamplingMetadata) -> SamplingMetadata:
     """smd with the default flags' one-column ragged rows (the start-up programs' shapes); the start-up
     program's own sampling is discarded when the flags are not the default."""
     B = smd.temperature.shape[0]
-    return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS})
+    return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS},
+                               token_bitmask=np.full((B, 1), -1, np.int32))
 
 
 # decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS)
@@ -794,12 +795,15 @@ class ModelRunner:
     # ---- sampling inputs ----
     def _flags(self, seqs, features: np.ndarray) -> SamplerFlags:
         """features: InputBatch.features of seqs' rows (what their sampling params need, fixed per request);
-        only the engine's per-token logit biases (seq.bias_row) change from step to step."""
+        only the engine's per-token logit biases (seq.bias_row) and grammar masks (seq.token_bitmask) change
+        from step to step."""
         bits = int(np.bitwise_or.reduce(features)) if len(features) else 0
-        with_params = itertools.compress(seqs, (features & HAS_PARAMS).tolist())
-        bias = bool(bits & ALLOWED_IDS) or any(map(_bias_row, with_params))
+        has_params = (features & HAS_PARAMS).tolist()
+        bias = bool(bits & ALLOWED_IDS) or any(map(_bias_row, itertools.compress(seqs, has_params)))
+        grammar = bool(bits & STRUCTURED) and any(
+            m is not None for m in map(_token_bitmask, itertools.compress(seqs, has_params)))
         return SamplerFlags(bool(bits & FILTERING), bool(bits & PENALTIES), bias,
-                            self.max_logprobs if bits & LOGPROBS else 0)
+                            self.max_logprobs if bits & LOGPROBS else 0, grammar)
 
     def _sampling_arrays(self, B: int, flags: SamplerFlags, seqs=(), rows: np.ndarray | None = None,
                          live: np.ndarray | None = None) -> SamplingMetadata:
@@ -836,8 +840,14 @@ class ModelRunner:
                 bias_ids[i], bias_vals[i] = list(row.keys()), list(row.values())
                 allowed[i] = list(seqs[i].sampling_params.allowed_token_ids or [])
 
+        bitmask = np.full((B, (self.cfg.vocab_size + 31) // 32 if flags.grammar else 1), -1, np.int32)
+        if flags.grammar:
+            for i in live:
+                mask = seqs[i].token_bitmask
+                if mask is not None:
+                    bitmask[i] = mask
         ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in _ROW_FIELDS' order
         return SamplingMetadata(
             temp, top_p, top_k, min_p, pres, freq, rep, seeds, steps,
             *(np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
-              for r, (_, fill, dtype) in zip(ragged, _ROW_FIELDS)))
+              for r, (_, fill, dtype) in zip(ragged, _ROW_FIELDS)), bitmask)

@@ -22,13 +22,14 @@ class SamplerFlags:
     penalties: bool = False  # any presence/frequency/repetition penalty
     bias: bool = False  # any sparse logit bias (logit_bias, min_tokens, bad_words, allowed_token_ids)
     num_logprobs: int = 0  # top-k logprobs to return (0: only the sampled token's)
+    grammar: bool = False  # any structured-output mask (token_bitmask)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
                  "seeds", "steps", "penalty_tokens", "penalty_is_output", "bias_ids", "bias_values",
-                 "allowed_ids"],
+                 "allowed_ids", "token_bitmask"],
     meta_fields=[],
 )
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class SamplingMetadata:
     bias_ids: jax.Array  # [B, Lb] int32, -1 padding
     bias_values: jax.Array  # [B, Lb] f32
     allowed_ids: jax.Array  # [B, La] int32, -1 padding; all -1 = everything allowed
+    # [B, W] int32, W = ceil(V / 32): token t allowed iff bit t % 32 of word t // 32 is set (structured outputs;
+    # all -1 = everything allowed); [B, 1] when unused
+    token_bitmask: jax.Array
 
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
@@ -68,6 +72,10 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
             True, mode="drop")
         any_allowed = (md.allowed_ids >= 0).any(-1, keepdims=True)
         x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
+    if flags.grammar:  # after the biases, which must not bring a token the grammar forbids back
+        t = jnp.arange(V)
+        allowed = (md.token_bitmask[:, t >> 5] >> (t & 31)) & 1
+        x = jnp.where(allowed == 1, x, -jnp.inf)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
@@ -93,7 +101,7 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
         top_lp = top_logits - lse[:, None]
     else:  # not returned to anyone: zero ranks, and the raw argmax is enough to fill the [B, 1] slot
         ranks = jnp.zeros((B,), jnp.int32)
-        top_ids = (greedy_tokens if not (flags.penalties or flags.bias) else jnp.argmax(logits, -1))[:, None]
+        top_ids = (greedy_tokens if x is logits else jnp.argmax(logits, -1))[:, None]
         top_lp = (raw_max - lse)[:, None]
     return tokens, token_lp, ranks, top_ids.astype(jnp.int32), top_lp
 

@@ -72,6 +72,7 @@ class Sequence:
         self.cache_salt = cache_salt  # isolates prefix-cache sharing between tenants (vLLM's cache_salt)
         self.sampling_params = sampling_params  # carried for the engine; the scheduler never reads it
         self.bias_row: dict[int, float] | None = None  # the engine's logit biases for the next token (runner reads)
+        self.token_bitmask = None  # structured outputs: the next token's allowed set ([W] int32; runner reads)
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

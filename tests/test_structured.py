@@ -1,0 +1,258 @@
+"""Structured outputs through the whole engine and the server, on a tiny random model whose tokenizer can
+spell JSON: greedy tokens equal HF transformers' greedy tokens under the same llguidance mask (batched with
+unconstrained requests, chunked prefill, preemption), outputs follow their constraint, bad constraints are
+refused naming the field, and nothing is left behind."""
+
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import llguidance.numpy
+import numpy as np
+import openai
+import pytest
+import torch
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+from tests.tiny_models import make_tiny_model_dir
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "ok": {"type": "boolean"}},
+          "required": ["name", "age", "ok"], "additionalProperties": False}
+CONSTRAINTS = {
+    "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
+    "json_text_flexible": StructuredOutputsParams(json=json.dumps(SCHEMA)),
+    "json_object": StructuredOutputsParams(json_object=True),
+    "regex": StructuredOutputsParams(regex=r"[a-z]{2,5} \d\d?"),
+    "choice": StructuredOutputsParams(choice=["Paris", "Berlin", "engine was"]),
+    "lark": StructuredOutputsParams(grammar='start: "age " NUM ("," NUM)?\nNUM: /[0-9]{1,3}/'),
+    "gbnf": StructuredOutputsParams(grammar='root ::= "id " [0-9] [0-9]? " " ("yes" | "no")'),
+}
+PROMPTS = ["the engine was", "blocks were counted and", "In the beginning", "every request that came"]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_json")), json_text=True)
+
+
+def make_llm(model_dir, **kw):
+    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
+                block_size=8, enforce_eager=True, max_model_len=128)
+    return LLM(model_dir, **(base | kw))
+
+
+@pytest.fixture(scope="module")
+def llm(tiny):
+    return make_llm(tiny[0])
+
+
+def check_free(llm):
+    engine = llm.llm_engine
+    bm = engine.scheduler.block_manager
+    assert not engine.has_unfinished_requests() and bm.num_free_blocks == bm.num_usable_blocks, "KV blocks leaked"
+
+
+def hf_constrained_greedy(model, tokenizer, llm, prompt_ids, so, n):
+    """HF's greedy tokens with llguidance's mask for `so` applied to its logits (EOS ends it)."""
+    grammars = llm.llm_engine.grammars
+    matcher = llguidance.LLMatcher(grammars.tokenizer, grammars.compile(so), log_level=0)
+    eos = sorted(llm.llm_engine.eos_token_ids)
+    ids, out = list(prompt_ids), []
+    mask = llguidance.numpy.allocate_token_bitmask(1, grammars.tokenizer.vocab_size)
+    for _ in range(n):
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        V = model.config.vocab_size
+        allowed = np.unpackbits(mask[0].view(np.uint8), bitorder="little")[:V].astype(bool)
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, -1].numpy()
+        token = int(np.argmax(np.where(allowed, logits, -np.inf)))
+        out.append(token)
+        if token in eos:
+            break
+        assert matcher.consume_token(token), matcher.get_error()
+        ids.append(token)
+    return out
+
+
+def follows(name, text):
+    if name.startswith("json"):
+        obj = json.loads(text)
+        if name == "json_object":
+            return isinstance(obj, dict)
+        return (set(obj) == {"name", "age", "ok"} and isinstance(obj["name"], str) and len(obj["name"]) <= 6
+                and type(obj["age"]) is int and 0 <= obj["age"] <= 99 and isinstance(obj["ok"], bool))
+    if name == "regex":
+        return re.fullmatch(r"[a-z]{2,5} \d\d?", text) is not None
+    if name == "choice":
+        return text in ("Paris", "Berlin", "engine was")
+    if name == "lark":
+        return re.fullmatch(r"age [0-9]{1,3}(,[0-9]{1,3})?", text) is not None
+    return re.fullmatch(r"id [0-9][0-9]? (yes|no)", text) is not None
+
+
+@pytest.fixture(scope="module")
+def refs(tiny, llm):
+    _, model = tiny
+    tok = llm.get_tokenizer()
+    return {(name, p): hf_constrained_greedy(model, tok, llm, tok.encode(p), so, MAX_TOKENS)
+            for name, so in CONSTRAINTS.items() for p in PROMPTS[:2]}
+
+
+def run_all(llm, extra_plain=True):
+    """Every constraint on two prompts, plus unconstrained requests in the same batches."""
+    prompts, params = [], []
+    for name, so in CONSTRAINTS.items():
+        for p in PROMPTS[:2]:
+            prompts.append(p)
+            params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=so))
+    if extra_plain:
+        for p in PROMPTS[2:]:
+            prompts.append(p)
+            params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True))
+    return llm.generate(prompts, params, use_tqdm=False)
+
+
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64}],
+                         ids=["batched", "chunked_prefill", "preemption"])
+def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw):
+    engine = llm if not engine_kw else make_llm(tiny[0], **engine_kw)
+    outs = run_all(engine)
+    i = 0
+    for name in CONSTRAINTS:
+        for p in PROMPTS[:2]:
+            got = outs[i].outputs[0]
+            want = refs[(name, p)]
+            assert got.token_ids == want, (name, p)
+            if got.finish_reason == "stop":
+                assert follows(name, got.text), (name, got.text)
+            i += 1
+    # the unconstrained requests: the same tokens as when they run alone
+    alone = engine.generate(PROMPTS[2:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs[i:]] == [o.outputs[0].token_ids for o in alone]
+    if "num_gpu_blocks_override" in engine_kw:
+        assert engine.llm_engine.scheduler.stats.num_preemptions > 0
+    check_free(engine)
+
+
+def test_every_finished_output_follows_its_constraint_when_sampling(llm):
+    for name, so in CONSTRAINTS.items():
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=48,
+                                                    structured_outputs=so), use_tqdm=False)
+        finished = [c for o in outs for c in o.outputs if c.finish_reason == "stop"]
+        assert finished, name  # bounded constraints: a random model still completes some
+        for c in finished:
+            assert follows(name, c.text), (name, c.text)
+    check_free(llm)
+
+
+@pytest.mark.parametrize("so,field", [
+    (dict(json={"type": "objectz"}), "structured_outputs.json"),
+    (dict(json="{not json"), "structured_outputs.json"),
+    (dict(regex="a(b"), "structured_outputs.regex"),
+    (dict(grammar="start: foo"), "structured_outputs.grammar"),
+    (dict(grammar="root ::= [0-9"), "structured_outputs.grammar"),
+])
+def test_bad_constraints_are_refused_naming_the_field(llm, so, field):
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate("the engine", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**so)),
+                     use_tqdm=False)
+    check_free(llm)
+    ok = llm.generate("the engine", SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS[
+        "choice"]), use_tqdm=False)[0].outputs[0]
+    assert follows("choice", ok.text)
+
+
+def test_params_validation_and_legacy_name():
+    with pytest.raises(ValueError, match="You must use one kind of structured outputs constraint"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="You can only use one kind"):
+        StructuredOutputsParams(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice must be a non-empty list of strings"):
+        StructuredOutputsParams(choice=[1, 2])
+    sp = SamplingParams(guided_decoding=GuidedDecodingParams(regex="a+"))
+    assert sp.structured_outputs.regex == "a+" and sp.guided_decoding is None
+    assert SamplingParams(structured_outputs={"choice": ["x"]}).structured_outputs.choice == ["x"]
+
+
+def test_disable_additional_properties(llm):
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"]}
+    so = StructuredOutputsParams(json=schema, disable_additional_properties=True, disable_any_whitespace=True)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=so),
+                        use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop" and list(json.loads(o.outputs[0].text)) == ["a"]
+
+
+def test_tokenizer_without_a_decoder_llguidance_reads(llm):
+    """The tiny tokenizer's Metaspace decoder is one llguidance's HF reader refuses: the engine's piece reader
+    gives it the same token bytes as decoding does."""
+    with pytest.raises(ValueError):
+        llguidance.hf.from_tokenizer(llm.get_tokenizer())
+    lt = llm.llm_engine.grammars.tokenizer
+    tok = llm.get_tokenizer()
+    text = "the engine was paged, and 42 blocks"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert lt.decode_str(ids).strip() == text
+
+
+def test_server_structured_outputs(tiny, tmp_path):
+    from jaxllm.serve import build_engine
+    from server.args import parse_args
+    from server.testing import ServerThread
+
+    args = parse_args([tiny[0], "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
+                       "--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log"])
+    engine = build_engine(args)
+    with ServerThread(engine, args=args) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        messages = [{"role": "user", "content": "the engine"}]
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=60, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+        if r.choices[0].finish_reason == "stop":
+            assert follows("json", r.choices[0].message.content)
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0.7,
+                                           seed=1, n=3, extra_body={"guided_choice": ["Paris", "Berlin"]})
+        assert {c.message.content for c in r.choices} <= {"Paris", "Berlin"}
+        r = client.completions.create(model="tiny", prompt="the engine", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": r"[a-z]{2,5} \d\d?"}})
+        assert follows("regex", r.choices[0].text)
+        stream = client.completions.create(model="tiny", prompt="the engine", max_tokens=20, temperature=0,
+                                           stream=True, extra_body={"guided_regex": r"[a-z]{2,5} \d\d?"})
+        assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
+        with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.regex is not valid")):
+            client.completions.create(model="tiny", prompt="a", max_tokens=4,
+                                      extra_body={"structured_outputs": {"regex": "a(b"}})
+        with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.json is not valid")):
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectz"}}})
+        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
+                                           response_format={"type": "json_object"})
+        if r.choices[0].finish_reason == "stop":
+            assert isinstance(json.loads(r.choices[0].message.content), dict)
+    bm = engine.engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_compiled_steps_split_then_whole(tiny, refs):
+    """After warm-up, constrained steps first run split (the bucket's start-up program, then a sampler-only
+    program with the mask) while their step program compiles in the background, then whole: the same tokens
+    as HF under the mask both ways."""
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
+    runner = llm.llm_engine.runner
+    want = [refs[(name, p)] for name in CONSTRAINTS for p in PROMPTS[:2]]
+    for _ in range(2):
+        outs = run_all(llm, extra_plain=False)
+        assert [o.outputs[0].token_ids for o in outs] == want
+        assert any(v.flags.grammar for v in list(runner._pending) + list(runner._compiled))
+        runner.wait_for_background_compiles()
+    assert any(v.flags.grammar for v in runner._compiled)
+    check_free(llm)
