@@ -768,7 +768,7 @@ def test_packed_host_inputs_round_trip():
     smd = SamplingMetadata(f32(B), f32(B), i32(B), f32(B), f32(B), f32(B), f32(B),
                            np.array([0, 2**32 - 1, 2**31 + 5], np.uint32), i32(B), i32(B, 2),
                            np.array([[True, False], [False, False], [True, True]]), i32(B, 1), f32(B, 1), i32(B, 3),
-                           i32(B, 4))
+                           i32(2, 4), i32(B))
     host = (i32(T), i32(T), meta, i32(B), smd, i32(T))
     ints, floats, layout = pack_host_args(host)
     assert ints.dtype == np.int32 and floats.dtype == np.float32

@@ -33,7 +33,7 @@ def metadata(B, temperature, min_p, seed=0):
         seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32), steps=jnp.arange(B, dtype=jnp.int32) * 3,
         penalty_tokens=-jnp.ones((B, 1), jnp.int32), penalty_is_output=jnp.zeros((B, 1), bool),
         bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=z()[:, None], allowed_ids=-jnp.ones((B, 1), jnp.int32),
-        token_bitmask=-jnp.ones((B, 1), jnp.int32))
+        token_bitmask=-jnp.ones((1, 1), jnp.int32), bitmask_slot=-jnp.ones((B,), jnp.int32))
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 3])
@@ -73,8 +73,8 @@ def test_top_p_below_float32_keeps_the_best_token():
 
 def test_token_bitmask_allows_only_its_tokens():
     """Structured outputs' mask: bit t % 32 of word t // 32 allows token t (V not a multiple of 32); greedy
-    and sampled rows pick allowed tokens only, logprobs stay those of the raw distribution, and an all-ones
-    row changes nothing."""
+    and sampled rows pick allowed tokens only, logprobs stay those of the raw distribution, and a row with no
+    mask (slot -1) is sampled as without masks."""
     import dataclasses
 
     B, V = 6, 1000
@@ -82,11 +82,17 @@ def test_token_bitmask_allows_only_its_tokens():
     logits = jax.random.normal(jax.random.key(2), (B, V), jnp.float32) * 4
     allowed = rng.random((B, V)) < 0.05
     allowed[:, 7] = True
-    allowed[5] = True  # a row with every token allowed
+    allowed[5] = True  # an unconstrained row (no mask)
     bits = np.zeros((B, (V + 31) // 32 * 32), bool)
     bits[:, :V] = allowed
     words = np.packbits(bits.reshape(B, -1, 32), axis=-1, bitorder="little").view(np.int32)[..., 0]
-    md = dataclasses.replace(metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), token_bitmask=jnp.asarray(words))
+    order = [3, 0, 4, 2, 1]  # masks in any order, one slot unused (all bits clear: it would allow nothing)
+    table = np.zeros((8, words.shape[1]), np.int32)
+    table[: len(order)] = words[order]
+    slot = np.full(B, -1, np.int32)
+    slot[order] = np.arange(len(order))
+    md = dataclasses.replace(metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), token_bitmask=jnp.asarray(table),
+                             bitmask_slot=jnp.asarray(slot))
     tokens, token_lp, *_ = sample(logits, md, SamplerFlags(grammar=True))
     tokens = np.asarray(tokens)
     assert all(allowed[i, tokens[i]] for i in range(B))
@@ -94,5 +100,5 @@ def test_token_bitmask_allows_only_its_tokens():
     for i in (0, 2, 5):  # greedy rows: the best allowed token
         assert tokens[i] == np.argmax(np.where(allowed[i], raw[i], -np.inf))
     np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5)
-    plain = sample(logits, dataclasses.replace(md, token_bitmask=-jnp.ones((B, 1), jnp.int32)), SamplerFlags())
+    plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags())
     assert tokens[5] == plain[0][5]

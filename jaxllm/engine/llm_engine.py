@@ -2,8 +2,10 @@
 
 step() keeps one device step in flight: it schedules and dispatches step N+1 before it waits for step N's
 tokens, so host work (scheduling, input preparation, detokenization) overlaps the device. Requests whose
-sampling needs exact token history on the host (penalties, min_tokens, bad_words, structured outputs) turn this
-off for the steps they run in, so their inputs are never one token stale.
+sampling needs exact token history on the host (penalties, min_tokens, bad_words) turn this off for the steps
+they run in, so their inputs are never one token stale. Structured outputs need less: step N+1's masks need
+step N's tokens in the grammar matchers only, so step() waits for step N's tokens, advances the matchers and
+fills the masks, dispatches step N+1, and then processes step N's outputs (detokenization, stops) as usual.
 """
 
 from __future__ import annotations
@@ -47,6 +49,8 @@ class _SeqState:
     sent_tokens: int = 0
     sent_finish: bool = False
     matcher: object = None  # structured outputs: the llguidance matcher of this sequence's output
+    matched: int = 0  # output tokens the matcher has consumed
+    grammar_error: str | None = None  # a token the matcher refused (the request fails when it is processed)
 
 
 @dataclass
@@ -194,13 +198,16 @@ class LLMEngine:
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
         """Dispatches the next step and returns the outputs of the previous one (see the module docstring)."""
-        prev = self._inflight
+        prev, result = self._inflight, None
         if prev is not None and self._needs_sync():
             self._inflight = None
             outputs = self._process(prev, self.runner.collect(prev))
             prev = None
         else:
             outputs = []
+            if prev is not None and self._constrained_running():
+                result = self.runner.collect(prev)
+                self._advance_grammars(prev, result)
         sched = self.scheduler.schedule()
         self._inflight = self.runner.execute(sched) if not sched.is_empty else None
         if self._inflight is not None:
@@ -212,7 +219,7 @@ class LLMEngine:
             with self._stats_lock:
                 self._iteration_tokens.append(sched.num_batched_tokens)
         if prev is not None:
-            outputs += self._process(prev, self.runner.collect(prev))
+            outputs += self._process(prev, result if result is not None else self.runner.collect(prev))
         if not outputs and self._inflight is None and self._requests:
             # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
             outputs = self._finish_stalled()
@@ -225,6 +232,32 @@ class LLMEngine:
                                    or sp.min_tokens or sp.bad_words or sp.structured_outputs is not None):
                 return True
         return False
+
+    def _constrained_running(self) -> bool:
+        return any(seq.token_bitmask is not None for seq in self.scheduler.running)
+
+    def _advance_grammars(self, handle: StepHandle, result: StepResult) -> None:
+        """Structured outputs: feeds the step's tokens to the constrained sequences' matchers and fills their next
+        masks, before the step's outputs are processed (see the module docstring): the same tokens that
+        scheduler.update will append."""
+        advanced = []
+        for s in handle.sched.scheduled:
+            seq = s.seq
+            if not s.sample or seq.is_finished or seq.token_bitmask is None:
+                continue
+            req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
+            state = None if req is None else next((st for st in req.seqs if st.seq is seq), None)
+            if state is None or state.matcher is None or state.finish_reason is not None:
+                continue
+            self._consume(state, int(result.tokens[handle.rows[seq.seq_id]]))
+            advanced.append(state)
+        self._fill_masks(advanced)
+
+    def _consume(self, state: _SeqState, token: int) -> None:
+        state.matched += 1
+        if state.grammar_error is None and not state.matcher.consume_token(token):
+            state.grammar_error = (f"Token {token} does not follow the request's structured-output grammar: "
+                                   f"{state.matcher.get_error()}")
 
     def _finish_stalled(self) -> list[RequestOutput]:
         outputs = []
@@ -284,11 +317,12 @@ class LLMEngine:
                                                      req.params.logprobs))
         self._append_token(req, state, token)
         self._update_bias(state)
-        if state.matcher is not None and state.finish_reason is None:
-            if not state.matcher.consume_token(token):
-                raise RuntimeError(f"Token {token} does not follow the request's structured-output grammar: "
-                                   f"{state.matcher.get_error()}")
-            self._advanced.append(state)
+        if state.matcher is not None:
+            if state.matched < seq.num_output_tokens and state.finish_reason is None:
+                self._consume(state, token)  # not advanced before the step was processed (_advance_grammars)
+                self._advanced.append(state)
+            if state.grammar_error is not None:
+                raise RuntimeError(state.grammar_error)
 
     def _append_token(self, req: _Request, state: _SeqState, token: int) -> None:
         p, seq = req.params, state.seq

@@ -81,7 +81,8 @@ class StepVariant:
     decode_only: bool
     flags: SamplerFlags
     prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
-    sampler_widths: tuple = (1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows
+    sampler_widths: tuple = (1, 1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows, then the number of
+    # structured-output masks (SamplingMetadata.token_bitmask)
 
     @property
     def shape_name(self) -> str:
@@ -262,7 +263,7 @@ def _plain(smd: SamplingMetadata) -> SamplingMetadata:
     program's own sampling is discarded when the flags are not the default."""
     B = smd.temperature.shape[0]
     return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in _ROW_FIELDS},
-                               token_bitmask=np.full((B, 1), -1, np.int32))
+                               token_bitmask=np.full((1, 1), -1, np.int32), bitmask_slot=np.full(B, -1, np.int32))
 
 
 # decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS)
@@ -651,7 +652,7 @@ class ModelRunner:
         smd = self._sampling_arrays(B, flags, seqs, rows, live)
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
-        widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS)
+        widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS) + (smd.token_bitmask.shape[0],)
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
         host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
         return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs)
@@ -840,14 +841,16 @@ class ModelRunner:
                 bias_ids[i], bias_vals[i] = list(row.keys()), list(row.values())
                 allowed[i] = list(seqs[i].sampling_params.allowed_token_ids or [])
 
-        bitmask = np.full((B, (self.cfg.vocab_size + 31) // 32 if flags.grammar else 1), -1, np.int32)
-        if flags.grammar:
-            for i in live:
-                mask = seqs[i].token_bitmask
-                if mask is not None:
-                    bitmask[i] = mask
+        slot = np.full(B, -1, np.int32)
+        bitmask = np.full((1, 1), -1, np.int32)
+        if flags.grammar:  # only the constrained rows' masks go to the device (each is V / 8 bytes)
+            rows_c = [i for i in live if seqs[i].token_bitmask is not None]
+            bitmask = np.full((1 << max(len(rows_c) - 1, 0).bit_length(), (self.cfg.vocab_size + 31) // 32), -1,
+                              np.int32)
+            bitmask[: len(rows_c)] = [seqs[i].token_bitmask for i in rows_c]
+            slot[rows_c] = np.arange(len(rows_c))
         ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in _ROW_FIELDS' order
         return SamplingMetadata(
             temp, top_p, top_k, min_p, pres, freq, rep, seeds, steps,
             *(np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
-              for r, (_, fill, dtype) in zip(ragged, _ROW_FIELDS)), bitmask)
+              for r, (_, fill, dtype) in zip(ragged, _ROW_FIELDS)), bitmask, slot)

@@ -29,7 +29,7 @@ class SamplerFlags:
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
                  "seeds", "steps", "penalty_tokens", "penalty_is_output", "bias_ids", "bias_values",
-                 "allowed_ids", "token_bitmask"],
+                 "allowed_ids", "token_bitmask", "bitmask_slot"],
     meta_fields=[],
 )
 @dataclass(frozen=True)
@@ -48,9 +48,11 @@ class SamplingMetadata:
     bias_ids: jax.Array  # [B, Lb] int32, -1 padding
     bias_values: jax.Array  # [B, Lb] f32
     allowed_ids: jax.Array  # [B, La] int32, -1 padding; all -1 = everything allowed
-    # [B, W] int32, W = ceil(V / 32): token t allowed iff bit t % 32 of word t // 32 is set (structured outputs;
-    # all -1 = everything allowed); [B, 1] when unused
+    # Structured outputs: [Bc, W] int32 masks, W = ceil(V / 32), of the Bc (a power of 2) constrained rows: token t
+    # allowed iff bit t % 32 of word t // 32 is set ([1, 1] when unused); and each row's mask in it ([B] int32,
+    # -1: unconstrained)
     token_bitmask: jax.Array
+    bitmask_slot: jax.Array
 
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
@@ -74,8 +76,9 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
         x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
     if flags.grammar:  # after the biases, which must not bring a token the grammar forbids back
         t = jnp.arange(V)
-        allowed = (md.token_bitmask[:, t >> 5] >> (t & 31)) & 1
-        x = jnp.where(allowed == 1, x, -jnp.inf)
+        words = md.token_bitmask[jnp.maximum(md.bitmask_slot, 0)]  # [B, W]
+        allowed = ((words[:, t >> 5] >> (t & 31)) & 1 == 1) | (md.bitmask_slot < 0)[:, None]
+        x = jnp.where(allowed, x, -jnp.inf)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
 
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
