@@ -4,8 +4,9 @@ step() keeps one device step in flight: it schedules and dispatches step N+1 bef
 tokens, so host work (scheduling, input preparation, detokenization) overlaps the device. Requests whose
 sampling needs exact token history on the host (penalties, min_tokens, bad_words) turn this off for the steps
 they run in, so their inputs are never one token stale. Structured outputs need less: step N+1's masks need
-step N's tokens in the grammar matchers only, so step() waits for step N's tokens, advances the matchers and
-fills the masks, dispatches step N+1, and then processes step N's outputs (detokenization, stops) as usual.
+step N's tokens in the grammar matchers only. So step N+1 is scheduled and prepared while step N runs, as
+usual; then step() waits for step N's tokens, advances the constrained sequences' matchers, writes their new
+masks into the prepared inputs, dispatches step N+1, and processes step N's outputs (detokenization, stops).
 """
 
 from __future__ import annotations
@@ -205,11 +206,15 @@ class LLMEngine:
             prev = None
         else:
             outputs = []
-            if prev is not None and self._constrained_running():
+        sched = self.scheduler.schedule()
+        self._inflight = None
+        if not sched.is_empty:
+            p = self.runner.prepare(sched)
+            if prev is not None and p.masked:
                 result = self.runner.collect(prev)
                 self._advance_grammars(prev, result)
-        sched = self.scheduler.schedule()
-        self._inflight = self.runner.execute(sched) if not sched.is_empty else None
+                self.runner.refresh_masks(p)
+            self._inflight = self.runner.launch(p)
         if self._inflight is not None:
             now = time.time()
             for s in sched.scheduled:
@@ -232,9 +237,6 @@ class LLMEngine:
                                    or sp.min_tokens or sp.bad_words or sp.structured_outputs is not None):
                 return True
         return False
-
-    def _constrained_running(self) -> bool:
-        return any(seq.token_bitmask is not None for seq in self.scheduler.running)
 
     def _advance_grammars(self, handle: StepHandle, result: StepResult) -> None:
         """Structured outputs: feeds the step's tokens to the constrained sequences' matchers and fills their next

@@ -110,6 +110,8 @@ class PreparedStep:
     sample_rows: dict[str, int]
     prompt_rows: dict[str, tuple[int, int, int]]
     num_logprobs: int
+    masked: list = dataclasses.field(default_factory=list)  # sequences whose masks are smd.token_bitmask's rows
+    sched: SchedulerOutput | None = None
 
 
 @dataclass
@@ -256,6 +258,11 @@ def _spec(a) -> jax.ShapeDtypeStruct:
 # widths in this order, all 1 (one column of fill) unless the step's flags need them.
 _ROW_FIELDS = (("penalty_tokens", -1, np.int32), ("penalty_is_output", False, bool), ("bias_ids", -1, np.int32),
                ("bias_values", 0.0, np.float32), ("allowed_ids", -1, np.int32))
+
+
+def _masked(seqs, live) -> list:
+    """The sampled sequences with a structured-output mask, in the order of their rows in token_bitmask."""
+    return [seqs[i] for i in live.tolist() if seqs[i].token_bitmask is not None]
 
 
 def _plain(smd: SamplingMetadata) -> SamplingMetadata:
@@ -655,10 +662,21 @@ class ModelRunner:
         widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS) + (smd.token_bitmask.shape[0],)
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
         host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
-        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs)
+        masked = _masked(seqs, live) if flags.grammar else []
+        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched)
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
-        p = self.prepare(sched)
+        return self.launch(self.prepare(sched))
+
+    def refresh_masks(self, p: PreparedStep) -> None:
+        """Rewrites p's structured-output masks from its sequences' current ones (the engine advanced their
+        grammars after p was prepared)."""
+        bitmask = p.host_args[4].token_bitmask
+        for i, seq in enumerate(p.masked):
+            bitmask[i] = seq.token_bitmask
+
+    def launch(self, p: PreparedStep) -> StepHandle:
+        """The device half of a step: dispatches p (asynchronously)."""
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
         if self.pipeline is not None:
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
@@ -684,7 +702,7 @@ class ModelRunner:
         if p.variant.flags.penalties:
             self._sampler_ahead(p.variant, smd)
         self._prev_rows = dict(p.sample_rows)
-        return StepHandle(sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
+        return StepHandle(p.sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 
     def collect(self, handle: StepHandle) -> StepResult:
         outputs, prompt = jax.device_get(handle.outputs)
@@ -847,7 +865,7 @@ class ModelRunner:
             rows_c = [i for i in live if seqs[i].token_bitmask is not None]
             bitmask = np.full((1 << max(len(rows_c) - 1, 0).bit_length(), (self.cfg.vocab_size + 31) // 32), -1,
                               np.int32)
-            bitmask[: len(rows_c)] = [seqs[i].token_bitmask for i in rows_c]
+            bitmask[: len(rows_c)] = [seqs[i].token_bitmask for i in rows_c]  # the order of _masked()
             slot[rows_c] = np.arange(len(rows_c))
         ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in _ROW_FIELDS' order
         return SamplingMetadata(
