@@ -56,6 +56,25 @@ def _follows(text: str) -> bool:
             and isinstance(obj["score"], (int, float)))
 
 
+def _time_calls(obj, names) -> dict:
+    """Wraps obj's methods `names` to add up their calls and seconds (reset per run): where the host time goes."""
+    timers = {}
+    for name in names:
+        fn, acc = getattr(obj, name), [0, 0.0]
+
+        def timed(*a, _fn=fn, _acc=acc, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                _acc[0] += 1
+                _acc[1] += time.perf_counter() - t
+
+        setattr(obj, name, timed)
+        timers[name] = acc
+    return timers
+
+
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
@@ -77,6 +96,8 @@ def main(argv=None) -> dict:
         return [SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
                                seed=i, structured_outputs=so if i < k else None) for i in range(len(prompts))], k
 
+    timers = _time_calls(engine, ("_advance_grammars", "_fill_masks", "_process"))
+    timers.update(_time_calls(engine.runner, ("prepare", "launch", "collect")))
     # warm-up: one short constrained and unconstrained batch (sampler programs with the mask compile here)
     warm, _ = params(0.5)
     for sp in warm:
@@ -87,6 +108,8 @@ def main(argv=None) -> dict:
     for r in range(args.rounds):
         for f in args.fractions:
             ps, k = params(f)
+            for t in timers.values():
+                t[:] = [0, 0.0]
             t1 = time.perf_counter()
             outs = llm.generate(prompts, ps, use_tqdm=False)
             elapsed = time.perf_counter() - t1
@@ -95,11 +118,12 @@ def main(argv=None) -> dict:
                      for o in outs[:k]]
             row = dict(round=r, fraction=f, constrained=k, elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
                        output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
-                       compiles_during_run=engine.runner.num_compiles_after_warmup)
+                       compiles_after_warmup=engine.runner.num_compiles_after_warmup,
+                       host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
             rows.append(row)
             print(f"round {r} fraction {f:.2f} ({k} constrained): {row['requests_per_s']:.2f} req/s, "
                   f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
-                  f"JSON", flush=True)
+                  f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()), flush=True)
     res = dict(env=common.environment(), engine=common.engine_summary(llm),
                workload=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                              temperature=args.temperature, ignore_eos=True, schema=SCHEMA,
