@@ -234,7 +234,7 @@ class LLMEngine:
         for seq in self.scheduler.running:
             sp = seq.sampling_params
             if sp is not None and (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
-                                   or sp.min_tokens or sp.bad_words or sp.structured_outputs is not None):
+                                   or sp.min_tokens or sp.bad_words):
                 return True
         return False
 
