@@ -66,6 +66,11 @@ class _Request:
     prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
 
 
+def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
+    """The request's state for seq, one of its unfinished sequences (a finished one's id may be in use again)."""
+    return req.seqs[0] if len(req.seqs) == 1 else next((s for s in req.seqs if s.seq is seq), None)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         from jaxllm.engine.setup import build_engine_parts
@@ -248,7 +253,7 @@ class LLMEngine:
             if not s.sample or seq.is_finished or seq.token_bitmask is None:
                 continue
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
-            state = None if req is None else next((st for st in req.seqs if st.seq is seq), None)
+            state = None if req is None else _state_of(req, seq)
             if state is None or state.matcher is None or state.finish_reason is not None:
                 continue
             self._consume(state, int(result.tokens[handle.rows[seq.seq_id]]))
@@ -303,7 +308,7 @@ class LLMEngine:
         return outputs
 
     def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
-        state = req.seqs[0] if len(req.seqs) == 1 else next(s for s in req.seqs if s.seq is seq)
+        state = _state_of(req, seq)
         row = handle.rows[seq.seq_id]
         token = seq.output_token_ids[-1]
         self.generation_tokens_total += 1

@@ -110,7 +110,7 @@ class PreparedStep:
     sample_rows: dict[str, int]
     prompt_rows: dict[str, tuple[int, int, int]]
     num_logprobs: int
-    masked: list = dataclasses.field(default_factory=list)  # sequences whose masks are smd.token_bitmask's rows
+    masked: list = dataclasses.field(default_factory=list)  # (row of smd.token_bitmask, the sequence whose mask it is)
     sched: SchedulerOutput | None = None
 
 
@@ -258,11 +258,6 @@ def _spec(a) -> jax.ShapeDtypeStruct:
 # widths in this order, all 1 (one column of fill) unless the step's flags need them.
 _ROW_FIELDS = (("penalty_tokens", -1, np.int32), ("penalty_is_output", False, bool), ("bias_ids", -1, np.int32),
                ("bias_values", 0.0, np.float32), ("allowed_ids", -1, np.int32))
-
-
-def _masked(seqs, live) -> list:
-    """The sampled sequences with a structured-output mask, in the order of their rows in token_bitmask."""
-    return [seqs[i] for i in live.tolist() if seqs[i].token_bitmask is not None]
 
 
 def _plain(smd: SamplingMetadata) -> SamplingMetadata:
@@ -662,7 +657,8 @@ class ModelRunner:
         widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS) + (smd.token_bitmask.shape[0],)
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
         host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
-        masked = _masked(seqs, live) if flags.grammar else []
+        slot = smd.bitmask_slot
+        masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
         return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched)
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
@@ -672,8 +668,8 @@ class ModelRunner:
         """Rewrites p's structured-output masks from its sequences' current ones (the engine advanced their
         grammars after p was prepared)."""
         bitmask = p.host_args[4].token_bitmask
-        for i, seq in enumerate(p.masked):
-            bitmask[i] = seq.token_bitmask
+        for k, seq in p.masked:
+            bitmask[k] = seq.token_bitmask
 
     def launch(self, p: PreparedStep) -> StepHandle:
         """The device half of a step: dispatches p (asynchronously)."""
@@ -865,7 +861,7 @@ class ModelRunner:
             rows_c = [i for i in live if seqs[i].token_bitmask is not None]
             bitmask = np.full((1 << max(len(rows_c) - 1, 0).bit_length(), (self.cfg.vocab_size + 31) // 32), -1,
                               np.int32)
-            bitmask[: len(rows_c)] = [seqs[i].token_bitmask for i in rows_c]  # the order of _masked()
+            bitmask[: len(rows_c)] = [seqs[i].token_bitmask for i in rows_c]
             slot[rows_c] = np.arange(len(rows_c))
         ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in _ROW_FIELDS' order
         return SamplingMetadata(

@@ -12,8 +12,9 @@ Data flow, per sequence of a constrained request:
                next-token mask into seq.token_bitmask ([W] int32: token t allowed iff bit t % 32 of word t // 32)
   each step:   the runner stacks the rows into SamplingMetadata.token_bitmask [B, W] and the sampler sets every
                other token's logit to -inf (sampler.py).
-A mask needs the sequence's previous token, so steps that run a constrained sequence are not overlapped with the
-host (llm_engine: like penalties). When the grammar is complete, the mask allows only the EOS tokens.
+A mask needs the sequence's previous token: llm_engine prepares each step while the one before runs, then waits
+for that step's tokens to advance the matchers and refresh the masks before dispatching (its module docstring).
+When the grammar is complete, the mask allows only the EOS tokens.
 """
 
 from __future__ import annotations
