@@ -256,3 +256,16 @@ def test_compiled_steps_split_then_whole(tiny, refs):
         runner.wait_for_background_compiles()
     assert any(v.flags.grammar for v in runner._compiled)
     check_free(llm)
+
+
+def test_whitespace_pattern(llm):
+    """whitespace_pattern replaces JSON's flexible whitespace (which this random model fills with newlines)."""
+    def texts(**kw):
+        so = StructuredOutputsParams(json=SCHEMA, **kw)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=48,
+                                                    structured_outputs=so), use_tqdm=False)
+        return [c.text for o in outs for c in o.outputs]
+
+    assert any("\n" in t for t in texts())
+    constrained = texts(whitespace_pattern=r" ?")
+    assert not any("\n" in t or "\t" in t or "  " in t for t in constrained), constrained
