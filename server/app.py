@@ -24,6 +24,8 @@ from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeReq
 from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
 from server.serving_common import STATE, ServerState, encode, log_ignored_fields
 from server.serving_completion import create_completion
+from server.tool_calls import template_tools
+from server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -50,6 +52,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         log_requests=bool(opt("enable_log_requests", False)),
         max_log_len=opt("max_log_len"),
         profile_dir=opt("profile_dir"),
+        tool_parser=TOOL_PARSERS[opt("tool_call_parser")] if opt("tool_call_parser") else None,
+        enable_auto_tools=bool(opt("enable_auto_tool_choice", False)),
+        exclude_tools_when_tool_choice_none=bool(opt("exclude_tools_when_tool_choice_none", False)),
     )
     middlewares = [_error_middleware]
     api_key = opt("api_key")
@@ -231,7 +236,7 @@ async def tokenize(request: web.Request) -> web.Response:
         text = render_chat(state, to_conversation(req.messages), chat_template=req.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
-                           chat_template_kwargs=req.chat_template_kwargs, tools=req.tools)
+                           chat_template_kwargs=req.chat_template_kwargs, tools=template_tools(req.tools))
         ids = await encode(tokenizer, text, bool(req.add_special_tokens))
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:

@@ -11,6 +11,8 @@ import json
 import os
 import re
 
+from server.tool_parsers import TOOL_PARSERS
+
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
 # LLM(...) keyword arguments the serve flags map onto (served_model_name stays in the server).
@@ -92,6 +94,14 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-log-len", type=int, default=None, help="Max prompt characters in request logs.")
     s.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="Show logprob tokens as 'token_id:N' instead of their text.")
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='Let the model call tools on its own (tool_choice "auto", the default when a request has '
+                        "tools); needs --tool-call-parser.")
+    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="How the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json "
+                        "(Llama 3.1/3.2), mistral.")
+    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help='Do not show the tools to the chat template when tool_choice is "none".')
     s.add_argument("--max-request-body-bytes", type=human_readable_int, default=64 * 2**20,
                    help="Requests with a larger body get 413 (accepts 64M, 1G, ...).")
     s.add_argument("--ssl-keyfile", default=None)
@@ -153,6 +163,8 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         args.api_key = next((environ[v] for v in API_KEY_ENV_VARS if environ.get(v)), None)
     if args.disable_log_requests:
         args.enable_log_requests = False
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
     return args

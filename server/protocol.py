@@ -118,14 +118,25 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
+class FunctionDefinition(OpenAIModel):
+    name: StrictStr
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ChatCompletionTool(OpenAIModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: int | None = None
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionTool] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
@@ -154,7 +165,7 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionTool] | None = None
 
 
 class DetokenizeRequest(OpenAIModel):
@@ -267,7 +278,8 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
-    _omit_when_unset = frozenset({"role", "content"})
+    tool_calls: list[dict[str, Any]] | None = None
+    _omit_when_unset = frozenset({"role", "content", "tool_calls"})
 
 
 class ChatStreamChoice(ResponseModel):

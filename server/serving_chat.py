@@ -41,6 +41,14 @@ from server.serving_common import (
     truncate_prompt,
     usage_of,
 )
+from server.tool_calls import (
+    ToolChoice,
+    ToolStream,
+    parse_history_arguments,
+    resolve_tool_choice,
+    template_tools,
+    tool_constraint,
+)
 
 # apply_chat_template arguments a request's chat_template_kwargs may not override.
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
@@ -59,7 +67,8 @@ def load_chat_template(value: str | None) -> str | None:
 
 
 def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """OpenAI messages as template input: content parts flattened to one string (text-only models)."""
+    """OpenAI messages as template input: content parts flattened to one string (text-only models), tool-call
+    arguments in the history parsed to dicts."""
     conversation = []
     for m in messages:
         msg = m.model_dump(exclude_none=True)
@@ -68,6 +77,7 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         except ValueError as e:
             raise APIError(str(e), param="messages") from None
         conversation.append(msg)
+    parse_history_arguments(conversation)
     return conversation
 
 
@@ -98,9 +108,6 @@ def render_chat(state: ServerState, conversation: list[dict], *, chat_template: 
 
 
 def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
-    if req.tool_choice not in (None, "none") or (req.tools and req.tool_choice is None):
-        raise APIError('Tool calling is not supported by jaxllm yet; leave out tools or send tool_choice="none".',
-                       param="tool_choice")
     if req.functions or req.function_call not in (None, "none"):
         raise APIError("Function calling is not supported by jaxllm yet.", param="functions")
     if req.modalities not in (None, ["text"]) or req.audio is not None:
@@ -123,12 +130,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     model = state.check_model(req.model)
     reject_unsupported(req)
     reject_unsupported_chat(req)
+    tool_choice = resolve_tool_choice(req, auto_enabled=state.enable_auto_tools, parser=state.tool_parser)
 
     conversation = to_conversation(req.messages)
+    tools = template_tools(req.tools, req.tool_choice, state.exclude_tools_when_tool_choice_none)
     text = render_chat(state, conversation, chat_template=req.chat_template,
                        add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message,
-                       chat_template_kwargs=req.chat_template_kwargs, tools=req.tools, documents=req.documents)
+                       chat_template_kwargs=req.chat_template_kwargs, tools=tools, documents=req.documents)
     tokenizer = state.engine.get_tokenizer()
     ids = truncate_prompt(await encode(tokenizer, text, req.add_special_tokens), req.truncate_prompt_tokens,
                           state.engine.max_model_len)
@@ -138,7 +147,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     max_tokens = resolve_max_tokens(state, requested, len(ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs,
-                                  prompt_logprobs=req.prompt_logprobs)
+                                  prompt_logprobs=req.prompt_logprobs,
+                                  constraint=tool_constraint(tool_choice, req.tools))
     request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
     log_request(state, request_id, text, params)
     engine_req = EngineRequest({"prompt_token_ids": ids, "prompt": text}, params, request_id, ids, text)
@@ -147,7 +157,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     echo = ""
     if req.echo and conversation and conversation[-1].get("role") == role:
         echo = conversation[-1].get("content") or ""
-    ctx = _Ctx(state, req, request_id, model, role, echo)
+    ctx = _Ctx(state, req, request_id, model, role, echo, tool_choice)
     if req.stream:
         return await _stream(request, ctx, engine_req)
     async with EngineRunner(state, [engine_req], req.priority) as run:
@@ -164,8 +174,10 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
 
 class _Ctx:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str, role: str,
-                 echo: str):
+                 echo: str, tool_choice: ToolChoice | None):
         self.state = state
+        self.tool_choice = tool_choice
+        self.tool_streams = [ToolStream(tool_choice) for _ in range(req.n)] if tool_choice else []
         self.req = req
         self.request_id = request_id
         self.model = model
@@ -185,9 +197,13 @@ class _Ctx:
     def final_choice(self, rs: RequestState, j: int) -> ChatChoice:
         c = rs.choices[j]
         out = c.output
-        choice = ChatChoice(index=j, message=ChatResponseMessage(role=self.role, content=self.echo + c.text),
-                            logprobs=self._logprobs(c, 0, c.token_ids), finish_reason=c.finish_reason,
-                            stop_reason=out.stop_reason if out is not None else None)
+        if self.tool_choice is None:
+            message, finish = ChatResponseMessage(role=self.role, content=self.echo + c.text), c.finish_reason
+        else:
+            message = ChatResponseMessage(role=self.role, **self.tool_choice.message_fields(c.text))
+            finish = self.tool_choice.finish_reason(bool(message.tool_calls), c.finish_reason)
+        choice = ChatChoice(index=j, message=message, logprobs=self._logprobs(c, 0, c.token_ids),
+                            finish_reason=finish, stop_reason=out.stop_reason if out is not None else None)
         if self.req.return_token_ids:
             choice.token_ids = list(c.token_ids)
         return choice
@@ -207,9 +223,18 @@ class _Ctx:
         c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
         finish = None if c.finish_sent else c.finish_reason
         c.finish_sent = c.finish_sent or finish is not None
-        if not (text or finish is not None or (ids and (self.req.logprobs or self.req.return_token_ids))):
+        delta = DeltaMessage(content=text)
+        if self.tool_choice is not None:
+            stream = self.tool_streams[j]
+            text, calls = stream.step(c.text, final=finish is not None)
+            delta = DeltaMessage(tool_calls=calls, **({"content": text} if text else {})) if calls else \
+                DeltaMessage(content=text)
+            if finish is not None:
+                finish = self.tool_choice.finish_reason(stream.sent_calls > 0, finish)
+        if not (text or delta.tool_calls or finish is not None
+                or (ids and (self.req.logprobs or self.req.return_token_ids))):
             return None
-        choice = ChatStreamChoice(index=j, delta=DeltaMessage(content=text), logprobs=self._logprobs(c, start, ids),
+        choice = ChatStreamChoice(index=j, delta=delta, logprobs=self._logprobs(c, start, ids),
                                   finish_reason=finish, stop_reason=c.output.stop_reason if finish else None)
         if self.req.return_token_ids:
             choice.token_ids = ids

@@ -25,6 +25,7 @@ from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams, trun
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
 from server.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob, UsageInfo
+from server.tool_parsers import ToolParser
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -45,6 +46,9 @@ class ServerState:
     log_requests: bool = False
     max_log_len: int | None = None
     profile_dir: str | None = None
+    tool_parser: ToolParser | None = None
+    enable_auto_tools: bool = False
+    exclude_tools_when_tool_choice_none: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     _defaults: dict[str, Any] | None = field(default=None, repr=False)
 
@@ -172,8 +176,10 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
 
 
 def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None) -> SamplingParams:
-    """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message."""
+                         prompt_logprobs: int | None,
+                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
+    """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message. `constraint`
+    (a tool choice's) replaces the request's own structured outputs."""
     defaults = state.default_sampling()
 
     def pick(name: str, fallback):
@@ -210,7 +216,7 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
             logit_bias=logit_bias,
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
-            structured_outputs=structured_outputs(req),
+            structured_outputs=constraint or structured_outputs(req),
         )
         params.verify_for_model(state.engine.vocab_size, state.engine.max_logprobs)
     except ValueError as e:

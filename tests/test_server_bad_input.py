@@ -56,6 +56,7 @@ def _long_prompt(tok, n_tokens):
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
 
 # (name, path, kwargs for post(), status, substring of error.message)
 CASES = [
@@ -126,10 +127,24 @@ CASES = [
      "The model `gpt-9` does not exist."),
     ("unknown model (chat)", CHAT, {"json_body": {"model": "gpt-9", "messages": USER}}, 404,
      "The model `gpt-9` does not exist."),
-    ("tools", CHAT, {"json_body": {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}},
-     400, "Tool calling is not supported"),
-    ("tool_choice required", CHAT, {"json_body": {"messages": USER, "tool_choice": "required"}}, 400,
-     "Tool calling is not supported"),
+    ("tools without auto tool choice", CHAT, {"json_body": {"messages": USER, "tools": TOOLS}}, 400,
+     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+    ("tool_choice without tools", CHAT, {"json_body": {"messages": USER, "tool_choice": "required"}}, 400,
+     "When using `tool_choice`, `tools` must be set."),
+    ("tool_choice bad string", CHAT, {"json_body": {"messages": USER, "tools": TOOLS, "tool_choice": "any"}}, 400,
+     'Invalid value for `tool_choice`: any! Only named tools, "none", "auto" or "required" are supported.'),
+    ("tool_choice without function", CHAT, {"json_body": {"messages": USER, "tools": TOOLS, "tool_choice": {
+        "type": "function"}}}, 400, "Invalid value for `function`: `None` in `tool_choice`!"),
+    ("tool_choice without name", CHAT, {"json_body": {"messages": USER, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {}}}}, 400, "Expected field `name` in `function` in `tool_choice`!"),
+    ("tool_choice unknown tool", CHAT, {"json_body": {"messages": USER, "tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}}, 400,
+     "The tool specified in `tool_choice` does not match any of the specified `tools`"),
+    ("tool without a name", CHAT, {"json_body": {"messages": USER, "tools": [{"type": "function", "function": {}}],
+                                                 "tool_choice": "none"}}, 400, "tools.0.function.name: Field required"),
+    ("history arguments not JSON", CHAT, {"json_body": {"messages": [{"role": "assistant", "tool_calls": [
+        {"id": "1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}] + USER}}, 400,
+     "messages[0].tool_calls: arguments are not valid JSON"),
     ("json_schema without its schema", CHAT, {"json_body": {"messages": USER, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x"}}}}, 400, "needs json_schema.schema"),
     ("response_format type", CHAT, {"json_body": {"messages": USER, "response_format": {"type": "xml"}}}, 400,

@@ -138,11 +138,15 @@ greedy or with a seed, and the detokenizer spoke the words aloud, one delta at a
 _JSON_TEXT = """{"name": "Ada", "age": 36, "tags": ["math", "engines"], "ok": true, "score": -1.5e3}
 [{"id": 1, "city": "Paris"}, {"id": 2, "city": "Berlin"}, null, false, 0.25, "yes", "no"]"""
 JSON_ALPHABET = list('{}[]":,0123456789-+.eE_ ')
+_TOOL_TEXT = """<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> [TOOL_CALLS]"""
+TOOL_ALPHABET = list("<>/|")
 
 
-def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = False) -> None:
+def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = False,
+                        tool_text: bool = False) -> None:
     """A small BPE tokenizer (ids < vocab_size) with bos/eos and a chat template, saved in HF layout; json_text:
-    trained on JSON too, with JSON's punctuation and digits in its alphabet (for structured-output tests)."""
+    trained on JSON too, with JSON's punctuation and digits in its alphabet (for structured-output tests);
+    tool_text: also on tool-call markup, with <>/| in its alphabet (for tool-calling tests)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -150,21 +154,24 @@ def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = F
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     alphabet = list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.,!? ")
-    if json_text:
+    if json_text or tool_text:
         alphabet += [c for c in JSON_ALPHABET if c not in alphabet]
+    if tool_text:
+        alphabet += TOOL_ALPHABET
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
                                   initial_alphabet=alphabet)
-    tok.train_from_iterator([_TEXT] * 4 + ([_JSON_TEXT] * 4 if json_text else []), trainer)
+    tok.train_from_iterator([_TEXT] * 4 + ([_JSON_TEXT] * 4 if json_text or tool_text else [])
+                            + ([_TOOL_TEXT] * 4 if tool_text else []), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
                           "{% if add_generation_prompt %}<s>assistant:{% endif %}")
     fast.save_pretrained(out_dir)
 
 
-def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0, json_text: bool = False):
-    """A complete tiny model directory (weights, config, tokenizer; see save_tiny_tokenizer for json_text);
-    returns (dir, HF model)."""
+def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0, json_text: bool = False, tool_text: bool = False):
+    """A complete tiny model directory (weights, config, tokenizer; see save_tiny_tokenizer for json_text and
+    tool_text); returns (dir, HF model)."""
     model = make_hf_model(arch, seed=seed)
     save_checkpoint(model, arch, out_dir)
-    save_tiny_tokenizer(out_dir, model.config.vocab_size, json_text)
+    save_tiny_tokenizer(out_dir, model.config.vocab_size, json_text, tool_text)
     return out_dir, model

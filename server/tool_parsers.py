@@ -1,0 +1,172 @@
+"""Tool-call parsers for tool_choice="auto" (`--enable-auto-tool-choice --tool-call-parser NAME`): each turns a
+model's own tool-call format back into OpenAI tool calls, as vLLM's parser of the same name does.
+
+    hermes       Hermes, Qwen2.5, Qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>, repeated.
+    llama3_json  Llama 3.1 / 3.2: {"name": ..., "parameters": {...}}, optionally after <|python_tag|>, several
+                 separated by ";". Only an output that starts with a call is parsed (as vLLM's parser does).
+    mistral      Mistral: [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}.
+
+A parser is one function of the text generated so far: parse(text, final) -> Parsed. `content` is the text
+that is certainly not part of a call and `calls` the calls complete so far. A stream sends what grew since its
+last step, and a whole response is parse(text, final=True), so a stream adds up to the same message: content
+only ever grows, and a call, once complete, never changes.
+
+When no call parses, the whole output is the content (vLLM: `tools_called` false). A call that does not parse
+among others that do is dropped with a warning (vLLM would return the whole output as content; a stream here
+has already sent the good calls).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+logger = logging.getLogger("jaxllm.server")
+
+
+@dataclass(frozen=True)
+class Call:
+    name: str
+    arguments: str  # JSON text
+
+
+@dataclass
+class Parsed:
+    content: str
+    calls: list[Call] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ToolParser:
+    name: str
+    parse: Callable[[str, bool], Parsed]
+    keep_special_tokens: bool  # vLLM's adjust_request: the call markers are special tokens in some vocabularies
+
+
+def held_suffix(text: str, marker: str) -> int:
+    """Length of the longest end of `text` that `marker` starts with (it may become the marker)."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def call_from(obj, args_keys: tuple[str, ...]) -> Call | None:
+    """{"name": str, <first of args_keys>: value} as a Call (arguments dumped as vLLM does), else None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    key = next((k for k in args_keys if k in obj), None)
+    if key is None:
+        return None
+    args = obj[key]
+    return Call(obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+
+
+def array_items(text: str) -> tuple[list, bool]:
+    """The complete items of a JSON array `text` starts with (after whitespace), and whether it is closed."""
+    decoder = json.JSONDecoder()
+    s = text.lstrip()
+    if not s.startswith("["):
+        return [], False
+    items, i = [], 1
+    while True:
+        while i < len(s) and s[i] in " \t\r\n,":
+            i += 1
+        if i >= len(s):
+            return items, False
+        if s[i] == "]":
+            return items, True
+        try:
+            obj, i = decoder.raw_decode(s, i)
+        except json.JSONDecodeError:
+            return items, False
+        items.append(obj)
+
+
+def _finish(text: str, content: str, calls: list[Call], bad: int, final: bool) -> Parsed:
+    if final and not calls:
+        return Parsed(text)
+    if final and bad:
+        logger.warning("tool parser: dropped %d tool call(s) that did not parse in %.200r", bad, text)
+    return Parsed(content, calls)
+
+
+# ------------------------------------------------------------------------------------------------ hermes
+
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+
+
+def parse_hermes(text: str, final: bool) -> Parsed:
+    start = text.find(_HERMES_START)
+    if start < 0:
+        return Parsed(text if final else text[:len(text) - held_suffix(text, _HERMES_START)])
+    calls, bad = [], 0
+    for part in text[start:].split(_HERMES_START)[1:]:
+        body, closed, _ = part.partition(_HERMES_END)
+        if not closed and not final:
+            break
+        try:
+            call = call_from(json.loads(body), ("arguments",))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            bad += 1
+        else:
+            calls.append(call)
+    return _finish(text, text[:start], calls, bad, final)
+
+
+# ------------------------------------------------------------------------------------------- llama3_json
+
+_PYTHON_TAG = "<|python_tag|>"
+
+
+def parse_llama3_json(text: str, final: bool) -> Parsed:
+    if not final and (not text or _PYTHON_TAG.startswith(text)):
+        return Parsed("")
+    body = text[len(_PYTHON_TAG):] if text.startswith(_PYTHON_TAG) else text
+    if not body.startswith("{"):
+        return Parsed(text)
+    decoder = json.JSONDecoder()
+    calls, bad, i = [], 0, 0
+    while True:
+        while i < len(body) and body[i] in " \t\r\n;":
+            i += 1
+        if i >= len(body):
+            break
+        try:
+            obj, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            bad += 1
+            break
+        call = call_from(obj, ("arguments", "parameters"))
+        if call is None:
+            bad += 1
+        else:
+            calls.append(call)
+    return _finish(text, "", calls, bad, final)
+
+
+# ----------------------------------------------------------------------------------------------- mistral
+
+_MISTRAL_START = "[TOOL_CALLS]"
+
+
+def parse_mistral(text: str, final: bool) -> Parsed:
+    start = text.find(_MISTRAL_START)
+    if start < 0:
+        return Parsed(text if final else text[:len(text) - held_suffix(text, _MISTRAL_START)])
+    rest = text[start + len(_MISTRAL_START):].replace(_MISTRAL_START, "")
+    items, closed = array_items(rest)
+    calls = [c for c in (call_from(o, ("arguments",)) for o in items) if c is not None]
+    return _finish(text, text[:start], calls, len(items) - len(calls) + (not closed), final)
+
+
+TOOL_PARSERS = {p.name: p for p in (
+    ToolParser("hermes", parse_hermes, keep_special_tokens=True),
+    ToolParser("llama3_json", parse_llama3_json, keep_special_tokens=False),
+    ToolParser("mistral", parse_mistral, keep_special_tokens=True),
+)}
