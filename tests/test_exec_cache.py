@@ -224,6 +224,36 @@ print(cache.stores, cache.from_jax_cache, cache.load(key, (x,))(x).tolist())
     assert out.stdout.split("\n")[-2] == "1 2 [1, 3, 5, 7, 9, 11, 13, 15]"
 
 
+def test_jax_cache_copies_from_untracked_compiles_are_not_stored(tmp_path):
+    """An executable JAX's persistent cache supplied to a compile nobody tracked (a runner without an
+    executable cache, in the same process) comes back from JAX's in-memory cache, with no event, when a step
+    with an executable cache compiles the same program: it is not stored (a stored copy fails to run with
+    "Function ... not found": test engines' steps broke for every later start)."""
+    script = f"""
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path / "xla")!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+from jaxllm.engine.exec_cache import ExecutableCache
+
+def f(x):
+    return x + jnp.arange(x.shape[0]) * 2
+
+x = np.ones(8, np.int32)
+jax.jit(f).lower(x).compile()  # compiled by XLA, written to JAX's cache
+jax.clear_caches()
+jax.jit(f).lower(x).compile()  # from JAX's cache, untracked
+cache = ExecutableCache({str(tmp_path / "exe")!r}, jax.devices()[:1])
+key = cache.key("f", (x,), ())
+print(cache.compile_and_store(key, jax.jit(f).lower(x).compile)(x).tolist())  # JAX's in-memory copy
+print(cache.stores, cache.from_jax_cache, cache.load(key, (x,)))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-3:-1] == ["[1, 3, 5, 7, 9, 11, 13, 15]", "0 1 None"]
+
+
 def test_gpu_step_compile_options(tmp_path, monkeypatch):
     """On a GPU, steps with prompt tokens are compiled with command buffers off and decode-only steps of
     CUBLAS_MIN_DECODE_SEQS+ sequences with Triton GEMMs off (runner.compile_options); smaller decode-only steps

@@ -19,12 +19,16 @@ every argument's shape and dtype. Any failure is a miss with a warning (the call
 usual), never a wrong program. Writes go to a temporary file renamed into place, so concurrent engines
 (pytest-xdist workers) never read half an entry; two writers of one key write the same program.
 
-Only executables XLA compiled in this process are stored. One that JAX's persistent compilation cache
+Only executables XLA compiled in the storing call are stored. One that JAX's persistent compilation cache
 supplied (deserialized) does not survive a second serialization on CPU (running the copy fails with
-"Function ... not found"), so compile_and_store() skips it: after a code change that leaves a step's HLO
+"Function ... not found"), and JAX's in-memory cache hands an executable out again, with no event, to any
+later compile of the same program in the process, also one that an untracked compile got from the persistent
+cache (a runner without an executable cache: stored, such copies broke test engines' steps for every later
+start). So compile_and_store() stores only what jax.monitoring saw XLA compile (a backend compile without a
+persistent cache hit) in the compiling thread during the call. After a code change that leaves a step's HLO
 unchanged, that step keeps coming from JAX's cache (traced and lowered each start) until its HLO changes or
 JAX's entry is gone. The same happens to two variants that lower to one program (on CPU, where decode_only
-changes nothing, decode and mixed buckets of equal T and B): the second compile is JAX's cache's copy of the
+changes nothing, decode and mixed buckets of equal T and B): the second compile is JAX's in-memory copy of the
 first, so only the first is stored.
 
 Entries are pickles that load native code: the cache directory must be as trusted as JAX's own cache.
@@ -49,7 +53,10 @@ logger = logging.getLogger(__name__)
 FORMAT = 1
 _MAGIC = b"jaxllm-executable-cache %d\n" % FORMAT
 _SUFFIX = ".jxe"
-JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # jax.monitoring, in the compiling thread
+# jax.monitoring events, recorded in the compiling thread: a persistent cache hit, and the end of a compile that
+# XLA or JAX's persistent cache answered (not recorded when JAX's in-memory cache answers).
+JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # jax options that change what a traced step lowers to.
 _JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
                 "jax_numpy_dtype_promotion", "jax_default_prng_impl", "jax_threefry_partitionable",
@@ -95,10 +102,6 @@ def _environment(devices) -> str:
 _local = threading.local()
 _listener_lock = threading.Lock()
 _listening = False
-# The runtime executables JAX's persistent cache supplied, by id: its in-memory cache hands the same one out
-# again for the same program, with no event. They are held, not just their ids, so a freed one's id is never
-# reused by a fresh compile (which would then go unstored); one entry per cache hit of this process.
-_from_jax_cache: dict[int, object] = {}
 
 
 def _on_event(event: str, **kwargs) -> None:
@@ -106,22 +109,22 @@ def _on_event(event: str, **kwargs) -> None:
         _local.jax_cache_hit = True
 
 
-def compile_tracking_jax_cache(compile_fn):
-    """compile_fn() and whether JAX's persistent compilation cache supplied the result."""
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == JAX_COMPILE_EVENT:
+        _local.compiled = True
+
+
+def compile_tracking_xla(compile_fn):
+    """compile_fn() and whether XLA compiled it in this call (not JAX's persistent or in-memory cache)."""
     global _listening
     with _listener_lock:
         if not _listening:
             jax.monitoring.register_event_listener(_on_event)
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
             _listening = True
-    _local.jax_cache_hit = False
+    _local.jax_cache_hit = _local.compiled = False
     exe = compile_fn()
-    if exe is None:
-        return None, False
-    rt = exe.runtime_executable()
-    with _listener_lock:
-        if _local.jax_cache_hit:
-            _from_jax_cache[id(rt)] = rt
-        return exe, id(rt) in _from_jax_cache
+    return exe, exe is not None and _local.compiled and not _local.jax_cache_hit
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,7 +169,7 @@ class ExecutableCache:
         self.devices = tuple(devices)  # in the order of the executables' device assignment (mesh order)
         self.max_bytes = max_bytes  # prune() drops least recently used entries beyond this
         self.hits = self.misses = self.errors = self.stores = 0
-        self.from_jax_cache = 0  # compiles JAX's cache answered: not stored (see the module docstring)
+        self.from_jax_cache = 0  # compiles JAX's caches answered: not stored (see the module docstring)
         self._lock = threading.Lock()
         self._env = _environment(self.devices)
         if self.devices and self.devices[0].platform == "gpu":
@@ -238,14 +241,14 @@ class ExecutableCache:
         return None
 
     def compile_and_store(self, key: str, compile_fn):
-        """compile_fn() (an executable, or None), stored under key unless JAX's persistent cache supplied it."""
-        exe, from_jax_cache = compile_tracking_jax_cache(compile_fn)
+        """compile_fn() (an executable, or None), stored under key if XLA compiled it in this call."""
+        exe, by_xla = compile_tracking_xla(compile_fn)
         if exe is not None:
-            if from_jax_cache:
-                self._count("from_jax_cache")
-                logger.debug("Not storing %s: it came from JAX's compilation cache", key)
-            else:
+            if by_xla:
                 self.store(key, exe)
+            else:
+                self._count("from_jax_cache")
+                logger.debug("Not storing %s: JAX's compilation cache supplied it", key)
         return exe
 
     def store(self, key: str, compiled) -> bool:
