@@ -117,11 +117,20 @@ def run_all(llm, extra_plain=True):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64}],
-                         ids=["batched", "chunked_prefill", "preemption"])
+@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64},
+                                       {"overlap": True}, {"overlap": True, "max_num_batched_tokens": 16}],
+                         ids=["batched", "chunked_prefill", "preemption", "overlapped", "overlapped_chunked"])
 def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw):
-    engine = llm if not engine_kw else make_llm(tiny[0], **engine_kw)
+    """overlapped: every step with a mask runs split, its masks written after the model part is dispatched
+    (runner.overlap_min_masked, which a batch this small never reaches by default)."""
+    engine_kw = dict(engine_kw)
+    overlap = engine_kw.pop("overlap", False)
+    engine = llm if not engine_kw and not overlap else make_llm(tiny[0], **engine_kw)
+    runner = engine.llm_engine.runner
+    if overlap:
+        runner.overlap_min_masked = 1
     outs = run_all(engine)
+    assert bool(runner._samplers) == overlap  # eager engines run split only to overlap
     i = 0
     for name in CONSTRAINTS:
         for p in PROMPTS[:2]:

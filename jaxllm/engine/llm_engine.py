@@ -7,6 +7,8 @@ they run in, so their inputs are never one token stale. Structured outputs need 
 step N's tokens in the grammar matchers only. So step N+1 is scheduled and prepared while step N runs, as
 usual; then step() waits for step N's tokens, advances the constrained sequences' matchers, writes their new
 masks into the prepared inputs, dispatches step N+1, and processes step N's outputs (detokenization, stops).
+With many constrained sequences (runner.overlap_min_masked), step N+1's model part is dispatched before that
+wait and its sampling after the masks are written, so the grammar work overlaps the model on the device.
 """
 
 from __future__ import annotations
@@ -215,11 +217,14 @@ class LLMEngine:
         self._inflight = None
         if not sched.is_empty:
             p = self.runner.prepare(sched)
+            before_sample = None
             if prev is not None and p.masked:
-                result = self.runner.collect(prev)
-                self._advance_grammars(prev, result)
-                self.runner.refresh_masks(p)
-            self._inflight = self.runner.launch(p)
+                def before_sample():
+                    nonlocal result
+                    result = self.runner.collect(prev)
+                    self._advance_grammars(prev, result)
+                    self.runner.refresh_masks(p)
+            self._inflight = self.runner.launch(p, before_sample)
         if self._inflight is not None:
             now = time.time()
             for s in sched.scheduled:
@@ -247,7 +252,7 @@ class LLMEngine:
         """Structured outputs: feeds the step's tokens to the constrained sequences' matchers and fills their next
         masks, before the step's outputs are processed (see the module docstring): the same tokens that
         scheduler.update will append."""
-        advanced = []
+        advanced, tokens = [], []
         for s in handle.sched.scheduled:
             seq = s.seq
             if not s.sample or seq.is_finished or seq.token_bitmask is None:
@@ -256,15 +261,21 @@ class LLMEngine:
             state = None if req is None else _state_of(req, seq)
             if state is None or state.matcher is None or state.finish_reason is not None:
                 continue
-            self._consume(state, int(result.tokens[handle.rows[seq.seq_id]]))
             advanced.append(state)
+            tokens.append(int(result.tokens[handle.rows[seq.seq_id]]))
+        self._consume(advanced, tokens)
         self._fill_masks(advanced)
 
-    def _consume(self, state: _SeqState, token: int) -> None:
-        state.matched += 1
-        if state.grammar_error is None and not state.matcher.consume_token(token):
-            state.grammar_error = (f"Token {token} does not follow the request's structured-output grammar: "
-                                   f"{state.matcher.get_error()}")
+    def _consume(self, states: list[_SeqState], tokens: list[int]) -> None:
+        """Feeds each sequence's matcher its token (on llguidance's thread pool when there are several)."""
+        live = [(state, token) for state, token in zip(states, tokens) if state.grammar_error is None]
+        for state in states:
+            state.matched += 1
+        accepted = self.grammars.consume([(state.matcher, token) for state, token in live])
+        for (state, token), ok in zip(live, accepted):
+            if not ok:
+                state.grammar_error = (f"Token {token} does not follow the request's structured-output grammar: "
+                                       f"{state.matcher.get_error()}")
 
     def _finish_stalled(self) -> list[RequestOutput]:
         outputs = []
@@ -326,7 +337,7 @@ class LLMEngine:
         self._update_bias(state)
         if state.matcher is not None:
             if state.matched < seq.num_output_tokens and state.finish_reason is None:
-                self._consume(state, token)  # not advanced before the step was processed (_advance_grammars)
+                self._consume([state], [token])  # not advanced before the step was processed (_advance_grammars)
                 self._advanced.append(state)
             if state.grammar_error is not None:
                 raise RuntimeError(state.grammar_error)

@@ -8,12 +8,15 @@ worst case) for a 128k vocabulary on one CPU core, filled for a whole batch on a
 Data flow, per sequence of a constrained request:
   add_request: Grammars.compile(params) -> grammar text (a ValueError names the field if it does not compile);
                one LLMatcher per sequence; its first mask
-  each token:  matcher.consume_token(token); then Grammars.fill(all sequences that advanced) writes each one's
-               next-token mask into seq.token_bitmask ([W] int32: token t allowed iff bit t % 32 of word t // 32)
-  each step:   the runner stacks the rows into SamplingMetadata.token_bitmask [B, W] and the sampler sets every
-               other token's logit to -inf (sampler.py).
+  each token:  Grammars.consume(every advanced sequence's (matcher, token)), then Grammars.fill(them) writes each
+               one's next-token mask into seq.token_bitmask ([W] int32: token t allowed iff bit t % 32 of word
+               t // 32); both on llguidance's thread pool
+  each step:   the runner stacks the constrained rows into SamplingMetadata.token_bitmask [Bc, W] and the sampler
+               sets every other token's logit to -inf (sampler.py).
 A mask needs the sequence's previous token: llm_engine prepares each step while the one before runs, then waits
-for that step's tokens to advance the matchers and refresh the masks before dispatching (its module docstring).
+for that step's tokens to advance the matchers and refresh the masks before sampling; with many constrained
+sequences the model part of the step is dispatched first, so that wait and update overlap it (its module
+docstring, runner.launch).
 When the grammar is complete, the mask allows only the EOS tokens.
 """
 
@@ -126,6 +129,13 @@ class Grammars:
         if matcher.is_error():
             raise ValueError(f"Grammar error: {matcher.get_error()}")
         return matcher
+
+    def consume(self, pairs: list) -> list[bool]:
+        """Feeds each (matcher, token) pair its token; whether each was allowed (a refused one leaves its matcher
+        in an error state). Several go to llguidance's thread pool."""
+        if len(pairs) == 1:
+            return [pairs[0][0].consume_token(pairs[0][1])]
+        return _llguidance().numpy.consume_token_par(self._executor, pairs) if pairs else []
 
     def fill(self, matchers: list) -> np.ndarray:
         """The next-token masks of these matchers: [len(matchers), ceil(vocab_size / 32)] int32, filled on
