@@ -43,6 +43,9 @@ def parse(argv=None):
     p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0, 0.1],
                    help="fractions of constrained requests, run in this order each round")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--overlap-min-masked", type=int, nargs="+", default=None,
+                   help="runner.overlap_min_masked values to alternate in each constrained run (A/B of the "
+                        "overlapped grammar update; a huge value turns it off); default: the engine's")
     return p.parse_args(argv)
 
 
@@ -105,25 +108,30 @@ def main(argv=None) -> dict:
     llm.generate(prompts[:64], warm[:64], use_tqdm=False)
     engine.runner.wait_for_background_compiles()
     rows = []
-    for r in range(args.rounds):
-        for f in args.fractions:
-            ps, k = params(f)
-            for t in timers.values():
-                t[:] = [0, 0.0]
-            t1 = time.perf_counter()
-            outs = llm.generate(prompts, ps, use_tqdm=False)
-            elapsed = time.perf_counter() - t1
-            n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-            texts = [engine.tokenizer.decode([t for t in o.outputs[0].token_ids if t not in eos])
-                     for o in outs[:k]]
-            row = dict(round=r, fraction=f, constrained=k, elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
-                       output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
-                       compiles_after_warmup=engine.runner.num_compiles_after_warmup,
-                       host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
-            rows.append(row)
-            print(f"round {r} fraction {f:.2f} ({k} constrained): {row['requests_per_s']:.2f} req/s, "
-                  f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
-                  f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()), flush=True)
+    thresholds = args.overlap_min_masked or [engine.runner.overlap_min_masked]
+    runs = [(r, f, m) for r in range(args.rounds) for f in args.fractions
+            for m in (thresholds if f else thresholds[:1])]  # unconstrained runs do not depend on it
+    for r, f, overlap_min_masked in runs:
+        engine.runner.overlap_min_masked = overlap_min_masked
+        ps, k = params(f)
+        for t in timers.values():
+            t[:] = [0, 0.0]
+        t1 = time.perf_counter()
+        outs = llm.generate(prompts, ps, use_tqdm=False)
+        elapsed = time.perf_counter() - t1
+        n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+        texts = [engine.tokenizer.decode([t for t in o.outputs[0].token_ids if t not in eos])
+                 for o in outs[:k]]
+        row = dict(round=r, fraction=f, constrained=k, overlap_min_masked=overlap_min_masked,
+                   elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
+                   output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
+                   compiles_after_warmup=engine.runner.num_compiles_after_warmup,
+                   host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
+        rows.append(row)
+        print(f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
+              f"{row['requests_per_s']:.2f} req/s, "
+              f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
+              f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()), flush=True)
     res = dict(env=common.environment(), engine=common.engine_summary(llm),
                workload=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                              temperature=args.temperature, ignore_eos=True, schema=SCHEMA,

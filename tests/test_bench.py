@@ -302,3 +302,21 @@ def test_model_args_carry_parallel_sizes():
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (2, 4)
     kw = common.engine_kwargs(p.parse_args([]), None)
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"]) == (1, 1)
+
+
+def test_structured_smoke(tmp_path):
+    """Constrained and plain runs, the overlapped grammar update on and off (overlap_min_masked 1 / huge)."""
+    from bench import structured
+    from tests.tiny_models import make_tiny_model_dir
+
+    model_dir, _ = make_tiny_model_dir("llama", str(tmp_path / "model"), json_text=True)
+    out = tmp_path / "structured.json"
+    res = structured.main(["--model", model_dir, "--num-prompts", "6", "--input-len", "8", "--output-len", "6",
+                           "--rounds", "1", "--fractions", "0", "0.5", "--overlap-min-masked", "1", "1000000",
+                           "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
+                           "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", "",
+                           "--out", str(out)])
+    saved = json.loads(out.read_text())
+    runs = [(r["fraction"], r["constrained"], r["overlap_min_masked"]) for r in saved["runs"]]
+    assert runs == [(0.0, 0, 1), (0.5, 3, 1), (0.5, 3, 1000000)] and res["runs"][1]["requests_per_s"] > 0
+    assert res["runs"][1]["host_s"]["_advance_grammars"]["calls"] > 0

@@ -177,6 +177,33 @@ def test_bad_constraints_are_refused_naming_the_field(llm, so, field):
     assert follows("choice", ok.text)
 
 
+def run_two(llm, so):
+    """A constrained and a plain request stepped together; (outputs by id, failures by id)."""
+    engine = llm.llm_engine
+    engine.add_request("constrained", "the engine", SamplingParams(max_tokens=8, structured_outputs=so))
+    engine.add_request("plain", "the engine", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outs[out.request_id] = out
+    assert len(outs["plain"].outputs[0].token_ids) == 8
+    check_free(llm)
+    return outs, engine.pop_failures()
+
+
+def test_grammar_this_vocabulary_cannot_spell(llm, monkeypatch):
+    """No token of this tokenizer spells "~": llguidance allows only EOS, so the request stops at once (the
+    piece tokenizer once let it sample <unk>, which then failed the request). A mask that allows no token at all
+    (forced here) fails its request with a clear error, never sampling a token the mask does not allow."""
+    outs, failed = run_two(llm, StructuredOutputsParams(regex="~+"))
+    assert not failed and outs["constrained"].outputs[0].text == ""
+    assert outs["constrained"].outputs[0].finish_reason == "stop"
+    fill = llm.llm_engine.grammars.fill
+    monkeypatch.setattr(llm.llm_engine.grammars, "fill", lambda matchers: fill(matchers) * 0)
+    outs, failed = run_two(llm, CONSTRAINTS["regex"])
+    assert list(failed) == ["constrained"] and "No token of the model's vocabulary" in str(failed["constrained"])
+
+
 def test_params_validation_and_legacy_name():
     with pytest.raises(ValueError, match="You must use one kind of structured outputs constraint"):
         StructuredOutputsParams()

@@ -394,6 +394,10 @@ class LLMEngine:
             masks = self.grammars.fill([s.matcher for s in states])
             for state, mask in zip(states, masks):
                 state.seq.token_bitmask = mask
+                if state.grammar_error is None and not mask.any():  # the sampler would pick token 0
+                    state.grammar_error = (f"No token of the model's vocabulary (ids < {self.vocab_size}) can "
+                                           f"continue the request's structured-output grammar after "
+                                           f"{state.matched} tokens")
 
     def _bad_word_ids(self, p: SamplingParams) -> list[list[int]]:
         if not p.bad_words:

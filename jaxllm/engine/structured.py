@@ -143,7 +143,10 @@ class Grammars:
         llg = _llguidance()
         masks = llg.numpy.allocate_token_bitmask(len(matchers), self.tokenizer.vocab_size)
         llg.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], masks)
-        return masks[:, : (self.vocab_size + 31) // 32]
+        masks = masks[:, : (self.vocab_size + 31) // 32]
+        if self.vocab_size % 32:  # the tokenizer's ids past the model's vocabulary cannot be sampled
+            masks[:, -1] &= (1 << self.vocab_size % 32) - 1
+        return masks
 
 
 class _PieceTokenizer:
@@ -166,8 +169,14 @@ class _PieceTokenizer:
         self._hf = hf
 
     def __call__(self, text: str) -> list[int]:
-        # the vocabulary's model alone: the full tokenizer would prepend a space ('▁') to the text
-        return [t.id for t in self._hf.backend_tokenizer.model.tokenize(text.replace(" ", "▁"))]
+        # The vocabulary's model alone: the full tokenizer would prepend a space ('▁') to the text. A character
+        # no token has stops the tokenization there: <unk> would claim to spell it.
+        ids = []
+        for t in self._hf.backend_tokenizer.model.tokenize(text.replace(" ", "▁")):
+            if t.id == self._hf.unk_token_id:
+                break
+            ids.append(t.id)
+        return ids
 
 
 def _no_additional_properties(schema):
