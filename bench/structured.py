@@ -46,6 +46,9 @@ def parse(argv=None):
     p.add_argument("--overlap-min-masked", type=int, nargs="+", default=None,
                    help="runner.overlap_min_masked values to alternate in each constrained run (A/B of the "
                         "overlapped grammar update; a huge value turns it off); default: the engine's")
+    p.add_argument("--profile-host", action="store_true",
+                   help="after the timed rounds, one all-constrained run per --overlap-min-masked value under "
+                        "cProfile: the functions with the most host time go into the JSON (profiled runs are slower)")
     return p.parse_args(argv)
 
 
@@ -76,6 +79,17 @@ def _time_calls(obj, names) -> dict:
         setattr(obj, name, timed)
         timers[name] = acc
     return timers
+
+
+def _top_functions(profile, n=30) -> list[dict]:
+    """The n functions with the most own time in a cProfile run, with their calls and cumulative time."""
+    import pstats
+
+    stats = pstats.Stats(profile).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
+    return [dict(function=f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})",
+                 calls=nc, own_s=round(tt, 4), cumulative_s=round(ct, 4))
+            for (file, line, name), (_, nc, tt, ct, _) in rows]
 
 
 def main(argv=None) -> dict:
@@ -111,14 +125,24 @@ def main(argv=None) -> dict:
     thresholds = args.overlap_min_masked or [engine.runner.overlap_min_masked]
     runs = [(r, f, m) for r in range(args.rounds) for f in args.fractions
             for m in (thresholds if f else thresholds[:1])]  # unconstrained runs do not depend on it
+    if args.profile_host:
+        runs += [("profile", 1.0, m) for m in thresholds]
     for r, f, overlap_min_masked in runs:
         engine.runner.overlap_min_masked = overlap_min_masked
         ps, k = params(f)
         for t in timers.values():
             t[:] = [0, 0.0]
+        profile = None
+        if r == "profile":
+            import cProfile
+
+            profile = cProfile.Profile()
+            profile.enable()
         t1 = time.perf_counter()
         outs = llm.generate(prompts, ps, use_tqdm=False)
         elapsed = time.perf_counter() - t1
+        if profile is not None:
+            profile.disable()
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
         texts = [engine.tokenizer.decode([t for t in o.outputs[0].token_ids if t not in eos])
                  for o in outs[:k]]
@@ -127,6 +151,8 @@ def main(argv=None) -> dict:
                    output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
                    compiles_after_warmup=engine.runner.num_compiles_after_warmup,
                    host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
+        if profile is not None:
+            row["host_profile_top"] = _top_functions(profile)
         rows.append(row)
         print(f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
               f"{row['requests_per_s']:.2f} req/s, "
