@@ -204,6 +204,24 @@ def test_grammar_this_vocabulary_cannot_spell(llm, monkeypatch):
     assert list(failed) == ["constrained"] and "No token of the model's vocabulary" in str(failed["constrained"])
 
 
+def test_old_llguidance_is_refused_with_its_version(monkeypatch):
+    """llguidance 1.6 took one EOS token (a TypeError deep in start-up); an older one is named instead."""
+    import importlib.metadata
+
+    from jaxllm.engine import structured
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.6.1")
+    structured._llguidance.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=r"need llguidance >= 1\.8 \(installed: 1\.6\.1\)"):
+            structured._llguidance()
+        monkeypatch.setattr(importlib.metadata, "version", lambda name: "1.10.0")
+        structured._llguidance.cache_clear()
+        assert structured._llguidance() is llguidance
+    finally:
+        structured._llguidance.cache_clear()
+
+
 def test_params_validation_and_legacy_name():
     with pytest.raises(ValueError, match="You must use one kind of structured outputs constraint"):
         StructuredOutputsParams()

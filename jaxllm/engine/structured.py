@@ -22,6 +22,7 @@ When the grammar is complete, the mask allows only the EOS tokens.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -33,6 +34,7 @@ from jaxllm.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 
 
+@functools.cache
 def _llguidance():
     try:
         import llguidance
@@ -40,6 +42,13 @@ def _llguidance():
         import llguidance.numpy
     except ImportError as e:
         raise ValueError("Structured outputs need the llguidance package (pip install llguidance).") from e
+    from importlib.metadata import version
+
+    installed = version("llguidance")
+    if tuple(int(x) for x in installed.split(".")[:2] if x.isdigit()) < (1, 8):
+        # 1.6 takes one EOS token only (a TypeError on start-up); 1.7 lets whitespace_pattern's whitespace repeat
+        raise ValueError(f"Structured outputs need llguidance >= 1.8 (installed: {installed}); "
+                         f"pip install -U llguidance.")
     return llguidance
 
 
