@@ -126,12 +126,13 @@ def main(argv=None) -> dict:
     runs = [(r, f, m) for r in range(args.rounds) for f in args.fractions
             for m in (thresholds if f else thresholds[:1])]  # unconstrained runs do not depend on it
     if args.profile_host:
-        runs += [("profile", 1.0, m) for m in thresholds]
+        runs += [("profile", 0.0, thresholds[0])] + [("profile", 1.0, m) for m in thresholds]
     for r, f, overlap_min_masked in runs:
         engine.runner.overlap_min_masked = overlap_min_masked
         ps, k = params(f)
         for t in timers.values():
             t[:] = [0, 0.0]
+        compiles = engine.runner.num_compiles_after_warmup
         profile = None
         if r == "profile":
             import cProfile
@@ -149,11 +150,14 @@ def main(argv=None) -> dict:
         row = dict(round=r, fraction=f, constrained=k, overlap_min_masked=overlap_min_masked,
                    elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
                    output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
-                   compiles_after_warmup=engine.runner.num_compiles_after_warmup,
+                   compiles_during_run=engine.runner.num_compiles_after_warmup - compiles,
                    host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
         if profile is not None:
             row["host_profile_top"] = _top_functions(profile)
         rows.append(row)
+        # Programs a run started compiling in the background (a constrained step's whole program, say) finish
+        # here, untimed, not on threads competing with the next run's host loop (that made later rounds slower).
+        engine.runner.wait_for_background_compiles()
         print(f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
               f"{row['requests_per_s']:.2f} req/s, "
               f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "

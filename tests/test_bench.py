@@ -318,9 +318,9 @@ def test_structured_smoke(tmp_path):
                            "--profile-host", "--out", str(out)])
     saved = json.loads(out.read_text())
     runs = [(r["round"], r["fraction"], r["constrained"], r["overlap_min_masked"]) for r in saved["runs"]]
-    assert runs == [(0, 0.0, 0, 1), (0, 0.5, 3, 1), (0, 0.5, 3, 1000000), ("profile", 1.0, 6, 1),
-                    ("profile", 1.0, 6, 1000000)] and res["runs"][1]["requests_per_s"] > 0
-    top = saved["runs"][3]["host_profile_top"]
+    assert runs == [(0, 0.0, 0, 1), (0, 0.5, 3, 1), (0, 0.5, 3, 1000000), ("profile", 0.0, 0, 1),
+                    ("profile", 1.0, 6, 1), ("profile", 1.0, 6, 1000000)] and res["runs"][1]["requests_per_s"] > 0
+    top = saved["runs"][4]["host_profile_top"]
     assert len(top) == 30 and all(t["own_s"] >= 0 and t["calls"] > 0 for t in top)
     assert "host_profile_top" not in saved["runs"][1]
     assert res["runs"][1]["host_s"]["_advance_grammars"]["calls"] > 0

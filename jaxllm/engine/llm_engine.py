@@ -392,9 +392,10 @@ class LLMEngine:
         states = [s for s in states if s.finish_reason is None]
         if states:
             masks = self.grammars.fill([s.matcher for s in states])
-            for state, mask in zip(states, masks):
+            allows_some = masks.any(axis=1).tolist()
+            for state, mask, some in zip(states, masks, allows_some):
                 state.seq.token_bitmask = mask
-                if state.grammar_error is None and not mask.any():  # the sampler would pick token 0
+                if not some and state.grammar_error is None:  # the sampler would pick token 0
                     state.grammar_error = (f"No token of the model's vocabulary (ids < {self.vocab_size}) can "
                                            f"continue the request's structured-output grammar after "
                                            f"{state.matched} tokens")
