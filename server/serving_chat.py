@@ -151,7 +151,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                   constraint=tool_constraint(tool_choice, req.tools))
     request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
     log_request(state, request_id, text, params)
-    engine_req = EngineRequest({"prompt_token_ids": ids, "prompt": text}, params, request_id, ids, text)
+    prompt = {"prompt_token_ids": ids, "prompt": text} | ({"cache_salt": req.cache_salt} if req.cache_salt else {})
+    engine_req = EngineRequest(prompt, params, request_id, ids, text)
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo = ""

@@ -105,6 +105,8 @@ def reject_unsupported(req) -> None:
         raise APIError("prompt_embeds is not supported by jaxllm.", param="prompt_embeds")
     if req.logits_processors is not None:
         raise APIError("Custom logits_processors are not supported by jaxllm.", param="logits_processors")
+    if req.cache_salt is not None and not req.cache_salt:
+        raise APIError("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt")
     if req.stream_options is not None and not req.stream:
         raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1):

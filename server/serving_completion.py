@@ -61,6 +61,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
         params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       prompt_logprobs=prompt_logprobs)
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
+        if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
+            prompt["cache_salt"] = req.cache_salt
         rid = f"{request_id}-{i}"
         log_request(state, rid, text if text is not None else ids, params)
         requests.append(EngineRequest(prompt, params, rid, ids, text))

@@ -14,6 +14,7 @@ Fault injection through the prompt text: "FAIL_MID_STREAM" raises RuntimeError a
 from __future__ import annotations
 
 import asyncio
+import collections
 import math
 import random
 import time
@@ -125,6 +126,7 @@ class FakeEngine:
         self.peak_running = 0
         self.peak_waiting = 0
         self._live: dict[str, _Req] = {}
+        self.prompts_seen: collections.deque = collections.deque(maxlen=64)  # what generate() was given
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
         self._loop_task: asyncio.Task | None = None
@@ -152,6 +154,7 @@ class FakeEngine:
     async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0):
         if self._dead is not None:
             raise EngineDeadError(str(self._dead))
+        self.prompts_seen.append(prompt)
         text, ids = self._prompt(prompt)
         sampling_params.verify_for_model(self.vocab_size, self.max_logprobs)
         if not ids:

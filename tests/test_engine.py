@@ -88,6 +88,26 @@ def test_prefix_caching_never_changes_greedy(tiny, hf_refs, prefix_caching):
     check_free(llm)
 
 
+def test_cache_salt_isolates_the_prefix_cache(tiny, hf_refs):
+    """vLLM's cache_salt (a prompt dict key; the server's request field): cached blocks are shared only between
+    requests with the same salt, and the tokens do not change."""
+    llm = make_llm(tiny[0], enable_prefix_caching=True)
+
+    def run(tail, salt=None):
+        prompt = {"prompt_token_ids": SHARED + tail} | ({"cache_salt": salt} if salt is not None else {})
+        out = llm.generate(prompt, GREEDY, use_tqdm=False)[0]
+        assert out.outputs[0].token_ids == hf_refs[tuple(SHARED + tail)]
+        return out.num_cached_tokens
+
+    assert run([1, 2], "tenant-a") == 0
+    assert (run([3], "tenant-b"), run([3]), run([3], "tenant-a")) == (0, 0, 16)
+    assert run([1, 2]) == 16  # the unsalted run of SHARED + [3] cached it
+    for bad in ("", 7):
+        with pytest.raises(ValueError, match="Parameter 'cache_salt' must be a non-empty string if provided."):
+            llm.generate({"prompt_token_ids": SHARED, "cache_salt": bad}, GREEDY, use_tqdm=False)
+    check_free(llm)
+
+
 def test_preemption_keeps_greedy(tiny, hf_refs):
     llm = make_llm(tiny[0], num_gpu_blocks_override=9, max_model_len=64)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)

@@ -287,6 +287,18 @@ def _value(samples, name, **labels):
     return samples[key]
 
 
+def test_cache_salt_reaches_the_engine(server, client):
+    """cache_salt goes to the engine with the prompt (the engine keys prefix-cache blocks on it: test_engine)."""
+    seen = server.engine.prompts_seen
+    client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=2, extra_body={"cache_salt": "t1"})
+    assert seen[-1]["cache_salt"] == "t1"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                   extra_body={"cache_salt": "t2"})
+    assert seen[-1]["cache_salt"] == "t2"
+    client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=2)
+    assert "cache_salt" not in seen[-1]
+
+
 def test_metrics_move(server, client):
     before = _scrape(server.base_url)
     client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5)

@@ -162,6 +162,8 @@ CASES = [
     ("beam search", COMPLETIONS, {"json_body": {"prompt": "a", "use_beam_search": True}}, 400, "Beam search"),
     ("best_of", COMPLETIONS, {"json_body": {"prompt": "a", "best_of": 3}}, 400, "best_of is not supported"),
     ("suffix", COMPLETIONS, {"json_body": {"prompt": "a", "suffix": "b"}}, 400, "suffix is not currently supported"),
+    ("empty cache_salt", COMPLETIONS, {"json_body": {"prompt": "a", "cache_salt": ""}}, 400,
+     "Parameter 'cache_salt' must be a non-empty string if provided."),
     ("stream_options without stream", CHAT, {"json_body": {"messages": USER, "stream_options": {}}}, 400,
      "Stream options can only be defined when `stream=True`."),
     ("engine rejects", COMPLETIONS, {"json_body": {"prompt": "ENGINE_REJECTS this", "stream": True}}, 400,

@@ -118,19 +118,22 @@ def run_all(llm, extra_plain=True):
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64},
-                                       {"overlap": True}, {"overlap": True, "max_num_batched_tokens": 16}],
-                         ids=["batched", "chunked_prefill", "preemption", "overlapped", "overlapped_chunked"])
-def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw):
-    """overlapped: every step with a mask runs split, its masks written after the model part is dispatched
-    (runner.overlap_min_masked, which a batch this small never reaches by default)."""
+                                       {"overlap": False}, {"overlap": False, "max_num_batched_tokens": 16}],
+                         ids=["batched", "chunked_prefill", "preemption", "not_overlapped", "not_overlapped_chunked"])
+def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monkeypatch):
+    """By default every step with a mask runs split, its masks written after the model part is dispatched
+    (runner.overlap_min_masked = 1); not_overlapped: one whole step dispatched once the masks are written."""
     engine_kw = dict(engine_kw)
-    overlap = engine_kw.pop("overlap", False)
-    engine = llm if not engine_kw and not overlap else make_llm(tiny[0], **engine_kw)
+    overlap = engine_kw.pop("overlap", True)
+    engine = llm if not engine_kw else make_llm(tiny[0], **engine_kw)
     runner = engine.llm_engine.runner
-    if overlap:
-        runner.overlap_min_masked = 1
+    if not overlap:
+        monkeypatch.setattr(runner, "overlap_min_masked", 10**9)
+    split_steps = []
+    sampler_executable = runner._sampler_executable
+    monkeypatch.setattr(runner, "_sampler_executable", lambda *a: split_steps.append(1) or sampler_executable(*a))
     outs = run_all(engine)
-    assert bool(runner._samplers) == overlap  # eager engines run split only to overlap
+    assert bool(split_steps) == overlap  # eager engines run split only to overlap
     i = 0
     for name in CONSTRAINTS:
         for p in PROMPTS[:2]:
@@ -297,12 +300,17 @@ def test_server_structured_outputs(tiny, tmp_path):
 
 
 def test_compiled_steps_split_then_whole(tiny, refs):
-    """After warm-up, constrained steps first run split (the bucket's start-up program, then a sampler-only
-    program with the mask) while their step program compiles in the background, then whole: the same tokens
-    as HF under the mask both ways."""
+    """With the overlapped grammar update off: after warm-up, constrained steps first run split (the bucket's
+    start-up program, then a sampler-only program with the mask) while their step program compiles in the
+    background, then whole: the same tokens as HF under the mask both ways. With it on (the default), they
+    always run split, and no whole step program with a mask is compiled."""
     llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
     runner = llm.llm_engine.runner
     want = [refs[(name, p)] for name in CONSTRAINTS for p in PROMPTS[:2]]
+    assert [o.outputs[0].token_ids for o in run_all(llm, extra_plain=False)] == want
+    runner.wait_for_background_compiles()
+    assert not any(v.flags.grammar for v in list(runner._pending) + list(runner._compiled))
+    runner.overlap_min_masked = 10**9
     for _ in range(2):
         outs = run_all(llm, extra_plain=False)
         assert [o.outputs[0].token_ids for o in outs] == want

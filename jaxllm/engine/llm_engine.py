@@ -5,10 +5,10 @@ tokens, so host work (scheduling, input preparation, detokenization) overlaps th
 sampling needs exact token history on the host (penalties, min_tokens, bad_words) turn this off for the steps
 they run in, so their inputs are never one token stale. Structured outputs need less: step N+1's masks need
 step N's tokens in the grammar matchers only. So step N+1 is scheduled and prepared while step N runs, as
-usual; then step() waits for step N's tokens, advances the constrained sequences' matchers, writes their new
-masks into the prepared inputs, dispatches step N+1, and processes step N's outputs (detokenization, stops).
-With many constrained sequences (runner.overlap_min_masked), step N+1's model part is dispatched before that
-wait and its sampling after the masks are written, so the grammar work overlaps the model on the device.
+usual, and its model part is dispatched; then step() waits for step N's tokens, advances the constrained
+sequences' matchers, writes their new masks into the prepared inputs, dispatches step N+1's sampling, and
+processes step N's outputs (detokenization, stops). The grammar work overlaps the model on the device
+(runner.launch's before_sample; with runner.overlap_min_masked set huge, step N+1 is dispatched whole after it).
 """
 
 from __future__ import annotations
@@ -137,6 +137,9 @@ class LLMEngine:
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         params = (params or self.default_sampling_params()).clone()
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("Parameter 'cache_salt' must be a non-empty string if provided.")
         text, ids = self.tokenize_prompt(prompt)
         ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
@@ -154,7 +157,8 @@ class LLMEngine:
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
-                           skip_prefix_cache_read=params.prompt_logprobs is not None, sampling_params=params)
+                           skip_prefix_cache_read=params.prompt_logprobs is not None, cache_salt=salt,
+                           sampling_params=params)
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)

@@ -384,9 +384,12 @@ class ModelRunner:
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
         # Steps with at least this many structured-output masks run split when the engine has host work to do
         # before sampling (launch's before_sample): the grammar update then overlaps the model on the device.
-        # Split costs one more output-head pass (an 8B model's: ~0.3 ms to read it, plus ~1.5 us of compute per
-        # row on an H100); the grammar update costs ~10 us per constrained row on the host.
-        self.overlap_min_masked = 32
+        # Split costs one more output-head pass (an 8B model's: ~0.2 ms to read it on an H200), less than the
+        # device idles while the host updates the grammars and dispatches a whole step after the previous
+        # step's tokens arrive. H200, 8B, one constrained request: 229 tok/s split, 154 whole (unconstrained
+        # 246); 500 requests, 5 / 50 / all 500 constrained: 40.25 / 39.36 / 36.68 req/s split, 39.38 / 37.90 /
+        # 32.05 whole (bench/results/structured_h200_*). A huge value turns it off (A/B in bench/structured.py).
+        self.overlap_min_masked = 1
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None

@@ -13,10 +13,10 @@ Data flow, per sequence of a constrained request:
                t // 32); both on llguidance's thread pool
   each step:   the runner stacks the constrained rows into SamplingMetadata.token_bitmask [Bc, W] and the sampler
                sets every other token's logit to -inf (sampler.py).
-A mask needs the sequence's previous token: llm_engine prepares each step while the one before runs, then waits
-for that step's tokens to advance the matchers and refresh the masks before sampling; with many constrained
-sequences the model part of the step is dispatched first, so that wait and update overlap it (its module
-docstring, runner.launch).
+A mask needs the sequence's previous token: llm_engine prepares each step and dispatches its model part while
+the one before runs, then waits for that step's tokens to advance the matchers and refresh the masks before
+the step's sampling is dispatched, so that wait and update overlap the model (its module docstring,
+runner.launch).
 When the grammar is complete, the mask allows only the EOS tokens.
 """
 
