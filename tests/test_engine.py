@@ -326,6 +326,17 @@ def test_generation_config_eos_ids_and_max_new_tokens(tiny, hf_refs, tmp_path):
         assert c.outputs[0].token_ids == ref[:6] and c.outputs[0].finish_reason == "length"
 
 
+def test_generation_config_sampling_defaults_apply_whatever_do_sample_says(tiny, tmp_path):
+    """vLLM's get_diff_sampling_param reads temperature, top_p, top_k, min_p and repetition_penalty from
+    generation_config.json with no do_sample gate (many checkpoints ship do_sample false beside them)."""
+    model_dir = shutil.copytree(tiny[0], tmp_path / "model")
+    with open(model_dir / "generation_config.json", "w") as f:
+        json.dump({"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": None,
+                   "repetition_penalty": 1.05}, f)
+    sp = make_llm(str(model_dir)).get_default_sampling_params()
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (0.6, 0.9, 20, 0.0, 1.05)
+
+
 def test_max_logprobs_minus_one_returns_the_whole_vocabulary(tiny):
     llm = make_llm(tiny[0], max_logprobs=-1)
     V = llm.llm_engine.vocab_size

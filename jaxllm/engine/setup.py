@@ -320,8 +320,9 @@ def _generation_config(mode: str, path: str, cfg: ModelConfig, tokenizer) -> tup
         gen = json.load(f)
     ids = gen.get("eos_token_id")
     eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    # As vLLM (ModelConfig.get_diff_sampling_param): the file's values whatever its do_sample says.
     for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        if key in gen and gen.get("do_sample", True) is not False:
+        if gen.get(key) is not None:
             defaults[key] = gen[key]
     if gen.get("max_new_tokens"):
         defaults["max_tokens"] = gen["max_new_tokens"]
