@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     from jaxllm.engine.setup import request_device_memory
 
     # before jax.distributed starts the backend
-    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size)
+    # (several processes: which GPUs are whose is known only later, so no free-memory check)
+    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size,
+                          args.tensor_parallel_size if (args.num_processes or 1) == 1 else 0)
     maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     if args.model is None:
         from jaxllm.demo import demo_model_path

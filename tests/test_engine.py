@@ -3,6 +3,7 @@ caching and preemption; sampling, stops, logprobs and validation behave like vLL
 
 import gc
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -561,6 +562,36 @@ def test_start_up_objects_are_moved_out_of_the_collector(tiny):
     assert gc.get_freeze_count() > len(gc.get_objects())  # most live objects are out of the collector's view
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
     assert len(outs[0].outputs[0].token_ids) == GREEDY.max_tokens
+
+
+def test_startup_fails_clearly_when_the_gpu_memory_is_not_free(monkeypatch):
+    """As vLLM: if another process holds so much of a GPU the engine will use that gpu_memory_utilization of it
+    is not free, startup fails naming both figures (before the backend starts; the driver is asked directly)."""
+    from jaxllm.engine import setup
+
+    GiB = 2**30
+    asked = []
+    free = {0: (75 * GiB, 80 * GiB), 1: (20.5 * GiB, 80 * GiB)}
+    monkeypatch.setattr(setup, "_cuda_free_memory", lambda n: asked.append(n) or [free[i] for i in range(n)])
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
+
+    def check(fraction, n):
+        monkeypatch.setattr(setup, "_free_memory_checked", False)
+        setup.check_free_device_memory(fraction, n)
+
+    check(0.9, 1)  # 75 of 80 GiB free: enough
+    with pytest.raises(ValueError, match=re.escape(
+            "Free memory on device (20.5/80.0 GiB) on startup is less than desired GPU memory utilization (0.9, "
+            "72.0 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")):
+        check(0.9, 2)  # tp 2: the second GPU is mostly taken
+    setup.check_free_device_memory(0.9, 2)  # once per process
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    check(0.9, 2)
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+    check(0.9, 2)
+    assert asked == [1, 2]
 
 
 def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):

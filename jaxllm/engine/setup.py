@@ -61,7 +61,8 @@ _JAX_DEFAULT_FRACTION = 0.75
 _ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
-def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size: int = 1) -> None:
+def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size: int = 1,
+                          tensor_parallel_size: int = 1) -> None:
     """JAX's GPU allocator may use XLA_CLIENT_MEM_FRACTION of each GPU's memory, read when the backend
     starts: 0.75 unless set. vLLM's gpu_memory_utilization is a fraction of the whole device (weights,
     activations and KV cache), so, before the backend starts and unless the user set the variable, ask for that
@@ -76,7 +77,10 @@ def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size:
     ~0.2 ms too, on a slow VMM allocator). Engine A/Bs: one H100 (h100_allocator_cublas_ab_1c6c1b4_vs_e104111.json)
     batch-64 ITL 7.20 / 7.56 -> 6.95 / 6.95 ms, batch 128 9.61 -> 9.01, batch 1 unchanged; tp 2 on two H200s
     (h200x2_tp2_allocator_ab_6d5184f.json) batch 1 4.41 / 4.54 -> 4.17 / 4.29 ms, batch 64 8.29 / 7.42 -> 6.30 /
-    6.62, batch 128 8.80 / 7.69 -> 7.60 / 7.78. Pipeline stages keep the default: not measured there."""
+    6.62, batch 128 8.80 / 7.69 -> 7.60 / 7.78. Pipeline stages keep the default: not measured there.
+
+    Then, as vLLM, startup fails with a clear error if another process holds so much of a GPU the engine will
+    use that the fraction is not free (check_free_device_memory)."""
     from jax._src import xla_bridge
 
     if not 0.0 < gpu_memory_utilization <= 1.0:  # EngineArgs.validate() says what is wrong
@@ -87,6 +91,63 @@ def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size:
         os.environ.setdefault(_ALLOCATOR_VAR, "cuda_async")
     if not any(v in os.environ for v in _FRACTION_VARS):
         os.environ[_FRACTION_VARS[0]] = f"{gpu_memory_utilization:.4f}"
+    check_free_device_memory(_allocator_fraction(), tensor_parallel_size * pipeline_parallel_size)
+
+
+_free_memory_checked = False
+
+
+def check_free_device_memory(fraction: float, num_devices: int) -> None:
+    """ValueError (vLLM's message) if one of the first num_devices GPUs has less than fraction of its memory
+    free: jax's allocator would then fail, or the KV cache sized for that fraction would not fit, later and
+    less clearly. Before the backend starts, once per process; nothing without CUDA, with JAX_PLATFORMS
+    naming no GPU platform, or with several processes (JAX_NUM_PROCESSES: which GPUs are whose is not known
+    yet)."""
+    global _free_memory_checked
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if (_free_memory_checked or platforms and not any(p in platforms for p in ("cuda", "gpu"))
+            or os.environ.get("JAX_NUM_PROCESSES", "1") != "1" or num_devices < 1):
+        return
+    _free_memory_checked = True
+    for free, total in _cuda_free_memory(num_devices) or []:
+        if free < fraction * total:
+            gib = lambda b: round(b / 2**30, 2)  # noqa: E731
+            raise ValueError(
+                f"Free memory on device ({gib(free)}/{gib(total)} GiB) on startup is less than desired GPU memory "
+                f"utilization ({round(fraction, 4)}, {gib(fraction * total)} GiB). Decrease GPU memory utilization "
+                f"or reduce GPU memory used by other processes.")
+
+
+def _cuda_free_memory(num_devices: int) -> list[tuple[int, int]] | None:
+    """(free, total) bytes of the first num_devices visible CUDA devices, from the driver (libcuda's
+    cuMemGetInfo in each device's primary context, which is released again: jax retains it later); None
+    without a CUDA driver or when a call fails."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    count = ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return None
+    out = []
+    for i in range(min(num_devices, count.value)):
+        dev, ctx, prev = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cuda.cuDeviceGet(ctypes.byref(dev), i) != 0 or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0:
+            return None
+        try:
+            if cuda.cuCtxPushCurrent_v2(ctx) != 0:
+                return None
+            rc = cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))
+            cuda.cuCtxPopCurrent_v2(ctypes.byref(prev))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(dev)
+        if rc != 0:
+            return None
+        out.append((free.value, total.value))
+    return out
 
 
 def _allocator_fraction() -> float:
@@ -98,7 +159,7 @@ def _allocator_fraction() -> float:
 
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.validate()
-    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size)
+    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
     import jax
 
     if args.compilation_cache_dir:
