@@ -116,7 +116,8 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--trust-remote-code", action="store_true",
                    help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    e.add_argument("--quantization", "-q", default=None, help="Default: read quantization_config from config.json.")
+    e.add_argument("--quantization", "-q", default=None,
+                   help="Only unquantized weights for now: a value, or a quantization_config in config.json, is refused.")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
