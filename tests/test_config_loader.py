@@ -167,3 +167,18 @@ def test_kv_budget_leaves_autotuning_headroom(monkeypatch):
     stats.update(bytes_in_use=1 << 20)
     blocks = setup._num_blocks(args, 4096, 16384, 1024, tiny, gpu=True)
     assert (72 << 30) - (1 << 20) - blocks * 4096 >= 1 << 30
+
+
+def test_default_batch_limits_follow_vllm_by_gpu():
+    """vLLM's defaults: 1024 sequences and 16384 tokens a step (8192 for the server) on GPUs of 70 GiB or more
+    except the A100, 256 and 8192 (2048) on the others; explicit values stand."""
+    from jaxllm.engine import setup
+    from jaxllm.engine.args import EngineArgs
+
+    GiB = 2**30
+    h100, a100, l4 = (80 * GiB, "NVIDIA H100 80GB HBM3"), (80 * GiB, "NVIDIA A100-SXM4-80GB"), (22 * GiB, "NVIDIA L4")
+    limits = lambda device, **kw: setup.default_limits(EngineArgs(model="m", **kw), True, device)  # noqa: E731
+    assert [limits(d) for d in (h100, a100, l4, None)] == [(1024, 16384), (256, 8192), (256, 8192), (1024, 16384)]
+    assert [limits(d, server_mode=True) for d in (h100, a100, l4)] == [(1024, 8192), (256, 2048), (256, 2048)]
+    assert limits(l4, max_num_seqs=64, max_num_batched_tokens=4096) == (64, 4096)
+    assert setup.default_limits(EngineArgs(model="m"), False) == (8, 256)

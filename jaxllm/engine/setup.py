@@ -45,11 +45,16 @@ def _is_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def default_limits(args: EngineArgs, gpu: bool) -> tuple[int, int]:
-    """vLLM's defaults on a big GPU; small ones on CPU, where every shape bucket costs compile time."""
+def default_limits(args: EngineArgs, gpu: bool, device: tuple[int, str] | None = None) -> tuple[int, int]:
+    """vLLM's defaults: on a GPU of 70 GiB or more that is not an A100, 1024 sequences and 16384 tokens a step
+    (8192 for the server), on other GPUs 256 and 8192 (2048); small ones on CPU, where every shape bucket costs
+    compile time. device: (total bytes, name) of the first GPU (_gpu_device; None: unknown, taken as big)."""
     if gpu:
-        seqs = args.max_num_seqs or 1024
-        tokens = args.max_num_batched_tokens or (8192 if args.server_mode else 16384)
+        total, name = device or (1 << 62, "")
+        big = total >= 70 * 2**30 and "a100" not in name.lower()
+        seqs = args.max_num_seqs or (1024 if big else 256)
+        tokens = args.max_num_batched_tokens or (
+            (8192 if args.server_mode else 16384) if big else (2048 if args.server_mode else 8192))
     else:
         seqs = args.max_num_seqs or 8
         tokens = args.max_num_batched_tokens or 256
@@ -116,6 +121,24 @@ def check_free_device_memory(fraction: float, num_devices: int) -> None:
                 f"Free memory on device ({gib(free)}/{gib(total)} GiB) on startup is less than desired GPU memory "
                 f"utilization ({round(fraction, 4)}, {gib(fraction * total)} GiB). Decrease GPU memory utilization "
                 f"or reduce GPU memory used by other processes.")
+
+
+def _gpu_device() -> tuple[int, str] | None:
+    """(total memory in bytes, name) of the first GPU jax uses (the driver's cuDeviceTotalMem for the bytes);
+    None when the driver cannot say."""
+    import ctypes
+
+    import jax
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    dev, total = ctypes.c_int(), ctypes.c_size_t()
+    if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
+            or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0):
+        return None
+    return total.value, jax.devices()[0].device_kind
 
 
 def _cuda_free_memory(num_devices: int) -> list[tuple[int, int]] | None:
@@ -203,7 +226,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
             f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
             f"(max_position_embeddings={derived} in model's config.json).")
     gpu = _is_gpu()
-    max_num_seqs, max_num_batched_tokens = default_limits(args, gpu)
+    max_num_seqs, max_num_batched_tokens = default_limits(args, gpu, _gpu_device() if gpu else None)
     if not args.enable_chunked_prefill:
         max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     backend = args.attention_backend
