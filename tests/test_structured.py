@@ -118,8 +118,10 @@ def run_all(llm, extra_plain=True):
 
 
 @pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64},
-                                       {"overlap": False}, {"overlap": False, "max_num_batched_tokens": 16}],
-                         ids=["batched", "chunked_prefill", "preemption", "not_overlapped", "not_overlapped_chunked"])
+                                       {"overlap": False}, {"overlap": False, "max_num_batched_tokens": 16},
+                                       {"tensor_parallel_size": 2}],
+                         ids=["batched", "chunked_prefill", "preemption", "not_overlapped", "not_overlapped_chunked",
+                              "tensor_parallel"])
 def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monkeypatch):
     """By default every step with a mask runs split, its masks written after the model part is dispatched
     (runner.overlap_min_masked = 1); not_overlapped: one whole step dispatched once the masks are written."""
