@@ -209,6 +209,29 @@ def test_grammar_this_vocabulary_cannot_spell(llm, monkeypatch):
     assert list(failed) == ["constrained"] and "No token of the model's vocabulary" in str(failed["constrained"])
 
 
+def test_grammar_tokenizer_is_built_before_the_engine_is_ready(tiny, monkeypatch):
+    """llguidance's tokenizer is built during start-up (it holds the GIL for ~2 s with a 128k vocabulary: built
+    beside the first steps, it slowed them); one that cannot be built is reported to each constrained request
+    without being built again."""
+    import threading
+
+    llm = make_llm(tiny[0])
+    grammars = llm.llm_engine.grammars
+    assert grammars._tokenizer is not None and not any(t.name.startswith("jaxllm-tokenizer")
+                                                        for t in threading.enumerate())
+    from jaxllm.engine import structured
+
+    builds = []
+    monkeypatch.setattr(structured.Grammars, "_build", lambda self: builds.append(1) or (_ for _ in ()).throw(
+        ValueError("Structured outputs are not available with this tokenizer: no")))
+    broken = structured.Grammars(grammars._hf_tokenizer, grammars.vocab_size, [2])
+    broken.prepare()
+    for _ in range(2):
+        with pytest.raises(ValueError, match="not available with this tokenizer: no"):
+            broken.compile(CONSTRAINTS["regex"])
+    assert builds == [1]
+
+
 def test_old_llguidance_is_refused_with_its_version(monkeypatch):
     """llguidance 1.6 took one EOS token (a TypeError deep in start-up); an older one is named instead."""
     import importlib.metadata

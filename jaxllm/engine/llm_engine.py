@@ -93,8 +93,7 @@ class LLMEngine:
         self._seq_to_req: dict[str, str] = {}
         self._inflight: StepHandle | None = None
         self._rng = random.Random(args.seed)
-        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_token_ids)
-        self.grammars.prepare_in_background()
+        self.grammars: Grammars = parts.grammars
         self._advanced: list[_SeqState] = []  # constrained sequences that took a token: their masks are stale
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0

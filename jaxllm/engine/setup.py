@@ -29,6 +29,7 @@ class EngineParts:
     eos_token_ids: set[int]
     generation_defaults: dict
     mesh: object
+    grammars: object  # structured.Grammars
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -194,9 +195,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     hf = read_hf_config(path)
     # The tokenizer (and the transformers import) loads on a thread while the weights load and the steps
     # compile or load from the executable cache, which mostly release the GIL (2-core VM, warm start of a
-    # 32-layer tiny model: LLM() 10.0-11.8 -> 8.2-8.5 s).
+    # 32-layer tiny model: LLM() 10.0-11.8 -> 8.2-8.5 s); then the structured outputs' grammar tokenizer.
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
-    tokenizer_future = pool.submit(_load_tokenizer, args.tokenizer or path)
+    tokenizer_future = pool.submit(_tokenizer_parts, args, path, hf)
     pool.shutdown(wait=False)  # its thread ends after this one task
     try:
         return _build_parts(args, path, hf, tokenizer_future)
@@ -289,9 +290,21 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    tokenizer = tokenizer_future.result()
-    eos, defaults = _generation_config(args.generation_config, path, cfg, tokenizer)
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh)
+    tokenizer, eos, defaults, grammars = tokenizer_future.result()
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars)
+
+
+def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
+    """The tokenizer thread's work: the tokenizer, generation_config.json's EOS ids and sampling defaults, and
+    the structured outputs' Grammars with llguidance's tokenizer built (Grammars.prepare: ~2 s holding the GIL
+    for a 128k vocabulary; here, during start-up, instead of beside the first steps)."""
+    from jaxllm.engine.structured import Grammars
+
+    tokenizer = _load_tokenizer(args.tokenizer or path)
+    eos, defaults = _generation_config(args.generation_config, path, tokenizer)
+    grammars = Grammars(tokenizer, ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size, eos)
+    grammars.prepare()
+    return tokenizer, eos, defaults, grammars
 
 
 # tokenizer_config.json classes that name the generic Rust-backed tokenizer (v5 spells it TokenizersBackend and keeps
@@ -388,7 +401,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
     return max(free // per_block, 2)  # per_block is per device, like free
 
 
-def _generation_config(mode: str, path: str, cfg: ModelConfig, tokenizer) -> tuple[set[int], dict]:
+def _generation_config(mode: str, path: str, tokenizer) -> tuple[set[int], dict]:
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))

@@ -62,41 +62,47 @@ class Grammars:
         self._eos = sorted(eos_token_ids)
         self._lock = threading.Lock()
         self._tokenizer = None
+        self._error: ValueError | None = None  # why the llguidance tokenizer could not be built (not retried)
         self._executor = None
 
-    def prepare_in_background(self) -> None:
-        """Builds the llguidance tokenizer on a thread now (so the first constrained request does not wait for
-        it in the engine loop); nothing if llguidance is not installed (a constrained request then says so)."""
+    def prepare(self) -> None:
+        """Builds the llguidance tokenizer now. It takes ~2 s for a 128k vocabulary and holds the GIL throughout
+        (a thread building it beside the first steps cost the throughput run 3% on an H200), so the engine's
+        start-up builds it, on its tokenizer thread (setup.py). Nothing if llguidance is not installed or cannot
+        read the tokenizer: a constrained request then says why."""
         try:
-            _llguidance()
-        except ValueError:
-            return
-
-        def build():
-            try:
-                self.tokenizer  # noqa: B018
-            except Exception:  # noqa: BLE001 - reported again to the first request that needs it
-                logger.info("Structured outputs will not be available", exc_info=True)
-
-        threading.Thread(target=build, name="jaxllm-grammar-tokenizer", daemon=True).start()
+            self.tokenizer  # noqa: B018
+        except ValueError as e:
+            logger.info("Structured outputs will not be available: %s", e)
 
     @property
     def tokenizer(self):
+        """llguidance's tokenizer (built on first use if prepare() did not; a failure is kept, not retried:
+        ValueError)."""
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._tokenizer is None:
-                llg = _llguidance()
-                hf = self._hf_tokenizer
-                n_vocab = max(self.vocab_size, len(hf))
                 try:
-                    self._tokenizer = llg.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=self._eos or None)
-                except ValueError:  # a decoder llguidance does not read (Metaspace), or a slow tokenizer
-                    try:
-                        wrapper = llg.TokenizerWrapper(_PieceTokenizer(hf, self._eos))
-                        self._tokenizer = llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=self._eos or None)
-                    except Exception as e:  # noqa: BLE001 - reported to the request that asked
-                        raise ValueError(f"Structured outputs are not available with this tokenizer: {e}") from e
-                self._executor = llg.LLExecutor()
+                    self._tokenizer, self._executor = self._build()
+                except ValueError as e:
+                    self._error = e
+                    raise
             return self._tokenizer
+
+    def _build(self):
+        llg = _llguidance()
+        hf = self._hf_tokenizer
+        n_vocab = max(self.vocab_size, len(hf))
+        try:
+            tokenizer = llg.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=self._eos or None)
+        except ValueError:  # a decoder llguidance does not read (Metaspace), or a slow tokenizer
+            try:
+                wrapper = llg.TokenizerWrapper(_PieceTokenizer(hf, self._eos))
+                tokenizer = llg.LLTokenizer(wrapper, n_vocab=n_vocab, eos_token=self._eos or None)
+            except Exception as e:  # noqa: BLE001 - reported to the request that asked
+                raise ValueError(f"Structured outputs are not available with this tokenizer: {e}") from e
+        return tokenizer, llg.LLExecutor()
 
     def compile(self, so: StructuredOutputsParams) -> str:
         """so's grammar in llguidance's format; ValueError (naming the field) if it is not valid."""
