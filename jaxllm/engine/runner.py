@@ -717,8 +717,8 @@ class ModelRunner:
             self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
             self._rows_spec.setdefault(v.num_seqs, _spec(rows))
             before_sample()
-            sargs = (self._head, rows, self.prev_tokens, *pack_host_args(smd))
-            self.prev_tokens, outputs = self._sampler_executable(v, sargs)(*sargs)
+            exe, sargs = self._sampler_call(v, rows, smd)
+            self.prev_tokens, outputs = exe(*sargs)
             prompt = None
         if v.flags.penalties:
             self._sampler_ahead(v, smd)
@@ -788,23 +788,71 @@ class ModelRunner:
         for job in list(self._sampler_jobs.values()):
             job.exception()
 
-    def _sampler_executable(self, v: StepVariant, args):
-        """The sampler-only program for v's B, flags and row widths (from the executable cache, or compiled on
-        first use: a small program, ~1.3 s on an H100 host for an 8B model's vocabulary)."""
+    def _sampler_call(self, v: StepVariant, rows, smd: SamplingMetadata):
+        """(program, arguments) that sample v's rows. Each number of structured-output masks (a power of two up to
+        B) is a program of its own, and one missing would be compiled in the engine loop (~1 s for an 8B model's
+        vocabulary), stalling every request. So when the exact one is neither compiled nor in the executable
+        cache, a program for more masks samples this step (smd's masks padded with all-allowed rows, which no
+        row's slot points at) while the exact one compiles in the background; the first such step of a B and
+        flags compiles the one for B masks, which serves every count after it."""
+        args = (self._head, rows, self.prev_tokens, *pack_host_args(smd))
         key = (v.num_seqs, v.flags, v.sampler_widths)
+        n_masks, B = v.sampler_widths[-1], v.num_seqs
         exe = self._samplers.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            ck = None if self.exec_cache is None else self.exec_cache.key("sample", args, (self.cfg, v.flags))
-            exe = None if ck is None else self.exec_cache.load(ck, args)
-            if exe is None:
-                compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags).compile
-                exe = compile_fn() if ck is None else self.exec_cache.compile_and_store(ck, compile_fn)
-                self.num_compiles_after_warmup += 1
-            self._samplers[key] = exe
-            logger.info("Sampler for B=%d %s %s ready in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
-                        time.perf_counter() - t0)
+        if exe is not None or not v.flags.grammar or n_masks >= B:
+            return exe or self._sampler_executable(v, args), args
+        exe = self._load_sampler(v, args)
+        if exe is not None:
+            return exe, args
+        wider = sorted(k[2][-1] for k in self._samplers if k[:2] == key[:2] and k[2][:-1] == key[2][:-1]
+                       and k[2][-1] > n_masks)
+        wide_v = dataclasses.replace(v, sampler_widths=v.sampler_widths[:-1] + (wider[0] if wider else B,))
+        bitmask = np.full((wide_v.sampler_widths[-1], smd.token_bitmask.shape[1]), -1, np.int32)
+        bitmask[:n_masks] = smd.token_bitmask
+        wide_args = (self._head, rows, self.prev_tokens,
+                     *pack_host_args(dataclasses.replace(smd, token_bitmask=bitmask)))
+        exe = self._sampler_executable(wide_v, wide_args)
+        if key not in self._sampler_jobs:  # specs: the step's device arrays may be donated before it runs
+            specs = (self._head, _spec(rows), _spec(self.prev_tokens), *args[3:])
+
+            def compile_exact():
+                try:
+                    self._compile_sampler(v, specs)
+                except Exception:  # noqa: BLE001 - only an optimisation: the wider program keeps serving
+                    logger.exception("Compiling the sampler for B=%d %s %s failed", B, v.flags, v.sampler_widths)
+
+            self._sampler_jobs[key] = self._background.submit(compile_exact)
+        return exe, wide_args
+
+    def _load_sampler(self, v: StepVariant, args):
+        """v's sampler program from the executable cache (filed in self._samplers), or None."""
+        if self.exec_cache is None:
+            return None
+        exe = self.exec_cache.load(self.exec_cache.key("sample", args, (self.cfg, v.flags)), args)
+        if exe is not None:
+            self._samplers[(v.num_seqs, v.flags, v.sampler_widths)] = exe
         return exe
+
+    def _compile_sampler(self, v: StepVariant, args):
+        """Compiles v's sampler program (storing it in the executable cache) and files it in self._samplers."""
+        t0 = time.perf_counter()
+        compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags).compile
+        if self.exec_cache is None:
+            exe = compile_fn()
+        else:
+            exe = self.exec_cache.compile_and_store(self.exec_cache.key("sample", args, (self.cfg, v.flags)),
+                                                    compile_fn)
+        self.num_compiles_after_warmup += 1
+        self._samplers.setdefault((v.num_seqs, v.flags, v.sampler_widths), exe)
+        logger.info("Sampler for B=%d %s %s compiled in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
+                    time.perf_counter() - t0)
+        return exe
+
+    def _sampler_executable(self, v: StepVariant, args):
+        """The sampler-only program for v's B, flags and row widths (compiled, from the executable cache, or
+        compiled now: a small program, ~1.3 s on an H100 host for an 8B model's vocabulary)."""
+        exe = self._samplers.get((v.num_seqs, v.flags, v.sampler_widths))
+        return exe or self._load_sampler(v, args) or self._compile_sampler(v, args)
 
     def _sampler_ahead(self, v: StepVariant, smd) -> None:
         """Penalty rows hold each sequence's token ids, so their width (a power of two) doubles as sequences
