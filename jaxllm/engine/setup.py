@@ -296,14 +296,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
     """The tokenizer thread's work: the tokenizer, generation_config.json's EOS ids and sampling defaults, and
-    the structured outputs' Grammars with llguidance's tokenizer built (Grammars.prepare: ~2 s holding the GIL
-    for a 128k vocabulary; here, during start-up, instead of beside the first steps)."""
+    the structured outputs' Grammars (whose llguidance tokenizer is built on first use: Grammars.tokenizer)."""
     from jaxllm.engine.structured import Grammars
 
     tokenizer = _load_tokenizer(args.tokenizer or path)
     eos, defaults = _generation_config(args.generation_config, path, tokenizer)
     grammars = Grammars(tokenizer, ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size, eos)
-    grammars.prepare()
     return tokenizer, eos, defaults, grammars
 
 

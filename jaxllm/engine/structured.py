@@ -65,20 +65,14 @@ class Grammars:
         self._error: ValueError | None = None  # why the llguidance tokenizer could not be built (not retried)
         self._executor = None
 
-    def prepare(self) -> None:
-        """Builds the llguidance tokenizer now. It takes ~2 s for a 128k vocabulary and holds the GIL throughout
-        (a thread building it beside the first steps cost the throughput run 3% on an H200), so the engine's
-        start-up builds it, on its tokenizer thread (setup.py). Nothing if llguidance is not installed or cannot
-        read the tokenizer: a constrained request then says why."""
-        try:
-            self.tokenizer  # noqa: B018
-        except ValueError as e:
-            logger.info("Structured outputs will not be available: %s", e)
-
     @property
     def tokenizer(self):
-        """llguidance's tokenizer (built on first use if prepare() did not; a failure is kept, not retried:
-        ValueError)."""
+        """llguidance's tokenizer, built on first use: by the first constrained request, in the engine loop. The
+        build holds the GIL throughout (~1 s for a 128k vocabulary, on the 2-core VM), so wherever it runs the
+        engine loop waits for it: built on a thread after start-up, it cost the throughput run right after
+        LLM() 3% on an H200 (h200_grammar_tokenizer_ab_*.json), and during start-up 1.3-1.7 s of every warm
+        start (startup_ab_51be3a6_vs_94e0ead.json), structured outputs or not. A failure is kept and raised
+        again (ValueError), not retried."""
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -94,8 +88,14 @@ class Grammars:
         llg = _llguidance()
         hf = self._hf_tokenizer
         n_vocab = max(self.vocab_size, len(hf))
+        backend = getattr(hf, "backend_tokenizer", None)
         try:
-            tokenizer = llg.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=self._eos or None)
+            if backend is not None and backend.padding is None and backend.truncation is None:
+                # what llguidance.hf.from_tokenizer does, less its copy of the Rust tokenizer (made to switch
+                # padding and truncation off; 0.6 of its 1.6 s for Llama-3's vocabulary)
+                tokenizer = llg.LLTokenizer(backend.to_str(), n_vocab=n_vocab, eos_token=self._eos or None)
+            else:
+                tokenizer = llg.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=self._eos or None)
         except ValueError:  # a decoder llguidance does not read (Metaspace), or a slow tokenizer
             try:
                 wrapper = llg.TokenizerWrapper(_PieceTokenizer(hf, self._eos))
