@@ -53,7 +53,7 @@ def _llguidance():
 
 
 class Grammars:
-    """The engine's grammar compiler and mask filler: one llguidance tokenizer (built on first use: ~2 s for a
+    """The engine's grammar compiler and mask filler: one llguidance tokenizer (built on first use: ~1 s for a
     128k vocabulary) and one thread pool."""
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
