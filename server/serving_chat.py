@@ -151,7 +151,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                   constraint=tool_constraint(tool_choice, req.tools))
     request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
     log_request(state, request_id, text, params)
-    prompt = {"prompt_token_ids": ids, "prompt": text} | ({"cache_salt": req.cache_salt} if req.cache_salt else {})
+    prompt = {"prompt_token_ids": ids, "prompt": text}
+    if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
+        prompt["cache_salt"] = req.cache_salt
     engine_req = EngineRequest(prompt, params, request_id, ids, text)
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]

@@ -124,6 +124,17 @@ def check_free_device_memory(fraction: float, num_devices: int) -> None:
                 f"or reduce GPU memory used by other processes.")
 
 
+def _libcuda():
+    """The CUDA driver library, initialized; None without one."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return cuda if cuda.cuInit(0) == 0 else None
+
+
 def _gpu_device() -> tuple[int, str] | None:
     """(total memory in bytes, name) of the first GPU jax uses (the driver's cuDeviceTotalMem for the bytes);
     None when the driver cannot say."""
@@ -131,12 +142,9 @@ def _gpu_device() -> tuple[int, str] | None:
 
     import jax
 
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    cuda = _libcuda()
     dev, total = ctypes.c_int(), ctypes.c_size_t()
-    if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
+    if (cuda is None or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
             or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0):
         return None
     return total.value, jax.devices()[0].device_kind
@@ -148,12 +156,9 @@ def _cuda_free_memory(num_devices: int) -> list[tuple[int, int]] | None:
     without a CUDA driver or when a call fails."""
     import ctypes
 
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
+    cuda = _libcuda()
     count = ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    if cuda is None or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return None
     out = []
     for i in range(min(num_devices, count.value)):
