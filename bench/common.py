@@ -22,6 +22,8 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from jaxllm.paths import cache_root, default_compilation_cache_dir  # noqa: E402
+
 # Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B-Instruct), the shape the issue's goals are set for.
 LLAMA3_8B = dict(
     architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
@@ -59,7 +61,7 @@ def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) 
 def make_model_dir(shape: str | dict = "llama3-8b", out_dir: str | None = None) -> str:
     """Writes config.json + generation_config.json + a token-id tokenizer for `shape` (a SHAPES name, or a
     config dict given with out_dir); LLM(dir, load_format="dummy") then builds that shape with random weights on
-    the device. Without out_dir the folder is kept under ~/.cache/jaxllm/bench_models, keyed by the shape and the
+    the device. Without out_dir the folder is kept under jaxllm.paths.cache_root()/bench_models, keyed by the shape and the
     tokenizer libraries' versions, and reused: like a real checkpoint folder it is on disk before the engine
     starts (building the 128k-word tokenizer took ~3 s, which the warm time-to-ready counted as start-up)."""
     if out_dir is None:
@@ -80,7 +82,7 @@ def _cached_model_dir(shape: str) -> str:
     from importlib.metadata import version
 
     key = json.dumps([SHAPES[shape], version("transformers"), version("tokenizers")], sort_keys=True)
-    root = os.path.expanduser("~/.cache/jaxllm/bench_models")
+    root = os.path.join(cache_root(), "bench_models")
     path = os.path.join(root, f"{shape}-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
@@ -162,7 +164,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--compilation-cache-dir", default="~/.cache/jaxllm/xla")
+    p.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir())
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
                    help="off by default here: random prompts share nothing, as in vLLM's bench")

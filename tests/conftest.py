@@ -1,8 +1,32 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 # 8 simulated CPU devices for the sharding tests; must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _isolate_caches() -> str:
+    """Tests never read or write the user's caches (~/.cache/jaxllm: the compilation and executable caches that
+    `python -m jaxllm.serve` fills, the converted demo model, bench's model folders; Hugging Face's and anything
+    else kept under XDG_CACHE_HOME). Each test process gets its own empty cache root, removed at exit, unless
+    JAXLLM_TEST_CACHE_ROOT names one to reuse (tests/test_cache_isolation.py runs key tests twice against one
+    pre-filled folder that way). Tests that exercise a shared cache on purpose set up their own folders."""
+    root = os.environ.get("JAXLLM_TEST_CACHE_ROOT")
+    if not root:
+        root = tempfile.mkdtemp(prefix="jaxllm-tests-")
+        atexit.register(shutil.rmtree, root, ignore_errors=True)
+    os.environ["JAXLLM_CACHE_ROOT"] = root
+    os.environ["XDG_CACHE_HOME"] = os.path.join(root, "xdg")
+    os.environ["HF_HOME"] = os.path.join(root, "huggingface")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # tests make their models; nothing is fetched from a hub
+    os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)  # XLA's cache is set per engine from compilation_cache_dir
+    return root
+
+
+CACHE_ROOT = _isolate_caches()
 
 import gc  # noqa: E402
 

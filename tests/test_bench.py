@@ -27,6 +27,8 @@ def test_generated_model_dir_detokenizes_every_id(tmp_path):
 
 def test_shape_model_dir_is_built_once(tmp_path, monkeypatch):
     """Without out_dir the --shape folder is cached under ~/.cache/jaxllm/bench_models and reused."""
+    monkeypatch.delenv("JAXLLM_CACHE_ROOT", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     first = common.make_model_dir("tiny")
     assert first.startswith(str(tmp_path / ".cache" / "jaxllm" / "bench_models"))
@@ -247,7 +249,7 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     from bench import gpu_parity
 
     res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.25", "--enforce-eager",
-                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m")])
+                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "r.json")])
     parity = res["configs"]["fp8_kv"]["parity"]
     assert res["configs"]["fp8_kv"]["kv_cache_dtype"] == "float8_e4m3fn" and parity["passed"]
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]

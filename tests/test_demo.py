@@ -59,11 +59,20 @@ def test_missing_package_names_pip_command(monkeypatch):
         demo.demo_model_path("/nonexistent")
 
 
-def test_default_cache_dir_honours_xdg(monkeypatch, tmp_path):
+def test_default_cache_dir_honours_cache_root_and_xdg(monkeypatch, tmp_path):
+    """JAXLLM_CACHE_ROOT first (as vLLM's VLLM_CACHE_ROOT), then XDG_CACHE_HOME, then ~/.cache; the compilation
+    cache's default follows it, read when EngineArgs is built."""
+    from jaxllm.engine.args import EngineArgs
+
+    monkeypatch.setenv("JAXLLM_CACHE_ROOT", str(tmp_path / "root"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert demo.default_cache_dir() == str(tmp_path / "root")
+    assert EngineArgs().compilation_cache_dir == str(tmp_path / "root" / "xla")
+    monkeypatch.delenv("JAXLLM_CACHE_ROOT")
     assert demo.default_cache_dir() == os.path.join(str(tmp_path), "jaxllm")
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert demo.default_cache_dir() == os.path.join(os.path.expanduser("~"), ".cache", "jaxllm")
+    assert EngineArgs().compilation_cache_dir == os.path.join(os.path.expanduser("~"), ".cache", "jaxllm", "xla")
 
 
 def test_install_replaces_stale_folder(tmp_path):

@@ -323,27 +323,35 @@ def test_server_structured_outputs(tiny, tmp_path):
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
-def test_missing_mask_count_program_is_served_by_a_wider_one(tiny, refs):
+def test_missing_mask_count_program_is_served_by_a_wider_one(tiny, refs, tmp_path):
     """A step whose number of masks has no sampler program yet samples with one for more masks (its masks padded)
     while the exact one compiles in the background; the first such step of a batch size compiles the one for
-    B masks. The tokens are HF's under the mask either way, and a second run compiles nothing."""
-    llm = make_llm(tiny[0])
-    runner = llm.llm_engine.runner
+    B masks. The tokens are HF's under the mask either way, and a second run compiles nothing. The engine gets
+    an executable cache of its own, empty, so no program comes from elsewhere; a second engine on that folder
+    loads the exact programs: the same tokens, nothing compiled, no wider program borrowed."""
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"])] + [
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * 3
     prompts = [PROMPTS[0]] + PROMPTS[1:4]
-    alone = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params[1:], use_tqdm=False)]
-    for run in range(2):
-        compiles = runner.num_compiles_after_warmup
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        assert outs[0].outputs[0].token_ids == refs[("regex", PROMPTS[0])]
-        assert [o.outputs[0].token_ids for o in outs[1:]] == alone
-        runner.wait_for_background_compiles()
-        grammar = sorted((k[0], k[2][-1]) for k in runner._samplers if k[1].grammar)
-        assert (4, 4) in grammar and (4, 1) in grammar, grammar  # B=4 with 4 masks, then the exact 1
-        if run:
-            assert runner.num_compiles_after_warmup == compiles
-    check_free(llm)
+    cache = str(tmp_path / "xla")
+    for engine in ("empty cache", "filled cache"):
+        llm = make_llm(tiny[0], compilation_cache_dir=cache)
+        runner = llm.llm_engine.runner
+        alone = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params[1:], use_tqdm=False)]
+        for run in range(2):
+            compiles = runner.num_compiles_after_warmup
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            assert outs[0].outputs[0].token_ids == refs[("regex", PROMPTS[0])]
+            assert [o.outputs[0].token_ids for o in outs[1:]] == alone
+            runner.wait_for_background_compiles()
+            grammar = sorted((k[0], k[2][-1]) for k in runner._samplers if k[1].grammar)
+            if engine == "empty cache":
+                assert (4, 4) in grammar and (4, 1) in grammar, grammar  # B=4 with 4 masks, then the exact 1
+            else:
+                assert (4, 1) in grammar and (4, 4) not in grammar, grammar  # the exact one, loaded
+                assert runner.num_compiles_after_warmup == 0
+            if run:
+                assert runner.num_compiles_after_warmup == compiles
+        check_free(llm)
 
 
 def test_compiled_steps_split_then_whole(tiny, refs):

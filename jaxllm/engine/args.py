@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from jaxllm.paths import default_compilation_cache_dir
 
 
 @dataclass(frozen=True)
@@ -33,7 +35,7 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
     attention_backend: str = "auto"  # auto | reference | pallas
-    compilation_cache_dir: str | None = "~/.cache/jaxllm/xla"
+    compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)  # None: off
     served_model_name: str | None = None
     server_mode: bool = False  # vLLM's defaults differ between offline and server
 
