@@ -5,7 +5,8 @@ strongest HF transformers peer measured in the same run.
   export GIT_COMMIT=<sha>; python bench/suite.py --out-dir $OUT [--budget 560] [--stages ...] [--shape tiny]
 
 Stages (each a subprocess with a time limit; all jaxllm stages share one fresh compile cache, so the first of
-them starts cold and the others warm):
+them starts cold and the others warm; the long stages' model is another one, so long32k compiles its programs
+and long8k finds them):
   throughput  bench/throughput.py, 500 prompts x 462 in / 256 out          -> req/s; time to ready (cold)
   latency     bench/latency.py, batch 1 and 64, 128 in / 128 out           -> batch-1 tok/s; ready (warm)
   hf          bench/hf_baseline.py, HF transformers as its docs advise, one row per mode: batch 1 (128 / 128) with
@@ -168,7 +169,7 @@ def main(argv=None):
     p.add_argument("--out-dir", required=True)
     p.add_argument("--work-dir", default=None, help="per-stage files and the compile cache (default: a fresh "
                    "temp dir; an existing one is reused, compile cache included)")
-    p.add_argument("--stages", default="throughput,latency,hf,long32k,long8k,serve,sharegpt")
+    p.add_argument("--stages", default="throughput,latency,long32k,long8k,hf,serve,sharegpt")
     p.add_argument("--budget", type=float, default=560, help="seconds for the whole suite")
     p.add_argument("--timeout", type=float, default=300, help="most seconds for one stage")
     p.add_argument("--shape", choices=sorted(common.SHAPES), default="llama3-8b")
@@ -188,7 +189,7 @@ def main(argv=None):
     p.add_argument("--sharegpt-prompts", type=int, default=500)
     p.add_argument("--serve-prompts", type=int, default=200)
     p.add_argument("--serve-concurrency", type=int, default=64)
-    p.add_argument("--hf-modes", default="static,eager,cb,eager_batched,static_batched,cb_graphs",
+    p.add_argument("--hf-modes", default="static,cb,eager,static_batched,eager_batched,cb_graphs",
                    help="bench/hf_baseline.py --modes (run in this order until the stage's time is spent)")
     p.add_argument("--hf-num-prompts", type=int, default=64, help="the batched generate() rows")
     p.add_argument("--hf-batch-size", type=int, default=64, help="the batched generate() rows")

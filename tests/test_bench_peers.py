@@ -39,8 +39,8 @@ def test_hf_baseline_rows_degrade_and_the_strongest_is_taken(tmp_path, monkeypat
     assert rows["eager_batched"]["error"].startswith("RuntimeError: no such mode")
     for m in ("static", "eager"):
         r = rows[m]
-        assert r["kind"] == "batch1" and r["decode_tok_per_s"] > 0 and 0 < r["ttft_s"] < r["streamed_e2e_s"]
-        assert abs(r["decode_tok_per_s"] - 4 / (min(r["e2e_s"]) - r["ttft_s"])) < 1e-6 * r["decode_tok_per_s"]
+        assert r["kind"] == "batch1" and len(r["e2e_s"]) == 1 and 0 < r["ttft_s"] < r["e2e_s"][0]
+        assert r["decode_tok_per_s"] == pytest.approx(4 / (r["e2e_s"][0] - r["ttft_s"]))
     assert rows["static"]["cache_implementation"] == "static" and rows["static"]["compiled"] is False
     cb = rows["cb"]
     assert cb["completed"] == 5 and cb["failed"] == 0 and cb["short_outputs"] == 0 and cb["requests_per_s"] > 0
