@@ -46,8 +46,8 @@ def arm_buckets(spec: str, max_num_seqs: int) -> tuple[str, tuple[int, ...] | No
     if spec == "pow2":
         return spec, None
     name, _, lst = spec.partition(":")
-    seqs = tuple(int(x) for x in lst.split("/"))
-    if not lst or list(seqs) != sorted(set(seqs)) or seqs[-1] != max_num_seqs:
+    seqs = tuple(int(x) for x in lst.split("/") if x.strip().isdigit())
+    if not seqs or len(seqs) != len(lst.split("/")) or list(seqs) != sorted(set(seqs)) or seqs[-1] != max_num_seqs:
         raise ValueError(f"--arm {spec!r}: NAME:B1/B2/... rising, ending at --max-num-seqs ({max_num_seqs})")
     return name, seqs
 

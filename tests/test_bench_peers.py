@@ -199,3 +199,13 @@ def test_padding_waste_totals_and_variants(tmp_path):
     assert res["measured"]["model_over_measured"] == pytest.approx(e["total"]["model_s"] / 2.0)
     with pytest.raises(ValueError, match="unknown key"):
         padding_waste.main(["--num-prompts", "2", "--variant", "x:max_seqs=4"])
+
+
+def test_bucket_ab_arms():
+    from bench.bucket_ab import arm_buckets
+
+    assert arm_buckets("pow2", 512) == ("pow2", None)
+    assert arm_buckets("by64:2/4/256/320/512", 512) == ("by64", (2, 4, 256, 320, 512))
+    for bad in ("x:2/4/256", "x:4/2/512", "x:"):
+        with pytest.raises(ValueError, match="rising, ending at"):
+            arm_buckets(bad, 512)
