@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -35,11 +36,21 @@ LLAMA3_8B = dict(
     # tokenizer has "an incorrect regex pattern" (the warning the H100 suite logs printed for every start).
     transformers_version="4.40.0.dev0",
 )
+# Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct): Llama-3-8B's weights' shapes with 131072 positions
+# and llama3 rope scaling; the long-context stages (bench/long_context.py) run it.
+LLAMA31_8B = dict(
+    LLAMA3_8B, max_position_embeddings=131072, eos_token_id=[128001, 128008, 128009], transformers_version="4.42.3",
+    rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
+                      rope_type="llama3"),
+)
 # A tiny Llama for CPU checks of the scripts (same code path, seconds to build).
 TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-SHAPES = {"llama3-8b": LLAMA3_8B, "tiny": TINY}
+# The tiny Llama with Llama-3.1's rope scaling, scaled down (CPU checks of the long-context stages).
+TINY_LONG = dict(TINY, max_position_embeddings=4096, rope_scaling=dict(LLAMA31_8B["rope_scaling"],
+                                                                        original_max_position_embeddings=256))
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG}
 
 
 def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> None:
@@ -72,7 +83,8 @@ def make_model_dir(shape: str | dict = "llama3-8b", out_dir: str | None = None) 
         json.dump(cfg, f, indent=1)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, f)
-    write_token_id_tokenizer(out_dir, cfg["vocab_size"], cfg["bos_token_id"], cfg["eos_token_id"])
+    eos = cfg["eos_token_id"]  # Llama-3.1 lists three; its tokenizer's eos_token is the last (<|eot_id|>)
+    write_token_id_tokenizer(out_dir, cfg["vocab_size"], cfg["bos_token_id"], eos[-1] if isinstance(eos, list) else eos)
     return out_dir
 
 
@@ -148,6 +160,60 @@ def synthetic_sharegpt(n: int, seed: int = 0, max_input: int = 1024, max_output:
     inp = np.clip(rng.lognormal(np.log(220), 0.9, n), 4, max_input).astype(int)
     out = np.clip(rng.lognormal(np.log(200), 0.8, n), 4, max_output).astype(int)
     return inp.tolist(), out.tolist()
+
+
+# ---- arithmetic of a Llama-shaped model ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelMath:
+    """FLOPs and bytes of a Llama-shaped config, for rooflines (L layers, D model, F ffn, N q heads, K kv heads,
+    H head dim, V vocab). Dense matmuls: 2 FLOPs per weight per token (q/k/v/o and the three MLP projections of
+    every layer; the lm_head only for the rows a step samples). Causal attention: a query at position p attends
+    to p + 1 keys, 4 N H (p + 1) FLOPs per layer (QK^T and PV). Norms, RoPE, softmax and the embedding gather are
+    left out (under 1% of either figure at these shapes)."""
+
+    layers: int
+    hidden: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    weight_itemsize: int = 2
+    kv_itemsize: int = 2
+
+    @classmethod
+    def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> "ModelMath":
+        heads = cfg["num_attention_heads"]
+        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
+                   cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   cfg["vocab_size"], weight_itemsize, kv_itemsize)
+
+    @property
+    def layer_params(self) -> int:
+        D, H = self.hidden, self.head_dim
+        return D * (self.heads + 2 * self.kv_heads) * H + self.heads * H * D + 3 * D * self.ffn
+
+    @property
+    def matmul_params(self) -> int:
+        return self.layers * self.layer_params
+
+    @property
+    def weight_bytes(self) -> int:
+        """Weights a step reads: every layer's matmuls and the lm_head (the embedding table only per token)."""
+        return (self.matmul_params + self.hidden * self.vocab) * self.weight_itemsize
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * self.kv_itemsize
+
+    def dense_flops(self, tokens, sampled):
+        """Matmul FLOPs of a step computing `tokens` tokens and sampling `sampled` rows."""
+        return 2 * self.matmul_params * tokens + 2 * self.hidden * self.vocab * sampled
+
+    def attn_flops(self, new, start):
+        """Causal attention FLOPs of a chunk of `new` tokens at positions start .. start + new - 1 (works on
+        numpy arrays of chunks too)."""
+        return 4 * self.layers * self.heads * self.head_dim * (new * start + new * (new + 1) / 2)
 
 
 # ---- engine flags shared by the jaxllm scripts ---------------------------------------------------------------

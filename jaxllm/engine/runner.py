@@ -75,6 +75,14 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
+def step_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sequence buckets, token buckets) of the compiled steps: powers of two from SMALLEST_SEQ_BUCKET sequences
+    and 16 tokens up to the limits. The one place the lists are made (bench/padding_waste.py replays workloads
+    on other lists; bench/bucket_ab.py times them)."""
+    return (pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs),
+            pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+
+
 @dataclass(frozen=True)
 class StepVariant:
     num_tokens: int  # T bucket
@@ -343,8 +351,7 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
-        self.seq_buckets = pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs)
-        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.seq_buckets, self.token_buckets = step_buckets(max_num_seqs, max_num_batched_tokens)
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
         self.kv_dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype))
