@@ -110,7 +110,7 @@ def test_engine_greedy_gptq_act_order(ckpts, kw):
 
 @pytest.mark.parametrize("name", ["gptq_baichuan", "awq_qwen2", "ct_w4a16", "ct_fp8"])
 def test_engine_greedy_formats(ckpts, name):
-    outs = _run(_make_llm(ckpts[name], tensor_parallel_size=2 if name == "ct_w4a16" else 1))
+    outs = _run(_make_llm(ckpts[name]))
     assert [o.outputs[0].token_ids for o in outs] == _greedy_refs(ckpts[name])
 
 
@@ -135,7 +135,7 @@ def test_dummy_weights_and_memory(ckpts):
     mesh = ParallelConfig(1, 1).make_mesh()
     q = ModelConfig.from_hf(ckpts["gptq_llama"], dtype="float32")
     dense = ModelConfig.from_hf(ckpts["gptq_llama"] + "/../.src-gptq_llama", dtype="float32")
-    size = lambda cfg: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights(cfg, mesh)))  # noqa
+    size = lambda cfg: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights(cfg, mesh)))  # noqa: E731
     layer = lambda cfg: size(cfg) - cfg.vocab_size * cfg.hidden_size * 4 * 2  # noqa: without embed and lm_head
     assert layer(q) < 0.3 * layer(dense)  # int4 + scales + zeros against float32
     llm = _make_llm(ckpts["gptq_llama"], load_format="dummy")
@@ -172,20 +172,24 @@ def test_bad_input(ckpts, tmp_path):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["quantization_config"]["bits"] = 8
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"qweight' in .*model.safetensors has shape \(8, 64\).*bits=8"):
+    with pytest.raises(ValueError, match=r"qweight' in .*model.safetensors has shape \(12, 64\).*bits=8"):
         _make_llm(str(bad))
     cfg["quantization_config"].update(bits=3)
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quantization_config.bits=3 is not supported"):
         _make_llm(str(bad))
-    cfg["quantization_config"].update(bits=4, group_size=64)
+    cfg["quantization_config"].update(bits=4, group_size=16)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"scales' in .* has shape \(2, 64\).*group_size=64"):
+    with pytest.raises(ValueError, match=r"down_proj.scales' in .*model.safetensors has shape \(3, 64\).*group_size=16"):
         _make_llm(str(bad))
     cfg["quantization_config"].update(group_size=32, quant_method="awq", version="gemv")
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"version='gemv' is not supported"):
         _make_llm(str(bad))
+    # tp shards must hold whole groups (vLLM's message): F = 96 rows of down_proj in groups of 32 over 2 shards
+    with pytest.raises(ValueError, match=r"The input size is not aligned with the quantized weight shape: "
+                                         r"layers.0.w_down has 96 input rows, 48 per shard"):
+        _make_llm(ckpts["ct_w4a16"], tensor_parallel_size=2)
     # a missing scale
     from safetensors.numpy import load_file, save_file
 

@@ -394,7 +394,7 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
             f"{FORMAT!r} version {FORMAT_VERSION} (fused qkv and gate_up weights). Convert the HF checkpoint "
             f"again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     saved = manifest.get("params", {})
-    want = None if cfg.quantization is None else dataclasses.asdict(cfg.quantization)
+    want = None if cfg.quantization is None else json.loads(json.dumps(dataclasses.asdict(cfg.quantization)))
     if manifest.get("quantization") != want:
         raise ValueError(f"{model_dir} was converted with quantization {manifest.get('quantization')}, but its "
                          f"config.json (and the quantization argument) give {want}; convert it again.")
