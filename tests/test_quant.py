@@ -47,9 +47,12 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("quant")
     jobs = root / "jobs.json"
     jobs.write_text(json.dumps(JOBS))
-    env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", JAX_PLATFORMS="cpu")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]))
+    # cwd: the tools write logs/ and caches into their working directory, never the repository
     proc = subprocess.run([sys.executable, "-m", "tests.quant_producers", str(root), str(jobs)], env=env,
-                          cwd=os.path.dirname(os.path.dirname(__file__)), capture_output=True, text=True, timeout=900)
+                          cwd=str(root), capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {j["name"]: str(root / j["name"]) for j in JOBS}
 
