@@ -117,7 +117,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     e.add_argument("--quantization", "-q", default=None,
-                   help="Only unquantized weights for now: a value, or a quantization_config in config.json, is refused.")
+                   help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
+                        "quantization_config; fp8 on a 16-bit checkpoint quantizes its weights while loading).")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--max-model-len", type=_max_model_len, default=None,
                    help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")

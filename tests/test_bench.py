@@ -255,6 +255,20 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
 
 
+def test_gpu_parity_quantized_configs(tmp_path):
+    """The GPTQ int4 and fp8 configurations of bench/gpu_parity.py pass on CPU against HF on the dequantized
+    weights."""
+    from bench import gpu_parity
+
+    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.1", "--enforce-eager",
+                           "--configs", "gptq_int4", "fp8", "--gptq-group-size", "32",
+                           "--model-dir", str(tmp_path / "m"),
+                           "--out", str(tmp_path / "q.json")])
+    for name in ("gptq_int4", "fp8"):
+        assert res["configs"][name]["parity"]["passed"], (name, res["configs"][name]["parity"])
+    assert res["configs"]["gptq_int4"]["engine"] is not None
+
+
 def test_gpu_parity_compare_fails_on_a_wrong_token():
     """The parity check fails where the engine took a token the reference gives a low logprob, and not where
     the reference nearly ties."""

@@ -218,13 +218,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
-    from jaxllm.models.loader import abstract_weights, load_params
+    from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
     from jaxllm.sharding import ParallelConfig
 
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
-    cfg = ModelConfig.from_hf(hf, dtype=args.dtype)
+    cfg = ModelConfig.from_hf(path, dtype=args.dtype, quantization=args.quantization)
+    check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
+from jaxllm.models.quant import QuantizedWeight, qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -26,7 +27,10 @@ def rms_norm(x, weight, eps):
 
 
 def _proj(x, w, b, eq):
-    y = jnp.einsum(eq, x, w)
+    if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
+        y = qmatmul(x.reshape(x.shape[0], -1), w)
+    else:
+        y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
 
 
@@ -43,7 +47,8 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     QKV_SPLIT_MAX_TOKENS on the Pallas backend the decoder makes the partials itself (one batched GEMM) and
     the qkv/RoPE/write kernel sums them, which saves that launch. Not with a qkv bias (added after the sum)
     or tp > 1 (the partials would cross shard_map's specs)."""
-    if attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp:
+    if (attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp
+            or isinstance(lp["w_qkv"], QuantizedWeight)):
         return 0
     if attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1:
         return 0
