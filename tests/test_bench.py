@@ -340,3 +340,19 @@ def test_structured_smoke(tmp_path):
     assert len(top) == 30 and all(t["own_s"] >= 0 and t["calls"] > 0 for t in top)
     assert "host_profile_top" not in saved["runs"][1]
     assert res["runs"][1]["host_s"]["_advance_grammars"]["calls"] > 0
+
+
+def test_quant_kernels_smoke(tmp_path):
+    """bench/quant_kernels.py on CPU (interpret mode, tiny shapes): the check stage's kernel cases pass and every
+    impl row is timed with its rate beside the copy ceiling."""
+    from bench import quant_kernels
+
+    out = tmp_path / "q.json"
+    res = quant_kernels.main(["--tiny", "--check", "--m", "1", "--shapes", "o", "--impls", "bf16,int4_sym,fp8",
+                              "--reps", "1", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    checks = [r for r in saved["rows"] if r.get("stage") == "check"]
+    assert len(checks) == 3 and all(r["ok"] for r in checks)
+    rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
+    assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
+    assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
