@@ -102,11 +102,11 @@ def _profile(args) -> dict:
     r = llm.llm_engine.runner
     r.attn = dataclasses.replace(r.attn, backend="pallas")
     rows, prof = [], cProfile.Profile()
-    for v in r.variants():
-        step_args = r._dummy_args(v)
+    for v in r.programs.variants():
+        step_args = r.programs.dummy_args(v, r.params, r.prev_tokens)
         t0 = time.perf_counter()
         prof.enable()
-        traced = r._jit.trace(*step_args, cfg=r.cfg, attn=r.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
+        traced = r.programs._jit.trace(*step_args, cfg=r.cfg, attn=r.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
         t1 = time.perf_counter()
         traced.lower(lowering_platforms=("cuda",))
         prof.disable()
@@ -121,7 +121,7 @@ def _profile(args) -> dict:
     parts = {name: cumulative(suffix) for name, suffix in [
         ("pallas_triton_lowering", "pallas/triton/pallas_call_registration.py:pallas_call_lowering"),
         ("pallas_kernel_tracing", "pallas/pallas_call.py:_trace_kernel_to_jaxpr"),
-        ("model_trace", "jaxllm/engine/runner.py:_packed_step_fn"),
+        ("model_trace", "jaxllm/engine/step_fns.py:packed_step_fn"),
         ("lower_to_module", "interpreters/mlir.py:lower_jaxpr_to_module")]}
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)

@@ -2,7 +2,7 @@
 
 Mosaic GPU's custom call refuses any input whose address is not a multiple of 256 bytes ("Input buffer i is
 not 256-byte aligned"). The engine packs its host arrays into one int32 buffer and slices them back out in the
-step (runner.pack_host_args), so a kernel input may be a slice that starts anywhere in that buffer. This calls
+step (packing.pack_host_args), so a kernel input may be a slice that starts anywhere in that buffer. This calls
 the Mosaic decode kernel with seq_lens and the block table as slices of one int32 argument at several
 offsets (and through an elementwise op, which makes a buffer of its own), and records which calls fail.
 

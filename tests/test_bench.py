@@ -72,14 +72,14 @@ def test_step_phases_smoke(tmp_path):
     """Per-step host phase timers around the throughput workload; the engine's classes are restored after."""
     from bench import step_phases
     from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.engine.programs import StepPrograms
 
-    before = (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable)
+    before = (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable)
     res = step_phases.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
                             "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
                             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--compilation-cache-dir", "",
                             "--min-seqs", "4", "--out", str(tmp_path / "tp.json")])
-    assert (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable) == before
+    assert (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable) == before
     saved = json.loads((tmp_path / "tp_step_phases.json").read_text())
     assert saved["steps"] >= 3 and saved["steady_steps"] >= 1
     assert saved["steady_median_ms"]["exe_call"] > 0 and saved["steady_median_ms"]["on_token"] > 0
