@@ -285,7 +285,7 @@ def test_tokenizer_without_a_decoder_llguidance_reads(llm):
 
 
 def test_server_structured_outputs(tiny, tmp_path):
-    from jaxllm.serve import build_engine
+    from server.serve import build_engine
     from server.args import parse_args
     from server.testing import ServerThread
 
