@@ -136,7 +136,7 @@ def test_suite_profile_window():
 @pytest.mark.filterwarnings("ignore")
 def test_first_steps_trace_smoke(tmp_path, monkeypatch):
     """The batch-1 first-token trace runs, applies its engine overrides and keeps the traced host steps."""
-    from bench import first_steps_trace
+    from bench.probes import first_steps_trace
     from jaxllm.engine import runner
     from jaxllm.models import attention
 
@@ -205,12 +205,12 @@ def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
 
 
 def test_decode_tail_probe_kernels_match_the_reference():
-    """bench/decode_tail_probe.py's two kernels (interpret mode): the stamped copy of the entry point's decode
+    """bench/probes/decode_tail_probe.py's two kernels (interpret mode): the stamped copy of the entry point's decode
     kernel gives one stamp per program, and the work-stealing prototype's output matches the reference (its
     programs run one after another here, so the first takes every block and the others none)."""
     import jax.numpy as jnp
 
-    from bench import decode_tail_probe as probe
+    from bench.probes import decode_tail_probe as probe
     from bench.kernels import make_case, rel_err
     from kernels_pallas import reference
 
@@ -280,8 +280,8 @@ def test_gpu_parity_compare_fails_on_a_wrong_token():
 
 
 def test_lowering_profile_smoke(tmp_path):
-    """bench/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
-    from bench import lowering_profile
+    """bench/probes/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
+    from bench.probes import lowering_profile
 
     res = lowering_profile.main(["--num-layers", "1", "--vocab-size", "512", "--max-num-seqs", "4",
                                  "--max-num-batched-tokens", "16", "--model-dir", str(tmp_path / "m"),

@@ -154,7 +154,7 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
 # Each packed array starts at a multiple of 256 bytes: a static slice of a step argument can reach a kernel
 # as that argument's buffer at the slice's offset, and Mosaic GPU kernels refuse inputs that are not 256-byte
 # aligned ("Input buffer 1 is not 256-byte aligned": the decode kernel's block table, at the engine's batch
-# shapes; bench/mosaic_align_probe.py).
+# shapes; bench/probes/mosaic_align_probe.py).
 _PACK_ALIGN = 256 // 4
 _PADS = {np.dtype(dt): np.zeros(_PACK_ALIGN, dt) for dt in (np.int32, np.float32)}
 

@@ -63,7 +63,7 @@ def kv_storage_dtype(dtype):
 
 
 # The smallest decode bucket (padded sequences). A batch-1 decode step of the Llama-3-8B shape on an H100
-# (bench/step_probe.py --rows, XProf): 1 row 5.63 ms (XLA turns the M = 1 qkv GEMM into a 23 us reduction
+# (bench/probes/step_probe.py --rows, XProf): 1 row 5.63 ms (XLA turns the M = 1 qkv GEMM into a 23 us reduction
 # instead of an 18.7 us GEMM), 2 rows 5.44 ms, 8 rows 5.61 ms (the attention grid and the small fusions run
 # over 4x the rows; bench/results/step_probe_h100_30bea4e_rows*.json).
 SMALLEST_SEQ_BUCKET = 2
