@@ -1,4 +1,5 @@
-"""Command-line flags of `python -m jaxllm.serve`: vLLM's `vllm serve` flags, same names and defaults.
+"""Command-line flags of `jaxllm serve` (also `python -m jaxllm.serve`): vLLM's `vllm serve` flags, same names and
+defaults.
 
     parse_args(argv) -> Namespace     server + engine flags, env fallbacks applied
     engine_kwargs(args) -> dict       the LLM(...) keyword arguments for AsyncLLM.from_engine_args
@@ -59,7 +60,7 @@ def _max_model_len(value: str) -> int | None:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxllm.serve",
+        prog="jaxllm serve",
         description="OpenAI-compatible server for jaxllm (vLLM's serving engine on JAX/XLA).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from jaxllm.entrypoints.chat_utils import flatten_content
 from server.errors import APIError, parse_model, read_json
+from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -29,13 +30,10 @@ from server.serving_common import (
     EngineRunner,
     RequestState,
     ServerState,
-    TokenNamer,
-    chat_logprobs,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    prompt_logprobs_json,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,

@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from server.errors import APIError, parse_model, read_json
+from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs_json
 from server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -24,14 +25,11 @@ from server.serving_common import (
     EngineRunner,
     RequestState,
     ServerState,
-    TokenNamer,
     check_token_ids,
-    completion_logprobs,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    prompt_logprobs_json,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,

@@ -426,7 +426,7 @@ class FakeEngine:
 
 
 class ServerThread:
-    """Runs `python -m jaxllm.serve`'s server (run_server) for `engine` on 127.0.0.1 and a free port, in a
+    """Runs `jaxllm serve`'s server (server.serve.run_server) for `engine` on 127.0.0.1 and a free port, in a
     background thread with its own event loop, so synchronous tests can use blocking clients.
 
         with ServerThread(FakeEngine(tok), "--api-key", "k") as srv: ... srv.base_url ...
@@ -488,7 +488,7 @@ class ServerThread:
         self.stop()
 
     def _main(self) -> None:
-        from jaxllm.serve import run_server
+        from server.serve import run_server
 
         asyncio.set_event_loop(self.loop)
 

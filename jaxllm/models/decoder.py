@@ -103,7 +103,7 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
     layers = range(cfg.num_layers) if layers is None else layers
     x = params["embed"][token_ids] if hidden is None else hidden
     kv_caches = list(kv_caches)
-    layer = _traced_once(decoder_layer)  # looked up here: bench/step_probe.py swaps decoder_layer
+    layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
     for i in layers:
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
     return kv_caches, x
