@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import socket
@@ -26,13 +27,14 @@ def build_engine(args: argparse.Namespace):
 
 
 async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Event | None = None,
-                     on_ready=None) -> None:
-    """Serves until SIGINT/SIGTERM (or `stop` is set), then shuts the engine down.
+                     on_ready=None, on_app=None) -> None:
+    """Serves until SIGINT/SIGTERM (or `stop` is set), drains (--shutdown-timeout; a second signal cuts the
+    drain short), then shuts the engine down.
 
     `engine`: any EngineClient (tests pass a fake); default: AsyncLLM built from the engine flags.
-    `on_ready(port)`: called once the socket listens.
+    `on_ready(port)`: called once the socket listens; `on_app(app)`: once the app is built (tests read its state).
     """
-    from server.app import build_app, start_server
+    from server.app import build_app, start_server, stop_server
     from server.serving_common import STATE
 
     sock = None
@@ -46,6 +48,8 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
     runner = None
     try:
         app = build_app(engine, args)
+        if on_app is not None:
+            on_app(app)
         ssl_context = None
         if args.ssl_certfile:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
@@ -53,10 +57,18 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         runner, port = await start_server(app, args.host, args.port, ssl_context=ssl_context, sock=sock,
                                           access_log=not getattr(args, "disable_access_log", False))
         stop = stop or asyncio.Event()
+        force = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def on_signal() -> None:
+            if stop.is_set():
+                logger.info("Second signal: ending the drain now")
+                force.set()
+            stop.set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             try:
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, on_signal)
             except (NotImplementedError, RuntimeError, ValueError):  # not the main thread (tests), or Windows
                 pass
         scheme = "https" if ssl_context else "http"
@@ -64,12 +76,20 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         logger.info("jaxllm %s API server ready on %s://%s:%d (model %s served as %s, max_model_len %d)",
                     _version(), scheme, host, port, app[STATE].model_root,
                     ", ".join(app[STATE].served_model_names), engine.max_model_len)
+        # What exists now (modules, weights, compiled programs) lives as long as the server: keep the collector
+        # from walking it, else each full collection stalls every stream for ~0.5 s (vLLM does the same).
+        gc.collect()
+        gc.freeze()
         if on_ready is not None:
             on_ready(port)
         await stop.wait()
-        logger.info("Shutting down")
+        logger.info("Shutting down: new requests are refused; running ones may finish for up to %g s "
+                    "(--shutdown-timeout; a second Ctrl-C ends them now)", app[STATE].limits.shutdown_timeout)
+        await stop_server(runner, force=force)
+        runner = None
+        logger.info("Server stopped")
     finally:
-        if runner is not None:
+        if runner is not None:  # start-up failed, or the drain itself was cancelled
             await runner.cleanup()
         await engine.shutdown()
 

@@ -444,6 +444,7 @@ class ServerThread:
         self.args = args
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
+        self.app = None  # the aiohttp app, once built (app[server.serving_common.STATE] is its ServerState)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stop: asyncio.Event | None = None
@@ -499,7 +500,8 @@ class ServerThread:
                 self.port = port
                 self._ready.set()
 
-            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready)
+            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready,
+                             on_app=lambda app: setattr(self, "app", app))
 
         try:
             self.loop.run_until_complete(serve())
