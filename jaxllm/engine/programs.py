@@ -166,6 +166,9 @@ class StepPrograms:
         self._rows_spec: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the start-up programs' sampled rows
         self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
+        # True: a split step always runs its exact sampler program (compiled now if need be), never a wider one
+        # meanwhile; set over several processes, which must all run the same program (multihost.py).
+        self.exact_samplers = False
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None
@@ -270,7 +273,7 @@ class StepPrograms:
         args = {v: self.dummy_args(v, params, prev_tokens) for v in todo}
         workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
-            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
+            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo), strict=True):
                 if exe is not None:
                     self.compiled[v] = exe
             t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self.compiled])
@@ -361,6 +364,12 @@ class StepPrograms:
                     time.perf_counter() - t0)
         return exe
 
+    def wait_for_background_compile(self, v: StepVariant) -> None:
+        """Files v's background compile if one is running (waits for it): a worker process told to run v whole."""
+        job = self.pending.pop(v, None)
+        if job is not None:
+            self._file_background_compile(v, job)
+
     def wait_for_background_compiles(self) -> None:
         """Blocks until the step programs compiling in the background are ready (tests, benchmarks)."""
         for v, job in list(self.pending.items()):
@@ -383,7 +392,7 @@ class StepPrograms:
         key = (v.num_seqs, v.flags, v.sampler_widths)
         n_masks, B = v.sampler_widths[-1], v.num_seqs
         exe = self.samplers.get(key)
-        if exe is not None or not v.flags.grammar or n_masks >= B:
+        if exe is not None or not v.flags.grammar or n_masks >= B or self.exact_samplers:
             return exe or self._sampler_executable(v, args), args
         exe = self._load_sampler(v, args)
         if exe is not None:

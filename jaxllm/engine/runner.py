@@ -131,9 +131,10 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
-                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
+                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None):
+                 max_logprobs: int = 20, executable_cache_dir: str | None = None, multihost=None):
+        attn_config = attn_config or AttentionConfig()
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
@@ -146,7 +147,9 @@ class ModelRunner:
         self.kv_dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype))
         # Weights still loading (abstract_weights): the KV cache is allocated once they are bound (warm_up).
         self.kv_caches = self._allocate_kv() if self.has_weights else self._kv_specs()
-        self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
+        # Several processes (multihost.py: process 0 sends each step to the others, all run it); None on one.
+        self.multihost = multihost
+        self.prev_tokens = self._zero_prev_tokens()
         self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
         self.pipeline = None
@@ -158,13 +161,16 @@ class ModelRunner:
 
             self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
                                              max_pages=self.max_pages, token_buckets=self.token_buckets,
-                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE)
+                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE,
+                                             move=multihost.move if multihost is not None else jax.device_put)
         self.programs = StepPrograms(cfg, self.attn, mesh.devices.flat, seq_buckets=self.seq_buckets,
                                      token_buckets=self.token_buckets, kv_specs=self._kv_specs(),
                                      dummy_host=functools.partial(dummy_host_inputs, max_pages=self.max_pages,
                                                                   batch=self.batch, vocab_size=cfg.vocab_size),
                                      max_penalty_width=2 * self.max_pages * block_size,
                                      pipeline=self.pipeline is not None, executable_cache_dir=executable_cache_dir)
+        # Which sampler program a step runs must not depend on one process's compile state (multihost.py).
+        self.programs.exact_samplers = multihost is not None
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
@@ -185,6 +191,15 @@ class ModelRunner:
     def _kv_specs(self):
         return kv_cache_specs(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
 
+    def _zero_prev_tokens(self):
+        shape = (self.seq_buckets[-1],)
+        if self.multihost is None:
+            return jnp.zeros(shape, jnp.int32)
+        # over several processes each makes its own replicas: where the sampling runs (the last stage's devices)
+        rows = self.mesh.devices[-1:] if mesh_pp(self.mesh) > 1 else self.mesh.devices
+        return self.multihost.zeros(shape, np.int32, jax.sharding.NamedSharding(
+            jax.sharding.Mesh(rows, ("pp", "tp")), jax.sharding.PartitionSpec()))
+
     def _kv_allocated(self) -> bool:
         return isinstance(self.kv_caches[0][0], jax.Array)
 
@@ -199,7 +214,7 @@ class ModelRunner:
         old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
         same = jax.tree.structure(params) == jax.tree.structure(self.params) and all(
             a.shape == b.shape and a.dtype == b.dtype and b.sharding.is_equivalent_to(a.sharding, len(a.shape))
-            for a, b in zip(old, new))
+            for a, b in zip(old, new, strict=True))
         if not same:
             raise ValueError("The loaded weights' tree, shapes, dtypes or shardings differ from those the step "
                              "programs were compiled for.")
@@ -294,7 +309,7 @@ class ModelRunner:
         inp = step_inputs(token_ids, q_lens, starts, batch.num_pages[rows], batch.tables[rows], self.block_size, T,
                           B, self.max_pages, PAD_PAGE)
         sample_idx = list(itertools.compress(range(n), sample))
-        sample_rows = dict(zip(itertools.compress(ids, sample), sample_idx))
+        sample_rows = dict(zip(itertools.compress(ids, sample), sample_idx, strict=True))
         features = batch.features[rows]
         flags = sampler_flags(seqs, features, self.max_logprobs)
         prompt_rows = {}
@@ -332,20 +347,51 @@ class ModelRunner:
         """The device half of a step: dispatches p (asynchronously). before_sample (the engine's grammar update,
         which waits for the previous step's tokens and rewrites p's masks) runs before p's sampling inputs are
         read; when p has overlap_min_masked masks or more, p runs split and it runs after the model part is
-        dispatched, so that host work overlaps the device's."""
-        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
-        before_sample = before_sample or (lambda: None)
+        dispatched, so that host work overlaps the device's. Over several processes the step is sent to the
+        others first (with its masks final: no overlap), and every process runs it (run_step)."""
         v, programs = p.variant, self.programs
-        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
+        overlap = (self.multihost is None and len(p.masked) >= self.overlap_min_masked
+                   and not v.prompt_logprobs)
         if self.pipeline is not None:
+            mode = "pipeline"
+        elif not overlap and programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+            mode = "whole"
+        else:
+            mode = "split"
+        if self.multihost is not None:
+            if before_sample is not None:
+                before_sample()
+                before_sample = None
+            self.multihost.send_step(v, mode, p.host_args)
+        outputs, prompt = self.run_step(v, mode, p.host_args, before_sample)
+        self._prev_rows = dict(p.sample_rows)
+        return StepHandle(p.sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
+
+    def run_received(self, v: StepVariant, mode: str, host_args) -> None:
+        """A worker process: runs the step process 0 sent (multihost.follow), as process 0 runs it."""
+        if mode == "whole":
+            self.programs.wait_for_background_compile(v)
+        elif mode == "split" and v.flags != SamplerFlags():
+            # start the whole program's background compile when process 0 does (not needed before then)
+            self.programs.runs_whole(v, host_args, self.params, self.kv_caches, self.prev_tokens)
+        self.run_step(v, mode, host_args)
+
+    def run_step(self, v: StepVariant, mode: str, host_args, before_sample: Callable[[], None] | None = None):
+        """The device work of a step: "pipeline" (the stages, then the sampling head), "whole" (v's step program)
+        or "split" (the bucket's start-up program, then a sampler-only program for v's flags). Returns the device
+        outputs (sampled tokens and their logprobs, prompt logprobs or None)."""
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = host_args
+        before_sample = before_sample or (lambda: None)
+        programs = self.programs
+        if mode == "pipeline":
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
             before_sample()
             self.prev_tokens, outputs, prompt = programs.pipeline_head(
                 self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
                 cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
-        elif not overlap and programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+        elif mode == "whole":
             before_sample()
-            args = self._step_args(p.host_args)
+            args = self._step_args(host_args)
             exe = programs.executable(v, args)
             self.kv_caches, self.prev_tokens, outputs, prompt, _ = exe(*args)
         else:
@@ -362,9 +408,11 @@ class ModelRunner:
             prompt = None
         if v.flags.penalties:
             programs.sampler_ahead(v, self._head, self.prev_tokens, smd)
-        self._prev_rows = dict(p.sample_rows)
-        return StepHandle(p.sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
+        if self.multihost is not None:
+            outputs, prompt = self.multihost.to_driver((outputs, prompt))
+        return outputs, prompt
 
     def collect(self, handle: StepHandle) -> StepResult:
-        outputs, prompt = jax.device_get(handle.outputs)
+        get = jax.device_get if self.multihost is None else self.multihost.fetch
+        outputs, prompt = get(handle.outputs)
         return StepResult(*outputs, prompt)

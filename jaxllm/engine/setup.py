@@ -147,7 +147,7 @@ def _gpu_device() -> tuple[int, str] | None:
     if (cuda is None or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
             or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0):
         return None
-    return total.value, jax.devices()[0].device_kind
+    return total.value, jax.local_devices()[0].device_kind
 
 
 def _cuda_free_memory(num_devices: int) -> list[tuple[int, int]] | None:
@@ -189,6 +189,24 @@ def _allocator_fraction() -> float:
 def build_engine_parts(args: EngineArgs) -> EngineParts:
     args.validate()
     request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
+    from jaxllm.distributed import initialize, watchdog
+
+    # Several processes: LLM() in each (vLLM's external_launcher) joins the cluster JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES and JAX_PROCESS_ID describe, unless the caller already did (jaxllm.distributed).
+    initialize()
+    import jax
+
+    if jax.process_count() > 1:
+        # start-up runs collectives: a process lost meanwhile must not leave the others waiting in one
+        watchdog().arm()
+        try:
+            return _build_engine_parts(args)
+        finally:
+            watchdog().disarm()
+    return _build_engine_parts(args)
+
+
+def _build_engine_parts(args: EngineArgs) -> EngineParts:
     import jax
 
     if args.compilation_cache_dir:
@@ -238,6 +256,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         backend = "pallas" if gpu else "reference"
 
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    multihost = None
+    if jax.process_count() > 1:  # one engine over several processes (hosts): jaxllm/engine/multihost.py
+        from jaxllm.engine.multihost import MultiHost
+
+        multihost = MultiHost(mesh)
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
@@ -259,6 +282,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     else:
         params = load()
         num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
+    if multihost is not None:
+        # The KV cache's shape and the compiled buckets must be the same everywhere: the fewest blocks win.
+        agreed = multihost.agree({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                                  "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                                  "model_config": _fingerprint(cfg, args)}, take_min=("num_blocks",))
+        num_blocks = agreed["num_blocks"]
     needed = -(-max_model_len // args.block_size) + 1
     if num_blocks < needed:
         raise ValueError(
@@ -284,7 +313,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args))
+                             executable_cache_dir=_executable_cache_dir(args), multihost=multihost)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
     except BaseException:
         if weights is not None:
@@ -295,6 +324,17 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
     tokenizer, eos, defaults, grammars = tokenizer_future.result()
     return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars)
+
+
+def _fingerprint(cfg: ModelConfig, args: EngineArgs) -> int:
+    """63 bits of what the processes of one engine must share: the model's config and the flags that shape the
+    compiled programs."""
+    import hashlib
+
+    what = repr((cfg, args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size, args.kv_cache_dtype,
+                 args.enable_prefix_caching, args.enable_chunked_prefill, args.max_logprobs, args.enforce_eager,
+                 args.attention_backend, args.load_format, args.seed))
+    return int.from_bytes(hashlib.sha256(what.encode()).digest()[:8], "little") >> 1
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
@@ -374,7 +414,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
         return max(args.kv_cache_memory_bytes // per_block, 2)
     import jax
 
-    stats = jax.devices()[0].memory_stats() if gpu else None
+    stats = jax.local_devices()[0].memory_stats() if gpu else None
     if not stats:
         return max(_CPU_KV_BYTES // per_block, 2)
     limit = stats.get("bytes_limit", 0)

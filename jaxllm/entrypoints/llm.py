@@ -28,11 +28,24 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | Callable[..., Any] = True,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False)."""
+        """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False).
+
+        Over several processes (jaxllm.distributed) every process calls it, as in vLLM's external_launcher mode:
+        process 0 runs the engine and returns the outputs; the others run the steps it sends and return []."""
+        mh = self.llm_engine.runner.multihost
+        if mh is not None and not mh.is_driver:
+            from jaxllm.engine.multihost import follow
+
+            follow(self.llm_engine)
+            return []
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        ids = self._add(prompts, params, priority)
-        return self._run(ids, use_tqdm)
+        if mh is None:
+            return self._run(self._add(prompts, params, priority), use_tqdm)
+        from jaxllm.engine.multihost import OfflineCall
+
+        with OfflineCall(mh):
+            return self._run(self._add(prompts, params, priority), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True,
              chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -72,7 +85,7 @@ class LLM:
                              "same.")
         ids, engine = [], self.llm_engine
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._counter))
                 if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
                     # Only finished outputs are returned: the engine then builds no output per step (at 500
