@@ -34,6 +34,10 @@ logger = logging.getLogger(__name__)
 ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
 DEFAULT_TIMEOUT_S = 300.0  # jax.distributed's own initialization_timeout
+# A process that sends no heartbeat for this long is lost. The coordination service's live-process query (the
+# Watchdog's) answers only once a dead process's heartbeats have timed out: jax's default, 100 s, kept a server
+# with a killed worker up that long. Heartbeats come from a C++ thread, so a busy Python process still sends them.
+HEARTBEAT_TIMEOUT_S = 10
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -77,7 +81,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
         except (AttributeError, KeyError):  # a jax without the option keeps its default
             logger.warning("This jax cannot run jax.distributed recoverable: a lost process aborts the others")
     jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=max(int(timeout), 1))
+                               initialization_timeout=max(int(timeout), 1),
+                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
     if num_processes > 1:
         atexit.register(shutdown, timeout)
     logger.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),

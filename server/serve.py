@@ -26,8 +26,13 @@ logger = logging.getLogger("jaxllm.server")
 
 
 def build_engine(args: argparse.Namespace):
-    from jaxllm.engine.async_engine import AsyncLLM
     from server.args import engine_kwargs
+
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from jaxllm.engine.dp import DPAsyncLLM
+
+        return DPAsyncLLM.from_engine_args(**engine_kwargs(args))
+    from jaxllm.engine.async_engine import AsyncLLM
 
     return AsyncLLM.from_engine_args(**engine_kwargs(args))
 

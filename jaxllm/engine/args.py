@@ -29,6 +29,7 @@ class EngineArgs:
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups of this host (jaxllm/engine/dp.py)
     enforce_eager: bool = False
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
@@ -61,7 +62,7 @@ class EngineArgs:
             raise ValueError(f"Unknown quantization method: {self.quantization}. Must be one of {list(METHODS)}.")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",

@@ -19,6 +19,7 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
@@ -144,13 +145,16 @@ class AsyncLLM:
                 elif self._multihost is not None:
                     self._multihost.heartbeat()
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell everyone
-            lost = self._multihost.watchdog.wait_lost(3.0) if self._multihost is not None else None
-            if lost:  # a collective failed because a process is gone: say that, not the collective's error
+            # a collective failed because a process is gone: say that, not the collective's error
+            lost = self._multihost.watchdog.wait_lost(HEARTBEAT_TIMEOUT_S + 5) if self._multihost else None
+            if lost:
                 logger.error("Engine loop stopped: %s", lost)
                 self._dead = EngineDeadError(lost)
             else:
                 logger.exception("Engine loop died")
                 self._dead = e
+            if self._multihost is not None:  # the other processes cannot go on alone: neither can the server
+                self.fatal_error = str(self._dead)
         finally:
             if self._multihost is not None:
                 self._release_workers()
@@ -161,7 +165,8 @@ class AsyncLLM:
         from jaxllm.engine.multihost import SHUTDOWN
 
         try:
-            self._multihost.send(SHUTDOWN)
+            if self._dead is None:
+                self._multihost.send(SHUTDOWN)
         except Exception:  # noqa: BLE001 - they exit when this process does (their Watchdog)
             logger.exception("Telling the other processes to shut down failed")
         finally:

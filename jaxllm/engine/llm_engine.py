@@ -74,10 +74,12 @@ def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, devices=None):
+        """devices: the ones the engine's mesh uses (a data-parallel replica's group, jaxllm/engine/dp.py);
+        default: the first tensor_parallel_size * pipeline_parallel_size of jax.devices()."""
         from jaxllm.engine.setup import build_engine_parts
 
-        parts = build_engine_parts(args)
+        parts = build_engine_parts(args, devices)
         self.args = args
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer

@@ -154,6 +154,11 @@ class MultiHost:
                 f"least {self.num_processes} (one stage per process: --pipeline-parallel-size "
                 f"{self.num_processes}), or fewer processes.")
         self.is_driver = self.process_id == 0
+        # XLA's CPU client runs each device's part of a program on a thread pool, and a program with collectives
+        # in flight while the next one starts on the same devices deadlocked gloo (2 processes x 4 devices, tp 8,
+        # after ~14 steps). On CPU every process therefore finishes each step before the next message; GPUs
+        # order programs on each device's stream, and every process enqueues them in the same order.
+        self.sync_steps = jax.default_backend() == "cpu"
         self.channel = StepChannel()
         self.watchdog = watchdog()
         # Sampled tokens are read on process 0: from the first mesh row, which holds process 0's first device.

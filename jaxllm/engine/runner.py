@@ -410,6 +410,8 @@ class ModelRunner:
             programs.sampler_ahead(v, self._head, self.prev_tokens, smd)
         if self.multihost is not None:
             outputs, prompt = self.multihost.to_driver((outputs, prompt))
+            if self.multihost.sync_steps:
+                jax.block_until_ready((self.kv_caches, self.prev_tokens, outputs, prompt))
         return outputs, prompt
 
     def collect(self, handle: StepHandle) -> StepResult:

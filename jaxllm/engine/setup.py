@@ -186,7 +186,7 @@ def _allocator_fraction() -> float:
     return _JAX_DEFAULT_FRACTION
 
 
-def build_engine_parts(args: EngineArgs) -> EngineParts:
+def build_engine_parts(args: EngineArgs, devices=None) -> EngineParts:
     args.validate()
     request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
     from jaxllm.distributed import initialize, watchdog
@@ -200,13 +200,13 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         # start-up runs collectives: a process lost meanwhile must not leave the others waiting in one
         watchdog().arm()
         try:
-            return _build_engine_parts(args)
+            return _build_engine_parts(args, devices)
         finally:
             watchdog().disarm()
-    return _build_engine_parts(args)
+    return _build_engine_parts(args, devices)
 
 
-def _build_engine_parts(args: EngineArgs) -> EngineParts:
+def _build_engine_parts(args: EngineArgs, devices) -> EngineParts:
     import jax
 
     if args.compilation_cache_dir:
@@ -223,7 +223,7 @@ def _build_engine_parts(args: EngineArgs) -> EngineParts:
     tokenizer_future = pool.submit(_tokenizer_parts, args, path, hf)
     pool.shutdown(wait=False)  # its thread ends after this one task
     try:
-        return _build_parts(args, path, hf, tokenizer_future)
+        return _build_parts(args, path, hf, tokenizer_future, devices)
     except BaseException:
         # A failed LLM() that returns while the thread still imports transformers leaves the module half
         # imported for a retry in the same process (AttributeError on PreTrainedTokenizerFast).
@@ -231,7 +231,7 @@ def _build_engine_parts(args: EngineArgs) -> EngineParts:
         raise
 
 
-def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> EngineParts:
+def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, devices=None) -> EngineParts:
     import jax
 
     from jaxllm.engine.runner import ModelRunner
@@ -255,7 +255,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
 
-    mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh(devices)
     multihost = None
     if jax.process_count() > 1:  # one engine over several processes (hosts): jaxllm/engine/multihost.py
         from jaxllm.engine.multihost import MultiHost
@@ -278,10 +278,10 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         params = abstract_weights(cfg, mesh)
         weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
                            for p in jax.tree.leaves(params))
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes)
+        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, mesh, weight_bytes)
     else:
         params = load()
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
+        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, mesh)
     if multihost is not None:
         # The KV cache's shape and the compiled buckets must be the same everywhere: the fewest blocks win.
         agreed = multihost.agree({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
@@ -406,15 +406,17 @@ def _executable_cache_dir(args: EngineArgs) -> str | None:
 _MIN_WORKSPACE_BYTES = 1 << 30
 
 
-def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0) -> int:
-    """KV blocks that fit; weight_bytes: this device's weights when they are not loaded yet."""
+def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, mesh, weight_bytes: int = 0) -> int:
+    """KV blocks that fit on this process's first device of mesh; weight_bytes: its weights when they are not
+    loaded yet."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes:
         return max(args.kv_cache_memory_bytes // per_block, 2)
     import jax
 
-    stats = jax.local_devices()[0].memory_stats() if gpu else None
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    stats = device.memory_stats() if gpu else None
     if not stats:
         return max(_CPU_KV_BYTES // per_block, 2)
     limit = stats.get("bytes_limit", 0)

@@ -16,7 +16,13 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args)
+        if self.engine_args.data_parallel_size > 1:  # replicas on this host's device groups
+            from jaxllm.engine.dp import DPEngine
+
+            self.engine_args.validate()
+            self.llm_engine = DPEngine(self.engine_args)
+        else:
+            self.llm_engine = LLMEngine(self.engine_args)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
