@@ -356,3 +356,23 @@ def test_quant_kernels_smoke(tmp_path):
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
     assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_multihost_smoke(tmp_path):
+    """bench/multihost.py's cases on simulated CPU devices: pp 2 over two processes (one device each) and two
+    data-parallel replicas, each in its own processes."""
+    from bench import multihost
+
+    out = tmp_path / "mh.json"
+    res = multihost.main(["--shape", "tiny", "--load-format", "dummy", "--cpu", "--cases", "multi_pp2", "dp2", "--skip-greedy", "--num-prompts", "4", "--dp-num-prompts", "4", "--input-len", "8",
+                          "--output-len", "4", "--itl-output-len", "3", "--max-model-len", "64",
+                          "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                          "--enforce-eager", "--compilation-cache-dir", "", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert set(saved["cases"]) == {"multi_pp2", "dp2"}
+    assert all("error" not in c for c in saved["cases"].values()), saved["cases"]
+    mh = saved["cases"]["multi_pp2"]["throughput"]
+    assert mh["output_tok_s"] > 0 and mh["batch1_itl_ms"] > 0 and len(mh["tokens"]) == 4
+    assert len(saved["cases"]["dp2"]["throughput"]["tokens"]) == 4 and saved["env"]["command"] and res["cases"]
+

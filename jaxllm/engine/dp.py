@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 from jaxllm.engine.args import EngineArgs
@@ -50,7 +49,8 @@ def replica_devices(args: EngineArgs, replica: int) -> list:
 
 
 def build_replicas(args: EngineArgs) -> list:
-    """The D LLMEngines, built side by side (their weight loads and compiles overlap; tracing takes turns)."""
+    """The D LLMEngines, one after another. (Built side by side in threads, two tokenizer threads imported
+    transformers at once and one found it half imported: AttributeError on PreTrainedTokenizerFast.)"""
     import jax
 
     from jaxllm.engine.llm_engine import LLMEngine
@@ -59,9 +59,7 @@ def build_replicas(args: EngineArgs) -> list:
         raise ValueError("data_parallel_size > 1 runs replicas on the devices of one host; it cannot be combined "
                          "with several processes (--num-processes).")
     groups = [replica_devices(args, r) for r in range(args.data_parallel_size)]
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="jaxllm-replica") as pool:
-        futures = [pool.submit(LLMEngine, args, devices=g) for g in groups]
-        engines = [f.result() for f in futures]
+    engines = [LLMEngine(args, devices=g) for g in groups]
     logger.info("%d data-parallel replicas ready, on devices %s", len(engines),
                 "; ".join(",".join(str(d.id) for d in g) for g in groups))
     return engines
