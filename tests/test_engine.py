@@ -655,18 +655,63 @@ def test_max_model_len_caps_output(llm):
     check_free(llm)
 
 
+def whole_cache_rewrites(runner) -> list[str]:
+    """HLO instructions of the runner's compiled steps that convert a whole layer's KV pages, or hold them in
+    another dtype than the pages' own: a step that does rewrites every layer's cache (its cost grows with the
+    cache, not the batch). An in-place scatter keeps the pages' dtype and converts only the new rows."""
+    pages = runner.kv_caches[0][0]
+    K, P, S, H = pages.shape
+    shapes = {f"{K},{P},{S},{H}", f"{K},{P * S},{H}"}
+    storage = {"uint8": "u8", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}[str(pages.dtype)]
+    found = []
+    for exe in runner._compiled.values():
+        for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", exe.as_text()):
+            dtype, shape, op = m.groups()
+            if shape in shapes and (dtype != storage or op in ("convert", "bitcast-convert")):
+                found.append(m.group(0))
+    return found
+
+
 @pytest.mark.parametrize("kv_dtype, np_name", [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
 def test_fp8_kv_cache(tiny, hf_refs, kv_dtype, np_name):
     llm = make_llm(tiny[0], kv_cache_dtype=kv_dtype)
-    k_pages = llm.llm_engine.runner.kv_caches[0][0]
-    assert str(k_pages.dtype) == np_name
+    runner = llm.llm_engine.runner
+    assert str(runner.kv_values_dtype) == np_name
+    # On CPU the pages hold the fp8 values' bit patterns (see the test below): 1 byte per value as on a GPU.
+    assert runner.kv_caches[0][0].dtype == jnp.uint8 and runner.attn.kv_dtype == np_name
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert runner._compiled and not whole_cache_rewrites(runner)
     # With k_scale = v_scale = 1 (vLLM's default without calibration) this tiny model's small K/V values sit near
     # e4m3's subnormal range, so near-tied logits can flip; a broken fp8 path gives random tokens (1/128 each).
     same_first = sum(o.outputs[0].token_ids[0] == hf_refs[tuple(p)][0] for o, p in zip(outs, PROMPTS))
     assert same_first >= 3
     check_free(llm)
+
+
+def test_cpu_fp8_kv_pages_are_written_in_place(tiny, monkeypatch):
+    """XLA's CPU backend widens an fp8 scatter's whole operand and narrows it back, so with fp8-typed pages each
+    step rewrote every layer's cache (1.7 s per token with a 256 MB cache, bench/probes/cpu_fp8_kv.py). The CPU
+    pages hold the fp8 bit patterns as uint8 instead: the compiled steps convert no whole cache, and tokens and
+    logprobs are those of fp8-typed pages (the same bytes)."""
+    from jaxllm.engine import runner as runner_mod
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run():
+        llm = make_llm(tiny[0], kv_cache_dtype="fp8")
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return llm.llm_engine.runner, [o.token_ids for o in outs], [
+            [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
+
+    r, tokens, lps = run()
+    assert r.kv_caches[0][0].dtype == jnp.uint8 and not whole_cache_rewrites(r)
+    monkeypatch.setattr(runner_mod, "kv_storage_dtype", lambda dtype: dtype)
+    r8, tokens8, lps8 = run()
+    assert r8.kv_caches[0][0].dtype == jnp.float8_e4m3fn
+    assert whole_cache_rewrites(r8), "the check must see the widened scatter of fp8-typed pages"
+    assert tokens == tokens8 and lps == lps8
 
 
 def test_bad_kv_cache_dtype(tiny):
