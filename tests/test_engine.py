@@ -643,6 +643,18 @@ def test_max_model_len_and_kv_errors(tiny):
         make_llm(tiny[0], num_gpu_blocks_override=4, max_model_len=128)
 
 
+def test_request_output_has_vllms_fields(llm):
+    prompt = [17, 4, 96, 3, 58, 21, 9, 40, 2, 33, 70]  # 1 full block of 8: cached by the second request
+    for cached in (0, 8):
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == cached
+    assert out.lora_request is None and out.outputs[0].lora_request is None and out.multi_modal_placeholders == {}
+    assert out.encoder_prompt is None and out.kv_transfer_params is None
+    assert repr(out).startswith(f"RequestOutput(request_id={out.request_id}, prompt=None, prompt_token_ids="
+                                f"{prompt}, encoder_prompt=None, encoder_prompt_token_ids=None, ")
+    assert repr(out).endswith("lora_request=None, num_cached_tokens=8, multi_modal_placeholders={})")
+
+
 def test_max_model_len_caps_output(llm):
     out = llm.generate({"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]

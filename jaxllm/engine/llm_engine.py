@@ -483,7 +483,7 @@ class LLMEngine:
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                             finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
+                             finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
 
     # ---- stats ----
     def stats(self) -> EngineStats:
