@@ -10,9 +10,20 @@ from jaxllm.paths import default_compilation_cache_dir
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None  # None: the built-in demo model
+    model: str | None = None  # None: the built-in demo model; a folder, or a Hub / ModelScope id (model_files.py)
     tokenizer: str | None = None
-    trust_remote_code: bool = False  # accepted; jaxllm never runs checkpoint code
+    # Passed to transformers for the tokenizer and config classes of the folder (tokenization_*.py); the model
+    # itself is always jaxllm's own implementation.
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"  # auto | slow
+    revision: str | None = None  # of a Hub model id (branch, tag or commit)
+    tokenizer_revision: str | None = None  # None: revision
+    code_revision: str | None = None  # of a Hub model's remote code (vLLM's; the code comes with the snapshot)
+    download_dir: str | None = None  # huggingface_hub's cache_dir for model ids (None: the HF cache)
+    hf_token: str | bool | None = None  # for private / gated Hub models (None: HF_TOKEN or the saved login)
+    ignore_patterns: tuple[str, ...] | list[str] | str | None = None  # files not to download ("original/**/*")
+    hf_overrides: dict | None = None  # merged over config.json
+    override_generation_config: dict | None = None  # merged over generation_config.json's sampling defaults
     dtype: str = "auto"
     quantization: str | None = None
     seed: int = 0
@@ -58,6 +69,12 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.quantization is not None:
             raise ValueError(f"quantization={self.quantization!r} is not supported yet (only unquantized weights).")
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' or 'slow' "
+                             "(jaxllm has no 'mistral' or 'custom' tokenizer modes).")
+        for name in ("hf_overrides", "override_generation_config"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict (JSON object), got {getattr(self, name)!r}.")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
