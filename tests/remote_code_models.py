@@ -173,9 +173,9 @@ def write_remote_code_tokenizer(out_dir: str) -> int:
 def make_baichuan7b_remote_code_dir(out_dir: str, seed: int = 0):
     """A tiny Baichuan-7B folder (W_pack weights) with the remote-code tokenizer and config; returns (dir, HF
     model): the equivalent Llama, as tests/tiny_models builds for baichuan7b."""
+    import torch
     from transformers import AutoModelForCausalLM
 
-    import torch
     from tests.tiny_models import hf_config, save_checkpoint
 
     vocab = write_remote_code_tokenizer(out_dir)

@@ -75,7 +75,7 @@ def test_offline_greedy_matches_hf_with_the_remote_code_tokenizer(llm, baichuan)
     assert type(tok).__name__ == "BaiChuanTokenizer" and not tok.is_fast
     _, hf = baichuan
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
+    for prompt, out in zip(PROMPTS, outs, strict=True):
         ids = tok.encode(prompt)  # the slow class's encoding (no BOS: add_bos_token false, as Baichuan-7B's)
         assert out.prompt_token_ids == ids
         with torch.no_grad():
