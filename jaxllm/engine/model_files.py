@@ -15,6 +15,7 @@ VLLM_USE_MODELSCOPE=True (or JAXLLM_USE_MODELSCOPE) ids come from ModelScope thr
 from __future__ import annotations
 
 import fnmatch
+import glob
 import logging
 import os
 import time
@@ -76,17 +77,14 @@ def _download(repo_id: str, revision: str | None, cache_dir: str | None, weight_
     if use_modelscope():
         return _download_modelscope(repo_id, revision, cache_dir, weight_patterns + SUPPORT_PATTERNS,
                                     ignore_patterns)
-    import huggingface_hub
-    from huggingface_hub import errors
+    from huggingface_hub import constants, errors
 
-    offline = huggingface_hub.constants.HF_HUB_OFFLINE
+    offline = constants.HF_HUB_OFFLINE
     t0 = time.perf_counter()
     try:
         if weight_patterns and not offline:
             weight_patterns = _weight_format(repo_id, revision, token, weight_patterns)
-        folder = huggingface_hub.snapshot_download(
-            repo_id, revision=revision, cache_dir=cache_dir, allow_patterns=weight_patterns + SUPPORT_PATTERNS,
-            ignore_patterns=ignore_patterns or None, token=token, local_files_only=offline)
+        folder = _snapshot(repo_id, revision, cache_dir, weight_patterns, ignore_patterns, token, offline)
     except errors.HFValidationError as e:
         raise ValueError(f"{what.capitalize()} {repo_id!r} is neither a local folder nor a valid Hugging Face "
                          f"Hub model id: {e}") from None
@@ -99,7 +97,7 @@ def _download(repo_id: str, revision: str | None, cache_dir: str | None, weight_
         raise ValueError(f"{what.capitalize()} {repo_id!r} is not a local folder and was not found on the Hugging "
                          "Face Hub (private repos need a token: --hf-token, or HF_TOKEN).") from None
     except errors.LocalEntryNotFoundError as e:
-        where = cache_dir or huggingface_hub.constants.HF_HUB_CACHE
+        where = cache_dir or constants.HF_HUB_CACHE
         if offline:
             raise ValueError(f"{what.capitalize()} {repo_id!r} (revision {revision or 'main'}) is not in the "
                              f"Hugging Face cache at {where}, and HF_HUB_OFFLINE=1 forbids downloading it.") from None
@@ -108,6 +106,27 @@ def _download(repo_id: str, revision: str | None, cache_dir: str | None, weight_
     logger.info("%s %s (revision %s) at %s (%.1f s)", what.capitalize(), repo_id, revision or "main", folder,
                 time.perf_counter() - t0)
     return folder
+
+
+def _snapshot(repo_id, revision, cache_dir, weight_patterns, ignore_patterns, token, offline) -> str:
+    """snapshot_download of the support files and one weight format: as vLLM, each pattern in turn until the
+    folder has weights of it (offline, the cache may hold either format; online the list is down to one)."""
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    for i, pattern in enumerate(weight_patterns or [None]):
+        try:
+            folder = huggingface_hub.snapshot_download(
+                repo_id, revision=revision, cache_dir=cache_dir,
+                allow_patterns=([pattern] if pattern else []) + SUPPORT_PATTERNS,
+                ignore_patterns=ignore_patterns or None, token=token, local_files_only=offline)
+        except errors.LocalEntryNotFoundError:  # this format is not (all) in the cache: the next one may be
+            if i == len(weight_patterns) - 1 or not offline:
+                raise
+            continue
+        if pattern is None or glob.glob(os.path.join(folder, "**", pattern), recursive=True):
+            return folder
+    return folder  # no weights of any format: the loader says so, naming the folder
 
 
 def _weight_format(repo_id: str, revision: str | None, token: str | None, patterns: list[str]) -> list[str]:
@@ -129,7 +148,7 @@ def _weight_format(repo_id: str, revision: str | None, token: str | None, patter
 
 def _download_modelscope(model_id: str, revision: str | None, cache_dir: str | None, allow: list[str],
                          ignore: list[str]) -> str:
-    import huggingface_hub
+    from huggingface_hub import constants
 
     try:
         from modelscope.hub.snapshot_download import snapshot_download
@@ -137,5 +156,5 @@ def _download_modelscope(model_id: str, revision: str | None, cache_dir: str | N
         raise ImportError(f"VLLM_USE_MODELSCOPE is set, so {model_id!r} is a ModelScope model id, which needs the "
                           "modelscope package: pip install modelscope") from None
     return snapshot_download(model_id=model_id, cache_dir=cache_dir, revision=revision,
-                             local_files_only=huggingface_hub.constants.HF_HUB_OFFLINE, allow_patterns=allow,
+                             local_files_only=constants.HF_HUB_OFFLINE, allow_patterns=allow,
                              ignore_file_pattern=ignore or None)
