@@ -10,8 +10,10 @@ import argparse
 import json
 import os
 import re
+import sys
 
 from server.tool_parsers import TOOL_PARSERS
+from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
 
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
@@ -114,7 +116,8 @@ def make_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
     e.add_argument("--trust-remote-code", action="store_true",
-                   help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
+                   help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
+                        "model itself is always jaxllm's implementation.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     e.add_argument("--quantization", "-q", default=None,
                    help="Only unquantized weights for now: a value, or a quantization_config in config.json, is refused.")
@@ -150,12 +153,14 @@ def make_parser() -> argparse.ArgumentParser:
     from jaxllm.distributed import add_distributed_args
 
     add_distributed_args(p)
+    add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
+    resolve_vllm_flags(parser, args)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag or args.model
@@ -172,6 +177,6 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES + MODEL_SOURCE_ARG_NAMES}
     kwargs.update({n: getattr(args, n) for n in OPTIONAL_ENGINE_ARG_NAMES if getattr(args, n, None) is not None})
     return kwargs
