@@ -114,7 +114,8 @@ class BaiChuanConfig(PretrainedConfig):
                  pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **kwargs):
         self.vocab_size, self.hidden_size, self.intermediate_size = vocab_size, hidden_size, intermediate_size
         self.num_hidden_layers, self.num_attention_heads = num_hidden_layers, num_attention_heads
-        self.hidden_act, self.max_position_embeddings, self.rms_norm_eps = hidden_act, max_position_embeddings, rms_norm_eps
+        self.hidden_act, self.rms_norm_eps = hidden_act, rms_norm_eps
+        self.max_position_embeddings = max_position_embeddings
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
 '''

@@ -112,7 +112,8 @@ def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
                            client.chat.completions.create(**body, stream=True) if chunk.choices)
         text = whole.choices[0].message.content
         assert streamed == text and whole.usage.completion_tokens == 12
-        prompt = tok.encode("<s>user:北京是中国的首都吗？<s>assistant:", add_special_tokens=False)  # the template's
+        # the template's rendering, tokenized by the remote-code class
+        prompt = tok.encode("<s>user:北京是中国的首都吗？<s>assistant:", add_special_tokens=False)
         assert whole.usage.prompt_tokens == len(prompt)
         r = client.completions.create(model="baichuan-7b", prompt="The engine was", max_tokens=8, temperature=0,
                                       extra_body={"ignore_eos": True})

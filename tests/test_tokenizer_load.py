@@ -1,5 +1,5 @@
-"""The engine's tokenizer load (jaxllm.engine.tokenizer_load.load_tokenizer): folders whose tokenizer_config.json names the
-generic fast class get it directly, skipping AutoTokenizer's AutoConfig (which imports torch); the tokenizer must
+"""The engine's tokenizer load (jaxllm.engine.tokenizer_load.load_tokenizer): folders whose tokenizer_config.json names
+the generic fast class get it directly, skipping AutoTokenizer's AutoConfig (which imports torch); the tokenizer must
 be the one AutoTokenizer gives, and every other folder must still go through AutoTokenizer."""
 
 from __future__ import annotations
