@@ -173,6 +173,13 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.chat_template:  # as vLLM's validate_parsed_serve_args: before the model loads, not after
+        from server.serving_chat import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (ValueError, OSError) as e:
+            parser.error(f"--chat-template: {e}")
     return args
 
 

@@ -137,6 +137,8 @@ def expand_config_file(argv: list[str]) -> list[str]:
 def resolve_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Warns once per IGNORED flag given and stops at a REFUSED one (parser.error, exit 2), then drops their
     attributes; maps --nnodes / --node-rank / --master-addr:--master-port onto jaxllm's multi-host flags."""
+    if getattr(args, "enable_log_outputs", None) and not args.enable_log_requests:  # vLLM's check and message
+        parser.error("--enable-log-outputs requires --enable-log-requests")
     for option in getattr(parser, "vllm_unimplemented", ()):
         value = getattr(args, option.dest)
         delattr(args, option.dest)

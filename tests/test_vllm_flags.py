@@ -21,7 +21,8 @@ from server.vllm_flags import flags_markdown
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags that need a companion to parse (as in vLLM).
 COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
-              "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"]}
+              "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
+              "--enable-log-outputs": ["--enable-log-requests"]}
 
 
 # `vllm serve --help`'s flags (without --) in vLLM 0.8.0, 0.8.5, 0.9.0, 0.9.2, 0.10.0, 0.10.2, 0.11.0 and 0.11.2,
@@ -94,6 +95,8 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
         return []
     if action.choices:
         return [str(next(iter(action.choices)))]
+    if flag == "--chat-template":
+        return ["{% for m in messages %}{{ m['content'] }}{% endfor %}"]
     name = getattr(action.type, "__name__", "")
     value = {"int": "2", "float": "0.5", "human_readable_int": "2k", "_max_model_len": "1k", "loads": '["*"]',
              "json_object": "{}"}.get(name, "x")
@@ -154,6 +157,18 @@ def test_accepted_values_are_silent_and_the_tutorial_command_lines_run(caplog, c
                        (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes")):
         args, code, err = _parse(["m", *argv], caplog, capsys)
         assert args is None and code == 2 and what in err, err
+
+
+def test_where_vllm_fails_before_loading_so_does_jaxllm(caplog, capsys, tmp_path):
+    """vLLM's validate_parsed_serve_args: a --chat-template path that does not exist, --enable-log-outputs without
+    --enable-log-requests, --enable-auto-tool-choice without --tool-call-parser: errors before the model loads."""
+    for argv, what in ((["--chat-template", str(tmp_path / "template_baichuan.jinja")], "looks like a file path"),
+                       (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),
+                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser")):
+        args, code, err = _parse(["m", *argv], caplog, capsys)
+        assert args is None and code == 2 and what in err, err
+    args, warnings, _ = _parse(["m", "--enable-log-requests", "--enable-log-outputs"], caplog, capsys)
+    assert args is not None and len(warnings) == 1
 
 
 def test_table_and_parser_agree():
