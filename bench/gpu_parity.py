@@ -168,7 +168,7 @@ def run_config(args, model_dir: str, name: str) -> dict:
     st = llm.llm_engine.stats()
     facts = dict(what=what, llm_kwargs=kw, ready_s=ready, engine=engine_summary(llm), steps=steps,
                  preemptions=st.num_preemptions, prefix_cache_hit_tokens=st.prefix_cache_hits,
-                 kv_cache_dtype=str(runner.kv_caches[0][0].dtype))
+                 kv_cache_dtype=str(runner.kv_values_dtype))
     del llm, runner
     gc.collect()
     return dict(facts=facts, seqs=seqs)

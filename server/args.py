@@ -11,8 +11,10 @@ import argparse
 import json
 import os
 import re
+import sys
 
 from server.tool_parsers import TOOL_PARSERS
+from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
 
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
@@ -117,7 +119,8 @@ def make_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
     e.add_argument("--trust-remote-code", action="store_true",
-                   help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
+                   help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
+                        "model itself is always jaxllm's implementation.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     e.add_argument("--quantization", "-q", default=None,
                    help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
@@ -154,6 +157,7 @@ def make_parser() -> argparse.ArgumentParser:
     from jaxllm.distributed import add_distributed_args
 
     add_distributed_args(p)
+    add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
 
@@ -201,7 +205,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
+    resolve_vllm_flags(parser, args)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag or args.model
@@ -214,10 +219,17 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.chat_template:  # as vLLM's validate_parsed_serve_args: before the model loads, not after
+        from server.serving_chat import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (ValueError, OSError) as e:
+            parser.error(f"--chat-template: {e}")
     return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES + MODEL_SOURCE_ARG_NAMES}
     kwargs.update({n: getattr(args, n) for n in OPTIONAL_ENGINE_ARG_NAMES if getattr(args, n, None) is not None})
     return kwargs

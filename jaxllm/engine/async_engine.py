@@ -99,6 +99,9 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
+    def cache_config_info(self) -> dict[str, str]:
+        return self.engine.cache_config_info()
+
     def start_profile(self, log_dir: str) -> None:
         import jax
 

@@ -55,6 +55,9 @@ class AttentionConfig:
     backend: str = "reference"  # reference | pallas
     interpret: bool = False  # pallas interpret mode (CPU tests of the kernels through the model)
     mesh: jax.sharding.Mesh | None = None  # ("pp", "tp") mesh of the arrays; tp > 1 -> shard_map over "tp"
+    # The KV values' dtype where the pages hold its bit patterns as uint8 (fp8 on CPU, runner.kv_storage_dtype);
+    # None: the pages' own dtype. Reference backend only.
+    kv_dtype: str | None = None
 
 
 def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_freq=None, alibi_slopes=None,
@@ -89,6 +92,9 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
 def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
                      config, dtype=None):
     k_pages, v_pages = kv_cache
+    if config.kv_dtype is not None and config.backend != "reference":
+        raise ValueError(f"KV pages stored as bit patterns of {config.kv_dtype} are read by the reference backend "
+                         "only.")
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                   sliding_window=sliding_window)
     if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
@@ -109,12 +115,13 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     elif config.backend == "reference":
         q, k_pages, v_pages = reference.qkv_write_kv(qkv, meta.positions, inv_freq, k_pages, v_pages,
                                                      meta.slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                                                     dtype=dtype)
+                                                     dtype=dtype, kv_dtype=config.kv_dtype)
         K, _, S, H = k_pages.shape
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
-            pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)), **kwargs)
+            pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)),
+            kv_dtype=config.kv_dtype, **kwargs)
     else:
         raise ValueError(f"attention backend={config.backend!r} is not one of 'reference', 'pallas'.")
     return out, (k_pages, v_pages)
