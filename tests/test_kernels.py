@@ -85,6 +85,9 @@ DECODE_CASES = [
     # tables exactly as wide as the longest sequence: 7 pages (padded to whole 2-page blocks), 6 pages (no pad)
     (8, 2, 64, 16, jnp.bfloat16, [100, 7, 0], dict(table_pages=7, num_splits=2, block_k=32)),
     (8, 2, 64, 16, jnp.bfloat16, [96, 3, 40], dict(table_pages=6, num_splits=3, block_k=32)),
+    # Gemma 2's soft-capped scores (a cap of 1.5 on scores of ~N(0, 2): most are capped), with and without a window
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(soft_cap=1.5, num_splits=2, block_k=32)),
+    (8, 4, 256, 16, jnp.float32, [70, 17], dict(soft_cap=1.5, sliding_window=20, num_splits=2, block_k=32)),
 ]
 
 
@@ -98,11 +101,15 @@ def test_decode_matches_reference(N, K, H, S, dtype, lens, extra):
     kw = dict(scale=H**-0.5)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     out = paged_decode_attention_kernel(q, k, v, seq_lens, bt, interpret=True, **kw, **extra)
     ref = reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, **kw)
     check(out, ref, dtype)
+    if "soft_cap" in kw:  # the cap matters at these scores: without it the kernel would fail the check
+        with pytest.raises(AssertionError):
+            check(out, reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, **(kw | {"soft_cap": None})), dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -144,6 +151,8 @@ RAGGED_CASES = [
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=0)),
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=2)),
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=3)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, soft_cap=1.5)),
+    (16, 2, 64, 16, jnp.float32, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, soft_cap=1.5)),
 ]
 
 
@@ -163,11 +172,15 @@ def test_ragged_matches_reference(N, K, H, S, dtype, q_lens, seq_lens, extra):
     extra = dict(extra)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     out = ragged_paged_attention_kernel(*args, interpret=True, **kw, **extra)
     ref = reference.ragged_paged_attention_ref(*args, **kw)
     check(out, ref, dtype)
+    if "soft_cap" in kw:  # the cap matters at these scores: without it the kernel would fail the check
+        with pytest.raises(AssertionError):
+            check(out, reference.ragged_paged_attention_ref(*args, **(kw | {"soft_cap": None})), dtype)
     assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
 
 
@@ -340,6 +353,8 @@ FUSED_DECODE_CASES = [
     (2, 2, 64, 16, jnp.float8_e4m3fn, [40, 1, 16], 0, True, dict(prefetch=1)),  # quantized on the way in
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], 0, False, dict(sliding_window=20, alibi_slopes=True,
                                                               num_splits=2, block_k=32, prefetch=3)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 1], 0, True, dict(soft_cap=1.5, sliding_window=20, num_splits=2,
+                                                            block_k=32)),  # the new token's score is capped too
 ]
 
 
@@ -366,8 +381,9 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
     extra = dict(extra)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, G * K + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     lens_a, slots_a = jnp.asarray(lens, jnp.int32), jnp.asarray(slots)
     scales = {k_: kw[k_] for k_ in ("k_scale", "v_scale") if k_ in kw}
     q, k_ref, v_ref = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots_a, dtype=jnp.bfloat16, **scales)
