@@ -8,7 +8,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
@@ -225,6 +225,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         method = hf["quantization_config"].get("quant_method", "?")
         raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype)
+    if args.enable_expert_parallel:
+        if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
+            logger.warning("enable_expert_parallel has no effect: %s has no mixture-of-experts layers.",
+                           cfg.architecture)
+        else:
+            cfg = replace(cfg, expert_parallel=True)
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
