@@ -10,7 +10,11 @@ Compute: the T * k (token, expert) pairs are sorted by expert, their tokens' row
 expert's rows multiplied by that expert's weights by jax.lax.ragged_dot, one grouped GEMM over all experts with
 the group sizes from the routing: no capacity, no dropped tokens, no padding per expert. The rows go back to
 their tokens by the inverse permutation and are summed with the routing weights (float32). expert_mlp_dense is
-the reference: every token through every expert (an einsum over E), weighted 0 where not routed.
+the reference: every token through every expert (an einsum over E), weighted 0 where not routed. Steps with at
+most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
+batched matrix-vector products (expert_mlp_gathered): they then read only the chosen experts' weights whatever
+ragged_dot's lowering does with the idle ones (XLA's GPU RaggedDotRewriter expands a ragged dot into dense
+dots); off (0) until bench/moe_matmul.py's GPU figures say where it pays.
 
 Tensor parallelism (a mesh with tp > 1) runs the experts inside shard_map over "tp". Attention is tensor
 parallel, so every tp rank holds every token of the step; routing is recomputed on each rank (a [T, D] x
@@ -33,6 +37,9 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig, MoeConfig
 from jaxllm.models.params import ParamSpec
+
+# Steps of at most this many (token, expert) pairs use expert_mlp_gathered (0: never; see the module docstring).
+GATHERED_MAX_PAIRS = 0
 
 
 def moe_param_specs(cfg: ModelConfig) -> dict:
@@ -83,6 +90,21 @@ def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0):
     return jnp.einsum("TKD,TK->TD", out[inverse].reshape(T, k, D), weights)
 
 
+def expert_mlp_gathered(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    """expert_mlp as batched matrix-vector products over each pair's gathered expert weights ([T * k] copies of
+    [D, 2, F'] and [F', D]): reads only the chosen experts, for steps with few pairs."""
+    T, k = ids.shape
+    E = w_gate_up.shape[0]
+    local = ids.reshape(-1) - first_expert
+    mine = (local >= 0) & (local < E)
+    local = jnp.clip(local, 0, E - 1)
+    rows = jnp.repeat(h, k, axis=0)  # [T * k, D], pair p = t * k + slot
+    gate_up = jnp.einsum("PD,PDCF->PCF", rows, w_gate_up[local])
+    out = jnp.einsum("PF,PFD->PD", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down[local])
+    out = jnp.where(mine[:, None], out.astype(jnp.float32), 0.0)
+    return jnp.einsum("TKD,TK->TD", out.reshape(T, k, -1), weights)
+
+
 def expert_mlp_dense(h, weights, ids, w_gate_up, w_down):
     """Reference of expert_mlp (all experts): every token through every expert, weighted by its routing weight
     (0 for the experts it was not routed to). E / k times expert_mlp's FLOPs."""
@@ -93,6 +115,11 @@ def expert_mlp_dense(h, weights, ids, w_gate_up, w_down):
     return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), dense)
 
 
+def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    few = ids.size <= GATHERED_MAX_PAIRS  # static: the step's token count
+    return (expert_mlp_gathered if few else expert_mlp)(h, weights, ids, w_gate_up, w_down, first_expert)
+
+
 def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
     """The routed experts' output [T, D] (h.dtype) of one MoE layer (lp: its weights, moe_param_specs)."""
     m = cfg.moe
@@ -100,14 +127,14 @@ def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
     args = (h, lp["router"], lp["w_experts_gate_up"], lp["w_experts_down"])
     if tp == 1:
         weights, ids = route(h, lp["router"], m)
-        return expert_mlp(h, weights, ids, *args[2:]).astype(h.dtype)
+        return _experts(h, weights, ids, *args[2:]).astype(h.dtype)
     from jax.sharding import PartitionSpec as P
 
     def local(h, router, w_gate_up, w_down):
         weights, ids = route(h, router, m)
         first = jax.lax.axis_index("tp") * w_gate_up.shape[0] if cfg.expert_parallel else 0
         # Summed in the model dtype, as the dense MLP's all-reduce is.
-        return jax.lax.psum(expert_mlp(h, weights, ids, w_gate_up, w_down, first).astype(h.dtype), "tp")
+        return jax.lax.psum(_experts(h, weights, ids, w_gate_up, w_down, first).astype(h.dtype), "tp")
 
     if cfg.expert_parallel:
         specs = (P("tp", None, None, None), P("tp", None, None))
