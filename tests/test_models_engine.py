@@ -52,19 +52,21 @@ def check_free(llm):
     assert bm.num_free_blocks == bm.num_usable_blocks, "KV blocks leaked"
 
 
-# (arch, tensor_parallel_size, enable_expert_parallel): every architecture once (Gemma 2's soft-capped,
-# per-layer-windowed attention inside the tp shard_map), the MoE models at tp 2 with and without expert
-# parallelism (Qwen2-MoE with its shared expert and a dense layer).
-RUNS = [("qwen3", 1, False), ("llama32", 1, False), ("gemma2", 2, False), ("gemma3", 1, False),
-        ("mixtral", 1, False), ("mixtral", 2, False), ("qwen2_moe", 2, True), ("qwen3_moe", 2, True)]
+# (arch, tensor_parallel_size, pipeline_parallel_size, enable_expert_parallel): every architecture once (Gemma 2's
+# soft-capped, per-layer-windowed attention inside the tp shard_map; Gemma 3's sliding layers on one pipeline stage
+# and its global one on the other), the MoE models at tp 2 with and without expert parallelism (Qwen2-MoE with its
+# shared expert and a dense layer).
+RUNS = [("qwen3", 1, 1, False), ("llama32", 1, 1, False), ("gemma2", 2, 1, False), ("gemma3", 1, 2, False),
+        ("mixtral", 1, 1, False), ("mixtral", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 1, True)]
 
 
-@pytest.mark.parametrize("arch, tp, ep", RUNS, ids=[f"{a}-tp{t}{'-ep' if e else ''}" for a, t, e in RUNS])
-def test_greedy_matches_hf(cases, arch, tp, ep):
+@pytest.mark.parametrize("arch, tp, pp, ep", RUNS,
+                         ids=[f"{a}-tp{t}" + (f"-pp{p}" if p > 1 else "") + ("-ep" if e else "") for a, t, p, e in RUNS])
+def test_greedy_matches_hf(cases, arch, tp, pp, ep):
     """A 16-token budget splits the long prompts into chunks; the second request of a shared prefix reads its
     first two blocks from the prefix cache."""
     model_dir, refs = cases(arch)
-    llm, got = greedy(model_dir, tensor_parallel_size=tp, enable_expert_parallel=ep)
+    llm, got = greedy(model_dir, tensor_parallel_size=tp, pipeline_parallel_size=pp, enable_expert_parallel=ep)
     assert got == [refs[tuple(p)] for p in PROMPTS]
     first = llm.generate({"prompt_token_ids": SHARED + [1, 2]}, GREEDY, use_tqdm=False)[0]
     second = llm.generate({"prompt_token_ids": SHARED + [3]}, GREEDY, use_tqdm=False)[0]
