@@ -351,3 +351,11 @@ def test_throughput_smoke_moe_expert_parallel(tmp_path):
                            "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager", "-tp", "2",
                            "--enable-expert-parallel", "--compilation-cache-dir", "", "--out", str(out)])
     assert json.loads(out.read_text())["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
+
+
+def test_softcap_kernels_probe_smoke(tmp_path):
+    """bench/probes/softcap_kernels.py (the GPU check of soft-capping in the Triton kernels), interpreted on CPU."""
+    from bench.probes import softcap_kernels
+
+    res = softcap_kernels.main(["--small", "--out", str(tmp_path / "s.json")])
+    assert res["passed"] and len(res["rows"]) == 3
