@@ -13,13 +13,18 @@ weights: about T * k / E tokens per expert, as a trained router spreads them):
   expert_mlp     moe.expert_mlp: sort by expert, gather rows, both ragged_dots, unsort, weighted sum (the layer
                  less the router)
   expert_mlp_gathered    moe.expert_mlp_gathered: each pair's expert weights gathered, batched matrix-vector
-                 products (reads only the chosen experts; where the T * k copies fit --gathered-max-gib): where this beats
-                 expert_mlp sets moe.GATHERED_MAX_PAIRS
+                 products (reads only the chosen experts; where the T * k copies fit --gathered-max-gib): where
+                 this beats expert_mlp sets moe.GATHERED_MAX_PAIRS
   all_experts    moe.expert_mlp_dense: every token through every expert (E / k times the FLOPs), for small T
   grouped_gemms_mgpu     (H100 / H200 only) the same two grouped GEMMs by JAX's shipped Mosaic GPU kernel
                  (jax.experimental.pallas.ops.gpu.ragged_dot_mgpu, one fixed tiling), the alternative to ragged_dot
   grouped_gemms_triton   (GPU) ragged_dot with jax_ragged_dot_use_gpu_pallas_triton_lowering, where this jax has it
 A variant that fails (missing kernel, shared memory) records its error and the others go on.
+
+XLA lowers ragged_dot on NVIDIA GPUs by expanding it into one dense dot over all E groups (RaggedDotRewriter: E
+times the FLOPs, and an [E, T * k, D] masked operand) unless cuDNN's ragged-dot fusion is on; run the script twice
+to compare, the second time with XLA_FLAGS=--xla_gpu_experimental_use_ragged_dot_fusion=true (the flag is read
+when the backend starts; the JSON's env records XLA_FLAGS).
 Each figure is bench/kernels.py's chained-call difference (t(3 REPS) - t(REPS)) / 2 REPS (dispatch cost
 cancels), with TFLOP/s and, for the grouped rows, the ratio to dense_gemms. The weights are read once per call:
 at small T the grouped GEMM reads every expert that got a token (all E at T * k >= E), the dense one a single
@@ -203,7 +208,7 @@ def main(argv=None):
             print(f"{name} T={T}: grouped {row['grouped_gemms']['us']:.1f} us, dense {row['dense_gemms']['us']:.1f} "
                   f"us ({'-' if ratio is None else f'{ratio:.2f}'}x), expert_mlp {row['expert_mlp']['us']:.1f} us"
                   + (f", all experts {row['all_experts']['us']:.1f} us" if "all_experts" in row else ""), flush=True)
-    result = dict(env=environment(), rows=rows, failures=failures)
+    result = dict(env=environment() | {"xla_flags": os.environ.get("XLA_FLAGS", "")}, rows=rows, failures=failures)
     write_result("moe_matmul", result, a.out)
     return result
 

@@ -13,8 +13,13 @@ their tokens by the inverse permutation and are summed with the routing weights 
 the reference: every token through every expert (an einsum over E), weighted 0 where not routed. Steps with at
 most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
 batched matrix-vector products (expert_mlp_gathered): they then read only the chosen experts' weights whatever
-ragged_dot's lowering does with the idle ones (XLA's GPU RaggedDotRewriter expands a ragged dot into dense
-dots); off (0) until bench/moe_matmul.py's GPU figures say where it pays.
+ragged_dot's lowering does with the idle ones; off (0) until bench/moe_matmul.py's GPU figures say where it pays.
+
+On NVIDIA GPUs XLA lowers ragged_dot by its RaggedDotRewriter, unless XLA_FLAGS has
+--xla_gpu_experimental_use_ragged_dot_fusion=true (a cuDNN grouped GEMM, Ampere / Hopper, 16-bit): the rewriter
+masks the rows into one [E, rows, D] operand and runs one dense dot contracting over E and D, E times the grouped
+FLOPs. That is correct but not a grouped GEMM; bench/moe_matmul.py measures it against the cuDNN fusion, JAX's
+Mosaic GPU ragged_dot kernel and plain GEMMs of the same FLOPs (GPU figures pending).
 
 Tensor parallelism (a mesh with tp > 1) runs the experts inside shard_map over "tp". Attention is tensor
 parallel, so every tp rank holds every token of the step; routing is recomputed on each rank (a [T, D] x
