@@ -7,11 +7,10 @@ shapes are small and the ragged cases use small tiles (the tile sizes are static
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import kernels_pallas as kp
 from kernels_pallas import reference
@@ -223,7 +222,7 @@ def test_tile_plan_covers_every_token_once():
     lens = jnp.asarray([10, 0, 1, 100], jnp.int32)
     tseq, tpos, ttok, trows = tile_plan(qsl, lens, 45, 8)
     covered, padding = [], set()
-    for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows))):
+    for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows)), strict=True):
         covered += list(range(t, t + r))
         if r:
             assert p == np.asarray(lens)[s] - (np.asarray(qsl)[s + 1] - np.asarray(qsl)[s]) + (t - np.asarray(qsl)[s])
@@ -308,7 +307,7 @@ def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
     want = reference.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), **kw)
     got = kp.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), interpret=True, **kw)
     assert got[0].shape == (T, K * G, H)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
         g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
         if kv_dtype == jnp.float8_e4m3fn and g.shape == pages.shape:
@@ -338,7 +337,7 @@ def test_qkv_write_kv_kernel_sums_split_k_partials():
     want = reference.qkv_write_kv(parts, pos, inv_freq, pages, pages, slots, **kw)
     got = kp.qkv_write_kv(parts, pos, inv_freq, pages, pages, slots, interpret=True, **kw)
     assert got[0].dtype == jnp.bfloat16 and got[0].shape == (T, K * G, H)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     plain = reference.qkv_write_kv(parts.sum(0).astype(jnp.bfloat16), pos, inv_freq, pages, pages, slots)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
@@ -442,7 +441,7 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
     out = ragged_logits(params, cfg, seqs, cached, block_size=8,
                         attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
@@ -481,7 +480,7 @@ def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached,
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas)
     assert (4, split_tokens, 2, 4, 32) in seen  # [splits, T, K, G + 2, H] partials
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
@@ -527,7 +526,7 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     assert tuning == [2 if tp == 1 else None]
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2,
                         pad_seqs=2)
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
