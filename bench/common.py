@@ -50,7 +50,23 @@ TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, nu
 # The tiny Llama with Llama-3.1's rope scaling, scaled down (CPU checks of the long-context stages).
 TINY_LONG = dict(TINY, max_position_embeddings=4096, rope_scaling=dict(LLAMA31_8B["rope_scaling"],
                                                                         original_max_position_embeddings=256))
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG}
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): 48 layers, each a mixture of 128 experts (8 per token, width
+# 768), ~3.3B parameters active per token of 30.5B (61 GB in bf16: one H100 80GB holds it with a small KV cache).
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+    use_sliding_window=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+)
+# A tiny Qwen3-MoE for CPU checks of the scripts.
+TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                torch_dtype="float32")
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-moe": TINY_MOE}
 
 
 def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> None:
@@ -236,6 +252,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="off by default here: random prompts share nothing, as in vLLM's bench")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true", help="MoE shapes: whole experts per tp device")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result JSON path (default bench/results/<script>_<device>.json)")
     p.add_argument("--log-level", default="info")
@@ -256,7 +273,8 @@ def engine_kwargs(args, model: str | None) -> dict:
               compilation_cache_dir=args.compilation_cache_dir or None,
               num_gpu_blocks_override=args.num_gpu_blocks_override,
               enable_prefix_caching=args.enable_prefix_caching,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              enable_expert_parallel=getattr(args, "enable_expert_parallel", False))
     if getattr(args, "tokenizer", None):
         kw["tokenizer"] = args.tokenizer
     return kw

@@ -109,6 +109,7 @@ def ragged_paged_attention_ref(
     v_scale: float = 1.0,
     alibi_slopes=None,  # [N] f32 or None
     sliding_window: int | None = None,
+    soft_cap: float | None = None,  # Gemma 2: scores -> soft_cap * tanh(scores / soft_cap)
     pages_per_step: int | None = None,
     kv_dtype=None,  # pages hold this dtype's bit patterns (write_kv)
 ):
@@ -141,6 +142,8 @@ def ragged_paged_attention_ref(
         v = v.reshape(K, T, step * S, H)
         kv_pos = i * step * S + jnp.arange(step * S, dtype=jnp.int32)  # [C]
         s = jnp.einsum("tkgh,ktch->tkgc", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         rel = kv_pos[None, :] - q_pos[:, None]  # [T, C], <= 0 where visible
         if slopes is not None:
             s = s + slopes[None, :, :, None] * rel[:, None, None, :].astype(jnp.float32)

@@ -23,7 +23,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
-    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy",
+    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
@@ -130,6 +130,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
+                        "experts per device) instead of each expert's FFN.")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of total device memory for weights, activations and KV cache.")
     e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")

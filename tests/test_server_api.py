@@ -413,6 +413,8 @@ def test_args():
     assert kw["max_num_batched_tokens"] == 8192 and kw["dtype"] == "bfloat16" and kw["seed"] == 0
     assert kw["gpu_memory_utilization"] == 0.9 and kw["max_logprobs"] == 20 and kw["block_size"] == 16
     assert "served_model_name" not in kw and a.served_model_name == ["a", "b"]
+    assert kw["enable_expert_parallel"] is False
+    assert engine_kwargs(parse_args(["/m", "-tp", "8", "--enable-expert-parallel"]))["enable_expert_parallel"] is True
     assert parse_args([]).model is None and parse_args(["--model", "/x"]).model == "/x"
     with pytest.raises(SystemExit):
         parse_args(["/m", "--max-model-len", "lots"])

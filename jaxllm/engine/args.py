@@ -42,6 +42,7 @@ class EngineArgs:
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue

@@ -8,7 +8,7 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
@@ -215,8 +215,14 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
     from jaxllm.sharding import ParallelConfig
 
-    cfg = ModelConfig.from_hf(path, dtype=args.dtype, quantization=args.quantization)
+    cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
+    if args.enable_expert_parallel:
+        if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
+            logger.warning("enable_expert_parallel has no effect: %s has no mixture-of-experts layers.",
+                           cfg.architecture)
+        else:
+            cfg = replace(cfg, expert_parallel=True)
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:

@@ -67,6 +67,21 @@ def _identity(x, cfg):
     return x
 
 
+def _stack_experts_gate_up(*args):  # (E gate then E up Linear weights [F, D], cfg) -> [E, D, 2, F]
+    *xs, cfg = args
+    E = cfg.moe.num_experts
+    return np.stack([np.stack(xs[:E]), np.stack(xs[E:])], axis=1).transpose(0, 3, 1, 2)
+
+
+def _stack_experts_down(*args):  # (E down Linear weights [D, F], cfg) -> [E, F, D]
+    *xs, _ = args
+    return np.stack(xs).transpose(0, 2, 1)
+
+
+def _flatten(x, cfg):  # Qwen2-MoE's shared_expert_gate Linear [1, D] -> [D]
+    return x.reshape(-1)
+
+
 def _normalized_rows(x, cfg):  # Baichuan2 NormHead: unit-norm rows of lm_head
     x32 = x.astype(np.float32)
     return x32 / np.maximum(np.linalg.norm(x32, axis=-1, keepdims=True), 1e-7)
@@ -88,6 +103,36 @@ LAYER_TABLE: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "b_down": ("mlp.down_proj.bias", _identity),
 }
 FUSED_QKV_TABLE = {"w_qkv": ("self_attn.W_pack.weight", _w_pack)}
+QK_NORM_TABLE = {"q_norm": ("self_attn.q_norm.weight", _identity), "k_norm": ("self_attn.k_norm.weight", _identity)}
+# Gemma 2/3: post_attention_layernorm norms the attention's output; the MLP's input norm is pre_feedforward.
+GEMMA_TABLE = {
+    "post_attn_norm": ("post_attention_layernorm.weight", _identity),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", _identity),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", _identity),
+}
+
+
+def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """A MoE layer's weights: Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate / up / down), Qwen's
+    mlp.experts.{e}.gate_proj / up_proj / down_proj and mlp.shared_expert(_gate); each expert separate, as
+    the checkpoints on the Hub store them (transformers 5 writes them so too)."""
+    E = range(cfg.moe.num_experts)
+    if cfg.architecture == "mixtral":
+        p, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    table = {
+        "router": ((f"{p}gate.weight",), _transpose),
+        "w_experts_gate_up": (tuple(f"{p}experts.{e}.{n}.weight" for n in (gate, up) for e in E),
+                              _stack_experts_gate_up),
+        "w_experts_down": (tuple(f"{p}experts.{e}.{down}.weight" for e in E), _stack_experts_down),
+    }
+    if cfg.moe.shared_intermediate_size:
+        table["w_shared_gate_up"] = ((f"{p}shared_expert.gate_proj.weight", f"{p}shared_expert.up_proj.weight"),
+                                     _fuse_gate_up)
+        table["w_shared_down"] = ((f"{p}shared_expert.down_proj.weight",), _transpose)
+        table["w_shared_expert_gate"] = ((f"{p}shared_expert_gate.weight",), _flatten)
+    return table
 TOP_TABLE: dict[str, tuple[str, Callable]] = {
     "embed": ("model.embed_tokens.weight", _identity),
     "final_norm": ("model.norm.weight", _identity),
@@ -97,7 +142,11 @@ TOP_TABLE: dict[str, tuple[str, Callable]] = {
 
 def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], Callable]]:
     """(our path as a tuple of keys) -> (HF tensor names, hook), for every weight of cfg's params."""
-    layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}))
+    layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}), **QK_NORM_TABLE)
+    if cfg.sandwich_norm:
+        layer_table.update(GEMMA_TABLE)
+    if cfg.moe is not None:
+        layer_table.update(moe_table(cfg))
     specs = param_specs(cfg)
     table = {}
     for name in specs:
@@ -301,7 +350,7 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
                     f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
         raw = [reader.get(n) for n in hf_names]
         got = ("Tensors " if len(raw) > 1 else "Tensor ") + ", ".join(
-            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw))
+            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw, strict=True))
         try:
             x = hook(*raw, cfg)
         except ValueError as e:
