@@ -163,11 +163,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check(value >= -1, f"{name} must be non-negative, got {value}.")
-        _check(all(s != "" for s in self.stop), "stop cannot contain an empty string.")
+        _check(all(s != "" for s in self.stop or ()), "stop cannot contain an empty string.")
         _check(not (self.stop and not self.detokenize),  # stop strings are matched in the detokenized text
                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or ()),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
         )
         _check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()),

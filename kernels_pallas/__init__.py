@@ -44,8 +44,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from . import reference
-from . import _decode_mgpu, _prefill_mgpu
+from . import _decode_mgpu, _prefill_mgpu, reference
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import fused_decode_attention_kernel, paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel

@@ -36,8 +36,18 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import (kernel_supported, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step,
-                      sum_partials, triton_params, whole_blocks_table)
+from ._common import (
+    kernel_supported,
+    kv_blocks,
+    mma,
+    next_pow2,
+    pad_block_tables,
+    scalars,
+    softmax_step,
+    sum_partials,
+    triton_params,
+    whole_blocks_table,
+)
 from .reference import quantize
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.

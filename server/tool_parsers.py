@@ -20,9 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 logger = logging.getLogger("jaxllm.server")
 

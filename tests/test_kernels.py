@@ -7,11 +7,10 @@ shapes are small and the ragged cases use small tiles (the tile sizes are static
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import kernels_pallas as kp
 from kernels_pallas import reference

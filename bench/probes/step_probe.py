@@ -177,7 +177,7 @@ def main():
                 with gzip.open(os.path.join(a.hlo_dir, f"step_b1_{name}.hlo.txt.gz"), "wt") as f:
                     f.write(compiled.as_text())
 
-            def run(n):
+            def run(n, compiled=compiled, vparams=vparams):
                 nonlocal kv
                 out = None
                 for _ in range(n):

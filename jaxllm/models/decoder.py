@@ -79,7 +79,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     return x, kv_cache
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced_once(layer_fn):
     """layer_fn as a nested jit: every layer of a step has the same input shapes, so the first call's trace
     serves the others. Tracing the unrolled 32-layer loop of 17 step variants took 28-34 s of Python in an
