@@ -198,7 +198,7 @@ class ModelMath:
     kv_itemsize: int = 2
 
     @classmethod
-    def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> "ModelMath":
+    def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> ModelMath:
         heads = cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
                    cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,

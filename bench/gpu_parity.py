@@ -43,8 +43,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import SHAPES, engine_summary, environment, random_token_prompts, setup_logging, \
-    write_result, write_token_id_tokenizer  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES,
+    engine_summary,
+    environment,
+    random_token_prompts,
+    setup_logging,
+    write_result,
+    write_token_id_tokenizer,
+)
 
 # name -> (LLM kwargs, what it exercises); each also has "dtype" and gets the shared ones in run_config.
 CONFIGS = {

@@ -23,8 +23,8 @@ from __future__ import annotations
 import ast
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 logger = logging.getLogger("jaxllm.server")
 

@@ -210,8 +210,8 @@ def test_decode_tail_probe_kernels_match_the_reference():
     programs run one after another here, so the first takes every block and the others none)."""
     import jax.numpy as jnp
 
-    from bench.probes import decode_tail_probe as probe
     from bench.kernels import make_case, rel_err
+    from bench.probes import decode_tail_probe as probe
     from kernels_pallas import reference
 
     q, k, v, lens, _, bt = make_case(2, 333)

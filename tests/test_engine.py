@@ -207,7 +207,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     end = cum[-1]
     assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in end.outputs]
     assert final[0].outputs[0].text == end.outputs[0].text
-    for i, c in enumerate(end.outputs):
+    for c in end.outputs:
         parts = [p for o in delta for p in o.outputs if p.index == c.index]
         assert sum((p.token_ids for p in parts), []) == c.token_ids
         assert "".join(p.text for p in parts) == c.text

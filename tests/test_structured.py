@@ -106,7 +106,7 @@ def refs(tiny, llm):
 def run_all(llm, extra_plain=True):
     """Every constraint on two prompts, plus unconstrained requests in the same batches."""
     prompts, params = [], []
-    for name, so in CONSTRAINTS.items():
+    for so in CONSTRAINTS.values():
         for p in PROMPTS[:2]:
             prompts.append(p)
             params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=so))
@@ -285,8 +285,8 @@ def test_tokenizer_without_a_decoder_llguidance_reads(llm):
 
 
 def test_server_structured_outputs(tiny, tmp_path):
-    from server.serve import build_engine
     from server.args import parse_args
+    from server.serve import build_engine
     from server.testing import ServerThread
 
     args = parse_args([tiny[0], "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",

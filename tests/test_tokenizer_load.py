@@ -106,8 +106,9 @@ def test_direct_load_is_autotokenizers(tmp_path, make):
 
 
 def test_direct_load_on_the_demo_model():
-    from jaxllm.demo import demo_model_path
     from transformers import AutoTokenizer
+
+    from jaxllm.demo import demo_model_path
 
     try:
         path = str(demo_model_path())

@@ -163,8 +163,8 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server.serve import build_engine
     from server.args import parse_args
+    from server.serve import build_engine
     from server.testing import ServerThread
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_tools")), tool_text=True)

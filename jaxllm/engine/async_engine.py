@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 
 from jaxllm.config import LayerKind, ModelConfig
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
-from jaxllm.models.quant import QuantizedWeight, qmatmul
 from jaxllm.models.moe import moe_mlp
+from jaxllm.models.quant import QuantizedWeight, qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -141,7 +141,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
 _ATTENTION = AttentionConfig()  # forward's default: the reference backend, one device
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _traced_once(layer_fn):
     """layer_fn as a nested jit: every layer of a step has the same input shapes, so the first call's trace
     serves the others of its LayerKind (Gemma's sliding and global layers: two traces). Tracing the unrolled

@@ -14,7 +14,7 @@ import glob
 import json
 import os
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_dtypes
