@@ -676,7 +676,7 @@ def whole_cache_rewrites(runner) -> list[str]:
     shapes = {f"{K},{P},{S},{H}", f"{K},{P * S},{H}"}
     storage = {"uint8": "u8", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}[str(pages.dtype)]
     found = []
-    for exe in runner._compiled.values():
+    for exe in runner.programs.compiled.values():
         for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", exe.as_text()):
             dtype, shape, op = m.groups()
             if shape in shapes and (dtype != storage or op in ("convert", "bitcast-convert")):
@@ -693,7 +693,7 @@ def test_fp8_kv_cache(tiny, hf_refs, kv_dtype, np_name):
     assert runner.kv_caches[0][0].dtype == jnp.uint8 and runner.attn.kv_dtype == np_name
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
-    assert runner._compiled and not whole_cache_rewrites(runner)
+    assert runner.programs.compiled and not whole_cache_rewrites(runner)
     # With k_scale = v_scale = 1 (vLLM's default without calibration) this tiny model's small K/V values sit near
     # e4m3's subnormal range, so near-tied logits can flip; a broken fp8 path gives random tokens (1/128 each).
     same_first = sum(o.outputs[0].token_ids[0] == hf_refs[tuple(p)][0] for o, p in zip(outs, PROMPTS))
