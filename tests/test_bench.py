@@ -356,3 +356,24 @@ def test_quant_kernels_smoke(tmp_path):
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
     assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_latency_and_throughput_take_quantization(tmp_path):
+    """--quantization with --shape --load-format dummy: gptq writes a GPTQ int4 config into the generated folder
+    (group 32 here: the tiny widths), fp8 quantizes while loading; the JSON names the scheme the engine ran."""
+    from bench import latency, throughput
+
+    tiny = ["--shape", "tiny", "--load-format", "dummy", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", ""]
+    res = latency.main(tiny + ["--quantization", "gptq", "--quant-group-size", "32", "--batch-size", "1",
+                               "--input-len", "4", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+                               "--out", str(tmp_path / "lat.json")])
+    assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
+    assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    res = throughput.main(tiny + ["--quantization", "fp8", "--num-prompts", "2", "--input-len", "4",
+                                  "--output-len", "3", "--out", str(tmp_path / "tp.json")])
+    assert res["engine"]["quantization"] == "fp8 fp8 (dynamic per-token activations)"
+    assert res["workload"]["output_tokens"] == 6
+    with pytest.raises(SystemExit, match="no dummy config"):
+        latency.main(tiny + ["--quantization", "compressed-tensors"])

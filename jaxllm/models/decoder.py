@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
-from jaxllm.models.quant import QuantizedWeight, qmatmul
+from jaxllm.models.quant import QuantizedWeight
+from jaxllm.models.quant_matmul import qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -26,9 +27,11 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def _proj(x, w, b, eq):
+def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
-        y = qmatmul(x.reshape(x.shape[0], -1), w)
+        # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
+        y = qmatmul(x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret,
+                    mesh=attn.mesh)
     else:
         y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -68,7 +71,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     if splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
     else:
-        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
+        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)  # per kv head: G q heads, then k, v
     inv_freq = slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
@@ -77,10 +80,11 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
         qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=cfg.sliding_window, config=attn, dtype=x.dtype)
-    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
+    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
-    x = x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD")
+    gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF", attn)  # C = 2: gate, up
+    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    x = x + _proj(act, lp["w_down"], lp.get("b_down"), "TF,FD->TD", attn)
     return x, kv_cache
 
 
