@@ -361,8 +361,11 @@ def test_quant_kernels_smoke(tmp_path):
 @pytest.mark.filterwarnings("ignore")
 def test_latency_and_throughput_take_quantization(tmp_path):
     """--quantization with --shape --load-format dummy: gptq writes a GPTQ int4 config into the generated folder
-    (group 32 here: the tiny widths), fp8 quantizes while loading; the JSON names the scheme the engine ran."""
-    from bench import latency, throughput
+    (group 32 here: the tiny widths) and the JSON names the scheme the engine ran; fp8 needs no config (quantized
+    while loading) and reaches LLM(...) as quantization="fp8" (tests/test_quant.py runs it through the engine)."""
+    import argparse
+
+    from bench import latency
 
     tiny = ["--shape", "tiny", "--load-format", "dummy", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
             "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", ""]
@@ -371,9 +374,10 @@ def test_latency_and_throughput_take_quantization(tmp_path):
                                "--out", str(tmp_path / "lat.json")])
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
-    res = throughput.main(tiny + ["--quantization", "fp8", "--num-prompts", "2", "--input-len", "4",
-                                  "--output-len", "3", "--out", str(tmp_path / "tp.json")])
-    assert res["engine"]["quantization"] == "fp8 fp8 (dynamic per-token activations)"
-    assert res["workload"]["output_tokens"] == 6
+    p = argparse.ArgumentParser()
+    common.add_model_args(p)
+    args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])
+    assert common.engine_kwargs(args, None)["quantization"] == "fp8"
+    assert common.resolve_model(args) == common.make_model_dir("tiny")  # the 16-bit folder, quantized at load
     with pytest.raises(SystemExit, match="no dummy config"):
-        latency.main(tiny + ["--quantization", "compressed-tensors"])
+        common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))

@@ -379,6 +379,12 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
 
 
+def _is_int(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(jnp.dtype(str(dtype)), jnp.integer))
+
+
 def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
     whose kv heads are repeated (tp > K) are restored one checkpoint kv head per device, then expanded there."""
@@ -420,10 +426,11 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         if name in saved and tuple(saved[name]["shape"]) != a.shape:
             raise ValueError(f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
                              f"the config expects {a.shape}.")
-        if name not in saved or spec.relayout is not None and saved[name].get("dtype") != str(a.dtype):
-            raise ValueError(f"Checkpoint {model_dir} was written by an older jaxllm ({name}: "
-                             f"{saved.get(name, {}).get('dtype', 'missing')}, expected {a.dtype}); convert it again: "
-                             "python -m jaxllm.convert --model HF_DIR --out DIR.")
+        # quantized leaves of an older layout: act-order g_idx (now perm), integer zeros (now the scales' dtype)
+        stored = saved.get(name, {}).get("dtype")
+        if stored is None or spec.relayout is not None and _is_int(stored) != _is_int(a.dtype):
+            raise ValueError(f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
+                             f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
