@@ -389,3 +389,28 @@ def test_softcap_kernels_probe_smoke(tmp_path):
 
     res = softcap_kernels.main(["--small", "--out", str(tmp_path / "s.json")])
     assert res["passed"] and len(res["rows"]) == 3
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_latency_and_throughput_take_quantization(tmp_path):
+    """--quantization with --shape --load-format dummy: gptq writes a GPTQ int4 config into the generated folder
+    (group 32 here: the tiny widths) and the JSON names the scheme the engine ran; fp8 needs no config (quantized
+    while loading) and reaches LLM(...) as quantization="fp8" (tests/test_quant.py runs it through the engine)."""
+    import argparse
+
+    from bench import latency
+
+    tiny = ["--shape", "tiny", "--load-format", "dummy", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", ""]
+    res = latency.main(tiny + ["--quantization", "gptq", "--quant-group-size", "32", "--batch-size", "1",
+                               "--input-len", "4", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+                               "--out", str(tmp_path / "lat.json")])
+    assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
+    assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    p = argparse.ArgumentParser()
+    common.add_model_args(p)
+    args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])
+    assert common.engine_kwargs(args, None)["quantization"] == "fp8"
+    assert common.resolve_model(args) == common.make_model_dir("tiny")  # the 16-bit folder, quantized at load
+    with pytest.raises(SystemExit, match="no dummy config"):
+        common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 from jaxllm.config import LayerKind, ModelConfig
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
-from jaxllm.models.quant import QuantizedWeight, qmatmul
+from jaxllm.models.quant import QuantizedWeight
+from jaxllm.models.quant_matmul import qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -56,9 +57,11 @@ def activation(x, name: str):
     return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
 
 
-def _proj(x, w, b, eq):
+def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
-        y = qmatmul(x.reshape(x.shape[0], -1), w)
+        # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
+        y = qmatmul(x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret,
+                    mesh=attn.mesh)
     else:
         y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -92,16 +95,16 @@ def _split_k_qkv(h, w, splits):
     return jnp.einsum("TSd,SdKGH->STKGH", hs, ws, preferred_element_type=jnp.float32)
 
 
-def mlp(h, w_gate_up, w_down, act: str, b_gate_up=None, b_down=None):
-    gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF")  # C = 2: gate, up
-    return _proj(activation(gate_up[:, 0], act) * gate_up[:, 1], w_down, b_down, "TF,FD->TD")
+def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None):
+    gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
+    return _proj(activation(gate_up[:, 0], act) * gate_up[:, 1], w_down, b_down, "TF,FD->TD", attn)
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
     out = moe_mlp(lp, h, cfg, attn.mesh)
     if "w_shared_gate_up" in lp:  # Qwen2-MoE: a shared expert every token runs, gated by sigmoid(h . w)
-        shared = mlp(h, lp["w_shared_gate_up"], lp["w_shared_down"], cfg.hidden_act)
-        gate = jax.nn.sigmoid(_proj(h, lp["w_shared_expert_gate"], None, "TD,D->T"))
+        shared = mlp(h, lp["w_shared_gate_up"], lp["w_shared_down"], cfg.hidden_act, attn)
+        gate = jax.nn.sigmoid(_proj(h, lp["w_shared_expert_gate"], None, "TD,D->T", attn))
         out = out + gate[:, None] * shared
     return out
 
@@ -113,7 +116,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     if splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
     else:
-        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
+        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)  # per kv head: G q heads, then k, v
     if "q_norm" in lp:
         qkv = _qk_norm(qkv, lp, cfg)
     inv_freq = slopes = None
@@ -124,7 +127,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
         qkv, kv_cache, meta, scale=cfg.attn_scale, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=kind.sliding_window, soft_cap=cfg.attn_softcap, config=attn, dtype=x.dtype)
-    out = _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
+    out = _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     if "post_attn_norm" in lp:  # Gemma 2/3
         out = _norm(out, lp["post_attn_norm"], cfg)
     x = x + out
@@ -132,7 +135,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
-        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, lp.get("b_gate_up"), lp.get("b_down"))
+        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"))
     if "post_mlp_norm" in lp:
         out = _norm(out, lp["post_mlp_norm"], cfg)
     return x + out, kv_cache

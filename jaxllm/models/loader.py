@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
-from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp
+from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding
 
 # A directory holding this file is a jaxllm (Orbax) checkpoint written by `python -m jaxllm.convert`.
 MANIFEST = "jaxllm_manifest.json"
@@ -338,9 +338,9 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
         key = _path_key(path)
         if quant is not None and quant.owns(key):
             x = quant.get(key)
-            if tuple(x.shape) != spec.shape:
+            if tuple(x.shape) != spec.checkpoint_shape:
                 raise ValueError(f"{'/'.join(map(str, key))}: the quantized tensors give shape {tuple(x.shape)}; "
-                                 f"expected {spec.shape}.")
+                                 f"expected {spec.checkpoint_shape}.")
             yield key, x
             continue
         hf_names, hook = table[key]
@@ -428,6 +428,12 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
 
 
+def _is_int(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(jnp.dtype(str(dtype)), jnp.integer))
+
+
 def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
     whose kv heads are repeated (tp > K) are restored one checkpoint kv head per device, then expanded there."""
@@ -450,26 +456,36 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
 
     def target(spec, sh):
         dt = spec.dtype or dtype
-        if spec.kv_repeat == 1:
+        if spec.kv_repeat == 1 and spec.relayout is None:
             return jax.ShapeDtypeStruct(spec.shape, dt, sharding=sh)
+        if spec.kv_repeat == 1:  # a quantized leaf: its checkpoint layout, laid out for the kernels in finish
+            return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt,
+                                        sharding=named_sharding(sh.mesh, spec.checkpoint_axes))
         # tp > K: tp shard t = k * r + j reads checkpoint kv head k whole, then keeps its copy j (finish).
-        K, r = spec.checkpoint_shape[spec.axes.index("kv_heads")], spec.kv_repeat
+        ckpt_axes = spec.checkpoint_axes
+        K, r = spec.checkpoint_shape[ckpt_axes.index("kv_heads")], spec.kv_repeat
         mesh = Mesh(sh.mesh.devices.reshape(K, r), ("kv", "copy"))
-        axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in spec.axes))
+        axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in ckpt_axes))
         return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt, sharding=NamedSharding(mesh, axes))
 
     abstract = jax.tree.map(target, specs, shardings, is_leaf=is_spec)
-    for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+    for (path, a), spec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], flat_specs, strict=True):
         name = "/".join(map(str, _path_key(path)))
         if name in saved and tuple(saved[name]["shape"]) != a.shape:
             raise ValueError(f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
                              f"the config expects {a.shape}.")
+        # quantized leaves of an older layout: act-order g_idx (now perm), integer zeros (now the scales' dtype)
+        stored = saved.get(name, {}).get("dtype")
+        if stored is None or spec.relayout is not None and _is_int(stored) != _is_int(a.dtype):
+            raise ValueError(f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
+                             f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
     def finish(spec, sh, x):
         if spec.kv_repeat == 1:
-            return x
+            return x if spec.relayout is None else jax.jit(spec.expand, out_shardings=sh)(x)
         i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
         local = [jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
                  for s in x.addressable_shards]  # on each device, from its own data: no communication

@@ -19,20 +19,31 @@ class ParamSpec:
     init: str = "normal"  # normal | ones | zeros (quantized weights' leaves: see models/quant.py dummy_values)
     kv_repeat: int = 1  # > 1: tp > K, each checkpoint kv head is stored as kv_repeat heads (see expand)
     dtype: str | None = None  # None: the model's dtype (quantized weights' packed values, scales, zeros set it)
+    # Quantized leaves: the checkpoint layout's shape and axes, and the function to the device layout (quant.py)
+    relayout: object = None
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
         """The shape in checkpoints (HF, Orbax): before kv heads are repeated, [.., K, G + 2, ..]."""
+        if self.relayout is not None:
+            return self.relayout.checkpoint_shape
         if self.kv_repeat == 1:
             return self.shape
         i, r = self.axes.index("kv_heads"), self.kv_repeat
         K, G = self.shape[i] // r, (self.shape[i + 1] - 2) * r
         return self.shape[:i] + (K, G + 2) + self.shape[i + 2 :]
 
+    @property
+    def checkpoint_axes(self) -> tuple[str | None, ...]:
+        return self.axes if self.relayout is None else self.relayout.checkpoint_axes
+
     def expand(self, x):
         """Checkpoint layout [.., K, G + 2, ..] -> stored layout [.., K * r, G / r + 2, ..] (numpy or jax
         array): copy j of kv head k takes the j-th of r slices of k's q heads and k's k and v, so q head n
-        sits in stored kv head n // (G / r), the tp shard that also holds its o columns."""
+        sits in stored kv head n // (G / r), the tp shard that also holds its o columns. A quantized leaf is
+        laid out for the kernels first (relayout)."""
+        if self.relayout is not None:
+            x = self.relayout(x)
         if self.kv_repeat == 1:
             return x
         import numpy as np
