@@ -76,7 +76,9 @@ PROMPT_ADAPTER = "prompt adapters are not supported"
 SPECULATIVE = "speculative decoding is not supported"
 KV_TRANSFER = "disaggregated prefill (KV / encoder-cache transfer between instances) is not supported"
 KV_EVENTS = "no KV cache events are published"
-MOE = "jaxllm supports no mixture-of-experts model, so expert-parallel options have no effect"
+MOE = ("jaxllm's expert parallelism (--enable-expert-parallel) shards whole experts over the tp devices with one "
+       "all-reduce per MoE layer; expert load balancing, dual-batch overlap and all-to-all backends are not "
+       "implemented, so this option has no effect")
 TEXT_ONLY = "jaxllm serves text-only models, so multimodal options have no effect"
 PROMPT_EMBEDS = "prompt embeddings are not supported: requests carrying them are refused"
 POOLING = "pooling models are not supported, so pooler options have no effect"
@@ -210,7 +212,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--enable-chunked-prefill', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--enable-dbo', IGNORED, MOE, 'bool', 'engine', '0.11.0-0.11.2'),
     _row('--enable-eplb', IGNORED, MOE, 'bool', 'engine', '0.9.2-0.11.2'),
-    _row('--enable-expert-parallel', IGNORED, MOE, 'bool', 'engine', '0.8.0-0.11.2'),
+    _row('--enable-expert-parallel', HONOURED, "", 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--enable-force-include-usage', IGNORED, USAGE, 'bool', 'server', '0.9.2-0.11.2'),
     _row('--enable-log-outputs', IGNORED, LOGGING, 'bool', 'server', '0.10.2-0.11.2'),
     _row('--enable-log-requests', HONOURED, "", 'value', 'server', '0.10.2-0.11.2'),
