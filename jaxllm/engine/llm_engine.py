@@ -83,6 +83,15 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.runner: ModelRunner = parts.runner
         self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
+        self.spec = args.speculative()  # speculative decoding (None: off); see _propose and step()
+        self.proposer = self.spec_policy = None
+        self._prev_spec = False  # the step in flight verifies proposals: the next one waits for its tokens
+        if self.spec is not None:
+            from jaxllm.spec_decode.ngram import NgramProposer
+
+            self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
+                                          self.spec.num_speculative_tokens)
+            self.spec_policy = parts.spec_policy
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.max_logprobs = args.max_logprobs
@@ -208,15 +217,26 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Dispatches the next step and returns the outputs of the previous one (see the module docstring)."""
+        """Dispatches the next step and returns the outputs of the previous one (see the module docstring).
+
+        Speculative decoding: a step that verifies proposals needs the previous step's tokens on the host (the
+        n-gram lookup reads them; the scheduler needs to know how many were accepted), so when the policy
+        speculates (jaxllm.spec_decode.policy: the batch is small enough for it to pay) the previous step is
+        processed first, proposals are made, then the step is scheduled: no host/device overlap for it."""
         prev, result = self._inflight, None
-        if prev is not None and self._needs_sync():
+        speculate = self.spec_policy is not None and self.spec_policy.speculate(self.scheduler.num_running)
+        if prev is not None and (self._needs_sync() or speculate or self._prev_spec):
             self._inflight = None
             outputs = self._process(prev, self.runner.collect(prev))
             prev = None
         else:
             outputs = []
+        if speculate:
+            self._propose()
+        if self.spec is not None:
+            self.scheduler.speculate = speculate
         sched = self.scheduler.schedule()
+        self._prev_spec = any(s.spec_token_ids for s in sched.scheduled)
         self._inflight = None
         if not sched.is_empty:
             p = self.runner.prepare(sched)
@@ -243,6 +263,20 @@ class LLMEngine:
             outputs = self._finish_stalled()
         return outputs
 
+    def _propose(self) -> None:
+        """Proposals for the running sequences that decode next: n-gram lookup over their tokens. Not for
+        sequences whose next tokens' processing depends on host state the rejection sampler does not see per
+        position: structured outputs (the grammar advances per token), bad_words and min_tokens still pending
+        (their biases follow the tokens); penalties, logit biases, top-k / top-p / min_p and logprobs are applied
+        per position on the device."""
+        for seq in self.scheduler.running:
+            sp = seq.sampling_params
+            if (seq.num_pending or seq.num_computed_tokens != seq.num_known_tokens - 1
+                    or sp is not None and (sp.structured_outputs is not None or sp.bad_words
+                                           or len(seq.output_token_ids) < sp.min_tokens)):
+                continue
+            seq.spec_token_ids = self.proposer.propose(seq)
+
     def _needs_sync(self) -> bool:
         for seq in self.scheduler.running:
             sp = seq.sampling_params
@@ -265,7 +299,8 @@ class LLMEngine:
             if state is None or state.matcher is None or state.finish_reason is not None:
                 continue
             advanced.append(state)
-            tokens.append(int(result.tokens[handle.rows[seq.seq_id]]))
+            row = handle.rows[seq.seq_id]
+            tokens.append(int(result.tokens[row] if result.num_emitted is None else result.tokens[row, 0]))
         self._consume(advanced, tokens)
         self._fill_masks(advanced)
 
@@ -292,7 +327,13 @@ class LLMEngine:
         return outputs
 
     def _process(self, handle: StepHandle, result: StepResult) -> list[RequestOutput]:
-        sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        if result.num_emitted is None:
+            sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        else:  # a speculative step: each row's emitted tokens
+            sampled = {seq_id: result.tokens[row, : result.num_emitted[row]].tolist()
+                       for seq_id, row in handle.rows.items()}
+            n = len(sampled)
+            self.spec_policy.observe(n, sum(map(len, sampled.values())) - n)
         appended = self.scheduler.update(handle.sched, sampled)
         touched: dict[str, _Request] = {}
         if result.prompt is not None:
@@ -302,8 +343,9 @@ class LLMEngine:
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
             if req is None:
                 continue
+            new = sampled[seq.seq_id]
             try:
-                self._on_token(req, seq, handle, result, now)
+                self._on_tokens(req, seq, handle, result, now, len(new) if isinstance(new, list) else 1)
             except Exception as e:  # noqa: BLE001 - one request's failure must not take the others down
                 logger.exception("Request %s failed while processing its output", req.request_id)
                 self.abort_request(req.request_id)
@@ -321,21 +363,35 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
+    def _on_tokens(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float,
+                   count: int) -> None:
+        """The step's count new tokens of seq (more than one from a speculative step), one at a time: each is
+        checked for stops and changes the biases as if it came alone; tokens after a stop are dropped."""
+        new = seq.output_token_ids[len(seq.output_token_ids) - count:]
+        del seq.output_token_ids[len(seq.output_token_ids) - count + 1:]
         state = _state_of(req, seq)
-        row = handle.rows[seq.seq_id]
-        token = seq.output_token_ids[-1]
+        for j, token in enumerate(new):
+            if j:
+                if state.finish_reason is not None:
+                    return
+                seq.output_token_ids.append(token)
+            self._on_token(req, state, seq, handle.rows[seq.seq_id], result, now, token, j)
+
+    def _on_token(self, req: _Request, state: _SeqState, seq: Sequence, row: int, result: StepResult, now: float,
+                  token: int, j: int) -> None:
+        """token: seq's newest output token, the step's j-th for this sequence (its row j of a speculative
+        step's results)."""
+        at = row if result.num_emitted is None else (row, j)
         self.generation_tokens_total += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             self.prompt_tokens_total += len(req.prompt_token_ids)
         req.metrics.last_token_time = now
-        lp = float(result.logprobs[row])
+        lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
         if state.logprobs is not None:
-            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
-                                                     result.top_ids[row], result.top_logprobs[row],
-                                                     req.params.logprobs))
+            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[at]), result.top_ids[at],
+                                                     result.top_logprobs[at], req.params.logprobs))
         self._append_token(req, state, token)
         self._update_bias(state)
         if state.matcher is not None:

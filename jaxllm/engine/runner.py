@@ -32,6 +32,7 @@ from jaxllm.engine.exec_cache import ExecutableCache
 from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
                                       PROMPT_LOGPROBS, STRUCTURED, InputBatch)
 from jaxllm.engine.inputs import bucket, step_inputs
+from jaxllm.engine.rejection_sampler import rejection_sample
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, sample
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
@@ -47,6 +48,7 @@ PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to po
 _seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
 _seq_id, _bias_row, _output_token_ids, _num_pending, _token_bitmask = map(
     attrgetter, ("seq_id", "bias_row", "output_token_ids", "num_pending", "token_bitmask"))
+_spec_token_ids = attrgetter("spec_token_ids")
 
 
 def kv_storage_dtype(dtype):
@@ -92,6 +94,7 @@ class StepVariant:
     prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
     sampler_widths: tuple = (1, 1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows, then the number of
     # structured-output masks (SamplingMetadata.token_bitmask)
+    num_spec: int = 0  # speculative decoding: K proposals verified per sequence (_spec_step_fn); 0 = a plain step
 
     @property
     def shape_name(self) -> str:
@@ -131,6 +134,9 @@ class StepResult:
     top_ids: np.ndarray  # [B, k]
     top_logprobs: np.ndarray  # [B, k]
     prompt: tuple | None  # (target logprobs [T], ranks [T], top ids [T, k], top logprobs [T, k])
+    # Speculative steps: tokens, logprobs and ranks are [B, K + 1] and the top-k [B, K + 1, k], each row's emitted
+    # tokens first; num_emitted [B] says how many (None for a plain step)
+    num_emitted: np.ndarray | None = None
 
 
 def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
@@ -219,6 +225,22 @@ def _packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: Packed
     token_ids, src_rows, meta, logits_indices, smd, prompt_targets = unpack_host_args(ints, floats, layout)
     return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
                     cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
+
+
+def _packed_spec_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
+                         attn: AttentionConfig, flags: SamplerFlags, num_spec: int):
+    """A speculative decode step: the model over each sequence's last token and its proposals, logits at every
+    proposed position ([B * (K + 1)] rows, logits_indices), and the rejection sampler. Its host inputs are a plain
+    step's with (logits_indices [B * (K + 1)], drafts [B, K], num_drafts [B]) in the logits_indices slot."""
+    token_ids, src_rows, meta, (logits_indices, drafts, num_drafts), smd, _ = unpack_host_args(ints, floats, layout)
+    token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
+    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    B = drafts.shape[0]
+    logits = compute_logits(params, hidden[logits_indices], cfg).reshape(B, num_spec + 1, -1)
+    tokens, num_emitted, lp, ranks, top_ids, top_lp = rejection_sample(logits, drafts, num_drafts, smd, flags)
+    last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
+    next_prev = jnp.zeros_like(prev_tokens).at[:B].set(last)
+    return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp, num_emitted), None, None
 
 
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
@@ -344,7 +366,10 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None):
+                 max_logprobs: int = 20, executable_cache_dir: str | None = None, num_spec_tokens: int = 0,
+                 spec_max_seqs: int = 0):
+        """num_spec_tokens: speculative decoding's K (0: off); spec_max_seqs: the largest batch that speculates
+        (its speculative steps are compiled at start-up for the batch buckets up to it)."""
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
@@ -352,6 +377,7 @@ class ModelRunner:
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
         self.seq_buckets, self.token_buckets = step_buckets(max_num_seqs, max_num_batched_tokens)
+        self.num_spec, self.spec_max_seqs = num_spec_tokens, spec_max_seqs
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
         self.kv_dtype = kv_storage_dtype(jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype))
@@ -362,6 +388,8 @@ class ModelRunner:
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
         self._jit = jax.jit(_packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"),
                             donate_argnums=(1,))
+        self._spec_jit = jax.jit(_packed_spec_step_fn, static_argnames=("cfg", "attn", "flags", "num_spec"),
+                                 donate_argnums=(1,))
         self.pipeline = None
         if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled by warm_up)
             from jaxllm.engine.pipeline import PipelineExecutor
@@ -454,13 +482,25 @@ class ModelRunner:
         for t in self.token_buckets:
             out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False,
                                    SamplerFlags(), 0))
+        if self.num_spec and self.pipeline is None:
+            for b in self.seq_buckets:
+                if b <= bucket(min(self.spec_max_seqs, self.seq_buckets[-1]), self.seq_buckets):
+                    out.append(self._spec_variant(b, SamplerFlags()))
         return out
 
+    def _spec_variant(self, B: int, flags: SamplerFlags, widths: tuple = (1, 1, 1, 1, 1, 1)) -> StepVariant:
+        """The speculative step of B sequences: T fits every sequence's token and K proposals (one variant per B;
+        the scheduler's token budget caps what a step holds, so T never exceeds the largest token bucket)."""
+        T = bucket(min(B * (self.num_spec + 1), self.token_buckets[-1]), self.token_buckets)
+        return StepVariant(T, B, False, flags, 0, widths, self.num_spec)
+
     def _lower(self, v: StepVariant, args):
+        if v.num_spec:
+            return self._spec_jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, num_spec=v.num_spec)
         return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
 
     def _cache_key(self, v: StepVariant, args) -> str:
-        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs)
+        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs) + ((("spec", v.num_spec),) if v.num_spec else ())
         options = compile_options(v)
         return self.exec_cache.key("step", args, static + ((tuple(sorted(options.items())),) if options else ()))
 
@@ -607,7 +647,9 @@ class ModelRunner:
         z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
         meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
                                  v.decode_only)
-        return (z(T), np.full(T, -1, np.int32), meta, z(B), self._sampling_arrays(B, v.flags), np.full(T, -1, np.int32))
+        logits = (z(B * (v.num_spec + 1)), z(B, v.num_spec), z(B)) if v.num_spec else z(B)
+        return (z(T), np.full(T, -1, np.int32), meta, logits, self._sampling_arrays(B, v.flags),
+                np.full(T, -1, np.int32))
 
     def _dummy_args(self, v: StepVariant):
         return self._step_args(self._dummy_host(v))
@@ -637,7 +679,11 @@ class ModelRunner:
         from_device = np.fromiter(map(len, known), np.int32, n) < q_lens
         n_tok = int(q_lens.sum())
         decode_only = n_tok == n  # every chunk is one token
-        if decode_only:
+        spec = self.num_spec and any(map(_spec_token_ids, scheduled))  # a speculative step (scheduler)
+        if spec:
+            v_spec = self._spec_variant(bucket(n, self.seq_buckets), SamplerFlags())
+            B, T = v_spec.num_seqs, v_spec.num_tokens
+        elif decode_only:
             B = T = bucket(n, self.seq_buckets)
         else:
             # Mixed steps: B follows T (B <= n_tok <= T), so there is one mixed variant per token bucket.
@@ -678,11 +724,35 @@ class ModelRunner:
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
         widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS) + (smd.token_bitmask.shape[0],)
-        v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
-        host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
+        v = StepVariant(T, B, decode_only, flags, prompt_k, widths, self.num_spec if spec else 0)
+        logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
+        host_args = (inp.token_ids, src_rows, meta, logits_slot, smd, prompt_targets)
         slot = smd.bitmask_slot
         masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
         return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched)
+
+    def _spec_rows(self, scheduled, query_start_loc: np.ndarray, B: int):
+        """A speculative step's (logits_indices [B * (K + 1)]: each sequence's last-token row and its proposals'
+        rows, repeated past them; drafts [B, K]; num_drafts [B])."""
+        K, n = self.num_spec, len(scheduled)
+        num_drafts = np.zeros(B, np.int32)
+        num_drafts[:n] = np.fromiter(map(len, map(_spec_token_ids, scheduled)), np.int32, n)
+        drafts = np.zeros((B, K), np.int32)
+        for i in np.flatnonzero(num_drafts).tolist():
+            drafts[i, : num_drafts[i]] = scheduled[i].spec_token_ids
+        first = query_start_loc[:B] - np.where(np.arange(B) < n, 0, query_start_loc[:B])  # padding rows: 0
+        rows = first[:, None] + np.minimum(np.arange(K + 1)[None, :], num_drafts[:, None])
+        return rows.reshape(-1).astype(np.int32), drafts, num_drafts
+
+    def _launch_unverified(self, p: PreparedStep, before_sample) -> StepHandle:
+        """A speculative step whose program is not ready (non-default sampler flags compiling in the background)
+        runs as plain decodes of each sequence's last token: the scheduler then rolls every proposal back."""
+        plain = [dataclasses.replace(s, num_tokens=1, token_ids=s.token_ids[:1], spec_token_ids=[])
+                 for s in p.sched.scheduled]
+        stripped = dataclasses.replace(p.sched, scheduled=plain, freed=[], num_batched_tokens=len(plain))
+        handle = self.launch(self.prepare(stripped), before_sample)
+        handle.sched = p.sched
+        return handle
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         return self.launch(self.prepare(sched))
@@ -702,7 +772,9 @@ class ModelRunner:
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
         before_sample = before_sample or (lambda: None)
         v = p.variant
-        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
+        if v.num_spec and not self._whole_step(v, p.host_args):
+            return self._launch_unverified(p, before_sample)
+        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs and not v.num_spec
         if self.pipeline is not None:
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
             before_sample()
@@ -727,14 +799,14 @@ class ModelRunner:
             exe, sargs = self._sampler_call(v, rows, smd)
             self.prev_tokens, outputs = exe(*sargs)
             prompt = None
-        if v.flags.penalties:
+        if v.flags.penalties and not v.num_spec:
             self._sampler_ahead(v, smd)
         self._prev_rows = dict(p.sample_rows)
         return StepHandle(p.sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
 
     def collect(self, handle: StepHandle) -> StepResult:
         outputs, prompt = jax.device_get(handle.outputs)
-        return StepResult(*outputs, prompt)
+        return StepResult(*outputs[:5], prompt, *outputs[5:])
 
     def _whole_step(self, v: StepVariant, host_args) -> bool:
         """Whether v runs as one step program: default flags, prompt logprobs (rare; they need every token's

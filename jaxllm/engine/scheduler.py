@@ -349,7 +349,8 @@ class Scheduler:
         new token is seq.output_token_ids[-1]). Tokens of sequences finished since `output` are dropped.
 
         A speculating decode's entry is the list of tokens the step emitted (its accepted proposals and one
-        more): its KV progress rolls back past the rejected proposals and their pages are freed."""
+        more): its KV progress rolls back past the rejected proposals and their pages are freed. (A single int
+        there: the proposals were not verified, and all roll back uncounted.)"""
         appended = []
         for s in output.scheduled:
             seq = s.seq
@@ -357,9 +358,12 @@ class Scheduler:
                 continue
             new = sampled[seq.seq_id]
             if s.spec_token_ids:
+                verified = isinstance(new, list)  # an int: the runner ran the step as a plain decode
+                new = new if verified else [int(new)]
                 num_accepted = len(new) - 1
                 assert 0 <= num_accepted <= len(s.spec_token_ids), (seq, new, s.spec_token_ids)
-                self.spec_stats.record(len(s.spec_token_ids), num_accepted)
+                if verified:
+                    self.spec_stats.record(len(s.spec_token_ids), num_accepted)
                 seq.output_token_ids.extend(new)
                 if seq.status is SequenceStatus.RUNNING:  # not preempted since it was scheduled
                     seq.num_computed_tokens -= len(s.spec_token_ids) - num_accepted

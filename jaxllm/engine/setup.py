@@ -30,6 +30,7 @@ class EngineParts:
     generation_defaults: dict
     mesh: object
     grammars: object  # structured.Grammars
+    spec_policy: object = None  # spec_decode.policy.SpecPolicy when speculative decoding is on
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -225,6 +226,10 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         method = hf["quantization_config"].get("quant_method", "?")
         raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype)
+    spec = args.speculative()
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(f"speculative_config method={spec.method or 'draft_model'!r} (a draft model or EAGLE head) is "
+                         "not implemented yet in jaxllm; use method 'ngram'.")
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
@@ -280,13 +285,24 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
         weights = pool.submit(load)
         pool.shutdown(wait=False)
+    spec_policy = spec_kw = None
+    if spec is not None:
+        from jaxllm.spec_decode.policy import TOKENS_PER_WEIGHT_READ, SpecPolicy
+
+        spec_policy = SpecPolicy(spec.num_speculative_tokens, TOKENS_PER_WEIGHT_READ["gpu" if gpu else "cpu"],
+                                 spec.disable_by_batch_size)
+        # Speculative steps are compiled at start-up for the batches that may speculate: below the fixed threshold,
+        # or up to where the cost model says it pays with every proposal accepted (at most 64 sequences).
+        best = spec_policy.max_batch(1.0 + spec.num_speculative_tokens)
+        spec_policy.max_seqs = min(best, 64, max_num_seqs)
+        spec_kw = dict(num_spec_tokens=spec.num_speculative_tokens, spec_max_seqs=spec_policy.max_seqs)
     try:
         runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                              kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args))
+                             executable_cache_dir=_executable_cache_dir(args), **(spec_kw or {}))
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
     except BaseException:
         if weights is not None:
@@ -296,7 +312,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
     tokenizer, eos, defaults, grammars = tokenizer_future.result()
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, spec_policy)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
