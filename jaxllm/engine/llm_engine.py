@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxllm.engine.protocol import EngineStats, PromptType
+from jaxllm.engine.protocol import EngineStats, PromptType, SpecDecodeStats
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
@@ -547,6 +547,11 @@ class LLMEngine:
         with self._stats_lock:
             it = list(self._iteration_tokens)
             self._iteration_tokens.clear()
+        spec = None
+        if self.spec is not None:
+            sd = st.spec_decode
+            spec = SpecDecodeStats(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
+                                   list(sd.num_accepted_tokens_per_pos) or [0] * self.spec.num_speculative_tokens)
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total, it)
+                           self.generation_tokens_total, it, spec)

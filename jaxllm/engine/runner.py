@@ -668,6 +668,7 @@ class ModelRunner:
         # logprobs, penalties, biases).
         batch = self.batch
         batch.release(sched.freed)
+        batch.truncate(sched.trimmed)
         scheduled = sched.scheduled
         n = len(scheduled)
         seqs = list(map(_seq, scheduled))

@@ -71,6 +71,9 @@ class SchedulerOutput:
     # per-sequence state (a preempted sequence comes back with fresh pages and a recompute). An empty schedule
     # (no step runs, so no runner sees it) keeps them for the next one.
     freed: list[str] = field(default_factory=list)
+    # seq_id -> pages kept, for block tables that shrank since the previous non-empty schedule() (speculated
+    # tokens' pages freed by update()): the runner's copies of those tables are stale past that many pages.
+    trimmed: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
 
     @property
@@ -138,6 +141,7 @@ class Scheduler:
         self._step_id = 0
         self._freed: list[str] = []
         self.num_lookahead_tokens = num_lookahead_tokens
+        self._trimmed: dict[str, int] = {}
         self.spec_stats = SpecDecodeStats()
         self.speculate = True  # the engine's per-step switch (off: proposals are ignored, see _add_proposals)
 
@@ -315,6 +319,7 @@ class Scheduler:
             s.seq.spec_token_ids = []
         if out.scheduled:
             out.freed, self._freed = self._freed, []
+            out.trimmed, self._trimmed = self._trimmed, {}
         return out
 
     def _add_proposals(self, out: SchedulerOutput, budget: int) -> None:
@@ -367,7 +372,9 @@ class Scheduler:
                 seq.output_token_ids.extend(new)
                 if seq.status is SequenceStatus.RUNNING:  # not preempted since it was scheduled
                     seq.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
-                    self.block_manager.trim(seq, seq.num_computed_tokens + self.num_lookahead_tokens)
+                    if self.block_manager.trim(seq, seq.num_computed_tokens + self.num_lookahead_tokens):
+                        kept = len(seq.block_table)
+                        self._trimmed[seq.seq_id] = min(kept, self._trimmed.get(seq.seq_id, kept))
             elif isinstance(new, list):
                 seq.output_token_ids.extend(new)
             else:
