@@ -136,18 +136,18 @@ def test_unsupported_methods_fail_before_anything_loads(tiny):
 
 
 def test_steps_whose_program_is_compiling_run_unverified(spec, plain):
-    """After warm-up a speculative step with new sampler flags (penalties here) does not wait for its program:
+    """After warm-up a speculative step with new sampler flags (a logit bias here) does not wait for its program:
     it runs as plain decodes (every proposal rolled back, uncounted) while the program compiles in the
-    background. Greedy outputs with a presence penalty are still those without speculation."""
+    background. Greedy outputs with the bias are still those without speculation."""
     runner = spec.llm_engine.runner
     runner.eager, runner.warmed_up = False, True
     try:
-        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, presence_penalty=0.4)
+        params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias={0: -5.0})
         drafts = spec.llm_engine.scheduler.spec_stats.num_drafts
         got = ids(run(spec, PROMPTS[:1], params))
         assert got == ids(run(plain, PROMPTS[:1], params))
         runner.wait_for_background_compiles()
-        assert any(v.num_spec and v.flags.penalties for v in runner._compiled)
+        assert any(v.num_spec and v.flags.bias for v in runner._compiled)
         assert ids(run(spec, PROMPTS[:1], params)) == got
         assert spec.llm_engine.scheduler.spec_stats.num_drafts > drafts
     finally:
