@@ -5,6 +5,10 @@ caching, preemption and an fp8 KV cache.
 
     python bench/gpu_parity.py --out bench/results/gpu_parity_h100_<commit>.json
 
+Quantized weights (issue 28): "gptq_int4" loads the checkpoint written as GPTQ v1 int4 (group 128) and "fp8"
+quantizes it to fp8 while loading; each is checked against HF on the weights it holds, dequantized (fp8: with
+the decoder linears' inputs rounded per token to fp8 too, as the engine's W8A8 path does).
+
 A random Llama checkpoint with Llama-3-8B's widths (32 q / 8 kv heads of 128, MLP 14336) and --num-layers
 layers is saved as bf16 safetensors. Each configuration builds LLM(...) on it and generates greedy tokens
 with their logprobs. HF transformers then scores every generated sequence teacher-forced, in float32 with
@@ -31,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import sys
 import time
 
@@ -51,7 +56,12 @@ CONFIGS = {
                    "64 prompts of 100-400 tokens with KV blocks for a third of their tokens: sequences preempted"),
     "fp8_kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), "16 prompts, fp8 (e4m3) KV pages"),
     "float32": (dict(dtype="float32"), "16 prompts, float32 weights and KV"),
+    "gptq_int4": (dict(dtype="bfloat16"), "16 prompts, the checkpoint as GPTQ v1 int4 (group 128, sym; round to "
+                  "nearest), against HF on its dequantized weights"),
+    "fp8": (dict(dtype="bfloat16", quantization="fp8"), "16 prompts, quantization='fp8' (per-tensor fp8 weights, "
+            "per-token fp8 activations), against HF on the fp8-rounded weights with its linears' inputs rounded alike"),
 }
+QUANTIZED = ("gptq_int4", "fp8")
 
 
 def parse(argv=None):
@@ -65,6 +75,7 @@ def parse(argv=None):
     p.add_argument("--gap-tol", type=float, default=0.1, help="16-bit weights and KV (nats)")
     p.add_argument("--gap-tol-fp8", type=float, default=0.5, help="fp8 KV pages, against the rounded reference")
     p.add_argument("--gap-tol-f32", type=float, default=0.02, help="the Pallas kernels' f32 dots may use TF32")
+    p.add_argument("--gptq-group-size", type=int, default=128, help="gptq_int4's group (the tiny CPU check: 32)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--model-dir", default="/tmp/jaxllm_gpu_parity_model")
     p.add_argument("--compilation-cache-dir", default="", help="empty: none (every configuration compiles)")
@@ -117,7 +128,7 @@ def workloads(name: str, vocab: int, scale: float, seed: int) -> list[list[list[
 def run_config(args, model_dir: str, name: str) -> dict:
     """Builds the configuration's LLM, runs its workloads; returns the sequences, logprobs and engine facts."""
     from jaxllm import LLM, SamplingParams
-    from jaxllm.engine import runner as runner_mod
+    from jaxllm.engine import programs
 
     kw, what = CONFIGS[name]
     kw = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512, gpu_memory_utilization=0.5,
@@ -128,6 +139,8 @@ def run_config(args, model_dir: str, name: str) -> dict:
         need = sum(-(-(len(p) + args.output_len) // 16) for p in batches[0])
         kw["max_model_len"] = max(128, int(1024 * args.scale))
         kw["num_gpu_blocks_override"] = max(need // 3, kw["max_model_len"] // 16 + 1)
+    if name == "gptq_int4":
+        model_dir = write_gptq(model_dir, args.gptq_group_size)[0]
     t0 = time.perf_counter()
     llm = LLM(model_dir, **kw)
     ready = time.perf_counter() - t0
@@ -138,7 +151,7 @@ def run_config(args, model_dir: str, name: str) -> dict:
     def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
         p = prepare(sched)
         key = p.variant.shape_name
-        if runner_mod.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
+        if programs.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
             key += "_cublas"
         steps[key] = steps.get(key, 0) + 1
         return p
@@ -159,6 +172,85 @@ def run_config(args, model_dir: str, name: str) -> dict:
     del llm, runner
     gc.collect()
     return dict(facts=facts, seqs=seqs)
+
+
+def write_gptq(model_dir: str, group: int = 128) -> tuple[str, str]:
+    """(GPTQ v1 int4 folder, dense folder of its dequantized weights) of model_dir's linears: symmetric round to
+    nearest per group of input rows, packed as GPTQ's qweight / qzeros / scales / g_idx (written once)."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    qdir, ddir = model_dir + "_gptq_int4", model_dir + "_gptq_int4_dequantized"
+    if os.path.isfile(os.path.join(ddir, "model.safetensors")):
+        return qdir, ddir
+    state = {k: v.float() for k, v in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+    qstate, dense = {}, {}
+    for name, w in state.items():
+        if not (name.endswith("_proj.weight") and ".layers." in name):
+            qstate[name] = dense[name] = w.to(torch.bfloat16)
+            continue
+        out, inp = w.shape
+        g = w.T.reshape(inp // group, group, out)  # [groups, rows, out]
+        scale = (g.abs().amax(1) / 7.5).clamp(min=1e-8).to(torch.float16).float()  # [groups, out]
+        q = torch.clamp(torch.round(g / scale[:, None]) + 8, 0, 15).to(torch.int64)  # zero 8
+        dense[name] = ((q - 8) * scale[:, None]).reshape(inp, out).T.contiguous().to(torch.bfloat16)
+        rows = q.reshape(inp // 8, 8, out)  # 8 input rows per int32 word, least significant first
+        word = sum(rows[:, j] << (4 * j) for j in range(8))
+        prefix = name[: -len(".weight")]
+        qstate[prefix + ".qweight"] = (word - (word >> 31 << 32)).to(torch.int32)  # two's complement
+        zeros = torch.full((inp // group, out // 8), 0x77777777, dtype=torch.int64)  # v1 stores zero - 1 = 7
+        qstate[prefix + ".qzeros"] = (zeros - (zeros >> 31 << 32)).to(torch.int32)
+        qstate[prefix + ".scales"] = scale.to(torch.float16)
+        qstate[prefix + ".g_idx"] = (torch.arange(inp) // group).to(torch.int32)
+    for folder, tensors, extra in ((qdir, qstate, True), (ddir, dense, False)):
+        os.makedirs(folder, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(folder, "model.safetensors"))
+        for f in os.listdir(model_dir):
+            if f.endswith(".json") and f not in ("config.json", "model.safetensors.index.json"):
+                shutil.copy(os.path.join(model_dir, f), folder)
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        if extra:
+            cfg["quantization_config"] = dict(quant_method="gptq", bits=4, group_size=group, sym=True,
+                                              desc_act=False, checkpoint_format="gptq")
+        with open(os.path.join(folder, "config.json"), "w") as f:
+            json.dump(cfg, f)
+    return qdir, ddir
+
+
+def write_fp8_reference(model_dir: str) -> str:
+    """A dense folder of model_dir's linears rounded as quantization='fp8' stores them (per tensor)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = model_dir + "_fp8_rounded"
+    if os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    for name, w in state.items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            s = w.float().abs().max().clamp(min=1e-12) / 448.0
+            state[name] = ((w.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(w.dtype)
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, os.path.join(out, "model.safetensors"))
+    return out
+
+
+def round_linear_inputs_to_fp8(model) -> None:
+    """HF's linears of the decoder layers see their input rounded per token to fp8 e4m3, as the engine's
+    dynamic-activation fp8 reference (jaxllm/models/quant.py quantize_activations) rounds it."""
+    import torch
+
+    def hook(module, args):
+        x = args[0]
+        s = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
+        return ((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype),
+
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and ".layers." in name:
+            m.register_forward_pre_hook(hook)
 
 
 def teacher_forced(model, seqs, device) -> list[np.ndarray]:
@@ -260,8 +352,17 @@ def main(argv=None):
     t0 = time.perf_counter()
     ref_model, base_model = hf_models(model_dir, device)
     for name, run in runs.items():
-        ref = teacher_forced(ref_model, run["seqs"], device)
-        base = teacher_forced(base_model, run["seqs"], device)
+        if name in QUANTIZED:  # HF on the weights the engine holds, dequantized (and fp8's rounded inputs)
+            ref_dir = (write_gptq(model_dir, args.gptq_group_size)[1] if name == "gptq_int4"
+                       else write_fp8_reference(model_dir))
+            qref, qbase = hf_models(ref_dir, device)
+            if name == "fp8":
+                round_linear_inputs_to_fp8(qref), round_linear_inputs_to_fp8(qbase)
+            ref, base = teacher_forced(qref, run["seqs"], device), teacher_forced(qbase, run["seqs"], device)
+            del qref, qbase
+        else:
+            ref = teacher_forced(ref_model, run["seqs"], device)
+            base = teacher_forced(base_model, run["seqs"], device)
         fp8 = fp8_format(run["facts"]["kv_cache_dtype"])
         tol = args.gap_tol_fp8 if fp8 else (
             args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol)

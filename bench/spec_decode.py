@@ -1,13 +1,14 @@
 """Speculative decoding: the verify step's cost, measured acceptance, and the projected speed-up.
 
-  python bench/spec_decode.py --out $OUT/spec_decode.json                       # GPU: all three parts
+  python bench/spec_decode.py --out $OUT/spec_decode.json                       # GPU: all three parts (~3-4 min)
   python bench/spec_decode.py --parts accept --accept-tokens 64                 # acceptance only (any device)
 
 (a) verify: on --shape (the Llama-3-8B shape, dummy weights) one runner times, for each batch B, the plain decode
     step (B sequences, one token each: the baseline, same run) and the speculative step verifying k proposals per
     sequence (B * (k + 1) tokens, logits at every position, the rejection sampler), k in --ks, at --context
-    tokens of context. A step is prepared once and run --iters times (each waits for its results, as the engine
-    does when it speculates); ms per step is the median.
+    tokens of context. Every (B, k) program and the plain decodes are compiled first, in parallel (the engine's
+    start-up compile path, StepPrograms.compile_variants); then a step is prepared once and run --iters times
+    (each waits for its results, as the engine does when it speculates); ms per step is the median.
 (b) accept: the demo model (SmolLM2-135M-Instruct, LLM() with no model) with n-gram prompt lookup on
     input-grounded chat prompts (repeat / edit / extract from a given text), greedy, against the same engine
     without speculation: outputs must be identical; reported are the mean acceptance length (tokens per verified
@@ -85,7 +86,7 @@ def time_step(runner, B: int, k: int, context: int, iters: int) -> float:
 
     from jaxllm.engine.scheduler import ScheduledSeq, SchedulerOutput
 
-    runner.num_spec = k  # the runner compiles the speculative step for this k (its variants carry it)
+    runner.programs.num_spec = k  # the verify program for this k (its variants carry it) compiles on first use
     scheduled = []
     for seq in _sequences(B, context, runner.block_size, runner.num_blocks):
         props = [200 + j for j in range(k)]
@@ -103,6 +104,22 @@ def time_step(runner, B: int, k: int, context: int, iters: int) -> float:
     return float(np.median(times) * 1e3)
 
 
+def _grid_variants(runner, batches, ks):
+    """The plain decode and verify programs of the grid (the buckets prepare() picks for them)."""
+    from jaxllm.engine.inputs import bucket
+    from jaxllm.engine.programs import StepVariant
+    from jaxllm.engine.sampler import SamplerFlags
+
+    programs, out = runner.programs, []
+    for B in batches:
+        b = bucket(B, runner.seq_buckets)
+        out.append(StepVariant(b, b, True, SamplerFlags(), 0))
+        for k in ks:
+            programs.num_spec = k
+            out.append(programs.spec_variant(b, SamplerFlags()))
+    return list(dict.fromkeys(out))
+
+
 def part_verify(args) -> dict:
     from jaxllm import LLM
 
@@ -116,6 +133,11 @@ def part_verify(args) -> dict:
               enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir or None,
               speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)})
     runner = llm.llm_engine.runner
+    t0 = time.perf_counter()
+    variants = _grid_variants(runner, batches, ks)
+    runner.programs.compile_variants(runner.params, runner.prev_tokens, variants=variants)
+    compile_s = time.perf_counter() - t0
+    print(f"{len(variants)} programs compiled in {compile_s:.1f} s", flush=True)
     rows = []
     for B in batches:
         plain = time_step(runner, B, 0, args.context, args.iters)
@@ -126,7 +148,7 @@ def part_verify(args) -> dict:
               flush=True)
         rows.append(row)
     del llm
-    return dict(shape=args.shape, context=args.context, iters=args.iters, rows=rows)
+    return dict(shape=args.shape, context=args.context, iters=args.iters, compile_s=compile_s, rows=rows)
 
 
 def _accept_run(llm, prompts, max_tokens):

@@ -7,13 +7,15 @@ Layout of the output directory:
     params/                    Orbax (StandardCheckpointer) pytree, checkpoint layout (fused w_qkv and
                                w_gate_up as in jaxllm/models/params.py, kv heads not repeated)
     jaxllm_manifest.json       format + format_version (the loader refuses others), jaxllm version, dtype,
-                               tp/pp it was written for, every param's shape and axes
+                               tp/pp it was written for, every param's shape, axes and dtype, the quantization
+                               scheme (quantized linears stay packed: int32 values, scales, zeros, g_idx)
     config.json                the HF config, torch_dtype set to the written dtype
     tokenizer files, generation_config.json   copied as they are
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -80,7 +82,7 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
         bar = _progress(len(flat_specs), progress, "Converting weights")
         try:
             for key, x in iter_host_weights(reader, cfg):
-                host = np.asarray(x).astype(np_dtype)
+                host = np.asarray(x).astype(flat_specs[key].dtype or np_dtype)  # quantized leaves keep theirs
                 sharding = _chunk_sharding(mesh, flat_specs[key], width)
                 arrays[key] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
                 bar.update(1)
@@ -98,8 +100,10 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
             "format": FORMAT, "format_version": FORMAT_VERSION, "jaxllm_version": jaxllm.__version__,
             "source": model_dir, "architecture": cfg.architecture, "dtype": cfg.dtype,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "params": {"/".join(map(str, k)): {"shape": list(s.shape), "axes": list(s.axes)}
-                       for k, s in flat_specs.items()},
+            "params": {"/".join(map(str, k)): {"shape": list(s.shape), "axes": list(s.axes),
+                                                "dtype": s.dtype or cfg.dtype} for k, s in flat_specs.items()},
+            # the scheme of the packed weights (jaxllm/models/quant.py); config.json keeps quantization_config
+            "quantization": None if cfg.quantization is None else dataclasses.asdict(cfg.quantization),
         }
         hf = dict(hf, torch_dtype=cfg.dtype)
         if "dtype" in hf:  # transformers 5 writes "dtype"; both must name what the arrays hold
@@ -146,7 +150,7 @@ def _chunk_sharding(mesh, spec, width: int):
 
 
 def _key(path) -> tuple:
-    return tuple(p.key if hasattr(p, "key") else p.idx for p in path)
+    return tuple(p.key if hasattr(p, "key") else p.name if hasattr(p, "name") else p.idx for p in path)
 
 
 def _jnp_dtype(name: str):

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxllm.quantization import QuantConfig, resolve_quantization
+
 # HF architectures name -> our family. Baichuan's two spellings: 7B "BaiChuan", 13B / Baichuan2 "Baichuan".
 ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -84,15 +86,17 @@ class ModelConfig:
     dtype: str = "bfloat16"  # compute/param dtype: float16 | bfloat16 | float32
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
+    quantization: QuantConfig | None = None  # quantized linear layers (jaxllm/quantization.py)
 
     @property
     def q_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_hf(cls, config: str | os.PathLike | dict[str, Any], dtype: str = "auto") -> ModelConfig:
+    def from_hf(cls, config: str | os.PathLike | dict[str, Any], dtype: str = "auto",
+                quantization: str | None = None) -> ModelConfig:
         """Reads a model directory, a config.json path, or its dict. Unsupported options raise ValueError
-        naming the field."""
+        naming the field. quantization: vLLM's argument (None: config.json's quantization_config decides)."""
         hf = read_hf_config(config)
         archs = hf.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
@@ -126,6 +130,7 @@ class ModelConfig:
             dtype=resolve_dtype(dtype, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
+            quantization=resolve_quantization(hf, quantization, None if isinstance(config, dict) else _dir(config)),
         )
         if family in ("llama", "mistral"):
             kw["qkv_bias"] = kw["o_bias"] = bool(hf.get("attention_bias", False))
@@ -200,6 +205,11 @@ def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} is not valid JSON: {e}") from None
+
+
+def _dir(config: str | os.PathLike) -> str:
+    path = os.fspath(config)
+    return path if os.path.isdir(path) else os.path.dirname(path)
 
 
 def _require(hf: dict[str, Any], key: str):

@@ -29,12 +29,19 @@ inside the kernel; k_scale is folded into the score multiplier and v_scale into 
 
 Mosaic GPU kernels refuse inputs whose address is not a multiple of 256 bytes, and XLA hands a custom call a
 static slice of another buffer as that buffer at the slice's offset (its dynamic-slice fusion): a seq_lens or
-block table sliced out of a larger array must start on a 256-byte boundary (bench/mosaic_align_probe.py; the
-engine's packed step inputs are laid out so, runner.pack_host_args). An input computed in the step is a buffer
+block table sliced out of a larger array must start on a 256-byte boundary (bench/probes/mosaic_align_probe.py; the
+engine's packed step inputs are laid out so, packing.pack_host_args). An input computed in the step is a buffer
 of its own and always aligned.
 
 Off GPU (and not interpret), and for shapes the kernels do not take (head dim not 64/128/256, page size
 not a power of two >= 8), the entry points call the reference; that is the CPU path of the engine.
+
+Quantized linear layers (quant.py; layout and load-time helpers in qlayout.py):
+  quantized_matmul(x [..., K], w: QuantizedWeight, *, split=False, ...) -> [..., N]: weight-only int4 / int8
+      (GPTQ, AWQ, compressed-tensors W4A16 / W8A16); the Pallas kernel (_qmatmul.py) for decode-sized batches,
+      dequantize + XLA's GEMM above them. quantized_matmul_ref beside it.
+  fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale, *, x_scale=None, act_scale="token") -> [..., N]: FP8
+      W8A8 through XLA's fp8 dot, activation scales computed in the call. fp8_matmul_ref beside it.
 """
 
 from __future__ import annotations
@@ -44,12 +51,12 @@ import os
 import jax
 import jax.numpy as jnp
 
-from . import reference
-from . import _decode_mgpu, _prefill_mgpu
+from . import _decode_mgpu, _prefill_mgpu, reference
 from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import fused_decode_attention_kernel, paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
+from .quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
 
 __all__ = [
@@ -61,6 +68,10 @@ __all__ = [
     "ragged_paged_attention_ref",
     "paged_decode_attention_ref",
     "reference",
+    "quantized_matmul",
+    "quantized_matmul_ref",
+    "fp8_matmul",
+    "fp8_matmul_ref",
 ]
 
 

@@ -163,10 +163,16 @@ class FakeEngine:
         self.complete()
         return out
 
+    @property
+    def verifying(self) -> bool:
+        """A step in flight verifies proposals: as LLMEngine does, the next one is scheduled after its tokens (the
+        scheduler rolls back the rejected ones then; scheduling before would read the unverified progress)."""
+        return any(s.spec_token_ids for out, _ in self.inflight for s in out.scheduled)
+
     def run(self, max_steps: int = 1000, lookahead: bool = False) -> None:
         while self.sched.has_unfinished() or self.inflight:
             assert self.steps < max_steps, "no progress"
-            if lookahead and self.sched.has_unfinished():
+            if lookahead and self.sched.has_unfinished() and not self.verifying:
                 self.launch()
                 if len(self.inflight) > 1:
                     self.complete()
@@ -509,7 +515,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         self.eng.step()
 
-    @precondition(lambda self: len(self.eng.inflight) == 1)
+    @precondition(lambda self: len(self.eng.inflight) == 1 and not self.eng.verifying)
     @rule()
     def launch_ahead(self):
         self.eng.launch()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, fields
 
 from jaxllm.engine.configs import SpeculativeConfig
 from jaxllm.paths import default_compilation_cache_dir
+from jaxllm.quantization import METHODS
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,8 @@ class EngineArgs:
             raise ValueError(f"max_logprobs must be >= -1, got {self.max_logprobs}.")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
-        if self.quantization is not None:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet (only unquantized weights).")
+        if self.quantization is not None and self.quantization not in METHODS:
+            raise ValueError(f"Unknown quantization method: {self.quantization}. Must be one of {list(METHODS)}.")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

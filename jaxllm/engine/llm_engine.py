@@ -24,13 +24,18 @@ from dataclasses import dataclass
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
-from jaxllm.engine.protocol import EngineStats, PromptType, SpecDecodeStats
+from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.structured import Grammars
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
+from jaxllm.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    truncate_prompt_ids,
+)
+from jaxllm.spec_decode.engine import SpecDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -82,16 +87,12 @@ class LLMEngine:
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner: ModelRunner = parts.runner
-        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
-        self.spec = args.speculative()  # speculative decoding (None: off); see _propose and step()
-        self.proposer = self.spec_policy = None
+        # Speculative decoding (None: off; see step() and jaxllm/spec_decode/engine.py)
+        self.speculation = None if parts.speculation is None else SpecDecoding(parts.speculation)
+        self.spec = None if self.speculation is None else self.speculation.config
         self._prev_spec = False  # the step in flight verifies proposals: the next one waits for its tokens
-        if self.spec is not None:
-            from jaxllm.spec_decode.ngram import NgramProposer
-
-            self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max,
-                                          self.spec.num_speculative_tokens)
-            self.spec_policy = parts.spec_policy
+        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config,
+                                   **(self.speculation.scheduler_kwargs if self.speculation else {}))
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.max_logprobs = args.max_logprobs
@@ -224,7 +225,8 @@ class LLMEngine:
         speculates (jaxllm.spec_decode.policy: the batch is small enough for it to pay) the previous step is
         processed first, proposals are made, then the step is scheduled: no host/device overlap for it."""
         prev, result = self._inflight, None
-        speculate = self.spec_policy is not None and self.spec_policy.speculate(self.scheduler.num_running)
+        sd = self.speculation
+        speculate = sd is not None and sd.policy.speculate(self.scheduler.num_running)
         if prev is not None and (self._needs_sync() or speculate or self._prev_spec):
             self._inflight = None
             outputs = self._process(prev, self.runner.collect(prev))
@@ -232,11 +234,11 @@ class LLMEngine:
         else:
             outputs = []
         if speculate:
-            self._propose()
-        if self.spec is not None:
+            sd.propose(self.scheduler.running)
+        if sd is not None:
             self.scheduler.speculate = speculate
         sched = self.scheduler.schedule()
-        self._prev_spec = any(s.spec_token_ids for s in sched.scheduled)
+        self._prev_spec = sched.verify
         self._inflight = None
         if not sched.is_empty:
             p = self.runner.prepare(sched)
@@ -262,20 +264,6 @@ class LLMEngine:
             # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
             outputs = self._finish_stalled()
         return outputs
-
-    def _propose(self) -> None:
-        """Proposals for the running sequences that decode next: n-gram lookup over their tokens. Not for
-        sequences whose next tokens' processing depends on host state the rejection sampler does not see per
-        position: structured outputs (the grammar advances per token), bad_words and min_tokens still pending
-        (their biases follow the tokens); penalties, logit biases, top-k / top-p / min_p and logprobs are applied
-        per position on the device."""
-        for seq in self.scheduler.running:
-            sp = seq.sampling_params
-            if (seq.num_pending or seq.num_computed_tokens != seq.num_known_tokens - 1
-                    or sp is not None and (sp.structured_outputs is not None or sp.bad_words
-                                           or len(seq.output_token_ids) < sp.min_tokens)):
-                continue
-            seq.spec_token_ids = self.proposer.propose(seq)
 
     def _needs_sync(self) -> bool:
         for seq in self.scheduler.running:
@@ -332,9 +320,10 @@ class LLMEngine:
         else:  # a speculative step: each row's emitted tokens
             sampled = {seq_id: result.tokens[row, : result.num_emitted[row]].tolist()
                        for seq_id, row in handle.rows.items()}
-            n = len(sampled)
-            self.spec_policy.observe(n, sum(map(len, sampled.values())) - n)
+            self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
+        if self.speculation is not None:
+            self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}
         if result.prompt is not None:
             self._collect_prompt_logprobs(handle, result, touched)
@@ -547,11 +536,7 @@ class LLMEngine:
         with self._stats_lock:
             it = list(self._iteration_tokens)
             self._iteration_tokens.clear()
-        spec = None
-        if self.spec is not None:
-            sd = st.spec_decode
-            spec = SpecDecodeStats(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
-                                   list(sd.num_accepted_tokens_per_pos) or [0] * self.spec.num_speculative_tokens)
+        spec = self.speculation.stats(st.spec_decode) if self.speculation is not None else None
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
                            self.generation_tokens_total, it, spec)

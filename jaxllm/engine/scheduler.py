@@ -75,6 +75,7 @@ class SchedulerOutput:
     # tokens' pages freed by update()): the runner's copies of those tables are stale past that many pages.
     trimmed: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
+    verify: bool = False  # speculative decoding: the step verifies its sequences' proposals (see _add_proposals)
 
     @property
     def is_empty(self) -> bool:
@@ -118,9 +119,11 @@ def _queue_key(seq: Sequence) -> tuple:
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
-                 num_lookahead_tokens: int = 0) -> None:
+                 num_lookahead_tokens: int = 0, verify_every_decode: bool = False) -> None:
         """num_lookahead_tokens: KV slots a speculating decode needs past its verified tokens (a draft model or
-        EAGLE head writes its own KV for the proposals of the next step there; 0 for n-gram lookup)."""
+        EAGLE head writes its own KV for the proposals of the next step there; 0 for n-gram lookup).
+        verify_every_decode: every speculating decode-only step is a verify step, with proposals or not (a
+        drafter on the device proposes in verify steps: the first one after a pause has none to verify)."""
         if cache_config.num_usable_tokens < scheduler_config.max_model_len:
             raise ValueError(
                 f"The KV cache holds {cache_config.num_usable_tokens} tokens "
@@ -140,7 +143,7 @@ class Scheduler:
         self._next_order = 0
         self._step_id = 0
         self._freed: list[str] = []
-        self.num_lookahead_tokens = num_lookahead_tokens
+        self.num_lookahead_tokens, self.verify_every_decode = num_lookahead_tokens, verify_every_decode
         self._trimmed: dict[str, int] = {}
         self.spec_stats = SpecDecodeStats()
         self.speculate = True  # the engine's per-step switch (off: proposals are ignored, see _add_proposals)
@@ -329,19 +332,25 @@ class Scheduler:
         Proposals are cut to the budget, to the tokens the sequence may still emit (max_tokens, max_model_len:
         a step emits at most one more token than it verifies), and dropped when their pages do not fit (they
         never preempt anyone)."""
-        bm, max_len = self.block_manager, self.config.max_model_len
+        bm, max_len, ahead = self.block_manager, self.config.max_model_len, self.num_lookahead_tokens
+        out.verify = self.verify_every_decode
         for s in out.scheduled:
             seq = s.seq
             props = seq.spec_token_ids
             if not props or budget <= 0 or s.from_device or not s.sample:
+                if self.verify_every_decode and ahead:  # the drafter's pages for its next proposals, when free
+                    bm.ensure_slots(seq, ahead)
                 continue
             n_out = len(seq.output_token_ids)  # seq.num_pending is 1 for this step's token
             room = max_len - (len(seq.prompt_token_ids) + n_out) - 1
             if seq.max_tokens is not None:
                 room = min(room, seq.max_tokens - n_out - 1)
             n = min(len(props), budget, room)
-            if n <= 0 or not bm.ensure_slots(seq, n + self.num_lookahead_tokens):
+            if n <= 0 or not bm.ensure_slots(seq, n + ahead):
+                if self.verify_every_decode and ahead:
+                    bm.ensure_slots(seq, ahead)
                 continue
+            out.verify = True
             s.spec_token_ids = props[:n]
             s.token_ids = s.token_ids + s.spec_token_ids
             s.num_tokens += n

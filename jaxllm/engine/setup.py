@@ -30,7 +30,7 @@ class EngineParts:
     generation_defaults: dict
     mesh: object
     grammars: object  # structured.Grammars
-    spec_policy: object = None  # spec_decode.policy.SpecPolicy when speculative decoding is on
+    speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -219,17 +219,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
-    from jaxllm.models.loader import abstract_weights, load_params
+    from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
     from jaxllm.sharding import ParallelConfig
 
-    if hf.get("quantization_config"):
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantization_config (quant_method={method!r}) in config.json is not supported yet.")
-    cfg = ModelConfig.from_hf(hf, dtype=args.dtype)
-    spec = args.speculative()
-    if spec is not None and spec.method != "ngram":
-        raise ValueError(f"speculative_config method={spec.method or 'draft_model'!r} (a draft model or EAGLE head) is "
-                         "not implemented yet in jaxllm; use method 'ngram'.")
+    cfg = ModelConfig.from_hf(path, dtype=args.dtype, quantization=args.quantization)
+    check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
@@ -244,9 +238,17 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
 
+    speculation = None
+    if args.speculative_config is not None:  # the drafter's config is checked before any weights load
+        from jaxllm.spec_decode.setup import plan
+
+        speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
+    if speculation is not None:  # the drafter's weights (on the device before the KV cache is sized) and pages
+        speculation.load(mesh, args.load_format, args.seed)
+        per_block += speculation.kv_bytes_per_block(args.block_size, args.tensor_parallel_size)
     # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
     # what they are compiled for (abstract_weights) and the memory left for the KV cache are known before.
     overlap = args.pipeline_parallel_size == 1 and not args.enforce_eager
@@ -261,7 +263,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if overlap:
         params = abstract_weights(cfg, mesh)
         weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
-                           for p in jax.tree.leaves(params))
+                           for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
         num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes)
     else:
         params = load()
@@ -285,24 +287,14 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
         weights = pool.submit(load)
         pool.shutdown(wait=False)
-    spec_policy = spec_kw = None
-    if spec is not None:
-        from jaxllm.spec_decode.policy import TOKENS_PER_WEIGHT_READ, SpecPolicy
-
-        spec_policy = SpecPolicy(spec.num_speculative_tokens, TOKENS_PER_WEIGHT_READ["gpu" if gpu else "cpu"],
-                                 spec.disable_by_batch_size)
-        # Speculative steps are compiled at start-up for the batches that may speculate: below the fixed threshold,
-        # or up to where the cost model says it pays with every proposal accepted (at most 64 sequences).
-        best = spec_policy.max_batch(1.0 + spec.num_speculative_tokens)
-        spec_policy.max_seqs = min(best, 64, max_num_seqs)
-        spec_kw = dict(num_spec_tokens=spec.num_speculative_tokens, spec_max_seqs=spec_policy.max_seqs)
+    spec_kw = speculation.runner_kwargs() if speculation is not None else {}
     try:
         runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                              kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), **(spec_kw or {}))
+                             executable_cache_dir=_executable_cache_dir(args), **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
     except BaseException:
         if weights is not None:
@@ -312,7 +304,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
     tokenizer, eos, defaults, grammars = tokenizer_future.result()
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, spec_policy)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):

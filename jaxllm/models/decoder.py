@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
+from jaxllm.models.quant import QuantizedWeight, qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -26,7 +27,10 @@ def rms_norm(x, weight, eps):
 
 
 def _proj(x, w, b, eq):
-    y = jnp.einsum(eq, x, w)
+    if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
+        y = qmatmul(x.reshape(x.shape[0], -1), w)
+    else:
+        y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
 
 
@@ -43,7 +47,8 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     QKV_SPLIT_MAX_TOKENS on the Pallas backend the decoder makes the partials itself (one batched GEMM) and
     the qkv/RoPE/write kernel sums them, which saves that launch. Not with a qkv bias (added after the sum)
     or tp > 1 (the partials would cross shard_map's specs)."""
-    if attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp:
+    if (attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp
+            or isinstance(lp["w_qkv"], QuantizedWeight)):
         return 0
     if attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1:
         return 0
@@ -92,16 +97,22 @@ def _traced_once(layer_fn):
 
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
-            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None):
+            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None,
+            capture: tuple[int, ...] = ()):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
-    layer range and the previous stage's hidden states; the first stage embeds token_ids."""
+    layer range and the previous stage's hidden states; the first stage embeds token_ids. capture: layers whose
+    input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value
+    (EAGLE-3 heads read them)."""
     layers = range(cfg.num_layers) if layers is None else layers
     x = params["embed"][token_ids] if hidden is None else hidden
     kv_caches = list(kv_caches)
-    layer = _traced_once(decoder_layer)  # looked up here: bench/step_probe.py swaps decoder_layer
+    layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
+    captured = {}
     for i in layers:
+        if i in capture:
+            captured[i] = x
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
-    return kv_caches, x
+    return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
 
 
 def compute_logits(params, hidden, cfg: ModelConfig):

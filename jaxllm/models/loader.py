@@ -9,6 +9,7 @@ receives only its own shard and no device ever holds a full unsharded copy.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -133,9 +134,7 @@ class CheckpointReader:
     def _open(self, path: str):
         if path not in self._handles:
             if path.endswith(".safetensors"):
-                from safetensors import safe_open
-
-                self._handles[path] = safe_open(path, framework="numpy")
+                self._handles[path] = _SafetensorsFile(path)
             else:
                 self._handles[path] = _TorchFile(path)
         return self._handles[path]
@@ -148,6 +147,53 @@ class CheckpointReader:
 
     def get(self, name: str) -> np.ndarray:
         return self._open(self._index[name]).get_tensor(name)
+
+    def file_of(self, name: str) -> str:
+        return self._index[name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the file's header (safetensors) or its lazy storage (torch): no data read."""
+        return tuple(self._open(self._index[name]).get_shape(name))
+
+    def dtype(self, name: str) -> str:
+        """The tensor's dtype as numpy / ml_dtypes names it (int32, float16, bfloat16, float8_e4m3fn, ...)."""
+        return self._open(self._index[name]).get_dtype(name)
+
+
+class _SafetensorsFile:
+    # safetensors' header dtype names -> numpy's (ml_dtypes' for bfloat16 and fp8)
+    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
+               "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+               "U8": "uint8", "BOOL": "bool"}
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self._path, self._file, self._header = path, safe_open(path, framework="numpy"), None
+
+    def keys(self):
+        return self._file.keys()
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        dtype = self.get_dtype(name)
+        if not dtype.startswith("float8"):
+            return self._file.get_tensor(name)
+        # safetensors' numpy backend has no fp8 dtypes: read the bytes at the header's offsets, view them as ml_dtypes'
+        if self._header is None:
+            with open(self._path, "rb") as f:
+                n = int.from_bytes(f.read(8), "little")
+                self._header = (json.loads(f.read(n)), 8 + n)
+        header, base = self._header
+        lo, hi = header[name]["data_offsets"]
+        raw = np.fromfile(self._path, np.uint8, count=hi - lo, offset=base + lo)
+        return raw.view(getattr(ml_dtypes, dtype)).reshape(self.get_shape(name))
+
+    def get_shape(self, name: str):
+        return self._file.get_slice(name).get_shape()
+
+    def get_dtype(self, name: str) -> str:
+        d = self._file.get_slice(name).get_dtype()
+        return self._DTYPES.get(d, d.lower())
 
 
 class _TorchFile:
@@ -174,7 +220,15 @@ class _TorchFile:
         t = self._state[name]
         if t.dtype == self._torch.bfloat16:
             return t.view(self._torch.int16).numpy().view(ml_dtypes.bfloat16)
+        if t.dtype == self._torch.float8_e4m3fn:
+            return t.view(self._torch.int8).numpy().view(ml_dtypes.float8_e4m3fn)
         return t.numpy()
+
+    def get_shape(self, name: str):
+        return tuple(self._state[name].shape)
+
+    def get_dtype(self, name: str) -> str:
+        return str(self._state[name].dtype).replace("torch.", "")
 
 
 def _weight_files(model_dir: str, load_format: str) -> list[str]:
@@ -213,7 +267,8 @@ _IGNORED = re.compile(r"rotary_emb\.(inv_freq|cos_cached|sin_cached)$")
 
 
 def _path_key(path) -> tuple:
-    return tuple(p.key if hasattr(p, "key") else p.idx for p in path)
+    # dict keys, list indices, and the fields of a QuantizedWeight (GetAttrKey)
+    return tuple(p.key if hasattr(p, "key") else p.name if hasattr(p, "name") else p.idx for p in path)
 
 
 def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
@@ -221,7 +276,10 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
     heads are not repeated (tp = 1 specs). Fused weights are fused here, on the host, one at a time."""
     specs = param_specs(cfg)
     table = weight_table(cfg)
-    used = {n for names, _ in table.values() for n in names}
+    quant = quant_loader(reader, cfg, table)
+    if quant is not None:  # the quantized linears' tensors replace their dense names
+        table = {k: v for k, v in table.items() if not (k[0] == "layers" and (k[1], k[2]) in quant.keys)}
+    used = {n for names, _ in table.values() for n in names} | (quant.tensor_names() if quant else set())
     unused = [n for n in reader.keys() if n not in used and not _IGNORED.search(n)
               and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
     if unused:  # the config and the checkpoint disagree (layer count, biases): loading would run another model
@@ -229,6 +287,13 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
                          f"{', '.join(map(repr, unused[:3]))}; check that config.json belongs to these weights.")
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key = _path_key(path)
+        if quant is not None and quant.owns(key):
+            x = quant.get(key)
+            if tuple(x.shape) != spec.shape:
+                raise ValueError(f"{'/'.join(map(str, key))}: the quantized tensors give shape {tuple(x.shape)}; "
+                                 f"expected {spec.shape}.")
+            yield key, x
+            continue
         hf_names, hook = table[key]
         for hf_name in hf_names:
             if hf_name not in reader:
@@ -245,6 +310,26 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"{got} -> {tuple(x.shape)}; expected {spec.shape}.")
         yield key, x
+
+
+def quant_loader(reader: CheckpointReader, cfg: ModelConfig, table: dict | None = None):
+    """A checked QuantLoader for cfg's quantized linears (None for an unquantized model): a missing or misshapen
+    quantized tensor is a ValueError here, before any weight is read."""
+    if cfg.quantization is None:
+        return None
+    from jaxllm.models.quant_loader import QuantLoader
+
+    loader = QuantLoader(reader, cfg, weight_table(cfg) if table is None else table)
+    loader.check()
+    return loader
+
+
+def check_checkpoint(model_dir: str, cfg: ModelConfig, load_format: str = "auto") -> None:
+    """Reads only file headers: a quantized checkpoint whose tensors disagree with its config raises ValueError
+    (the engine calls this before it loads weights or compiles steps)."""
+    if cfg.quantization is None or load_format == "dummy" or is_jaxllm_checkpoint(model_dir):
+        return
+    quant_loader(CheckpointReader(model_dir, load_format), cfg)
 
 
 def is_jaxllm_checkpoint(model_dir: str) -> bool:
@@ -286,7 +371,8 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     loaded = {}
     for key, x in iter_host_weights(reader, cfg):
         # Host copy only: each device receives just its slice from the callback.
-        host = flat_spec[key].expand(np.asarray(x).astype(dtype))
+        spec = flat_spec[key]
+        host = spec.expand(np.asarray(x).astype(spec.dtype or dtype))
         loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx])
     treedef = jax.tree.structure(specs, is_leaf=is_spec)
     paths = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
@@ -308,15 +394,20 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
             f"{FORMAT!r} version {FORMAT_VERSION} (fused qkv and gate_up weights). Convert the HF checkpoint "
             f"again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     saved = manifest.get("params", {})
+    want = None if cfg.quantization is None else json.loads(json.dumps(dataclasses.asdict(cfg.quantization)))
+    if manifest.get("quantization") != want:
+        raise ValueError(f"{model_dir} was converted with quantization {manifest.get('quantization')}, but its "
+                         f"config.json (and the quantization argument) give {want}; convert it again.")
 
     def target(spec, sh):
+        dt = spec.dtype or dtype
         if spec.kv_repeat == 1:
-            return jax.ShapeDtypeStruct(spec.shape, dtype, sharding=sh)
+            return jax.ShapeDtypeStruct(spec.shape, dt, sharding=sh)
         # tp > K: tp shard t = k * r + j reads checkpoint kv head k whole, then keeps its copy j (finish).
         K, r = spec.checkpoint_shape[spec.axes.index("kv_heads")], spec.kv_repeat
         mesh = Mesh(sh.mesh.devices.reshape(K, r), ("kv", "copy"))
         axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in spec.axes))
-        return jax.ShapeDtypeStruct(spec.checkpoint_shape, dtype, sharding=NamedSharding(mesh, axes))
+        return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt, sharding=NamedSharding(mesh, axes))
 
     abstract = jax.tree.map(target, specs, shardings, is_leaf=is_spec)
     for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]:

@@ -16,8 +16,9 @@ from jaxllm.sharding import LOGICAL_RULES, kv_heads_for, mesh_pp, named_sharding
 class ParamSpec:
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]  # logical axis names, see jaxllm/sharding.py
-    init: str = "normal"  # normal | ones | zeros
+    init: str = "normal"  # normal | ones | zeros (quantized weights' leaves: see models/quant.py dummy_values)
     kv_repeat: int = 1  # > 1: tp > K, each checkpoint kv head is stored as kv_repeat heads (see expand)
+    dtype: str | None = None  # None: the model's dtype (quantized weights' packed values, scales, zeros set it)
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
@@ -88,6 +89,10 @@ def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((V, D), ("vocab", "embed"))
+    if cfg.quantization is not None:
+        from jaxllm.models.quant import quantize_specs
+
+        specs = quantize_specs(specs, cfg, tp)
     return specs
 
 
@@ -116,9 +121,9 @@ def param_shardings(specs, mesh, rules=LOGICAL_RULES):
 def abstract_params(specs, dtype, shardings=None):
     """jax.ShapeDtypeStruct per weight (with its sharding): what a loader fills."""
     if shardings is None:
-        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype), specs, is_leaf=is_spec)
+        return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype), specs, is_leaf=is_spec)
     return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sh), specs, shardings, is_leaf=is_spec
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype or dtype, sharding=sh), specs, shardings, is_leaf=is_spec
     )
 
 
@@ -139,8 +144,14 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
 
 
 def _init_fn(spec: ParamSpec, dtype, std: float):
+    dtype = spec.dtype or dtype
+
     def init(key):
         shape = spec.checkpoint_shape  # repeated kv heads are copies, as when loading a checkpoint
+        if spec.init not in ("ones", "zeros", "normal"):  # a quantized weight's packed values, scales, zeros
+            from jaxllm.models.quant import dummy_values
+
+            return spec.expand(dummy_values(spec, key))
         if spec.init == "ones":
             x = jnp.ones(shape, dtype)
         elif spec.init == "zeros":

@@ -1,0 +1,307 @@
+"""Quantized matmuls on one GPU (issue 29): kernel time and effective bytes/s over the same run's copy bandwidth, per
+projection shape of Llama-3-8B and batch size, every quantized path beside the bf16 matmul of the same shape.
+
+  python bench/quant_kernels.py --out $OUT/quant_kernels_h100.json [--m 1,2,4,8,16,32,64,256]
+      [--shapes qkv,o,gate_up,down] [--impls bf16,int4_sym,int4_asym,int8,int4_dequant,fp8] [--sweep]
+  --tiny: CPU smoke run (small shapes, kernels in interpret mode, no XProf).
+
+impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kernels_pallas.quantized_matmul with
+the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
+int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
+fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
+call). --sweep adds kernel tilings of int4_sym at M 1 / 16 / 64.
+Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB
+together, so the weights come from HBM and not the 50 MB L2; distinct inputs, so XLA merges no two calls); the
+time per call is the summed kernel time of an XProf trace of that chain (every kernel the call launches: the
+kernel, the split-K sum, x's pad / quantization), as bench/kernels.py times its small calls; wall_us is the
+chain's wall time per call (plus the dispatch of one jitted run). Effective bytes = the weight as stored (packed ints, scales, zeros) + x + the output.
+Each quantized row also checks its output against the reference on the same inputs (rel_err).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from bench.common import environment, write_result  # noqa: E402
+from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
+from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref  # noqa: E402
+
+SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+TINY_SHAPES = {"qkv": (512, 384), "o": (256, 256), "gate_up": (256, 512), "down": (768, 256)}
+IMPLS = ("bf16", "int4_sym", "int4_asym", "int8", "int4_dequant", "fp8")
+SWEEP = [dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
+         for bn, sp, loop, fma, w, st in (
+             (64, None, False, True, 8, 3), (32, None, True, False, 4, 3), (64, None, True, False, 4, 3),
+             (32, None, True, False, 4, 2), (128, None, False, False, 8, 3), (32, None, True, False, 8, 3))]
+ROTATE_BYTES = 256 << 20
+
+
+def copy_bw(nbytes, reps):
+    """Read + write bytes/s of an XLA elementwise pass over a bf16 array of nbytes (chain difference)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(nbytes // 2, np.float32), jnp.bfloat16)
+
+    def build(n):
+        def f(x):
+            for _ in range(n):
+                x = jax.lax.optimization_barrier(x + jnp.bfloat16(1))
+            return x
+        return jax.jit(f)
+
+    return 2 * x.size * 2 / per_call(runner(build, x), reps)[0]
+
+
+def runner(build, *args):
+    fns = {}
+
+    def run(n):
+        if n not in fns:
+            fns[n] = build(n)
+        jax.block_until_ready(fns[n](*args))
+
+    return run
+
+
+def per_call(run, reps, pairs=5):
+    """(median, min, max) over `pairs` of (t(3 reps) - t(reps)) / (2 reps)."""
+    run(reps)
+    run(3 * reps)
+    d = []
+    for _ in range(pairs):
+        t0 = time.perf_counter()
+        run(reps)
+        t1 = time.perf_counter()
+        run(3 * reps)
+        t2 = time.perf_counter()
+        d.append(((t2 - t1) - (t1 - t0)) / (2 * reps))
+    return float(np.median(d)), float(np.min(d)), float(np.max(d))
+
+
+def xprof_us(run, reps, runs=3):
+    """Summed kernel time per call from an XProf trace, and the kernels (name, us per call)."""
+    from bench.profile_summary import summarize
+
+    run(reps)
+    d = tempfile.mkdtemp()
+    with jax.profiler.trace(d):
+        for _ in range(runs):
+            run(reps)
+    s = summarize(d)
+    ks = s["devices"][0]["top_kernels"] if s.get("devices") else []
+    calls = runs * reps
+    return sum(k["ms"] for k in ks) * 1e3 / calls, [(k["name"][:70], round(k["ms"] * 1e3 / calls, 2)) for k in ks]
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+def int_weight(key, K, N, bits, group_size, sym):
+    """A random packed weight (every bit pattern is a valid layout), made on the device."""
+    kq, ks, kz = jax.random.split(key, 3)
+    plane = choose_plane(K, bits, group_size)
+    kp = padded_k(K, bits, plane)
+    words = jax.random.bits(kq, (kp // per_word(bits), N), jnp.uint32)
+    words = jax.lax.bitcast_convert_type(words, jnp.int32)
+    ng = 1 if group_size == -1 else kp // group_size
+    scales = (jax.random.uniform(ks, (ng, N), jnp.float32, 0.5, 1.5) * 0.02 / (1 << (bits - 1))).astype(jnp.bfloat16)
+    zeros = None if sym else jax.random.randint(kz, (ng, N), 0, 1 << bits).astype(jnp.bfloat16)
+    return QuantizedWeight(words, scales, zeros, None, bits=bits, group_size=group_size, k=K, plane=plane)
+
+
+def make_impl(name, K, N, key):
+    """(call(x, w), w for one copy, bytes of one weight copy)."""
+    if name == "bf16":
+        w = (jax.random.normal(key, (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+        return (lambda x, w: x @ w), w, K * N * 2
+    if name == "fp8":
+        w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
+        return (lambda x, w: fp8_matmul(x, *w)), (w, s), N * K + N * 4
+    bits, group, sym = dict(int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True),
+                            int4_dequant=(4, 128, True))[name]
+    w = int_weight(key, K, N, bits, group, sym)
+    return None, w, w.nbytes
+
+
+def reference(name, x, w):
+    if name == "bf16":
+        return jnp.dot(x, w, preferred_element_type=jnp.float32)
+    if name == "fp8":
+        return fp8_matmul_ref(x, *w)
+    return quantized_matmul_ref(x, w)
+
+
+def measure(row, call, xs, ws, nbytes, copy, args):
+    """Times call(x_i, w_i) over distinct inputs x_i and the rotating weight copies ws into row: the summed kernel
+    time per call of an XProf trace of `reps` chained calls (each call's inputs differ, so XLA can merge none),
+    and the chain's wall time per call (which adds the dispatch of one jitted run)."""
+    def build(n):
+        def f(xs, ws):
+            return [call(xs[i], ws[i % len(ws)]) for i in range(n)]
+        return jax.jit(f)
+
+    run = runner(build, xs[: args.reps], ws)
+    run(args.reps)
+    walls = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        run(args.reps)
+        walls.append((time.perf_counter() - t0) / args.reps)
+    row["wall_us"] = float(np.median(walls)) * 1e6
+    t = row["wall_us"] * 1e-6
+    if not args.tiny:
+        us, kernels = xprof_us(run, args.reps)
+        if us:
+            row.update(time_us=us, timing="xprof", kernels=kernels)
+            t = us * 1e-6
+    row.setdefault("time_us", t * 1e6)
+    row.update(bytes=nbytes, bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy)
+
+
+def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
+    sweep_m = [int(m) for m in args.sweep_m.split(",")]
+    key = jax.random.key(list(SHAPES).index(shape))
+    for name in impls:
+        call, w0, wbytes = make_impl(name, K, N, key)
+        # >= reps copies: no two calls of a chain share a weight (XLA would merge their dots into one GEMM)
+        copies = 2 if args.tiny else max(args.reps, -(-ROTATE_BYTES // wbytes))
+        ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
+        configs = [{}] + (SWEEP if sweep and name == "int4_sym" else [])
+        for M in ms:
+            xs = [jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
+                  for i in range(args.reps)]
+            x = xs[0]
+            want = reference(name, x, w0)
+            for cfg in configs:
+                if cfg and (M not in sweep_m or shape not in args.sweep_shapes.split(",")
+                            or (cfg.get("fma") and M > 4)):
+                    continue
+                row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
+                try:
+                    fn = call
+                    if fn is None:
+                        backend = "dequant" if name == "int4_dequant" else "kernel"
+                        fn = functools.partial(quantized_matmul, backend=backend, interpret=args.tiny, **cfg)
+                    got = jax.jit(fn)(x, w0)
+                    row["rel_err"] = rel_err(got, want)
+                    row["finite"] = bool(np.isfinite(np.asarray(got, np.float32)).all())
+                    nbytes = wbytes + M * K * 2 + M * N * 2
+                    measure(row, jax.jit(fn), xs, ws, nbytes, copy, args)
+                    if args.hlo_dir and name in ("fp8", "int4_dequant") and M in (1, 16, 256):
+                        with open(os.path.join(args.hlo_dir, f"{shape}_{name}_M{M}.hlo.txt"), "w") as f:
+                            f.write(jax.jit(fn).lower(x, w0).compile().as_text())
+                except Exception as e:  # noqa: BLE001 - one failing row must not end the run
+                    row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
+                    traceback.print_exc()
+                rows.append(row)
+                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+                                  if k != "kernels"}), flush=True)
+        ws = w0 = None  # frees this impl's copies before the next
+
+
+CHECK_CASES = [  # (K, N, M, bits, group_size, sym, act_order): every kernel variant against the reference
+    (576, 1536, 1, 4, 32, True, False), (576, 1536, 3, 4, 64, False, False), (576, 960, 16, 8, -1, True, False),
+    (4096, 4096, 1, 4, 128, False, False), (4096, 4096, 2, 4, 32, True, True), (4096, 4096, 8, 4, -1, False, False),
+    (4096, 4096, 64, 4, 128, True, False), (4096, 4096, 128, 4, 128, False, False), (1024, 512, 33, 8, 128, False, False),
+    (1024, 512, 4, 8, 64, True, False), (14336, 4096, 16, 4, 128, True, False), (4096, 6144, 1, 8, -1, True, False),
+]
+
+
+def check(rows, tiny):
+    """The kernel (forced) against quantized_matmul_ref on weights quantized from random floats, and both against
+    the float weight's product: lowering and numerics of every variant on this device."""
+    from kernels_pallas.qlayout import pack_quantized, quantize_weight
+
+    rng = np.random.default_rng(0)
+    for K, N, M, bits, G, sym, act in CHECK_CASES[:3] if tiny else CHECK_CASES:
+        row = dict(stage="check", K=K, N=N, M=M, bits=bits, group_size=G, sym=sym, act_order=act)
+        try:
+            wf = rng.standard_normal((K, N)).astype(np.float32) * 0.02
+            q, s, z = quantize_weight(wf, bits=bits, group_size=G, sym=sym)
+            g_idx = rng.permutation(np.arange(K) // G) if act else None
+            if act:  # the checkpoint's rows in act-order: group g_idx[k]; same float weight
+                q, s2, z2 = quantize_weight(wf[np.argsort(g_idx, kind="stable")], bits=bits, group_size=G, sym=sym)
+                inv = np.argsort(np.argsort(g_idx, kind="stable"))
+                q, s, z = q[inv], s2, z2
+            w = pack_quantized(q, s, z, bits=bits, group_size=G, g_idx=g_idx, dtype=jnp.bfloat16)
+            x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+            got = jax.jit(functools.partial(quantized_matmul, backend="kernel", interpret=tiny))(x, w)
+            ref = quantized_matmul_ref(x, w)
+            dense = jnp.dot(x.astype(jnp.float32), jnp.asarray(wf))
+            row.update(rel_err=rel_err(got, ref), ref_vs_float=rel_err(ref, dense), kernel_vs_float=rel_err(got, dense),
+                       finite=bool(np.isfinite(np.asarray(got, np.float32)).all()), shape=list(got.shape))
+            row["ok"] = row["finite"] and row["rel_err"] < 1e-2 and tuple(got.shape) == (M, N)
+        except Exception as e:  # noqa: BLE001 - one failing case must not end the run
+            row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")
+            traceback.print_exc()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+
+def summary(rows):
+    """One line per (shape, M): each impl's time and fraction of copy (default config rows)."""
+    out = {}
+    for r in rows:
+        if r.get("cfg") or "time_us" not in r or r.get("stage") == "check":
+            continue
+        out.setdefault(f"{r['shape']} M={r['M']}", {})[r["impl"]] = (round(r["time_us"], 2), round(r["frac_copy"], 3))
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None)
+    p.add_argument("--m", default="1,2,4,8,16,32,64,256")
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--sweep", action="store_true", help="int4_sym kernel tilings at --sweep-m")
+    p.add_argument("--sweep-m", default="1,16,64")
+    p.add_argument("--sweep-shapes", default=",".join(SHAPES))
+    p.add_argument("--check", action="store_true", help="first, every kernel variant against the reference")
+    p.add_argument("--no-bench", action="store_true", help="only the --check stage")
+    p.add_argument("--reps", type=int, default=10, help="calls per timed chain")
+    p.add_argument("--hlo-dir", default=None, help="write the optimized HLO of the fp8 / dequant calls here")
+    p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, interpret mode")
+    args = p.parse_args(argv)
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    ms = [int(m) for m in args.m.split(",")]
+    impls = args.impls.split(",")
+    for name in impls:
+        if name not in IMPLS:
+            raise SystemExit(f"unknown impl {name!r}; choose from {IMPLS}")
+    rows, copy = [], None
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+    if args.check:
+        check(rows, args.tiny)
+    if not args.no_bench:
+        copy = copy_bw(1 << 20 if args.tiny else 1 << 29, args.reps)
+        print(f"copy {copy / 1e12:.3f} TB/s", flush=True)
+        for shape in args.shapes.split(","):
+            K, N = shapes[shape]
+            bench_shape(shape, K, N, ms, impls, copy, args, rows, args.sweep)
+    result = dict(env=environment(), copy_bytes_per_s=copy, rows=rows, summary=summary(rows))
+    for k, v in result["summary"].items():
+        print(k, v, flush=True)
+    write_result("quant_kernels", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

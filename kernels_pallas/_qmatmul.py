@@ -1,0 +1,200 @@
+"""Weight-only int4 / int8 GEMM for decode and small batches (Pallas, Triton lowering): x [M, Kp] times a weight
+in qlayout's packed layout, the integers dequantized in registers, each weight byte read once.
+
+Grid (N / BN, splits, M / BM). A program owns BN output columns, BM rows of x and one contiguous run of K's tiles
+(split-K: the splits write float32 partials that the caller sums; one split writes x's dtype). Per tile it loads
+the [L, BN] int32 words once (L = the layout's plane height, 128 for g128: 32 KB at BN 64) and, for each of the P
+bit fields (planes: L consecutive rows of K, qlayout), turns them into the integers q - z in float32 with no
+integer-to-float conversion instruction:
+    bits (q | 0x4B000000) read as float32 are exactly 2^23 + q, so (2^23 + q) - (2^23 + z) = q - z exactly
+(a shift, an and / or and one subtraction per value; q - z is a small integer, exact in bfloat16), and multiplies
+the plane by the matching [BM, L] slice of x with one MMA. The group scale is applied to the MMA's float32
+result, once per plane and column, not to every weight: sum_k x_k (q_k - z) s = s * sum_k x_k (q_k - z) within a
+group (per channel: once at the end). So the kernel's product is more exact than dequantizing to bfloat16 first
+(the reference's rounding of each weight to the model's dtype is the only difference: ~2^-9 relative).
+
+MMA rows: the tensor-core MMA needs >= 16 rows; batches of fewer rows are stacked R times in registers (as the
+decode attention kernel stacks its query group); the entry point pads x to at least MMA_MIN_ROWS rows first.
+One row (M = 1, FMA_MAX_M) takes the FMA variant instead: the plane times x's column on the CUDA cores into an
+[L, BN] float32 accumulator, summed over L once at the end, with no MMA operand layout to build.
+
+Measured (H100, jax 0.11.2, bench/quant_kernels.py; bench/KERNELS_NOTES.md "Quantized matmuls"): int4 g128 at
+M = 1 reads its bytes at 0.30-0.44 of the copy bandwidth (o 9.6 us, qkv 14.6, gate_up 46.1, down 25.6: 1.4-1.6x
+faster than the bf16 GEMM) and at 0.18-0.39 at M = 2..64. ncu (o, M = 1): instruction-bound, ~7 instructions
+per weight and 2 warps per scheduler (181 registers in the MMA variant, 80 in the FMA one), DRAM at 19-22 %;
+the dequantization's instruction count, not the bytes, sets the time (see the notes for what would close it).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from ._common import mma, triton_params
+from .qlayout import MAGIC, PLANES, per_word
+
+NUM_SMS = 132  # H100 / H200: sizes split-K statically
+MAX_BLOCK_M = 64
+FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
+# The MMA variant runs at least this many rows (the entry point pads x): 2 or 4 rows stacked 8 or 4 times in
+# registers measured slower than 8 rows stacked twice (H100, gate_up M 2 / 4 / 8: 59.5 / 72.2 / 52.5 us)
+MMA_MIN_ROWS = 8
+
+
+def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
+    """Inputs the kernel takes: 16-bit activations (a float32 MMA would run in TF32), N a multiple of 16, and planes
+    that lie inside one group (the plane divides the group size, or per channel)."""
+    return (jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % 16 == 0
+            and bits in (4, 8) and plane in PLANES and (group_size == -1 or group_size % plane == 0))
+
+
+def default_block_n(n: int, fma: bool) -> int:
+    return next(b for b in ((64, 32, 16) if fma else (32, 16)) if n % b == 0)
+
+
+def plan(m: int, kp: int, n: int, bits: int, plane: int, *, fma: bool, block_n=None, splits=None):
+    """Static launch plan (block_n, splits, tiles_per_split, tiles): splits over K so that ~2 programs per SM exist
+    (a decode GEMM has few column blocks: o / down at BN 64 have 64), each split a whole number of tiles."""
+    bn = block_n or default_block_n(n, fma)
+    tiles = kp // (plane * per_word(bits))
+    col_blocks = n // bn
+    m_blocks = -(-m // MAX_BLOCK_M)
+    if splits is None:
+        splits = max(1, min(tiles, -(-2 * NUM_SMS // (col_blocks * m_blocks))))
+    per_split = -(-tiles // splits)
+    return bn, -(-tiles // per_split), per_split, tiles
+
+
+def _kernel(x_ref, qw_ref, s_ref, *rest, bits, plane, group_size, has_zeros, tiles_per_split, num_tiles, replicas,
+            plane_loop, fma):
+    z_ref = rest[0] if has_zeros else None
+    o_ref = rest[-1]
+    P, L = per_word(bits), plane
+    TK = L * P  # K rows per tile
+    mask = (1 << bits) - 1
+    BM = x_ref.shape[0]
+    BN = qw_ref.shape[-1]
+    R = replicas
+    cdt = x_ref.dtype
+    per_channel = group_size == -1
+    lo = pl.program_id(1) * tiles_per_split
+    hi = jnp.minimum(lo + tiles_per_split, num_tiles)
+
+    def stacked(a):  # [BM, C] -> [R * BM, C]: copies for the MMA's 16 rows
+        return a if R == 1 else jnp.broadcast_to(a[None], (R,) + a.shape).reshape(R * BM, a.shape[1])
+
+    def offset(g):  # 2^23 + z as a [1, BN] row (float32), or the symmetric zero point's constant
+        if not has_zeros:
+            return float((1 << 23) + (1 << (bits - 1)))
+        return z_ref[g, :].astype(jnp.float32)[None, :] + float(1 << 23)
+
+    off_channel = offset(0) if per_channel else None
+
+    def plane_step(words, t, j, acc, static_j):
+        k0 = t * TK + j * L
+        q = words if static_j and j == 0 else jax.lax.shift_right_logical(words, (j * bits).astype(jnp.int32)
+                                                                          if not static_j else jnp.int32(j * bits))
+        if not (static_j and j == P - 1):  # the top field needs no mask after a logical shift
+            q = q & mask
+        g = 0 if per_channel else k0 // group_size
+        off = off_channel if per_channel else offset(g)
+        w = jax.lax.bitcast_convert_type(q | MAGIC, jnp.float32) - off  # q - z, exact
+        scale = None if per_channel else s_ref[g, :].astype(jnp.float32)[None, :]
+        if fma:  # CUDA-core FMAs into [L, BN] per row, summed over L at the end: no MMA operand layout
+            out = []
+            for m in range(BM):
+                part = w * x_ref[m, pl.ds(k0, L)].astype(jnp.float32)[:, None]
+                out.append(acc[m] + (part if per_channel else part * scale))
+            return tuple(out)
+        d = mma(stacked(x_ref[:, pl.ds(k0, L)]), w.astype(cdt))
+        return acc + d if per_channel else acc + d * scale
+
+    def tile(t, acc):
+        words = qw_ref[pl.ds(t * L, L), :]
+        if plane_loop:  # planes as a loop: one plane's registers live at a time
+            return jax.lax.fori_loop(0, P, lambda j, a: plane_step(words, t, j, a, False), acc)
+        for j in range(P):
+            acc = plane_step(words, t, j, acc, True)
+        return acc
+
+    if fma:
+        acc = jax.lax.fori_loop(lo, hi, tile, tuple(jnp.zeros((L, BN), jnp.float32) for _ in range(BM)))
+        for m in range(BM):
+            row = acc[m].sum(axis=0)
+            if per_channel:
+                row = row * s_ref[0, :].astype(jnp.float32)
+            o_ref[m, :] = row.astype(o_ref.dtype)
+        return
+    acc = jax.lax.fori_loop(lo, hi, tile, jnp.zeros((R * BM, BN), jnp.float32))
+    if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
+        acc = acc.reshape(R, BM, BN).max(0)
+    if per_channel:
+        acc = acc * s_ref[0, :].astype(jnp.float32)[None, :]
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+_STATIC = ("bits", "group_size", "plane", "block_n", "splits", "plane_loop", "fma", "num_warps", "num_stages",
+           "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def qmatmul_kernel(x, qweight, scales, zeros, *, bits, group_size, plane, block_n=None, splits=None,
+                   plane_loop=None, fma=None, num_warps=None, num_stages=3, interpret=False):
+    """x [M, Kp] (M a power of two up to 64, or a multiple of 64; Kp the layout's padded K, x's columns already in
+    the layout's row order) times the packed weight -> [M, N] in x's dtype, or, when the plan splits K, float32
+    partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
+    kernel). Tuning (static): block_n, splits, plane_loop (planes as a loop instead of unrolled), num_warps,
+    num_stages."""
+    M, Kp = x.shape
+    N = qweight.shape[1]
+    if not supported(x.dtype, N, bits, group_size, plane):
+        raise ValueError(f"the kernel does not take x {x.dtype}, N={N}, bits={bits}, group_size={group_size}, "
+                         f"plane={plane} (see supported)")
+    if Kp != qweight.shape[0] * per_word(bits):
+        raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
+    BM = min(M, MAX_BLOCK_M)
+    if M % BM or BM & (BM - 1):
+        raise ValueError(f"M={M} must be a power of two <= {MAX_BLOCK_M} or a multiple of {MAX_BLOCK_M}")
+    fma = M <= FMA_MAX_M if fma is None else fma
+    if fma and M > 4:
+        raise ValueError(f"fma=True takes at most 4 rows (one [L, BN] accumulator each), got M={M}")
+    BN, S, per_split, tiles = plan(M, Kp, N, bits, plane, fma=fma, block_n=block_n, splits=splits)
+    # defaults by measurement (H100, bench/results/quant_kernels_h100_*.json): the FMA variant unrolled over
+    # planes with 8 warps; the MMA variant with the planes as a loop (fewer live registers), 4 warps, BN 32
+    plane_loop = not fma if plane_loop is None else plane_loop
+    num_warps = num_warps or (8 if fma else 4)
+    if N % BN:
+        raise ValueError(f"N={N} must be a multiple of block_n={BN}")
+    has_zeros = zeros is not None
+    ng = scales.shape[0]
+    in_specs = [
+        pl.BlockSpec((BM, Kp), lambda n, s, m: (m, 0)),
+        pl.BlockSpec((Kp // per_word(bits), BN), lambda n, s, m: (0, n)),
+        pl.BlockSpec((ng, BN), lambda n, s, m: (0, n)),
+    ]
+    args = [x, qweight, scales]
+    if has_zeros:
+        in_specs.append(pl.BlockSpec((ng, BN), lambda n, s, m: (0, n)))
+        args.append(zeros)
+    if S == 1:
+        out_shape = jax.ShapeDtypeStruct((M, N), x.dtype)
+        out_spec = pl.BlockSpec((BM, BN), lambda n, s, m: (m, n))
+    else:
+        out_shape = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
+        out_spec = pl.BlockSpec((None, BM, BN), lambda n, s, m: (s, m, n))
+    kernel = functools.partial(
+        _kernel, bits=bits, plane=plane, group_size=group_size, has_zeros=has_zeros, tiles_per_split=per_split,
+        num_tiles=tiles, replicas=max(1, 16 // BM), plane_loop=plane_loop, fma=fma)
+    return pl.pallas_call(
+        kernel,
+        grid=(N // BN, S, M // BM),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=out_shape,
+        interpret=interpret,
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}" + ("_fma" if fma else ""),
+    )(*args)

@@ -1,0 +1,168 @@
+"""Quantized linear layers: weight-only int4 / int8 (GPTQ, AWQ, compressed-tensors W4A16 / W8A16) and FP8 W8A8
+(compressed-tensors FP8, quantization="fp8"), each entry point beside its pure-jnp reference.
+
+  quantized_matmul(x [..., K], w: QuantizedWeight, *, split=False, max_kernel_m=64, backend="auto",
+                   interpret=False, **tuning) -> [..., N] in x's dtype (split: a tuple, one array per w.parts)
+      Decode and small batches (M = prod(x.shape[:-1]) <= max_kernel_m) run the Pallas kernel (_qmatmul.py),
+      which streams the packed weight once and dequantizes in registers; larger batches (prefill) dequantize
+      the weight to x's dtype in one XLA fusion and multiply with XLA's GEMM (cuBLAS / Triton). Off GPU (and not
+      interpret), and for inputs the kernel does not take (_qmatmul.supported), the dequantize + dot path runs.
+      max_kernel_m (default MAX_KERNEL_M = 64) by measurement on an H100 (bench/quant_kernels.py): the kernel
+      is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256 the two are
+      within 10 % of each other (kernel faster on gate_up, slower on down), and both ~3x slower than bf16.
+      backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one).
+      Fused projections (qkv, gate / up): pack the concatenated [K, N1 + N2 + ...] weight once with
+      parts=(N1, N2, ...) and call once; split=True returns the parts (slices of one output).
+  fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale (scalar or [N]), *, x_scale=None, act_scale="token",
+             out_dtype=None) -> [..., N]
+      x quantized to e4m3 in the same jitted function (dynamic per-token scales, or per-tensor, or a static
+      x_scale), one fp8 x fp8 dot with float32 accumulation (Hopper's FP8 tensor cores through XLA), the scales
+      applied to its float32 result.
+
+The weight layout, the act-order permutation and the helpers that build a QuantizedWeight from a checkpoint's
+integers are in qlayout.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _qmatmul
+from ._common import on_gpu
+from .qlayout import QuantizedWeight, dequantize, padded_k
+
+MAX_KERNEL_M = 64  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
+FP8 = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an all-zero row stays finite)
+
+
+def _split(y, w: QuantizedWeight, split: bool):
+    if not split:
+        return y
+    if w.parts is None:
+        raise ValueError("split=True needs a weight packed with parts=(...)")
+    out, at = [], 0
+    for p in w.parts:
+        out.append(y[..., at : at + p])
+        at += p
+    return tuple(out)
+
+
+def quantized_matmul_ref(x, w: QuantizedWeight, *, split=False):
+    """x @ W with W dequantized to x's dtype (float32 accumulation, rounded once to x's dtype): the reference, and
+    the large-batch path (one XLA elementwise fusion writes W, then XLA's GEMM)."""
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has {x.shape[-1]} features; the weight takes K={w.k}")
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    y = jnp.einsum("...k,kn->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    return _split(y.astype(x.dtype), w, split)
+
+
+def _dequant_matmul(x, w):
+    if w.perm is not None:
+        x = jnp.take(x, w.perm, axis=-1)
+    return jnp.einsum("...k,kn->...n", x, dequantize(w, x.dtype))
+
+
+def kernel_m(m: int, fma: bool) -> int:
+    """Rows the kernel runs for m rows: a power of two up to 64 (at least MMA_MIN_ROWS for the MMA variant), else a
+    multiple of 64."""
+    if m <= _qmatmul.MAX_BLOCK_M:
+        return max(1 << max(0, (m - 1).bit_length()), 1 if fma else _qmatmul.MMA_MIN_ROWS)
+    return -(-m // _qmatmul.MAX_BLOCK_M) * _qmatmul.MAX_BLOCK_M
+
+
+def quantized_matmul(x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto",
+                     interpret=False, **tuning):
+    """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, splits, plane_loop, num_warps,
+    num_stages."""
+    if backend not in ("auto", "kernel", "dequant"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
+    if x.shape[-1] != w.k:
+        raise ValueError(f"x has {x.shape[-1]} features; the weight takes K={w.k}")
+    lead = x.shape[:-1]
+    M = 1
+    for d in lead:
+        M *= d
+    ok = _qmatmul.supported(x.dtype, w.n, w.bits, w.group_size, w.plane)
+    if backend == "kernel" and not ok:
+        raise ValueError(f"the quantized matmul kernel does not take these inputs (x {x.dtype}, N={w.n}, "
+                         f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported")
+    use_kernel = backend == "kernel" or (backend == "auto" and ok and (interpret or on_gpu()) and M <= max_kernel_m)
+    if not use_kernel:
+        return _split(_dequant_matmul(x, w), w, split)
+    x2 = x.reshape(M, w.k)
+    if w.perm is not None:
+        x2 = jnp.take(x2, w.perm, axis=1)
+    fma = tuning.pop("fma", None)
+    fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
+    Mp, Kp = kernel_m(M, fma), padded_k(w.k, w.bits, w.plane)
+    if (Mp, Kp) != (M, w.k):  # rows up to the kernel's block, K's zero padding (the layout's padded rows)
+        x2 = jnp.pad(x2, ((0, Mp - M), (0, Kp - w.k)))
+    y = _qmatmul.qmatmul_kernel(x2, w.qweight, w.scales, w.zeros, bits=w.bits, group_size=w.group_size,
+                                plane=w.plane, fma=fma, interpret=interpret, **tuning)
+    if y.ndim == 3:  # split-K partials
+        y = y.sum(0).astype(x.dtype)
+    if Mp != M:
+        y = y[:M]
+    return _split(y.reshape(*lead, w.n), w, split)
+
+
+# ---- FP8 W8A8 -------------------------------------------------------------------------------------------------
+def quantize_fp8(w, *, per_channel=True):
+    """A float weight [N, K] (torch Linear's layout: out x in) -> (w_fp8 [N, K] float8_e4m3fn, scale [N] float32, or a
+    scalar per tensor), scale = max|w| / 448 over each row (over the whole tensor). For quantization="fp8" (16-bit
+    checkpoints quantized at load) and tests; compressed-tensors FP8 checkpoints bring their own."""
+    w = jnp.asarray(w, jnp.float32)
+    amax = jnp.abs(w).max(axis=1) if per_channel else jnp.abs(w).max()
+    scale = jnp.maximum(amax / FP8_MAX, FP8_MIN_SCALE)
+    s = scale[:, None] if per_channel else scale
+    return jnp.clip(w / s, -FP8_MAX, FP8_MAX).astype(FP8), scale
+
+
+def quantize_activations(x, *, x_scale=None, act_scale="token"):
+    """x [M, K] -> (x_fp8, scale [M, 1] or [1, 1] float32): a static x_scale, or dynamic per token ("token": one
+    scale per row, max|x_m| / 448) or per tensor ("tensor")."""
+    x32 = x.astype(jnp.float32)
+    if x_scale is not None:
+        s = jnp.asarray(x_scale, jnp.float32).reshape(1, 1)
+    elif act_scale == "token":
+        s = jnp.maximum(jnp.abs(x32).max(axis=1, keepdims=True) / FP8_MAX, FP8_MIN_SCALE)
+    elif act_scale == "tensor":
+        s = jnp.maximum(jnp.abs(x32).max().reshape(1, 1) / FP8_MAX, FP8_MIN_SCALE)
+    else:
+        raise ValueError(f"act_scale={act_scale!r} is not 'token' or 'tensor'")
+    return jnp.clip(x32 / s, -FP8_MAX, FP8_MAX).astype(FP8), s
+
+
+def _fp8_check(x, w, w_scale):
+    if w.ndim != 2 or w.shape[1] != x.shape[-1]:
+        raise ValueError(f"fp8 weight must be [N, K] with K = x's {x.shape[-1]} features; got {w.shape}")
+    if jnp.dtype(w.dtype) != jnp.dtype(FP8):
+        raise ValueError(f"fp8 weight must be float8_e4m3fn, got {w.dtype}")
+    if jnp.ndim(w_scale) not in (0, 1) or (jnp.ndim(w_scale) == 1 and jnp.shape(w_scale)[0] not in (1, w.shape[0])):
+        raise ValueError(f"w_scale must be a scalar or [N={w.shape[0]}]; got shape {jnp.shape(w_scale)}")
+
+
+def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot):
+    _fp8_check(x, w, w_scale)
+    lead, K = x.shape[:-1], x.shape[-1]
+    xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale)
+    y = dot(xq, w) * sx * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
+    return y.astype(out_dtype or x.dtype).reshape(*lead, w.shape[0])
+
+
+def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):
+    """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
+    both operands K-major), float32 out, scaled by the token and channel scales in the fusion after it."""
+    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, lambda a, b: jax.lax.dot_general(
+        a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
+
+
+def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):
+    """The same function with the fp8 values widened to float32 before the dot (the reference)."""
+    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, lambda a, b: jnp.dot(
+        a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
