@@ -88,7 +88,7 @@ def _llmcompressor(src: str, out: str, job: dict) -> None:
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     kw = {}
     if job.get("preset"):  # llm-compressor's named schemes: FP8, FP8_DYNAMIC, W8A8, ...
-        recipe = QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=["lm_head"])
+        recipe = QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=job.get("ignore", ["lm_head"]))
     else:
         w = QuantizationArgs(num_bits=job["bits"], type="int", strategy=job["strategy"],
                              group_size=job.get("group_size"), symmetric=job.get("sym", True),
@@ -96,7 +96,7 @@ def _llmcompressor(src: str, out: str, job: dict) -> None:
         groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=w)}
         # act-order is a GPTQ option (columns quantized in order of their Hessian diagonal; "group" also stores it)
         modifier = GPTQModifier if job.get("actorder") else QuantizationModifier
-        recipe = modifier(config_groups=groups, ignore=["lm_head"])
+        recipe = modifier(config_groups=groups, ignore=job.get("ignore", ["lm_head"]))
     if job.get("preset") == "FP8" or job.get("actorder"):  # calibrated on random tokens
         kw = dict(dataset=Dataset.from_dict({"input_ids": [x.tolist() for x in _calibration(8)]}),
                   num_calibration_samples=8, max_seq_length=32)

@@ -18,6 +18,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
+from jaxllm.models.quant import quantized_keys
 from tests.quant_producers import LEGACY_DIR, LEGACY_INSTALL, MAX_TOKENS, PROMPT, PROMPTS
 
 JOBS = [
@@ -41,9 +42,11 @@ JOBS = [
     # compressed-tensors' own decompression)
     {"name": "ct_w4a16_asym", "arch": "llama", "tool": "llmcompressor", "bits": 4, "strategy": "group",
      "group_size": 32, "sym": False, "hf": False},
-    {"name": "ct_w8a16", "arch": "llama", "tool": "llmcompressor", "bits": 8, "strategy": "channel"},
+    # the MLPs' down_proj left unquantized by the recipe's ignore list
+    {"name": "ct_w8a16", "arch": "llama", "tool": "llmcompressor", "bits": 8, "strategy": "channel",
+     "ignore": ["lm_head", "re:.*mlp.down_proj"]},
     {"name": "ct_fp8", "arch": "llama", "tool": "llmcompressor", "preset": "FP8"},  # static activation scales
-    {"name": "ct_fp8_dynamic", "arch": "llama", "tool": "llmcompressor", "preset": "FP8_DYNAMIC"},
+    {"name": "ct_fp8_dynamic", "arch": "mistral", "tool": "llmcompressor", "preset": "FP8_DYNAMIC"},
     {"name": "ct_w8a8", "arch": "llama", "tool": "llmcompressor", "preset": "W8A8"},
 ]
 # Act-order compressed-tensors (weight_g_idx), from the last llm-compressor that writes it (LEGACY_DIR); HF's
@@ -131,6 +134,8 @@ def test_logits_match_hf(ckpts, name):
     cfg, ours = _logits(path)
     refs = np.load(os.path.join(path, "refs.npz"))
     assert cfg.quantization is not None
+    if name == "ct_w8a16":  # what the checkpoint keeps unquantized stays so
+        assert quantized_keys(cfg, 0) == ("w_qkv", "wo", "w_gate_up")
     # HF's float32 model on the library's own dequantization: the same numbers. W8A8: compressed-tensors rounds
     # activations with scale amax / 127.5, vLLM (and jaxllm) with amax / 127.
     assert _rel(ours, refs["dense_logits"]) < (2e-2 if name == "ct_w8a8" else 1e-5)
@@ -159,13 +164,48 @@ def _run(llm):
     return outs
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(tensor_parallel_size=2, pipeline_parallel_size=2)], ids=["tp1", "tp2_pp2"])
-def test_engine_greedy_gptq_act_order(ckpts, kw):
-    """Chunked prefill, batching and prefix caching (the last two prompts share 2 blocks); act-order rows split
-    over tp (their scales, zeros and g_idx whole on each shard), layers over pp."""
-    outs = _run(_make_llm(ckpts["gptq_llama"], quantization="gptq_marlin", **kw))
-    assert [o.outputs[0].token_ids for o in outs] == _greedy_refs(ckpts["gptq_llama"])
-    assert outs[-1].num_cached_tokens == 16
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(ckpts, tmp_path):
+    """Chunked prefill, batching and prefix caching (the last two prompts share 2 blocks). Then the executable cache
+    (jaxllm/engine/exec_cache.py) with packed weights: a start with load_format="dummy" (random packed weights of
+    the checkpoint's shapes) and one on the checkpoint converted to Orbax (python -m jaxllm.convert, tp=2 shards:
+    the packed tensors and the scheme kept) load both steps the first start compiled, and the last gives the same
+    tokens."""
+    import jax
+
+    from convert import convert_checkpoint
+
+    path = ckpts["gptq_llama"]
+    converted = convert_checkpoint(path, str(tmp_path / "conv"), tp=2, progress=False)
+    with open(os.path.join(converted, "jaxllm_manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["quantization"]["method"] == "gptq"
+    assert manifest["params"]["layers/0/w_gate_up/packed"]["dtype"] == "int32"
+    starts = []
+    for weights, kw in ((path, dict(quantization="gptq_marlin")), (path, dict(load_format="dummy")), (converted, {})):
+        jax.clear_caches()  # a start that needed a step would trace it again
+        llm = _make_llm(weights, enforce_eager=False, compilation_cache_dir=str(tmp_path / "cache"), **kw)
+        cache, runner = llm.llm_engine.runner.exec_cache, llm.llm_engine.runner
+        starts.append((cache.hits, cache.misses, cache.stores))
+        outs = _run(llm)
+        if kw.get("load_format") == "dummy":
+            assert [len(t) for t in _tokens(outs)] == [MAX_TOKENS] * len(PROMPTS)
+            shapes = jax.tree.map(lambda x: (x.shape, x.dtype), runner.params)
+        else:
+            assert _tokens(outs) == _greedy_refs(path)
+            assert outs[-1].num_cached_tokens == 16
+    assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), runner.params)
+    n = len(runner.variants())
+    assert starts == [(0, n, n), (n, 0, 0), (n, 0, 0)]
+
+
+def test_engine_greedy_gptq_act_order_tp2_pp2(ckpts):
+    """Act-order rows split over tp (their scales, zeros and g_idx whole on each shard), layers over pp."""
+    outs = _run(_make_llm(ckpts["gptq_llama"], tensor_parallel_size=2, pipeline_parallel_size=2))
+    assert _tokens(outs) == _greedy_refs(ckpts["gptq_llama"])
 
 
 # One engine per distinct layout once loaded (logits parity covers every format's reading): groups with their zero
@@ -176,7 +216,7 @@ def test_engine_greedy_gptq_act_order(ckpts, kw):
 def test_engine_greedy_formats(ckpts, name, tp):
     path = _ckpt(ckpts, name)
     outs = _run(_make_llm(path, tensor_parallel_size=tp))
-    assert [o.outputs[0].token_ids for o in outs] == _greedy_refs(path)
+    assert _tokens(outs) == _greedy_refs(path)
 
 
 def test_demo_model_gptq_int4_answers_paris(demo_gptq):
@@ -192,19 +232,8 @@ def test_demo_model_gptq_int4_answers_paris(demo_gptq):
     assert "Berlin" in outs[1].outputs[0].text, outs[1].outputs[0].text
 
 
-def test_convert_keeps_packed_weights(ckpts, tmp_path):
-    from convert import convert_checkpoint
-
-    out = convert_checkpoint(ckpts["gptq_llama"], str(tmp_path / "conv"), tp=2, progress=False)
-    with open(os.path.join(out, "jaxllm_manifest.json")) as f:
-        manifest = json.load(f)
-    assert manifest["quantization"]["method"] == "gptq"
-    assert manifest["params"]["layers/0/w_gate_up/packed"]["dtype"] == "int32"
-    outs = _run(_make_llm(out))
-    assert [o.outputs[0].token_ids for o in outs] == _greedy_refs(ckpts["gptq_llama"])
-
-
-def test_dummy_weights_and_memory(ckpts):
+def test_memory_of_packed_weights(ckpts):
+    """What the devices hold (and what KV sizing subtracts): the packed weights, not the dense ones."""
     import jax
 
     from jaxllm.models.loader import abstract_weights
@@ -219,9 +248,6 @@ def test_dummy_weights_and_memory(ckpts):
         return size - cfg.vocab_size * cfg.hidden_size * 4 * 2
 
     assert layer(q) < 0.3 * layer(dense)  # int4 + scales + zeros against float32
-    llm = _make_llm(ckpts["gptq_llama"], load_format="dummy")
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]
-    assert len(out.outputs[0].token_ids) == MAX_TOKENS
 
 
 def test_dynamic_fp8_on_16_bit_checkpoint(ckpts):
@@ -234,6 +260,15 @@ def test_dynamic_fp8_on_16_bit_checkpoint(ckpts):
     with pytest.raises(ValueError, match=r"Quantization method specified in the model config \(gptq\) does not "
                                          r"match the quantization method specified in the `quantization` argument"):
         ModelConfig.from_hf(ckpts["gptq_llama"], quantization="fp8")
+
+
+def test_vllm_method_names(ckpts):
+    """vLLM's method names select the one implementation of each format, as the checkpoint's config does alone."""
+    for name, methods in (("gptq_llama", ("gptq", "gptq_marlin")), ("awq_qwen2", ("awq", "awq_marlin")),
+                          ("ct_fp8", ("compressed-tensors",))):
+        auto = ModelConfig.from_hf(ckpts[name]).quantization
+        for method in methods:
+            assert ModelConfig.from_hf(ckpts[name], quantization=method).quantization == auto
 
 
 def _copy(src, dst):
