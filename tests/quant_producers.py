@@ -18,8 +18,8 @@ writes OUT/name (the quantized HF folder, with a tokenizer) and, for the tiny mo
 Producers: gptqmodel (GPTQ: real GPTQ passes over random calibration tokens; AWQ: its AWQ pass, GEMM layout) and
 llm-compressor (oneshot QuantizationModifier / GPTQModifier writing compressed-tensors). Act-order
 compressed-tensors (weight_g_idx, actorder "group") is what llm-compressor wrote until compressed-tensors 0.19
-removed it; checkpoints on the hubs still carry it, so its job runs in a second subprocess that imports
-llm-compressor 0.13.0 / compressed-tensors 0.18.0 from LEGACY_DIR ("legacy": true).
+removed it; checkpoints on the hubs still carry it, so its job (tests/test_quant.py LEGACY_JOBS) runs in a second
+subprocess that imports llm-compressor 0.13.0 / compressed-tensors 0.18.0 from LEGACY_DIR.
 
 The "demo" job quantizes the demo model (jaxllm.demo) to GPTQ int4 with gptqmodel, calibrated on a few chat turns.
 """
