@@ -279,21 +279,25 @@ def test_gpu_parity_quantized_configs_fail_on_a_broken_dequantization(tmp_path, 
     import jax.numpy as jnp
 
     from bench import gpu_parity
-    from jaxllm.models import quant
+    from jaxllm.models import quant_matmul
+    from kernels_pallas import qlayout
 
-    right, seen = quant.dequantize, set()
+    right_int, right_fp8, seen = qlayout.dequantize, quant_matmul.fp8_matmul_ref, set()
 
-    def broken(w, dtype=jnp.float32):
-        seen.add(w.scheme.weight_type)
-        dense = right(w, jnp.float32)
-        if w.scheme.weight_type == "float":
-            return (dense * (448.0 / 240.0)).astype(dtype)
-        scales = w.scales.astype(jnp.float32)
-        ng = scales.shape[0]
-        step = jnp.repeat(scales, dense.shape[0] // ng, axis=0) if w.g_idx is None else scales[w.g_idx]
-        return (dense + step).astype(dtype)  # (q - (z - 1)) * s
+    def broken_int(w, dtype=None):  # (q - (z - 1)) * s = the right weight + one scale step per group
+        seen.add("int")
+        dense = right_int(w, jnp.float32)
+        G = w.k if w.group_size == -1 else w.group_size
+        step = jnp.repeat(w.scales.astype(jnp.float32), G, axis=0)[: w.k]
+        return (dense + step).astype(dtype or w.scales.dtype)
 
-    monkeypatch.setattr(quant, "dequantize", broken)
+    def broken_fp8(x, wq, scale, **kw):
+        seen.add("float")
+        return right_fp8(x, wq, scale * (448.0 / 240.0), **kw)
+
+    # the engine's reference (CPU) paths: jaxllm/models/quant_matmul.py
+    monkeypatch.setattr(qlayout, "dequantize", broken_int)
+    monkeypatch.setattr(quant_matmul, "fp8_matmul_ref", broken_fp8)
     # --num-layers 1: shapes no earlier test traced, so the steps are traced (and compiled) with the patch
     res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--num-layers", "1", "--scale", "0.1",
                            "--output-len", "8", "--enforce-eager", "--configs", "gptq_int4", "fp8",

@@ -188,7 +188,7 @@ def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(c
     for weights, kw in ((path, dict(quantization="gptq_marlin")), (path, dict(load_format="dummy")), (converted, {})):
         jax.clear_caches()  # a start that needed a step would trace it again
         llm = _make_llm(weights, enforce_eager=False, compilation_cache_dir=str(tmp_path / "cache"), **kw)
-        cache, runner = llm.llm_engine.runner.exec_cache, llm.llm_engine.runner
+        cache, runner = llm.llm_engine.runner.programs.exec_cache, llm.llm_engine.runner
         starts.append((cache.hits, cache.misses, cache.stores))
         outs = _run(llm)
         if kw.get("load_format") == "dummy":
@@ -198,7 +198,7 @@ def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(c
             assert _tokens(outs) == _greedy_refs(path)
             assert outs[-1].num_cached_tokens == 16
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), runner.params)
-    n = len(runner.variants())
+    n = len(runner.programs.variants())
     assert starts == [(0, n, n), (n, 0, 0), (n, 0, 0)]
 
 
