@@ -181,7 +181,7 @@ def _collect_joins(port: int, n: int, deadline: float, address: str, timeout: fl
             srv.settimeout(min(left, 1.0))
             try:
                 conn, _ = srv.accept()
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 continue
             hello = _read_line(conn, deadline)
             pid = hello.get("process_id") if isinstance(hello, dict) else None

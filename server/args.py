@@ -11,8 +11,10 @@ import argparse
 import json
 import os
 import re
+import sys
 
 from server.tool_parsers import TOOL_PARSERS
+from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
 
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
@@ -21,13 +23,12 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-    "enforce_eager",
-    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy",
+    "enforce_eager", "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
 OPTIONAL_ENGINE_ARG_NAMES = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "attention_backend",
-                             "compilation_cache_dir")
+                             "compilation_cache_dir", "speculative_config")
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -57,6 +58,18 @@ def _max_model_len(value: str) -> int | None:
     if value.strip().lower() in ("auto", "-1"):
         return None
     return human_readable_int(value)
+
+
+def _speculative_config(value: str) -> dict:
+    """--speculative-config: JSON, checked here so a bad value is a usage error before anything loads."""
+    from jaxllm.engine.configs import SpeculativeConfig
+
+    try:
+        parsed = json.loads(value)
+        SpeculativeConfig.from_value(parsed)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return parsed
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -118,7 +131,8 @@ def make_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
     e.add_argument("--trust-remote-code", action="store_true",
-                   help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
+                   help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
+                        "model itself is always jaxllm's implementation.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     e.add_argument("--quantization", "-q", default=None,
                    help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
@@ -131,6 +145,12 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                    help="Engine replicas, each on its own tensor_parallel_size * pipeline_parallel_size devices of "
                         "this host, behind this one server; requests go to the least loaded one.")
+    e.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="Replicas on this host: all of them (--data-parallel-size), as replicas on other hosts "
+                        "are not supported.")
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
+                        "experts per device) instead of each expert's FFN.")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of total device memory for weights, activations and KV cache.")
     e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")
@@ -149,6 +169,11 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
                         "priority values run first, then arrival order.")
+    e.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
+                        '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
+                        '"disable_by_batch_size".')
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
     e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
@@ -161,6 +186,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--headless", action="store_true",
                    help="Run no API server: this process (--process-id > 0, as it is by default) only runs the "
                         "engine's steps for process 0, which serves.")
+    add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
 
@@ -208,7 +234,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
+    resolve_vllm_flags(parser, args)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag or args.model
@@ -228,10 +255,21 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error("--headless: process 0 serves the API; start the other processes with --headless")
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size_local not in (None, args.data_parallel_size):
+        parser.error(f"--data-parallel-size-local {args.data_parallel_size_local}: every data-parallel replica runs "
+                     f"on this host ({args.data_parallel_size}, --data-parallel-size); replicas on other hosts are "
+                     "not supported")
+    if args.chat_template:  # as vLLM's validate_parsed_serve_args: before the model loads, not after
+        from server.serving_chat import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (ValueError, OSError) as e:
+            parser.error(f"--chat-template: {e}")
     return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES + MODEL_SOURCE_ARG_NAMES}
     kwargs.update({n: getattr(args, n) for n in OPTIONAL_ENGINE_ARG_NAMES if getattr(args, n, None) is not None})
     return kwargs

@@ -9,6 +9,13 @@ Two sources feed them:
   with the replica that served the request (`engine_index(request_id)`).
 Every snapshot goes through `ServerMetrics.poll()` because its `iteration_tokens` list holds only the steps
 since the previous snapshot.
+
+The names dashboards of vLLM 0.4-0.10 read are there too, computed as vLLM did: vllm:gpu_cache_usage_perc
+(= kv_cache_usage_perc), vllm:time_per_output_token_seconds (= inter_token_latency_seconds),
+vllm:num_requests_swapped and vllm:cpu_cache_usage_perc (0: preemption recomputes, nothing is swapped to CPU),
+vllm:avg_prompt_throughput_toks_per_s / avg_generation_throughput_toks_per_s (tokens of the last whole
+throughput interval over its length, as V0's stats logger set them every interval), vllm:request_params_n (each
+finished request's n) and vllm:cache_config_info (a gauge at 1 labelled with the engine's cache config).
 """
 
 from __future__ import annotations
@@ -46,16 +53,27 @@ def _token_buckets(max_model_len: int) -> list[float]:
 
 LABELS = ["model_name", "engine"]
 
-# (name, help, EngineStats field) of the snapshot's gauges, then its counters
+# (name, help, EngineStats field or None for 0) of the snapshot's gauges, then its counters
 _GAUGES = (("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
-           ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"))
+           ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+           ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
+            "vllm:kv_cache_usage_perc instead.", "kv_cache_usage"),
+           ("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV cache "
+            "offloading is not used in V1", None),
+           ("vllm:num_requests_swapped", "Number of requests swapped to CPU. DEPRECATED: KV cache offloading is not "
+            "used in V1", None))
 _COUNTERS = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
               "prefix_cache_queries"),
              ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
              ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
              ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
              ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"))
+_THROUGHPUT = (("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s."),
+               ("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s."))
+_SPEC_COUNTERS = (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+                  ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+                  ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"))
 
 
 class _EngineCollector:
@@ -66,22 +84,73 @@ class _EngineCollector:
 
     def collect(self):
         self.metrics.poll()
-        per_engine = self.metrics.last_per_engine
+        m, per_engine = self.metrics, self.metrics.last_per_engine
+        labels = [[m.model_name, str(i)] for i in range(len(per_engine))]
         for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
             for metric, doc, field in specs:
-                m = family(metric, doc, labels=LABELS)
-                for i, s in enumerate(per_engine):
-                    m.add_metric([self.metrics.model_name, str(i)], getattr(s, field))
-                yield m
+                f = family(metric, doc, labels=LABELS)
+                for label, s in zip(labels, per_engine, strict=True):
+                    f.add_metric(label, getattr(s, field) if field else 0)
+                yield f
+        rates = [t.rates(s) for t, s in zip(m.throughput, per_engine, strict=True)]
+        for j, (metric, doc) in enumerate(_THROUGHPUT):
+            g = GaugeMetricFamily(metric, doc, labels=LABELS)
+            for label, r in zip(labels, rates, strict=True):
+                g.add_metric(label, r[j])
+            yield g
+        if m.cache_info:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=list(m.cache_info[0]) + ["engine"])
+            for i, labels_i in enumerate(m.cache_info):
+                info.add_metric(list(labels_i.values()) + [str(i)], 1)
+            yield info
+        spec = [(label, s.spec_decode) for label, s in zip(labels, per_engine, strict=True) if s.spec_decode]
+        if spec:  # only with speculative decoding on, as vLLM registers them
+            for metric, doc, field in _SPEC_COUNTERS:
+                c = CounterMetricFamily(metric, doc, labels=LABELS)
+                for label, sd in spec:
+                    c.add_metric(label, getattr(sd, field))
+                yield c
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=LABELS + ["position"])
+            for label, sd in spec:
+                for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                    per_pos.add_metric(label + [str(pos)], n)
+            yield per_pos
+
+
+class IntervalThroughput:
+    """Prompt and generation tokens per second over the last whole interval (vLLM V0's avg_*_throughput gauges,
+    which its stats logger set every local interval): rates(snapshot) rolls to a new interval once `interval`
+    seconds have passed since the last roll and returns the rates of the last finished one."""
+
+    def __init__(self, interval: float, clock=time.monotonic):
+        self.interval, self.clock = interval, clock
+        self._start: tuple[float, int, int] | None = None
+        self._rates = (0.0, 0.0)
+
+    def rates(self, s: EngineStats) -> tuple[float, float]:
+        now = self.clock()
+        if self._start is None:
+            self._start = (now, s.prompt_tokens, s.generation_tokens)
+        t0, p0, g0 = self._start
+        if now - t0 >= self.interval:
+            self._rates = ((s.prompt_tokens - p0) / (now - t0), (s.generation_tokens - g0) / (now - t0))
+            self._start = (now, s.prompt_tokens, s.generation_tokens)
+        return self._rates
 
 
 class ServerMetrics:
-    def __init__(self, engine: EngineClient, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str, throughput_interval: float = 5.0):
         self.engine = engine
         self.model_name = model_name
+        info = getattr(engine, "cache_config_info", None)
+        per_engine = getattr(engine, "cache_config_info_per_engine", None)
+        self.cache_info: list[dict[str, str]] = per_engine() if per_engine else [info()] if info else []
         self.registry = CollectorRegistry(auto_describe=True)
         self.last = EngineStats()
         self.last_per_engine = [EngineStats()] * int(getattr(engine, "num_engines", 1))
+        self.throughput = [IntervalThroughput(throughput_interval) for _ in self.last_per_engine]
         self._stats_failures = 0
         r, labels = self.registry, LABELS
         self.registry.register(_EngineCollector(self))
@@ -93,6 +162,11 @@ class ServerMetrics:
                            labels, buckets=_LATENCY_BUCKETS, registry=r),
             itl=Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                           labels, buckets=_ITL_BUCKETS, registry=r),
+            tpot=Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                           "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                           labels, buckets=_ITL_BUCKETS, registry=r),
+            n_param=Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                              labels, buckets=[1, 2, 5, 10, 20], registry=r),
             e2e=Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                           labels, buckets=_E2E_BUCKETS, registry=r),
             queue_time=Histogram("vllm:request_queue_time_seconds",
@@ -184,6 +258,7 @@ class RequestTracker:
                 self._histograms().ttft.observe(now - self.arrival)
             elif self.last_token is not None:
                 self._histograms().itl.observe(now - self.last_token)
+                self._histograms().tpot.observe(now - self.last_token)
             self.last_token = now
             self.num_tokens = n
         if out.finished:
@@ -200,6 +275,7 @@ class RequestTracker:
         engine = self.m.engines.index(h)
         for reason in reasons:
             self.m.request_success(engine, reason).inc()
+        h.n_param.observe(len(reasons))  # the request's n: one reason per sequence
         if out is None:
             return
         h.prompt_tokens.observe(len(out.prompt_token_ids or []))
@@ -217,6 +293,7 @@ class StatsLogger:
         self.interval = interval
         self._prev = (time.monotonic(), 0, 0)
         self._was_idle = True
+        self._prev_spec = None  # the last line's SpecDecodeStats (speculative decoding's interval counts)
 
     def line(self) -> str | None:
         s = self.metrics.poll()
@@ -231,15 +308,35 @@ class StatsLogger:
             return None
         self._was_idle = idle
         hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        return (
+        line = (
             f"Avg prompt throughput: {prompt_tput:.1f} tokens/s, Avg generation throughput: {gen_tput:.1f} tokens/s, "
             f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
             f"GPU KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        spec = self._spec_line(s.spec_decode, dt)
+        return line if spec is None else line + "\n" + spec
+
+    def _spec_line(self, sd, dt: float) -> str | None:
+        """vLLM's "SpecDecoding metrics" line over the interval since the last one (None: no drafts in it)."""
+        prev, self._prev_spec = self._prev_spec, sd
+        if sd is None:
+            return None
+        p = prev or type(sd)()
+        drafts, drafted = sd.num_drafts - p.num_drafts, sd.num_draft_tokens - p.num_draft_tokens
+        accepted = sd.num_accepted_tokens - p.num_accepted_tokens
+        if not drafts:
+            return None
+        old = p.num_accepted_tokens_per_pos + [0] * len(sd.num_accepted_tokens_per_pos)
+        rates = ", ".join(f"{(n - o) / drafts:.3f}" for n, o in zip(sd.num_accepted_tokens_per_pos, old, strict=False))
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {100.0 * accepted / drafted if drafted else float('nan'):.1f}%")
 
     async def run(self) -> None:
         s = self.metrics.poll()
         self._prev = (time.monotonic(), s.prompt_tokens, s.generation_tokens)
+        self._prev_spec = s.spec_decode
         while True:
             await asyncio.sleep(self.interval)
             try:

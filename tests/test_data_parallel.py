@@ -1,6 +1,6 @@
 """Data parallelism (--data-parallel-size): the router's balancing, then 2 replicas on the 8 simulated CPU devices
-(tp 2 each, disjoint) giving the greedy tokens of one engine, offline and behind the server, both replicas used
-and labelled in /metrics as vLLM's `engine`."""
+(tp 2 each, disjoint) giving the greedy tokens of one engine, offline and behind the server (there with n-gram
+speculation in each replica), both replicas used and labelled in /metrics as vLLM's `engine`."""
 
 import concurrent.futures
 import re
@@ -71,7 +71,9 @@ def test_server_two_replicas(tiny, ref):
 
     args = parse_args([tiny, "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--num-gpu-blocks-override",
                        "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--block-size", "8",
-                       "--served-model-name", "tiny", "--disable-access-log", "--data-parallel-size", "2"])
+                       "--served-model-name", "tiny", "--disable-access-log", "--data-parallel-size", "2",
+                       # each replica speculates (greedy outputs stay the engine's)
+                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'])
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -89,4 +91,6 @@ def test_server_two_replicas(tiny, ref):
         per_engine = {m[0]: float(m[1]) for m in re.findall(
             metric + r'\{engine="(\d)",model_name="tiny"\} (\S+)', text)}
         assert set(per_engine) == {"0", "1"} and all(v > 0 for v in per_engine.values()), (metric, per_engine)
+    drafts = re.findall(r'vllm:spec_decode_num_drafts_total\{engine="(\d)",model_name="tiny"\} (\S+)', text)
+    assert sorted(e for e, _ in drafts) == ["0", "1"] and sum(float(n) for _, n in drafts) > 0, drafts
     assert sum(engine.router.counts) == len(ALL) and min(engine.router.counts) > 0

@@ -17,7 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
@@ -108,6 +108,9 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def cache_config_info(self) -> dict[str, str]:
+        return self.engine.cache_config_info()
 
     def start_profile(self, log_dir: str) -> None:
         import jax

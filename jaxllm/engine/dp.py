@@ -20,10 +20,10 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.protocol import EngineStats, PromptType
+from jaxllm.engine.protocol import EngineStats, PromptType, SpecDecodeStats
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -207,11 +207,19 @@ class DPEngine:
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
     """One snapshot for all replicas (the stats log line): sums, and the mean KV usage."""
+    specs = [s.spec_decode for s in stats if s.spec_decode is not None]
+    spec = None
+    if specs:  # speculative decoding's counters, per draft position too
+        width = max(len(sd.num_accepted_tokens_per_pos) for sd in specs)
+        spec = SpecDecodeStats(sum(sd.num_drafts for sd in specs), sum(sd.num_draft_tokens for sd in specs),
+                               sum(sd.num_accepted_tokens for sd in specs),
+                               [sum(sd.num_accepted_tokens_per_pos[i] for sd in specs
+                                    if i < len(sd.num_accepted_tokens_per_pos)) for i in range(width)])
     return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
                        sum(s.kv_cache_usage for s in stats) / len(stats), sum(s.prefix_cache_queries for s in stats),
                        sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
                        sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
-                       [n for s in stats for n in s.iteration_tokens])
+                       [n for s in stats for n in s.iteration_tokens], spec_decode=spec)
 
 
 class DPAsyncLLM:
@@ -271,6 +279,13 @@ class DPAsyncLLM:
 
     def stats_per_engine(self) -> list[EngineStats]:
         return [r.stats() for r in self.replicas]
+
+    def cache_config_info(self) -> dict[str, str]:
+        return self.replicas[0].cache_config_info()
+
+    def cache_config_info_per_engine(self) -> list[dict[str, str]]:
+        """vllm:cache_config_info's labels per replica (each sized its own KV cache)."""
+        return [r.cache_config_info() for r in self.replicas]
 
     def start_profile(self, log_dir: str) -> None:
         self.replicas[0].start_profile(log_dir)  # jax's profiler traces the whole process: every replica

@@ -23,14 +23,21 @@ from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.configs import cache_config_info
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxllm.engine.per_token import bias_row, collect_prompt_logprobs, logprob_dict
 from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.structured import Grammars
-from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
+from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    truncate_prompt_ids,
+)
+from jaxllm.spec_decode.engine import SpecDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +91,13 @@ class LLMEngine:
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner: ModelRunner = parts.runner
-        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
+        self.cache_config = parts.cache_config
+        # Speculative decoding (None: off; see step() and jaxllm/spec_decode/engine.py)
+        self.speculation = None if parts.speculation is None else SpecDecoding(parts.speculation)
+        self.spec = None if self.speculation is None else self.speculation.config
+        self._prev_spec = False  # the step in flight verifies proposals: the next one waits for its tokens
+        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config,
+                                   **(self.speculation.scheduler_kwargs if self.speculation else {}))
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.max_logprobs = args.max_logprobs
@@ -175,7 +188,7 @@ class LLMEngine:
         self._requests[request_id] = req
         try:
             for state in req.seqs:
-                self._update_bias(state)
+                state.seq.bias_row = bias_row(state.seq, self.tokenizer)
                 self._seq_to_req[state.seq.seq_id] = request_id
                 self.scheduler.add(state.seq)
         except Exception:  # all or nothing: a half-added request would wait forever
@@ -210,15 +223,27 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Dispatches the next step and returns the outputs of the previous one (see the module docstring)."""
+        """Dispatches the next step and returns the outputs of the previous one (see the module docstring).
+
+        Speculative decoding: a step that verifies proposals needs the previous step's tokens on the host (the
+        n-gram lookup reads them; the scheduler needs to know how many were accepted), so when the policy
+        speculates (jaxllm.spec_decode.policy: the batch is small enough for it to pay) the previous step is
+        processed first, proposals are made, then the step is scheduled: no host/device overlap for it."""
         prev, result = self._inflight, None
-        if prev is not None and self._needs_sync():
+        sd = self.speculation
+        speculate = sd is not None and sd.policy.speculate(self.scheduler.num_running)
+        if prev is not None and (self._needs_sync() or speculate or self._prev_spec):
             self._inflight = None
             outputs = self._process(prev, self.runner.collect(prev))
             prev = None
         else:
             outputs = []
+        if speculate:
+            sd.propose(self.scheduler.running)
+        if sd is not None:
+            self.scheduler.speculate = speculate
         sched = self.scheduler.schedule()
+        self._prev_spec = sched.verify
         self._inflight = None
         if not sched.is_empty:
             p = self.runner.prepare(sched)
@@ -267,7 +292,8 @@ class LLMEngine:
             if state is None or state.matcher is None or state.finish_reason is not None:
                 continue
             advanced.append(state)
-            tokens.append(int(result.tokens[handle.rows[seq.seq_id]]))
+            row = handle.rows[seq.seq_id]
+            tokens.append(int(result.tokens[row] if result.num_emitted is None else result.tokens[row, 0]))
         self._consume(advanced, tokens)
         self._fill_masks(advanced)
 
@@ -294,18 +320,26 @@ class LLMEngine:
         return outputs
 
     def _process(self, handle: StepHandle, result: StepResult) -> list[RequestOutput]:
-        sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        if result.num_emitted is None:
+            sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        else:  # a speculative step: each row's emitted tokens
+            sampled = {seq_id: result.tokens[row, : result.num_emitted[row]].tolist()
+                       for seq_id, row in handle.rows.items()}
+            self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
+        if self.speculation is not None:
+            self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}
         if result.prompt is not None:
-            self._collect_prompt_logprobs(handle, result, touched)
+            collect_prompt_logprobs(handle, result, self._request_of, self.tokenizer, self.vocab_size)
         now = time.time()
         for seq in appended:
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
             if req is None:
                 continue
+            new = sampled[seq.seq_id]
             try:
-                self._on_token(req, seq, handle, result, now)
+                self._on_tokens(req, seq, handle, result, now, len(new) if isinstance(new, list) else 1)
             except Exception as e:  # noqa: BLE001 - one request's failure must not take the others down
                 logger.exception("Request %s failed while processing its output", req.request_id)
                 self.abort_request(req.request_id)
@@ -323,23 +357,37 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
+    def _on_tokens(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float,
+                   count: int) -> None:
+        """The step's count new tokens of seq (more than one from a speculative step), one at a time: each is
+        checked for stops and changes the biases as if it came alone; tokens after a stop are dropped."""
+        new = seq.output_token_ids[len(seq.output_token_ids) - count:]
+        del seq.output_token_ids[len(seq.output_token_ids) - count + 1:]
         state = _state_of(req, seq)
-        row = handle.rows[seq.seq_id]
-        token = seq.output_token_ids[-1]
+        for j, token in enumerate(new):
+            if j:
+                if state.finish_reason is not None:
+                    return
+                seq.output_token_ids.append(token)
+            self._on_token(req, state, seq, handle.rows[seq.seq_id], result, now, token, j)
+
+    def _on_token(self, req: _Request, state: _SeqState, seq: Sequence, row: int, result: StepResult, now: float,
+                  token: int, j: int) -> None:
+        """token: seq's newest output token, the step's j-th for this sequence (its row j of a speculative
+        step's results)."""
+        at = row if result.num_emitted is None else (row, j)
         self.generation_tokens_total += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             self.prompt_tokens_total += len(req.prompt_token_ids)
         req.metrics.last_token_time = now
-        lp = float(result.logprobs[row])
+        lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
         if state.logprobs is not None:
-            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
-                                                     result.top_ids[row], result.top_logprobs[row],
-                                                     req.params.logprobs))
+            state.logprobs.append(logprob_dict(self.tokenizer, self.vocab_size, token, lp, int(result.ranks[at]),
+                                               result.top_ids[at], result.top_logprobs[at], req.params.logprobs))
         self._append_token(req, state, token)
-        self._update_bias(state)
+        seq.bias_row = bias_row(seq, self.tokenizer)
         if state.matcher is not None:
             if state.matched < seq.num_output_tokens and state.finish_reason is None:
                 self._consume([state], [token])  # not advanced before the step was processed (_advance_grammars)
@@ -375,23 +423,6 @@ class LLMEngine:
         status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish(state.seq.seq_id, status)
 
-    def _update_bias(self, state: _SeqState) -> None:
-        """Host-side logit biases for the next token: min_tokens suppresses stop tokens, bad_words bans the
-        token that would complete a bad word."""
-        p, seq = state.seq.sampling_params, state.seq
-        if not (p.logit_bias or p.bad_words or seq.num_output_tokens < p.min_tokens):
-            seq.bias_row = None  # nothing to bias (most requests: this runs for every token)
-            return
-        row = dict(p.logit_bias or {})
-        if seq.num_output_tokens < p.min_tokens:
-            for t in p.all_stop_token_ids:
-                row[t] = float("-inf")
-        for word_ids in self._bad_word_ids(p):
-            prefix = word_ids[:-1]
-            if not prefix or seq.output_token_ids[-len(prefix):] == prefix:
-                row[word_ids[-1]] = float("-inf")
-        seq.bias_row = row
-
     def _fill_masks(self, states: list[_SeqState]) -> None:
         """Structured outputs: each sequence's allowed next tokens, for all of them at once (Grammars.fill)."""
         states = [s for s in states if s.finish_reason is None]
@@ -405,47 +436,8 @@ class LLMEngine:
                                            f"continue the request's structured-output grammar after "
                                            f"{state.matched} tokens")
 
-    def _bad_word_ids(self, p: SamplingParams) -> list[list[int]]:
-        if not p.bad_words:
-            return []
-        cached = getattr(p, "_bad_word_ids", None)
-        if cached is None:
-            cached = []
-            for word in p.bad_words:
-                for variant in (word, " " + word.lstrip()):
-                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                    if ids and ids not in cached:
-                        cached.append(ids)
-            p._bad_word_ids = cached
-        return cached
-
-    def _logprob_dict(self, token, lp, rank, top_ids, top_lps, k) -> dict[int, Logprob]:
-        k = self.vocab_size if k == -1 else k  # -1: the whole vocabulary (allowed when max_logprobs is -1)
-        d = {token: Logprob(lp, rank, self.tokenizer.decode([token]))}
-        for tid, tlp, r in zip(top_ids[:k], top_lps[:k], range(1, k + 1)):
-            tid = int(tid)
-            if tid not in d:
-                d[tid] = Logprob(float(tlp), r, self.tokenizer.decode([tid]))
-        return d
-
-    def _collect_prompt_logprobs(self, handle: StepHandle, result: StepResult, touched) -> None:
-        t_lp, t_rank, top_ids, top_lps = result.prompt
-        scheduled = {s.seq.seq_id: s.seq for s in handle.sched.scheduled}
-        for seq_id, (lo, n, start) in handle.prompt_rows.items():
-            req = self._requests.get(self._seq_to_req.get(seq_id, ""))
-            # The chunk must belong to this request's sequence: an aborted request's id may be in use again.
-            if req is None or req.prompt_logprobs is None or req.seqs[0].seq is not scheduled.get(seq_id):
-                continue
-            k = req.params.prompt_logprobs
-            for j in range(n):
-                pos = start + j + 1  # prompt position of token j's target = its index in prompt_logprobs
-                if pos >= len(req.prompt_token_ids):
-                    break
-                if pos < len(req.prompt_logprobs):  # recomputed after a preemption: kept from the first pass
-                    continue
-                req.prompt_logprobs.append(self._logprob_dict(
-                    req.prompt_token_ids[pos], float(t_lp[lo + j]), int(t_rank[lo + j]), top_ids[lo + j],
-                    top_lps[lo + j], k))
+    def _request_of(self, seq_id: str) -> _Request | None:
+        return self._requests.get(self._seq_to_req.get(seq_id, ""))
 
     def _make_output(self, req: _Request) -> RequestOutput | None:
         """The request's output now (None for a FINAL_ONLY request still running); a finished request is
@@ -485,14 +477,18 @@ class LLMEngine:
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                             finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
+                             finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
 
     # ---- stats ----
+    def cache_config_info(self) -> dict[str, str]:
+        return cache_config_info(self.cache_config, self.args)
+
     def stats(self) -> EngineStats:
         st = self.scheduler.stats
         with self._stats_lock:
             it = list(self._iteration_tokens)
             self._iteration_tokens.clear()
+        spec = self.speculation.stats(st.spec_decode) if self.speculation is not None else None
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total, it)
+                           self.generation_tokens_total, it, spec)

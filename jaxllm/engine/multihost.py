@@ -38,6 +38,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxllm.sharding import mesh_pp
+
 logger = logging.getLogger(__name__)
 
 STEP, END, SHUTDOWN, NOOP = 1, 2, 3, 4
@@ -204,7 +206,21 @@ class MultiHost:
         if time.monotonic() - self.channel.last_send >= HEARTBEAT_S:
             self.send(NOOP)
 
+    def step_outputs(self, outputs, state):
+        """Every process, after a step's programs are dispatched: its outputs where process 0 reads them
+        (to_driver); on CPU it waits for them and the step's new state (sync_steps)."""
+        outputs = self.to_driver(outputs)
+        if self.sync_steps:
+            jax.block_until_ready((state, outputs))
+        return outputs
+
     # ---- moving arrays between processes' devices ----
+    def sampled_zeros(self, shape) -> jax.Array:
+        """prev_tokens' zeros (int32) where the sampling runs: the last stage's devices (every device without
+        pipeline stages), each process making its own replicas."""
+        rows = self.mesh.devices[-1:] if mesh_pp(self.mesh) > 1 else self.mesh.devices
+        return self.zeros(shape, np.int32, NamedSharding(Mesh(rows, ("pp", "tp")), P()))
+
     def zeros(self, shape, dtype, sharding) -> jax.Array:
         """A zero array with a sharding over several processes (each makes its own shards)."""
         host = np.zeros(shape, dtype)
@@ -323,13 +339,25 @@ def follow(engine, *, until_shutdown: bool = False) -> bool:
             msg = mh.channel.recv()
             if msg.kind == STEP:
                 variant, mode, layout = msg.header
-                runner.run_received(variant, mode, host_unpack(msg.ints, msg.floats, layout))
+                _run_received(runner, variant, mode, host_unpack(msg.ints, msg.floats, layout))
             elif msg.kind == SHUTDOWN:
                 return True
             elif msg.kind == END and not until_shutdown:
                 return False
     finally:
         mh.watchdog.disarm()
+
+
+def _run_received(runner, v, mode: str, host_args) -> None:
+    """A worker: runs the step process 0 sent as process 0 runs it (ModelRunner.launch decided the mode)."""
+    from jaxllm.engine.sampler import SamplerFlags
+
+    if mode == "whole":
+        runner.programs.wait_for_background_compile(v)
+    elif mode == "split" and v.flags != SamplerFlags():
+        # start the whole program's background compile when process 0 does (not needed before then)
+        runner.programs.runs_whole(v, host_args, runner.params, runner.kv_caches, runner.prev_tokens)
+    runner.run_step(v, mode, host_args)
 
 
 class OfflineCall:
