@@ -32,6 +32,14 @@ class EngineArgs:
     enforce_eager: bool = False
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
+    # LoRA adapters (jaxllm/lora/config.py: LoRAConfig, made from these once)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
+    lora_extra_vocab_size: int = 256
     # jaxllm-specific: explicit KV size (tests, CPU), attention backend, compile cache.
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -39,6 +47,12 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)  # None: off
     served_model_name: str | None = None
     server_mode: bool = False  # vLLM's defaults differ between offline and server
+
+    def lora_config(self):
+        """The LoRAConfig these arguments give (None without enable_lora); a bad value raises ValueError."""
+        from jaxllm.lora.config import LoRAConfig
+
+        return LoRAConfig.from_engine_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -64,6 +78,9 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.lora_config() is not None and self.pipeline_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1 yet; use "
+                             "tensor_parallel_size to split the model.")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):  # None: derived; anything else a positive int
             value = getattr(self, name)

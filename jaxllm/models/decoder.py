@@ -4,6 +4,10 @@ ModelConfig fields (biases, RoPE vs ALiBi, sliding window, tied embeddings), not
 
     forward(params, kv_caches, token_ids, meta, cfg) -> (kv_caches, hidden [T, D])
     compute_logits(params, hidden [B, D], cfg) -> [B, V] float32
+
+With LoRA (jaxllm/lora/), forward takes the step's LoRAInputs and adds each token's adapter term beside every
+projection (dense or quantized) and the embedding lookup; compute_logits takes the slot weights of its rows for the
+lm_head term.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
+from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.quant import QuantizedWeight, qmatmul
 
@@ -62,13 +67,19 @@ def _split_k_qkv(h, w, splits):
     return jnp.einsum("TSd,SdKGH->STKGH", hs, ws, preferred_element_type=jnp.float32)
 
 
-def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig):
+def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig,
+                  ll=None, lw=None):
+    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
+    ll = ll or {}
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     splits = qkv_splits(h.shape[0], lp, cfg, attn)
     if splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
+        if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
+            qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:
         qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
+        qkv = lora_ops.add(qkv, "qkv", h, ll.get("qkv"), lw)
     inv_freq = slopes = None
     if cfg.position_embedding == "rope":
         inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
@@ -77,10 +88,12 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
         qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=cfg.sliding_window, config=attn, dtype=x.dtype)
-    x = x + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD")
+    x = x + lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD"), "o", out, ll.get("o"), lw)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
-    x = x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD")
+    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
+    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
+    x = x + lora_ops.add(_proj(act, lp["w_down"], lp.get("b_down"), "TF,FD->TD"), "down", act, ll.get("down"), lw)
     return x, kv_cache
 
 
@@ -97,19 +110,32 @@ def _traced_once(layer_fn):
 
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
-            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None):
+            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None,
+            lora: lora_ops.LoRAInputs | None = None):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
-    layer range and the previous stage's hidden states; the first stage embeds token_ids."""
+    layer range and the previous stage's hidden states; the first stage embeds token_ids. lora: the step's
+    adapters (jaxllm/lora/ops.py), or None."""
     layers = range(cfg.num_layers) if layers is None else layers
-    x = params["embed"][token_ids] if hidden is None else hidden
+    lw = None if lora is None else lora_ops.select(lora.token_slots, lora.num_slots)
+    if hidden is None:
+        x = params["embed"][token_ids]
+        if lora is not None:
+            x = lora_ops.add(x, "embed", token_ids, lora.weights["embed"], lw)
+    else:
+        x = hidden
     kv_caches = list(kv_caches)
     layer = _traced_once(decoder_layer)  # looked up here: bench/step_probe.py swaps decoder_layer
     for i in layers:
-        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn)
+        ll = None if lora is None else lora.weights["layers"][i]
+        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, ll, lw)
     return kv_caches, x
 
 
-def compute_logits(params, hidden, cfg: ModelConfig):
+def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
+    """lora_head: the lm_head LoRA slot arrays (A, B) and row_slots [B] each row's slot (-1: none), or None."""
     x = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
+    logits = jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
+    if lora_head is not None:
+        logits = logits + lora_ops.delta("lm_head", x, *lora_head, lora_ops.select(row_slots, lora_head[0].shape[0]))
+    return logits
