@@ -154,7 +154,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
         prompt["cache_salt"] = req.cache_salt
-    engine_req = EngineRequest(prompt, params, request_id, ids, text)
+    engine_req = EngineRequest(prompt, params, request_id, ids, text, state.lora_request(req.model))
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo = ""

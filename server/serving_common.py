@@ -50,6 +50,7 @@ class ServerState:
     enable_auto_tools: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    loras: Any = None  # server.lora.ServedLoRAs: the adapters requests may name as their model
     _defaults: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -60,8 +61,14 @@ class ServerState:
         """The model name to report back: the first served name whichever one the request used (vLLM);
         an unknown name is a 404 (an absent one means the default)."""
         if name and name not in self.served_model_names:
+            if self.lora_request(name) is not None:
+                return name  # an adapter reports its own name (vLLM)
             raise model_not_found(name)
         return self.model_name
+
+    def lora_request(self, name: str | None):
+        """The LoRARequest of the adapter a request names as its model, or None (the base model)."""
+        return None if self.loras is None else self.loras.get(name)
 
     def default_sampling(self) -> dict[str, Any]:
         """generation_config defaults the engine exposes, as SamplingParams field names (max_tokens is the
@@ -256,6 +263,7 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     prompt_text: str | None
+    lora_request: Any = None  # the adapter the request's model names (jaxllm.lora.request.LoRARequest)
 
 
 @dataclass
@@ -362,7 +370,8 @@ class EngineRunner:
         gen = None
         got_output = failed = False
         try:
-            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority)
+            lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
+            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority, **lora)
             async for out in gen:
                 got_output = True
                 tracker.on_output(out)

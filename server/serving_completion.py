@@ -65,7 +65,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             prompt["cache_salt"] = req.cache_salt
         rid = f"{request_id}-{i}"
         log_request(state, rid, text if text is not None else ids, params)
-        requests.append(EngineRequest(prompt, params, rid, ids, text))
+        requests.append(EngineRequest(prompt, params, rid, ids, text, state.lora_request(req.model)))
 
     ctx = _Ctx(state, req, request_id, model, echo_only)
     if req.stream:

@@ -66,6 +66,7 @@ class _Request:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
 
 
 def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
@@ -94,6 +95,8 @@ class LLMEngine:
         self._inflight: StepHandle | None = None
         self._rng = random.Random(args.seed)
         self.grammars: Grammars = parts.grammars
+        self.lora = parts.lora  # LoRASlots, or None without enable_lora
+        self._lora_removals: set[int] = set()  # adapters to forget once no request uses them
         self._advanced: list[_SeqState] = []  # constrained sequences that took a token: their masks are stale
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -130,7 +133,7 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.args.scheduling_policy != "priority":
@@ -143,6 +146,7 @@ class LLMEngine:
         ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
+        lora_id, lora_key = self._lora_of(lora_request)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.compile(so)
         if not params.ignore_eos:
@@ -152,12 +156,12 @@ class LLMEngine:
         # generation_config.json's max_new_tokens caps every request (vLLM's max_tokens resolution)
         max_tokens = min(max_tokens, self.generation_defaults.get("max_tokens") or max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        req = _Request(request_id, text, ids, params, [], metrics)
+        req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
                            skip_prefix_cache_read=params.prompt_logprobs is not None, cache_salt=salt,
-                           sampling_params=params)
+                           sampling_params=params, lora_id=lora_id, lora_key=lora_key)
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
@@ -179,6 +183,47 @@ class LLMEngine:
         except Exception:  # all or nothing: a half-added request would wait forever
             self.abort_request(request_id)
             raise
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
+    def _lora_of(self, lora_request) -> tuple[int, str | None]:
+        """(lora_int_id, prefix-cache key) of a request's adapter, registering (reading and checking) it when new."""
+        if lora_request is None:
+            return 0, None
+        from jaxllm.lora.request import LoRARequest
+
+        if self.lora is None:
+            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled! Start the engine with "
+                             "enable_lora=True (--enable-lora).")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        self.lora.add(lora_request)
+        self._lora_removals.discard(lora_request.lora_int_id)
+        return lora_request.lora_int_id, self.lora.cache_key(lora_request.lora_int_id)
+
+    def add_lora(self, lora_request) -> bool:
+        """Registers an adapter (read and checked now: ValueError naming the field); False if its id is known."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled! Start the engine with enable_lora=True (--enable-lora).")
+        added = self.lora.add(lora_request)
+        self._lora_removals.discard(lora_request.lora_int_id)
+        return added
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter; requests still running with it finish first (it is forgotten after the last)."""
+        if self.lora is None or lora_id not in self.lora.requests:
+            return False
+        self._lora_removals.add(lora_id)
+        self._drop_removed_loras()
+        return True
+
+    def list_loras(self) -> set[int]:
+        return set() if self.lora is None else set(self.lora.requests) - self._lora_removals
+
+    def _drop_removed_loras(self) -> None:
+        in_use = {req.lora_id for req in self._requests.values()}
+        for lora_id in list(self._lora_removals - in_use):
+            self._lora_removals.discard(lora_id)
+            self.lora.remove(lora_id)
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -241,6 +286,8 @@ class LLMEngine:
         if not outputs and self._inflight is None and self._requests:
             # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
             outputs = self._finish_stalled()
+        if self._lora_removals:
+            self._drop_removed_loras()
         return outputs
 
     def _needs_sync(self) -> bool:

@@ -30,6 +30,7 @@ class EngineParts:
     generation_defaults: dict
     mesh: object
     grammars: object  # structured.Grammars
+    lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -222,6 +223,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(path, dtype=args.dtype, quantization=args.quantization)
+    lora_cfg = args.lora_config()
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
@@ -238,6 +240,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         backend = "pallas" if gpu else "reference"
 
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    lora = None
+    if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
+        from jaxllm.lora.slots import LoRASlots
+
+        lora = LoRASlots(lora_cfg, cfg, mesh)
+        lora.warm_up()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
@@ -269,7 +277,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=args.enable_prefix_caching)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_loras=lora_cfg.max_loras if lora_cfg else None)
     tokens = (num_blocks - 1) * args.block_size
     logger.info("KV cache size: %d tokens", tokens)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
@@ -294,7 +303,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
     tokenizer, eos, defaults, grammars = tokenizer_future.result()
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, lora)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):

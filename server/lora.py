@@ -1,0 +1,132 @@
+"""LoRA adapters on the server, as vLLM serves them: `--lora-modules name=path` or its JSON form
+'{"name": ..., "path": ..., "base_model_name": ...}' loaded at start-up, `model: "<adapter name>"` in a request,
+adapters listed in /v1/models with their parent, and (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, vLLM's variable)
+POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from jaxllm.lora.request import LoRARequest
+from server.errors import APIError, read_json
+
+logger = logging.getLogger("jaxllm.server")
+
+RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+@dataclass(frozen=True)
+class LoRAModulePath:
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(value: str) -> LoRAModulePath:
+    """One --lora-modules value: name=path, or a JSON object with name, path and optionally base_model_name."""
+    value = value.strip()
+    if value.startswith("{"):
+        try:
+            d = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {value!r}: {e}") from None
+        if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON module needs string 'name' and 'path', got "
+                                             f"{value!r}.")
+        unknown = sorted(set(d) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(f"--lora-modules: unknown keys {unknown} in {value!r}.")
+        return LoRAModulePath(d["name"], d["path"], d.get("base_model_name"))
+    name, sep, path = value.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=path or a JSON object, got {value!r}.")
+    return LoRAModulePath(name, path)
+
+
+def runtime_updating_allowed(environ) -> bool:
+    """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true" (any case) turn the routes on."""
+    return environ.get(RUNTIME_UPDATING_ENV, "0").strip().lower() in ("1", "true")
+
+
+@dataclass
+class ServedLoRAs:
+    """The adapters the server names (what /v1/models lists): name -> LoRARequest; ids from one counter."""
+
+    base_names: list[str]
+    requests: dict[str, LoRARequest] = field(default_factory=dict)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+
+    def get(self, name: str | None) -> LoRARequest | None:
+        return None if name is None else self.requests.get(name)
+
+    async def load(self, engine, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """Registers and loads an adapter in the engine (its refusal: an APIError with the engine's message)."""
+        if not name or not path:
+            raise APIError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
+        if name in self.requests:
+            raise APIError(f"The lora adapter '{name}' has already been loaded.", err_type="InvalidUserInput")
+        if name in self.base_names:
+            raise APIError(f"'{name}' is the name of the served base model.", err_type="InvalidUserInput",
+                           param="lora_name")
+        parent = base_model_name if base_model_name in self.base_names else None
+        request = LoRARequest(name, next(self._ids), path, base_model_name=parent)
+        add = getattr(engine, "add_lora", None)
+        if add is None:
+            raise APIError("This engine does not serve LoRA adapters (start it with --enable-lora).")
+        try:
+            await add(request)
+        except ValueError as e:
+            not_found = str(e).startswith("No adapter found")
+            raise APIError(str(e), 404 if not_found else 400, param="lora_path") from None
+        self.requests[name] = request
+        logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return request
+
+    async def unload(self, engine, name: str | None, lora_int_id: int | None = None) -> None:
+        if not name and not lora_int_id:
+            raise APIError("either 'lora_name' and 'lora_int_id' needs to be provided.", err_type="InvalidUserInput")
+        request = self.requests.get(name) if name else next(
+            (r for r in self.requests.values() if r.lora_int_id == lora_int_id), None)
+        if request is None:
+            raise APIError(f"The lora adapter '{name or lora_int_id}' cannot be found.", 404)
+        del self.requests[request.lora_name]
+        await engine.remove_lora(request.lora_int_id)
+        logger.info("Removed LoRA adapter: name '%s'", request.lora_name)
+
+
+async def load_static(state, modules: list[LoRAModulePath]) -> None:
+    """--lora-modules at start-up: any adapter that does not load stops the server (vLLM's behaviour)."""
+    for m in modules:
+        try:
+            await state.loras.load(state.engine, m.name, m.path, m.base_model_name)
+        except APIError as e:
+            raise ValueError(f"--lora-modules {m.name}={m.path}: {e.message}") from None
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    from server.serving_common import STATE
+
+    state = request.app[STATE]
+    body = await read_json(request, state.max_body_bytes)
+    name, path = body.get("lora_name"), body.get("lora_path")
+    if not isinstance(name, (str, type(None))) or not isinstance(path, (str, type(None))):
+        raise APIError("'lora_name' and 'lora_path' must be strings.", err_type="InvalidUserInput")
+    await state.loras.load(state.engine, name, path)
+    return web.Response(status=200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def unload_lora_adapter(request: web.Request) -> web.Response:
+    from server.serving_common import STATE
+
+    state = request.app[STATE]
+    body = await read_json(request, state.max_body_bytes)
+    name, lora_int_id = body.get("lora_name"), body.get("lora_int_id")
+    await state.loras.unload(state.engine, name, lora_int_id)
+    return web.Response(status=200, text=f"Success: LoRA adapter '{name or lora_int_id}' removed successfully.")
