@@ -34,6 +34,7 @@ from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPR
 from jaxllm.engine.inputs import bucket, step_inputs
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows, sample
 from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.models.decoder import compute_logits, forward
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
@@ -134,17 +135,19 @@ class StepResult:
 
 
 def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-             *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+             lora: LoRAInputs | None = None, *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags,
+             prompt_k: int):
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
-    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn, lora=lora)
     rows = hidden[logits_indices]
     # The sampled rows' hidden states are returned too ([B, D]: small; returning the [B, V] float32 logits
     # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
     # default can run this program and a sampler-only program on them (ModelRunner.execute).
-    logits = compute_logits(params, rows, cfg)
+    lora_head = None if lora is None else lora.weights["lm_head"]
+    logits = compute_logits(params, rows, cfg, lora_head, smd.lora_slots)
     return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
-                                   flags=flags, prompt_k=prompt_k), rows)
+                                   flags=flags, prompt_k=prompt_k, lora=lora), rows)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["treedef", "leaves"])
@@ -213,12 +216,15 @@ def unpack_host_args(ints, floats, layout: PackedLayout):
     return jax.tree.unflatten(layout.treedef, out)
 
 
-def _packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
-                    attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
-    """_step_fn on the host inputs as pack_host_args made them."""
-    token_ids, src_rows, meta, logits_indices, smd, prompt_targets = unpack_host_args(ints, floats, layout)
+def _packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, lora_weights=None, *,
+                    cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+    """_step_fn on the host inputs as pack_host_args made them; with LoRA, the slot arrays (jaxllm/lora/slots.py)
+    and, as the host inputs' last item, each token's slot."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats,
+                                                                                                   layout)
+    lora = None if lora_weights is None else LoRAInputs(lora_weights, token_slots)
     return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-                    cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
+                    lora, cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
 
 
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
@@ -231,7 +237,8 @@ def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
 def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags):
     """The sampler-only program: logits of the sampled rows' hidden states (head: the final norm and output
     weights), then sampling."""
-    return _sample_logits_fn(compute_logits(head, rows, cfg), prev_tokens, smd, flags=flags)
+    logits = compute_logits(head, rows, cfg, head.get("lora_lm_head"), smd.lora_slots)
+    return _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
 
 
 def _packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig,
@@ -242,13 +249,14 @@ def _packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: Packed
 
 
 def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
-               flags: SamplerFlags, prompt_k: int):
+               flags: SamplerFlags, prompt_k: int, lora: LoRAInputs | None = None):
     """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
     the pipeline's tail)."""
     next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
     prompt = None
     if prompt_k:
-        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
+        lora_head = (None, None) if lora is None else (lora.weights["lm_head"], lora.token_slots)
+        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg, *lora_head), axis=-1)
         tgt = jnp.maximum(prompt_targets, 0)
         t_lp = jnp.take_along_axis(all_lp, tgt[:, None], axis=-1)[:, 0]
         t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
@@ -344,10 +352,11 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None):
+                 max_logprobs: int = 20, executable_cache_dir: str | None = None, lora=None):
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
+        self.lora = lora  # jaxllm.lora.slots.LoRASlots: its slot arrays are an argument of every step
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
@@ -540,7 +549,7 @@ class ModelRunner:
         self.kv_caches, hiddens = self.pipeline.warm_up(self.kv_caches, self.prev_tokens, shapes)
         for _ in range(2):
             for v in variants:
-                _, _, _, logits_indices, smd, prompt_targets = self._dummy_host(v)
+                _, _, _, logits_indices, smd, prompt_targets, _ = self._dummy_host(v)
                 self.prev_tokens, outputs, _ = self._sample_jit(
                     self.pipeline.head_params, hiddens[v.num_tokens], self.prev_tokens, logits_indices, smd,
                     prompt_targets, cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
@@ -607,7 +616,11 @@ class ModelRunner:
         z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
         meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, self.max_pages),
                                  v.decode_only)
-        return (z(T), np.full(T, -1, np.int32), meta, z(B), self._sampling_arrays(B, v.flags), np.full(T, -1, np.int32))
+        smd = self._sampling_arrays(B, v.flags)
+        no_lora = None if self.lora is None else np.full(T, -1, np.int32)
+        if self.lora is not None:
+            smd = dataclasses.replace(smd, lora_slots=np.full(B, -1, np.int32))
+        return (z(T), np.full(T, -1, np.int32), meta, z(B), smd, np.full(T, -1, np.int32), no_lora)
 
     def _dummy_args(self, v: StepVariant):
         return self._step_args(self._dummy_host(v))
@@ -615,7 +628,8 @@ class ModelRunner:
     def _step_args(self, host_args) -> tuple:
         """The step program's arguments for these host inputs (packed: pack_host_args)."""
         ints, floats, layout = pack_host_args(host_args)
-        return self.params, self.kv_caches, ints, floats, self.prev_tokens, layout
+        lora = () if self.lora is None else (self.lora.arrays,)
+        return self.params, self.kv_caches, ints, floats, self.prev_tokens, layout, *lora
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
@@ -679,7 +693,14 @@ class ModelRunner:
                                  inp.block_tables, decode_only)
         widths = tuple(getattr(smd, name).shape[1] for name, _, _ in _ROW_FIELDS) + (smd.token_bitmask.shape[0],)
         v = StepVariant(T, B, decode_only, flags, prompt_k, widths)
-        host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
+        token_slots = None
+        if self.lora is not None:  # each token's adapter slot (-1: base model, padding); the sampled rows' too
+            slot_of = self.lora.activate(s.lora_id for s in seqs)
+            seq_slots = np.fromiter((slot_of.get(s.lora_id, -1) for s in seqs), np.int32, n)
+            token_slots = np.full(T, -1, np.int32)
+            token_slots[:n_tok] = np.repeat(seq_slots, q_lens)
+            smd = dataclasses.replace(smd, lora_slots=token_slots[inp.logits_indices])
+        host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets, token_slots)
         slot = smd.bitmask_slot
         masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
         return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched)
@@ -699,8 +720,10 @@ class ModelRunner:
         which waits for the previous step's tokens and rewrites p's masks) runs before p's sampling inputs are
         read; when p has overlap_min_masked masks or more, p runs split and it runs after the model part is
         dispatched, so that host work overlaps the device's."""
-        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = p.host_args
         before_sample = before_sample or (lambda: None)
+        if self.lora is not None:  # the sampler-only program's lm_head adapters (the slot arrays of this step)
+            self._head["lora_lm_head"] = self.lora.arrays["lm_head"]
         v = p.variant
         overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
         if self.pipeline is not None:
@@ -720,7 +743,8 @@ class ModelRunner:
             # flags. For non-default flags whose step program is still compiling in the background, and for
             # overlap.
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
-            args = self._step_args((token_ids, src_rows, meta, logits_indices, _plain(smd), prompt_targets))
+            args = self._step_args((token_ids, src_rows, meta, logits_indices, _plain(smd), prompt_targets,
+                                    token_slots))
             self.kv_caches, _, _, _, rows = self._executable(base, args)(*args)
             self._rows_spec.setdefault(v.num_seqs, _spec(rows))
             before_sample()
@@ -777,7 +801,8 @@ class ModelRunner:
         """A step's arguments with the device arrays as shape / dtype / sharding specs (for lowering away from
         the step: the KV cache is donated to every step)."""
         ints, floats, layout = pack_host_args(host_args)
-        return self.params, jax.tree.map(_spec, self.kv_caches), ints, floats, _spec(self.prev_tokens), layout
+        lora = () if self.lora is None else (self.lora.abstract(),)
+        return self.params, jax.tree.map(_spec, self.kv_caches), ints, floats, _spec(self.prev_tokens), layout, *lora
 
     def _compile_in_background(self, v: StepVariant, args):
         t0 = time.perf_counter()
@@ -820,7 +845,8 @@ class ModelRunner:
                      *pack_host_args(dataclasses.replace(smd, token_bitmask=bitmask)))
         exe = self._sampler_executable(wide_v, wide_args)
         if key not in self._sampler_jobs:  # specs: the step's device arrays may be donated before it runs
-            specs = (self._head, _spec(rows), _spec(self.prev_tokens), *args[3:])
+            # (the head as specs too: a LoRA slot write may donate its lm_head arrays before this compiles)
+            specs = (jax.tree.map(_spec, self._head), _spec(rows), _spec(self.prev_tokens), *args[3:])
 
             def compile_exact():
                 try:
@@ -872,14 +898,14 @@ class ModelRunner:
         if (rows is None or key in self._samplers or key in self._sampler_jobs
                 or widths[0] > 2 * self.max_pages * self.block_size):
             return
-        prev = _spec(self.prev_tokens)
+        prev, head = _spec(self.prev_tokens), jax.tree.map(_spec, self._head)
         wider = lambda a: np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)  # noqa: E731
         smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
                                   penalty_is_output=wider(smd.penalty_is_output))
 
         def compile_ahead():
             try:
-                exe = self._sampler_jit.lower(self._head, rows, prev, *pack_host_args(smd), cfg=self.cfg,
+                exe = self._sampler_jit.lower(head, rows, prev, *pack_host_args(smd), cfg=self.cfg,
                                               flags=v.flags).compile()
             except Exception:  # noqa: BLE001 - only an optimisation: the step that needs it compiles it then
                 logger.exception("Compiling the sampler for B=%d %s %s ahead failed", v.num_seqs, v.flags, widths)

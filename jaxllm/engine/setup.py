@@ -293,7 +293,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args))
+                             executable_cache_dir=_executable_cache_dir(args), lora=lora)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
     except BaseException:
         if weights is not None:
