@@ -137,7 +137,8 @@ def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapt
     # (module key, peft module name) -> {"A": x, "B": x}
     pairs: dict[tuple, dict[str, np.ndarray]] = {}
     for name, (key, ab, x) in parsed.items():
-        pairs.setdefault((key, name.rsplit(".lora_", 1)[0]), {})[ab] = np.asarray(x, np.float32)
+        module_name = name.rsplit(".lora_", 1)[0].removeprefix("base_model.model.")
+        pairs.setdefault((key, module_name), {})[ab] = np.asarray(x, np.float32)
     adapter = LoRAAdapter(path, 0)
     builders: dict[tuple, _Builder] = {}
     for (key, module_name), ab in sorted(pairs.items(), key=lambda kv: str(kv[0])):
@@ -173,7 +174,7 @@ def _scaling(cfg: dict, module_name: str, r: int) -> float:
     alpha (PEFT matches its keys against the module name's tail)."""
     alpha = cfg["lora_alpha"]
     for pattern, value in (cfg.get("alpha_pattern") or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module_name.removeprefix("base_model.model.")):
+        if re.match(rf"(.*\.)?({pattern})$", module_name):
             alpha = value
             break
     return alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
