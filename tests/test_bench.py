@@ -356,3 +356,19 @@ def test_quant_kernels_smoke(tmp_path):
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
     assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
+
+
+def test_lora_bench_smoke(tmp_path):
+    """bench/lora.py's engine run on the tiny shape, in this process (the script runs each engine in a subprocess):
+    2 adapter slots, 2 adapters beside the base model, PEFT-format dummy adapters it writes itself."""
+    from bench import common, lora
+
+    args = lora.parse(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3",
+                       "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--max-model-len", "64",
+                       "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
+                       "--enforce-eager", "--compilation-cache-dir", "", "--rank", "8"])
+    adapter = lora.write_dummy_adapter(str(tmp_path / "a"), common.TINY, 8, 0)
+    res = lora.run_engine(args, "lora2", 2, (2,), adapter)
+    row = res["rows"][0]
+    assert row["adapters"] == 2 and row["slot_swaps"] == 2 and row["compiles_after_warmup"] == 0
+    assert row["batch1"]["output_tok_per_s"] > 0 and row["offline"]["total_tok_per_s"] > 0
