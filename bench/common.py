@@ -272,7 +272,7 @@ def engine_summary(llm) -> dict:
         max_num_seqs=getattr(sc, "max_num_seqs", None),
         max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", None),
         seq_buckets=list(r.seq_buckets), token_buckets=list(r.token_buckets),
-        num_variants_compiled=len(r._compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
+        num_variants_compiled=len(r.programs.compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
         kv_cache_tokens=(r.num_blocks - 1) * r.block_size, attention_backend=r.attn.backend,
         dtype=str(eng.model_config.dtype), enforce_eager=llm.engine_args.enforce_eager,
     )

@@ -2,7 +2,7 @@
 
 Start-up compiles every bucket for the plain sampler (temperature, min_p, seeds). A request that needs top-p /
 top-k, penalties, logit biases or logprobs used to compile a whole step program for its flags on first use,
-and every running request waited for it. Now (runner.split_sampler) such steps run the bucket's start-up
+and every running request waited for it. Now (runner.programs.split_sampler) such steps run the bucket's start-up
 program and a sampler-only program (compiled on first use; small) while the step program compiles in the
 background. For each setting this times a batch-1 request of --output-len tokens (it meets the compiles), the
 wait for the background compiles after it, and the same request again (the step programs); then, with
@@ -63,19 +63,19 @@ def main(argv=None) -> dict:
     rows = [dict(mode="plain", setting="temperature", first=timed(llm, prompt, SamplingParams(**base)),
                  again=timed(llm, prompt, SamplingParams(**base)))]
     for split, settings in ((True, SETTINGS), (False, WHOLE_SETTINGS)):
-        runner.split_sampler = split
+        runner.programs.split_sampler = split
         for name, kw in settings.items():
             sp = SamplingParams(**base, **kw)
-            n_steps, n_samplers = len(runner._compiled), len(runner._samplers)
+            n_steps, n_samplers = len(runner.programs.compiled), len(runner.programs.samplers)
             first = timed(llm, prompt, sp)
             t0 = time.perf_counter()
-            runner.wait_for_background_compiles()
+            runner.programs.wait_for_background_compiles()
             wait = time.perf_counter() - t0
             again = timed(llm, prompt, sp)
             rows.append(dict(mode="split_sampler" if split else "whole_step", setting=name, first=first,
                              background_wait_s=wait, again=again, stall_s=first["e2e_s"] - again["e2e_s"],
-                             step_programs_compiled=len(runner._compiled) - n_steps,
-                             sampler_programs_compiled=len(runner._samplers) - n_samplers))
+                             step_programs_compiled=len(runner.programs.compiled) - n_steps,
+                             sampler_programs_compiled=len(runner.programs.samplers) - n_samplers))
             print(f"{rows[-1]['mode']:>13} {name:>18}: first {first['e2e_s']:.2f} s (TTFT {first['ttft_s']:.2f} s), "
                   f"background wait after it {wait:.2f} s, again {again['e2e_s']:.2f} s; compiled "
                   f"{rows[-1]['step_programs_compiled']} step / {rows[-1]['sampler_programs_compiled']} sampler "

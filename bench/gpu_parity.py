@@ -128,7 +128,7 @@ def workloads(name: str, vocab: int, scale: float, seed: int) -> list[list[list[
 def run_config(args, model_dir: str, name: str) -> dict:
     """Builds the configuration's LLM, runs its workloads; returns the sequences, logprobs and engine facts."""
     from jaxllm import LLM, SamplingParams
-    from jaxllm.engine import runner as runner_mod
+    from jaxllm.engine import programs
 
     kw, what = CONFIGS[name]
     kw = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512, gpu_memory_utilization=0.5,
@@ -151,7 +151,7 @@ def run_config(args, model_dir: str, name: str) -> dict:
     def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
         p = prepare(sched)
         key = p.variant.shape_name
-        if runner_mod.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
+        if programs.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
             key += "_cublas"
         steps[key] = steps.get(key, 0) + 1
         return p

@@ -68,7 +68,7 @@ def main(argv=None) -> dict:
     args = parse(argv)
     import numpy as np
 
-    from jaxllm.engine.runner import pack_host_args
+    from jaxllm.engine.packing import pack_host_args
 
     sched, runner = build(args)
     # Prefill every sequence (one big step), deliver its tokens: from here on every step is a decode.

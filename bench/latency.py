@@ -58,7 +58,7 @@ def main(argv=None) -> dict:
     llm, t0, t_ready = common.build_llm(args)
     env = common.environment()
     runner = llm.llm_engine.runner
-    compiled_before = len(runner._compiled)
+    compiled_before = len(runner.programs.compiled)
     results = []
     for batch in args.batch_size or [1, 8]:
         for i in range(args.num_iters_warmup):
@@ -80,8 +80,8 @@ def main(argv=None) -> dict:
                              ignore_eos=True, temperature=0.0, model=args.model or args.shape or "demo",
                              load_format=args.load_format),
                time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
-               results=results, compiles_during_run=len(runner._compiled) - compiled_before,
-               compiles_after_warmup=runner.num_compiles_after_warmup)
+               results=results, compiles_during_run=len(runner.programs.compiled) - compiled_before,
+               compiles_after_warmup=runner.programs.num_compiles_after_warmup)
     if args.profile_dir:
         from bench.throughput import profile_run
 

@@ -126,7 +126,7 @@ def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dic
         prompts = common.random_token_prompts(args.num_prompts, args.input_len, vocab, 3)
         row["offline"] = _run(llm, prompts, loras[: args.num_prompts], args.output_len)
         row["slot_swaps"] = llm.llm_engine.lora.num_swaps if llm.llm_engine.lora else 0
-        row["compiles_after_warmup"] = llm.llm_engine.runner.num_compiles_after_warmup
+        row["compiles_after_warmup"] = llm.llm_engine.runner.programs.num_compiles_after_warmup
         rows.append(row)
         print(json.dumps(row), flush=True)
     return dict(engine=common.engine_summary(llm), time_to_ready_s=ready, rows=rows)

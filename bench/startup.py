@@ -52,6 +52,7 @@ def child(args) -> dict:
 
     from jaxllm import LLM
     from jaxllm.engine import runner as runner_mod
+    from jaxllm.engine import step_fns
 
     parts: dict = {"import_s": time.perf_counter() - t_import}  # jax, jaxllm (transformers: inside LLM())
     import jaxllm
@@ -64,13 +65,13 @@ def child(args) -> dict:
     common.time_calls(runner_mod.ModelRunner, "_allocate_kv", parts, "kv_alloc_s")
     common.time_calls(runner_mod.ModelRunner, "warm_up", parts, "warm_up_s")
     traces = {"n": 0}
-    orig_forward = runner_mod.forward
+    orig_forward = step_fns.forward
 
     def counting_forward(*a, **k):  # called once per trace of the step function
         traces["n"] += 1
         return orig_forward(*a, **k)
 
-    runner_mod.forward = counting_forward
+    step_fns.forward = counting_forward
     messages = []
 
     class Keep(logging.Handler):
@@ -93,10 +94,10 @@ def child(args) -> dict:
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     parts["greedy_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     r = llm.llm_engine.runner
-    cache = getattr(r, "exec_cache", None)
+    cache = r.programs.exec_cache
     counters = ("hits", "misses", "errors", "stores", "from_jax_cache")
     parts.update(step_traces=traces["n"], code=os.path.dirname(os.path.dirname(jaxllm.__file__)),
-                 num_variants=len(r._compiled), jax=jax.__version__,
+                 num_variants=len(r.programs.compiled), jax=jax.__version__,
                  exec_cache=None if cache is None else {k: getattr(cache, k) for k in counters},
                  log=[m for m in messages if "variants" in m or "weights" in m])
     return parts
@@ -112,10 +113,10 @@ def phases(args) -> list[dict]:
     kw = common.engine_kwargs(args, args.model) | dict(enforce_eager=True, compilation_cache_dir=None)
     r = LLM(args.model, **kw).llm_engine.runner
     rows = []
-    for v in r.variants():
-        a = r._dummy_args(v)
+    for v in r.programs.variants():
+        a = r.programs.dummy_args(v, r.params, r.prev_tokens)
         t0 = time.perf_counter()
-        traced = r._jit.trace(*a, cfg=r.cfg, attn=r.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
+        traced = r.programs._jit.trace(*a, cfg=r.cfg, attn=r.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
         t1 = time.perf_counter()
         lowered = traced.lower()
         t2 = time.perf_counter()

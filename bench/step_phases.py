@@ -31,7 +31,7 @@ def install_timers(current: dict):
     """Wraps the engine's phase methods (class level, before the engine is built) to add their wall time to
     current[phase], and registers a GC callback that adds collector pauses to current["gc"]. Returns the
     function that undoes both."""
-    from jaxllm.engine import llm_engine, runner, scheduler
+    from jaxllm.engine import llm_engine, programs, runner, scheduler
 
     from bench.common import time_calls, timed
 
@@ -46,13 +46,13 @@ def install_timers(current: dict):
     wrap(runner.ModelRunner, "collect", "collect")
     wrap(llm_engine.LLMEngine, "_on_token", "on_token")
     wrap(llm_engine.LLMEngine, "_make_output", "make_output")
-    executable = runner.ModelRunner._executable
+    executable = programs.StepPrograms.executable
 
     def timed_executable(self, v, args):
         return timed(executable(self, v, args), current, "exe_call")
 
-    originals.append((runner.ModelRunner, "_executable", executable))
-    runner.ModelRunner._executable = timed_executable
+    originals.append((programs.StepPrograms, "executable", executable))
+    programs.StepPrograms.executable = timed_executable
     gc_start: list[float] = []
 
     def on_gc(phase, info):

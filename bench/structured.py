@@ -120,7 +120,7 @@ def main(argv=None) -> dict:
     for sp in warm:
         sp.max_tokens = 8
     llm.generate(prompts[:64], warm[:64], use_tqdm=False)
-    engine.runner.wait_for_background_compiles()
+    engine.runner.programs.wait_for_background_compiles()
     rows = []
     thresholds = args.overlap_min_masked or [engine.runner.overlap_min_masked]
     runs = [(r, f, m) for r in range(args.rounds) for f in args.fractions
@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
         ps, k = params(f)
         for t in timers.values():
             t[:] = [0, 0.0]
-        compiles = engine.runner.num_compiles_after_warmup
+        compiles = engine.runner.programs.num_compiles_after_warmup
         profile = None
         if r == "profile":
             import cProfile
@@ -150,14 +150,14 @@ def main(argv=None) -> dict:
         row = dict(round=r, fraction=f, constrained=k, overlap_min_masked=overlap_min_masked,
                    elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
                    output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
-                   compiles_during_run=engine.runner.num_compiles_after_warmup - compiles,
+                   compiles_during_run=engine.runner.programs.num_compiles_after_warmup - compiles,
                    host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
         if profile is not None:
             row["host_profile_top"] = _top_functions(profile)
         rows.append(row)
         # Programs a run started compiling in the background (a constrained step's whole program, say) finish
         # here, untimed, not on threads competing with the next run's host loop (that made later rounds slower).
-        engine.runner.wait_for_background_compiles()
+        engine.runner.programs.wait_for_background_compiles()
         print(f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
               f"{row['requests_per_s']:.2f} req/s, "
               f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "

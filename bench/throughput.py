@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
         llm.generate(prompts[: args.warmup_prompts],
                      SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     runner = llm.llm_engine.runner
-    compiled_before = len(runner._compiled)
+    compiled_before = len(runner.programs.compiled)
     t1 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - t1
@@ -103,8 +103,8 @@ def main(argv=None) -> dict:
         time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
         elapsed_s=elapsed, requests_per_s=len(outs) / elapsed, total_tokens_per_s=(n_in + n_out) / elapsed,
         output_tokens_per_s=n_out / elapsed,
-        compiles_during_run=len(runner._compiled) - compiled_before,
-        compiles_after_warmup=runner.num_compiles_after_warmup,
+        compiles_during_run=len(runner.programs.compiled) - compiled_before,
+        compiles_after_warmup=runner.programs.num_compiles_after_warmup,
     )
     print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
           f"{res['output_tokens_per_s']:.2f} output tokens/s  ({len(outs)} requests, {elapsed:.1f} s; "
@@ -187,7 +187,7 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
     bm = getattr(engine.scheduler, "block_manager", None)
     if bm is not None and bm.enable_prefix_caching:
         bm.reset_prefix_cache()  # the same prompts must be computed again, as in the timed run
-    compiled_before = len(runner._compiled)
+    compiled_before = len(runner.programs.compiled)
     ids = llm._add(prompts, params, None)
     done: dict = {}
     kinds: list[bool | None] = []  # per step() call: decode-only step dispatched (None: nothing dispatched)
@@ -248,7 +248,7 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
                  median_decode_only_step_ms_untraced=_median_ms(untraced_decode),
                  median_decode_only_step_ms_traced=_median_ms(traced_decode),
                  num_requests=len(outs), output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-                 compiles=len(runner._compiled) - compiled_before,
+                 compiles=len(runner.programs.compiled) - compiled_before,
                  note="step wall = host time of one step() call; pipelined, it mostly waits for the step "
                       "dispatched by the call before"),
         num_prompts=len(prompts), log_dir=log_dir,

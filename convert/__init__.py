@@ -1,4 +1,5 @@
-"""HF checkpoint (PyTorch .bin / safetensors) -> jaxllm Orbax checkpoint. Entry point: `python -m jaxllm.convert`.
+"""HF checkpoint (PyTorch .bin / safetensors) -> jaxllm Orbax checkpoint. Command: `jaxllm convert` (convert/cli.py;
+also `python -m jaxllm.convert`).
 
 The name mapping is the loader's table (jaxllm.models.loader.weight_table: HF name(s) + named hook per weight);
 this package only adds writing: Orbax arrays, config, tokenizer, generation config and a manifest.

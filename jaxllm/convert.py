@@ -1,55 +1,13 @@
-"""python -m jaxllm.convert --model HF_DIR --out DIR [--tp N --pp M --dtype ...]
+"""`python -m jaxllm.convert --model HF_DIR --out DIR [...]`: an alias of `jaxllm convert`.
 
-Converts an HF checkpoint (PyTorch .bin or safetensors) into a jaxllm Orbax checkpoint that
-`LLM(model=DIR)` and `jaxllm-serve DIR` load directly, onto any mesh. The work is in the top-level convert
-package; this is the command line.
+The conversion is the top-level convert package (convert/cli.py holds this command), which imports jaxllm,
+never the other way round; this module only forwards the command line when run with -m and imports nothing
+when imported.
 """
 
-from __future__ import annotations
-
-import argparse
-import os
-import sys
-
-
-def build_parser() -> argparse.ArgumentParser:
-    from jaxllm.distributed import add_distributed_args
-
-    p = argparse.ArgumentParser(prog="python -m jaxllm.convert", description=__doc__.split("\n\n")[1])
-    p.add_argument("--model", required=True, help="HF model directory (config.json + weights + tokenizer).")
-    p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
-    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size the checkpoint is chunked for.")
-    p.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size it is written for (validated).")
-    p.add_argument("--dtype", default="auto",
-                   help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype).")
-    p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt"])
-    p.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out.")
-    p.add_argument("--no-progress", action="store_true")
-    add_distributed_args(p)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.tp > 1:  # conversion runs on CPU devices: give it one per tp shard (must precede jax's start)
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.tp}".strip()
-    from jaxllm.distributed import maybe_initialize
-
-    maybe_initialize(args)
-    from convert import ConversionError, convert_checkpoint
-
-    try:
-        out = convert_checkpoint(args.model, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                 load_format=args.load_format, overwrite=args.overwrite,
-                                 progress=not args.no_progress)
-    except ConversionError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"Wrote {out}")
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    import sys
+
+    from convert.cli import main
+
+    sys.exit(main(prog="python -m jaxllm.convert"))

@@ -125,61 +125,70 @@ class SamplingParams:
         self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.")
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.", "n")
         t = self.truncate_prompt_tokens
         _check(t is None or (isinstance(t, int) and (t >= 1 or t == -1)),
-               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}")
+               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}", "truncate_prompt_tokens")
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
+            "presence_penalty",
         )
         _check(
             -2.0 <= self.frequency_penalty <= 2.0,
             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.",
+            "frequency_penalty",
         )
         _check(
             self.repetition_penalty > 0.0,
             f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.",
+            "repetition_penalty",
         )
         _check(
             self.temperature >= 0.0 and math.isfinite(self.temperature),
             f"temperature must be non-negative, got {self.temperature}.",
+            "temperature",
         )
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.")
+        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         _check(
             isinstance(self.top_k, int) and self.top_k >= 0,
             f"top_k must be 0 (disable), or at least 1, got {self.top_k}.",
+            "top_k",
         )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.")
+        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
         if self.max_tokens is not None:
-            _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.")
-        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+            _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
+        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
+               "min_tokens")
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
                 f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.",
+                "min_tokens",
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(value >= -1, f"{name} must be non-negative, got {value}.")
-        _check(all(s != "" for s in self.stop), "stop cannot contain an empty string.")
+                _check(value >= -1, f"{name} must be non-negative, got {value}.", name)
+        _check(all(s != "" for s in self.stop), "stop cannot contain an empty string.", "stop")
         _check(not (self.stop and not self.detokenize),  # stop strings are matched in the detokenized text
-               "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+               "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.", "stop")
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
+            "stop_token_ids",
         )
         _check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
-               f"logit_bias values must be finite, got {self.logit_bias}.")
+               f"logit_bias values must be finite, got {self.logit_bias}.", "logit_bias")
         _check(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
-               f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.")
+               f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.", "bad_words")
         if self.allowed_token_ids is not None:
-            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.")
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.",
+                   "allowed_token_ids")
         if self.seed is not None:
-            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.")
+            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.", "seed")
         if self.temperature < _GREEDY_EPS:
-            _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.")
+            _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.", "n")
 
     @property
     def greedy(self) -> bool:
@@ -192,13 +201,16 @@ class SamplingParams:
             if value is not None:
                 wanted = vocab_size if value == -1 else value
                 limit = vocab_size if max_logprobs == -1 else max_logprobs
-                _check(wanted <= limit, f"Requested {name} of {wanted}, which is greater than max allowed: {limit}.")
+                asked = f"-1 (the whole vocabulary, {vocab_size} tokens)" if value == -1 else value
+                _check(wanted <= limit, f"Requested {name} of {asked}, which is greater than max allowed: {limit}.",
+                       name)
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or []
             bad = [t for t in ids if not 0 <= t < vocab_size]
-            _check(not bad, f"{name} contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).")
+            _check(not bad, f"{name} contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).", name)
         bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
-        _check(not bad, f"logit_bias contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).")
+        _check(not bad, f"logit_bias contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).",
+               "logit_bias")
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -218,6 +230,15 @@ def truncate_prompt_ids(ids: list[int], truncate: int | None, max_model_len: int
     return ids[-k:] if k > 0 else []
 
 
-def _check(ok: bool, message: str) -> None:
+class ParameterError(ValueError):
+    """A bad request parameter: a ValueError that names its field (vLLM's VLLMValidationError), so the server's
+    400 can carry it as the OpenAI error's `param`."""
+
+    def __init__(self, message: str, *, parameter: str | None = None):
+        super().__init__(message)
+        self.parameter = parameter
+
+
+def _check(ok: bool, message: str, parameter: str | None = None) -> None:
     if not ok:
-        raise ValueError(message)
+        raise ParameterError(message, parameter=parameter)

@@ -29,8 +29,8 @@ inside the kernel; k_scale is folded into the score multiplier and v_scale into 
 
 Mosaic GPU kernels refuse inputs whose address is not a multiple of 256 bytes, and XLA hands a custom call a
 static slice of another buffer as that buffer at the slice's offset (its dynamic-slice fusion): a seq_lens or
-block table sliced out of a larger array must start on a 256-byte boundary (bench/mosaic_align_probe.py; the
-engine's packed step inputs are laid out so, runner.pack_host_args). An input computed in the step is a buffer
+block table sliced out of a larger array must start on a 256-byte boundary (bench/probes/mosaic_align_probe.py; the
+engine's packed step inputs are laid out so, packing.pack_host_args). An input computed in the step is a buffer
 of its own and always aligned.
 
 Off GPU (and not interpret), and for shapes the kernels do not take (head dim not 64/128/256, page size

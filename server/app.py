@@ -1,8 +1,8 @@
 """The aiohttp application: routes, API-key and error middlewares, the stats log task.
 
 `build_app(engine, args)` depends only on EngineClient, so tests serve a fake engine through the same code.
-Serve it with `start_server` (or an AppRunner created with handler_cancellation=True): a client that hangs
-up then cancels its handler, which closes the engine iterator and aborts the request.
+Serve it with server.http_server's `start_server` and stop it with `stop_server` (which drains): a client that
+hangs up cancels its handler, which closes the engine iterator and aborts the request.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import hmac
 import inspect
+import json
 import logging
 import os
 
@@ -18,9 +19,12 @@ from aiohttp import web
 
 import jaxllm
 from jaxllm.engine.protocol import EngineClient
-from server.errors import APIError, error_body, model_not_found, parse_model, read_json
+from server.admission import ServerLimits
+from server.errors import APIError, error_body, model_not_found, parse_json, parse_model, read_body
+from server.http_server import set_server_header, start_server, stop_server
 from server.lora import ServedLoRAs, load_lora_adapter, load_static, unload_lora_adapter
 from server.metrics import ServerMetrics, StatsLogger
+from server.prompt_bound import PromptBound
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
 from server.serving_common import STATE, ServerState, encode, log_ignored_fields
@@ -28,9 +32,10 @@ from server.serving_completion import create_completion
 from server.tool_calls import template_tools
 from server.tool_parsers import TOOL_PARSERS
 
+__all__ = ["build_app", "start_server", "stop_server"]
+
 logger = logging.getLogger("jaxllm.server")
 
-DEFAULT_MAX_BODY_BYTES = 64 * 2**20
 _STATS_TASK = web.AppKey("jaxllm_stats_task", asyncio.Task)
 
 
@@ -40,7 +45,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     names = opt("served_model_name") or [opt("model") or engine.model_name]
     if isinstance(names, str):
         names = [names]
-    max_body = opt("max_request_body_bytes") or DEFAULT_MAX_BODY_BYTES
+    limits = ServerLimits.from_args(args)
     state = ServerState(
         engine=engine,
         served_model_names=list(names),
@@ -49,7 +54,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         chat_template=load_chat_template(opt("chat_template")),
         response_role=opt("response_role") or "assistant",
         return_tokens_as_token_ids=bool(opt("return_tokens_as_token_ids", False)),
-        max_body_bytes=max_body,
+        limits=limits,
         log_requests=bool(opt("enable_log_requests", False)),
         max_log_len=opt("max_log_len"),
         profile_dir=opt("profile_dir"),
@@ -65,10 +70,13 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     cors = _Cors(opt("allowed_origins") or ["*"], opt("allowed_methods") or ["*"], opt("allowed_headers") or ["*"],
                  bool(opt("allow_credentials", False)))
     middlewares.insert(0, cors.preflight)  # outermost, as vLLM's CORSMiddleware: before the API-key check
-    # aiohttp refuses bodies past client_max_size itself; read_json turns that into our 413.
-    app = web.Application(middlewares=middlewares, client_max_size=max_body)
+    # aiohttp refuses bodies past client_max_size itself; read_body turns that into our 413.
+    app = web.Application(middlewares=middlewares, client_max_size=limits.max_body_bytes)
     app.on_response_prepare.append(cors.add_headers)  # every response, streamed and error ones included
+    app.on_response_prepare.append(set_server_header)
     app[STATE] = state
+    app.on_startup.append(_analyse_tokenizer)
+    app.on_cleanup.append(_stop_workers)
     app.router.add_get("/health", health)
     app.router.add_get("/ping", health)
     app.router.add_post("/ping", health)
@@ -96,24 +104,6 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         app.on_startup.append(lambda a: _start_stats(a, interval))
         app.on_cleanup.append(_stop_stats)
     return app
-
-
-async def start_server(app: web.Application, host: str | None, port: int, *, ssl_context=None,
-                       access_log: bool = True, shutdown_timeout: float = 5.0, sock=None) -> tuple[web.AppRunner, int]:
-    """Starts serving; returns the runner (call .cleanup() to stop) and the bound port (port 0 picks one).
-    `sock`: an already bound listening socket to serve on instead of host and port.
-
-    On cleanup, requests still running after `shutdown_timeout` seconds are cancelled (and so aborted)."""
-    kwargs = {} if access_log else {"access_log": None}
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout, **kwargs)
-    await runner.setup()
-    if sock is not None:
-        site = web.SockSite(runner, sock, ssl_context=ssl_context)
-    else:
-        site = web.TCPSite(runner, host, port, ssl_context=ssl_context)
-    await site.start()
-    bound = runner.addresses[0][1] if runner.addresses else port
-    return runner, bound
 
 
 # ----------------------------------------------------------------------------------------------- middlewares
@@ -187,7 +177,14 @@ async def _error_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        return web.json_response(e.body(), status=e.status)
+        resp = web.json_response(e.body(), status=e.status, headers=e.headers)
+        if e.close:
+            resp.force_close()
+            if e.status == 408:  # the client stopped sending: close now, not after aiohttp lingers for the rest
+                await resp.prepare(request)
+                await resp.write_eof()
+                request.protocol.force_close()
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -203,8 +200,8 @@ async def _error_middleware(request: web.Request, handler):
 
 
 async def health(request: web.Request) -> web.Response:
-    engine = request.app[STATE].engine
-    if engine.errored:
+    state = request.app[STATE]
+    if state.engine.errored or state.admission.draining:  # load balancers: send no more requests here
         return web.Response(status=503)
     return web.Response(status=200)
 
@@ -214,7 +211,7 @@ async def version(request: web.Request) -> web.Response:
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
-    lora = state.lora_request(name) if name not in state.served_model_names else None
+    lora = state.loras.get(name) if name not in state.served_model_names else None
     if lora is not None:  # vLLM's adapter card: its folder as root, the base model it adapts as parent
         return ModelCard(id=name, created=state.created, root=lora.lora_path,
                          parent=lora.base_model_name or state.model_name, max_model_len=state.engine.max_model_len)
@@ -231,44 +228,55 @@ async def list_models(request: web.Request) -> web.Response:
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
-    if name not in state.served_model_names and state.lora_request(name) is None:
+    if name not in state.served_model_names and state.loras.get(name) is None:
         raise model_not_found(name)
     return web.json_response(text=_card(state, name).to_json())
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = parse_model(TokenizeRequest, await read_json(request, state.max_body_bytes))
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    return web.json_response(text=await state.workers.run(_tokenize, state, raw, size=len(raw)))
+
+
+def _tokenize(state: ServerState, raw: bytes) -> str:
+    """The /tokenize response (in a worker thread). A text longer than the context is counted, as vLLM does,
+    unless it cannot fit the context at all (server.prompt_bound)."""
+    req = parse_model(TokenizeRequest, parse_json(raw), sliced=("messages",))
     log_ignored_fields(req, "/tokenize")
     state.check_model(req.model)
-    tokenizer = state.engine.get_tokenizer()
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Send exactly one of `prompt` or `messages`.")
     if req.prompt is not None:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
-        ids = await encode(tokenizer, req.prompt, add_special)
+        ids = encode(state, req.prompt, add_special, param="prompt", generating=False)
     else:
         text = render_chat(state, to_conversation(req.messages), chat_template=req.chat_template,
                            add_generation_prompt=req.add_generation_prompt,
                            continue_final_message=req.continue_final_message,
                            chat_template_kwargs=req.chat_template_kwargs, tools=template_tools(req.tools))
-        ids = await encode(tokenizer, text, bool(req.add_special_tokens))
+        ids = encode(state, text, bool(req.add_special_tokens), param="messages", generating=False)
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
-        body["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
-    return web.json_response(body)
+        body["token_strs"] = state.engine.get_tokenizer().convert_ids_to_tokens(ids)
+    return json.dumps(body)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = parse_model(DetokenizeRequest, await read_json(request, state.max_body_bytes))
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    return web.json_response(text=await state.workers.run(_detokenize, state, raw, size=len(raw)))
+
+
+def _detokenize(state: ServerState, raw: bytes) -> str:
+    req = parse_model(DetokenizeRequest, parse_json(raw))
     log_ignored_fields(req, "/detokenize")
     state.check_model(req.model)
     bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
     if bad:
         raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {state.engine.vocab_size}).",
                        param="tokens")
-    return web.json_response({"prompt": state.engine.get_tokenizer().decode(req.tokens)})
+    return json.dumps({"prompt": state.engine.get_tokenizer().decode(req.tokens)})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -303,6 +311,19 @@ async def stop_profile(request: web.Request) -> web.Response:
 
 
 # ----------------------------------------------------------------------------------------------- stats log
+
+
+async def _analyse_tokenizer(app: web.Application) -> None:
+    """The prompt character bound reads the whole vocabulary (half a second for 150k tokens): in a thread."""
+    state = app[STATE]
+    state.prompt_bound = await state.workers.run(PromptBound, state.engine.get_tokenizer(), state.engine.max_model_len)
+    if state.prompt_bound.chars_per_token is None:
+        logger.info("Prompts too long for the context are found by tokenizing them (this tokenizer may drop "
+                    "characters, so no character-length bound is safe)")
+
+
+async def _stop_workers(app: web.Application) -> None:
+    app[STATE].workers.shutdown()
 
 
 async def _start_stats(app: web.Application, interval: float) -> None:

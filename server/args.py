@@ -1,4 +1,5 @@
-"""Command-line flags of `python -m jaxllm.serve`: vLLM's `vllm serve` flags, same names and defaults.
+"""Command-line flags of `jaxllm serve` (also `python -m jaxllm.serve`): vLLM's `vllm serve` flags, same names and
+defaults.
 
     parse_args(argv) -> Namespace     server + engine flags, env fallbacks applied
     engine_kwargs(args) -> dict       the LLM(...) keyword arguments for AsyncLLM.from_engine_args
@@ -62,7 +63,7 @@ def _max_model_len(value: str) -> int | None:
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m jaxllm.serve",
+        prog="jaxllm serve",
         description="OpenAI-compatible server for jaxllm (vLLM's serving engine on JAX/XLA).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -113,6 +114,8 @@ def make_parser() -> argparse.ArgumentParser:
                    choices=["debug", "info", "warning", "error", "critical", "trace"])
     s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
                    action="store_true", help="Do not log one line per HTTP request.")
+
+    _add_limit_args(p)
 
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
@@ -171,6 +174,48 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_distributed_args(p)
     return p
+
+
+def _count(value: str) -> int:
+    n = human_readable_int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a count of at least 1, got {value!r}")
+    return n
+
+
+def _seconds(value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        s = -1.0
+    if not s >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"expected seconds (>= 0), got {value!r}")
+    return s
+
+
+def _add_limit_args(p: argparse.ArgumentParser) -> None:
+    """What one client may cost the server, and how it stops (server.admission, server.http_server)."""
+    g = p.add_argument_group(
+        "limits and timeouts",
+        "Bounds on what one client can make the server hold. Requests past a queue limit get 503 with "
+        "Retry-After; a request body too large gets 413 (--max-request-body-bytes), one too slow 408.")
+    g.add_argument("--max-num-queued-reqs", type=_count, default=None,
+                   help="Most sequences in flight (waiting or running; a request with n choices counts n), as "
+                        "vLLM's flag (none: no limit).")
+    g.add_argument("--max-num-queued-tokens", type=_count, default=None,
+                   help="No new request while this many prompt tokens wait to be prefilled (bounds the time to "
+                        "first token), as vLLM's flag; accepts 32k (none: no limit).")
+    g.add_argument("--timeout-keep-alive", type=_seconds, default=5.0,
+                   help="Close a connection that stays idle, or has not sent a complete request head, this long "
+                        "(uvicorn's flag and vLLM's default; 0: never).")
+    g.add_argument("--timeout-request-body", type=_seconds, default=60.0,
+                   help="A request body must arrive within this many seconds of its headers, else 408 and the "
+                        "connection closes. 0: no limit.")
+    g.add_argument("--shutdown-timeout", type=_seconds, default=25.0,
+                   help="On SIGTERM/SIGINT, new requests are refused and running ones may finish for this long; "
+                        "then streams end with an error event and [DONE] and the rest get 503. vLLM's default is "
+                        "0 (abort at once); 25 fits Kubernetes' default 30 s grace period. A second signal ends "
+                        "the drain at once.")
 
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:

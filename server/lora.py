@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from jaxllm.lora.request import LoRARequest
-from server.errors import APIError, read_json
+from server.errors import APIError, parse_json, read_body
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -62,6 +62,7 @@ class ServedLoRAs:
     base_names: list[str]
     requests: dict[str, LoRARequest] = field(default_factory=dict)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(1))
+    _loading: set[str] = field(default_factory=set)  # names being loaded (two loads of one name: one wins)
 
     def get(self, name: str | None) -> LoRARequest | None:
         return None if name is None else self.requests.get(name)
@@ -70,7 +71,7 @@ class ServedLoRAs:
         """Registers and loads an adapter in the engine (its refusal: an APIError with the engine's message)."""
         if not name or not path:
             raise APIError("Both 'lora_name' and 'lora_path' must be provided.", err_type="InvalidUserInput")
-        if name in self.requests:
+        if name in self.requests or name in self._loading:
             raise APIError(f"The lora adapter '{name}' has already been loaded.", err_type="InvalidUserInput")
         if name in self.base_names:
             raise APIError(f"'{name}' is the name of the served base model.", err_type="InvalidUserInput",
@@ -80,11 +81,14 @@ class ServedLoRAs:
         add = getattr(engine, "add_lora", None)
         if add is None:
             raise APIError("This engine does not serve LoRA adapters (start it with --enable-lora).")
+        self._loading.add(name)
         try:
             await add(request)
         except ValueError as e:
             not_found = str(e).startswith("No adapter found")
             raise APIError(str(e), 404 if not_found else 400, param="lora_path") from None
+        finally:
+            self._loading.discard(name)
         self.requests[name] = request
         logger.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
         return request
@@ -110,11 +114,17 @@ async def load_static(state, modules: list[LoRAModulePath]) -> None:
             raise ValueError(f"--lora-modules {m.name}={m.path}: {e.message}") from None
 
 
-async def load_lora_adapter(request: web.Request) -> web.Response:
+async def _read(request: web.Request):
+    """(server state, the JSON body) through the same limits as every route (the body decoded off the loop)."""
     from server.serving_common import STATE
 
     state = request.app[STATE]
-    body = await read_json(request, state.max_body_bytes)
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    return state, await state.workers.run(parse_json, raw, size=len(raw))
+
+
+async def load_lora_adapter(request: web.Request) -> web.Response:
+    state, body = await _read(request)
     name, path = body.get("lora_name"), body.get("lora_path")
     if not isinstance(name, (str, type(None))) or not isinstance(path, (str, type(None))):
         raise APIError("'lora_name' and 'lora_path' must be strings.", err_type="InvalidUserInput")
@@ -123,10 +133,9 @@ async def load_lora_adapter(request: web.Request) -> web.Response:
 
 
 async def unload_lora_adapter(request: web.Request) -> web.Response:
-    from server.serving_common import STATE
-
-    state = request.app[STATE]
-    body = await read_json(request, state.max_body_bytes)
+    state, body = await _read(request)
     name, lora_int_id = body.get("lora_name"), body.get("lora_int_id")
+    if not isinstance(name, (str, type(None))) or not isinstance(lora_int_id, (int, type(None))):
+        raise APIError("'lora_name' must be a string and 'lora_int_id' an integer.", err_type="InvalidUserInput")
     await state.loras.unload(state.engine, name, lora_int_id)
     return web.Response(status=200, text=f"Success: LoRA adapter '{name or lora_int_id}' removed successfully.")

@@ -9,7 +9,8 @@ from typing import Any
 from aiohttp import web
 
 from jaxllm.entrypoints.chat_utils import flatten_content
-from server.errors import APIError, parse_model, read_json
+from server.errors import APIError, parse_json, parse_model, read_body
+from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -29,13 +30,11 @@ from server.serving_common import (
     EngineRunner,
     RequestState,
     ServerState,
-    TokenNamer,
-    chat_logprobs,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    prompt_logprobs_json,
+    output_size,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,
@@ -125,9 +124,23 @@ def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_model(ChatCompletionRequest, await read_json(request, state.max_body_bytes))
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    ctx, engine_req = await state.workers.run(_prepare, state, raw, size=len(raw))
+    if ctx.req.stream:
+        return await _stream(request, ctx, engine_req)
+    async with EngineRunner(state, [engine_req], ctx.req.priority) as run:
+        await run.start()
+        (rs,) = await run.run_to_end()
+    text = await state.workers.run(_final_response, ctx, rs, size=output_size([rs]))
+    return web.json_response(text=text)
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
+    """The request's engine request (in a worker thread: decoding, validation, the chat template and
+    tokenization)."""
+    req = parse_model(ChatCompletionRequest, parse_json(raw), sliced=("messages",))
     log_ignored_fields(req, "/v1/chat/completions")
-    model = state.check_model(req.model)
+    model, lora = state.check_model(req.model)
     reject_unsupported(req)
     reject_unsupported_chat(req)
     tool_choice = resolve_tool_choice(req, auto_enabled=state.enable_auto_tools, parser=state.tool_parser)
@@ -138,41 +151,43 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                        add_generation_prompt=req.add_generation_prompt,
                        continue_final_message=req.continue_final_message,
                        chat_template_kwargs=req.chat_template_kwargs, tools=tools, documents=req.documents)
-    tokenizer = state.engine.get_tokenizer()
-    ids = truncate_prompt(await encode(tokenizer, text, req.add_special_tokens), req.truncate_prompt_tokens,
-                          state.engine.max_model_len)
+    truncating = req.truncate_prompt_tokens is not None
+    ids = truncate_prompt(encode(state, text, req.add_special_tokens, param="messages", truncating=truncating),
+                          req.truncate_prompt_tokens, state.engine.max_model_len)
     if not ids:
         raise APIError("The decoder prompt cannot be empty", param="messages")
+    limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(state, requested, len(ids))
+    max_tokens = resolve_max_tokens(state, requested, len(ids), prompt_param="messages", max_tokens_param=limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs,
                                   prompt_logprobs=req.prompt_logprobs,
-                                  constraint=tool_constraint(tool_choice, req.tools))
+                                  constraint=tool_constraint(tool_choice, req.tools),
+                                  param_names={"logprobs": "top_logprobs", "max_tokens": limit_param})
     request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
     log_request(state, request_id, text, params)
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
         prompt["cache_salt"] = req.cache_salt
-    engine_req = EngineRequest(prompt, params, request_id, ids, text, state.lora_request(req.model))
+    engine_req = EngineRequest(prompt, params, request_id, ids, text, lora)
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo = ""
     if req.echo and conversation and conversation[-1].get("role") == role:
         echo = conversation[-1].get("content") or ""
-    ctx = _Ctx(state, req, request_id, model, role, echo, tool_choice)
-    if req.stream:
-        return await _stream(request, ctx, engine_req)
-    async with EngineRunner(state, [engine_req], req.priority) as run:
-        await run.start()
-        (rs,) = await run.run_to_end()
-    resp = ChatCompletionResponse(id=request_id, created=ctx.created, model=model, usage=usage_of([rs]),
+    req.messages = []  # rendered: not needed for the response, and it can be a million objects (see Workers)
+    return _Ctx(state, req, request_id, model, role, echo, tool_choice), engine_req
+
+
+def _final_response(ctx: _Ctx, rs: RequestState) -> str:
+    req = ctx.req
+    resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, usage=usage_of([rs]),
                                   choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))])
     if req.prompt_logprobs is not None and rs.last is not None:
         resp.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
     if req.return_token_ids:
-        resp.prompt_token_ids = list(ids)
-    return web.json_response(text=resp.to_json())
+        resp.prompt_token_ids = list(rs.request.prompt_ids)
+    return resp.to_json()
 
 
 class _Ctx:

@@ -1,9 +1,13 @@
-"""What both generation routes share: server state, request checks, sampling params, the engine fan-in.
+"""What both generation routes share: server state, request checks, sampling params, the engine fan-in (the
+logprobs shapes are in logprobs.py).
 
-A route turns its request into EngineRequests (prompt token ids + SamplingParams + engine request id), then
-EngineRunner adds them all to the engine and merges their cumulative RequestOutputs into one ordered event
-stream, tracking per-choice state so streaming code can compute deltas. Leaving the runner any way (done,
-error, client gone, handler cancelled) closes every engine iterator and aborts what is unfinished.
+A route reads its body on the event loop, then turns it into EngineRequests (prompt token ids +
+SamplingParams + engine request id) in a worker thread (`Workers`: JSON decoding, validation, chat
+templates and tokenization cost seconds for large requests and must not stall other clients' streams). Then
+EngineRunner, admitted by server.admission, adds them all to the engine and merges their cumulative
+RequestOutputs into one ordered event stream, tracking per-choice state so streaming code can compute deltas.
+Leaving the runner any way (done, error, client gone, handler cancelled, shutdown) closes every engine
+iterator and aborts what is unfinished.
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ import asyncio
 import dataclasses
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
@@ -20,17 +23,19 @@ from typing import Any, AsyncIterator
 from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient, EngineDeadError
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt_ids
+from server.admission import Admission, ServerLimits, Ticket
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
-from server.protocol import ChatLogprobToken, CompletionLogProbs, TopLogprob, UsageInfo
+from server.prompt_bound import PromptBound
+from server.protocol import UsageInfo
 from server.tool_parsers import ToolParser
+from server.workers import Workers
 
 logger = logging.getLogger("jaxllm.server")
 
-# Tokenize in a worker thread above this many characters so long prompts never stall the event loop.
-_THREADED_TOKENIZE_CHARS = 4096
+MAX_N = 128  # OpenAI's bound on `n`
 
 
 @dataclass
@@ -42,7 +47,7 @@ class ServerState:
     chat_template: str | None = None
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
-    max_body_bytes: int = 64 * 2**20
+    limits: ServerLimits = field(default_factory=ServerLimits)
     log_requests: bool = False
     max_log_len: int | None = None
     profile_dir: str | None = None
@@ -50,25 +55,31 @@ class ServerState:
     enable_auto_tools: bool = False
     exclude_tools_when_tool_choice_none: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    workers: Workers = field(default_factory=Workers, repr=False)
+    admission: Admission | None = field(default=None, repr=False)
+    prompt_bound: PromptBound | None = field(default=None, repr=False)  # set at start-up (reads the tokenizer)
     loras: Any = None  # server.lora.ServedLoRAs: the adapters requests may name as their model
     _defaults: dict[str, Any] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.admission is None:
+            self.admission = Admission(self.limits)
 
     @property
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, name: str | None) -> str:
-        """The model name to report back: the first served name whichever one the request used (vLLM);
-        an unknown name is a 404 (an absent one means the default)."""
-        if name and name not in self.served_model_names:
-            if self.lora_request(name) is not None:
-                return name  # an adapter reports its own name (vLLM)
+    def check_model(self, name: str | None) -> tuple[str, Any]:
+        """(the model name to report back, the LoRARequest of the adapter it names or None), in the route's
+        worker thread with the request's other checks. The base model reports its first served name whichever
+        one the request used (vLLM), an adapter its own; an unknown name is a 404 (an absent one means the
+        default). One lookup gives both, so an adapter unloaded meanwhile is a 404, never the base model."""
+        if not name or name in self.served_model_names:
+            return self.model_name, None
+        lora = None if self.loras is None else self.loras.get(name)
+        if lora is None:
             raise model_not_found(name)
-        return self.model_name
-
-    def lora_request(self, name: str | None):
-        """The LoRARequest of the adapter a request names as its model, or None (the base model)."""
-        return None if self.loras is None else self.loras.get(name)
+        return name, lora
 
     def default_sampling(self) -> dict[str, Any]:
         """generation_config defaults the engine exposes, as SamplingParams field names (max_tokens is the
@@ -102,7 +113,11 @@ def log_ignored_fields(req, route: str) -> None:
 
 
 def reject_unsupported(req) -> None:
-    """Known fields that would change the output but that jaxllm cannot honour yet: a 400, never ignored."""
+    """Known fields that would change the output but that jaxllm cannot honour yet: a 400, never ignored; and
+    `n` within OpenAI's bound (n=10000 would queue 10,000 sequences ahead of everyone else)."""
+    if req.n > MAX_N:
+        raise APIError(f"Invalid 'n': integer above maximum value. Expected a value <= {MAX_N}, but got {req.n} "
+                       "instead.", param="n")
     if req.use_beam_search:
         raise APIError("Beam search is not supported by jaxllm.", param="use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
@@ -120,16 +135,18 @@ def reject_unsupported(req) -> None:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
 
-def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: int) -> int:
+def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: int, *, prompt_param: str,
+                       max_tokens_param: str = "max_tokens") -> int:
     """min(request's limit, room left in the context, generation_config max_new_tokens), after vLLM's checks."""
     limit = state.engine.max_model_len
     if prompt_len >= limit:
         raise APIError(f"This model's maximum context length is {limit} tokens. However, your request has "
-                       f"{prompt_len} input tokens. Please reduce the length of the input messages.")
+                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+                       param=prompt_param)
     if requested is not None and prompt_len + requested > limit:
         raise APIError(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
                        f"context length is {limit} tokens and your request has {prompt_len} input tokens "
-                       f"({requested} > {limit} - {prompt_len}).", param="max_tokens")
+                       f"({requested} > {limit} - {prompt_len}).", param=max_tokens_param)
     candidates = [limit - prompt_len]
     if requested is not None:
         candidates.append(requested)
@@ -185,9 +202,10 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
 
 
 def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None,
-                         constraint: StructuredOutputsParams | None = None) -> SamplingParams:
-    """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message. `constraint`
+                         prompt_logprobs: int | None, constraint: StructuredOutputsParams | None = None,
+                         param_names: dict[str, str] | None = None) -> SamplingParams:
+    """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message, naming the
+    request field (`param_names`: SamplingParams field -> request field where they differ). `constraint`
     (a tool choice's) replaces the request's own structured outputs."""
     defaults = state.default_sampling()
 
@@ -197,6 +215,9 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
 
     logit_bias = None
     if req.logit_bias:
+        if len(req.logit_bias) > state.engine.vocab_size:  # before a Python loop over a million entries
+            raise APIError(f"logit_bias has {len(req.logit_bias)} entries, but the vocabulary has only "
+                           f"{state.engine.vocab_size} tokens.", param="logit_bias")
         try:
             logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
         except ValueError:
@@ -229,14 +250,18 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
         )
         params.verify_for_model(state.engine.vocab_size, state.engine.max_logprobs)
     except ValueError as e:
-        raise APIError(str(e)) from None
+        field_name = getattr(e, "parameter", None)
+        raise APIError(str(e), param=(param_names or {}).get(field_name, field_name)) from None
     return params
 
 
-async def encode(tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    if len(text) > _THREADED_TOKENIZE_CHARS:
-        return await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=add_special_tokens)
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+def encode(state: ServerState, text: str, add_special_tokens: bool, *, param: str, truncating: bool = False,
+           generating: bool = True) -> list[int]:
+    """Token ids of `text` (call it in a worker thread). A text that cannot fit the context is refused by its
+    length before the tokenizer sees it, unless the request truncates it to its last tokens."""
+    if not truncating and state.prompt_bound is not None:
+        state.prompt_bound.check(text, param=param, generating=generating)
+    return state.engine.get_tokenizer().encode(text, add_special_tokens=add_special_tokens)
 
 
 def truncate_prompt(ids: list[int], truncate: int | None, max_model_len: int) -> list[int]:
@@ -314,14 +339,20 @@ class EngineRunner:
     def __init__(self, state: ServerState, requests: list[EngineRequest], priority: int = 0):
         self.engine = state.engine
         self.metrics = state.metrics
+        self.admission = state.admission
         self.priority = priority
         self.states = [RequestState(r, [ChoiceState() for _ in range(r.params.n)]) for r in requests]
+        self.request_ids = [r.request_id for r in requests]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._buffer: list = []
         self._live = len(requests)
+        self._ticket: Ticket | None = None
 
     async def __aenter__(self) -> EngineRunner:
+        """Admission first (a 503 when the server is busy or shutting down), then the requests go in."""
+        self._ticket = self.admission.admit(self, sum(r.params.n for r in (s.request for s in self.states)),
+                                            sum(len(s.request.prompt_ids) for s in self.states))
         self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.states))]
         return self
 
@@ -357,11 +388,21 @@ class EngineRunner:
             pass
         return self.states
 
+    def interrupt(self, err: APIError) -> None:
+        """Ends the event stream with `err` (shutdown): leaving the runner then aborts what is unfinished."""
+        self._queue.put_nowait((-1, None, err))
+
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            for t in self._tasks:
+                t.cancel()
+            if self._tasks:
+                # shielded: a second cancellation of the handler (the client hangs up while this waits) must
+                # not cut the pumps' aborts short
+                await asyncio.shield(asyncio.gather(*self._tasks, return_exceptions=True))
+        finally:
+            if self._ticket is not None:
+                self._ticket.release()
 
     async def _pump(self, i: int) -> None:
         rs = self.states[i]
@@ -373,7 +414,9 @@ class EngineRunner:
             lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
             gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority, **lora)
             async for out in gen:
-                got_output = True
+                if not got_output:
+                    got_output = True
+                    self._ticket.prefilled(len(req.prompt_ids))
                 tracker.on_output(out)
                 if out.finished:
                     rs.finished = True
@@ -388,7 +431,7 @@ class EngineRunner:
             self._queue.put_nowait((i, None, e))
         finally:
             if not rs.finished:
-                if got_output:
+                if got_output or not failed:  # abandoned running or still waiting (vLLM counts both), or failed
                     tracker.on_abort(rs.last, req.params.n)
                 if not failed:
                     await _close_and_abort(self.engine, gen, req.request_id)
@@ -419,85 +462,20 @@ def to_api_error(exc: BaseException) -> APIError:
     return APIError(f"Internal error: {type(exc).__name__}: {exc}", 500)
 
 
+def output_size(states: list[RequestState]) -> int:
+    """About how many bytes the response for `states` takes, to pick the worker lane that builds it."""
+    total = 0
+    for rs in states:
+        lp = rs.request.params.logprobs
+        per_token = 40 * (1 + (lp if lp is not None and lp > 0 else 0))
+        total += sum(len(c.text) + per_token * len(c.token_ids) for c in rs.choices)
+    return total
+
+
 def usage_of(states: list[RequestState]) -> UsageInfo:
     prompt = sum(len(rs.request.prompt_ids) for rs in states)
     completion = sum(len(c.token_ids) for rs in states for c in rs.choices)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-# ------------------------------------------------------------------------------------------------ logprobs
-
-
-def _clamp(x: float) -> float:
-    # JSON has no -inf/NaN; OpenAI clients expect a number.
-    return -9999.0 if math.isnan(x) else max(x, -9999.0)
-
-
-def _rank_key(item: tuple[int, Logprob]):
-    r = item[1].rank
-    return (r is None, r if r is not None else 0)
-
-
-class TokenNamer:
-    """How a token id is shown in logprobs: its decoded text, or "token_id:N" (--return-tokens-as-token-ids)."""
-
-    def __init__(self, tokenizer, as_ids: bool):
-        self.tokenizer = tokenizer
-        self.as_ids = as_ids
-
-    def __call__(self, tid: int, lp: Logprob | None) -> str:
-        if self.as_ids:
-            return f"token_id:{tid}"
-        if lp is not None and lp.decoded_token is not None:
-            return lp.decoded_token
-        return self.tokenizer.decode([tid])
-
-
-def completion_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top: int,
-                        offset: int) -> tuple[CompletionLogProbs, int]:
-    """The legacy completions shape; entries[i] is None for the first prompt token. Returns the next offset."""
-    out = CompletionLogProbs()
-    for tid, entry in zip(token_ids, entries):
-        if entry is None:
-            tok = name(tid, None)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
-        else:
-            lp = entry.get(tid)
-            tok = name(tid, lp)
-            out.token_logprobs.append(_clamp(lp.logprob) if lp is not None else None)
-            top = {name(t, l): _clamp(l.logprob) for t, l in sorted(entry.items(), key=_rank_key)[:num_top]}
-            if lp is not None:
-                top.setdefault(tok, _clamp(lp.logprob))
-            out.top_logprobs.append(top)
-        out.tokens.append(tok)
-        out.text_offset.append(offset)
-        offset += len(tok)
-    return out, offset
-
-
-def chat_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top: int) -> list[ChatLogprobToken]:
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        entry = entry or {}
-        lp = entry.get(tid)
-        tok = name(tid, lp)
-        tops = []
-        for t, l in sorted(entry.items(), key=_rank_key)[:num_top]:
-            s = name(t, l)
-            tops.append(TopLogprob(token=s, logprob=_clamp(l.logprob), bytes=list(s.encode("utf-8", "replace"))))
-        content.append(ChatLogprobToken(token=tok, logprob=_clamp(lp.logprob) if lp is not None else -9999.0,
-                                        bytes=list(tok.encode("utf-8", "replace")), top_logprobs=tops))
-    return content
-
-
-def prompt_logprobs_json(entries) -> list | None:
-    """vLLM's prompt_logprobs field: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
-    if entries is None:
-        return None
-    return [None if e is None else {t: {"logprob": _clamp(l.logprob), "rank": l.rank,
-                                        "decoded_token": l.decoded_token} for t, l in e.items()}
-            for e in entries]
 
 
 # -------------------------------------------------------------------------------------------------- SSE

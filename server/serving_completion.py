@@ -9,7 +9,8 @@ import time
 
 from aiohttp import web
 
-from server.errors import APIError, parse_model, read_json
+from server.errors import APIError, parse_json, parse_model, read_body
+from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs_json
 from server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -24,14 +25,12 @@ from server.serving_common import (
     EngineRunner,
     RequestState,
     ServerState,
-    TokenNamer,
     check_token_ids,
-    completion_logprobs,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    prompt_logprobs_json,
+    output_size,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,
@@ -41,9 +40,22 @@ from server.serving_common import (
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
-    req = parse_model(CompletionRequest, await read_json(request, state.max_body_bytes))
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    ctx, requests = await state.workers.run(_prepare, state, raw, size=len(raw))
+    if ctx.req.stream:
+        return await _stream(request, ctx, requests)
+    async with EngineRunner(state, requests, ctx.req.priority) as run:
+        await run.start()
+        states = await run.run_to_end()
+    text = await state.workers.run(_final_response, ctx, states, size=output_size(states))
+    return web.json_response(text=text)
+
+
+def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]:
+    """The request's engine requests (in a worker thread: decoding, validation and tokenization)."""
+    req = parse_model(CompletionRequest, parse_json(raw))
     log_ignored_fields(req, "/v1/completions")
-    model = state.check_model(req.model)
+    model, lora = state.check_model(req.model)
     reject_unsupported(req)
     if req.suffix is not None:
         raise APIError("suffix is not currently supported", param="suffix")
@@ -56,8 +68,8 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if req.echo and req.logprobs is not None and prompt_logprobs is None:
         prompt_logprobs = req.logprobs
     requests = []
-    for i, (text, ids) in enumerate(await _prompts(state, req)):
-        max_tokens = resolve_max_tokens(state, 1 if echo_only else req.max_tokens, len(ids))
+    for i, (text, ids) in enumerate(_prompts(state, req)):
+        max_tokens = resolve_max_tokens(state, 1 if echo_only else req.max_tokens, len(ids), prompt_param="prompt")
         params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       prompt_logprobs=prompt_logprobs)
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
@@ -65,22 +77,18 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
             prompt["cache_salt"] = req.cache_salt
         rid = f"{request_id}-{i}"
         log_request(state, rid, text if text is not None else ids, params)
-        requests.append(EngineRequest(prompt, params, rid, ids, text, state.lora_request(req.model)))
+        requests.append(EngineRequest(prompt, params, rid, ids, text, lora))
+    return _Ctx(state, req, request_id, model, echo_only), requests
 
-    ctx = _Ctx(state, req, request_id, model, echo_only)
-    if req.stream:
-        return await _stream(request, ctx, requests)
-    async with EngineRunner(state, requests, req.priority) as run:
-        await run.start()
-        states = await run.run_to_end()
+
+def _final_response(ctx: _Ctx, states: list[RequestState]) -> str:
     choices = [ctx.piece(i, rs, j, first=True, always=True) for i, rs in enumerate(states)
                for j in range(len(rs.choices))]
-    resp = CompletionResponse(id=request_id, created=ctx.created, model=model, choices=choices,
-                              usage=ctx.usage(states))
-    return web.json_response(text=resp.to_json())
+    return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
+                              usage=ctx.usage(states)).to_json()
 
 
-async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """Each prompt as (text or None, token ids), truncated if asked."""
     p = req.prompt
     if isinstance(p, str):
@@ -91,11 +99,11 @@ async def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str
         items = list(p)
     if not items:
         raise APIError("prompt must not be an empty list.", param="prompt")
-    tokenizer = state.engine.get_tokenizer()
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = await encode(tokenizer, item, req.add_special_tokens)
+            ids = encode(state, item, req.add_special_tokens, param="prompt",
+                         truncating=req.truncate_prompt_tokens is not None)
             text = item
         else:
             check_token_ids(item, state.engine.vocab_size)

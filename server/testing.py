@@ -426,7 +426,7 @@ class FakeEngine:
 
 
 class ServerThread:
-    """Runs `python -m jaxllm.serve`'s server (run_server) for `engine` on 127.0.0.1 and a free port, in a
+    """Runs `jaxllm serve`'s server (server.serve.run_server) for `engine` on 127.0.0.1 and a free port, in a
     background thread with its own event loop, so synchronous tests can use blocking clients.
 
         with ServerThread(FakeEngine(tok), "--api-key", "k") as srv: ... srv.base_url ...
@@ -444,6 +444,7 @@ class ServerThread:
         self.args = args
         self.loop = asyncio.new_event_loop()
         self.port: int | None = None
+        self.app = None  # the aiohttp app, once built (app[server.serving_common.STATE] is its ServerState)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._stop: asyncio.Event | None = None
@@ -488,7 +489,7 @@ class ServerThread:
         self.stop()
 
     def _main(self) -> None:
-        from jaxllm.serve import run_server
+        from server.serve import run_server
 
         asyncio.set_event_loop(self.loop)
 
@@ -499,7 +500,8 @@ class ServerThread:
                 self.port = port
                 self._ready.set()
 
-            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready)
+            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready,
+                             on_app=lambda app: setattr(self, "app", app))
 
         try:
             self.loop.run_until_complete(serve())

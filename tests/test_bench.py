@@ -72,14 +72,14 @@ def test_step_phases_smoke(tmp_path):
     """Per-step host phase timers around the throughput workload; the engine's classes are restored after."""
     from bench import step_phases
     from jaxllm.engine.llm_engine import LLMEngine
-    from jaxllm.engine.runner import ModelRunner
+    from jaxllm.engine.programs import StepPrograms
 
-    before = (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable)
+    before = (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable)
     res = step_phases.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
                             "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
                             "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--compilation-cache-dir", "",
                             "--min-seqs", "4", "--out", str(tmp_path / "tp.json")])
-    assert (LLMEngine.step, LLMEngine._on_token, ModelRunner._executable) == before
+    assert (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable) == before
     saved = json.loads((tmp_path / "tp_step_phases.json").read_text())
     assert saved["steps"] >= 3 and saved["steady_steps"] >= 1
     assert saved["steady_median_ms"]["exe_call"] > 0 and saved["steady_median_ms"]["on_token"] > 0
@@ -136,7 +136,7 @@ def test_suite_profile_window():
 @pytest.mark.filterwarnings("ignore")
 def test_first_steps_trace_smoke(tmp_path, monkeypatch):
     """The batch-1 first-token trace runs, applies its engine overrides and keeps the traced host steps."""
-    from bench import first_steps_trace
+    from bench.probes import first_steps_trace
     from jaxllm.engine import runner
     from jaxllm.models import attention
 
@@ -205,12 +205,12 @@ def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
 
 
 def test_decode_tail_probe_kernels_match_the_reference():
-    """bench/decode_tail_probe.py's two kernels (interpret mode): the stamped copy of the entry point's decode
+    """bench/probes/decode_tail_probe.py's two kernels (interpret mode): the stamped copy of the entry point's decode
     kernel gives one stamp per program, and the work-stealing prototype's output matches the reference (its
     programs run one after another here, so the first takes every block and the others none)."""
     import jax.numpy as jnp
 
-    from bench import decode_tail_probe as probe
+    from bench.probes import decode_tail_probe as probe
     from bench.kernels import make_case, rel_err
     from kernels_pallas import reference
 
@@ -294,8 +294,8 @@ def test_gpu_parity_compare_fails_on_a_wrong_token():
 
 
 def test_lowering_profile_smoke(tmp_path):
-    """bench/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
-    from bench import lowering_profile
+    """bench/probes/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
+    from bench.probes import lowering_profile
 
     res = lowering_profile.main(["--num-layers", "1", "--vocab-size", "512", "--max-num-seqs", "4",
                                  "--max-num-batched-tokens", "16", "--model-dir", str(tmp_path / "m"),

@@ -10,7 +10,7 @@ import torch
 
 from convert import ConversionError, convert_checkpoint
 from jaxllm.config import ModelConfig
-from jaxllm.convert import main as convert_main
+from convert.cli import main as convert_main
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.loader import MANIFEST, load_params
 from jaxllm.sharding import ParallelConfig, kv_heads_for

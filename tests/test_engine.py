@@ -3,8 +3,8 @@ caching and preemption; sampling, stops, logprobs and validation behave like vLL
 
 import gc
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -683,10 +683,10 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
 
     llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
     runner = llm.llm_engine.runner
-    n_steps = len(runner._compiled)
+    n_steps = len(runner.programs.compiled)
     gate = threading.Event()
-    compile_in_background = runner._compile_in_background
-    runner._compile_in_background = lambda v, args: gate.wait() and compile_in_background(v, args)
+    compile_in_background = runner.programs._compile_in_background
+    runner.programs._compile_in_background = lambda v, args: gate.wait() and compile_in_background(v, args)
     params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, ignore_eos=True),
               SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, seed=4, max_tokens=6,
                              ignore_eos=True, logprobs=2),
@@ -699,13 +699,13 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
                                              for o in outs]
 
     split = run()
-    assert len(runner._compiled) == n_steps and runner._samplers and runner._pending
+    assert len(runner.programs.compiled) == n_steps and runner.programs.samplers and runner.programs.pending
     gate.set()
-    runner.wait_for_background_compiles()
-    assert len(runner._compiled) > n_steps and not runner._pending
-    n_samplers = len(runner._samplers)
+    runner.programs.wait_for_background_compiles()
+    assert len(runner.programs.compiled) > n_steps and not runner.programs.pending
+    n_samplers = len(runner.programs.samplers)
     whole = run()
-    assert len(runner._samplers) == n_samplers  # the step programs ran
+    assert len(runner.programs.samplers) == n_samplers  # the step programs ran
     assert split[0] == whole[0]
     for a, b in zip(split[1], whole[1]):
         assert [sorted(d) for d in a] == [sorted(d) for d in b]
@@ -726,7 +726,7 @@ def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs
         tries.append(v)
         raise RuntimeError("compile failed")
 
-    runner._compile_in_background = fail
+    runner.programs._compile_in_background = fail
     params = [GREEDY, SamplingParams(temperature=0, logprobs=1, max_tokens=10, ignore_eos=True)] * 2
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
     for _ in range(2):
@@ -734,7 +734,7 @@ def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs
         assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS[:4]]
         assert all(o.outputs[0].finish_reason == "length" for o in outs)
         check_free(llm)
-    runner.wait_for_background_compiles()
+    runner.programs.wait_for_background_compiles()
     assert tries and len(tries) == len(set(tries))  # each failed variant is not compiled again
 
 
@@ -748,12 +748,12 @@ from jaxllm import LLM, SamplingParams
 llm = LLM({tiny[0]!r}, dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
           block_size=8, max_model_len=128, compilation_cache_dir=None)
 runner = llm.llm_engine.runner
-compile_step = runner._compile
-runner._compile = lambda *a: print("compiling", flush=True) or time.sleep(4) or compile_step(*a)
+compile_step = runner.programs._compile
+runner.programs._compile = lambda *a: print("compiling", flush=True) or time.sleep(4) or compile_step(*a)
 params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **k)
           for k in (dict(logprobs=1), dict(logprobs=1, logit_bias={{3: 1.0}}), dict(presence_penalty=0.5))]
 llm.generate([[1, 2, 3]] * 3, params, use_tqdm=False)
-print("queued", len(runner._pending), flush=True)
+print("queued", len(runner.programs.pending), flush=True)
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -797,12 +797,12 @@ def test_penalty_sampler_for_the_next_row_width_compiles_ahead(tiny):
     runner = llm.llm_engine.runner
 
     def penalty_widths():
-        return {k[2][0] for k in runner._samplers if k[1].penalties}
+        return {k[2][0] for k in runner.programs.samplers if k[1].penalties}
 
     def generate(n):
         sp = SamplingParams(temperature=1.0, presence_penalty=0.5, seed=5, max_tokens=n, ignore_eos=True)
         out = llm.generate({"prompt_token_ids": PROMPTS[4]}, sp, use_tqdm=False)[0].outputs[0]
-        runner.wait_for_background_compiles()
+        runner.programs.wait_for_background_compiles()
         return out
 
     generate(4)  # 9 + 4 tokens: rows of width 16
@@ -818,7 +818,7 @@ def test_packed_host_inputs_round_trip():
     import jax
     import numpy as np
 
-    from jaxllm.engine.runner import pack_host_args, unpack_host_args
+    from jaxllm.engine.packing import pack_host_args, unpack_host_args
     from jaxllm.engine.sampler import SamplingMetadata
     from jaxllm.models.attention import AttentionMetadata
 

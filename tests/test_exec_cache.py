@@ -12,9 +12,8 @@ import jax
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.engine import exec_cache
-from jaxllm.engine import runner as runner_mod
-from jaxllm.engine import setup
+from jaxllm.engine import exec_cache, setup, step_fns
+from jaxllm.engine import programs as programs_mod
 from tests.tiny_models import make_tiny_model_dir
 
 PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3]]
@@ -31,13 +30,13 @@ def tiny(tmp_path_factory):
 def traces(monkeypatch):
     """Counts traces of the step function (forward runs once per trace)."""
     count = {"n": 0}
-    forward = runner_mod.forward
+    forward = step_fns.forward
 
     def counting(*a, **k):
         count["n"] += 1
         return forward(*a, **k)
 
-    monkeypatch.setattr(runner_mod, "forward", counting)
+    monkeypatch.setattr(step_fns, "forward", counting)
     return count
 
 
@@ -75,19 +74,19 @@ def run(llm):
 
 
 def counters(llm):
-    c = llm.llm_engine.runner.exec_cache
+    c = llm.llm_engine.runner.programs.exec_cache
     return dict(hits=c.hits, misses=c.misses, errors=c.errors, stores=c.stores, from_jax_cache=c.from_jax_cache)
 
 
 def test_second_start_loads_without_tracing(tiny, tmp_path, monkeypatch, traces):
     first = start(tiny, tmp_path, monkeypatch)
-    n = len(first.llm_engine.runner.variants())
+    n = len(first.llm_engine.runner.programs.variants())
     assert counters(first) == dict(hits=0, misses=n, errors=0, stores=n, from_jax_cache=0)
     assert traces["n"] == n
     ref = run(first)  # the logprobs request compiles (and stores) a sampler and, in the background, its steps
     runner = first.llm_engine.runner
-    runner.wait_for_background_compiles()
-    extra, extra_steps = runner.num_compiles_after_warmup, len(runner._compiled) - n
+    runner.programs.wait_for_background_compiles()
+    extra, extra_steps = runner.programs.num_compiles_after_warmup, len(runner.programs.compiled) - n
     assert extra_steps and extra > extra_steps and counters(first)["stores"] == n + extra
     del first
 
@@ -95,7 +94,7 @@ def test_second_start_loads_without_tracing(tiny, tmp_path, monkeypatch, traces)
     traces["n"] = 0
     second = start(tiny, tmp_path, monkeypatch)
     assert counters(second) == dict(hits=n, misses=0, errors=0, stores=0, from_jax_cache=0)
-    assert traces["n"] == 0 and len(second.llm_engine.runner._compiled) == n
+    assert traces["n"] == 0 and len(second.llm_engine.runner.programs.compiled) == n
     kv = second.llm_engine.runner.kv_caches[0][0]
     assert run(second) == ref  # sampling and the post-warm-up variants work when loaded
     assert kv.is_deleted()  # the KV cache is still donated
@@ -107,20 +106,28 @@ def test_warm_up_compiles_while_the_weights_load_and_the_kv_cache_is_unallocated
     """The steps are compiled against abstract weights while the weights load on a thread, and against the KV
     cache's shapes with its memory free (parallel compiles autotune on device memory); then the loaded weights
     are bound and the cache allocated, with the shapes and shardings the steps were compiled for."""
+    from jaxllm.engine.programs import StepPrograms
     from jaxllm.engine.runner import ModelRunner
 
-    seen = []
-    compile_variants = ModelRunner._compile_variants
+    seen, events = [], []
+    compile_variants, allocate_kv = StepPrograms.compile_variants, ModelRunner._allocate_kv
 
-    def spy(self, workers, weights=None):
+    def spy(self, params, prev_tokens, workers=None, weights=None):
         assert weights is not None  # a Future of the params
-        seen.extend(type(a) for a in jax.tree.leaves((self.params, self.kv_caches)))
-        return compile_variants(self, workers, weights)
+        seen.extend(type(a) for a in jax.tree.leaves((params, self.kv_specs)))
+        events.append("compile")
+        return compile_variants(self, params, prev_tokens, workers, weights)
 
-    monkeypatch.setattr(ModelRunner, "_compile_variants", spy)
+    def allocate_spy(self):
+        events.append("allocate")
+        return allocate_kv(self)
+
+    monkeypatch.setattr(StepPrograms, "compile_variants", spy)
+    monkeypatch.setattr(ModelRunner, "_allocate_kv", allocate_spy)
     llm = start(tiny, tmp_path, monkeypatch)
     runner = llm.llm_engine.runner
     assert seen and set(seen) == {jax.ShapeDtypeStruct}
+    assert events == ["compile", "allocate"]  # the KV cache's memory is allocated after the compiles
     assert all(isinstance(a, jax.Array) and not a.is_deleted() for a in jax.tree.leaves(runner.params))
     assert all(isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72
                for a in jax.tree.leaves(runner.kv_caches))
@@ -163,11 +170,12 @@ def test_corrupt_and_mismatched_entries_fall_back(tiny, tmp_path, monkeypatch, t
     first = start(tiny, tmp_path, monkeypatch)
     ref = run(first)
     r = first.llm_engine.runner
-    r.wait_for_background_compiles()  # (no trace of the first engine may land in the second's count)
-    keys = {v: r._cache_key(v, r._dummy_args(v)) for v in r.variants()}
+    r.programs.wait_for_background_compiles()  # (no trace of the first engine may land in the second's count)
+    programs = r.programs
+    keys = {v: programs._cache_key(v, programs.dummy_args(v, r.params, r.prev_tokens)) for v in programs.variants()}
     del first
-    ka, kb, kc = (keys[v] for v in r.variants()[:3])
-    a, b, c = map(r.exec_cache.path, (ka, kb, kc))
+    ka, kb, kc = (keys[v] for v in r.programs.variants()[:3])
+    a, b, c = map(r.programs.exec_cache.path, (ka, kb, kc))
     # c: b's valid entry relabelled with c's key (digest recomputed): the argument checks, not the key,
     # must catch it.
     with open(b, "rb") as f:
@@ -187,7 +195,7 @@ def test_corrupt_and_mismatched_entries_fall_back(tiny, tmp_path, monkeypatch, t
     traces["n"] = 0
     with caplog.at_level(logging.WARNING, logger="jaxllm.engine.exec_cache"):
         second = start(tiny, tmp_path, monkeypatch)
-    n = len(second.llm_engine.runner.variants())
+    n = len(second.llm_engine.runner.programs.variants())
     assert counters(second) == dict(hits=n - 3, misses=0, errors=3, stores=3, from_jax_cache=0)
     assert traces["n"] == 3
     assert sum("compiling instead" in rec.getMessage() for rec in caplog.records) == 3
@@ -256,7 +264,7 @@ print(cache.stores, cache.from_jax_cache, cache.load(key, (x,)))
 
 def test_gpu_step_compile_options(tmp_path, monkeypatch):
     """On a GPU, steps with prompt tokens are compiled with command buffers off and decode-only steps of
-    CUBLAS_MIN_DECODE_SEQS+ sequences with Triton GEMMs off (runner.compile_options); smaller decode-only steps
+    CUBLAS_MIN_DECODE_SEQS+ sequences with Triton GEMMs off (programs.compile_options); smaller decode-only steps
     and every step off GPU get no options. The options are ones this jaxlib knows, and they are part of the
     cache key, so an executable compiled with other options is never loaded for the step."""
     import types
@@ -265,22 +273,22 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
 
     from jaxllm.engine.sampler import SamplerFlags
 
-    big = runner_mod.CUBLAS_MIN_DECODE_SEQS
-    mixed = runner_mod.StepVariant(64, 8, False, SamplerFlags(), 0)
-    small_decode = runner_mod.StepVariant(big // 2, big // 2, True, SamplerFlags(), 0)
-    big_decode = runner_mod.StepVariant(big, big, True, SamplerFlags(), 0)
+    big = programs_mod.CUBLAS_MIN_DECODE_SEQS
+    mixed = programs_mod.StepVariant(64, 8, False, SamplerFlags(), 0)
+    small_decode = programs_mod.StepVariant(big // 2, big // 2, True, SamplerFlags(), 0)
+    big_decode = programs_mod.StepVariant(big, big, True, SamplerFlags(), 0)
     variants = (mixed, small_decode, big_decode)
     fake = types.SimpleNamespace(exec_cache=exec_cache.ExecutableCache(str(tmp_path), jax.devices()), cfg="cfg",
                                  attn="attn")
     args = (jnp.ones(4),)
-    cpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in variants]
-    assert [runner_mod.compile_options(v) for v in variants] == [{}, {}, {}]
+    cpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
+    assert [programs_mod.compile_options(v) for v in variants] == [{}, {}, {}]
 
-    monkeypatch.setattr(runner_mod.jax, "default_backend", lambda: "gpu")
-    options = [runner_mod.compile_options(v) for v in variants]
+    monkeypatch.setattr(programs_mod.jax, "default_backend", lambda: "gpu")
+    options = [programs_mod.compile_options(v) for v in variants]
     assert options == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}, {},
                        {"xla_gpu_enable_triton_gemm": False}]
-    gpu_keys = [runner_mod.ModelRunner._cache_key(fake, v, args) for v in variants]
+    gpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
     assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1] and gpu_keys[2] != cpu_keys[2]
     monkeypatch.undo()
     # real XLA options (an unknown name is an INVALID_ARGUMENT at compile time)

@@ -502,7 +502,7 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
         return real(qkv, *a, **k)
 
     monkeypatch.setattr(kp, "fused_decode_attention", spy)
-    if tp == 1:  # attention.FUSED_DECODE_TUNING reaches the kernel (bench/step_probe.py's variants set it)
+    if tp == 1:  # attention.FUSED_DECODE_TUNING reaches the kernel (bench/probes/step_probe.py's variants set it)
         monkeypatch.setattr(attention, "FUSED_DECODE_TUNING", {"num_splits": 2})
     jax.clear_caches()  # the harness's step and the layer are jitted: trace them again with the spy
     pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh)

@@ -436,7 +436,7 @@ def test_port_in_use_fails_before_the_engine_loads(tok, monkeypatch):
     """As vLLM: the socket is bound before the model loads, so a busy port fails at once, not minutes later."""
     import socket
 
-    import jaxllm.serve as serve
+    import server.serve as serve
 
     built = []
     monkeypatch.setattr(serve, "build_engine", lambda args: built.append(args) or FakeEngine(tok))

@@ -17,7 +17,7 @@ from server.testing import ServerThread
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from jaxllm.serve import build_engine
+    from server.serve import build_engine
     from tests.tiny_models import make_tiny_model_dir
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))

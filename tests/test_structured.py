@@ -132,8 +132,9 @@ def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monke
     if not overlap:
         monkeypatch.setattr(runner, "overlap_min_masked", 10**9)
     split_steps = []
-    sampler_executable = runner._sampler_executable
-    monkeypatch.setattr(runner, "_sampler_executable", lambda *a: split_steps.append(1) or sampler_executable(*a))
+    sampler_executable = runner.programs._sampler_executable
+    monkeypatch.setattr(runner.programs, "_sampler_executable",
+                        lambda *a: split_steps.append(1) or sampler_executable(*a))
     outs = run_all(engine)
     assert bool(split_steps) == overlap  # eager engines run split only to overlap
     i = 0
@@ -284,7 +285,7 @@ def test_tokenizer_without_a_decoder_llguidance_reads(llm):
 
 
 def test_server_structured_outputs(tiny, tmp_path):
-    from jaxllm.serve import build_engine
+    from server.serve import build_engine
     from server.args import parse_args
     from server.testing import ServerThread
 
@@ -338,19 +339,19 @@ def test_missing_mask_count_program_is_served_by_a_wider_one(tiny, refs, tmp_pat
         runner = llm.llm_engine.runner
         alone = [o.outputs[0].token_ids for o in llm.generate(prompts[1:], params[1:], use_tqdm=False)]
         for run in range(2):
-            compiles = runner.num_compiles_after_warmup
+            compiles = runner.programs.num_compiles_after_warmup
             outs = llm.generate(prompts, params, use_tqdm=False)
             assert outs[0].outputs[0].token_ids == refs[("regex", PROMPTS[0])]
             assert [o.outputs[0].token_ids for o in outs[1:]] == alone
-            runner.wait_for_background_compiles()
-            grammar = sorted((k[0], k[2][-1]) for k in runner._samplers if k[1].grammar)
+            runner.programs.wait_for_background_compiles()
+            grammar = sorted((k[0], k[2][-1]) for k in runner.programs.samplers if k[1].grammar)
             if engine == "empty cache":
                 assert (4, 4) in grammar and (4, 1) in grammar, grammar  # B=4 with 4 masks, then the exact 1
             else:
                 assert (4, 1) in grammar and (4, 4) not in grammar, grammar  # the exact one, loaded
-                assert runner.num_compiles_after_warmup == 0
+                assert runner.programs.num_compiles_after_warmup == 0
             if run:
-                assert runner.num_compiles_after_warmup == compiles
+                assert runner.programs.num_compiles_after_warmup == compiles
         check_free(llm)
 
 
@@ -363,15 +364,15 @@ def test_compiled_steps_split_then_whole(tiny, refs):
     runner = llm.llm_engine.runner
     want = [refs[(name, p)] for name in CONSTRAINTS for p in PROMPTS[:2]]
     assert [o.outputs[0].token_ids for o in run_all(llm, extra_plain=False)] == want
-    runner.wait_for_background_compiles()
-    assert not any(v.flags.grammar for v in list(runner._pending) + list(runner._compiled))
+    runner.programs.wait_for_background_compiles()
+    assert not any(v.flags.grammar for v in list(runner.programs.pending) + list(runner.programs.compiled))
     runner.overlap_min_masked = 10**9
     for _ in range(2):
         outs = run_all(llm, extra_plain=False)
         assert [o.outputs[0].token_ids for o in outs] == want
-        assert any(v.flags.grammar for v in list(runner._pending) + list(runner._compiled))
-        runner.wait_for_background_compiles()
-    assert any(v.flags.grammar for v in runner._compiled)
+        assert any(v.flags.grammar for v in list(runner.programs.pending) + list(runner.programs.compiled))
+        runner.programs.wait_for_background_compiles()
+    assert any(v.flags.grammar for v in runner.programs.compiled)
     check_free(llm)
 
 

@@ -156,7 +156,7 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from jaxllm.serve import build_engine
+    from server.serve import build_engine
     from server.args import parse_args
     from server.testing import ServerThread
 

@@ -29,6 +29,7 @@ from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.structured import Grammars
+from jaxllm.lora.engine import EngineLoRAMethods
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
 
@@ -74,7 +75,7 @@ def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
     return req.seqs[0] if len(req.seqs) == 1 else next((s for s in req.seqs if s.seq is seq), None)
 
 
-class LLMEngine:
+class LLMEngine(EngineLoRAMethods):
     def __init__(self, args: EngineArgs):
         from jaxllm.engine.setup import build_engine_parts
 
@@ -96,7 +97,6 @@ class LLMEngine:
         self._rng = random.Random(args.seed)
         self.grammars: Grammars = parts.grammars
         self.lora = parts.lora  # LoRASlots, or None without enable_lora
-        self._lora_removals: set[int] = set()  # adapters to forget once no request uses them
         self._advanced: list[_SeqState] = []  # constrained sequences that took a token: their masks are stale
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -184,47 +184,6 @@ class LLMEngine:
             self.abort_request(request_id)
             raise
 
-    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ----
-    def _lora_of(self, lora_request) -> tuple[int, str | None]:
-        """(lora_int_id, prefix-cache key) of a request's adapter, registering (reading and checking) it when new."""
-        if lora_request is None:
-            return 0, None
-        from jaxllm.lora.request import LoRARequest
-
-        if self.lora is None:
-            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled! Start the engine with "
-                             "enable_lora=True (--enable-lora).")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
-        self.lora.add(lora_request)
-        self._lora_removals.discard(lora_request.lora_int_id)
-        return lora_request.lora_int_id, self.lora.cache_key(lora_request.lora_int_id)
-
-    def add_lora(self, lora_request) -> bool:
-        """Registers an adapter (read and checked now: ValueError naming the field); False if its id is known."""
-        if self.lora is None:
-            raise ValueError("LoRA is not enabled! Start the engine with enable_lora=True (--enable-lora).")
-        added = self.lora.add(lora_request)
-        self._lora_removals.discard(lora_request.lora_int_id)
-        return added
-
-    def remove_lora(self, lora_id: int) -> bool:
-        """Forgets an adapter; requests still running with it finish first (it is forgotten after the last)."""
-        if self.lora is None or lora_id not in self.lora.requests:
-            return False
-        self._lora_removals.add(lora_id)
-        self._drop_removed_loras()
-        return True
-
-    def list_loras(self) -> set[int]:
-        return set() if self.lora is None else set(self.lora.requests) - self._lora_removals
-
-    def _drop_removed_loras(self) -> None:
-        in_use = {req.lora_id for req in self._requests.values()}
-        for lora_id in list(self._lora_removals - in_use):
-            self._lora_removals.discard(lora_id)
-            self.lora.remove(lora_id)
-
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
             raise ValueError("The decoder prompt cannot be empty.")
@@ -286,8 +245,7 @@ class LLMEngine:
         if not outputs and self._inflight is None and self._requests:
             # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
             outputs = self._finish_stalled()
-        if self._lora_removals:
-            self._drop_removed_loras()
+        self._drop_removed_loras()
         return outputs
 
     def _needs_sync(self) -> bool:

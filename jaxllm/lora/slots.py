@@ -91,6 +91,7 @@ class LoRASlots:
         self._keys: dict[int, str] = {}  # lora_int_id -> prefix-cache key (one per registration)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: oldest first
         self._slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recently used first
+        self.removing: set[int] = set()  # removed while requests still used them: forgotten after the last
         self.num_swaps = 0
 
     @property
@@ -105,7 +106,11 @@ class LoRASlots:
     def add(self, request: LoRARequest) -> bool:
         """Registers request's adapter, reading and checking it now (ValueError naming the field); False when this
         lora_int_id is already registered with the same folder. One id, one folder: another folder under a known
-        id is an error (the engine would otherwise serve the old weights under the new name)."""
+        id is an error (the engine would otherwise serve the old weights under the new name). Adding an adapter
+        that is waiting to be removed keeps it."""
+        if not isinstance(request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(request).__name__}.")
+        self.removing.discard(request.lora_int_id)
         known = self.requests.get(request.lora_int_id)
         if known is not None:
             if known.lora_path != request.lora_path:
@@ -133,6 +138,24 @@ class LoRASlots:
         self._slot_of.pop(lora_id, None)
         return True
 
+    def remove_when_unused(self, lora_id: int, in_use: set[int]) -> bool:
+        """vLLM's remove_lora: False if unknown; else it is no longer listed and is forgotten once no request
+        uses it (in_use: the adapters of the engine's requests; drop_removed does the rest)."""
+        if lora_id not in self.requests:
+            return False
+        self.removing.add(lora_id)
+        self.drop_removed(in_use)
+        return True
+
+    def drop_removed(self, in_use: set[int]) -> None:
+        for lora_id in list(self.removing - in_use):
+            self.removing.discard(lora_id)
+            self.remove(lora_id)
+
+    def listed(self) -> set[int]:
+        """vLLM's list_loras: the ids of the adapters added and not removed."""
+        return set(self.requests) - self.removing
+
     def cache_key(self, lora_id: int) -> str:
         return self._keys[lora_id]
 
@@ -150,13 +173,14 @@ class LoRASlots:
         return adapter
 
     # ---- slots ----
-    def activate(self, lora_ids) -> dict[int, int]:
-        """lora_int_id -> slot for a step's adapters (at most max_loras: the scheduler's limit), writing the ones
-        not in a slot over the least recently used slots the step does not need."""
+    def assign(self, lora_ids) -> tuple[dict[int, int], list[tuple[int, dict]]]:
+        """Host half of a step's slots (ModelRunner.prepare): lora_int_id -> slot for the step's adapters (at most
+        max_loras: the scheduler's limit), putting the ones not in a slot over the least recently used slots the
+        step does not need; and the writes that takes, for write() (ModelRunner.launch): (slot, its host arrays)."""
         need = [i for i in dict.fromkeys(lora_ids) if i]
         if len(need) > self.num_slots:
             raise RuntimeError(f"A step needs {len(need)} adapters, more than max_loras ({self.num_slots}).")
-        out = {}
+        out, loads = {}, []
         missing = []
         for i in need:
             if i in self._slot_of:
@@ -173,12 +197,23 @@ class LoRASlots:
                 else:  # the least recently used adapter this step does not need
                     victim = next(j for j in self._slot_of if j not in out)
                     slot = self._slot_of.pop(victim)
-                self._load_slot(slot, self._host_adapter(i))
+                loads.append((slot, self._slot_values(self._host_adapter(i))))
                 self._slot_of[i] = out[i] = slot
+        return out, loads
+
+    def write(self, loads: list[tuple[int, dict]]) -> None:
+        """Device half: writes assign()'s adapters into their slots. Dispatched after the steps already in flight
+        (the device runs them in order), so a step still reading a slot's old adapter finishes first."""
+        for slot, host in loads:
+            self._load_slot(slot, host)
+
+    def activate(self, lora_ids) -> dict[int, int]:
+        """assign() and write() at once (tests, tools): lora_int_id -> slot."""
+        out, loads = self.assign(lora_ids)
+        self.write(loads)
         return out
 
-    def _load_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        host = self._slot_values(adapter)
+    def _load_slot(self, slot: int, host) -> None:
         new = jax.device_put(host, self._slot_shardings)
         self.arrays = self._write(self.arrays, jnp.int32(slot), new)
         self.num_swaps += 1
@@ -208,7 +243,7 @@ class LoRASlots:
 
     def warm_up(self) -> None:
         """Compiles the slot write (zeros into slot 0, which holds nothing yet) so the first swap does not wait."""
-        self._load_slot(0, LoRAAdapter("", 0))
+        self._load_slot(0, self._slot_values(LoRAAdapter("", 0)))
         self.num_swaps = 0
 
 

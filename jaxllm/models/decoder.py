@@ -124,7 +124,7 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
     else:
         x = hidden
     kv_caches = list(kv_caches)
-    layer = _traced_once(decoder_layer)  # looked up here: bench/step_probe.py swaps decoder_layer
+    layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
     for i in layers:
         ll = None if lora is None else lora.weights["layers"][i]
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, ll, lw)

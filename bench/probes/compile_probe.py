@@ -1,4 +1,7 @@
-"""Probe: what XLA compile options cost at start-up and per step (issue 7's cold start).
+"""Finding: steps with prompt tokens compile in half the time on cuBLAS GEMMs (XLA's Triton GEMMs off) and run
+as fast or faster (H100: LLM() 73.8 -> 60.5 s cold; programs.compile_options, HISTORY stop 21).
+
+Probe: what XLA compile options cost at start-up and per step (issue 7's cold start).
 
 For each option set, a fresh process (XLA's in-process autotuning results start empty) with a fresh
 compilation cache builds LLM(...) cold with runner.compile_options extended by the set's options for the steps
@@ -7,7 +10,7 @@ the warm-up log line and each variant's compile seconds (several compile at once
 times every compiled step on its warm-up inputs (chained calls, KV donated; the inputs write no KV slot, so a
 mixed step's attention does little and its time is mostly the GEMMs the options change).
 
-  python bench/compile_probe.py --shape llama3-8b --load-format dummy --dtype bfloat16 --max-model-len 1024 \\
+  python bench/probes/compile_probe.py --shape llama3-8b --load-format dummy --dtype bfloat16 --max-model-len 1024 \\
       --max-num-seqs 512 --max-num-batched-tokens 8192 --sets base,mixed_cublas --out OUT.json
 """
 
@@ -23,7 +26,7 @@ import tempfile
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from bench import common  # noqa: E402
 
@@ -71,7 +74,7 @@ def step_ms(runner, v, exe) -> float:
     n1, n2 = (2, 6) if v.num_tokens >= 1024 else (5, 25)
 
     def chain(n):
-        params, _, ints, floats, _, layout = runner._dummy_args(v)
+        params, _, ints, floats, _, layout = runner.programs.dummy_args(v, runner.params, runner.prev_tokens)
         t0 = time.perf_counter()
         for _ in range(n):
             runner.kv_caches, runner.prev_tokens, outputs, _, _ = exe(
@@ -85,8 +88,8 @@ def step_ms(runner, v, exe) -> float:
 def time_steps(runner) -> list[dict]:
     """Each compiled step's time per call (median of three)."""
     rows = []
-    for v in runner.variants():
-        exe = runner._compiled[v]
+    for v in runner.programs.variants():
+        exe = runner.programs.compiled[v]
         step_ms(runner, v, exe)  # first calls: graph instantiation, buffers
         samples = [step_ms(runner, v, exe) for _ in range(3)]
         rows.append(dict(step=v.shape_name, ms=statistics.median(samples), ms_samples=samples))
@@ -98,18 +101,18 @@ def ab_steps(args) -> dict:
     """--ab-steps: each named step compiled once per set (alone, nothing else compiling), then the sets'
     programs timed in alternation for --rounds rounds."""
     from jaxllm import LLM
-    from jaxllm.engine import runner as runner_mod
+    from jaxllm.engine import programs
 
     kw = common.engine_kwargs(args, args.model) | dict(enforce_eager=True)
     r = LLM(args.model, **kw).llm_engine.runner
-    by_name = {v.shape_name: v for v in r.variants()}
+    by_name = {v.shape_name: v for v in r.programs.variants()}
     names = args.sets.split(",")
     exes, compile_s = {}, {}
     for step in args.ab_steps.split(","):
         v = by_name[step]
         for name in names:
-            options = runner_mod.compile_options(v) | extra_options(SETS[name], v.decode_only)
-            lowered = r._lower(v, r._dummy_args(v))
+            options = programs.compile_options(v) | extra_options(SETS[name], v.decode_only)
+            lowered = r.programs._lower(v, r.programs.dummy_args(v, r.params, r.prev_tokens))
             t0 = time.perf_counter()
             exes[step, name] = lowered.compile(compiler_options=options)
             compile_s[f"{step} {name}"] = round(time.perf_counter() - t0, 2)
@@ -131,17 +134,18 @@ def child(args) -> dict:
     import jax
 
     from jaxllm import LLM
+    from jaxllm.engine import programs
     from jaxllm.engine import runner as runner_mod
 
     spec = SETS[args.child]
-    base_options = runner_mod.compile_options
+    base_options = programs.compile_options
 
     def compile_options(v):
         return base_options(v) | extra_options(spec, v.decode_only)
 
-    runner_mod.compile_options = compile_options
+    programs.compile_options = compile_options
     seconds: dict[str, float] = {}
-    base_compile = runner_mod.ModelRunner._compile
+    base_compile = programs.StepPrograms._compile
 
     def timed_compile(self, v, *a, **k):
         if spec.get("nice") and threading.current_thread() is not threading.main_thread():
@@ -152,7 +156,7 @@ def child(args) -> dict:
         finally:
             seconds[v.shape_name] = round(time.perf_counter() - t0, 2)
 
-    runner_mod.ModelRunner._compile = timed_compile
+    programs.StepPrograms._compile = timed_compile
     if spec.get("workers"):
         warm_up = runner_mod.ModelRunner.warm_up
         runner_mod.ModelRunner.warm_up = lambda self, enforce_eager=False, workers=None: warm_up(
@@ -182,9 +186,9 @@ def trace_only(args) -> dict:
     r = LLM(args.model, **kw).llm_engine.runner
     rows = {}
     t_all = time.perf_counter()
-    for v in r.variants():
+    for v in r.programs.variants():
         t0 = time.perf_counter()
-        r._lower(v, r._dummy_args(v))
+        r.programs._lower(v, r.programs.dummy_args(v, r.params, r.prev_tokens))
         rows[v.shape_name] = round(time.perf_counter() - t0, 3)
     total = time.perf_counter() - t_all
     print(f"trace_only: {total:.1f} s", flush=True)

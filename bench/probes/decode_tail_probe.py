@@ -1,4 +1,7 @@
-"""Probe: where the split-K decode kernel loses time at batch 1 x long context, and whether work stealing wins it.
+"""Finding: batch 1 x 32k decode loses its last ~3 us to programs ending over a ~4 us window, not to launch
+stagger; work stealing from an atomic counter is slower at every shape (KERNELS_NOTES stop 18).
+
+Probe: where the split-K decode kernel loses time at batch 1 x long context, and whether work stealing wins it.
 
 Two stages:
   tail   the decode kernel as the entry point builds it, each program stamping %globaltimer at its start and
@@ -7,7 +10,7 @@ Two stages:
          time from an atomic counter (kept in the block table's zero padding, so no extra memset) instead of a
          static run of pages: chain time per call against the static kernel, same inputs, same run.
 
-  python bench/decode_tail_probe.py --out OUT.json [--only tail,steal]
+  python bench/probes/decode_tail_probe.py --out OUT.json [--only tail,steal]
 
 On CPU both run in interpret mode on small cases (the stamps are zeros there, the counter a plain
 read-modify-write, since interpret mode runs the programs one after another).
@@ -22,7 +25,7 @@ import os
 import platform
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,4 +1,7 @@
-"""Probe: where a decode step's kernel time goes (batch 1 by default), and what changes it.
+"""Finding: the batch-1 decode step (5.44 ms, 8B) is at its weight-read roofline; it set the smallest decode
+bucket (2 rows) and cuBLAS for decode steps of 32+ rows (runner.SMALLEST_SEQ_BUCKET, programs.compile_options).
+
+Probe: where a decode step's kernel time goes (batch 1 by default), and what changes it.
 
 Builds the engine's decode step shape (Llama-3-8B shape, bf16 dummy weights; --rows padded rows, --live of them
 holding a sequence of --ctx tokens, Pallas attention) from the model code itself (decoder.forward +
@@ -9,7 +12,7 @@ Variants are decoder code variants (a function replacing decoder.decoder_layer, 
 such as the small-batch split-K qkv projection) and XLA options passed to compile() (env_option_overrides),
 so they share one process and one set of weights; "name@2" repeats a variant.
 
-  python bench/step_probe.py --out OUT.json [--hlo-dir DIR] [--variants base,cublas,...]
+  python bench/probes/step_probe.py --out OUT.json [--hlo-dir DIR] [--variants base,cublas,...]
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

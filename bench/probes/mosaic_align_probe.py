@@ -1,12 +1,15 @@
-"""Do Mosaic GPU kernels get 256-byte-aligned inputs when an input is a static slice of a step argument?
+"""Finding: Mosaic GPU kernels refuse inputs off 256-byte boundaries and XLA passes a static slice as its buffer
+at the slice's offset, so pack_host_args starts every array on a 256-byte boundary (KERNELS_NOTES, 29176ac).
+
+Do Mosaic GPU kernels get 256-byte-aligned inputs when an input is a static slice of a step argument?
 
 Mosaic GPU's custom call refuses any input whose address is not a multiple of 256 bytes ("Input buffer i is
 not 256-byte aligned"). The engine packs its host arrays into one int32 buffer and slices them back out in the
-step (runner.pack_host_args), so a kernel input may be a slice that starts anywhere in that buffer. This calls
+step (packing.pack_host_args), so a kernel input may be a slice that starts anywhere in that buffer. This calls
 the Mosaic decode kernel with seq_lens and the block table as slices of one int32 argument at several
 offsets (and through an elementwise op, which makes a buffer of its own), and records which calls fail.
 
-    python bench/mosaic_align_probe.py --out $OUT/mosaic_align_probe.json
+    python bench/probes/mosaic_align_probe.py --out $OUT/mosaic_align_probe.json
 """
 import argparse
 import os
@@ -14,7 +17,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from bench.common import environment, write_result  # noqa: E402
 
 

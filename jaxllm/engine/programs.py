@@ -1,0 +1,466 @@
+"""StepPrograms: every compiled program of a runner, and its life cycle. ModelRunner (runner.py) asks it for
+executables and calls them; it never compiles itself.
+
+Where a step is ...
+  - defined: step_fns.py, pure functions (the model, then sampling) traced here with static arguments (model
+    config, attention config, sampler flags, prompt logprobs k). A StepVariant names one program: the shape
+    bucket (T tokens, B sequences, decode-only or not), the sampler flags and the sampling rows' widths.
+  - compiled: here, at three moments.
+      1. Start-up (ModelRunner.warm_up -> compile_variants): every shape bucket with the default sampler flags,
+         traced one after another and compiled in a thread pool, against the KV cache's specs and dummy host
+         inputs given at construction. pp > 1: warm_up_pipeline runs the stages and sampling head once instead.
+      2. After warm-up, a step with other sampler flags (top-p, penalties, logprobs, grammars, ...): its whole
+         step program compiles in the background (runs_whole) while its steps run "split": the bucket's
+         start-up program, then a sampler-only program on the sampled rows' hidden states (sampler_call). A
+         sampler-only program is small and compiles on first use, or in the background when a program for more
+         structured-output masks can serve meanwhile; sampler_ahead compiles the next penalty width early.
+      3. A step whose program is missing anyway (eager mode, prompt logprobs): compiled when asked
+         (executable), logged as an error after warm-up for the default flags.
+  - cached: in memory in `compiled` (step programs by StepVariant) and `samplers` (sampler-only programs by
+    (B, flags, row widths)); on disk in the executable cache (exec_cache.py, ExecutableCache), which every
+    compile here consults first and writes after, so a warm start loads programs without tracing them.
+  - run: runner.py (ModelRunner.launch) on the packed host inputs (packing.py). Only the pipeline warm-up runs
+    programs here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.exec_cache import ExecutableCache
+from jaxllm.engine.inputs import bucket
+from jaxllm.engine.packing import pack_host_args
+from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata
+from jaxllm.engine.step_fns import packed_sample_rows_fn, packed_step_fn, pipeline_head_fn
+from jaxllm.models.attention import AttentionConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepVariant:
+    num_tokens: int  # T bucket
+    num_seqs: int  # B bucket
+    decode_only: bool
+    flags: SamplerFlags
+    prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
+    sampler_widths: tuple = (1, 1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows, then the number of
+    # structured-output masks (SamplingMetadata.token_bitmask)
+
+    @property
+    def shape_name(self) -> str:
+        """B x T, with a trailing d for decode-only steps (logs, benchmark rows)."""
+        return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}"
+
+
+def step_args(host_args, params, kv_caches, prev_tokens, lora=None) -> tuple:
+    """A step program's arguments: the device state and the host inputs, packed (pack_host_args); with LoRA,
+    the adapter slot arrays last (jaxllm/lora/slots.py: arguments, never constants, so swapping adapters
+    recompiles nothing)."""
+    ints, floats, layout = pack_host_args(host_args)
+    return (params, kv_caches, ints, floats, prev_tokens, layout) + (() if lora is None else (lora,))
+
+
+def _spec(a) -> jax.ShapeDtypeStruct:
+    """A device array's shape, dtype and sharding (to lower a program without holding the array)."""
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+# decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS)
+CUBLAS_MIN_DECODE_SEQS = 32
+
+
+def compile_options(v: StepVariant) -> dict:
+    """XLA options of v's step program on a GPU (none elsewhere).
+
+    Steps with prompt tokens (prefill, mixed) are compiled without command buffers (CUDA graphs): a prefill that
+    arrives at an idle device otherwise waits for the graph's update (when the step's buffers moved since it last
+    ran) and launch before its first kernel, and its kernels are long enough to hide one launch each. Decode-only
+    steps keep them: one launch per kernel cost batch 1 5.44 -> 5.64 ms per token (h100_command_buffers_ab_5e05ff0
+    .json). H100, one call: batch-1 TTFT 13.6 / 13.9 -> 11.3 / 11.0 ms, ITL and throughput unchanged
+    (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json in bench/results).
+
+    They also use cuBLAS instead of XLA's Triton GEMMs, which compile in half the time and run as fast or
+    faster. One H100 process compiling each step alone, then timing the two alternately (T x B, ms per step;
+    compile_probe_h100_b691aa4_ab_steps.json): 16x16 6.33 -> 6.51, 128x128 8.27 -> 7.68, 512x512 16.32 ->
+    15.86, 512x2048 47.7 -> 46.8, 512x8192 174.9 -> 154.1; compiles 8.3-9.9 -> 4.6-6.3 s. In a cold start's
+    8 parallel compiles the longest took 32-36 -> 14-17 s and LLM() 73.8 -> 60.5 s (compile_probe_h100_ce2244f
+    .json: the 8B shape, 19 steps; tracing them, ~25-35 s with compiles alongside, is now what ready waits on).
+
+    Decode-only steps of CUBLAS_MIN_DECODE_SEQS or more sequences use cuBLAS instead of XLA's Triton GEMMs: the
+    autotuner keeps Triton GEMM fusions there (with the residual add and norm scale fused around them), which
+    bench/probes/step_probe.py measured slower per step on the H100 at ctx 192 (step_probe_h100_e104111_rows*.json):
+    32 rows 6.35 -> 6.26 ms, 64 rows 7.03 -> 6.50-6.54, 128 rows 8.15 -> 7.54, 256 rows 10.48 -> 10.13, 512 rows
+    (500 live, ctx 600) 26.45 -> 26.08; at 8 and 16 rows Triton wins (5.67 vs 5.93, 5.89 vs 5.97)."""
+    if jax.default_backend() != "gpu":
+        return {}
+    if not v.decode_only:
+        return {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
+    if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
+
+
+def _failed(future) -> bool:
+    return future is not None and future.done() and future.exception() is not None
+
+
+def _drop_queued(pool_ref) -> None:
+    pool = pool_ref()
+    if pool is not None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _compile_or_none(lowered, options):
+    """Compiles; None when XLA's autotuner runs out of device memory (several compiles at once, KV cache
+    already allocated): the caller compiles that variant again on its own."""
+    try:
+        return lowered.compile(compiler_options=options)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return None
+
+
+class StepPrograms:
+    """The compiled programs of one runner (see the module docstring).
+
+    kv_specs: the KV cache's per-layer (k, v) specs (shapes, dtypes, shardings) the step programs are compiled
+    for; dummy_host: StepVariant -> host inputs of its shapes that write no KV slot (token_ids, src_rows, meta,
+    logits_indices, smd, prompt_targets, token_slots); lora_specs: the LoRA slot arrays' specs (None without
+    LoRA). All come from the runner, which owns the memory and the inputs."""
+
+    def __init__(self, cfg: ModelConfig, attn: AttentionConfig, devices, *, seq_buckets: tuple[int, ...],
+                 token_buckets: tuple[int, ...], kv_specs, dummy_host: Callable[[StepVariant], tuple],
+                 max_penalty_width: int, pipeline: bool = False, executable_cache_dir: str | None = None,
+                 lora_specs=None):
+        self.cfg, self.attn = cfg, attn
+        self.seq_buckets, self.token_buckets = seq_buckets, token_buckets
+        self.kv_specs, self.dummy_host, self.lora_specs = kv_specs, dummy_host, lora_specs
+        self.max_penalty_width = max_penalty_width  # penalty rows never get wider (2 x the longest sequence)
+        self._jit = jax.jit(packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"),
+                            donate_argnums=(1,))
+        # pp > 1: the last stage's logits and sampling (the stages are pipeline.py's jits)
+        self.pipeline_head = (jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k"))
+                              if pipeline else None)
+        self.compiled: dict[StepVariant, object] = {}
+        # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
+        self._sampler_jit = jax.jit(packed_sample_rows_fn, static_argnames=("cfg", "flags"))
+        self.samplers: dict[tuple, object] = {}
+        # Whole step programs for non-default sampler flags, compiling in the background (see runs_whole).
+        self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
+        # At exit Python joins the pool's thread only once it has run every queued job (a whole step compile
+        # each): drop them first. (concurrent.futures registered its own hook earlier, so it runs after this.)
+        threading._register_atexit(functools.partial(_drop_queued, weakref.ref(self._background)))
+        self.pending: dict[StepVariant, object] = {}
+        self._sampler_jobs: dict[tuple, object] = {}  # sampler programs compiling in the background
+        self._rows_spec: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the start-up programs' sampled rows
+        self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
+        self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
+        # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
+        # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
+        self.exec_cache = None
+        if executable_cache_dir and not pipeline and jax.process_count() == 1:
+            self.exec_cache = ExecutableCache(executable_cache_dir, devices)
+        self.warmed_up = False
+        self.eager = False
+        self.num_compiles_after_warmup = 0
+
+    # ---- step programs ----
+    def variants(self) -> list[StepVariant]:
+        """The shape buckets compiled at start-up (default sampler flags)."""
+        out = [StepVariant(b, b, True, SamplerFlags(), 0) for b in self.seq_buckets]
+        for t in self.token_buckets:
+            out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False,
+                                   SamplerFlags(), 0))
+        return out
+
+    def dummy_args(self, v: StepVariant, params, prev_tokens) -> tuple:
+        """v's step program's arguments as compiled at start-up: dummy host inputs, the KV cache's specs."""
+        return step_args(self.dummy_host(v), params, self.kv_specs, prev_tokens, self.lora_specs)
+
+    def _lower(self, v: StepVariant, args):
+        return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
+
+    def _cache_key(self, v: StepVariant, args) -> str:
+        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs)
+        options = compile_options(v)
+        return self.exec_cache.key("step", args, static + ((tuple(sorted(options.items())),) if options else ()))
+
+    def _load(self, v: StepVariant, args):
+        """v's executable from the executable cache, or None (no cache, a miss, or an unusable entry)."""
+        return None if self.exec_cache is None else self.exec_cache.load(self._cache_key(v, args), args)
+
+    def _compile(self, v: StepVariant, args, lowered, oom_none: bool = False):
+        """Compiles (and stores in the executable cache); with oom_none, None when XLA's autotuner ran out
+        of device memory (see _compile_or_none)."""
+        options = compile_options(v)
+        compile_fn = functools.partial(_compile_or_none, lowered, options) if oom_none else functools.partial(
+            lowered.compile, compiler_options=options)
+        if self.exec_cache is None:
+            return compile_fn()
+        return self.exec_cache.compile_and_store(self._cache_key(v, args), compile_fn)
+
+    def executable(self, v: StepVariant, args):
+        """v's step program for arguments like args: compiled, loaded from the executable cache or compiled
+        now (after warm-up, outside eager mode, counted and logged)."""
+        exe = self.compiled.get(v)
+        if exe is None:
+            t0 = time.perf_counter()
+            exe = self._load(v, args)
+            msg = "Loaded step %s in %.1f s"
+            if exe is None:
+                exe = self._compile(v, args, self._lower(v, args))
+                msg = "Compiled step %s in %.1f s"
+            self.compiled[v] = exe
+            if self.warmed_up and not self.eager:
+                default = v.flags == SamplerFlags() and not v.prompt_logprobs
+                self.num_compiles_after_warmup += 1
+                (logger.error if default else logger.warning)(msg + " after warm-up", v, time.perf_counter() - t0)
+            else:
+                logger.debug(msg, v, time.perf_counter() - t0)
+        return exe
+
+    # ---- start-up ----
+    def uncompiled(self) -> list[StepVariant]:
+        return [v for v in self.variants() if v not in self.compiled]
+
+    def finish_warm_up(self, eager: bool) -> None:
+        """From now on a missing program is a compile after warm-up (eager: expected, not counted)."""
+        self.warmed_up, self.eager = True, eager
+
+    def warm_up_pipeline(self, pipeline, kv_caches, prev_tokens, head_params):
+        """pp > 1: the stages are separate jits on their own devices (pipeline.py), called per micro-batch, and
+        the sampling head another on the last stage: each is run once per step shape on inputs that write
+        no KV slot (twice for the head, whose prev_tokens argument is the initial array the first time and
+        its own output after). Returns the new (kv_caches, prev_tokens)."""
+        t0 = time.perf_counter()
+        variants = self.variants()
+        shapes = sorted({(v.num_tokens, v.num_seqs, v.decode_only) for v in variants})
+        kv_caches, hiddens = pipeline.warm_up(kv_caches, prev_tokens, shapes)
+        for _ in range(2):
+            for v in variants:
+                _, _, _, logits_indices, smd, prompt_targets, _ = self.dummy_host(v)
+                prev_tokens, outputs, _ = self.pipeline_head(
+                    head_params, hiddens[v.num_tokens], prev_tokens, logits_indices, smd, prompt_targets,
+                    cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
+        jax.block_until_ready((kv_caches, outputs))
+        logger.info("Pipeline stages and sampling head compiled for %d step shapes in %.1f s", len(shapes),
+                    time.perf_counter() - t0)
+        return kv_caches, prev_tokens
+
+    def compile_variants(self, params, prev_tokens, workers: int | None = None, weights=None) -> None:
+        """Loads or compiles every start-up variant not compiled yet. Buckets in the executable cache are
+        loaded, untraced. The others are traced one after another (Python) and compiled in a thread pool (XLA
+        releases the GIL). When the pool leaves a core free, each bucket is compiled as soon as it is traced,
+        so tracing overlaps compiling (2-core VM, 1 compile thread, 10 buckets of a 32-layer model: 81 -> 66 s,
+        68 -> 53 s); otherwise tracing would only slow the compiles down (2 threads: 35 -> 43 s), so all are
+        traced first. Stops tracing once the weights Future (if any) has failed."""
+        t0 = time.perf_counter()
+        todo = self.uncompiled()
+        args = {v: self.dummy_args(v, params, prev_tokens) for v in todo}
+        workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers) as pool:
+            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
+                if exe is not None:
+                    self.compiled[v] = exe
+            t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self.compiled])
+            overlap = (os.cpu_count() or 1) > workers
+            seconds: dict[StepVariant, float] = {}
+
+            def compile_timed(v, low):
+                t = time.perf_counter()
+                try:
+                    return self._compile(v, args[v], low, True)
+                finally:
+                    seconds[v] = time.perf_counter() - t
+
+            jobs = []
+            for v in todo:
+                if _failed(weights):
+                    for _, _, job in jobs:  # the queued ones; warm_up raises the loader's error
+                        if job is not None:
+                            job.cancel()
+                    return
+                if v not in self.compiled:
+                    low = self._lower(v, args[v])
+                    jobs.append((v, low, pool.submit(compile_timed, v, low) if overlap else None))
+            t2 = time.perf_counter()
+            jobs = [(v, low, job or pool.submit(compile_timed, v, low)) for v, low, job in jobs]
+            done = [(v, low, job.result()) for v, low, job in jobs]
+        retried = 0
+        for v, low, exe in done:
+            if exe is None:  # out of device memory for parallel autotuning: compile this one alone
+                exe, retried = self._compile(v, args[v], low), retried + 1
+            self.compiled[v] = exe
+        if retried:
+            logger.warning("%d step variants ran out of device memory compiling in parallel; compiled them "
+                           "one at a time", retried)
+        if self.exec_cache is not None:
+            self.exec_cache.prune()
+        slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:3]
+        logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
+                    "compiled (%d threads; longest: %s)", time.perf_counter() - t0, n_loaded,
+                    self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers,
+                    ", ".join(f"{v.shape_name} {s:.1f} s" for v, s in slowest) or "-")
+
+    # ---- whole step programs for other sampler flags, compiled in the background ----
+    def runs_whole(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
+        """Whether v runs as one step program: default flags, prompt logprobs (rare; they need every token's
+        logits), eager mode and warm-up do. Other flags do once their program is ready: the first step that
+        needs it loads it from the executable cache or, on a miss, starts compiling it in the background (a
+        whole 8B step takes seconds to compile, and every running request would wait) and runs split until
+        then (the model, then a sampler-only program: one more output-head GEMM per step). host_args and the
+        device state are v's step's (only their shapes, dtypes and shardings are read)."""
+        if v in self.compiled or v.flags == SamplerFlags() or v.prompt_logprobs or not self.split_sampler:
+            return True
+        if self.eager or not self.warmed_up:
+            return True
+        if v in self._split_only:
+            return False
+        job = self.pending.get(v)
+        if job is None:
+            # specs, not the arrays: the KV cache is donated to every step
+            args = step_args(host_args, params, jax.tree.map(_spec, kv_caches), _spec(prev_tokens), self.lora_specs)
+            exe = self._load(v, args)
+            if exe is not None:
+                self.compiled[v] = exe
+                return True
+            self.pending[v] = self._background.submit(self._compile_in_background, v, args)
+        elif job.done():
+            del self.pending[v]
+            return self._file_background_compile(v, job)
+        return False
+
+    def _file_background_compile(self, v: StepVariant, job) -> bool:
+        """Files a finished background compile (waits for it); True when v's step program is ready. One that
+        failed is logged and v keeps running split, which gives the same tokens: raising here failed the step,
+        so every request in it (and, in AsyncLLM, the engine)."""
+        try:
+            self.compiled[v] = job.result()
+            return True
+        except Exception:  # noqa: BLE001 - an optimisation failed; the split programs still serve v
+            logger.exception("Compiling step %s in the background failed; its steps keep running split", v)
+            self._split_only.add(v)
+            return False
+
+    def _compile_in_background(self, v: StepVariant, args):
+        t0 = time.perf_counter()
+        exe = self._compile(v, args, self._lower(v, args))
+        self.num_compiles_after_warmup += 1
+        logger.info("Compiled step %s in %.1f s in the background (its steps ran split until then)", v,
+                    time.perf_counter() - t0)
+        return exe
+
+    def wait_for_background_compiles(self) -> None:
+        """Blocks until the step programs compiling in the background are ready (tests, benchmarks)."""
+        for v, job in list(self.pending.items()):
+            del self.pending[v]
+            self._file_background_compile(v, job)
+        for job in list(self._sampler_jobs.values()):
+            job.exception()
+
+    # ---- sampler-only programs ----
+    def sampler_call(self, v: StepVariant, head, rows, prev_tokens, smd: SamplingMetadata):
+        """(program, arguments) that sample v's rows (the hidden states of a step run by v's bucket's start-up
+        program; head: the final norm and output weights). Each number of structured-output masks (a power of
+        two up to B) is a program of its own, and one missing would be compiled in the engine loop (~1 s for an
+        8B model's vocabulary), stalling every request. So when the exact one is neither compiled nor in the
+        executable cache, a program for more masks samples this step (smd's masks padded with all-allowed
+        rows, which no row's slot points at) while the exact one compiles in the background; the first such
+        step of a B and flags compiles the one for B masks, which serves every count after it."""
+        self._rows_spec.setdefault(v.num_seqs, _spec(rows))
+        args = (head, rows, prev_tokens, *pack_host_args(smd))
+        key = (v.num_seqs, v.flags, v.sampler_widths)
+        n_masks, B = v.sampler_widths[-1], v.num_seqs
+        exe = self.samplers.get(key)
+        if exe is not None or not v.flags.grammar or n_masks >= B:
+            return exe or self._sampler_executable(v, args), args
+        exe = self._load_sampler(v, args)
+        if exe is not None:
+            return exe, args
+        wider = sorted(k[2][-1] for k in self.samplers if k[:2] == key[:2] and k[2][:-1] == key[2][:-1]
+                       and k[2][-1] > n_masks)
+        wide_v = dataclasses.replace(v, sampler_widths=v.sampler_widths[:-1] + (wider[0] if wider else B,))
+        bitmask = np.full((wide_v.sampler_widths[-1], smd.token_bitmask.shape[1]), -1, np.int32)
+        bitmask[:n_masks] = smd.token_bitmask
+        wide_args = (head, rows, prev_tokens, *pack_host_args(dataclasses.replace(smd, token_bitmask=bitmask)))
+        exe = self._sampler_executable(wide_v, wide_args)
+        if key not in self._sampler_jobs:  # specs: the step's device arrays may be donated before it runs (the
+            # head's too: a LoRA slot write donates the lm_head slot arrays)
+            self._sampler_in_background(v, (jax.tree.map(_spec, head), _spec(rows), _spec(prev_tokens), *args[3:]))
+        return exe, wide_args
+
+    def sampler_ahead(self, v: StepVariant, head, prev_tokens, smd: SamplingMetadata) -> None:
+        """Penalty rows hold each sequence's token ids, so their width (a power of two) doubles as sequences
+        grow, and each width is a step program and a sampler program of its own. A step with penalties makes
+        sure the next width's sampler program is compiled or compiling in the background, so the step that
+        crosses it runs split (see runs_whole) without waiting for a compiler (every running request would)."""
+        widths = (2 * v.sampler_widths[0], 2 * v.sampler_widths[1]) + tuple(v.sampler_widths[2:])
+        key = (v.num_seqs, v.flags, widths)
+        rows = self._rows_spec.get(v.num_seqs)  # None until a split step of this B ran (so never when eager)
+        if (rows is None or key in self.samplers or key in self._sampler_jobs
+                or widths[0] > self.max_penalty_width):
+            return
+        wider = lambda a: np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)  # noqa: E731
+        smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
+                                  penalty_is_output=wider(smd.penalty_is_output))
+        self._sampler_in_background(dataclasses.replace(v, sampler_widths=widths),
+                                    (jax.tree.map(_spec, head), rows, _spec(prev_tokens), *pack_host_args(smd)))
+
+    def _sampler_in_background(self, v: StepVariant, specs) -> None:
+        """Compiles v's sampler program in the background for arguments like specs (stored in the executable
+        cache, filed in self.samplers). A failure is only logged: the program is an optimisation (a wider one
+        serves meanwhile, or the step that needs it compiles it then)."""
+
+        def compile_sampler():
+            try:
+                self._compile_sampler(v, specs)
+            except Exception:  # noqa: BLE001 - only an optimisation (see above)
+                logger.exception("Compiling the sampler for B=%d %s %s in the background failed", v.num_seqs,
+                                 v.flags, v.sampler_widths)
+
+        self._sampler_jobs[(v.num_seqs, v.flags, v.sampler_widths)] = self._background.submit(compile_sampler)
+
+    def _load_sampler(self, v: StepVariant, args):
+        """v's sampler program from the executable cache (filed in self.samplers), or None."""
+        if self.exec_cache is None:
+            return None
+        exe = self.exec_cache.load(self.exec_cache.key("sample", args, (self.cfg, v.flags)), args)
+        if exe is not None:
+            self.samplers[(v.num_seqs, v.flags, v.sampler_widths)] = exe
+        return exe
+
+    def _compile_sampler(self, v: StepVariant, args):
+        """Compiles v's sampler program (storing it in the executable cache) and files it in self.samplers."""
+        t0 = time.perf_counter()
+        compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags).compile
+        if self.exec_cache is None:
+            exe = compile_fn()
+        else:
+            exe = self.exec_cache.compile_and_store(self.exec_cache.key("sample", args, (self.cfg, v.flags)),
+                                                    compile_fn)
+        self.num_compiles_after_warmup += 1
+        self.samplers.setdefault((v.num_seqs, v.flags, v.sampler_widths), exe)
+        logger.info("Sampler for B=%d %s %s compiled in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
+                    time.perf_counter() - t0)
+        return exe
+
+    def _sampler_executable(self, v: StepVariant, args):
+        """The sampler-only program for v's B, flags and row widths (compiled, from the executable cache, or
+        compiled now: a small program, ~1.3 s on an H100 host for an 8B model's vocabulary)."""
+        exe = self.samplers.get((v.num_seqs, v.flags, v.sampler_widths))
+        return exe or self._load_sampler(v, args) or self._compile_sampler(v, args)

@@ -1,0 +1,100 @@
+"""The pure functions the compiled programs are traced from (what a step computes; programs.py compiles them).
+
+    packed_step_fn        one whole step: unpack the host inputs, the model, logits of the sampled rows,
+                          sampling (and prompt logprobs); returns the sampled rows' hidden states too
+    packed_sample_rows_fn the sampler-only program: logits of those hidden states, then sampling with other
+                          flags (a step "run split": the bucket's start-up step program, then this)
+    pipeline_head_fn      pp > 1: the last stage's hidden states -> logits and sampling
+
+Static arguments (cfg, attn, flags, prompt_k) select a program; every other argument is an array. With LoRA
+(jaxllm/lora/), the step's last argument is the adapter slot arrays and its host inputs' last item each token's
+slot; the sampled rows' slots ride in SamplingMetadata.lora_slots (the lm_head adapters of the sampler-only
+program too, whose head then carries the slot arrays' "lora_lm_head"). Which adapters a batch mixes is data:
+never a new program.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig
+from jaxllm.engine.packing import PackedLayout, unpack_host_args
+from jaxllm.engine.sampler import SamplerFlags, sample
+from jaxllm.lora.ops import LoRAInputs
+from jaxllm.models.attention import AttentionConfig
+from jaxllm.models.decoder import compute_logits, forward
+
+
+def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
+             lora: LoRAInputs | None = None, *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags,
+             prompt_k: int):
+    # Inputs that are still on the device: the previous step's sampled token of that sequence.
+    token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
+    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn, lora=lora)
+    rows = hidden[logits_indices]
+    # The sampled rows' hidden states are returned too ([B, D]: small; returning the [B, V] float32 logits
+    # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
+    # default can run this program and a sampler-only program on them (ModelRunner.launch).
+    lora_head = None if lora is None else lora.weights["lm_head"]
+    logits = compute_logits(params, rows, cfg, lora_head, smd.lora_slots)
+    return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
+                                   flags=flags, prompt_k=prompt_k, lora=lora), rows)
+
+
+def packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, lora_weights=None, *,
+                   cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+    """_step_fn on the host inputs as pack_host_args made them; with LoRA, lora_weights are the slot arrays
+    (jaxllm/lora/slots.py) and the host inputs' last item each token's slot (None without LoRA)."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats,
+                                                                                                   layout)
+    lora = None if lora_weights is None else LoRAInputs(lora_weights, token_slots)
+    return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
+                    lora, cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
+
+
+def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
+    """Sampling from the logits of the B sampled rows; prev_tokens only gives the next one's shape."""
+    tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
+    next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
+    return next_prev, (tokens, lp, ranks, top_ids, top_lp)
+
+
+def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags):
+    """The sampler-only program: logits of the sampled rows' hidden states (head: the final norm and output
+    weights, and with LoRA the lm_head slot arrays as "lora_lm_head"), then sampling."""
+    logits = compute_logits(head, rows, cfg, head.get("lora_lm_head"), smd.lora_slots)
+    return _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
+
+
+def packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig,
+                          flags: SamplerFlags):
+    """_sample_rows_fn on sampling arrays packed as pack_host_args packs a step's: two host-to-device transfers
+    per call instead of one per array (~20)."""
+    return _sample_rows_fn(head, rows, prev_tokens, unpack_host_args(ints, floats, layout), cfg=cfg, flags=flags)
+
+
+def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
+               flags: SamplerFlags, prompt_k: int, lora: LoRAInputs | None = None):
+    """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
+    the pipeline's tail)."""
+    next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
+    prompt = None
+    if prompt_k:
+        lora_head = (None, None) if lora is None else (lora.weights["lm_head"], lora.token_slots)
+        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg, *lora_head), axis=-1)
+        tgt = jnp.maximum(prompt_targets, 0)
+        t_lp = jnp.take_along_axis(all_lp, tgt[:, None], axis=-1)[:, 0]
+        t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
+        p_lp, p_ids = jax.lax.top_k(all_lp, prompt_k)
+        prompt = (t_lp, t_rank, p_ids.astype(jnp.int32), p_lp)
+    return next_prev, outputs, prompt
+
+
+def pipeline_head_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, *, cfg: ModelConfig,
+                     flags: SamplerFlags, prompt_k: int):
+    """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage)."""
+    logits = compute_logits(params, hidden[logits_indices], cfg)
+    return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags,
+                      prompt_k=prompt_k)
+
