@@ -50,6 +50,9 @@ def setup(tmp_path_factory):
         assert refs[name] != refs[None]  # the adapter changes the greedy tokens: the test can fail
     merged = copy.deepcopy(made["a1"]).merge_and_unload()
     refs["a1 merged"] = [hf_greedy(merged, p) for p in PROMPTS]
+    with torch.no_grad():  # a1's logprob of each greedy token (teacher-forced; a1 adapts lm_head too)
+        lp = torch.log_softmax(made["a1"](torch.tensor([PROMPTS[0] + refs["a1"][0]])).logits[0], -1)
+    refs["a1 logprobs"] = [lp[len(PROMPTS[0]) - 1 + i, t].item() for i, t in enumerate(refs["a1"][0])]
     paths = {name: str(root / name) for name in made}
     bad = make_adapter(str(root / "r16"), 4, r=16, lora_alpha=16, target_modules=["q_proj"])
     del bad
@@ -92,6 +95,27 @@ def test_llm_generate_mixes_adapters_and_base_and_matches_hf_peft(setup):
     out = llm.generate({"prompt_token_ids": PROMPTS[1]}, sp, lora_request=loras["a3"], use_tqdm=False)
     assert out[0].outputs[0].token_ids == refs["a3"][1]
     assert not llm.llm_engine.scheduler.running and llm.llm_engine.scheduler.block_manager.usage == 0
+
+
+def test_compiled_steps_with_adapters(setup):
+    """Not eager: the start-up programs take the slot arrays as an argument (no compile when adapters come and
+    go), and a step with other sampler flags runs split, its sampler-only program applying a1's lm_head adapter."""
+    from jaxllm import LLM, SamplingParams
+
+    base, paths, refs = setup
+    llm = LLM(base, **dict(ENGINE, enforce_eager=False, max_num_seqs=4, max_num_batched_tokens=16), max_loras=1)
+    programs = llm.llm_engine.runner.programs
+    a1, a3 = LoRARequest("a1", 1, paths["a1"]), LoRARequest("a3", 3, paths["a3"])
+    sp = SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, sp, lora_request=[None, a1, a3], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[None][0], refs["a1"][0], refs["a3"][0]]
+    assert programs.num_compiles_after_warmup == 0 and llm.llm_engine.lora.num_swaps >= 2
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=N_OUT,
+                                                                        ignore_eos=True, logprobs=1),
+                       lora_request=a1, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == refs["a1"][0] and programs.samplers  # ran split (a sampler-only program)
+    got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)]
+    assert got == pytest.approx(refs["a1 logprobs"], abs=2e-4)
 
 
 def _post(url, body):
@@ -166,3 +190,4 @@ def test_tp2_mixed_batch_and_server_routes(setup, monkeypatch):
         assert complete("a2", PROMPTS[1])[0] == 404
         assert _post(url + "/v1/unload_lora_adapter", {"lora_name": "a2"})[0] == 404
     assert engine.list_loras() == {1}
+
