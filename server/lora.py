@@ -50,6 +50,19 @@ def parse_lora_module(value: str) -> LoRAModulePath:
     return LoRAModulePath(name, path)
 
 
+def check_lora_modules(modules: list[LoRAModulePath] | None, max_lora_rank: int) -> None:
+    """--lora-modules' folders and adapter configs, read before the engine loads the model and compiles (minutes):
+    a missing folder or a refused config stops the command at once, naming the module. (Their tensors are
+    checked against the model when the server loads them: load_static.)"""
+    from jaxllm.lora.peft import check_adapter_config, read_adapter_config
+
+    for m in modules or ():
+        try:
+            check_adapter_config(read_adapter_config(m.path), m.path, max_lora_rank)
+        except ValueError as e:
+            raise SystemExit(f"--lora-modules {m.name}={m.path}: {e}") from None
+
+
 def runtime_updating_allowed(environ) -> bool:
     """vLLM's reading of VLLM_ALLOW_RUNTIME_LORA_UPDATING: "1" or "true" (any case) turn the routes on."""
     return environ.get(RUNTIME_UPDATING_ENV, "0").strip().lower() in ("1", "true")

@@ -157,6 +157,10 @@ def test_bad_adapters_are_refused_naming_the_field(base, adapters, tmp_path):
             load_adapter(_edited_copy(a1, str(tmp_path / name), **{name: value}), cfg, 16)
     with pytest.raises(ValueError, match="^No adapter found"):
         load_adapter(str(tmp_path / "missing"), cfg, 16)
+    added = _edited_copy(a1, str(tmp_path / "added"))
+    open(os.path.join(added, "new_embeddings.safetensors"), "wb").close()
+    with pytest.raises(ValueError, match=r"^new_embeddings\.safetensors: .* adds tokens"):
+        load_adapter(added, cfg, 16)
     # a module jaxllm has no LoRA for (PEFT's own tensor naming, another module name)
     from safetensors.numpy import load_file, save_file
 

@@ -191,3 +191,67 @@ def test_tp2_mixed_batch_and_server_routes(setup, monkeypatch):
         assert _post(url + "/v1/unload_lora_adapter", {"lora_name": "a2"})[0] == 404
     assert engine.list_loras() == {1}
 
+
+def _serve(*argv):
+    """`python -m jaxllm.serve ...` on a free port; (process, base url or None if it exited, its log)."""
+    import subprocess
+    import sys
+    import threading
+
+    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", *argv, "--host", "127.0.0.1", "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log, ready = [], threading.Event()
+    url = []
+
+    def read():
+        for line in proc.stdout:
+            log.append(line)
+            if "API server ready on" in line:
+                url.append("http://127.0.0.1:" + line.split("API server ready on ")[1].split()[0].rsplit(":", 1)[1])
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(300)
+    return proc, (url[0] if url else None), log
+
+
+def test_python_m_jaxllm_serve_with_lora_modules_and_the_openai_client(setup):
+    """The README's command, as a user runs it: adapters from --lora-modules answer the openai client by name."""
+    import openai
+
+    base, paths, refs = setup
+    flags = ["--enable-lora", "--max-lora-rank", "8", "--dtype", "float32", "--num-gpu-blocks-override", "96",
+             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8", "--max-model-len", "128",
+             "--enforce-eager", "--served-model-name", "base", "--return-tokens-as-token-ids"]
+    # a bad adapter folder stops the command before the model loads, naming the module
+    proc, url, log = _serve(base, *flags, "--lora-modules", f"nope={paths['a1']}-missing")
+    assert proc.wait(60) != 0 and url is None
+    assert f"--lora-modules nope={paths['a1']}-missing: No adapter found" in "".join(log)
+    assert "KV cache size" not in "".join(log)  # (logged while the engine is built)
+
+    proc, url, log = _serve(base, *flags, "--lora-modules", f"a1={paths['a1']}",
+                            json.dumps({"name": "a3", "path": paths["a3"], "base_model_name": "base"}))
+    try:
+        assert url is not None, "".join(log)
+        assert "KV cache size" in "".join(log)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        cards = {m.id: m for m in client.models.list().data}
+        assert set(cards) == {"base", "a1", "a3"}
+        assert cards["a1"].parent == "base" and cards["a1"].root == paths["a1"] and cards["base"].parent is None
+
+        def tokens(model, prompt):
+            c = client.completions.create(model=model, prompt=prompt, max_tokens=N_OUT, temperature=0, logprobs=0,
+                                          extra_body={"ignore_eos": True})
+            assert c.model == model
+            return [int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens]
+
+        for name in ("a1", "a3", "base"):
+            assert tokens(name, PROMPTS[0]) == refs[None if name == "base" else name][0], name
+        chat = client.chat.completions.create(model="a3", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat.model == "a3" and chat.choices[0].message.content is not None
+        with pytest.raises(openai.NotFoundError, match="The model `a2` does not exist"):
+            tokens("a2", PROMPTS[0])
+    finally:
+        proc.terminate()
+        proc.wait(60)

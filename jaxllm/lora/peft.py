@@ -103,6 +103,10 @@ def check_adapter_config(cfg: dict, path: str, max_lora_rank: int) -> None:
     if cfg.get("bias", "none") != "none":
         raise ValueError(f"bias: {where} sets bias={cfg['bias']!r}; adapters with bias terms are not supported "
                          "(vLLM: 'Adapter bias cannot be used without bias_enabled').")
+    for extra in ("new_embeddings.safetensors", "new_embeddings.bin"):  # tokens trained into the adapter
+        if os.path.isfile(os.path.join(path, extra)):
+            raise ValueError(f"{extra}: {path} adds tokens to the vocabulary; adapters with added tokens are not "
+                             "supported (the base model's tokenizer and vocabulary are served).")
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
     if max(ranks) > max_lora_rank:
         raise ValueError(f"r: LoRA rank {max(ranks)} is greater than max_lora_rank {max_lora_rank} ({where}); "
