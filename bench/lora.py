@@ -129,7 +129,7 @@ def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dic
         row["compiles_after_warmup"] = llm.llm_engine.runner.programs.num_compiles_after_warmup
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return dict(engine=common.engine_summary(llm), time_to_ready_s=ready, rows=rows)
+    return dict(env=common.environment(), engine=common.engine_summary(llm), time_to_ready_s=ready, rows=rows)
 
 
 def main(argv=None) -> dict:
@@ -159,28 +159,41 @@ def main(argv=None) -> dict:
     if "--out" in argv:
         i = argv.index("--out")
         del argv[i: i + 2]
-    out = dict(env=common.environment(), rank=args.rank, batch=args.batch, decode_len=args.decode_len,
+    # This process never touches the device (jax would take its memory from the engines): the children report
+    # the device and jax version.
+    out = dict(env=common.environment(with_jax=False), rank=args.rank, batch=args.batch, decode_len=args.decode_len,
                offline=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len),
                engines={}, rows=[])
+    path = None
     for name, _, _ in engines:
         if name not in args.engines.split(","):
             continue
         part = os.path.join(work, f"{name}.json")
+        t0 = time.perf_counter()
         subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--only", name, "--out", part], check=True)
         with open(part) as f:
             res = json.load(f)
-        out["engines"][name] = dict(engine=res["engine"], time_to_ready_s=res["time_to_ready_s"])
+        out["env"].update({k: res["env"][k] for k in ("jax", "backend", "device", "num_devices")})
+        out["engines"][name] = dict(engine=res["engine"], time_to_ready_s=res["time_to_ready_s"],
+                                    wall_s=time.perf_counter() - t0)
         out["rows"] += res["rows"]
-    base = next((r for r in out["rows"] if r["engine"] == "base"), None)
+        _ratios(out["rows"], args.batch)
+        path = common.write_result("lora", out, args.out if path is None else path)  # each engine's rows at once
     for r in out["rows"]:
-        if base is not None:
-            r["vs_base"] = {k: r[k]["output_tok_per_s"] / base[k]["output_tok_per_s"]
-                            for k in ("batch1", f"batch{args.batch}", "offline")}
         print(f"{r['engine']:>7} {r['adapters']:>2} adapters: batch-1 ITL {r['batch1']['itl_p50_ms']:.2f} ms, "
               f"batch-{args.batch} {r[f'batch{args.batch}']['output_tok_per_s']:.0f} tok/s, offline "
-              f"{r['offline']['total_tok_per_s']:.0f} tok/s" + (f", vs base {r['vs_base']}" if base else ""))
-    common.write_result("lora", out, args.out)
+              f"{r['offline']['total_tok_per_s']:.0f} tok/s" + (f", vs base {r['vs_base']}" if "vs_base" in r else ""))
     return out
+
+
+def _ratios(rows: list[dict], batch: int) -> None:
+    """Each row's output tok/s over the base engine's (same call), when the base engine ran."""
+    base = next((r for r in rows if r["engine"] == "base"), None)
+    if base is None:
+        return
+    for r in rows:
+        r["vs_base"] = {k: r[k]["output_tok_per_s"] / base[k]["output_tok_per_s"]
+                        for k in ("batch1", f"batch{batch}", "offline")}
 
 
 if __name__ == "__main__":

@@ -359,16 +359,19 @@ def test_quant_kernels_smoke(tmp_path):
 
 
 def test_lora_bench_smoke(tmp_path):
-    """bench/lora.py's engine run on the tiny shape, in this process (the script runs each engine in a subprocess):
-    2 adapter slots, 2 adapters beside the base model, PEFT-format dummy adapters it writes itself."""
-    from bench import common, lora
+    """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
+    (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
+    adapters it writes itself, ratios to the base engine in the JSON."""
+    from bench import lora
 
-    args = lora.parse(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3",
-                       "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--max-model-len", "64",
-                       "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "16",
-                       "--enforce-eager", "--compilation-cache-dir", "", "--rank", "8"])
-    adapter = lora.write_dummy_adapter(str(tmp_path / "a"), common.TINY, 8, 0)
-    res = lora.run_engine(args, "lora2", 2, (2,), adapter)
-    row = res["rows"][0]
-    assert row["adapters"] == 2 and row["slot_swaps"] == 2 and row["compiles_after_warmup"] == 0
-    assert row["batch1"]["output_tok_per_s"] > 0 and row["offline"]["total_tok_per_s"] > 0
+    out = tmp_path / "lora.json"
+    lora.main(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3", "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "--compilation-cache-dir",
+               "", "--rank", "8", "--engines", "base,lora8", "--max-loras-scale", "4", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
+    rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}
+    assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
+    assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0
+    assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0
