@@ -86,7 +86,7 @@ def worker(args) -> dict:
                                  output_tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / dt))
                 print(f"{name} round {rnd} {ds}: {len(outs) / dt:.2f} req/s", flush=True)
     return dict(arm=name, spec=args.worker, env=common.environment(), engine=common.engine_summary(llm),
-                ready_s=t_ready - t0, rows=rows, compiles_after_warmup=llm.llm_engine.runner.num_compiles_after_warmup)
+                ready_s=t_ready - t0, rows=rows, compiles_after_warmup=llm.llm_engine.runner.programs.num_compiles_after_warmup)
 
 
 def main(argv=None) -> dict:

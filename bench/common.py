@@ -50,7 +50,31 @@ TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, nu
 # The tiny Llama with Llama-3.1's rope scaling, scaled down (CPU checks of the long-context stages).
 TINY_LONG = dict(TINY, max_position_embeddings=4096, rope_scaling=dict(LLAMA31_8B["rope_scaling"],
                                                                         original_max_position_embeddings=256))
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG}
+# Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): 48 layers, each a mixture of 128 experts (8 per token, width
+# 768), ~3.3B parameters active per token of 30.5B (61 GB in bf16: one H100 80GB holds it with a small KV cache).
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
+    use_sliding_window=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+)
+# A tiny Qwen3-MoE for CPU checks of the scripts.
+TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
+                torch_dtype="float32")
+SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG,
+          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-moe": TINY_MOE}
+# --quantization with --shape (dummy weights): the quantization_config written into the generated folder, as the
+# public quantizers write it (issue 29's goals are set for GPTQ int4, group 128, symmetric; --quant-bits and
+# --quant-group-size change bits and group). fp8 needs none: quantization="fp8" quantizes a 16-bit model while
+# loading (vLLM's dynamic FP8), and dummy weights are drawn in fp8 directly.
+DUMMY_QUANT_CONFIGS = {
+    "gptq": dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=False, checkpoint_format="gptq"),
+    "awq": dict(quant_method="awq", bits=4, group_size=128, zero_point=True, version="gemm"),
+}
 
 
 def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) -> None:
@@ -88,18 +112,20 @@ def make_model_dir(shape: str | dict = "llama3-8b", out_dir: str | None = None) 
     return out_dir
 
 
-def _cached_model_dir(shape: str) -> str:
+def _cached_model_dir(shape: str, quantization_config: dict | None = None) -> str:
     import hashlib
     import shutil
     from importlib.metadata import version
 
-    key = json.dumps([SHAPES[shape], version("transformers"), version("tokenizers")], sort_keys=True)
+    cfg = SHAPES[shape] if quantization_config is None else dict(SHAPES[shape], quantization_config=quantization_config)
+    key = json.dumps([cfg, version("transformers"), version("tokenizers")], sort_keys=True)
     root = os.path.join(cache_root(), "bench_models")
-    path = os.path.join(root, f"{shape}-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
+    name = shape if quantization_config is None else f"{shape}-{quantization_config['quant_method']}"
+    path = os.path.join(root, f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:12]}")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
     os.makedirs(root, exist_ok=True)
-    tmp = make_model_dir(shape, tempfile.mkdtemp(prefix=f".{shape}-", dir=root))
+    tmp = make_model_dir(cfg, tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         os.rename(tmp, path)  # atomic: a concurrent script either finds the whole folder or builds its own
     except OSError:  # another script got there first
@@ -138,10 +164,25 @@ def build_llm(args):
 
 
 def resolve_model(args) -> str | None:
-    """--model PATH, or --shape NAME (a generated folder, dummy weights), or None (the demo model)."""
+    """--model PATH, or --shape NAME (a generated folder, dummy weights; with --quantization gptq / awq its
+    quantization_config, see DUMMY_QUANT_CONFIGS), or None (the demo model)."""
     if getattr(args, "shape", None):
-        return make_model_dir(args.shape)
+        qc = dummy_quant_config(args)
+        return make_model_dir(args.shape) if qc is None else _cached_model_dir(args.shape, qc)
     return args.model
+
+
+def dummy_quant_config(args) -> dict | None:
+    """The quantization_config a generated --shape folder gets for --quantization (None: none needed)."""
+    from jaxllm.quantization import METHODS
+
+    method = getattr(args, "quantization", None)
+    if method is None or METHODS[method] == "fp8":
+        return None
+    if METHODS[method] not in DUMMY_QUANT_CONFIGS:
+        raise SystemExit(f"--quantization {method} with --shape: no dummy config for it (use gptq, awq or fp8, or "
+                         "--model with a real checkpoint)")
+    return dict(DUMMY_QUANT_CONFIGS[METHODS[method]], bits=args.quant_bits, group_size=args.quant_group_size)
 
 
 # ---- workloads ---------------------------------------------------------------------------------------------
@@ -182,7 +223,7 @@ class ModelMath:
     kv_itemsize: int = 2
 
     @classmethod
-    def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> "ModelMath":
+    def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> ModelMath:
         heads = cfg["num_attention_heads"]
         return cls(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
                    cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
@@ -224,6 +265,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
+    from jaxllm.quantization import METHODS
+
+    p.add_argument("--quantization", "-q", choices=sorted(METHODS), default=None,
+                   help="as vLLM's; with --shape, gptq / awq write a quantization_config for dummy weights")
+    p.add_argument("--quant-bits", type=int, default=4, help="--shape with --quantization gptq: bits (4 or 8)")
+    p.add_argument("--quant-group-size", type=int, default=128, help="--shape with --quantization gptq / awq")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -236,6 +283,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="off by default here: random prompts share nothing, as in vLLM's bench")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true", help="MoE shapes: whole experts per tp device")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="result JSON path (default bench/results/<script>_<device>.json)")
     p.add_argument("--log-level", default="info")
@@ -256,7 +304,9 @@ def engine_kwargs(args, model: str | None) -> dict:
               compilation_cache_dir=args.compilation_cache_dir or None,
               num_gpu_blocks_override=args.num_gpu_blocks_override,
               enable_prefix_caching=args.enable_prefix_caching,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+              quantization=getattr(args, "quantization", None))
     if getattr(args, "tokenizer", None):
         kw["tokenizer"] = args.tokenizer
     return kw
@@ -275,6 +325,7 @@ def engine_summary(llm) -> dict:
         num_variants_compiled=len(r.programs.compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
         kv_cache_tokens=(r.num_blocks - 1) * r.block_size, attention_backend=r.attn.backend,
         dtype=str(eng.model_config.dtype), enforce_eager=llm.engine_args.enforce_eager,
+        quantization=None if eng.model_config.quantization is None else eng.model_config.quantization.describe(),
     )
 
 

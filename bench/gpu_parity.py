@@ -7,7 +7,9 @@ caching, preemption and an fp8 KV cache.
 
 Quantized weights (issue 28): "gptq_int4" loads the checkpoint written as GPTQ v1 int4 (group 128) and "fp8"
 quantizes it to fp8 while loading; each is checked against HF on the weights it holds, dequantized (fp8: with
-the decoder linears' inputs rounded per token to fp8 too, as the engine's W8A8 path does).
+the decoder linears' inputs rounded per token to fp8 too, as the engine's W8A8 path does). On a GPU they run the
+fast paths (issue 29: the Pallas int4 GEMM for decode steps of <= 64 tokens, dequantize + GEMM above; XLA's fp8
+dot): quant_kernel_traces counts the step programs' calls of them (0 on the CPU's reference path).
 
 A random Llama checkpoint with Llama-3-8B's widths (32 q / 8 kv heads of 128, MLP 14336) and --num-layers
 layers is saved as bf16 safetensors. Each configuration builds LLM(...) on it and generates greedy tokens
@@ -33,6 +35,7 @@ HF's own bf16 run shows as well (H100, 8B widths: gap max 0.30 against the round
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
@@ -43,8 +46,15 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import SHAPES, engine_summary, environment, random_token_prompts, setup_logging, \
-    write_result, write_token_id_tokenizer  # noqa: E402
+from bench.common import (  # noqa: E402
+    SHAPES,
+    engine_summary,
+    environment,
+    random_token_prompts,
+    setup_logging,
+    write_result,
+    write_token_id_tokenizer,
+)
 
 # name -> (LLM kwargs, what it exercises); each also has "dtype" and gets the shared ones in run_config.
 CONFIGS = {
@@ -142,36 +152,61 @@ def run_config(args, model_dir: str, name: str) -> dict:
     if name == "gptq_int4":
         model_dir = write_gptq(model_dir, args.gptq_group_size)[0]
     t0 = time.perf_counter()
-    llm = LLM(model_dir, **kw)
-    ready = time.perf_counter() - t0
-    runner = llm.llm_engine.runner
-    steps: dict[str, int] = {}
-    prepare = runner.prepare
+    traces: dict[str, int] = {}
+    with counting_quant_kernels(traces):  # while the step programs are traced (LLM() and any later compile)
+        llm = LLM(model_dir, **kw)
+        ready = time.perf_counter() - t0
+        runner = llm.llm_engine.runner
+        steps: dict[str, int] = {}
+        prepare = runner.prepare
 
-    def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
-        p = prepare(sched)
-        key = p.variant.shape_name
-        if programs.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
-            key += "_cublas"
-        steps[key] = steps.get(key, 0) + 1
-        return p
+        def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
+            p = prepare(sched)
+            key = p.variant.shape_name
+            if programs.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
+                key += "_cublas"
+            steps[key] = steps.get(key, 0) + 1
+            return p
 
-    runner.prepare = counting_prepare
-    sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=1)
-    seqs = []
-    for prompts in batches:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        for p, o in zip(prompts, outs):
-            c = o.outputs[0]
-            seqs.append(dict(prompt=p, tokens=list(c.token_ids),
-                             logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+        runner.prepare = counting_prepare
+        sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=1)
+        seqs = []
+        for prompts in batches:
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            for p, o in zip(prompts, outs, strict=True):
+                c = o.outputs[0]
+                seqs.append(dict(prompt=p, tokens=list(c.token_ids),
+                                 logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
     st = llm.llm_engine.stats()
     facts = dict(what=what, llm_kwargs=kw, ready_s=ready, engine=engine_summary(llm), steps=steps,
+                 quant_kernel_traces=traces,
                  preemptions=st.num_preemptions, prefix_cache_hit_tokens=st.prefix_cache_hits,
-                 kv_cache_dtype=str(runner.kv_caches[0][0].dtype))
+                 kv_cache_dtype=str(runner.kv_values_dtype))
     del llm, runner
     gc.collect()
     return dict(facts=facts, seqs=seqs)
+
+
+@contextlib.contextmanager
+def counting_quant_kernels(counts: dict):
+    """Counts traces of the quantized GEMMs' fast paths inside the block (the Pallas int4 / int8 kernel, XLA's fp8
+    dot): on a GPU a quantized configuration's step programs hold them ("pallas" backend), on the CPU none do."""
+    from jaxllm.models import quant_matmul
+    from kernels_pallas import _qmatmul
+
+    saved = [(_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel), (quant_matmul, "fp8_matmul",
+                                                                     quant_matmul.fp8_matmul)]
+    for mod, name, fn in saved:
+        def counted(*a, _fn=fn, _name=name, **k):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _fn(*a, **k)
+
+        setattr(mod, name, counted)
+    try:
+        yield
+    finally:
+        for mod, name, fn in saved:
+            setattr(mod, name, fn)
 
 
 def write_gptq(model_dir: str, group: int = 128) -> tuple[str, str]:
@@ -383,7 +418,8 @@ def main(argv=None):
               f"(tol {tol}; HF bf16 {hb['gap_max']:.4f}), logprob err max {res['lp_err_max']:.4f} / mean "
               f"{res['lp_err_mean']:.5f} (HF bf16 {hb['lp_err_max']:.4f} / {hb['lp_err_mean']:.5f}), preemptions "
               f"{run['facts']['preemptions']}, prefix hits {run['facts']['prefix_cache_hit_tokens']}, steps "
-              f"{run['facts']['steps']}" + (f"; against the plain float32 reference (what fp8 pages cost): tokens "
+              f"{run['facts']['steps']}" + (f", quantized GEMM kernels traced {run['facts']['quant_kernel_traces']}"
+                                            if name in QUANTIZED else "") + (f"; against the plain float32 reference (what fp8 pages cost): tokens "
                                             f"equal {cost['tokens_equal_frac']:.3f}, gap max {cost['gap_max']:.4f}"
                                             if fp8 else ""), flush=True)
     result["hf_scoring_s"] = time.perf_counter() - t0

@@ -380,7 +380,7 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         try:
             def build(n, fn=fn):
                 def f(qkv, kp, vp):
-                    for i in range(n):  # q feeds the next rep's qkv so the reps chain
+                    for _ in range(n):  # q feeds the next rep's qkv so the reps chain
                         q, kp, vp = fn(qkv, kp, vp)
                         qkv = qkv.at[:, :, 0].set(q[:, ::G] * 0.5)
                     return qkv, kp, vp
@@ -430,7 +430,7 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
         try:
             def build(n, fn=fn):
                 def f(kp, vp, qkv):
-                    for i in range(n):  # the output feeds the next rep's q rows so the reps chain
+                    for _ in range(n):  # the output feeds the next rep's q rows so the reps chain
                         out, kp, vp = fn(qkv, kp, vp)
                         qkv = qkv.at[:, :, 0].set(out[:, ::G] * 0.5)
                     return kp, vp
@@ -673,8 +673,9 @@ def main():
                 xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
     if "goal" in only:  # the decode goal shapes through the entry point (the backend it picks), the Triton kernel
         # and JAX's shipped kernel, each by chain difference and by XProf kernel time, twice
-        import kernels_pallas as kp
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        import kernels_pallas as kp
 
         impls = [("entry_point", lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)),
                  ("pallas_triton", lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt,

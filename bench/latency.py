@@ -2,6 +2,8 @@
 
   python bench/latency.py --shape llama3-8b --load-format dummy --batch-size 1 --batch-size 64 \\
       --input-len 128 --output-len 128
+  python bench/latency.py --shape llama3-8b --load-format dummy --quantization gptq ...   # int4 g128 sym weights
+  python bench/latency.py --shape llama3-8b --load-format dummy --quantization fp8 ...    # fp8 W8A8 (dynamic)
 
 For each batch size: --num-iters timed runs after --num-iters-warmup, each a fresh batch of random-token
 prompts with ignore_eos. Per request, from RequestMetrics: TTFT = first token - arrival, ITL = (last - first
@@ -78,7 +80,7 @@ def main(argv=None) -> dict:
     res = dict(env=env, engine=common.engine_summary(llm),
                workload=dict(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
                              ignore_eos=True, temperature=0.0, model=args.model or args.shape or "demo",
-                             load_format=args.load_format),
+                             load_format=args.load_format, quantization=args.quantization),
                time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
                results=results, compiles_during_run=len(runner.programs.compiled) - compiled_before,
                compiles_after_warmup=runner.programs.num_compiles_after_warmup)

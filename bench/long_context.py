@@ -155,7 +155,7 @@ def main(argv=None) -> dict:
         decode_tok_per_s_per_seq=1.0 / itl_p50,
         itl_roofline_frac=roof["itl_roofline_s"] / itl_p50,
         prefill_flops_per_s=rate, ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
-        compiles_after_warmup=eng.runner.num_compiles_after_warmup,
+        compiles_after_warmup=eng.runner.programs.num_compiles_after_warmup,
     )
     print(f"batch {B} x {n_in} in / {n_out} out: TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms "
           f"({rate / 1e12:.1f} TFLOP/s = {res['ttft_matmul_frac']:.1%} of matmul), ITL p50 {itl_p50 * 1e3:.2f} ms "

@@ -64,7 +64,8 @@ def write_dummy_adapter(out_dir: str, cfg: dict, rank: int, seed: int) -> str:
             part = "self_attn" if m[0] in "qkvo" else "mlp"
             name = f"base_model.model.model.layers.{i}.{part}.{m}"
             fan_in, fan_out = shapes[m]
-            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, fan_in)) / np.sqrt(fan_in)).astype(np.float16)
+            a = rng.standard_normal((rank, fan_in)) / np.sqrt(fan_in)
+            tensors[f"{name}.lora_A.weight"] = a.astype(np.float16)
             tensors[f"{name}.lora_B.weight"] = (0.01 * rng.standard_normal((fan_out, rank))).astype(np.float16)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))

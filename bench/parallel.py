@@ -13,8 +13,16 @@ import argparse
 import gc
 import time
 
-from common import add_model_args, engine_kwargs, engine_summary, environment, make_model_dir, \
-    random_token_prompts, setup_logging, write_result
+from common import (
+    add_model_args,
+    engine_kwargs,
+    engine_summary,
+    environment,
+    make_model_dir,
+    random_token_prompts,
+    setup_logging,
+    write_result,
+)
 
 
 def parse(argv=None):

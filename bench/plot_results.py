@@ -245,7 +245,7 @@ def plot_goals(sfile, s, k, kfile, out, mgpu=(None, None)):
     colors = {"HF transformers": "#bbbbbb", "vLLM (README ref.)": "#ff7f0e", "JAX shipped kernel": "#9467bd",
               "our Triton kernel (same run)": "#8c564b"}
     seen = set()
-    for i, (name, v, g, unit, low, rf) in enumerate(rows):
+    for i, (_name, v, g, unit, low, rf) in enumerate(rows):
         y = len(rows) - 1 - i
         frac = g / v if low else v / g
         yj = y + (0.18 if rf else 0)

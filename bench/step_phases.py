@@ -31,9 +31,8 @@ def install_timers(current: dict):
     """Wraps the engine's phase methods (class level, before the engine is built) to add their wall time to
     current[phase], and registers a GC callback that adds collector pauses to current["gc"]. Returns the
     function that undoes both."""
-    from jaxllm.engine import llm_engine, programs, runner, scheduler
-
     from bench.common import time_calls, timed
+    from jaxllm.engine import llm_engine, programs, runner, scheduler
 
     originals = []
 

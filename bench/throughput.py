@@ -4,6 +4,7 @@ with ignore_eos, so every request produces exactly its output length.
   python bench/throughput.py --shape llama3-8b --load-format dummy --num-prompts 500 --input-len 462 \\
       --output-len 256
   python bench/throughput.py --dataset synthetic-sharegpt --num-prompts 200      # demo model, length mix
+  python bench/throughput.py --shape llama3-8b --load-format dummy --quantization gptq ...  # int4 g128 (or fp8)
 
 Prints requests/s, total tok/s and output tok/s; the JSON also has the time to ready (LLM() built and every
 shape bucket compiled), the engine's buckets and KV size, and compiles that happened during the timed run.
@@ -99,7 +100,7 @@ def main(argv=None) -> dict:
                       output_len=args.output_len if args.dataset == "random" else None,
                       prompt_tokens=n_in, output_tokens=n_out, ignore_eos=True, temperature=args.temperature,
                       detokenize=not args.no_detokenize, model=args.model or args.shape or "demo",
-                      load_format=args.load_format),
+                      load_format=args.load_format, quantization=args.quantization),
         time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
         elapsed_s=elapsed, requests_per_s=len(outs) / elapsed, total_tokens_per_s=(n_in + n_out) / elapsed,
         output_tokens_per_s=n_out / elapsed,

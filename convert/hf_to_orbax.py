@@ -8,7 +8,7 @@ Layout of the output directory:
                                w_gate_up as in jaxllm/models/params.py, kv heads not repeated)
     jaxllm_manifest.json       format + format_version (the loader refuses others), jaxllm version, dtype,
                                tp/pp it was written for, every param's shape, axes and dtype, the quantization
-                               scheme (quantized linears stay packed: int32 values, scales, zeros, g_idx)
+                               scheme (quantized linears stay packed in their checkpoint layout, jaxllm/models/quant.py)
     config.json                the HF config, torch_dtype set to the written dtype
     tokenizer files, generation_config.json   copied as they are
 """
@@ -100,7 +100,7 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
             "format": FORMAT, "format_version": FORMAT_VERSION, "jaxllm_version": jaxllm.__version__,
             "source": model_dir, "architecture": cfg.architecture, "dtype": cfg.dtype,
             "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "params": {"/".join(map(str, k)): {"shape": list(s.shape), "axes": list(s.axes),
+            "params": {"/".join(map(str, k)): {"shape": list(s.checkpoint_shape), "axes": list(s.checkpoint_axes),
                                                 "dtype": s.dtype or cfg.dtype} for k, s in flat_specs.items()},
             # the scheme of the packed weights (jaxllm/models/quant.py); config.json keeps quantization_config
             "quantization": None if cfg.quantization is None else dataclasses.asdict(cfg.quantization),
@@ -143,7 +143,7 @@ def _chunk_sharding(mesh, spec, width: int):
     from jaxllm.sharding import LOGICAL_RULES
 
     axes = []
-    for name, n in zip(spec.axes, spec.shape):
+    for name, n in zip(spec.checkpoint_axes, spec.checkpoint_shape, strict=True):  # quantized: checkpoint layout
         mesh_axis = LOGICAL_RULES.get(name) if name else None
         axes.append("tp" if mesh_axis == "tp" and n % width == 0 and "tp" not in axes else None)
     return NamedSharding(mesh, PartitionSpec(*axes))

@@ -170,11 +170,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 _check(value >= -1, f"{name} must be non-negative, got {value}.", name)
-        _check(all(s != "" for s in self.stop), "stop cannot contain an empty string.", "stop")
+        _check(all(s != "" for s in self.stop or ()), "stop cannot contain an empty string.", "stop")
         _check(not (self.stop and not self.detokenize),  # stop strings are matched in the detokenized text
                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.", "stop")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or ()),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
             "stop_token_ids",
         )

@@ -10,6 +10,9 @@ all-reduce after each), embedding and lm_head on "vocab". KV heads are split ove
 head is repeated tp // K times at load (kv_heads_for) so every tp shard owns one whole kv head and its
 pages: the KV cache [K', P, S, H] splits on axis 0 the same way.
 
+Mixture-of-experts layers (jaxllm/models/moe.py) split each expert's ffn over tp like a dense MLP, or, with expert
+parallelism (vLLM's enable_expert_parallel), whole experts: their weights then carry the "experts" axis instead.
+
 Pipeline parallelism: layers are split into pp contiguous stages (stage_layers); a stage's weights and KV
 pages live on its row of the mesh (stage_mesh), a ("pp", "tp") mesh of shape (1, tp). jaxllm/engine/
 pipeline.py runs one jitted function per stage and moves hidden states between rows.
@@ -33,6 +36,7 @@ LOGICAL_RULES: dict[str, str | None] = {
     "qkv": None,  # within a kv head of the fused qkv weight: its q heads, then k, then v
     "head_dim": None,
     "ffn": "tp",
+    "experts": "tp",  # MoE expert weights with expert parallelism (jaxllm/models/moe.py); without it their ffn
     "layers": "pp",
     "pages": None,
     "page_slots": None,
@@ -84,8 +88,18 @@ class ParallelConfig:
     def validate(self, cfg) -> None:
         """Raises ValueError if cfg (a ModelConfig) cannot be split this way."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
-        checks = [("num_attention_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size),
-                  ("vocab_size", cfg.vocab_size)]
+        checks = [("num_attention_heads", cfg.num_heads), ("vocab_size", cfg.vocab_size)]
+        moe = cfg.moe
+        if moe is None or moe.dense_layers:
+            checks.append(("intermediate_size", cfg.intermediate_size))
+        if moe is not None:
+            if cfg.expert_parallel:
+                checks.append(("the number of experts", moe.num_experts))
+            else:  # Mixtral's experts are intermediate_size wide, Qwen's moe_intermediate_size
+                name = "intermediate_size" if cfg.architecture == "mixtral" else "moe_intermediate_size"
+                checks.append((name, moe.intermediate_size))
+            if moe.shared_intermediate_size:
+                checks.append(("shared_expert_intermediate_size", moe.shared_intermediate_size))
         for name, n in checks:
             if n % tp:
                 raise ValueError(f"{name} ({n}) must be divisible by tensor_parallel_size ({tp}).")

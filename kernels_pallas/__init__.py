@@ -7,12 +7,12 @@ stride (16-byte vector loads) and serves all G query heads of that kv head from 
 
 Entry points (same keyword arguments as the reference):
   ragged_paged_attention(q [T, N, H], k_pages, v_pages, seq_lens [B], query_start_loc [B+1],
-                         block_tables [B, M], *, scale, k_scale, v_scale, alibi_slopes, sliding_window,
+                         block_tables [B, M], *, scale, k_scale, v_scale, alibi_slopes, sliding_window, soft_cap,
                          decode_only=False, interpret=False) -> [T, N, H]
       decode_only is a static promise that every live sequence has exactly one query token and that padding
       sequences (seq_len 0) come after the live ones; it dispatches to the split-K decode kernel. Otherwise
       the chunks go to the ragged prefill kernel: Mosaic GPU (_prefill_mgpu.py) on H100 / H200 for bf16 /
-      fp16 pages without ALiBi, sliding window or fp8, the Triton one (_ragged.py) for everything else.
+      fp16 pages without ALiBi, sliding window, soft-capping or fp8, the Triton one (_ragged.py) for everything else.
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]: the
       split-K decode kernel, Mosaic GPU (_decode_mgpu.py) on H100 / H200 for bf16 / fp16 pages without ALiBi,
       window or fp8, the Triton one (_decode.py) for everything else; the decode tokens of ragged batches too.
@@ -23,6 +23,9 @@ Entry points (same keyword arguments as the reference):
                *, k_scale, v_scale, dtype=None, interpret=False) -> (q [T, N, H], k_pages, v_pages): the fused
       projection's output split into q, RoPE on q and k, and the KV write, in one launch on GPU; qkv may be
       the projection's split-K partials [S, T, K, G + 2, H] (float32), summed and rounded to dtype in the launch.
+
+soft_cap (Gemma 2's attention soft-capping, cap * tanh(score / cap) before the softmax) is applied by the Triton
+kernels and the reference; the Mosaic GPU kernels do not take it, so such models run the Triton ones on Hopper too.
 
 fp8 KV (float8_e4m3fn / float8_e5m2 pages, per-tensor k_scale / v_scale): pages are widened to q's dtype
 inside the kernel; k_scale is folded into the score multiplier and v_scale into the output.
@@ -115,8 +118,8 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
 
 
 def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *,
-                           scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None, sliding_window=None, dtype=None,
-                           interpret=False, **tuning):
+                           scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None, sliding_window=None, soft_cap=None,
+                           dtype=None, interpret=False, **tuning):
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
     sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
     launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
@@ -126,7 +129,7 @@ def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapp
         raise ValueError(f"fused_decode_attention needs one token per sequence: {T} tokens, "
                          f"{seq_lens.shape[0]} sequences")
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window)
+              sliding_window=sliding_window, soft_cap=soft_cap)
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
     if not (_use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)):
         q, k_pages, v_pages = qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, dtype=dtype,
@@ -139,13 +142,13 @@ def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapp
 
 def paged_decode_attention(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, decode_backend=None, interpret=False,
+    sliding_window=None, soft_cap=None, decode_backend=None, interpret=False,
 ):
     """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros.
     decode_backend: "auto" | "mosaic" | "triton", or None: $JAXLLM_DECODE_BACKEND, else "auto" (see
     _decode_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window)
+              sliding_window=sliding_window, soft_cap=soft_cap)
     if not _use_kernel(q, k_pages, interpret):
         return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
     return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
@@ -197,7 +200,8 @@ def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
 
 def ragged_paged_attention(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, decode_only=False, split_decode=True, prefill_backend="auto",
+    alibi_slopes=None, sliding_window=None, soft_cap=None, decode_only=False, split_decode=True,
+    prefill_backend="auto",
     decode_backend=None, interpret=False,
 ):
     """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
@@ -206,7 +210,7 @@ def ragged_paged_attention(
     prefill_backend: "auto" | "mosaic" | "triton" for the ragged tiles (see _prefill_backend); decode_backend the
     same for the one-token sequences (see _decode_backend)."""
     kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window)
+              sliding_window=sliding_window, soft_cap=soft_cap)
     if not _use_kernel(q, k_pages, interpret):
         return ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kw)
     T = q.shape[0]

@@ -65,6 +65,15 @@ def scalars(scale, k_scale, v_scale):
     return jnp.stack([qk, jnp.asarray(v_scale, jnp.float32)]).reshape(2)
 
 
+def cap_scores(s, soft_cap):
+    """Soft-capping (Gemma 2) of log2-domain scores: cap * tanh(x / cap) of the natural-log score x = s / log2(e)
+    is, in the log2 domain, the same with the cap times log2(e)."""
+    if soft_cap is None:
+        return s
+    c = soft_cap * LOG2E
+    return c * jnp.tanh(s / c)
+
+
 def mma(a, b, trans_b=False):
     """[M, C] x [C, N] (or [N, C] with trans_b) -> f32, lowered to one tensor-core MMA by Triton."""
     dims = (((1,), (1 if trans_b else 0,)), ((), ()))

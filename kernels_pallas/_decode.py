@@ -36,8 +36,19 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from ._common import (kernel_supported, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step,
-                      sum_partials, triton_params, whole_blocks_table)
+from ._common import (
+    cap_scores,
+    kernel_supported,
+    kv_blocks,
+    mma,
+    next_pow2,
+    pad_block_tables,
+    scalars,
+    softmax_step,
+    sum_partials,
+    triton_params,
+    whole_blocks_table,
+)
 from .reference import quantize
 
 NUM_SMS = 132  # H100/H200; only used to size split-K statically.
@@ -90,6 +101,7 @@ def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
 def _decode_kernel(
     lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
     page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask, fused=None,
+    soft_cap=None,
 ):
     rest = list(rest)
     slope_ref = rest.pop(0) if has_alibi else None
@@ -147,7 +159,7 @@ def _decode_kernel(
             new_kv[:] = [quantize(k_new, scal_ref[2], k_out.dtype), quantize(v_new, v_scale, v_out.dtype)]
             kn, vn = (x.astype(cdt).astype(jnp.float32) for x in new_kv)
             # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
-            s_new = (q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult
+            s_new = cap_scores((q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult, soft_cap)
             return (jnp.where(own, s_new, state[0]), jnp.where(own, 1.0, state[1]),
                     jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), state[2]))
     else:
@@ -179,7 +191,7 @@ def _decode_kernel(
         k, v = k.astype(cdt), v.astype(cdt)
         p0 = lo_page + i * ppb
         kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
-        s = mma(q, k, trans_b=True) * qk_mult  # [Gp, BK]
+        s = cap_scores(mma(q, k, trans_b=True) * qk_mult, soft_cap)  # [Gp, BK]
         if has_alibi:
             s = s + slopes[:, None] * (kv_pos - q_pos).astype(jnp.float32)[None, :]
         if masked:
@@ -282,14 +294,14 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     return -(-M // pps), pps
 
 
-_STATIC = ("scale", "sliding_window", "interpret", "block_k", "num_splits", "num_warps", "num_stages", "prefetch",
-           "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps")
+_STATIC = ("scale", "sliding_window", "soft_cap", "interpret", "block_k", "num_splits", "num_warps", "num_stages",
+           "prefetch", "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention_kernel(
     q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, interpret=False, **tuning,
+    sliding_window=None, soft_cap=None, interpret=False, **tuning,
 ):
     """q [B, N, H] over the paged cache -> [B, N, H]. tuning: block_k, num_splits, num_warps, num_stages,
     prefetch, min_split_tokens, tail_mask, combine_block_h, combine_warps (static; defaults by measurement)."""
@@ -297,13 +309,13 @@ def paged_decode_attention_kernel(
     G = N // k_pages.shape[0]
     return _decode(q, None, k_pages, v_pages, seq_lens, block_tables, B=B, G=G, dtype=q.dtype, scale=scale,
                    k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                   interpret=interpret, **tuning)
+                   soft_cap=soft_cap, interpret=interpret, **tuning)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("dtype",))
 def fused_decode_attention_kernel(
     qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *, scale, k_scale=1.0,
-    v_scale=1.0, alibi_slopes=None, sliding_window=None, dtype=None, interpret=False, **tuning,
+    v_scale=1.0, alibi_slopes=None, sliding_window=None, soft_cap=None, dtype=None, interpret=False, **tuning,
 ):
     """The decode step's attention from the projection's output: qkv [B, K, G + 2, H] (token b is sequence
     b's one new token), or its split-K partials [S, B, K, G + 2, H] (f32; dtype: the model's). RoPE on q and
@@ -317,12 +329,13 @@ def fused_decode_attention_kernel(
     extra = (slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq)
     return _decode(qkv, (extra, dict(group=G2 - 2, rope=rope, dt=dt)), k_pages, v_pages, seq_lens, block_tables,
                    B=B, G=G2 - 2, dtype=dt, scale=scale, k_scale=k_scale, v_scale=v_scale,
-                   alibi_slopes=alibi_slopes, sliding_window=sliding_window, interpret=interpret, **tuning)
+                   alibi_slopes=alibi_slopes, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
+                   **tuning)
 
 
 def _decode(
     q, fused, k_pages, v_pages, seq_lens, block_tables, *, B, G, dtype, scale, k_scale, v_scale, alibi_slopes,
-    sliding_window, interpret, block_k=None, num_splits=None, num_warps=4, num_stages=1, prefetch=2,
+    sliding_window, interpret, soft_cap=None, block_k=None, num_splits=None, num_warps=4, num_stages=1, prefetch=2,
     min_split_tokens=128, tail_mask=True, combine_block_h=32, combine_warps=1,
 ):
     """The pallas_call of either entry point. q is [B, N, H], or with fused = ((slots, positions, freq), static
@@ -393,7 +406,7 @@ def _decode(
     kernel = functools.partial(
         _decode_kernel, page_size=S, pages_per_block=ppb,
         sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
-        tail_mask=tail_mask and not interpret, fused=settings,
+        tail_mask=tail_mask and not interpret, fused=settings, soft_cap=soft_cap,
     )
     outs = pl.pallas_call(
         kernel,

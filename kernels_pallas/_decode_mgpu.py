@@ -35,8 +35,8 @@ from ._decode import NUM_SMS, combine_splits
 BQ = 64  # wgmma rows
 
 
-def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, k_scale=1.0, v_scale=1.0, block_kv=64,
-              **_) -> bool:
+def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
+              block_kv=64, **_) -> bool:
     """The inputs this kernel takes (the others go to the Triton kernel)."""
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
@@ -44,7 +44,7 @@ def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, k_scale=1.0
     unit_scales = all(isinstance(x, (int, float)) and x == 1.0 for x in (k_scale, v_scale))
     return (jnp.dtype(q.dtype) in dtypes and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype) and H in (64, 128)
             and N % K == 0 and N // K <= 16 and block_kv in (64, 128) and 8 <= S <= block_kv and block_kv % S == 0
-            and alibi_slopes is None and sliding_window is None and unit_scales)
+            and alibi_slopes is None and sliding_window is None and soft_cap is None and unit_scales)
 
 
 def choose_splits(B, K, M, pages_per_block, page_size, ctas_per_sm=2, min_split_tokens=128):

@@ -37,15 +37,15 @@ BQ = 64  # query rows per compute warpgroup
 TILE = 2 * BQ  # tokens per CTA
 
 
-def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, k_scale=1.0, v_scale=1.0, block_kv=128,
-              **_) -> bool:
+def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
+              block_kv=128, **_) -> bool:
     """The inputs this kernel takes (the others go to the Triton kernel)."""
     K, P, S, H = k_pages.shape
     dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     unit_scales = all(isinstance(x, (int, float)) and x == 1.0 for x in (k_scale, v_scale))
     return (jnp.dtype(q.dtype) in dtypes and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype) and H in (64, 128)
             and q.shape[1] % K == 0 and 8 <= S <= block_kv and block_kv % S == 0 and alibi_slopes is None
-            and sliding_window is None and unit_scales)
+            and sliding_window is None and soft_cap is None and unit_scales)
 
 
 def tile_plan_aligned(query_start_loc, seq_lens, num_tokens, skip_single=False):

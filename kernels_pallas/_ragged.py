@@ -26,13 +26,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from ._common import kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step, triton_params
+from ._common import cap_scores, kv_blocks, mma, next_pow2, pad_block_tables, scalars, softmax_step, triton_params
 
 
 def _ragged_kernel(
     tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
     page_size, pages_per_block, block_q, group, rows_per_token, sliding_window, has_alibi, prefetch, num_tokens,
-    interpret,
+    interpret, soft_cap=None,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
@@ -80,7 +80,7 @@ def _ragged_kernel(
     def block(blk, state, k, v, masked):
         k, v = k.astype(cdt), v.astype(cdt)
         kv_pos = blk * BK + jnp.arange(BK, dtype=jnp.int32)
-        s = mma(q, k, trans_b=True) * qk_mult  # [BM, BK]
+        s = cap_scores(mma(q, k, trans_b=True) * qk_mult, soft_cap)  # [BM, BK]
         if has_alibi:
             s = s + slopes[:, None] * (kv_pos[None, :] - row_pos[:, None]).astype(jnp.float32)
         if masked:
@@ -139,12 +139,12 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "sliding_window", "interpret", "block_m", "block_k", "num_warps", "num_stages",
-                     "prefetch", "skip_single"),
+    static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_m", "block_k", "num_warps",
+                     "num_stages", "prefetch", "skip_single"),
 )
 def ragged_paged_attention_kernel(
     q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, interpret=False, block_m=128, block_k=128, num_warps=8,
+    alibi_slopes=None, sliding_window=None, soft_cap=None, interpret=False, block_m=128, block_k=128, num_warps=8,
     num_stages=1, prefetch=1, skip_single=False,
 ):
     """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
@@ -183,7 +183,7 @@ def ragged_paged_attention_kernel(
         args.append(slopes)
     kernel = functools.partial(
         _ragged_kernel, page_size=S, pages_per_block=ppb, block_q=BQ, group=Gp, rows_per_token=K * Gp,
-        sliding_window=sliding_window,
+        sliding_window=sliding_window, soft_cap=soft_cap,
         has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, interpret=interpret,
     )
     out = pl.pallas_call(

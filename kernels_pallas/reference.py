@@ -24,13 +24,19 @@ import jax.numpy as jnp
 FP8_MAX = {jnp.dtype(jnp.float8_e4m3fn): 448.0, jnp.dtype(jnp.float8_e5m2): 57344.0}
 
 
-def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0):
-    """Scatters the new tokens' k, v ([T, K, H]) into their slots (page * S + offset); slot -1 is dropped."""
+def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, kv_dtype=None):
+    """Scatters the new tokens' k, v ([T, K, H]) into their slots (page * S + offset); slot -1 is dropped.
+
+    kv_dtype: the values' dtype where the pages hold its bit patterns as uint8 (fp8 on CPU: XLA's CPU backend
+    widens a whole fp8 scatter operand to float32 and back, so each step rewrote every layer's cache; a uint8
+    scatter is in place). None: the pages' own dtype."""
     K, P, S, H = k_pages.shape
     slots = jnp.where(slot_mapping < 0, P * S, slot_mapping)  # out of range -> dropped by mode="drop"
 
     def scatter(pages, x, scale):
-        x = quantize(x, scale, pages.dtype)
+        x = quantize(x, scale, kv_dtype or pages.dtype)
+        if kv_dtype is not None:
+            x = jax.lax.bitcast_convert_type(x, pages.dtype)
         flat = pages.reshape(K, P * S, H).at[:, slots].set(x.transpose(1, 0, 2), mode="drop")
         return flat.reshape(K, P, S, H)
 
@@ -48,12 +54,12 @@ def apply_rope(x, positions, inv_freq):
 
 
 def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                 write=None, dtype=None):
+                 write=None, dtype=None, **write_kwargs):
     """The fused projection's output qkv [T, K, G + 2, H] (per kv head: its G query heads, then k, v) ->
     q [T, K * G, H] with RoPE applied (inv_freq [H / 2]; None: no rotation, e.g. ALiBi models), and the
     rotated k and v written into their slots by write (default write_kv). Returns (q, k_pages, v_pages).
     qkv may instead be the projection's split-K partials [S, T, K, G + 2, H] (float32): they are summed and
-    rounded to dtype first."""
+    rounded to dtype first. write_kwargs go to write (write_kv's kv_dtype)."""
     if qkv.ndim == 5:
         qkv = qkv.sum(0).astype(dtype)
     T, K, G2, H = qkv.shape
@@ -62,7 +68,7 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     if inv_freq is not None:
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     write = write or write_kv
-    return (q, *write(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale))
+    return (q, *write(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale, **write_kwargs))
 
 
 def quantize(x, scale, dtype):
@@ -72,6 +78,13 @@ def quantize(x, scale, dtype):
         limit = FP8_MAX[dtype]
         return jnp.clip(x.astype(jnp.float32) / scale, -limit, limit).astype(dtype)
     return x.astype(dtype)
+
+
+def widen(pages, kv_dtype=None):
+    """Pages (a gathered slice of them) as float32; kv_dtype as in write_kv: pages hold its bit patterns."""
+    if kv_dtype is not None:
+        pages = jax.lax.bitcast_convert_type(pages, kv_dtype)
+    return pages.astype(jnp.float32)
 
 
 def token_sequence_ids(query_start_loc, num_tokens):
@@ -96,7 +109,9 @@ def ragged_paged_attention_ref(
     v_scale: float = 1.0,
     alibi_slopes=None,  # [N] f32 or None
     sliding_window: int | None = None,
+    soft_cap: float | None = None,  # Gemma 2: scores -> soft_cap * tanh(scores / soft_cap)
     pages_per_step: int | None = None,
+    kv_dtype=None,  # pages hold this dtype's bit patterns (write_kv)
 ):
     """Causal attention of every new token over its sequence's paged context. Returns [T, N, H] in q.dtype.
 
@@ -121,12 +136,14 @@ def ragged_paged_attention_ref(
     def body(i, carry):
         m_run, l_run, acc = carry  # [T, K, G], [T, K, G], [T, K, G, H]
         pages = jax.lax.dynamic_slice_in_dim(tables, i * step, step, axis=1)[seq]  # [T, step]
-        k = k_pages[:, pages].astype(jnp.float32) * k_scale  # [K, T, step, S, H]
-        v = v_pages[:, pages].astype(jnp.float32) * v_scale
+        k = widen(k_pages[:, pages], kv_dtype) * k_scale  # [K, T, step, S, H]
+        v = widen(v_pages[:, pages], kv_dtype) * v_scale
         k = k.reshape(K, T, step * S, H)
         v = v.reshape(K, T, step * S, H)
         kv_pos = i * step * S + jnp.arange(step * S, dtype=jnp.int32)  # [C]
         s = jnp.einsum("tkgh,ktch->tkgc", qg, k)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
         rel = kv_pos[None, :] - q_pos[:, None]  # [T, C], <= 0 where visible
         if slopes is not None:
             s = s + slopes[None, :, :, None] * rel[:, None, None, :].astype(jnp.float32)

@@ -11,9 +11,11 @@ import argparse
 import json
 import os
 import re
+import sys
 
 from server.lora import parse_lora_module, runtime_updating_allowed
 from server.tool_parsers import TOOL_PARSERS
+from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
 
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
@@ -22,7 +24,7 @@ ENGINE_ARG_NAMES = (
     "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
-    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy",
+    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
     "lora_extra_vocab_size",
 )
@@ -120,7 +122,8 @@ def make_parser() -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
     e.add_argument("--trust-remote-code", action="store_true",
-                   help="Accepted for vLLM compatibility; jaxllm never executes checkpoint code.")
+                   help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
+                        "model itself is always jaxllm's implementation.")
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     e.add_argument("--quantization", "-q", default=None,
                    help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
@@ -130,6 +133,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    e.add_argument("--enable-expert-parallel", action="store_true",
+                   help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
+                        "experts per device) instead of each expert's FFN.")
     e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="Fraction of total device memory for weights, activations and KV cache.")
     e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")
@@ -158,7 +164,8 @@ def make_parser() -> argparse.ArgumentParser:
                     "256, 320 or 512.")
     lo.add_argument("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory (default: "
                     "--max-loras); others are read from their folder again when used.")
-    lo.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"])
+    lo.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                    help="The adapters' dtype in the device slots (auto: the model's).")
     lo.add_argument("--fully-sharded-loras", action="store_true",
                     help="With tensor parallelism, also split the halves of the LoRA matmuls vLLM's default "
                          "layout replicates.")
@@ -173,6 +180,7 @@ def make_parser() -> argparse.ArgumentParser:
     from jaxllm.distributed import add_distributed_args
 
     add_distributed_args(p)
+    add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
 
@@ -220,7 +228,8 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
+    resolve_vllm_flags(parser, args)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")
     args.model = args.model_tag or args.model
@@ -238,10 +247,17 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
     args.allow_runtime_lora_updating = runtime_updating_allowed(environ)
     if args.allow_runtime_lora_updating and not args.enable_lora:
         parser.error("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs --enable-lora")
+    if args.chat_template:  # as vLLM's validate_parsed_serve_args: before the model loads, not after
+        from server.serving_chat import load_chat_template
+
+        try:
+            load_chat_template(args.chat_template)
+        except (ValueError, OSError) as e:
+            parser.error(f"--chat-template: {e}")
     return args
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES}
+    kwargs = {name: getattr(args, name) for name in ENGINE_ARG_NAMES + MODEL_SOURCE_ARG_NAMES}
     kwargs.update({n: getattr(args, n) for n in OPTIONAL_ENGINE_ARG_NAMES if getattr(args, n, None) is not None})
     return kwargs

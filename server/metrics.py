@@ -6,6 +6,13 @@ Two sources feed them:
 - per-request latencies and sizes are observed by the server as outputs stream past (RequestTracker).
 Every `stats()` call goes through `ServerMetrics.poll()` because the snapshot's `iteration_tokens` list
 holds only the steps since the previous snapshot.
+
+The names dashboards of vLLM 0.4-0.10 read are there too, computed as vLLM did: vllm:gpu_cache_usage_perc
+(= kv_cache_usage_perc), vllm:time_per_output_token_seconds (= inter_token_latency_seconds),
+vllm:num_requests_swapped and vllm:cpu_cache_usage_perc (0: preemption recomputes, nothing is swapped to CPU),
+vllm:avg_prompt_throughput_toks_per_s / avg_generation_throughput_toks_per_s (tokens of the last whole
+throughput interval over its length, as V0's stats logger set them every interval), vllm:request_params_n (each
+finished request's n) and vllm:cache_config_info (a gauge at 1 labelled with the engine's cache config).
 """
 
 from __future__ import annotations
@@ -64,6 +71,21 @@ class _EngineCollector:
         yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
         yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
+        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
+                    "vllm:kv_cache_usage_perc instead.", s.kv_cache_usage)
+        yield gauge("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV "
+                    "cache offloading is not used in V1", 0.0)
+        yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU. DEPRECATED: KV cache "
+                    "offloading is not used in V1", 0)
+        prompt_tput, gen_tput = self.metrics.throughput.rates(s)
+        yield gauge("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s.", prompt_tput)
+        yield gauge("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s.",
+                    gen_tput)
+        if self.metrics.cache_info:
+            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
+                                     labels=list(self.metrics.cache_info))
+            info.add_metric(list(self.metrics.cache_info.values()), 1)
+            yield info
         yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
                       s.prefix_cache_queries)
         yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
@@ -73,10 +95,34 @@ class _EngineCollector:
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
 
 
+class IntervalThroughput:
+    """Prompt and generation tokens per second over the last whole interval (vLLM V0's avg_*_throughput gauges,
+    which its stats logger set every local interval): rates(snapshot) rolls to a new interval once `interval`
+    seconds have passed since the last roll and returns the rates of the last finished one."""
+
+    def __init__(self, interval: float, clock=time.monotonic):
+        self.interval, self.clock = interval, clock
+        self._start: tuple[float, int, int] | None = None
+        self._rates = (0.0, 0.0)
+
+    def rates(self, s: EngineStats) -> tuple[float, float]:
+        now = self.clock()
+        if self._start is None:
+            self._start = (now, s.prompt_tokens, s.generation_tokens)
+        t0, p0, g0 = self._start
+        if now - t0 >= self.interval:
+            self._rates = ((s.prompt_tokens - p0) / (now - t0), (s.generation_tokens - g0) / (now - t0))
+            self._start = (now, s.prompt_tokens, s.generation_tokens)
+        return self._rates
+
+
 class ServerMetrics:
-    def __init__(self, engine: EngineClient, model_name: str):
+    def __init__(self, engine: EngineClient, model_name: str, throughput_interval: float = 5.0):
         self.engine = engine
         self.model_name = model_name
+        self.throughput = IntervalThroughput(throughput_interval)  # vLLM V0's local logging interval: 5 s
+        info = getattr(engine, "cache_config_info", None)
+        self.cache_info: dict[str, str] = {**info(), "engine": "0"} if info is not None else {}
         self.registry = CollectorRegistry(auto_describe=True)
         self.last = EngineStats()
         self._stats_failures = 0
@@ -88,6 +134,11 @@ class ServerMetrics:
                               labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                              labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                              "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                              labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.n_param = Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                                 labels, buckets=[1, 2, 5, 10, 20], registry=r).labels(model_name)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
                              labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.queue_time = Histogram("vllm:request_queue_time_seconds",
@@ -148,6 +199,7 @@ class RequestTracker:
                 self.m.ttft.observe(now - self.arrival)
             elif self.last_token is not None:
                 self.m.itl.observe(now - self.last_token)
+                self.m.tpot.observe(now - self.last_token)
             self.last_token = now
             self.num_tokens = n
         if out.finished:
@@ -162,6 +214,7 @@ class RequestTracker:
         self.m.e2e.observe(time.monotonic() - self.arrival)
         for reason in reasons:
             self.m.request_success.labels(self.m.model_name, reason).inc()
+        self.m.n_param.observe(len(reasons))  # the request's n: one reason per sequence
         if out is None:
             return
         self.m.prompt_tokens.observe(len(out.prompt_token_ids or []))

@@ -17,8 +17,9 @@ import dataclasses
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from aiohttp import web
 

@@ -5,6 +5,8 @@ model's own tool-call format back into OpenAI tool calls, as vLLM's parser of th
     llama3_json  Llama 3.1 / 3.2: {"name": ..., "parameters": {...}}, optionally after <|python_tag|>, several
                  separated by ";". Only an output that starts with a call is parsed (as vLLM's parser does).
     mistral      Mistral: [TOOL_CALLS] then a JSON list of {"name": ..., "arguments": {...}}.
+    pythonic     Llama 3.2 / Gemma 3 with vLLM's pythonic templates: the whole output is a Python list of calls,
+                 [get_weather(city="Paris"), get_time(zone="cet")], keyword arguments of literal values.
 
 A parser is one function of the text generated so far: parse(text, final) -> Parsed. `content` is the text
 that is certainly not part of a call and `calls` the calls complete so far. A stream sends what grew since its
@@ -18,11 +20,11 @@ has already sent the good calls).
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -165,8 +167,65 @@ def parse_mistral(text: str, final: bool) -> Parsed:
     return _finish(text, text[:start], calls, len(items) - len(calls) + (not closed), final)
 
 
+# ---------------------------------------------------------------------------------------------- pythonic
+
+
+def _list_elements(s: str) -> tuple[list[str], int | None]:
+    """The complete top-level elements (their source text) of the Python list literal s starts with, and the
+    end of the list (None while it is open); brackets inside strings do not count."""
+    items, depth, quote, start, i = [], 0, None, 1, 1
+    while i < len(s):
+        c = s[i]
+        if quote:
+            if c == "\\":
+                i += 1
+            elif c == quote:
+                quote = None
+        elif c in "'\"":
+            quote = c
+        elif c in "([{":
+            depth += 1
+        elif c in ")]}" and depth:
+            depth -= 1
+        elif c == "]" or (c == "," and depth == 0):
+            if s[start:i].strip():
+                items.append(s[start:i])
+            if c == "]":
+                return items, i + 1
+            start = i + 1
+        i += 1
+    return items, None
+
+
+def _python_call(source: str) -> Call | None:
+    """name(key=literal, ...) as a Call (vLLM's pythonic parser takes keyword arguments only)."""
+    try:
+        node = ast.parse(source.strip(), mode="eval").body
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                and all(kw.arg is not None for kw in node.keywords)):
+            return None
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+    except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+        return None
+    return Call(node.func.id, json.dumps(args, ensure_ascii=False))
+
+
+def parse_pythonic(text: str, final: bool) -> Parsed:
+    body = text.strip()
+    if not body:
+        return Parsed(text if final else "")
+    if not body.startswith("["):
+        return Parsed(text)
+    items, end = _list_elements(body)
+    if final and end is not None and body[end:].strip():
+        return Parsed(text)  # a list followed by more text is prose, not calls
+    calls = [c for c in map(_python_call, items) if c is not None]
+    return _finish(text, "", calls, len(items) - len(calls) + (final and end is None), final)
+
+
 TOOL_PARSERS = {p.name: p for p in (
     ToolParser("hermes", parse_hermes, keep_special_tokens=True),
     ToolParser("llama3_json", parse_llama3_json, keep_special_tokens=False),
     ToolParser("mistral", parse_mistral, keep_special_tokens=True),
+    ToolParser("pythonic", parse_pythonic, keep_special_tokens=False),
 )}

@@ -210,8 +210,8 @@ def test_decode_tail_probe_kernels_match_the_reference():
     programs run one after another here, so the first takes every block and the others none)."""
     import jax.numpy as jnp
 
-    from bench.probes import decode_tail_probe as probe
     from bench.kernels import make_case, rel_err
+    from bench.probes import decode_tail_probe as probe
     from kernels_pallas import reference
 
     q, k, v, lens, _, bt = make_case(2, 333)
@@ -356,6 +356,64 @@ def test_quant_kernels_smoke(tmp_path):
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
     assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
+
+
+def test_moe_matmul_smoke(tmp_path):
+    """bench/moe_matmul.py: grouped vs dense GEMM rows, and expert_mlp checked against the all-experts einsum."""
+    from bench import moe_matmul
+
+    out = tmp_path / "moe.json"
+    res = moe_matmul.main(["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32",
+                           "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert not res["failures"] and row["T"] == 6 and row["check_ok"] and row["max_rel_err_vs_all_experts"] < 1e-4
+    assert {"grouped_gemms", "dense_gemms", "expert_mlp", "expert_mlp_gathered", "all_experts"} <= set(row)
+
+
+def test_throughput_smoke_moe_expert_parallel(tmp_path):
+    """The Qwen3-30B-A3B-shaped bench model's tiny twin at tp 2 with expert parallelism, through the script."""
+    from bench import throughput
+
+    assert common.SHAPES["qwen3-30b-a3b"]["num_experts"] == 128
+    out = tmp_path / "tp.json"
+    res = throughput.main(["--shape", "tiny-moe", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
+                           "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager", "-tp", "2",
+                           "--enable-expert-parallel", "--compilation-cache-dir", "", "--out", str(out)])
+    assert json.loads(out.read_text())["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
+
+
+def test_softcap_kernels_probe_smoke(tmp_path):
+    """bench/probes/softcap_kernels.py (the GPU check of soft-capping in the Triton kernels), interpreted on CPU."""
+    from bench.probes import softcap_kernels
+
+    res = softcap_kernels.main(["--small", "--out", str(tmp_path / "s.json")])
+    assert res["passed"] and len(res["rows"]) == 3
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_latency_and_throughput_take_quantization(tmp_path):
+    """--quantization with --shape --load-format dummy: gptq writes a GPTQ int4 config into the generated folder
+    (group 32 here: the tiny widths) and the JSON names the scheme the engine ran; fp8 needs no config (quantized
+    while loading) and reaches LLM(...) as quantization="fp8" (tests/test_quant.py runs it through the engine)."""
+    import argparse
+
+    from bench import latency
+
+    tiny = ["--shape", "tiny", "--load-format", "dummy", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", ""]
+    res = latency.main(tiny + ["--quantization", "gptq", "--quant-group-size", "32", "--batch-size", "1",
+                               "--input-len", "4", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
+                               "--out", str(tmp_path / "lat.json")])
+    assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
+    assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    p = argparse.ArgumentParser()
+    common.add_model_args(p)
+    args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])
+    assert common.engine_kwargs(args, None)["quantization"] == "fp8"
+    assert common.resolve_model(args) == common.make_model_dir("tiny")  # the 16-bit folder, quantized at load
+    with pytest.raises(SystemExit, match="no dummy config"):
+        common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))
 
 
 def test_lora_bench_smoke(tmp_path):

@@ -259,7 +259,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for s in self.live.values():
             assert len(s.block_table) * bs >= s.num_computed_tokens
             assert NULL_BLOCK not in s.block_table
-        for h, block in self.bm.hash_to_block.items():
+        for block in self.bm.hash_to_block.values():
             assert block in self.content
 
     def teardown(self):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import ModelConfig, RopeConfig
 from jaxllm.models.loader import load_params
 from jaxllm.sharding import ParallelConfig
 from tests.tiny_models import hf_config, make_hf_model, save_checkpoint
@@ -182,3 +182,45 @@ def test_default_batch_limits_follow_vllm_by_gpu():
     assert [limits(d, server_mode=True) for d in (h100, a100, l4)] == [(1024, 8192), (256, 2048), (256, 2048)]
     assert limits(l4, max_num_seqs=64, max_num_batched_tokens=4096) == (64, 4096)
     assert setup.default_limits(EngineArgs(model="m"), False) == (8, 256)
+
+
+GEMMA3_1B = {  # google/gemma-3-1b-it's config.json as the Hub has it (transformers 4.50 layout)
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
+    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
+    "head_dim": 256, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000, "rope_theta": 1000000,
+    "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768, "attn_logit_softcapping": None, "final_logit_softcapping": None,
+    "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+}
+GEMMA2_2B = {  # google/gemma-2-2b-it's config.json (transformers 4.42 layout: no layer_types)
+    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
+    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+}
+
+
+def test_gemma_hub_configs():
+    """Configs as the Hub ships them, before transformers 5 wrote layer_types and per-layer-type RoPE: Gemma 3
+    has 5 sliding layers per global one, its global layers RoPE base 1e6 (and rope_scaling, 4B and up), its
+    sliding ones 1e4 unscaled; Gemma 2 alternates, starting with a sliding layer."""
+    cfg = ModelConfig.from_hf(GEMMA3_1B)
+    kinds = [cfg.layer_kind(i) for i in range(12)]
+    assert [k.sliding_window for k in kinds] == ([512] * 5 + [None]) * 2
+    assert {k.rope.theta for k in kinds if k.sliding_window} == {1e4} and kinds[5].rope.theta == 1e6
+    assert (cfg.qk_norm, cfg.norm_plus_one, cfg.sandwich_norm, cfg.scale_embeddings, cfg.tie_word_embeddings,
+            cfg.hidden_act, cfg.attn_softcap, cfg.final_softcap) == (True, True, True, True, True, "gelu_tanh",
+                                                                      None, None)
+    assert cfg.attn_scale == 256**-0.5
+    scaled = ModelConfig.from_hf(GEMMA3_1B | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert (scaled.layer_kind(5).rope.rope_type, scaled.layer_kind(5).rope.factor) == ("linear", 8.0)
+    assert scaled.layer_kind(0).rope == RopeConfig(theta=1e4)
+    cfg = ModelConfig.from_hf(GEMMA2_2B)
+    assert [cfg.layer_kind(i).sliding_window for i in range(4)] == [4096, None, 4096, None]
+    assert (cfg.attn_softcap, cfg.final_softcap, cfg.qk_norm, cfg.dtype) == (50.0, 30.0, False, "bfloat16")
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf(GEMMA2_2B | {"layer_types": ["sliding_attention"] * 3})
+    with pytest.raises(ValueError, match="only 'silu'"):
+        ModelConfig.from_hf(hf_config("mixtral").to_dict() | {"architectures": ["MixtralForCausalLM"],
+                                                               "hidden_act": "gelu_pytorch_tanh"})

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from convert import ConversionError, convert_checkpoint
-from jaxllm.config import ModelConfig
 from convert.cli import main as convert_main
+from jaxllm.config import ModelConfig
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.loader import MANIFEST, load_params
 from jaxllm.sharding import ParallelConfig, kv_heads_for

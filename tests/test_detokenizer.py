@@ -102,8 +102,20 @@ def sentencepiece():
     return _SentencePiece(spm.SentencePieceProcessor(model_proto=model.getvalue()))
 
 
+@pytest.fixture(scope="module")
+def baichuan_remote(tmp_path_factory):
+    """Baichuan-7B's kind: a slow tokenizer class in the model folder (remote code) over a sentencepiece model."""
+    from transformers import AutoTokenizer
+
+    from tests.remote_code_models import write_remote_code_tokenizer
+
+    d = str(tmp_path_factory.mktemp("baichuan-tokenizer"))
+    write_remote_code_tokenizer(d)
+    return AutoTokenizer.from_pretrained(d, trust_remote_code=True)
+
+
 BYTE_LEVEL = ["qwen", "llama3", "gpt2"]
-SENTENCEPIECE = ["llama_style", "sentencepiece"]
+SENTENCEPIECE = ["llama_style", "sentencepiece", "baichuan_remote"]
 
 
 def stream(tokenizer, prompt_ids, ids, step=1, **kw):

@@ -207,7 +207,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     end = cum[-1]
     assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in end.outputs]
     assert final[0].outputs[0].text == end.outputs[0].text
-    for i, c in enumerate(end.outputs):
+    for c in end.outputs:
         parts = [p for o in delta for p in o.outputs if p.index == c.index]
         assert sum((p.token_ids for p in parts), []) == c.token_ids
         assert "".join(p.text for p in parts) == c.text
@@ -643,6 +643,18 @@ def test_max_model_len_and_kv_errors(tiny):
         make_llm(tiny[0], num_gpu_blocks_override=4, max_model_len=128)
 
 
+def test_request_output_has_vllms_fields(llm):
+    prompt = [17, 4, 96, 3, 58, 21, 9, 40, 2, 33, 70]  # 1 full block of 8: cached by the second request
+    for cached in (0, 8):
+        out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+        assert out.num_cached_tokens == cached
+    assert out.lora_request is None and out.outputs[0].lora_request is None and out.multi_modal_placeholders == {}
+    assert out.encoder_prompt is None and out.kv_transfer_params is None
+    assert repr(out).startswith(f"RequestOutput(request_id={out.request_id}, prompt=None, prompt_token_ids="
+                                f"{prompt}, encoder_prompt=None, encoder_prompt_token_ids=None, ")
+    assert repr(out).endswith("lora_request=None, num_cached_tokens=8, multi_modal_placeholders={})")
+
+
 def test_max_model_len_caps_output(llm):
     out = llm.generate({"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
@@ -655,18 +667,63 @@ def test_max_model_len_caps_output(llm):
     check_free(llm)
 
 
+def whole_cache_rewrites(runner) -> list[str]:
+    """HLO instructions of the runner's compiled steps that convert a whole layer's KV pages, or hold them in
+    another dtype than the pages' own: a step that does rewrites every layer's cache (its cost grows with the
+    cache, not the batch). An in-place scatter keeps the pages' dtype and converts only the new rows."""
+    pages = runner.kv_caches[0][0]
+    K, P, S, H = pages.shape
+    shapes = {f"{K},{P},{S},{H}", f"{K},{P * S},{H}"}
+    storage = {"uint8": "u8", "float32": "f32", "float8_e4m3fn": "f8e4m3fn", "float8_e5m2": "f8e5m2"}[str(pages.dtype)]
+    found = []
+    for exe in runner.programs.compiled.values():
+        for m in re.finditer(r"= (\w+)\[([\d,]+)\]\{[^}]*\} ([\w-]+)\(", exe.as_text()):
+            dtype, shape, op = m.groups()
+            if shape in shapes and (dtype != storage or op in ("convert", "bitcast-convert")):
+                found.append(m.group(0))
+    return found
+
+
 @pytest.mark.parametrize("kv_dtype, np_name", [("fp8", "float8_e4m3fn"), ("fp8_e5m2", "float8_e5m2")])
 def test_fp8_kv_cache(tiny, hf_refs, kv_dtype, np_name):
     llm = make_llm(tiny[0], kv_cache_dtype=kv_dtype)
-    k_pages = llm.llm_engine.runner.kv_caches[0][0]
-    assert str(k_pages.dtype) == np_name
+    runner = llm.llm_engine.runner
+    assert str(runner.kv_values_dtype) == np_name
+    # On CPU the pages hold the fp8 values' bit patterns (see the test below): 1 byte per value as on a GPU.
+    assert runner.kv_caches[0][0].dtype == jnp.uint8 and runner.attn.kv_dtype == np_name
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+    assert runner.programs.compiled and not whole_cache_rewrites(runner)
     # With k_scale = v_scale = 1 (vLLM's default without calibration) this tiny model's small K/V values sit near
     # e4m3's subnormal range, so near-tied logits can flip; a broken fp8 path gives random tokens (1/128 each).
     same_first = sum(o.outputs[0].token_ids[0] == hf_refs[tuple(p)][0] for o, p in zip(outs, PROMPTS))
     assert same_first >= 3
     check_free(llm)
+
+
+def test_cpu_fp8_kv_pages_are_written_in_place(tiny, monkeypatch):
+    """XLA's CPU backend widens an fp8 scatter's whole operand and narrows it back, so with fp8-typed pages each
+    step rewrote every layer's cache (1.7 s per token with a 256 MB cache, bench/probes/cpu_fp8_kv.py). The CPU
+    pages hold the fp8 bit patterns as uint8 instead: the compiled steps convert no whole cache, and tokens and
+    logprobs are those of fp8-typed pages (the same bytes)."""
+    from jaxllm.engine import runner as runner_mod
+
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def run():
+        llm = make_llm(tiny[0], kv_cache_dtype="fp8")
+        outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
+        return llm.llm_engine.runner, [o.token_ids for o in outs], [
+            [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
+
+    r, tokens, lps = run()
+    assert r.kv_caches[0][0].dtype == jnp.uint8 and not whole_cache_rewrites(r)
+    monkeypatch.setattr(runner_mod, "kv_storage_dtype", lambda dtype: dtype)
+    r8, tokens8, lps8 = run()
+    assert r8.kv_caches[0][0].dtype == jnp.float8_e4m3fn
+    assert whole_cache_rewrites(r8), "the check must see the widened scatter of fp8-typed pages"
+    assert tokens == tokens8 and lps == lps8
 
 
 def test_bad_kv_cache_dtype(tiny):

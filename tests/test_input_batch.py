@@ -3,8 +3,17 @@
 import numpy as np
 import pytest
 
-from jaxllm.engine.input_batch import (ALLOWED_IDS, FILTERING, HAS_PARAMS, LOGPROBS, PADDING_ROW, PENALTIES,
-                                      PROMPT_LOGPROBS, InputBatch, key_seed)
+from jaxllm.engine.input_batch import (
+    ALLOWED_IDS,
+    FILTERING,
+    HAS_PARAMS,
+    LOGPROBS,
+    PADDING_ROW,
+    PENALTIES,
+    PROMPT_LOGPROBS,
+    InputBatch,
+    key_seed,
+)
 from jaxllm.engine.sequence import Sequence
 from jaxllm.sampling_params import SamplingParams
 

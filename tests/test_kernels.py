@@ -7,11 +7,10 @@ shapes are small and the ragged cases use small tiles (the tile sizes are static
 
 from __future__ import annotations
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import kernels_pallas as kp
 from kernels_pallas import reference
@@ -85,6 +84,9 @@ DECODE_CASES = [
     # tables exactly as wide as the longest sequence: 7 pages (padded to whole 2-page blocks), 6 pages (no pad)
     (8, 2, 64, 16, jnp.bfloat16, [100, 7, 0], dict(table_pages=7, num_splits=2, block_k=32)),
     (8, 2, 64, 16, jnp.bfloat16, [96, 3, 40], dict(table_pages=6, num_splits=3, block_k=32)),
+    # Gemma 2's soft-capped scores (a cap of 1.5 on scores of ~N(0, 2): most are capped), with and without a window
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(soft_cap=1.5, num_splits=2, block_k=32)),
+    (8, 4, 256, 16, jnp.float32, [70, 17], dict(soft_cap=1.5, sliding_window=20, num_splits=2, block_k=32)),
 ]
 
 
@@ -98,11 +100,15 @@ def test_decode_matches_reference(N, K, H, S, dtype, lens, extra):
     kw = dict(scale=H**-0.5)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     out = paged_decode_attention_kernel(q, k, v, seq_lens, bt, interpret=True, **kw, **extra)
     ref = reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, **kw)
     check(out, ref, dtype)
+    if "soft_cap" in kw:  # the cap matters at these scores: without it the kernel would fail the check
+        with pytest.raises(AssertionError):
+            check(out, reference.paged_decode_attention_ref(q, k, v, seq_lens, bt, **(kw | {"soft_cap": None})), dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
@@ -144,6 +150,8 @@ RAGGED_CASES = [
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=0)),
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=16, prefetch=2)),
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=3)),
+    (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, soft_cap=1.5)),
+    (16, 2, 64, 16, jnp.float32, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, soft_cap=1.5)),
 ]
 
 
@@ -163,11 +171,15 @@ def test_ragged_matches_reference(N, K, H, S, dtype, q_lens, seq_lens, extra):
     extra = dict(extra)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, N + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     out = ragged_paged_attention_kernel(*args, interpret=True, **kw, **extra)
     ref = reference.ragged_paged_attention_ref(*args, **kw)
     check(out, ref, dtype)
+    if "soft_cap" in kw:  # the cap matters at these scores: without it the kernel would fail the check
+        with pytest.raises(AssertionError):
+            check(out, reference.ragged_paged_attention_ref(*args, **(kw | {"soft_cap": None})), dtype)
     assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
 
 
@@ -210,7 +222,7 @@ def test_tile_plan_covers_every_token_once():
     lens = jnp.asarray([10, 0, 1, 100], jnp.int32)
     tseq, tpos, ttok, trows = tile_plan(qsl, lens, 45, 8)
     covered, padding = [], set()
-    for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows))):
+    for s, p, t, r in zip(*(np.asarray(x) for x in (tseq, tpos, ttok, trows)), strict=True):
         covered += list(range(t, t + r))
         if r:
             assert p == np.asarray(lens)[s] - (np.asarray(qsl)[s + 1] - np.asarray(qsl)[s]) + (t - np.asarray(qsl)[s])
@@ -295,7 +307,7 @@ def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
     want = reference.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), **kw)
     got = kp.qkv_write_kv(qkv, pos, inv_freq, pages, pages, jnp.asarray(slots), interpret=True, **kw)
     assert got[0].shape == (T, K * G, H)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype
         g, w = np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32))
         if kv_dtype == jnp.float8_e4m3fn and g.shape == pages.shape:
@@ -325,7 +337,7 @@ def test_qkv_write_kv_kernel_sums_split_k_partials():
     want = reference.qkv_write_kv(parts, pos, inv_freq, pages, pages, slots, **kw)
     got = kp.qkv_write_kv(parts, pos, inv_freq, pages, pages, slots, interpret=True, **kw)
     assert got[0].dtype == jnp.bfloat16 and got[0].shape == (T, K * G, H)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
     plain = reference.qkv_write_kv(parts.sum(0).astype(jnp.bfloat16), pos, inv_freq, pages, pages, slots)
     np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(plain[0], np.float32))
@@ -340,6 +352,8 @@ FUSED_DECODE_CASES = [
     (2, 2, 64, 16, jnp.float8_e4m3fn, [40, 1, 16], 0, True, dict(prefetch=1)),  # quantized on the way in
     (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], 0, False, dict(sliding_window=20, alibi_slopes=True,
                                                               num_splits=2, block_k=32, prefetch=3)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 1], 0, True, dict(soft_cap=1.5, sliding_window=20, num_splits=2,
+                                                            block_k=32)),  # the new token's score is capped too
 ]
 
 
@@ -366,8 +380,9 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
     extra = dict(extra)
     if extra.pop("alibi_slopes", False):
         kw["alibi_slopes"] = jnp.asarray(2.0 ** -np.arange(1, G * K + 1) * 4, jnp.float32)
-    if "sliding_window" in extra:
-        kw["sliding_window"] = extra.pop("sliding_window")
+    for name in ("sliding_window", "soft_cap"):
+        if name in extra:
+            kw[name] = extra.pop(name)
     lens_a, slots_a = jnp.asarray(lens, jnp.int32), jnp.asarray(slots)
     scales = {k_: kw[k_] for k_ in ("k_scale", "v_scale") if k_ in kw}
     q, k_ref, v_ref = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots_a, dtype=jnp.bfloat16, **scales)
@@ -426,7 +441,7 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
     out = ragged_logits(params, cfg, seqs, cached, block_size=8,
                         attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
@@ -465,7 +480,7 @@ def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached,
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas)
     assert (4, split_tokens, 2, 4, 32) in seen  # [splits, T, K, G + 2, H] partials
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
@@ -511,7 +526,7 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     assert tuning == [2 if tp == 1 else None]
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2,
                         pad_seqs=2)
-    for o, r in zip(out, ref):
+    for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 

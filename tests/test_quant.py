@@ -139,7 +139,7 @@ def test_dummy_weights_and_memory(ckpts):
     q = ModelConfig.from_hf(ckpts["gptq_llama"], dtype="float32")
     dense = ModelConfig.from_hf(ckpts["gptq_llama"] + "/../.src-gptq_llama", dtype="float32")
     size = lambda cfg: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_weights(cfg, mesh)))  # noqa: E731
-    layer = lambda cfg: size(cfg) - cfg.vocab_size * cfg.hidden_size * 4 * 2  # noqa: without embed and lm_head
+    layer = lambda cfg: size(cfg) - cfg.vocab_size * cfg.hidden_size * 4 * 2  # noqa: E731 - without embed and lm_head
     assert layer(q) < 0.3 * layer(dense)  # int4 + scales + zeros against float32
     llm = _make_llm(ckpts["gptq_llama"], load_format="dummy")
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0]

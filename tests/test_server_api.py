@@ -320,6 +320,49 @@ def test_metrics_move(server, client):
     assert ("vllm:num_preemptions_total", (("model_name", MODEL),)) in after
 
 
+def test_old_metric_names(server, client):
+    """The names dashboards of vLLM 0.4-0.10 read, computed as vLLM did (aliases of the current metrics)."""
+    before = _scrape(server.base_url)
+    client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=4, n=2, temperature=1.0)
+    client.completions.create(model=MODEL, prompt="The quick", max_tokens=3)
+    after = _scrape(server.base_url)
+
+    def delta(name, **labels):
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    assert _value(after, "vllm:gpu_cache_usage_perc") == _value(after, "vllm:kv_cache_usage_perc")
+    assert _value(after, "vllm:num_requests_swapped") == 0 and _value(after, "vllm:cpu_cache_usage_perc") == 0
+    for suffix in ("_count", "_sum", "_bucket"):  # the same observations as inter_token_latency_seconds
+        labels = {"le": "0.1"} if suffix == "_bucket" else {}
+        assert delta("vllm:time_per_output_token_seconds" + suffix, **labels) == \
+            delta("vllm:inter_token_latency_seconds" + suffix, **labels)
+    assert delta("vllm:time_per_output_token_seconds_count") >= 3 + 2  # the gaps after each first token
+    # one observation per request, of its n
+    assert delta("vllm:request_params_n_count") == 2 and delta("vllm:request_params_n_sum") == 3
+    assert delta("vllm:request_params_n_bucket", le="1.0") == 1 and delta("vllm:request_params_n_bucket", le="2.0") == 2
+    for name in ("vllm:avg_prompt_throughput_toks_per_s", "vllm:avg_generation_throughput_toks_per_s"):
+        assert _value(after, name) >= 0
+
+
+def test_avg_throughput_gauges_are_the_last_whole_intervals_rates():
+    from jaxllm.engine.protocol import EngineStats
+    from server.metrics import IntervalThroughput
+
+    now = [100.0]
+    t = IntervalThroughput(5.0, clock=lambda: now[0])
+    assert t.rates(EngineStats(prompt_tokens=10, generation_tokens=0)) == (0.0, 0.0)  # the first interval starts
+    now[0] = 103.0
+    assert t.rates(EngineStats(prompt_tokens=40, generation_tokens=30)) == (0.0, 0.0)  # not over yet
+    now[0] = 110.0
+    assert t.rates(EngineStats(prompt_tokens=110, generation_tokens=50)) == (10.0, 5.0)  # 100 and 50 tokens in 10 s
+    now[0] = 112.0
+    assert t.rates(EngineStats(prompt_tokens=500, generation_tokens=500)) == (10.0, 5.0)  # held until the next
+    now[0] = 120.0
+    assert t.rates(EngineStats(prompt_tokens=500, generation_tokens=530)) == (39.0, 48.0)
+    now[0] = 130.0
+    assert t.rates(EngineStats(prompt_tokens=500, generation_tokens=530)) == (0.0, 0.0)  # idle
+
+
 def test_api_key(tok, monkeypatch):
     with ServerThread(FakeEngine(tok), "--api-key", "sekret") as srv:
         good = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="sekret", max_retries=0)
@@ -370,6 +413,8 @@ def test_args():
     assert kw["max_num_batched_tokens"] == 8192 and kw["dtype"] == "bfloat16" and kw["seed"] == 0
     assert kw["gpu_memory_utilization"] == 0.9 and kw["max_logprobs"] == 20 and kw["block_size"] == 16
     assert "served_model_name" not in kw and a.served_model_name == ["a", "b"]
+    assert kw["enable_expert_parallel"] is False
+    assert engine_kwargs(parse_args(["/m", "-tp", "8", "--enable-expert-parallel"]))["enable_expert_parallel"] is True
     assert parse_args([]).model is None and parse_args(["--model", "/x"]).model == "/x"
     with pytest.raises(SystemExit):
         parse_args(["/m", "--max-model-len", "lots"])

@@ -122,3 +122,19 @@ def test_real_engine_metrics(served):
     client.completions.create(model="tiny", prompt=[5, 9], max_tokens=3, extra_body={"ignore_eos": True})
     s = engine.stats()  # the EngineStats snapshot /metrics and the stats log line are built from
     assert s.prompt_tokens > 0 and s.generation_tokens > 0
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(srv.base_url + "/metrics") as r:
+                return await r.text()
+
+    families = {f.name: f for f in text_string_to_metric_families(asyncio.run(scrape()))}
+    (info,) = families["vllm:cache_config_info"].samples
+    cache = engine.engine.cache_config
+    assert info.value == 1 and info.labels["num_gpu_blocks"] == str(cache.num_blocks)
+    assert info.labels["block_size"] == str(cache.block_size) and info.labels["cache_dtype"] == "auto"
+    assert info.labels["enable_prefix_caching"] == str(cache.enable_prefix_caching) and info.labels["engine"] == "0"
+    (usage,) = families["vllm:gpu_cache_usage_perc"].samples
+    assert usage.labels == {"model_name": "tiny"}
+    assert usage.value == families["vllm:kv_cache_usage_perc"].samples[0].value

@@ -44,7 +44,7 @@ def _read_until_closed(s: socket.socket) -> tuple[bytes, float]:
     while True:
         try:
             chunk = s.recv(65536)
-        except (ConnectionResetError, socket.timeout):
+        except (TimeoutError, ConnectionResetError):
             break
         if not chunk:
             break

@@ -15,7 +15,7 @@ from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.models.decoder import compute_logits, forward
 from jaxllm.models.loader import load_params
 from jaxllm.models.params import param_specs
-from jaxllm.sharding import (ParallelConfig, kv_heads_for, logical_to_spec, make_kv_caches, stage_layers)
+from jaxllm.sharding import ParallelConfig, kv_heads_for, logical_to_spec, make_kv_caches, stage_layers
 from tests.model_harness import ragged_logits
 from tests.tiny_models import make_hf_model, save_checkpoint
 

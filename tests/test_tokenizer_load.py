@@ -1,5 +1,5 @@
-"""The engine's tokenizer load (jaxllm.engine.setup._load_tokenizer): folders whose tokenizer_config.json names the
-generic fast class get it directly, skipping AutoTokenizer's AutoConfig (which imports torch); the tokenizer must
+"""The engine's tokenizer load (jaxllm.engine.tokenizer_load.load_tokenizer): folders whose tokenizer_config.json names
+the generic fast class get it directly, skipping AutoTokenizer's AutoConfig (which imports torch); the tokenizer must
 be the one AutoTokenizer gives, and every other folder must still go through AutoTokenizer."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from jaxllm.engine import setup  # noqa: E402
+from jaxllm.engine import tokenizer_load  # noqa: E402
 
 pytestmark = pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
                                 reason="the direct load is transformers 5 only")
@@ -99,21 +99,22 @@ def test_direct_load_is_autotokenizers(tmp_path, make):
     from transformers import AutoTokenizer
 
     path = make(tmp_path)
-    direct = setup._load_generic_tokenizer(path)
+    direct = tokenizer_load._load_generic_tokenizer(path)
     assert direct is not None
     assert _fingerprint(direct) == _fingerprint(AutoTokenizer.from_pretrained(path))
-    assert _fingerprint(setup._load_tokenizer(path)) == _fingerprint(direct)
+    assert _fingerprint(tokenizer_load.load_tokenizer(path)) == _fingerprint(direct)
 
 
 def test_direct_load_on_the_demo_model():
-    from jaxllm.demo import demo_model_path
     from transformers import AutoTokenizer
+
+    from jaxllm.demo import demo_model_path
 
     try:
         path = str(demo_model_path())
     except Exception as e:  # noqa: BLE001 - the demo package is optional here
         pytest.skip(f"no demo model: {e}")
-    direct = setup._load_generic_tokenizer(path)
+    direct = tokenizer_load._load_generic_tokenizer(path)
     assert direct is not None
     assert _fingerprint(direct) == _fingerprint(AutoTokenizer.from_pretrained(path))
 
@@ -147,8 +148,8 @@ def test_other_folders_go_through_autotokenizer(tmp_path, edit):
         os.remove(os.path.join(path, "tokenizer.json"))
     if edit.get("no_config"):
         os.remove(os.path.join(path, "config.json"))
-    assert setup._load_generic_tokenizer(path) is None
-    assert setup._load_generic_tokenizer("meta-llama/Meta-Llama-3-8B-Instruct") is None  # a Hub id
+    assert tokenizer_load._load_generic_tokenizer(path) is None
+    assert tokenizer_load._load_generic_tokenizer("meta-llama/Meta-Llama-3-8B-Instruct") is None  # a Hub id
 
 
 def test_direct_load_skips_the_config_chain(tmp_path):
@@ -158,7 +159,7 @@ def test_direct_load_skips_the_config_chain(tmp_path):
     path = _word_level_dir(tmp_path)
     heavy = ("torch._dynamo", "torch.distributed.tensor", "transformers.configuration_utils",
              "transformers.models.auto.configuration_auto")
-    code = ("import sys; from jaxllm.engine.setup import _load_tokenizer; tok = _load_tokenizer(sys.argv[1]); "
+    code = ("import sys; from jaxllm.engine.tokenizer_load import load_tokenizer; tok = load_tokenizer(sys.argv[1]); "
             "assert tok.eos_token_id == 2; print([m for m in sys.argv[2:] if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code, path, *heavy], capture_output=True, text=True, cwd=ROOT,
                          timeout=300)

@@ -1,5 +1,5 @@
 """Tool calling in /v1/chat/completions: vLLM's tool_choice modes (named, "required", "auto" with the hermes,
-llama3_json and mistral parsers), whole and streamed, on the parsers alone, on a real chat template, and
+llama3_json, mistral and pythonic parsers), whole and streamed, on the parsers alone, on a real chat template, and
 through the server on a tiny random model (its outputs are forced where a test needs a given call)."""
 
 import importlib.util
@@ -46,6 +46,13 @@ CASES = [
      '{"name": "get_time", "arguments": {"zone": "cet"}}]', "Sure. ",
      [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "cet"}')]),
     ("mistral", "[TOOL_CALLS] [{broken", "[TOOL_CALLS] [{broken", []),
+    ("pythonic", '[get_weather(city="Paris, [FR]"), get_time(zone=\'cet\')]', None,
+     [("get_weather", '{"city": "Paris, [FR]"}'), ("get_time", '{"zone": "cet"}')]),
+    ("pythonic", ' [get_weather(city="Oslo", days=[1, 2], opts={"metric": True, "x": None})]\n', None,
+     [("get_weather", '{"city": "Oslo", "days": [1, 2], "opts": {"metric": true, "x": null}}')]),
+    ("pythonic", "The answer is 4.", "The answer is 4.", []),
+    ("pythonic", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    ("pythonic", '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: not a pythonic call
 ]
 
 
@@ -156,8 +163,8 @@ class Weather(BaseModel):
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from server.serve import build_engine
     from server.args import parse_args
+    from server.serve import build_engine
     from server.testing import ServerThread
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_tools")), tool_text=True)

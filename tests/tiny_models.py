@@ -9,6 +9,10 @@ import numpy as np
 import torch
 
 ARCHS = ("llama", "llama31", "mistral", "qwen2", "baichuan7b", "baichuan13b")
+# Issue 36's architectures. Gemma's soft-caps are low and its weights larger than HF's init so that the caps, the
+# windows (5 tokens; the parity prompts are longer) and the global layers' RoPE scaling change the logits.
+NEW_ARCHS = ("qwen3", "llama32", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -16,7 +20,17 @@ _COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_
 
 
 def hf_config(arch: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2Config,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     if arch == "llama":
         return LlamaConfig(**_COMMON, rope_theta=10000.0)
@@ -28,6 +42,31 @@ def hf_config(arch: str):
         return MistralConfig(**_COMMON, sliding_window=7)
     if arch == "qwen2":
         return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if arch == "qwen3":  # head_dim 32 != hidden / heads, as Qwen3-0.6B's 128 != 1024 / 16
+        return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+    if arch == "llama32":  # Llama-3.2-1B's layout: tied embeddings, llama3 RoPE scaling (factor 32)
+        return LlamaConfig(**_COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
+            rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=32))
+    if arch == "gemma2":  # layers: sliding, global, sliding
+        return Gemma2Config(**dict(_COMMON, num_hidden_layers=3), head_dim=32, query_pre_attn_scalar=24,
+                            sliding_window=5, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+                            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gemma3":  # layers: sliding, sliding, global (Gemma 3 alternates 5 : 1)
+        return Gemma3TextConfig(**dict(_COMMON, num_hidden_layers=3), head_dim=32, query_pre_attn_scalar=24,
+                                sliding_window=5, sliding_window_pattern=3, initializer_range=0.2,
+                                rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
+                                                                        rope_theta=1e6),
+                                                 "sliding_attention": dict(rope_type="default", rope_theta=1e4)},
+                                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "mixtral":
+        return MixtralConfig(**dict(_COMMON, intermediate_size=32), num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen2_moe":  # layer 1 is a dense MLP (mlp_only_layers); a shared expert beside the routed ones
+        return Qwen2MoeConfig(**_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**_COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              norm_topk_prob=True)
     if arch in ("baichuan7b", "baichuan13b"):  # the equivalent Llama: MHA, no biases
         return LlamaConfig(**dict(_COMMON, num_key_value_heads=_COMMON["num_attention_heads"]))
     raise ValueError(arch)
@@ -45,6 +84,8 @@ def make_hf_model(arch: str, seed: int = 0, dtype=torch.float32):
                 p.add_(0.1 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # MoE routers: clear top-k margins, as trained ones have
+                p.mul_(20.0)
     return model
 
 

@@ -275,10 +275,11 @@ def main():
             ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64) \
                 if ctx <= 32768 else None
             nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
-            static = ("static (entry point defaults)", lambda q, k, v, lens, bt: D.paged_decode_attention_kernel(
-                q, k, v, lens, bt, scale=scale, interpret=INTERPRET))
-            variants = [static] + [(f"steal {cfg}", lambda q, k, v, lens, bt, cfg=cfg: steal_decode(
-                q, k, v, lens, bt, scale=scale, splits=splits, **cfg)) for cfg in cfgs] + [static]
+            static = ("static (entry point defaults)", lambda q, k, v, lens, bt, scale=scale:
+                      D.paged_decode_attention_kernel(q, k, v, lens, bt, scale=scale, interpret=INTERPRET))
+            variants = [static] + [(f"steal {cfg}", lambda q, k, v, lens, bt, cfg=cfg, scale=scale, splits=splits:
+                                    steal_decode(q, k, v, lens, bt, scale=scale, splits=splits, **cfg))
+                                   for cfg in cfgs] + [static]
             for name, fn in variants:
                 row = dict(stage="steal", B=B, ctx=ctx, splits=splits, impl=name)
                 out = jax.block_until_ready(fn(q, k, v, lens, bt))

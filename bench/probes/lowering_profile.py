@@ -41,6 +41,8 @@ def parse(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--hopper", action="store_true", help="also take the Mosaic GPU prefill path")
+    p.add_argument("--quantization", choices=("gptq", "fp8"), default=None,
+                   help="dummy GPTQ int4 g128 (the quantized matmul kernel in every step) or fp8 weights")
     p.add_argument("--top", type=int, default=25, help="functions kept from the profile")
     p.add_argument("--model-dir", default="/tmp/jaxllm_lowering_profile_model")
     p.add_argument("--out", default=None)
@@ -51,9 +53,9 @@ def parse(argv=None):
 def pretend_gpu(hopper: bool):
     """The kernels' GPU checks answer yes (on_hopper: `hopper`) inside the block."""
     import kernels_pallas
-    from kernels_pallas import _common, _decode, _prefill_mgpu
+    from kernels_pallas import _common, _decode, _prefill_mgpu, quant
 
-    saved = [(mod, name, getattr(mod, name)) for mod in (_common, kernels_pallas, _decode, _prefill_mgpu)
+    saved = [(mod, name, getattr(mod, name)) for mod in (_common, kernels_pallas, _decode, _prefill_mgpu, quant)
              for name in ("on_gpu", "on_hopper") if hasattr(mod, name)]
     for mod, name, _ in saved:
         setattr(mod, name, (lambda: True) if name == "on_gpu" else (lambda: hopper))
@@ -98,8 +100,11 @@ def _profile(args) -> dict:
     from jaxllm import LLM
 
     shape = dict(common.LLAMA3_8B, num_hidden_layers=args.num_layers, vocab_size=args.vocab_size)
+    if args.quantization == "gptq":
+        shape["quantization_config"] = common.DUMMY_QUANT_CONFIGS["gptq"]
     model = common.make_model_dir(shape, args.model_dir)
     llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
+              quantization=args.quantization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enforce_eager=True, compilation_cache_dir=None, num_gpu_blocks_override=512)
     r = llm.llm_engine.runner

@@ -41,9 +41,9 @@ from jaxllm.sharding import make_kv_caches  # noqa: E402
 BASE_LAYER = decoder.decoder_layer
 
 
-def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn):
+def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn, kind=None):
     """decoder_layer with gate and up as two weights (two GEMMs), so silu(gate) * up can fuse into the down
-    projection's operand instead of being a kernel of its own."""
+    projection's operand instead of being a kernel of its own (Llama's shape: kind, the LayerKind, is unused)."""
     lp = dict(lp)
     wg, wu = lp.pop("w_gate"), lp.pop("w_up")
     x_in = x
@@ -177,7 +177,7 @@ def main():
                 with gzip.open(os.path.join(a.hlo_dir, f"step_b1_{name}.hlo.txt.gz"), "wt") as f:
                     f.write(compiled.as_text())
 
-            def run(n):
+            def run(n, compiled=compiled, vparams=vparams):  # called within this iteration only
                 nonlocal kv
                 out = None
                 for _ in range(n):

@@ -11,9 +11,22 @@ from jaxllm.quantization import METHODS
 
 @dataclass(frozen=True)
 class EngineArgs:
-    model: str | None = None  # None: the built-in demo model
+    model: str | None = None  # None: the built-in demo model; a folder, or a Hub / ModelScope id (model_files.py)
     tokenizer: str | None = None
-    trust_remote_code: bool = False  # accepted; jaxllm never runs checkpoint code
+    # Passed to transformers for the tokenizer and config classes of the folder (tokenization_*.py); the model
+    # itself is always jaxllm's own implementation.
+    trust_remote_code: bool = False
+    tokenizer_mode: str = "auto"  # auto | slow
+    revision: str | None = None  # of a Hub model id (branch, tag or commit)
+    tokenizer_revision: str | None = None  # None: revision
+    code_revision: str | None = None  # of a Hub model's remote code (vLLM's; the code comes with the snapshot)
+    download_dir: str | None = None  # huggingface_hub's cache_dir for model ids (None: the HF cache)
+    hf_token: str | bool | None = None  # for private / gated Hub models (None: HF_TOKEN or the saved login)
+    ignore_patterns: tuple[str, ...] | list[str] | str | None = None  # files not to download ("original/**/*")
+    hf_overrides: dict | None = None  # merged over config.json
+    rope_scaling: dict | None = None  # vLLM's older spelling of hf_overrides={"rope_scaling": ...}
+    rope_theta: float | None = None  # ... and of hf_overrides={"rope_theta": ...}
+    override_generation_config: dict | None = None  # merged over generation_config.json's sampling defaults
     dtype: str = "auto"
     quantization: str | None = None
     seed: int = 0
@@ -29,6 +42,7 @@ class EngineArgs:
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
@@ -56,11 +70,21 @@ class EngineArgs:
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"Unexpected engine arguments: {', '.join(unknown)}.")
-        return cls(**kwargs)
+        """LLM(**kwargs): these fields, and every other keyword vLLM's EngineArgs has, taken, warned about or
+        refused as jaxllm/engine/vllm_options.py's table says; anything else is vLLM's TypeError."""
+        from jaxllm.engine.vllm_options import engine_kwargs_for_llm
+
+        return cls(**engine_kwargs_for_llm(kwargs, {f.name for f in fields(cls)}))
+
+    def config_overrides(self) -> dict:
+        """What is set over config.json: hf_overrides, with rope_scaling / rope_theta (vLLM's older flags) merged
+        in as vLLM does."""
+        overrides = dict(self.hf_overrides or {})
+        if self.rope_scaling:
+            overrides["rope_scaling"] = self.rope_scaling
+        if self.rope_theta is not None:
+            overrides["rope_theta"] = self.rope_theta
+        return overrides
 
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -73,6 +97,12 @@ class EngineArgs:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}.")
         if self.quantization is not None and self.quantization not in METHODS:
             raise ValueError(f"Unknown quantization method: {self.quantization}. Must be one of {list(METHODS)}.")
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' or 'slow' "
+                             "(jaxllm has no 'mistral' or 'custom' tokenizer modes).")
+        for name in ("hf_overrides", "override_generation_config", "rope_scaling"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
+                raise ValueError(f"{name} must be a dict (JSON object), got {getattr(self, name)!r}.")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

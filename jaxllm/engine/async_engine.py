@@ -13,7 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
@@ -121,6 +121,9 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def cache_config_info(self) -> dict[str, str]:
+        return self.engine.cache_config_info()
 
     def start_profile(self, log_dir: str) -> None:
         import jax

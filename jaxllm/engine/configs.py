@@ -56,6 +56,20 @@ class SchedulerConfig:
             )
 
 
+def cache_config_info(cache: CacheConfig, args) -> dict[str, str]:
+    """vLLM's vllm:cache_config_info labels (its CacheConfig's fields as strings) for this engine's KV cache;
+    args: the EngineArgs. jaxllm has no swap, CPU offload, sliding-window override or mamba cache: those report
+    what an engine without them has (0 / None / False / auto)."""
+    values = dict(
+        block_size=cache.block_size, gpu_memory_utilization=args.gpu_memory_utilization, swap_space=0,
+        cache_dtype=args.kv_cache_dtype, is_attention_free=False, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        sliding_window=None, enable_prefix_caching=cache.enable_prefix_caching, prefix_caching_hash_algo="builtin",
+        cpu_offload_gb=0, calculate_kv_scales=False, cpu_kvcache_space_bytes=None, mamba_page_size_padded=None,
+        mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", num_gpu_blocks=cache.num_blocks, num_cpu_blocks=0,
+        kv_sharing_fast_prefill=False, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    return {k: str(v) for k, v in values.items()}
+
+
 def _check_int(name: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")

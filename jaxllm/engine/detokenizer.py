@@ -16,8 +16,9 @@ safe to stream: all but the last max(len(stop)) - 1 characters, which could stil
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import tokenizers
 

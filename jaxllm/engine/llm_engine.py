@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.configs import cache_config_info
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
@@ -84,6 +85,7 @@ class LLMEngine(EngineLoRAMethods):
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
         self.runner: ModelRunner = parts.runner
+        self.cache_config = parts.cache_config
         self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
@@ -488,9 +490,12 @@ class LLMEngine(EngineLoRAMethods):
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                             finished, req.metrics, req.seqs[0].seq.num_cached_tokens)
+                             finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
 
     # ---- stats ----
+    def cache_config_info(self) -> dict[str, str]:
+        return cache_config_info(self.cache_config, self.args)
+
     def stats(self) -> EngineStats:
         st = self.scheduler.stats
         with self._stats_lock:

@@ -14,8 +14,9 @@ Front ends only see EngineClient below: they add a request and iterate over its 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Protocol
+from typing import Protocol
 
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams

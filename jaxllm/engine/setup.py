@@ -8,11 +8,13 @@ import math
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import CacheConfig, SchedulerConfig
+from jaxllm.engine.model_files import resolve_model_dir, resolve_tokenizer_dir
+from jaxllm.engine.tokenizer_load import check_config_code, load_tokenizer
 
 logger = logging.getLogger("jaxllm")
 
@@ -31,14 +33,6 @@ class EngineParts:
     mesh: object
     grammars: object  # structured.Grammars
     lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
-
-
-def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        from jaxllm.demo import demo_model_path
-
-        return demo_model_path()
-    return os.path.expanduser(model)
 
 
 def _is_gpu() -> bool:
@@ -195,13 +189,13 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(args.compilation_cache_dir))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    path = resolve_model_path(args.model)
-    if not os.path.isdir(path):
-        raise ValueError(f"Model directory {path!r} does not exist (jaxllm loads local HF-layout directories).")
+    path = resolve_model_dir(args)  # a model id downloads here
     hf = read_hf_config(path)
-    # The tokenizer (and the transformers import) loads on a thread while the weights load and the steps
-    # compile or load from the executable cache, which mostly release the GIL (2-core VM, warm start of a
-    # 32-layer tiny model: LLM() 10.0-11.8 -> 8.2-8.5 s); then the structured outputs' grammar tokenizer.
+    if args.config_overrides():  # vLLM's hf_overrides: attributes set over the config's
+        hf = {**hf, **args.config_overrides()}
+    # The tokenizer (and the transformers import) loads on a thread while jax starts its backend and the
+    # engine's shapes are worked out; it must load before the weights and the compiles (_build_parts waits for
+    # it there), so that a bad tokenizer fails in seconds, as in vLLM, not after minutes of loading.
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
     tokenizer_future = pool.submit(_tokenizer_parts, args, path, hf)
     pool.shutdown(wait=False)  # its thread ends after this one task
@@ -222,9 +216,15 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
     from jaxllm.sharding import ParallelConfig
 
-    cfg = ModelConfig.from_hf(path, dtype=args.dtype, quantization=args.quantization)
+    cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
     lora_cfg = args.lora_config()
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
+    if args.enable_expert_parallel:
+        if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
+            logger.warning("enable_expert_parallel has no effect: %s has no mixture-of-experts layers.",
+                           cfg.architecture)
+        else:
+            cfg = replace(cfg, expert_parallel=True)
     derived = cfg.max_position_embeddings
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
@@ -248,6 +248,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         lora.warm_up()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
+    tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
     # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
     # what they are compiled for (abstract_weights) and the memory left for the KV cache are known before.
     overlap = args.pipeline_parallel_size == 1 and not args.enforce_eager
@@ -302,67 +303,25 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    tokenizer, eos, defaults, grammars = tokenizer_future.result()
     return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, lora)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
-    """The tokenizer thread's work: the tokenizer, generation_config.json's EOS ids and sampling defaults, and
-    the structured outputs' Grammars (whose llguidance tokenizer is built on first use: Grammars.tokenizer)."""
+    """The tokenizer thread's work: the config's and the tokenizer's code (trust_remote_code), the tokenizer,
+    generation_config.json's EOS ids and sampling defaults, and the structured outputs' Grammars (whose llguidance
+    tokenizer is built on first use: Grammars.tokenizer)."""
     from jaxllm.engine.structured import Grammars
 
-    tokenizer = _load_tokenizer(args.tokenizer or path)
-    eos, defaults = _generation_config(args.generation_config, path, tokenizer)
-    grammars = Grammars(tokenizer, ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size, eos)
+    check_config_code(path, hf, args.trust_remote_code)
+    tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
+                               tokenizer_mode=args.tokenizer_mode)
+    vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
+    if len(tokenizer) > vocab_size:
+        logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
+                       "others are refused.", len(tokenizer), vocab_size)
+    eos, defaults = _generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
+    grammars = Grammars(tokenizer, vocab_size, eos)
     return tokenizer, eos, defaults, grammars
-
-
-# tokenizer_config.json classes that name the generic Rust-backed tokenizer (v5 spells it TokenizersBackend and keeps
-# PreTrainedTokenizerFast as its alias), and config.json model types for which AutoTokenizer honours that class
-# as is: no tokenizer class of their own in transformers' TOKENIZER_MAPPING (unlike e.g. qwen2, which it swaps
-# for Qwen2Tokenizer, or mistral, MistralCommonBackend where mistral-common is installed).
-_GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
-_GENERIC_TOKENIZER_MODEL_TYPES = ("llama",)
-
-
-def _load_tokenizer(path: str):
-    tokenizer = _load_generic_tokenizer(path)
-    if tokenizer is not None:
-        return tokenizer
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _load_generic_tokenizer(path: str):
-    """The tokenizer AutoTokenizer.from_pretrained(path) gives, built directly, where path is a local folder whose
-    tokenizer_config.json names the generic fast class (Llama-3's layout); None elsewhere.
-
-    AutoTokenizer picks the class from the model's config (AutoConfig, then the model type's tables); in
-    transformers 5 that chain imports torch, torch._dynamo and torch.distributed.tensor when torch is installed:
-    1.5-2.3 s more than this direct load on a 2-core VM (5.23: 3.4 vs 1.05 s, torch never imported; 5.17: 3.8 vs
-    2.3 s, its tokenizer module imports torch itself), and slower still while holding the GIL against the weight
-    load and warm-up on the main thread: there, with a 128256-token vocabulary, the server and LLM() waited
-    1.8-3.5 s for the tokenizer after warm-up (5.23, CPU), and none with this load.
-    """
-    try:
-        with open(os.path.join(path, "tokenizer_config.json")) as f:
-            tok_cfg = json.load(f)
-        with open(os.path.join(path, "config.json")) as f:
-            model_cfg = json.load(f)
-    except (OSError, ValueError):  # a Hub id, a folder without these files, or broken JSON: AutoTokenizer decides
-        return None
-    if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict)
-            and tok_cfg.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
-            and model_cfg.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
-            and "auto_map" not in tok_cfg and "auto_map" not in model_cfg
-            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
-        return None
-    import transformers
-
-    if int(transformers.__version__.split(".")[0]) < 5:  # the class choice above is transformers 5's
-        return None
-    return transformers.PreTrainedTokenizerFast.from_pretrained(path)
 
 
 def _executable_cache_dir(args: EngineArgs) -> str | None:
@@ -411,10 +370,21 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
     return max(free // per_block, 2)  # per_block is per device, like free
 
 
-def _generation_config(mode: str, path: str, tokenizer) -> tuple[set[int], dict]:
+def _generation_config(mode: str, path: str, tokenizer, overrides: dict | None = None) -> tuple[set[int], dict]:
+    """EOS ids and default sampling parameters. overrides (vLLM's override_generation_config): merged over the
+    file's values with mode "auto" or a path, the only ones with "vllm"."""
     eos: set[int] = set()
     if tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
+    eos, defaults = _generation_config_file(mode, path, eos)
+    if overrides:
+        defaults = {**defaults, **({"max_tokens": overrides["max_new_tokens"]} if "max_new_tokens" in overrides
+                                   else {}), **{k: v for k, v in overrides.items() if k != "max_new_tokens"}}
+        logger.info("Default sampling parameters with override_generation_config: %s", defaults)
+    return eos, defaults
+
+
+def _generation_config_file(mode: str, path: str, eos: set[int]) -> tuple[set[int], dict]:
     defaults: dict = {}
     if mode == "vllm":
         return eos, defaults

@@ -163,6 +163,9 @@ def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapt
             if i >= model.num_layers:
                 raise _mismatch(cfg, path, f"it adapts layer {i}, but the model has {model.num_layers} layers")
             ours, part = _LAYER_MODULES[peft_name]
+            if ours in ("gate_up", "down") and model.layer_kind(i).moe:
+                raise ValueError(f"target_modules: {module_name} in {path}: layer {i} of this model is a mixture of "
+                                 "experts, whose MLP takes no LoRA adapter in jaxllm (attention modules can).")
             b_key = ("layers", i, ours)
             builders.setdefault(b_key, _Builder(ours, model)).add(part, a, b * scale, module_name, cfg, path)
         else:

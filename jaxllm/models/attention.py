@@ -55,14 +55,20 @@ class AttentionConfig:
     backend: str = "reference"  # reference | pallas
     interpret: bool = False  # pallas interpret mode (CPU tests of the kernels through the model)
     mesh: jax.sharding.Mesh | None = None  # ("pp", "tp") mesh of the arrays; tp > 1 -> shard_map over "tp"
+    # The KV values' dtype where the pages hold its bit patterns as uint8 (fp8 on CPU, runner.kv_storage_dtype);
+    # None: the pages' own dtype. Reference backend only.
+    kv_dtype: str | None = None
 
 
 def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_freq=None, alibi_slopes=None,
-                    sliding_window=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig(), dtype=None):
+                    sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig(),
+                    dtype=None):
     """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
     [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
     the same kernel that writes k and v on GPU. qkv may be the projection's split-K partials [S, T, K, G + 2,
-    H] (float32, one tp shard only), summed and rounded to dtype first (in that kernel on GPU)."""
+    H] (float32, one tp shard only), summed and rounded to dtype first (in that kernel on GPU). sliding_window
+    (keys within that many positions of the query) and soft_cap (Gemma 2: scores -> cap * tanh(scores / cap))
+    are static, per layer."""
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         if qkv.ndim != 4:
@@ -71,7 +77,7 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
 
         heads = P(None, "tp", None)
         pages = P("tp", None, None, None)
-        local = functools.partial(_paged_attention, scale=scale, sliding_window=sliding_window,
+        local = functools.partial(_paged_attention, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
                                   k_scale=k_scale, v_scale=v_scale, config=config)
         slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
         # check_vma=False: the Pallas kernels do not declare how their outputs vary over mesh axes.
@@ -82,15 +88,18 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
             out_specs=(heads, (pages, pages)),
         )(qkv, kv_cache, meta, rope_inv_freq, slopes)
     return _paged_attention(qkv, kv_cache, meta, rope_inv_freq, alibi_slopes, scale=scale,
-                            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale, config=config,
-                            dtype=dtype)
+                            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
+                            config=config, dtype=dtype)
 
 
 def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
-                     config, dtype=None):
+                     config, soft_cap=None, dtype=None):
     k_pages, v_pages = kv_cache
+    if config.kv_dtype is not None and config.backend != "reference":
+        raise ValueError(f"KV pages stored as bit patterns of {config.kv_dtype} are read by the reference backend "
+                         "only.")
     kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-                  sliding_window=sliding_window)
+                  sliding_window=sliding_window, soft_cap=soft_cap)
     if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
         import kernels_pallas
 
@@ -109,12 +118,13 @@ def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, slid
     elif config.backend == "reference":
         q, k_pages, v_pages = reference.qkv_write_kv(qkv, meta.positions, inv_freq, k_pages, v_pages,
                                                      meta.slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                                                     dtype=dtype)
+                                                     dtype=dtype, kv_dtype=config.kv_dtype)
         K, _, S, H = k_pages.shape
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(
             q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
-            pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)), **kwargs)
+            pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)),
+            kv_dtype=config.kv_dtype, **kwargs)
     else:
         raise ValueError(f"attention backend={config.backend!r} is not one of 'reference', 'pallas'.")
     return out, (k_pages, v_pages)

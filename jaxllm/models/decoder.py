@@ -1,13 +1,17 @@
-"""The decoder shared by every supported architecture (Llama 2/3/3.1, Mistral, Qwen2/2.5, Baichuan):
-pre-norm blocks of attention over the paged KV cache and a SwiGLU MLP. Architecture differences are
-ModelConfig fields (biases, RoPE vs ALiBi, sliding window, tied embeddings), not subclasses.
+"""The decoder shared by every supported architecture (Llama 2/3/3.1/3.2, Mistral, Mixtral, Qwen2/2.5, Qwen3,
+Qwen2-MoE, Qwen3-MoE, Gemma 2, Gemma 3, Baichuan): pre-norm blocks of attention over the paged KV cache and a
+gated MLP (or mixture of experts, jaxllm/models/moe.py). Architecture differences are ModelConfig fields
+(biases, RoPE vs ALiBi, q/k norms, Gemma's norms and soft-capping, tied embeddings), not subclasses; what
+differs between the layers of one model (sliding window or global attention, its RoPE, MoE or dense MLP) is
+the layer's LayerKind, a static argument of its trace.
 
     forward(params, kv_caches, token_ids, meta, cfg) -> (kv_caches, hidden [T, D])
     compute_logits(params, hidden [B, D], cfg) -> [B, V] float32
 
-With LoRA (jaxllm/lora/), forward takes the step's LoRAInputs and adds each token's adapter term beside every
-projection (dense or quantized) and the embedding lookup; compute_logits takes the slot weights of its rows for the
-lm_head term.
+With LoRA (jaxllm/lora/), forward takes the step's LoRAInputs and adds each token's adapter term to the output of
+every adapted projection (dense or quantized; before the norms, activations and soft-capping that follow it, as
+PEFT's wrapped modules do) and of the embedding lookup (before Gemma's scaling); compute_logits takes the slot
+weights of its rows for the lm_head term. MoE layers' experts take no adapter (jaxllm/lora/peft.py refuses them).
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxllm.config import ModelConfig
+from jaxllm.config import LayerKind, ModelConfig
 from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
-from jaxllm.models.quant import QuantizedWeight, qmatmul
+from jaxllm.models.moe import moe_mlp
+from jaxllm.models.quant import QuantizedWeight
+from jaxllm.models.quant_matmul import qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -31,9 +37,37 @@ def rms_norm(x, weight, eps):
     return weight * x32.astype(x.dtype)
 
 
-def _proj(x, w, b, eq):
+def gemma_rms_norm(x, weight, eps):
+    # Gemma: normalise and scale by (1 + w) in float32, rounded once (HF's Gemma2RMSNorm / Gemma3RMSNorm).
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _norm(x, weight, cfg: ModelConfig):
+    return (gemma_rms_norm if cfg.norm_plus_one else rms_norm)(x, weight, cfg.rms_norm_eps)
+
+
+def _qk_norm(qkv, lp, cfg: ModelConfig):
+    """Qwen3 / Gemma 3: RMSNorm over each q and k head of the fused projection [T, K, G + 2, H]; v as is."""
+    G = qkv.shape[2] - 2
+    q = _norm(qkv[:, :, :G], lp["q_norm"], cfg)
+    k = _norm(qkv[:, :, G : G + 1], lp["k_norm"], cfg)
+    return jnp.concatenate([q, k, qkv[:, :, G + 1 :]], axis=2)
+
+
+def activation(x, name: str):
+    if name == "silu":
+        return jax.nn.silu(x)
+    # GELU's tanh approximation in float32, rounded once (torch computes it so for 16-bit inputs too).
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
-        y = qmatmul(x.reshape(x.shape[0], -1), w)
+        # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
+        y = qmatmul(x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret,
+                    mesh=attn.mesh)
     else:
         y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -52,9 +86,9 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     QKV_SPLIT_MAX_TOKENS on the Pallas backend the decoder makes the partials itself (one batched GEMM) and
     the qkv/RoPE/write kernel sums them, which saves that launch. Not with a qkv bias (added after the sum)
     or tp > 1 (the partials would cross shard_map's specs)."""
-    if (attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp
+    if (attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp or "q_norm" in lp
             or isinstance(lp["w_qkv"], QuantizedWeight)):
-        return 0
+        return 0  # a bias or q/k norms apply to the summed projection; quantized weights are not split
     if attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1:
         return 0
     return math.gcd(QKV_SPLITS, cfg.hidden_size)
@@ -67,50 +101,79 @@ def _split_k_qkv(h, w, splits):
     return jnp.einsum("TSd,SdKGH->STKGH", hs, ws, preferred_element_type=jnp.float32)
 
 
+def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None):
+    """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None."""
+    ll = ll or {}
+    gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
+    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
+    a = activation(gate_up[:, 0], act) * gate_up[:, 1]
+    return lora_ops.add(_proj(a, w_down, b_down, "TF,FD->TD", attn), "down", a, ll.get("down"), lw)
+
+
+def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
+    out = moe_mlp(lp, h, cfg, attn.mesh)
+    if "w_shared_gate_up" in lp:  # Qwen2-MoE: a shared expert every token runs, gated by sigmoid(h . w)
+        shared = mlp(h, lp["w_shared_gate_up"], lp["w_shared_down"], cfg.hidden_act, attn)
+        gate = jax.nn.sigmoid(_proj(h, lp["w_shared_expert_gate"], None, "TD,D->T", attn))
+        out = out + gate[:, None] * shared
+    return out
+
+
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig,
-                  ll=None, lw=None):
+                  kind: LayerKind, ll=None, lw=None):
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
+    h = _norm(x, lp["attn_norm"], cfg)
     splits = qkv_splits(h.shape[0], lp, cfg, attn)
     if splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:
-        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH")  # per kv head: G q heads, then k, v
+        qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)  # per kv head: G q heads, then k, v
         qkv = lora_ops.add(qkv, "qkv", h, ll.get("qkv"), lw)
+    if "q_norm" in lp:
+        qkv = _qk_norm(qkv, lp, cfg)
     inv_freq = slopes = None
     if cfg.position_embedding == "rope":
-        inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
+        inv_freq = jnp.asarray(kind.rope.inv_freq(cfg.head_dim), jnp.float32)
     else:
         slopes = jnp.asarray(alibi_slopes(cfg.num_heads))
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
-        qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, alibi_slopes=slopes,
-        sliding_window=cfg.sliding_window, config=attn, dtype=x.dtype)
-    x = x + lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD"), "o", out, ll.get("o"), lw)
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF")  # C = 2: gate, up
-    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
-    act = jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-    x = x + lora_ops.add(_proj(act, lp["w_down"], lp.get("b_down"), "TF,FD->TD"), "down", act, ll.get("down"), lw)
-    return x, kv_cache
+        qkv, kv_cache, meta, scale=cfg.attn_scale, rope_inv_freq=inv_freq, alibi_slopes=slopes,
+        sliding_window=kind.sliding_window, soft_cap=cfg.attn_softcap, config=attn, dtype=x.dtype)
+    out = lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn), "o", out, ll.get("o"), lw)
+    if "post_attn_norm" in lp:  # Gemma 2/3
+        out = _norm(out, lp["post_attn_norm"], cfg)
+    x = x + out
+    h = _norm(x, lp["mlp_norm"], cfg)
+    if kind.moe:
+        out = _moe(lp, h, cfg, attn)
+    else:
+        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"),
+                  ll, lw)
+    if "post_mlp_norm" in lp:
+        out = _norm(out, lp["post_mlp_norm"], cfg)
+    return x + out, kv_cache
 
 
-@functools.lru_cache(maxsize=None)
+_ATTENTION = AttentionConfig()  # forward's default: the reference backend, one device
+
+
+@functools.cache
 def _traced_once(layer_fn):
     """layer_fn as a nested jit: every layer of a step has the same input shapes, so the first call's trace
-    serves the others. Tracing the unrolled 32-layer loop of 17 step variants took 28-34 s of Python in an
-    H100 cold start (17-19 s now; the compiles alongside it still bound that start at ~40 s) and most of a
+    serves the others of its LayerKind (Gemma's sliding and global layers: two traces). Tracing the unrolled
+    32-layer loop of 17 step variants took 28-34 s of Python in an H100 cold start (17-19 s now; the compiles alongside it still bound that start at ~40 s) and most of a
     2-core VM's (a 32-layer tiny model's cold LLM(): 42.5-49.4 -> 41.9 s, tracing 11-12 -> 1.9 s,
     bench/results/cpu_vm_startup_layer_jit.json). XLA inlines the calls (the same operations), but the compiled
     step is not bit-identical to the unrolled one's: that model's float32 logprobs moved by ~1e-3 and its
     greedy tokens after the 5th (random weights; the HF parity tests hold as before)."""
-    return jax.jit(layer_fn, static_argnums=(4, 5))
+    return jax.jit(layer_fn, static_argnums=(4, 5, 6))
 
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
-            attn: AttentionConfig = AttentionConfig(), layers: range | None = None, hidden=None,
+            attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None,
             lora: lora_ops.LoRAInputs | None = None):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
     layer range and the previous stage's hidden states; the first stage embeds token_ids. lora: the step's
@@ -121,21 +184,25 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
         x = params["embed"][token_ids]
         if lora is not None:
             x = lora_ops.add(x, "embed", token_ids, lora.weights["embed"], lw)
+        if cfg.scale_embeddings:  # Gemma: times sqrt(D), rounded to the model dtype as HF does
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     else:
         x = hidden
     kv_caches = list(kv_caches)
     layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
     for i in layers:
         ll = None if lora is None else lora.weights["layers"][i]
-        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, ll, lw)
+        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i), ll, lw)
     return kv_caches, x
 
 
 def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
     """lora_head: the lm_head LoRA slot arrays (A, B) and row_slots [B] each row's slot (-1: none), or None."""
-    x = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    x = _norm(hidden, params["final_norm"], cfg)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
     if lora_head is not None:
         logits = logits + lora_ops.delta("lm_head", x, *lora_head, lora_ops.select(row_slots, lora_head[0].shape[0]))
+    if cfg.final_softcap is not None:  # Gemma 2
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits

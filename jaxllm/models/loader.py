@@ -14,7 +14,7 @@ import glob
 import json
 import os
 import re
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import ml_dtypes
@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
-from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp
+from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding
 
 # A directory holding this file is a jaxllm (Orbax) checkpoint written by `python -m jaxllm.convert`.
 MANIFEST = "jaxllm_manifest.json"
@@ -67,6 +67,21 @@ def _identity(x, cfg):
     return x
 
 
+def _stack_experts_gate_up(*args):  # (E gate then E up Linear weights [F, D], cfg) -> [E, D, 2, F]
+    *xs, cfg = args
+    E = cfg.moe.num_experts
+    return np.stack([np.stack(xs[:E]), np.stack(xs[E:])], axis=1).transpose(0, 3, 1, 2)
+
+
+def _stack_experts_down(*args):  # (E down Linear weights [D, F], cfg) -> [E, F, D]
+    *xs, _ = args
+    return np.stack(xs).transpose(0, 2, 1)
+
+
+def _flatten(x, cfg):  # Qwen2-MoE's shared_expert_gate Linear [1, D] -> [D]
+    return x.reshape(-1)
+
+
 def _normalized_rows(x, cfg):  # Baichuan2 NormHead: unit-norm rows of lm_head
     x32 = x.astype(np.float32)
     return x32 / np.maximum(np.linalg.norm(x32, axis=-1, keepdims=True), 1e-7)
@@ -88,6 +103,36 @@ LAYER_TABLE: dict[str, tuple[str | tuple[str, ...], Callable]] = {
     "b_down": ("mlp.down_proj.bias", _identity),
 }
 FUSED_QKV_TABLE = {"w_qkv": ("self_attn.W_pack.weight", _w_pack)}
+QK_NORM_TABLE = {"q_norm": ("self_attn.q_norm.weight", _identity), "k_norm": ("self_attn.k_norm.weight", _identity)}
+# Gemma 2/3: post_attention_layernorm norms the attention's output; the MLP's input norm is pre_feedforward.
+GEMMA_TABLE = {
+    "post_attn_norm": ("post_attention_layernorm.weight", _identity),
+    "mlp_norm": ("pre_feedforward_layernorm.weight", _identity),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", _identity),
+}
+
+
+def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
+    """A MoE layer's weights: Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate / up / down), Qwen's
+    mlp.experts.{e}.gate_proj / up_proj / down_proj and mlp.shared_expert(_gate); each expert separate, as
+    the checkpoints on the Hub store them (transformers 5 writes them so too)."""
+    E = range(cfg.moe.num_experts)
+    if cfg.architecture == "mixtral":
+        p, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
+    else:
+        p, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    table = {
+        "router": ((f"{p}gate.weight",), _transpose),
+        "w_experts_gate_up": (tuple(f"{p}experts.{e}.{n}.weight" for n in (gate, up) for e in E),
+                              _stack_experts_gate_up),
+        "w_experts_down": (tuple(f"{p}experts.{e}.{down}.weight" for e in E), _stack_experts_down),
+    }
+    if cfg.moe.shared_intermediate_size:
+        table["w_shared_gate_up"] = ((f"{p}shared_expert.gate_proj.weight", f"{p}shared_expert.up_proj.weight"),
+                                     _fuse_gate_up)
+        table["w_shared_down"] = ((f"{p}shared_expert.down_proj.weight",), _transpose)
+        table["w_shared_expert_gate"] = ((f"{p}shared_expert_gate.weight",), _flatten)
+    return table
 TOP_TABLE: dict[str, tuple[str, Callable]] = {
     "embed": ("model.embed_tokens.weight", _identity),
     "final_norm": ("model.norm.weight", _identity),
@@ -97,7 +142,11 @@ TOP_TABLE: dict[str, tuple[str, Callable]] = {
 
 def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], Callable]]:
     """(our path as a tuple of keys) -> (HF tensor names, hook), for every weight of cfg's params."""
-    layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}))
+    layer_table = dict(LAYER_TABLE, **(FUSED_QKV_TABLE if cfg.fused_qkv else {}), **QK_NORM_TABLE)
+    if cfg.sandwich_norm:
+        layer_table.update(GEMMA_TABLE)
+    if cfg.moe is not None:
+        layer_table.update(moe_table(cfg))
     specs = param_specs(cfg)
     table = {}
     for name in specs:
@@ -294,9 +343,9 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
         key = _path_key(path)
         if quant is not None and quant.owns(key):
             x = quant.get(key)
-            if tuple(x.shape) != spec.shape:
+            if tuple(x.shape) != spec.checkpoint_shape:
                 raise ValueError(f"{'/'.join(map(str, key))}: the quantized tensors give shape {tuple(x.shape)}; "
-                                 f"expected {spec.shape}.")
+                                 f"expected {spec.checkpoint_shape}.")
             yield key, x
             continue
         hf_names, hook = table[key]
@@ -306,7 +355,7 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
                     f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
         raw = [reader.get(n) for n in hf_names]
         got = ("Tensors " if len(raw) > 1 else "Tensor ") + ", ".join(
-            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw))
+            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw, strict=True))
         try:
             x = hook(*raw, cfg)
         except ValueError as e:
@@ -384,6 +433,12 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
 
 
+def _is_int(dtype) -> bool:
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(jnp.dtype(str(dtype)), jnp.integer))
+
+
 def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
     whose kv heads are repeated (tp > K) are restored one checkpoint kv head per device, then expanded there."""
@@ -406,26 +461,36 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
 
     def target(spec, sh):
         dt = spec.dtype or dtype
-        if spec.kv_repeat == 1:
+        if spec.kv_repeat == 1 and spec.relayout is None:
             return jax.ShapeDtypeStruct(spec.shape, dt, sharding=sh)
+        if spec.kv_repeat == 1:  # a quantized leaf: its checkpoint layout, laid out for the kernels in finish
+            return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt,
+                                        sharding=named_sharding(sh.mesh, spec.checkpoint_axes))
         # tp > K: tp shard t = k * r + j reads checkpoint kv head k whole, then keeps its copy j (finish).
-        K, r = spec.checkpoint_shape[spec.axes.index("kv_heads")], spec.kv_repeat
+        ckpt_axes = spec.checkpoint_axes
+        K, r = spec.checkpoint_shape[ckpt_axes.index("kv_heads")], spec.kv_repeat
         mesh = Mesh(sh.mesh.devices.reshape(K, r), ("kv", "copy"))
-        axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in spec.axes))
+        axes = PartitionSpec(*("kv" if a == "kv_heads" else None for a in ckpt_axes))
         return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt, sharding=NamedSharding(mesh, axes))
 
     abstract = jax.tree.map(target, specs, shardings, is_leaf=is_spec)
-    for path, a in jax.tree_util.tree_flatten_with_path(abstract)[0]:
+    flat_specs = jax.tree.leaves(specs, is_leaf=is_spec)
+    for (path, a), spec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], flat_specs, strict=True):
         name = "/".join(map(str, _path_key(path)))
         if name in saved and tuple(saved[name]["shape"]) != a.shape:
             raise ValueError(f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
                              f"the config expects {a.shape}.")
+        # quantized leaves of an older layout: act-order g_idx (now perm), integer zeros (now the scales' dtype)
+        stored = saved.get(name, {}).get("dtype")
+        if stored is None or spec.relayout is not None and _is_int(stored) != _is_int(a.dtype):
+            raise ValueError(f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
+                             f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR.")
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
     def finish(spec, sh, x):
         if spec.kv_repeat == 1:
-            return x
+            return x if spec.relayout is None else jax.jit(spec.expand, out_shardings=sh)(x)
         i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
         local = [jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
                  for s in x.addressable_shards]  # on each device, from its own data: no communication

@@ -19,20 +19,31 @@ class ParamSpec:
     init: str = "normal"  # normal | ones | zeros (quantized weights' leaves: see models/quant.py dummy_values)
     kv_repeat: int = 1  # > 1: tp > K, each checkpoint kv head is stored as kv_repeat heads (see expand)
     dtype: str | None = None  # None: the model's dtype (quantized weights' packed values, scales, zeros set it)
+    # Quantized leaves: the checkpoint layout's shape and axes, and the function to the device layout (quant.py)
+    relayout: object = None
 
     @property
     def checkpoint_shape(self) -> tuple[int, ...]:
         """The shape in checkpoints (HF, Orbax): before kv heads are repeated, [.., K, G + 2, ..]."""
+        if self.relayout is not None:
+            return self.relayout.checkpoint_shape
         if self.kv_repeat == 1:
             return self.shape
         i, r = self.axes.index("kv_heads"), self.kv_repeat
         K, G = self.shape[i] // r, (self.shape[i + 1] - 2) * r
         return self.shape[:i] + (K, G + 2) + self.shape[i + 2 :]
 
+    @property
+    def checkpoint_axes(self) -> tuple[str | None, ...]:
+        return self.axes if self.relayout is None else self.relayout.checkpoint_axes
+
     def expand(self, x):
         """Checkpoint layout [.., K, G + 2, ..] -> stored layout [.., K * r, G / r + 2, ..] (numpy or jax
         array): copy j of kv head k takes the j-th of r slices of k's q heads and k's k and v, so q head n
-        sits in stored kv head n // (G / r), the tp shard that also holds its o columns."""
+        sits in stored kv head n // (G / r), the tp shard that also holds its o columns. A quantized leaf is
+        laid out for the kernels first (relayout)."""
+        if self.relayout is not None:
+            x = self.relayout(x)
         if self.kv_repeat == 1:
             return x
         import numpy as np
@@ -67,14 +78,21 @@ def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
     )
     r = K // cfg.num_kv_heads
     G = N // K
+    norm = "zeros" if cfg.norm_plus_one else "ones"  # Gemma's norms scale by (1 + w)
     layer = {
-        "attn_norm": ParamSpec((D,), ("embed",), "ones"),
+        "attn_norm": ParamSpec((D,), ("embed",), norm),
         "w_qkv": ParamSpec((D, K, G + 2, H), ("embed", "kv_heads", "qkv", "head_dim"), kv_repeat=r),
         "wo": ParamSpec((N, H, D), ("heads", "head_dim", "embed")),
-        "mlp_norm": ParamSpec((D,), ("embed",), "ones"),
+        "mlp_norm": ParamSpec((D,), ("embed",), norm),
         "w_gate_up": ParamSpec((D, 2, F), ("embed", None, "ffn")),
         "w_down": ParamSpec((F, D), ("ffn", "embed")),
     }
+    if cfg.qk_norm:  # one weight per head dim, shared by all q (k) heads
+        layer["q_norm"] = ParamSpec((H,), ("head_dim",), norm)
+        layer["k_norm"] = ParamSpec((H,), ("head_dim",), norm)
+    if cfg.sandwich_norm:
+        layer["post_attn_norm"] = ParamSpec((D,), ("embed",), norm)
+        layer["post_mlp_norm"] = ParamSpec((D,), ("embed",), norm)
     if cfg.qkv_bias:
         layer["b_qkv"] = ParamSpec((K, G + 2, H), ("kv_heads", "qkv", "head_dim"), "zeros", r)
     if cfg.o_bias:
@@ -82,10 +100,16 @@ def param_specs(cfg: ModelConfig, tp: int = 1) -> dict:
     if cfg.mlp_bias:
         layer["b_gate_up"] = ParamSpec((2, F), (None, "ffn"), "zeros")
         layer["b_down"] = ParamSpec((D,), ("embed",), "zeros")
+    moe = {}
+    if cfg.moe is not None:  # MoE layers: experts (and a shared expert) in place of the dense MLP
+        from jaxllm.models.moe import moe_param_specs
+
+        moe = moe_param_specs(cfg)
+    dense = {k: v for k, v in layer.items() if k not in ("w_gate_up", "w_down", "b_gate_up", "b_down")}
     specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
-        "layers": [dict(layer) for _ in range(cfg.num_layers)],
-        "final_norm": ParamSpec((D,), ("embed",), "ones"),
+        "layers": [dense | moe if cfg.layer_kind(i).moe else dict(layer) for i in range(cfg.num_layers)],
+        "final_norm": ParamSpec((D,), ("embed",), norm),
     }
     if not cfg.tie_word_embeddings:
         specs["lm_head"] = ParamSpec((V, D), ("vocab", "embed"))
@@ -135,7 +159,7 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
     cache = {}
-    for spec, sharding, key in zip(leaves, sh_leaves, keys):
+    for spec, sharding, key in zip(leaves, sh_leaves, keys, strict=True):
         sig = (spec, sharding)
         if sig not in cache:
             cache[sig] = jax.jit(_init_fn(spec, dtype, std), out_shardings=sharding)

@@ -29,6 +29,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxllm.models.quant import FP8_MAX, QUANT_LINEARS, hf_modules, pack_int, quantized_keys
+from kernels_pallas.qlayout import act_order_perm
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -164,7 +165,7 @@ class QuantLoader:
             if q.activations == "static":
                 out["act_scale"] = np.asarray(max(p["act_scale"] for p in parts), np.float32)
             return out
-        out["packed"] = pack_int(fuse("q"), q.bits)
+        values = fuse("q")
         if not q.symmetric:
             out["zeros"] = fuse("zeros").astype(np.uint8)
         if q.act_order:
@@ -172,7 +173,8 @@ class QuantLoader:
             if any(not np.array_equal(g[0], x) for x in g[1:]):
                 raise ValueError(f"{', '.join(modules)} have different g_idx; jaxllm fuses them into one weight and "
                                  "needs one act-order permutation for them.")
-            out["g_idx"] = g[0].astype(np.int32)
+            values, out["perm"] = _sort_by_group(values, g[0], q.group_size, modules)
+        out["packed"] = pack_int(values, q.bits)
         return out
 
     def _read_linear(self, module: str) -> dict:
@@ -219,6 +221,16 @@ class QuantLoader:
             return out
         # compressed-tensors int-quantized (INT8 W8A8): signed int8, zero 0 -> unsigned with zero 128
         return {"q": get("weight").astype(np.int32).T + half, "scales": get("weight_scale").astype(np.float32).T}
+
+
+def _sort_by_group(values: np.ndarray, g_idx: np.ndarray, group_size: int, modules) -> tuple[np.ndarray, np.ndarray]:
+    """Act-order rows sorted by their group once (quant.py: stored row i is checkpoint row perm[i])."""
+    try:
+        perm = act_order_perm(g_idx, group_size)
+    except ValueError as e:
+        raise ValueError(f"{', '.join(modules)}: {e}.") from None
+    perm = np.arange(len(g_idx), dtype=np.int32) if perm is None else perm
+    return values[perm], perm
 
 
 def _transpose(x, cfg):

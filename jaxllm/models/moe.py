@@ -1,0 +1,149 @@
+"""The mixture-of-experts MLP of Mixtral, Qwen2-MoE and Qwen3-MoE: routing, the experts' grouped matmuls, and
+how they split over the tensor-parallel axis with or without expert parallelism.
+
+    moe_mlp(lp, h [T, D], cfg, mesh) -> [T, D]   the routed experts' sum (the shared expert is the decoder's)
+
+Routing (as HF and vLLM): router logits [T, E] in the model dtype, softmax over all experts in float32, the
+top_k of them per token; Mixtral, and Qwen with norm_topk_prob, rescale those k weights to sum to 1.
+
+Compute: the T * k (token, expert) pairs are sorted by expert, their tokens' rows gathered [T * k, D], and each
+expert's rows multiplied by that expert's weights by jax.lax.ragged_dot, one grouped GEMM over all experts with
+the group sizes from the routing: no capacity, no dropped tokens, no padding per expert. The rows go back to
+their tokens by the inverse permutation and are summed with the routing weights (float32). expert_mlp_dense is
+the reference: every token through every expert (an einsum over E), weighted 0 where not routed. Steps with at
+most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
+batched matrix-vector products (expert_mlp_gathered): they then read only the chosen experts' weights whatever
+ragged_dot's lowering does with the idle ones; off (0) until bench/moe_matmul.py's GPU figures say where it pays.
+
+On NVIDIA GPUs XLA lowers ragged_dot by its RaggedDotRewriter, unless XLA_FLAGS has
+--xla_gpu_experimental_use_ragged_dot_fusion=true (a cuDNN grouped GEMM, Ampere / Hopper, 16-bit): the rewriter
+masks the rows into one [E, rows, D] operand and runs one dense dot contracting over E and D, E times the grouped
+FLOPs. That is correct but not a grouped GEMM; bench/moe_matmul.py measures it against the cuDNN fusion, JAX's
+Mosaic GPU ragged_dot kernel and plain GEMMs of the same FLOPs (GPU figures pending).
+
+Tensor parallelism (a mesh with tp > 1) runs the experts inside shard_map over "tp". Attention is tensor
+parallel, so every tp rank holds every token of the step; routing is recomputed on each rank (a [T, D] x
+[D, E] product) and nothing has to be dispatched:
+  - default: each rank holds every expert's ffn slice F / tp (the dense MLP's Megatron split); the partial
+    [T, D] outputs are summed by one psum, the same all-reduce as the dense MLP's down projection.
+  - expert parallel (enable_expert_parallel): each rank holds E / tp whole experts and runs only the pairs
+    routed to them (the others sort past its groups and give zeros); the same one psum combines the ranks.
+    That is the all-gather dispatch with nothing to gather, since the tokens are already replicated. An
+    all-to-all dispatch pays off only when ranks hold different tokens (data-parallel attention, which jaxllm
+    does not have): here it would send T * k rows out and back where the psum moves T rows once.
+  Expert parallelism keeps every expert's GEMMs whole (full ffn width per expert), which suits many small
+  experts (Qwen3-30B-A3B: 128 experts of width 768, 96 columns each at tp 8 without it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxllm.config import ModelConfig, MoeConfig
+from jaxllm.models.params import ParamSpec
+
+# Steps of at most this many (token, expert) pairs use expert_mlp_gathered (0: never; see the module docstring).
+GATHERED_MAX_PAIRS = 0
+
+
+def moe_param_specs(cfg: ModelConfig) -> dict:
+    """A MoE layer's weights in place of w_gate_up / w_down: the router [D, E], the experts' fused gate/up
+    [E, D, 2, F] and down [E, F, D], and Qwen2-MoE's shared expert (a dense MLP with a sigmoid gate [D])."""
+    m, D = cfg.moe, cfg.hidden_size
+    E, F = m.num_experts, m.intermediate_size
+    e_axis, f_axis = ("experts", None) if cfg.expert_parallel else (None, "ffn")
+    specs = {
+        "router": ParamSpec((D, E), ("embed", None)),
+        "w_experts_gate_up": ParamSpec((E, D, 2, F), (e_axis, "embed", None, f_axis)),
+        "w_experts_down": ParamSpec((E, F, D), (e_axis, f_axis, "embed")),
+    }
+    if m.shared_intermediate_size:
+        Fs = m.shared_intermediate_size
+        specs["w_shared_gate_up"] = ParamSpec((D, 2, Fs), ("embed", None, "ffn"))
+        specs["w_shared_down"] = ParamSpec((Fs, D), ("ffn", "embed"))
+        specs["w_shared_expert_gate"] = ParamSpec((D,), ("embed",))
+    return specs
+
+
+def route(h, router, m: MoeConfig):
+    """h [T, D], router [D, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
+    logits = jnp.einsum("TD,DE->TE", h, router).astype(jnp.float32)  # HF rounds them to the model dtype first
+    weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), m.top_k)
+    if m.norm_topk_prob:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    return weights, ids.astype(jnp.int32)
+
+
+def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    """The routed pairs of experts first_expert .. first_expert + E' - 1 (w_gate_up [E', D, 2, F'], w_down
+    [E', F', D]: all experts, or one rank's), summed per token with their weights: [T, D] float32. Pairs of
+    other experts contribute nothing. One ragged_dot per projection over the pairs sorted by expert."""
+    T, k = ids.shape
+    E, D = w_gate_up.shape[:2]
+    local = ids.reshape(-1) - first_expert
+    local = jnp.where((local >= 0) & (local < E), local, E)  # E: not ours, sorted after every group
+    order = jnp.argsort(local, stable=True)  # [T * k] pair indices (t * k + slot) by expert
+    sizes = jnp.bincount(local, length=E).astype(jnp.int32)  # pairs per expert; E (not ours) is not counted
+    rows = h[order // k]  # [T * k, D]: each pair's token
+    gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(E, D, -1), sizes)  # [T * k, 2 F']: gate | up
+    gate, up = jnp.split(gate_up, 2, axis=-1)
+    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)  # [T * k, D]
+    # Rows past the groups (other ranks' experts) are not computed; ragged_dot leaves them unspecified.
+    out = jnp.where((local[order] < E)[:, None], out.astype(jnp.float32), 0.0)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
+    return jnp.einsum("TKD,TK->TD", out[inverse].reshape(T, k, D), weights)
+
+
+def expert_mlp_gathered(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    """expert_mlp as batched matrix-vector products over each pair's gathered expert weights ([T * k] copies of
+    [D, 2, F'] and [F', D]): reads only the chosen experts, for steps with few pairs."""
+    T, k = ids.shape
+    E = w_gate_up.shape[0]
+    local = ids.reshape(-1) - first_expert
+    mine = (local >= 0) & (local < E)
+    local = jnp.clip(local, 0, E - 1)
+    rows = jnp.repeat(h, k, axis=0)  # [T * k, D], pair p = t * k + slot
+    gate_up = jnp.einsum("PD,PDCF->PCF", rows, w_gate_up[local])
+    out = jnp.einsum("PF,PFD->PD", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down[local])
+    out = jnp.where(mine[:, None], out.astype(jnp.float32), 0.0)
+    return jnp.einsum("TKD,TK->TD", out.reshape(T, k, -1), weights)
+
+
+def expert_mlp_dense(h, weights, ids, w_gate_up, w_down):
+    """Reference of expert_mlp (all experts): every token through every expert, weighted by its routing weight
+    (0 for the experts it was not routed to). E / k times expert_mlp's FLOPs."""
+    T, E = h.shape[0], w_gate_up.shape[0]
+    dense = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], ids].add(weights)
+    gate_up = jnp.einsum("TD,EDCF->TECF", h, w_gate_up)
+    out = jnp.einsum("TEF,EFD->TED", jax.nn.silu(gate_up[:, :, 0]) * gate_up[:, :, 1], w_down)
+    return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), dense)
+
+
+def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    few = ids.size <= GATHERED_MAX_PAIRS  # static: the step's token count
+    return (expert_mlp_gathered if few else expert_mlp)(h, weights, ids, w_gate_up, w_down, first_expert)
+
+
+def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
+    """The routed experts' output [T, D] (h.dtype) of one MoE layer (lp: its weights, moe_param_specs)."""
+    m = cfg.moe
+    tp = 1 if mesh is None else int(mesh.shape.get("tp", 1))
+    args = (h, lp["router"], lp["w_experts_gate_up"], lp["w_experts_down"])
+    if tp == 1:
+        weights, ids = route(h, lp["router"], m)
+        return _experts(h, weights, ids, *args[2:]).astype(h.dtype)
+    from jax.sharding import PartitionSpec as P
+
+    def local(h, router, w_gate_up, w_down):
+        weights, ids = route(h, router, m)
+        first = jax.lax.axis_index("tp") * w_gate_up.shape[0] if cfg.expert_parallel else 0
+        # Summed in the model dtype, as the dense MLP's all-reduce is.
+        return jax.lax.psum(_experts(h, weights, ids, w_gate_up, w_down, first).astype(h.dtype), "tp")
+
+    if cfg.expert_parallel:
+        specs = (P("tp", None, None, None), P("tp", None, None))
+    else:
+        specs = (P(None, None, None, "tp"), P(None, "tp", None))
+    # check_vma=False: the psum makes the output the same on every rank, which out_specs P() states.
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *specs), out_specs=P(), check_vma=False)(*args)

@@ -1,0 +1,94 @@
+"""qmatmul: the one place that decides how x multiplies a QuantizedWeight (device layout: jaxllm/models/quant.py).
+
+    qmatmul(x [T, I], w, *, kernels=False, interpret=False, mesh=None) -> [T, *O] in x's dtype
+
+                   kernels=True (the decoder's "pallas" backend: GPUs)            kernels=False (reference: CPU)
+  int4 / int8      kernels_pallas.quantized_matmul: the Pallas GEMM for T <= 64    qlayout.dequantize to x's dtype,
+                   rows (decode), dequantize + XLA's GEMM above (prefill)          one float32 dot
+  fp8 W8A8         kernels_pallas.fp8_matmul: x quantized per token (dynamic) or   fp8_matmul_ref: the same values,
+                   with the static scale, one fp8 x fp8 dot (FP8 tensor cores)     the dot in float32
+  fp8 weight-only  dequantize + dot (both)
+
+INT8 W8A8 rounds x to int8 per token first, then multiplies like a weight-only int8 weight. The fused projections
+(qkv, gate / up) are one weight each, so one call and one kernel launch each.
+
+Tensor parallelism (mesh with tp > 1): every leaf of the weight is already split on the devices as its logical axes
+say, and each tp shard multiplies its own slice inside shard_map (XLA cannot partition a Pallas call): a
+column-parallel weight's shard gives its output columns, a row-parallel one's a partial product over its input rows,
+summed over tp (psum; XLA's own row-parallel dot ends in the same all-reduce). The reference takes the same path so
+CPU tests exercise it. Act-order row-parallel weights need the whole of x (their rows are sorted by group over all
+of I, perm names the columns each shard multiplies): x is gathered for them, one all-gather of [T, I] per call.
+Dynamic activation scales of a row-parallel weight are each shard's own (per token over its columns), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxllm.models.quant import QuantizedWeight, quantize_activations
+from jaxllm.sharding import logical_to_spec
+from kernels_pallas import qlayout
+from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul
+
+
+def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
+    """See the module docstring. kernels: the GPU implementations (else the pure-jnp references); interpret: the
+    Pallas kernel in interpret mode (CPU tests of the kernel path); mesh: the weights' ("pp", "tp") mesh."""
+    local = functools.partial(_local_qmatmul, kernels=kernels, interpret=interpret)
+    if mesh is None or mesh.shape.get("tp", 1) == 1:
+        return local(x, w)
+    lay = w.layout
+    row_parallel = lay.shards > 1
+    packed_axes = ((*lay.out_axes, lay.in_axis) if w.scheme.weight_type == "float"
+                   else (lay.in_axis, *lay.out_axes))
+    group = logical_to_spec((lay.group_axis, *lay.out_axes))
+    specs = QuantizedWeight(
+        packed=logical_to_spec(packed_axes), scales=group, zeros=None if w.zeros is None else group,
+        perm=None if w.perm is None else logical_to_spec((lay.in_axis,)),
+        act_scale=None if w.act_scale is None else P(), scheme=w.scheme, layout=lay)
+    x_spec = P(None, "tp") if row_parallel and w.perm is None else P()
+    out_spec = P() if row_parallel else logical_to_spec((None, *lay.out_axes))
+    return jax.shard_map(functools.partial(local, psum=row_parallel), mesh=mesh, in_specs=(x_spec, specs),
+                         out_specs=out_spec, check_vma=False)(x, w)
+
+
+def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False):
+    """One device's product: x [T, k] (or all of I for an act-order weight) times its slice of w."""
+    s, lay = w.scheme, w.layout
+    if w.perm is not None:  # act-order: the stored rows are the checkpoint's rows perm
+        x = jnp.take(x, w.perm, axis=1)
+    if s.weight_type == "float":
+        out = w.packed.shape[:-1]
+        y = _fp8(x, w, kernels)
+    else:
+        out = w.packed.shape[1:]
+        if s.activations is not None:  # INT8 W8A8
+            x = quantize_activations(x, w)
+        flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
+        qw = qlayout.QuantizedWeight(qweight=flat(w.packed), scales=flat(w.scales), zeros=flat(w.zeros), perm=None,
+                                     bits=s.bits, group_size=lay.group_size, k=lay.k, plane=lay.plane)
+        y = quantized_matmul(x, qw, interpret=interpret) if kernels else _dot_f32(x, qlayout.dequantize(qw, x.dtype))
+    if psum:
+        y = jax.lax.psum(y, "tp")
+    return y.reshape(x.shape[0], *out)
+
+
+def _fp8(x, w: QuantizedWeight, kernels: bool):
+    wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
+    scale = w.scales.reshape(-1)
+    if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize, then one dot
+        return _dot_f32(x, (wq.astype(jnp.float32) * scale[:, None]).astype(x.dtype).T)
+    fn = fp8_matmul if kernels else fp8_matmul_ref
+    x_scale = w.act_scale if w.scheme.activations == "static" else None
+    return fn(x, wq, scale, x_scale=x_scale, act_scale="token")
+
+
+def _dot_f32(x, dense):
+    """x [T, K] @ dense [K, N] (the weight already rounded to x's dtype) with both widened to float32: the
+    reference's float32 accumulation, which XLA's CPU dot does not take from 16-bit operands directly."""
+    return jnp.dot(x.astype(jnp.float32), dense.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST).astype(x.dtype)

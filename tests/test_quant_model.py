@@ -1,0 +1,214 @@
+"""Quantized weights in the model's device layout (jaxllm/models/quant.py) and the decoder's quantized projections
+through the GPU kernels (kernels_pallas.quantized_matmul in interpret mode, fp8_matmul) against the CPU reference
+and against the dense model on the dequantized weights, at tp 1 and 2 (shard_map over 2 simulated devices)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm.models.quant import QuantLayout, QuantScheme, Relayout, pack_int
+from jaxllm.models.quant_matmul import qmatmul
+from kernels_pallas import _qmatmul, qlayout
+
+SEQS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9]
+
+
+def _relayout(field, bits, G, I, O, shards, act_order=False, dtype="float32"):
+    k = I // shards
+    group = -1 if G == -1 else np.gcd(G, k)
+    plane = qlayout.choose_plane(k, bits, group) or qlayout.PLANES[-1]
+    lay = QuantLayout("ffn", ("embed",), k, shards, plane, group)
+    return Relayout(field, QuantScheme("int", bits, G, None), lay, (), (), dtype)
+
+
+@pytest.mark.parametrize("I,G,shards", [(192, 32, 2), (1024, 128, 1), (96, 32, 2)])
+def test_device_layout_is_one_plane_layout_per_row_shard(I, G, shards):
+    """Each tp shard's rows of the device layout are qlayout.pack_quantized of that shard's integers (numpy on the
+    host and jax on the devices alike); shards holding parts of groups (96 rows in groups of 32 over 2 shards,
+    allowed for act-order) get groups of gcd(32, 48) = 16 with their checkpoint group's scale."""
+    rng = np.random.default_rng(I)
+    O, bits = 48, 4
+    q = rng.integers(0, 16, (I, O))
+    s = rng.uniform(0.5, 1.5, (I // G, O)).astype(np.float32)
+    z = rng.integers(0, 16, (I // G, O)).astype(np.float32)
+    words = pack_int(q, bits)
+    got = {f: _relayout(f, bits, G, I, O, shards)(x) for f, x in (("packed", words), ("scales", s), ("zeros", z))}
+    on_device = {f: _relayout(f, bits, G, I, O, shards)(jnp.asarray(x)) for f, x in
+                 (("packed", words), ("scales", s), ("zeros", z))}
+    k, lay = I // shards, _relayout("packed", bits, G, I, O, shards).layout
+    dense = (q - np.repeat(z, G, 0)) * np.repeat(s, G, 0)
+    rows = {f: got[f].shape[0] // shards for f in got}
+    for i in range(shards):
+        part = {f: got[f][i * rows[f]: (i + 1) * rows[f]] for f in got}
+        w = qlayout.QuantizedWeight(jnp.asarray(part["packed"]), jnp.asarray(part["scales"]),
+                                    jnp.asarray(part["zeros"]), None, bits=bits, group_size=lay.group_size, k=k,
+                                    plane=lay.plane)
+        assert (qlayout.unpack_quantized(w) == q[i * k: (i + 1) * k]).all()
+        np.testing.assert_allclose(np.asarray(qlayout.dequantize(w, jnp.float32)), dense[i * k: (i + 1) * k],
+                                   rtol=1e-6)
+        if lay.group_size == G:
+            want = qlayout.pack_quantized(q[i * k: (i + 1) * k], s[i * k // G: (i + 1) * k // G],
+                                          z[i * k // G: (i + 1) * k // G], bits=bits, group_size=G, plane=lay.plane)
+            np.testing.assert_array_equal(part["packed"], np.asarray(want.qweight))
+            np.testing.assert_array_equal(part["scales"], np.asarray(want.scales))
+    assert (lay.group_size == 16) == (I == 96)
+    for f in got:
+        np.testing.assert_array_equal(got[f], np.asarray(on_device[f]))
+
+
+# --- the model -----------------------------------------------------------------------------------------------------
+def _quantize_linear(w: np.ndarray, G: int, g_idx: np.ndarray):
+    """A torch Linear weight [O, I] -> GPTQ v1 tensors (asymmetric int4, row i in group g_idx[i]) and the dense
+    weight they stand for."""
+    O, I = w.shape
+    wt = w.T.astype(np.float32)  # [I, O]
+    lo = np.stack([wt[g_idx == g].min(0) for g in range(I // G)])
+    hi = np.stack([wt[g_idx == g].max(0) for g in range(I // G)])
+    scale = np.maximum((hi - lo) / 15, 1e-6).astype(np.float16).astype(np.float32)
+    zero = np.clip(np.rint(-lo / scale), 1, 15)  # v1 stores zero - 1: keep it >= 0
+    q = np.clip(np.rint(wt / scale[g_idx]) + zero[g_idx], 0, 15).astype(np.int64)
+    dense = ((q - zero[g_idx]) * scale[g_idx]).T
+    tensors = {"qweight": pack_int(q, 4), "qzeros": pack_int((zero - 1).T.astype(np.int64), 4).T.copy(),
+               "scales": scale.astype(np.float16), "g_idx": g_idx.astype(np.int32)}
+    return tensors, dense
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A small Llama (bf16) as GPTQ v1 int4 act-order asym (groups of 32) and as the dense model of its dequantized
+    weights. Every projection has >= 512 input rows (N * H = F = 512), so a tp = 2 shard of wo / w_down still holds
+    a whole kernel tile (256 rows); smaller shards take the dequantize path (quant.py)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    hf = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+    root = tmp_path_factory.mktemp("quant_model")
+    dense_dir, gptq_dir = root / "dense", root / "gptq"
+    model = LlamaForCausalLM(hf).to(torch.bfloat16)
+    rng = np.random.default_rng(0)
+    quant, dense, orders = {}, {}, {}
+    for name, w in model.state_dict().items():
+        if name.endswith("_proj.weight") and ".layers." in name:
+            # act-order: one random order per input (q / k / v share theirs, gate / up theirs), as GPTQ's are
+            layer, proj = name.rsplit(".", 3)[0], name.split(".")[-2]
+            shared = (layer, {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(proj, proj))
+            g_idx = orders.setdefault(shared, rng.permutation(np.arange(w.shape[1]) // 32))
+            tensors, d = _quantize_linear(w.float().numpy(), 32, g_idx)
+            dense[name] = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16)
+            quant.update({name[: -len("weight")] + k: torch.from_numpy(np.ascontiguousarray(v))
+                          for k, v in tensors.items()})
+        else:
+            quant[name] = dense[name] = w.contiguous()
+    for folder, tensors in ((dense_dir, dense), (gptq_dir, quant)):
+        model.save_pretrained(folder)
+        save_file(tensors, str(folder / "model.safetensors"))
+    cfg = json.loads((gptq_dir / "config.json").read_text())
+    cfg["quantization_config"] = dict(quant_method="gptq", bits=4, group_size=32, desc_act=True, sym=False,
+                                      checkpoint_format="gptq")
+    (gptq_dir / "config.json").write_text(json.dumps(cfg))
+    return str(dense_dir), str(gptq_dir)
+
+
+def _load(path, tp, **kw):
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+
+    cfg = ModelConfig.from_hf(path, dtype="bfloat16", **kw)
+    mesh = ParallelConfig(tp, 1).make_mesh()
+    return cfg, mesh, load_params(path, cfg, mesh)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def test_decoder_runs_quantized_projections_through_the_kernel(checkpoints, monkeypatch):
+    """The decoder on the "pallas" backend (interpret mode): each of the 4 quantized projections runs the Pallas
+    GEMM, and the logits equal the reference path's to bf16 rounding (the reference path against the dense
+    weights: the tp = 2 test below, and tests/test_quant.py against HF). Fails if qmatmul ignores the backend (no
+    kernel call) or the kernel reads the layout wrongly."""
+    from jaxllm.models.attention import AttentionConfig
+    from tests.model_harness import ragged_logits
+
+    _, gptq_dir = checkpoints
+    calls = []
+    real = _qmatmul.qmatmul_kernel
+    monkeypatch.setattr(_qmatmul, "qmatmul_kernel", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    jax.clear_caches()  # the layer is jitted: trace it again with the spy
+    cfg, mesh, params = _load(gptq_dir, 1)
+    seqs, cached = SEQS, [0] * len(SEQS)  # one step of 27 token rows (22 + 5 padding)
+
+    def logits(params, cfg, backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        return [np.asarray(x, np.float32) for x in ragged_logits(params, cfg, seqs, cached, block_size=8, attn=attn)]
+
+    kernel = logits(params, cfg, "pallas")
+    assert len(calls) == 4 and all(shape[0] == 32 for shape in calls), calls  # 27 rows padded to the kernel's 32
+    calls.clear()
+    ref = logits(params, cfg, "reference")
+    assert not calls
+    for k, r in zip(kernel, ref, strict=True):
+        assert _rel(k, r) < 2e-2
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization):
+    """tp = 2 (shard_map over 2 devices): each projection's kernels path (the Pallas GEMM in interpret mode for
+    GPTQ, with wo / w_down row-parallel and their act-order rows taking the gathered x; XLA's fp8 dot for
+    quantization="fp8") against the reference path and against the dense weights."""
+    dense_dir, gptq_dir = checkpoints
+    calls = []
+    real = _qmatmul.qmatmul_kernel
+    monkeypatch.setattr(_qmatmul, "qmatmul_kernel", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    _, _, dense = _load(dense_dir, 1)
+    _, mesh, params = _load(gptq_dir if quantization is None else dense_dir, 2, quantization=quantization)
+    rng = np.random.default_rng(5)
+    for key in ("w_qkv", "wo", "w_gate_up", "w_down"):
+        w = params["layers"][1][key]
+        assert w.layout.shards == (2 if key in ("wo", "w_down") else 1)
+        d = dense["layers"][1][key]
+        n_in = 2 if key == "wo" else 1
+        x = jnp.asarray(rng.standard_normal((5, int(np.prod(d.shape[:n_in])))), jnp.bfloat16)
+        want = np.asarray(x, np.float32) @ np.asarray(d, np.float32).reshape(x.shape[1], -1)
+        got = {k: jax.jit(functools.partial(qmatmul, kernels=k, interpret=True, mesh=mesh))(x, w) for k in (0, 1)}
+        assert got[1].shape == (5, *d.shape[n_in:])
+        assert _rel(got[1], got[0]) < (2e-2 if quantization else 1e-2), key
+        if quantization is None:  # fp8 rounds x too: only the paths are compared
+            assert _rel(got[0].reshape(5, -1), want) < 1e-2 and _rel(got[1].reshape(5, -1), want) < 1e-2, key
+    assert len(calls) == (4 if quantization is None else 0)
+
+
+def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
+    """The benchmarks' dummy GPTQ config (bench/common.py: int4, group 128, sym) on Llama-3-8B's widths: at tp 1 /
+    2 / 4 / 8 every quantized weight's shard is whole kernel tiles (no padding) of planes the kernel takes
+    (128-row planes at tp 1)."""
+    from bench.common import DUMMY_QUANT_CONFIGS, LLAMA3_8B
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.params import param_specs
+    from jaxllm.models.quant import ROW_PARALLEL_AXES, QuantizedWeight
+
+    hf = dict(LLAMA3_8B, num_hidden_layers=1, quantization_config=DUMMY_QUANT_CONFIGS["gptq"])
+    cfg = ModelConfig.from_hf(hf, dtype="bfloat16")
+    for tp in (1, 2, 4, 8):
+        layer = param_specs(cfg, tp)["layers"][0]
+        weights = {k: w for k, w in layer.items() if isinstance(w, QuantizedWeight)}
+        assert sorted(weights) == ["w_down", "w_gate_up", "w_qkv", "wo"]
+        for key, w in weights.items():
+            lay = w.layout
+            row_parallel = lay.in_axis in ROW_PARALLEL_AXES
+            assert lay.shards == (tp if row_parallel else 1) and w.packed.shape[0] == lay.shards * lay.k // 8
+            assert qlayout.padded_k(lay.k, 4, lay.plane) == lay.k, (tp, key)
+            n_local = int(np.prod(w.packed.shape[1:])) // (1 if row_parallel else tp)
+            assert _qmatmul.supported(jnp.bfloat16, n_local, 4, lay.group_size, lay.plane), (tp, key, lay)
+            assert lay.plane == 128 or tp > 1
