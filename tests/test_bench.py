@@ -342,6 +342,25 @@ def test_structured_smoke(tmp_path):
     assert res["runs"][1]["host_s"]["_advance_grammars"]["calls"] > 0
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_spec_decode_smoke(tmp_path):
+    """The verify-step grid on the tiny shape and the projection from given acceptance rates (the demo-model
+    acceptance part is the same engine path as tests/test_spec_engine.py)."""
+    from bench import spec_decode
+
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"accept": {"per_position_acceptance": [0.8, 0.6, 0.4], "draft_fraction": 0.9}}))
+    out = tmp_path / "sd.json"
+    res = spec_decode.main(["--parts", "verify", "--shape", "tiny", "--ks", "1,3", "--batches", "1,4", "--iters", "2",
+                            "--context", "24", "--acceptance-json", str(acc), "--out", str(out)])
+    rows = res["verify"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(set(r["spec_ms"]) == {"1", "3"} for r in rows)
+    assert all(r["plain_ms"] > 0 and min(r["spec_ms"].values()) > 0 for r in rows)
+    table = res["projection"]["table"][0]["speedup"]
+    assert table["3"] == pytest.approx((1 + 0.9 * 1.8) * rows[0]["plain_ms"] / rows[0]["spec_ms"]["3"])
+    assert json.loads(out.read_text())["env"]["command"]
+
+
 def test_quant_kernels_smoke(tmp_path):
     """bench/quant_kernels.py on CPU (interpret mode, tiny shapes): the check stage's kernel cases pass and every
     impl row is timed with its rate beside the copy ceiling."""

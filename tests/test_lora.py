@@ -192,6 +192,9 @@ def test_lora_config_and_request_checks():
         EngineArgs(enable_lora=True, max_loras=0).validate()
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         EngineArgs(enable_lora=True, pipeline_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="enable_lora is not supported with speculative decoding"):
+        EngineArgs(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                         "prompt_lookup_max": 2}).validate()
     EngineArgs(max_lora_rank=12).validate()  # LoRA off: its options are not read
     assert LoRAConfig(max_loras=3).max_cpu_loras == 3
     with pytest.raises(ValueError, match="id must be > 0, got 0"):

@@ -174,10 +174,11 @@ def _traced_once(layer_fn):
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
             attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None,
-            lora: lora_ops.LoRAInputs | None = None):
+            capture: tuple[int, ...] = (), lora: lora_ops.LoRAInputs | None = None):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
-    layer range and the previous stage's hidden states; the first stage embeds token_ids. lora: the step's
-    adapters (jaxllm/lora/ops.py), or None."""
+    layer range and the previous stage's hidden states; the first stage embeds token_ids. capture: layers whose
+    input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value
+    (EAGLE-3 heads read them). lora: the step's adapters (jaxllm/lora/ops.py), or None."""
     layers = range(cfg.num_layers) if layers is None else layers
     lw = None if lora is None else lora_ops.select(lora.token_slots, lora.num_slots)
     if hidden is None:
@@ -190,10 +191,13 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
         x = hidden
     kv_caches = list(kv_caches)
     layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
+    captured = {}
     for i in layers:
+        if i in capture:
+            captured[i] = x
         ll = None if lora is None else lora.weights["layers"][i]
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i), ll, lw)
-    return kv_caches, x
+    return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
 
 
 def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
