@@ -249,7 +249,8 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     from bench import gpu_parity
 
     res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.25", "--enforce-eager",
-                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "r.json")])
+                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(tmp_path / "r.json")])
     parity = res["configs"]["fp8_kv"]["parity"]
     assert res["configs"]["fp8_kv"]["kv_cache_dtype"] == "float8_e4m3fn" and parity["passed"]
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
@@ -265,8 +266,49 @@ def test_gpu_parity_quantized_configs(tmp_path):
                            "--model-dir", str(tmp_path / "m"),
                            "--out", str(tmp_path / "q.json")])
     for name in ("gptq_int4", "fp8"):
-        assert res["configs"][name]["parity"]["passed"], (name, res["configs"][name]["parity"])
+        parity = res["configs"][name]["parity"]
+        assert parity["passed"] and parity["lp_err_ratio_tol"] == 2.0, (name, parity)
     assert res["configs"]["gptq_int4"]["engine"] is not None
+
+
+def test_gpu_parity_quantized_configs_fail_on_a_broken_dequantization(tmp_path, monkeypatch):
+    """The same configurations report failure when the engine dequantizes wrongly: int4 zero points off by one (GPTQ
+    v1's stored zero - 1 taken as the zero), fp8 scales off by 448 / 240 (e4m3fnuz's range taken for e4m3fn's).
+    The tiny model's logits are too flat for the int4 bug to make a gap over --gap-tol: its logprob error against
+    HF bf16's on the same weights (--lp-err-ratio) catches it."""
+    import jax.numpy as jnp
+
+    from bench import gpu_parity
+    from jaxllm.models import quant_matmul
+    from kernels_pallas import qlayout
+
+    right_int, right_fp8, seen = qlayout.dequantize, quant_matmul.fp8_matmul_ref, set()
+
+    def broken_int(w, dtype=None):  # (q - (z - 1)) * s = the right weight + one scale step per group
+        seen.add("int")
+        dense = right_int(w, jnp.float32)
+        G = w.k if w.group_size == -1 else w.group_size
+        step = jnp.repeat(w.scales.astype(jnp.float32), G, axis=0)[: w.k]
+        return (dense + step).astype(dtype or w.scales.dtype)
+
+    def broken_fp8(x, wq, scale, **kw):
+        seen.add("float")
+        return right_fp8(x, wq, scale * (448.0 / 240.0), **kw)
+
+    # the engine's reference (CPU) paths: jaxllm/models/quant_matmul.py
+    monkeypatch.setattr(qlayout, "dequantize", broken_int)
+    monkeypatch.setattr(quant_matmul, "fp8_matmul_ref", broken_fp8)
+    # --num-layers 1: shapes no earlier test traced, so the steps are traced (and compiled) with the patch
+    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--num-layers", "1", "--scale", "0.1",
+                           "--output-len", "8", "--enforce-eager", "--configs", "gptq_int4", "fp8",
+                           "--gptq-group-size", "32", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(tmp_path / "q.json")])
+    assert seen == {"int", "float"}
+    for name in ("gptq_int4", "fp8"):
+        parity = res["configs"][name]["parity"]
+        assert not parity["passed"], (name, parity)
+        assert parity["lp_err_mean"] > 5 * parity["hf_baseline"]["lp_err_mean"], (name, parity)
+    assert not res["passed"]
 
 
 def test_gpu_parity_compare_fails_on_a_wrong_token():
