@@ -475,3 +475,22 @@ def test_latency_and_throughput_take_quantization(tmp_path):
     assert common.resolve_model(args) == common.make_model_dir("tiny")  # the 16-bit folder, quantized at load
     with pytest.raises(SystemExit, match="no dummy config"):
         common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))
+
+
+def test_lora_bench_smoke(tmp_path):
+    """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
+    (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
+    adapters it writes itself, ratios to the base engine in the JSON."""
+    from bench import lora
+
+    out = tmp_path / "lora.json"
+    lora.main(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3", "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "--compilation-cache-dir",
+               "", "--rank", "8", "--engines", "base,lora8", "--max-loras-scale", "4", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
+    rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}
+    assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
+    assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0
+    assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0

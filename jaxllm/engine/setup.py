@@ -33,6 +33,7 @@ class EngineParts:
     mesh: object
     grammars: object  # structured.Grammars
     speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
+    lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
 
 
 def _is_gpu() -> bool:
@@ -217,6 +218,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
+    lora_cfg = args.lora_config()
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     if args.enable_expert_parallel:
         if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
@@ -244,6 +246,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
         speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    lora = None
+    if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
+        from jaxllm.lora.slots import LoRASlots
+
+        lora = LoRASlots(lora_cfg, cfg, mesh)
+        lora.warm_up()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
@@ -279,7 +287,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=args.enable_prefix_caching)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_loras=lora_cfg.max_loras if lora_cfg else None)
     tokens = (num_blocks - 1) * args.block_size
     logger.info("KV cache size: %d tokens", tokens)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
@@ -295,7 +304,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), **spec_kw)
+                             executable_cache_dir=_executable_cache_dir(args), lora=lora, **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
     except BaseException:
         if weights is not None:
@@ -304,7 +313,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars,
+                       speculation=speculation, lora=lora)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
