@@ -61,10 +61,26 @@ def quantized_matmul_ref(x, w: QuantizedWeight, *, split=False):
     return _split(y.astype(x.dtype), w, split)
 
 
+def dequantize_for(x, w):
+    """(x, W) with W = w dequantized to x's dtype (QuantizedWeight), or w itself (any pytree of arrays), computed
+    only once x is: the large-batch path's dequantized weight lives from its matmul's input to the matmul, not
+    longer.
+
+    Dequantizing a weight depends on the weight alone, so in a model's step (every layer inlined into one program)
+    XLA may schedule every layer's dequantization before the first layer runs, all of the model's dequantized
+    weights live at once: an 8B GPTQ int4 engine's prefill step asked for a 9.3 GiB temporary buffer on an H100
+    and ran out of memory (bench/results/quant_h100_23c93ec_log.txt); the CPU schedule of the same step
+    dequantized all of its layers up front (tests/test_quant_memory.py). An optimization barrier over (x, w)
+    makes w's uses wait for x, which is this layer's activation. It aliases its operands: no copy, no cost."""
+    x, w = jax.lax.optimization_barrier((x, w))
+    return x, (dequantize(w, x.dtype) if isinstance(w, QuantizedWeight) else w)
+
+
 def _dequant_matmul(x, w):
+    x, dense = dequantize_for(x, w)
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    return jnp.einsum("...k,kn->...n", x, dequantize(w, x.dtype))
+    return jnp.einsum("...k,kn->...n", x, dense)
 
 
 def kernel_m(m: int, fma: bool) -> int:
