@@ -71,3 +71,61 @@ def test_prefill_step_holds_one_layers_dequantized_weights(dispatch, monkeypatch
     assert len(calls) == (8 if dispatch == "gpu" else 0), calls  # 4 projections, traced once per model
     assert per_layer > 50 << 20
     assert four - one < per_layer / 2, (one, four, per_layer)
+
+
+def test_step_reserve_counts_the_largest_dequantized_weight():
+    """The KV cache's sizing keeps room for the largest weight a step dequantizes (this device's shard, in the
+    model's dtype): Llama-3-8B GPTQ int4's gate_up, 4096 x 28672 bf16, at tp 1; half of it at tp 2."""
+    from bench.common import DUMMY_QUANT_CONFIGS, LLAMA3_8B
+    from jaxllm.engine import setup
+
+    hf = dict(LLAMA3_8B, num_hidden_layers=2, quantization_config=DUMMY_QUANT_CONFIGS["gptq"])
+    cfg = ModelConfig.from_hf(hf, dtype="bfloat16")
+    assert setup._dequantized_bytes(abstract_weights(cfg, ParallelConfig(1, 1).make_mesh()), cfg) == 4096 * 28672 * 2
+    plain = ModelConfig.from_hf(dict(LLAMA3_8B, num_hidden_layers=2), dtype="bfloat16")
+    assert setup._dequantized_bytes(abstract_weights(plain, ParallelConfig(1, 1).make_mesh()), plain) == 0
+    big = 8 << 30  # larger than the autotuning headroom (2 x the lm_head): it counts in full
+    assert setup._step_reserve(2048, 64, cfg, big) - setup._step_reserve(2048, 64, cfg) > big - (3 << 30)
+
+
+def test_blocks_for_step_temps():
+    from jaxllm.engine import setup
+
+    gib, slack = 2**30, setup._STEP_SLACK_BYTES
+    assert setup._blocks_for_step_temps(1000, gib // 16, 2 * gib, 0) == 1000  # no figure: the estimate stands
+    assert setup._blocks_for_step_temps(1000, gib // 16, 2 * gib, 2 * gib - slack) == 1000
+    assert setup._blocks_for_step_temps(1000, gib // 16, 2 * gib, 9 * gib) == 1000 - 7 * 16 - 4  # 7.25 GiB more
+
+
+def test_kv_cache_shrinks_for_steps_that_need_more_memory(tmp_path, monkeypatch, caplog):
+    """On a GPU (faked here) the engine compares the compiled steps' temporary buffer (StepPrograms.temp_bytes)
+    with the memory its KV cache left them; where they need more, the cache gives up the difference in whole
+    blocks and the steps are compiled again for its shape, and the engine then runs as before."""
+    from jaxllm import LLM, SamplingParams
+    from jaxllm.config import read_hf_config
+    from jaxllm.engine import programs, setup
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir("llama", str(tmp_path))[0]
+    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16,
+              attention_backend="reference")
+    prompts, greedy = [[5, 9, 2, 77, 3], [11, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6)
+    want = [o.outputs[0].token_ids for o in LLM(model, num_gpu_blocks_override=40, **kw).generate(prompts, greedy)]
+
+    per_block = ModelRunner.kv_bytes_per_block(ModelConfig.from_hf(read_hf_config(model), dtype="float32"), 16)
+    reserve = 1 << 30
+    monkeypatch.setattr(setup, "_is_gpu", lambda: True)
+    monkeypatch.setattr(setup, "_gpu_device", lambda: None)
+    monkeypatch.setattr(setup, "_num_blocks", lambda *a, **k: 40)
+    monkeypatch.setattr(setup, "_step_reserve", lambda *a, **k: reserve)
+    temps = []
+    real = programs.StepPrograms.temp_bytes
+    monkeypatch.setattr(programs.StepPrograms, "temp_bytes", lambda self: temps.append(real(self)) or (
+        reserve - setup._STEP_SLACK_BYTES + 10 * per_block + 1))
+    llm = LLM(model, **kw)
+    assert temps and temps[0] > 0  # the real figure of the compiled steps (XLA's memory_analysis)
+    engine = llm.llm_engine
+    assert engine.cache_config.num_blocks == 40 - 11
+    assert all(a.shape[1] == 29 for a in jax.tree.leaves(engine.runner.kv_caches))
+    assert "the KV cache shrinks from 40 to 29 blocks" in caplog.text
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
