@@ -292,6 +292,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         reserve = _step_reserve(max_num_batched_tokens, max_num_seqs, cfg, dequantized)
         temp = runner.programs.temp_bytes()
         fewer = _blocks_for_step_temps(num_blocks, per_block, reserve, temp)
+        logger.info("The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
+                    temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30)
         if fewer < num_blocks:
             logger.warning(
                 "The compiled steps need %.2f GiB of temporary device memory, more than the %.2f GiB kept beside "
