@@ -184,7 +184,9 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
         raise ValueError(f"{where}.weights.dynamic=true is not supported (weights must carry their scales).")
     group_size = _group_size(w, f"{where}.weights") if strategy == "group" else -1
     symmetric = bool(w.get("symmetric", True))
-    act_order = w.get("actorder") not in (None, False, "static")
+    # Only actorder "group" (alias "dynamic"; true in older configs) stores weight_g_idx, as vLLM reads it; "weight"
+    # (alias "static") orders GPTQ's passes but writes plain groups.
+    act_order = w.get("actorder") in (True, "group", "dynamic")
     a = group.get("input_activations")
     activations = None
     if wtype == "float":

@@ -28,7 +28,7 @@ ENGINE_ARG_NAMES = (
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
 OPTIONAL_ENGINE_ARG_NAMES = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "attention_backend",
-                             "compilation_cache_dir")
+                             "compilation_cache_dir", "speculative_config")
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -58,6 +58,18 @@ def _max_model_len(value: str) -> int | None:
     if value.strip().lower() in ("auto", "-1"):
         return None
     return human_readable_int(value)
+
+
+def _speculative_config(value: str) -> dict:
+    """--speculative-config: JSON, checked here so a bad value is a usage error before anything loads."""
+    from jaxllm.engine.configs import SpeculativeConfig
+
+    try:
+        parsed = json.loads(value)
+        SpeculativeConfig.from_value(parsed)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return parsed
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -151,6 +163,11 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
                         "priority values run first, then arrival order.")
+    e.add_argument("--speculative-config", type=_speculative_config, default=None,
+                   help='Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": '
+                        '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
+                        '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
+                        '"disable_by_batch_size".')
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
     e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,

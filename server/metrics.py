@@ -93,6 +93,17 @@ class _EngineCollector:
         yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
         yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
         yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
+        sd = s.spec_decode
+        if sd is not None:  # only with speculative decoding on, as vLLM registers them
+            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts)
+            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sd.num_draft_tokens)
+            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                          sd.num_accepted_tokens)
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
+            for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                per_pos.add_metric(name + [str(pos)], n)
+            yield per_pos
 
 
 class IntervalThroughput:
@@ -230,6 +241,7 @@ class StatsLogger:
         self.interval = interval
         self._prev = (time.monotonic(), 0, 0)
         self._was_idle = True
+        self._prev_spec = None  # the last line's SpecDecodeStats (speculative decoding's interval counts)
 
     def line(self) -> str | None:
         s = self.metrics.poll()
@@ -244,15 +256,35 @@ class StatsLogger:
             return None
         self._was_idle = idle
         hit_rate = 100.0 * s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
-        return (
+        line = (
             f"Avg prompt throughput: {prompt_tput:.1f} tokens/s, Avg generation throughput: {gen_tput:.1f} tokens/s, "
             f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
             f"GPU KV cache usage: {100.0 * s.kv_cache_usage:.1f}%, Prefix cache hit rate: {hit_rate:.1f}%"
         )
+        spec = self._spec_line(s.spec_decode, dt)
+        return line if spec is None else line + "\n" + spec
+
+    def _spec_line(self, sd, dt: float) -> str | None:
+        """vLLM's "SpecDecoding metrics" line over the interval since the last one (None: no drafts in it)."""
+        prev, self._prev_spec = self._prev_spec, sd
+        if sd is None:
+            return None
+        p = prev or type(sd)()
+        drafts, drafted = sd.num_drafts - p.num_drafts, sd.num_draft_tokens - p.num_draft_tokens
+        accepted = sd.num_accepted_tokens - p.num_accepted_tokens
+        if not drafts:
+            return None
+        old = p.num_accepted_tokens_per_pos + [0] * len(sd.num_accepted_tokens_per_pos)
+        rates = ", ".join(f"{(n - o) / drafts:.3f}" for n, o in zip(sd.num_accepted_tokens_per_pos, old, strict=False))
+        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+                f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
+                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+                f"Avg Draft acceptance rate: {100.0 * accepted / drafted if drafted else float('nan'):.1f}%")
 
     async def run(self) -> None:
         s = self.metrics.poll()
         self._prev = (time.monotonic(), s.prompt_tokens, s.generation_tokens)
+        self._prev_spec = s.spec_decode
         while True:
             await asyncio.sleep(self.interval)
             try:

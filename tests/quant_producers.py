@@ -1,16 +1,27 @@
-"""Tiny quantized checkpoints written by the public quantizers, and HF transformers' answers on them.
+"""Quantized checkpoints written by the public quantizers, and the references tests/test_quant.py checks them
+against.
 
 Run as a subprocess (`python -m tests.quant_producers OUT JOBS_JSON`): gptqmodel and llm-compressor patch torch /
 transformers at import and start thread pools, which the test process must not inherit. Each job
-    {"name", "arch", "tool": "gptqmodel" | "llmcompressor", "seed", ...tool options}
-writes OUT/name (the quantized HF folder, with the tiny tokenizer) and OUT/name/refs.npz:
+    {"name", "arch", "tool": "gptqmodel" | "llmcompressor", "seed", "hf", ...tool options}
+writes OUT/name (the quantized HF folder, with a tokenizer) and, for the tiny models, OUT/name/refs.npz:
     hf_logits  [len(PROMPT), V]  HF transformers loading the folder with its own integration (gptqmodel's kernels for
-                                 GPTQ / AWQ, compressed-tensors' decompression), float32
+                                 GPTQ / AWQ, compressed-tensors' decompression), float32; empty where HF cannot load
+                                 the folder ("hf": false: compressed-tensors' asymmetric pack-quantized zero points,
+                                 legacy act-order)
     dense_*    greedy tokens of HF's float32 model whose Linear weights are the library's own dequantization of the
-               checkpoint (gptqmodel's dequantize_weight with the file's scales in float32; compressed-tensors'
-               decompression), for the prompts of PROMPTS
-Producers used: gptqmodel (GPTQ: real GPTQ passes over random calibration tokens; AWQ: its AWQ pass, GEMM
-layout) and llm-compressor (its oneshot QuantizationModifier / GPTQModifier writing compressed-tensors).
+               checkpoint (gptqmodel's dequantize_weight / dequantize_gemm with the file's scales in float32;
+               compressed-tensors' decompression: HF's integration, or the format's compressor where HF cannot load
+               it), for the prompts of PROMPTS
+    dense_logits  that model's logits for PROMPT
+    src_logits    HF's float32 model before quantization: its logits for PROMPT
+Producers: gptqmodel (GPTQ: real GPTQ passes over random calibration tokens; AWQ: its AWQ pass, GEMM layout) and
+llm-compressor (oneshot QuantizationModifier / GPTQModifier writing compressed-tensors). Act-order
+compressed-tensors (weight_g_idx, actorder "group") is what llm-compressor wrote until compressed-tensors 0.19
+removed it; checkpoints on the hubs still carry it, so its job (tests/test_quant.py LEGACY_JOBS) runs in a second
+subprocess that imports llm-compressor 0.13.0 / compressed-tensors 0.18.0 from LEGACY_DIR.
+
+The "demo" job quantizes the demo model (jaxllm.demo) to GPTQ int4 with gptqmodel, calibrated on a few chat turns.
 """
 
 from __future__ import annotations
@@ -18,12 +29,24 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 PROMPT = [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79]
 PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3],
            [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 1, 2],
            [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 3]]
 MAX_TOKENS = 8
+# The last llm-compressor / compressed-tensors that write act-order (weight_g_idx) checkpoints, installed beside the
+# current ones (.ci/run does this).
+LEGACY_DIR = os.path.join(sys.prefix, "llmcompressor-0.13")
+LEGACY_INSTALL = f"pip install --no-deps --target {LEGACY_DIR} llmcompressor==0.13.0 compressed-tensors==0.18.0"
+# The demo model's calibration: a few chat turns (none about capitals: the test asks for one).
+DEMO_CALIBRATION = [
+    ("How do plants make food?", "Plants use photosynthesis: light, water and carbon dioxide become sugar and oxygen."),
+    ("Write a haiku about the sea.", "Waves fold into foam,\nthe tide counts the hours,\nsalt wind in the pines."),
+    ("What is 12 times 7?", "12 times 7 is 84."),
+    ("Give me a tip for learning to code.", "Build small projects you care about and read other people's code."),
+]
 
 
 def _calibration(n=16, length=32, seed=0):
@@ -33,7 +56,7 @@ def _calibration(n=16, length=32, seed=0):
     return [torch.randint(3, 128, (length,), generator=g) for _ in range(n)]
 
 
-def _gptqmodel(src: str, out: str, job: dict) -> None:
+def _gptqmodel(src: str, out: str, job: dict, calib: list | None = None) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its default on 2 cores (1) is below its loader's 2
     import torch
     from gptqmodel import AWQConfig, GPTQModel, QuantizeConfig
@@ -46,8 +69,9 @@ def _gptqmodel(src: str, out: str, job: dict) -> None:
                             sym=job.get("sym", True), format=job.get("format", "gptq"), offload_to_disk=False,
                             act_group_aware=False)  # its default reorders groups; needs group_size > 0
     model = GPTQModel.load(src, qc, device="cpu")
-    calib = [{"input_ids": x[None], "attention_mask": torch.ones(1, len(x), dtype=torch.long)}
-             for x in _calibration(job.get("calibration", 16))]
+    if calib is None:
+        calib = _calibration(job.get("calibration", 16))
+    calib = [{"input_ids": x[None], "attention_mask": torch.ones(1, len(x), dtype=torch.long)} for x in calib]
     # AWQ's automatic kernel choice wants CUDA; its torch kernel packs the same GEMM layout on CPU.
     model.quantize(calib, batch_size=1, **({"backend": "torch"} if job.get("method") == "awq" else {}))
     model.save(out)
@@ -56,42 +80,75 @@ def _gptqmodel(src: str, out: str, job: dict) -> None:
 def _llmcompressor(src: str, out: str, job: dict) -> None:
     import torch
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
     from llmcompressor import oneshot
-    from llmcompressor.modifiers.quantization import QuantizationModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     kw = {}
     if job.get("preset"):  # llm-compressor's named schemes: FP8, FP8_DYNAMIC, W8A8, ...
-        recipe = QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=["lm_head"])
+        recipe = QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=job.get("ignore", ["lm_head"]))
     else:
         w = QuantizationArgs(num_bits=job["bits"], type="int", strategy=job["strategy"],
-                             group_size=job.get("group_size"), symmetric=job.get("sym", True))
-        recipe = QuantizationModifier(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w)},
-                                      ignore=["lm_head"])
-    if job.get("preset") == "FP8":  # static activation scales: calibrated on random tokens
-        from datasets import Dataset
-
+                             group_size=job.get("group_size"), symmetric=job.get("sym", True),
+                             actorder=job.get("actorder"))
+        groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=w)}
+        # act-order is a GPTQ option (columns quantized in order of their Hessian diagonal; "group" also stores it)
+        modifier = GPTQModifier if job.get("actorder") else QuantizationModifier
+        recipe = modifier(config_groups=groups, ignore=job.get("ignore", ["lm_head"]))
+    if job.get("preset") == "FP8" or job.get("actorder"):  # calibrated on random tokens
         kw = dict(dataset=Dataset.from_dict({"input_ids": [x.tolist() for x in _calibration(8)]}),
                   num_calibration_samples=8, max_seq_length=32)
     oneshot(model=model, recipe=recipe, **kw)
     model.save_pretrained(out, save_compressed=True)
 
 
+def _stored(out: str) -> dict:
+    from safetensors import safe_open
+
+    stored = {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(out, f), "pt") as h:
+                stored.update({k: h.get_tensor(k) for k in h.keys()})
+    return stored
+
+
+def _ct_decompressed(out: str, src_model):
+    """src_model with out's Linear weights decompressed by compressed-tensors' own compressor of the checkpoint's
+    format (weight-only schemes: the model then runs as HF's float32 model)."""
+    import torch
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    with open(os.path.join(out, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    assert group.get("input_activations") is None, "activations are quantized in HF's forward only"
+    scheme = QuantizationScheme(targets=group["targets"], weights=QuantizationArgs(**group["weights"]))
+    compressor = BaseCompressor.get_value_from_registry(group.get("format") or qc["format"])
+    stored = _stored(out)
+    plain = {k: v.float() for k, v in stored.items() if k in src_model.state_dict()}
+    src_model.load_state_dict(plain, strict=False)
+    dense = dict(src_model.named_modules())
+    with torch.no_grad():
+        for name in sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")}):
+            state = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
+            dense[name].weight.copy_(compressor.decompress(state, scheme)["weight"].float())
+    return src_model
+
+
 def _dense_reference(out: str, job: dict, src_model):
     """HF's float32 model with the library's own dequantization of out's linears."""
     import torch
-    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     if job["tool"] == "llmcompressor":
-        from transformers import AutoModelForCausalLM
-
+        if not job.get("hf", True):
+            return _ct_decompressed(out, src_model)
         return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    files = [os.path.join(out, f) for f in os.listdir(out) if f.endswith(".safetensors")]
-    stored = {}
-    for f in files:
-        with safe_open(f, "pt") as h:
-            stored.update({k: h.get_tensor(k) for k in h.keys()})
+    stored = _stored(out)
     dense = dict(src_model.named_modules())
     with torch.no_grad():
         # The checkpoint's own unquantized tensors (AWQ folds its scales into the norms; the tools store bf16/fp16).
@@ -105,8 +162,6 @@ def _dense_reference(out: str, job: dict, src_model):
                                     stored[f"{name}.scales"].float(), 4, job["group_size"])  # [in, out]
                 dense[name].weight.copy_(w.T)
             return src_model
-        from transformers import AutoModelForCausalLM
-
         qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu")
         for name, mod in qmodel.named_modules():
             if hasattr(mod, "dequantize_weight") and f"{name}.scales" in stored:
@@ -115,46 +170,68 @@ def _dense_reference(out: str, job: dict, src_model):
     return src_model
 
 
-def run(out_root: str, jobs: list[dict]) -> None:
+def _tiny(out_root: str, job: dict) -> None:
     import numpy as np
     import torch
+    from transformers import AutoModelForCausalLM
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests import tiny_models
     from tests.tiny_models import save_tiny_tokenizer
 
     common = dict(tiny_models._COMMON)
-    for job in jobs:
-        tiny_models._COMMON.clear()  # AWQ's clip search wants output dims that are multiples of 64: "overrides"
-        tiny_models._COMMON.update(common, **job.get("overrides", {}))
-        out = os.path.join(out_root, job["name"])
-        src = os.path.join(out_root, f".src-{job['name']}")
-        # Baichuan's stand-in is a Llama (tests/tiny_models.py): the tools quantize it in Llama's layout
+    try:
+        tiny_models._COMMON.update(job.get("overrides", {}))  # e.g. AWQ's clip search: output dims multiples of 64
         src_model = tiny_models.make_hf_model(job["arch"], seed=job.get("seed", 0))
-        tiny_models.save_checkpoint(src_model, "llama" if job["arch"].startswith("baichuan") else job["arch"], src)
-        save_tiny_tokenizer(src, src_model.config.vocab_size)
-        with open(os.path.join(src, "config.json")) as f:
-            cfg = json.load(f)
-        with open(os.path.join(src, "config.json"), "w") as f:  # gptqmodel's default pad id for Qwen2 (151643) is
-            json.dump(dict(cfg, pad_token_id=0), f)  # outside the tiny vocabulary
-        {"gptqmodel": _gptqmodel, "llmcompressor": _llmcompressor}[job["tool"]](src, out, job)
-        save_tiny_tokenizer(out, src_model.config.vocab_size)
-        from transformers import AutoModelForCausalLM
-
+    finally:
+        tiny_models._COMMON.clear()
+        tiny_models._COMMON.update(common)
+    out = os.path.join(out_root, job["name"])
+    src = os.path.join(out_root, f".src-{job['name']}")
+    # Baichuan's stand-in is a Llama (tests/tiny_models.py): the tools quantize it in Llama's layout
+    tiny_models.save_checkpoint(src_model, "llama" if job["arch"].startswith("baichuan") else job["arch"], src)
+    save_tiny_tokenizer(src, src_model.config.vocab_size)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(src, "config.json"), "w") as f:  # gptqmodel's default pad id for Qwen2 (151643) is
+        json.dump(dict(cfg, pad_token_id=0), f)  # outside the tiny vocabulary
+    with torch.no_grad():
+        src_logits = src_model(torch.tensor([PROMPT])).logits[0].float().numpy()
+    {"gptqmodel": _gptqmodel, "llmcompressor": _llmcompressor}[job["tool"]](src, out, job)
+    save_tiny_tokenizer(out, src_model.config.vocab_size)
+    hf_logits = np.zeros((0,), np.float32)
+    if job.get("hf", True):
         hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, device_map="cpu").eval()
         with torch.no_grad():
             hf_logits = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
-        ref = _dense_reference(out, job, src_model)
-        ref.generation_config.eos_token_id = None
-        greedy = {}
-        with torch.no_grad():
-            for i, p in enumerate(PROMPTS):
-                y = ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-                greedy[f"dense_{i}"] = y[0, len(p):].numpy()
-            dense_logits = ref(torch.tensor([PROMPT])).logits[0].float().numpy()
-        if job["arch"].startswith("baichuan"):  # the tools quantize the Llama stand-in; ship Baichuan's layout
-            _to_baichuan(out, job["arch"])
-        np.savez(os.path.join(out, "refs.npz"), hf_logits=hf_logits, dense_logits=dense_logits, **greedy)
+        del hf
+    ref = _dense_reference(out, job, src_model)
+    ref.generation_config.eos_token_id = None
+    greedy = {}
+    with torch.no_grad():
+        for i, p in enumerate(PROMPTS):
+            y = ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+            greedy[f"dense_{i}"] = y[0, len(p):].numpy()
+        dense_logits = ref(torch.tensor([PROMPT])).logits[0].float().numpy()
+    if job["arch"].startswith("baichuan"):  # the tools quantize the Llama stand-in; ship Baichuan's layout
+        _to_baichuan(out, job["arch"])
+    np.savez(os.path.join(out, "refs.npz"), hf_logits=hf_logits, dense_logits=dense_logits, src_logits=src_logits,
+             **greedy)
+
+
+def _demo(out_root: str, job: dict) -> None:
+    """The demo model (bfloat16 HF folder of jaxllm.demo) quantized by gptqmodel, calibrated on chat turns."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from jaxllm.demo import demo_model_path
+
+    torch.set_num_threads(1)  # GPTQ's column loop runs small ops: intra-op threads cost CPU (40 s -> 34 s)
+    src = demo_model_path()
+    tok = AutoTokenizer.from_pretrained(src)
+    calib = [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
+                                     tokenize=False) for q, a in DEMO_CALIBRATION]
+    calib = [tok(text, return_tensors="pt")["input_ids"][0] for text in calib]
+    _gptqmodel(src, os.path.join(out_root, job["name"]), job, calib)
 
 
 def _to_baichuan(out: str, arch: str) -> None:
@@ -182,6 +259,14 @@ def _to_baichuan(out: str, arch: str) -> None:
               max_position_embeddings=cfg["max_position_embeddings"], quantization_config=cfg["quantization_config"])
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(bc, f)
+
+
+def run(out_root: str, jobs: list[dict]) -> None:
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for job in jobs:
+        t0 = time.perf_counter()
+        (_demo if job["arch"] == "demo" else _tiny)(out_root, job)
+        print(f"quant_producers: {job['name']} in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -249,7 +249,8 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     from bench import gpu_parity
 
     res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.25", "--enforce-eager",
-                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"), "--out", str(tmp_path / "r.json")])
+                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(tmp_path / "r.json")])
     parity = res["configs"]["fp8_kv"]["parity"]
     assert res["configs"]["fp8_kv"]["kv_cache_dtype"] == "float8_e4m3fn" and parity["passed"]
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
@@ -265,8 +266,49 @@ def test_gpu_parity_quantized_configs(tmp_path):
                            "--model-dir", str(tmp_path / "m"),
                            "--out", str(tmp_path / "q.json")])
     for name in ("gptq_int4", "fp8"):
-        assert res["configs"][name]["parity"]["passed"], (name, res["configs"][name]["parity"])
+        parity = res["configs"][name]["parity"]
+        assert parity["passed"] and parity["lp_err_ratio_tol"] == 2.0, (name, parity)
     assert res["configs"]["gptq_int4"]["engine"] is not None
+
+
+def test_gpu_parity_quantized_configs_fail_on_a_broken_dequantization(tmp_path, monkeypatch):
+    """The same configurations report failure when the engine dequantizes wrongly: int4 zero points off by one (GPTQ
+    v1's stored zero - 1 taken as the zero), fp8 scales off by 448 / 240 (e4m3fnuz's range taken for e4m3fn's).
+    The tiny model's logits are too flat for the int4 bug to make a gap over --gap-tol: its logprob error against
+    HF bf16's on the same weights (--lp-err-ratio) catches it."""
+    import jax.numpy as jnp
+
+    from bench import gpu_parity
+    from jaxllm.models import quant_matmul
+    from kernels_pallas import qlayout
+
+    right_int, right_fp8, seen = qlayout.dequantize, quant_matmul.fp8_matmul_ref, set()
+
+    def broken_int(w, dtype=None):  # (q - (z - 1)) * s = the right weight + one scale step per group
+        seen.add("int")
+        dense = right_int(w, jnp.float32)
+        G = w.k if w.group_size == -1 else w.group_size
+        step = jnp.repeat(w.scales.astype(jnp.float32), G, axis=0)[: w.k]
+        return (dense + step).astype(dtype or w.scales.dtype)
+
+    def broken_fp8(x, wq, scale, **kw):
+        seen.add("float")
+        return right_fp8(x, wq, scale * (448.0 / 240.0), **kw)
+
+    # the engine's reference (CPU) paths: jaxllm/models/quant_matmul.py
+    monkeypatch.setattr(qlayout, "dequantize", broken_int)
+    monkeypatch.setattr(quant_matmul, "fp8_matmul_ref", broken_fp8)
+    # --num-layers 1: shapes no earlier test traced, so the steps are traced (and compiled) with the patch
+    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--num-layers", "1", "--scale", "0.1",
+                           "--output-len", "8", "--enforce-eager", "--configs", "gptq_int4", "fp8",
+                           "--gptq-group-size", "32", "--model-dir", str(tmp_path / "m"),
+                           "--out", str(tmp_path / "q.json")])
+    assert seen == {"int", "float"}
+    for name in ("gptq_int4", "fp8"):
+        parity = res["configs"][name]["parity"]
+        assert not parity["passed"], (name, parity)
+        assert parity["lp_err_mean"] > 5 * parity["hf_baseline"]["lp_err_mean"], (name, parity)
+    assert not res["passed"]
 
 
 def test_gpu_parity_compare_fails_on_a_wrong_token():
@@ -340,6 +382,25 @@ def test_structured_smoke(tmp_path):
     assert len(top) == 30 and all(t["own_s"] >= 0 and t["calls"] > 0 for t in top)
     assert "host_profile_top" not in saved["runs"][1]
     assert res["runs"][1]["host_s"]["_advance_grammars"]["calls"] > 0
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_spec_decode_smoke(tmp_path):
+    """The verify-step grid on the tiny shape and the projection from given acceptance rates (the demo-model
+    acceptance part is the same engine path as tests/test_spec_engine.py)."""
+    from bench import spec_decode
+
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"accept": {"per_position_acceptance": [0.8, 0.6, 0.4], "draft_fraction": 0.9}}))
+    out = tmp_path / "sd.json"
+    res = spec_decode.main(["--parts", "verify", "--shape", "tiny", "--ks", "1,3", "--batches", "1,4", "--iters", "2",
+                            "--context", "24", "--acceptance-json", str(acc), "--out", str(out)])
+    rows = res["verify"]["rows"]
+    assert [r["batch"] for r in rows] == [1, 4] and all(set(r["spec_ms"]) == {"1", "3"} for r in rows)
+    assert all(r["plain_ms"] > 0 and min(r["spec_ms"].values()) > 0 for r in rows)
+    table = res["projection"]["table"][0]["speedup"]
+    assert table["3"] == pytest.approx((1 + 0.9 * 1.8) * rows[0]["plain_ms"] / rows[0]["spec_ms"]["3"])
+    assert json.loads(out.read_text())["env"]["command"]
 
 
 def test_quant_kernels_smoke(tmp_path):

@@ -279,7 +279,7 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
     big_decode = programs_mod.StepVariant(big, big, True, SamplerFlags(), 0)
     variants = (mixed, small_decode, big_decode)
     fake = types.SimpleNamespace(exec_cache=exec_cache.ExecutableCache(str(tmp_path), jax.devices()), cfg="cfg",
-                                 attn="attn")
+                                 attn="attn", drafter=None)
     args = (jnp.ones(4),)
     cpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
     assert [programs_mod.compile_options(v) for v in variants] == [{}, {}, {}]

@@ -85,3 +85,16 @@ def test_key_seed_uses_all_64_bits():
     keys = [key_seed(s) for s in seeds]
     assert len(set(keys)) == len(seeds) and all(0 <= k < 2**32 for k in keys)
     assert key_seed(-1) == key_seed(2**64 - 1)  # the same 64-bit value
+
+
+def test_a_trimmed_table_that_grows_back_to_its_length_is_rewritten():
+    """Speculative decoding frees a rejected token's page and the next step takes another one: the table has its
+    old length again with a new last page, which truncate() (the scheduler's SchedulerOutput.trimmed) exposes."""
+    batch = InputBatch(4, 8)
+    seq = Sequence("a", [1, 2, 3])
+    seq.block_table = [5, 6, 7]
+    row = int(batch.rows([seq])[0])
+    seq.block_table = [5, 6, 9]  # page 7 freed by the rollback, page 9 taken by the next step
+    assert batch.tables[batch.rows([seq])[0], :3].tolist() == [5, 6, 7]  # stale without truncate
+    batch.truncate({"a": 2})
+    assert int(batch.rows([seq])[0]) == row and batch.tables[row, :3].tolist() == [5, 6, 9]

@@ -91,11 +91,12 @@ class FakeEngine:
             seq = s.seq
             assert seq.status is SequenceStatus.RUNNING and s.num_tokens >= 1
             assert s.start + s.num_tokens == seq.num_computed_tokens
+            n_spec = len(s.spec_token_ids)  # proposals verified by this decode (tests/test_spec_scheduler.py)
             if s.sample:
-                assert seq.num_tokens == seq.num_computed_tokens + 1
+                assert seq.num_tokens + n_spec == seq.num_computed_tokens + 1
             else:
-                assert seq.num_tokens > seq.num_computed_tokens
-            truth = truths[seq.seq_id] = seq.all_token_ids + list(self.on_device[seq.seq_id])
+                assert seq.num_tokens > seq.num_computed_tokens and not n_spec
+            truth = truths[seq.seq_id] = seq.all_token_ids + list(self.on_device[seq.seq_id]) + s.spec_token_ids
             if not cfg.enable_chunked_prefill:
                 assert s.sample  # a prompt (or recompute) runs whole
             if s.from_device:
@@ -113,7 +114,15 @@ class FakeEngine:
             context = [self.kv[self._slot(seq, pos)] for pos in range(end)]
             assert [p for p, _ in context] == list(range(end)), "KV at the wrong position"
             assert [t for _, t in context] == truth[:end], "KV of other tokens"
-            if s.sample:
+            if s.sample and s.spec_token_ids:  # greedy verification: accept while the model agrees
+                emitted = []
+                for j in range(len(s.spec_token_ids) + 1):
+                    emitted.append(model([t for _, t in context[: s.start + 1 + j]]))
+                    if j == len(s.spec_token_ids) or emitted[-1] != s.spec_token_ids[j]:
+                        break
+                sampled[seq.seq_id] = emitted
+                self.on_device[seq.seq_id].extend(emitted)
+            elif s.sample:
                 sampled[seq.seq_id] = model([t for _, t in context])
                 self.on_device[seq.seq_id].append(sampled[seq.seq_id])
         self.inflight.append((out, sampled))
@@ -124,12 +133,23 @@ class FakeEngine:
         appended = self.sched.update(out, sampled)
         max_model_len = self.sched.config.max_model_len
         for seq in appended:
-            assert self.on_device[seq.seq_id].popleft() == seq.output_token_ids[-1]
-            if seq.output_token_ids[-1] == STOP:
-                self.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
-            elif seq.num_output_tokens >= (seq.max_tokens or 1 << 30) or seq.num_known_tokens >= max_model_len:
-                self.finish(seq.seq_id, SequenceStatus.FINISHED_LENGTH)
+            new = sampled[seq.seq_id] if isinstance(sampled[seq.seq_id], list) else [sampled[seq.seq_id]]
+            assert [self.on_device[seq.seq_id].popleft() for _ in new] == seq.output_token_ids[-len(new):]
+            del seq.output_token_ids[len(seq.output_token_ids) - len(new):]  # replayed one by one, as the engine
+            for token in new:
+                seq.output_token_ids.append(token)
+                if token == STOP:
+                    self.finish(seq.seq_id, SequenceStatus.FINISHED_STOPPED)
+                elif seq.num_output_tokens >= (seq.max_tokens or 1 << 30) or seq.num_known_tokens >= max_model_len:
+                    self.finish(seq.seq_id, SequenceStatus.FINISHED_LENGTH)
+                if seq.is_finished:
+                    break
+            else:
+                self.propose(seq)
         return appended
+
+    def propose(self, seq: Sequence) -> None:
+        """Speculative decoding's proposer (none here; tests/test_spec_scheduler.py sets one)."""
 
     def finish(self, seq_id: str, status: SequenceStatus) -> bool:
         seq = self.sched.get(seq_id)
@@ -143,10 +163,16 @@ class FakeEngine:
         self.complete()
         return out
 
+    @property
+    def verifying(self) -> bool:
+        """A step in flight verifies proposals: as LLMEngine does, the next one is scheduled after its tokens (the
+        scheduler rolls back the rejected ones then; scheduling before would read the unverified progress)."""
+        return any(s.spec_token_ids for out, _ in self.inflight for s in out.scheduled)
+
     def run(self, max_steps: int = 1000, lookahead: bool = False) -> None:
         while self.sched.has_unfinished() or self.inflight:
             assert self.steps < max_steps, "no progress"
-            if lookahead and self.sched.has_unfinished():
+            if lookahead and self.sched.has_unfinished() and not self.verifying:
                 self.launch()
                 if len(self.inflight) > 1:
                     self.complete()
@@ -489,7 +515,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def step(self):
         self.eng.step()
 
-    @precondition(lambda self: len(self.eng.inflight) == 1)
+    @precondition(lambda self: len(self.eng.inflight) == 1 and not self.eng.verifying)
     @rule()
     def launch_ahead(self):
         self.eng.launch()

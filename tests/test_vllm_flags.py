@@ -97,6 +97,8 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
         return [str(next(iter(action.choices)))]
     if flag == "--chat-template":
         return ["{% for m in messages %}{{ m['content'] }}{% endfor %}"]
+    if flag == "--speculative-config":
+        return ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}']
     name = getattr(action.type, "__name__", "")
     value = {"int": "2", "float": "0.5", "human_readable_int": "2k", "_max_model_len": "1k", "loads": '["*"]',
              "json_object": "{}"}.get(name, "x")
@@ -151,8 +153,7 @@ def test_accepted_values_are_silent_and_the_tutorial_command_lines_run(caplog, c
     assert [w.split(" has no effect")[0] for w in warnings] == ["--num-scheduler-steps 8", "--swap-space 16",
                                                                 "--tokenizer-pool-size 2"]
     assert args.max_model_len == 4096 and "swap_space" not in vars(args)
-    for argv, what in ((["--speculative-config", '{"method": "ngram"}'], "speculative decoding is not supported"),
-                       (["--data-parallel-size", "2"], "data parallelism is not supported"),
+    for argv, what in ((["--data-parallel-size", "2"], "data parallelism is not supported"),
                        (["--task", "embed"], "only text generation is supported"),
                        (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes")):
         args, code, err = _parse(["m", *argv], caplog, capsys)
@@ -230,8 +231,8 @@ def test_llm_accepts_vllms_keywords(monkeypatch, caplog):
         llm_module.LLM("m", no_such_option=1)
     with pytest.raises(TypeError, match="unexpected keyword argument 'port'"):  # a server flag, not an LLM() one
         llm_module.LLM("m", port=8000)
-    with pytest.raises(ValueError, match=r"LLM\(speculative_config=.*speculative decoding is not supported"):
-        llm_module.LLM("m", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    llm = llm_module.LLM("m", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert llm.engine_args.speculative_config["num_speculative_tokens"] == 3  # honoured since issue 33
 
 
 def test_config_file_then_command_line(tmp_path, caplog, capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field, fields
 
+from jaxllm.engine.configs import SpeculativeConfig
 from jaxllm.paths import default_compilation_cache_dir
 from jaxllm.quantization import METHODS
 
@@ -46,6 +47,7 @@ class EngineArgs:
     enforce_eager: bool = False
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
+    speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig
     # jaxllm-specific: explicit KV size (tests, CPU), attention backend, compile cache.
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -72,6 +74,10 @@ class EngineArgs:
             overrides["rope_theta"] = self.rope_theta
         return overrides
 
+    def speculative(self) -> SpeculativeConfig | None:
+        """speculative_config as the frozen SpeculativeConfig (ValueError in vLLM's words when it is invalid)."""
+        return SpeculativeConfig.from_value(self.speculative_config)
+
     def validate(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}.")
@@ -94,6 +100,12 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        spec = self.speculative()
+        if spec is not None:
+            spec.check_parallel(self.tensor_parallel_size)
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("Speculative decoding is not supported with pipeline parallelism yet "
+                                 "(pipeline_parallel_size > 1).")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):  # None: derived; anything else a positive int
             value = getattr(self, name)

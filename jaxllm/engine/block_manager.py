@@ -176,6 +176,20 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         return True
 
+    def trim(self, seq: Sequence, num_tokens: int) -> int:
+        """Frees seq's pages past those covering its first num_tokens positions (last first): the slots of
+        speculated tokens the step rejected. Such pages hold no computed known token, so none is in the prefix
+        cache. Returns how many pages were freed."""
+        keep = self.blocks_needed(num_tokens)
+        extra = seq.block_table[keep:]
+        for block in reversed(extra):
+            rc = self.ref_counts[block] - 1
+            assert rc == 0 and self.block_hash[block] is None, (seq.seq_id, block, rc)
+            self.ref_counts[block] = 0
+            self._free_plain.append(block)
+        del seq.block_table[keep:]
+        return len(extra)
+
     def _take_free_block(self) -> int:
         if self._free_plain:
             block = self._free_plain.pop()

@@ -50,6 +50,14 @@ class InputBatch:
             if row is not None:
                 self._free.append(row)
 
+    def truncate(self, trimmed: dict[str, int]) -> None:
+        """Block tables that shrank (SchedulerOutput.trimmed: seq_id -> pages kept): their rows are rewritten past
+        that point by the next rows() (a table that shrank and grew back to its length has new pages there)."""
+        for seq_id, kept in trimmed.items():
+            row = self._row.get(seq_id)
+            if row is not None:
+                self.num_pages[row] = min(self.num_pages[row], kept)
+
     def rows(self, seqs) -> np.ndarray:
         """Row of each sequence ([n] int), assigning rows to new ones and appending new pages."""
         # Every step passes all running sequences, so the common case (known rows, a new page for a few)

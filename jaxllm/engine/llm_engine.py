@@ -31,7 +31,12 @@ from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.structured import Grammars
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams, truncate_prompt_ids
+from jaxllm.sampling_params import (
+    RequestOutputKind,
+    SamplingParams,
+    truncate_prompt_ids,
+)
+from jaxllm.spec_decode.engine import SpecDecoding
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +89,12 @@ class LLMEngine:
         self.tokenizer = parts.tokenizer
         self.runner: ModelRunner = parts.runner
         self.cache_config = parts.cache_config
-        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config)
+        # Speculative decoding (None: off; see step() and jaxllm/spec_decode/engine.py)
+        self.speculation = None if parts.speculation is None else SpecDecoding(parts.speculation)
+        self.spec = None if self.speculation is None else self.speculation.config
+        self._prev_spec = False  # the step in flight verifies proposals: the next one waits for its tokens
+        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config,
+                                   **(self.speculation.scheduler_kwargs if self.speculation else {}))
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.max_logprobs = args.max_logprobs
@@ -210,15 +220,27 @@ class LLMEngine:
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:
-        """Dispatches the next step and returns the outputs of the previous one (see the module docstring)."""
+        """Dispatches the next step and returns the outputs of the previous one (see the module docstring).
+
+        Speculative decoding: a step that verifies proposals needs the previous step's tokens on the host (the
+        n-gram lookup reads them; the scheduler needs to know how many were accepted), so when the policy
+        speculates (jaxllm.spec_decode.policy: the batch is small enough for it to pay) the previous step is
+        processed first, proposals are made, then the step is scheduled: no host/device overlap for it."""
         prev, result = self._inflight, None
-        if prev is not None and self._needs_sync():
+        sd = self.speculation
+        speculate = sd is not None and sd.policy.speculate(self.scheduler.num_running)
+        if prev is not None and (self._needs_sync() or speculate or self._prev_spec):
             self._inflight = None
             outputs = self._process(prev, self.runner.collect(prev))
             prev = None
         else:
             outputs = []
+        if speculate:
+            sd.propose(self.scheduler.running)
+        if sd is not None:
+            self.scheduler.speculate = speculate
         sched = self.scheduler.schedule()
+        self._prev_spec = sched.verify
         self._inflight = None
         if not sched.is_empty:
             p = self.runner.prepare(sched)
@@ -267,7 +289,8 @@ class LLMEngine:
             if state is None or state.matcher is None or state.finish_reason is not None:
                 continue
             advanced.append(state)
-            tokens.append(int(result.tokens[handle.rows[seq.seq_id]]))
+            row = handle.rows[seq.seq_id]
+            tokens.append(int(result.tokens[row] if result.num_emitted is None else result.tokens[row, 0]))
         self._consume(advanced, tokens)
         self._fill_masks(advanced)
 
@@ -294,8 +317,15 @@ class LLMEngine:
         return outputs
 
     def _process(self, handle: StepHandle, result: StepResult) -> list[RequestOutput]:
-        sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        if result.num_emitted is None:
+            sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
+        else:  # a speculative step: each row's emitted tokens
+            sampled = {seq_id: result.tokens[row, : result.num_emitted[row]].tolist()
+                       for seq_id, row in handle.rows.items()}
+            self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
+        if self.speculation is not None:
+            self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}
         if result.prompt is not None:
             self._collect_prompt_logprobs(handle, result, touched)
@@ -304,8 +334,9 @@ class LLMEngine:
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
             if req is None:
                 continue
+            new = sampled[seq.seq_id]
             try:
-                self._on_token(req, seq, handle, result, now)
+                self._on_tokens(req, seq, handle, result, now, len(new) if isinstance(new, list) else 1)
             except Exception as e:  # noqa: BLE001 - one request's failure must not take the others down
                 logger.exception("Request %s failed while processing its output", req.request_id)
                 self.abort_request(req.request_id)
@@ -323,21 +354,35 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _on_token(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float) -> None:
+    def _on_tokens(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float,
+                   count: int) -> None:
+        """The step's count new tokens of seq (more than one from a speculative step), one at a time: each is
+        checked for stops and changes the biases as if it came alone; tokens after a stop are dropped."""
+        new = seq.output_token_ids[len(seq.output_token_ids) - count:]
+        del seq.output_token_ids[len(seq.output_token_ids) - count + 1:]
         state = _state_of(req, seq)
-        row = handle.rows[seq.seq_id]
-        token = seq.output_token_ids[-1]
+        for j, token in enumerate(new):
+            if j:
+                if state.finish_reason is not None:
+                    return
+                seq.output_token_ids.append(token)
+            self._on_token(req, state, seq, handle.rows[seq.seq_id], result, now, token, j)
+
+    def _on_token(self, req: _Request, state: _SeqState, seq: Sequence, row: int, result: StepResult, now: float,
+                  token: int, j: int) -> None:
+        """token: seq's newest output token, the step's j-th for this sequence (its row j of a speculative
+        step's results)."""
+        at = row if result.num_emitted is None else (row, j)
         self.generation_tokens_total += 1
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             self.prompt_tokens_total += len(req.prompt_token_ids)
         req.metrics.last_token_time = now
-        lp = float(result.logprobs[row])
+        lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
         if state.logprobs is not None:
-            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[row]),
-                                                     result.top_ids[row], result.top_logprobs[row],
-                                                     req.params.logprobs))
+            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[at]), result.top_ids[at],
+                                                     result.top_logprobs[at], req.params.logprobs))
         self._append_token(req, state, token)
         self._update_bias(state)
         if state.matcher is not None:
@@ -496,6 +541,7 @@ class LLMEngine:
         with self._stats_lock:
             it = list(self._iteration_tokens)
             self._iteration_tokens.clear()
+        spec = self.speculation.stats(st.spec_decode) if self.speculation is not None else None
         return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
                            st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total, it)
+                           self.generation_tokens_total, it, spec)

@@ -44,7 +44,13 @@ from jaxllm.engine.exec_cache import ExecutableCache
 from jaxllm.engine.inputs import bucket
 from jaxllm.engine.packing import pack_host_args
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata
-from jaxllm.engine.step_fns import packed_sample_rows_fn, packed_step_fn, pipeline_head_fn
+from jaxllm.engine.step_fns import (
+    packed_sample_rows_fn,
+    packed_spec_step_fn,
+    packed_step_fn,
+    pipeline_head_fn,
+)
+from jaxllm.engine.xla_options import CUBLAS_MIN_DECODE_SEQS, compile_options  # noqa: F401
 from jaxllm.models.attention import AttentionConfig
 
 logger = logging.getLogger(__name__)
@@ -59,6 +65,8 @@ class StepVariant:
     prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
     sampler_widths: tuple = (1, 1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows, then the number of
     # structured-output masks (SamplingMetadata.token_bitmask)
+    num_spec: int = 0  # speculative decoding: K proposals verified per sequence (spec_step_fn); 0 = a plain step
+    draft: bool = False  # the draft program that follows this shape's steps (spec_decode/drafter.py); flags unused
 
     @property
     def shape_name(self) -> str:
@@ -72,44 +80,16 @@ def step_args(host_args, params, kv_caches, prev_tokens) -> tuple:
     return params, kv_caches, ints, floats, prev_tokens, layout
 
 
+def draft_args(host_args, params, draft, prev_in, prev_out, feats, emitted, extras) -> tuple:
+    """A draft program's arguments (drafter.draft_step_fn): draft = (draft params, draft KV), extras = (next_ids
+    [B], num_pages [B]) numpy."""
+    ints, floats, layout = pack_host_args(host_args)
+    return (params, *draft, ints, floats, prev_in, prev_out, feats, emitted, *extras, layout)
+
+
 def _spec(a) -> jax.ShapeDtypeStruct:
     """A device array's shape, dtype and sharding (to lower a program without holding the array)."""
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
-
-
-# decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS)
-CUBLAS_MIN_DECODE_SEQS = 32
-
-
-def compile_options(v: StepVariant) -> dict:
-    """XLA options of v's step program on a GPU (none elsewhere).
-
-    Steps with prompt tokens (prefill, mixed) are compiled without command buffers (CUDA graphs): a prefill that
-    arrives at an idle device otherwise waits for the graph's update (when the step's buffers moved since it last
-    ran) and launch before its first kernel, and its kernels are long enough to hide one launch each. Decode-only
-    steps keep them: one launch per kernel cost batch 1 5.44 -> 5.64 ms per token (h100_command_buffers_ab_5e05ff0
-    .json). H100, one call: batch-1 TTFT 13.6 / 13.9 -> 11.3 / 11.0 ms, ITL and throughput unchanged
-    (h100_prefill_without_command_buffers_ab_2dade1a_vs_cd09718.json in bench/results).
-
-    They also use cuBLAS instead of XLA's Triton GEMMs, which compile in half the time and run as fast or
-    faster. One H100 process compiling each step alone, then timing the two alternately (T x B, ms per step;
-    compile_probe_h100_b691aa4_ab_steps.json): 16x16 6.33 -> 6.51, 128x128 8.27 -> 7.68, 512x512 16.32 ->
-    15.86, 512x2048 47.7 -> 46.8, 512x8192 174.9 -> 154.1; compiles 8.3-9.9 -> 4.6-6.3 s. In a cold start's
-    8 parallel compiles the longest took 32-36 -> 14-17 s and LLM() 73.8 -> 60.5 s (compile_probe_h100_ce2244f
-    .json: the 8B shape, 19 steps; tracing them, ~25-35 s with compiles alongside, is now what ready waits on).
-
-    Decode-only steps of CUBLAS_MIN_DECODE_SEQS or more sequences use cuBLAS instead of XLA's Triton GEMMs: the
-    autotuner keeps Triton GEMM fusions there (with the residual add and norm scale fused around them), which
-    bench/probes/step_probe.py measured slower per step on the H100 at ctx 192 (step_probe_h100_e104111_rows*.json):
-    32 rows 6.35 -> 6.26 ms, 64 rows 7.03 -> 6.50-6.54, 128 rows 8.15 -> 7.54, 256 rows 10.48 -> 10.13, 512 rows
-    (500 live, ctx 600) 26.45 -> 26.08; at 8 and 16 rows Triton wins (5.67 vs 5.93, 5.89 vs 5.97)."""
-    if jax.default_backend() != "gpu":
-        return {}
-    if not v.decode_only:
-        return {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
-    if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
 
 
 def _failed(future) -> bool:
@@ -142,13 +122,27 @@ class StepPrograms:
 
     def __init__(self, cfg: ModelConfig, attn: AttentionConfig, devices, *, seq_buckets: tuple[int, ...],
                  token_buckets: tuple[int, ...], kv_specs, dummy_host: Callable[[StepVariant], tuple],
-                 max_penalty_width: int, pipeline: bool = False, executable_cache_dir: str | None = None):
+                 max_penalty_width: int, pipeline: bool = False, executable_cache_dir: str | None = None,
+                 num_spec: int = 0, spec_max_seqs: int = 0, drafter=None, draft_state=None, block_size: int = 16):
+        """drafter: a spec_decode.drafter.Drafter (a draft model or EAGLE head) or None; draft_state: its (params,
+        KV cache specs) the draft programs are compiled for."""
         self.cfg, self.attn = cfg, attn
+        self.drafter, self.draft_state, self.block_size = drafter, draft_state, block_size
+        # Speculative decoding: K (0: off) and the largest batch bucket whose verify step is compiled at start-up
+        self.num_spec, self.spec_max_seqs = num_spec, spec_max_seqs
         self.seq_buckets, self.token_buckets = seq_buckets, token_buckets
         self.kv_specs, self.dummy_host = kv_specs, dummy_host
         self.max_penalty_width = max_penalty_width  # penalty rows never get wider (2 x the longest sequence)
-        self._jit = jax.jit(packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k"),
+        self._jit = jax.jit(packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k", "drafter"),
                             donate_argnums=(1,))
+        self._spec_jit = jax.jit(packed_spec_step_fn, static_argnames=("cfg", "attn", "flags", "num_spec", "drafter"),
+                                 donate_argnums=(1,))
+        self._draft_jit = None
+        if drafter is not None:
+            from jaxllm.spec_decode.drafter import draft_step_fn
+
+            self._draft_jit = jax.jit(draft_step_fn, static_argnames=("drafter", "attn", "block_size"),
+                                      donate_argnums=(2,))
         # pp > 1: the last stage's logits and sampling (the stages are pipeline.py's jits)
         self.pipeline_head = (jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k"))
                               if pipeline else None)
@@ -182,17 +176,49 @@ class StepPrograms:
         for t in self.token_buckets:
             out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False,
                                    SamplerFlags(), 0))
+        if self.num_spec and not self.pipeline_head:
+            top = bucket(min(self.spec_max_seqs, self.seq_buckets[-1]), self.seq_buckets)
+            out += [self.spec_variant(b, SamplerFlags()) for b in self.seq_buckets if b <= top]
+        if self.drafter is not None:  # each shape's draft program
+            out += [dataclasses.replace(v, draft=True) for v in out]
         return out
+
+    def spec_variant(self, B: int, flags: SamplerFlags, widths: tuple = (1, 1, 1, 1, 1, 1)) -> StepVariant:
+        """The speculative (verify) step of B sequences: T fits every sequence's token and K proposals (one
+        variant per B; the scheduler's token budget caps what a step holds, so T never exceeds the largest token
+        bucket)."""
+        T = bucket(min(B * (self.num_spec + 1), self.token_buckets[-1]), self.token_buckets)
+        return StepVariant(T, B, False, flags, 0, widths, self.num_spec)
 
     def dummy_args(self, v: StepVariant, params, prev_tokens) -> tuple:
         """v's step program's arguments as compiled at start-up: dummy host inputs, the KV cache's specs."""
-        return step_args(self.dummy_host(v), params, self.kv_specs, prev_tokens)
+        if not v.draft:
+            return step_args(self.dummy_host(v), params, self.kv_specs, prev_tokens)
+        T, B, K = v.num_tokens, v.num_seqs, v.num_spec
+        host = self.dummy_host(dataclasses.replace(v, draft=False))
+        rep = jax.sharding.NamedSharding(self.attn.mesh, jax.sharding.PartitionSpec())
+        feats = emitted = None
+        if self.drafter.uses_features:
+            feats = jax.ShapeDtypeStruct((T, self.drafter.feature_dim), self.cfg.dtype, sharding=rep)
+        if K:
+            emitted = (jax.ShapeDtypeStruct((B, K + 1), np.int32, sharding=rep),
+                       jax.ShapeDtypeStruct((B,), np.int32, sharding=rep))
+        extras = (np.full(B, -1, np.int32), np.zeros(B, np.int32))
+        return draft_args(host, params, self.draft_state, prev_tokens, prev_tokens, feats, emitted, extras)
 
     def _lower(self, v: StepVariant, args):
-        return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs)
+        if v.draft:
+            return self._draft_jit.lower(*args, drafter=self.drafter, attn=self.attn, block_size=self.block_size)
+        if v.num_spec:
+            return self._spec_jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, num_spec=v.num_spec,
+                                        drafter=self.drafter)
+        return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs,
+                               drafter=self.drafter)
 
     def _cache_key(self, v: StepVariant, args) -> str:
-        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs)
+        static = (self.cfg, self.attn, v.flags, v.prompt_logprobs) + ((("spec", v.num_spec),) if v.num_spec else ())
+        if self.drafter is not None:  # every program of a runner with a drafter differs (features, or the draft)
+            static += (("drafter", self.drafter, v.draft, self.block_size),)
         options = compile_options(v)
         return self.exec_cache.key("step", args, static + ((tuple(sorted(options.items())),) if options else ()))
 
@@ -270,15 +296,17 @@ class StepPrograms:
                     time.perf_counter() - t0)
         return kv_caches, prev_tokens
 
-    def compile_variants(self, params, prev_tokens, workers: int | None = None, weights=None) -> None:
+    def compile_variants(self, params, prev_tokens, workers: int | None = None, weights=None,
+                         variants: list[StepVariant] | None = None) -> None:
         """Loads or compiles every start-up variant not compiled yet. Buckets in the executable cache are
         loaded, untraced. The others are traced one after another (Python) and compiled in a thread pool (XLA
         releases the GIL). When the pool leaves a core free, each bucket is compiled as soon as it is traced,
         so tracing overlaps compiling (2-core VM, 1 compile thread, 10 buckets of a 32-layer model: 81 -> 66 s,
         68 -> 53 s); otherwise tracing would only slow the compiles down (2 threads: 35 -> 43 s), so all are
-        traced first. Stops tracing once the weights Future (if any) has failed."""
+        traced first. Stops tracing once the weights Future (if any) has failed. variants: these instead of the
+        start-up ones (bench/spec_decode.py compiles its grid of verify steps so)."""
         t0 = time.perf_counter()
-        todo = self.uncompiled()
+        todo = self.uncompiled() if variants is None else [v for v in variants if v not in self.compiled]
         args = {v: self.dummy_args(v, params, prev_tokens) for v in todo}
         workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:

@@ -42,6 +42,16 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     iteration_tokens: list[int] = field(default_factory=list)  # tokens per step since the last snapshot
+    # Speculative decoding (None when it is off): totals since start, vLLM's vllm:spec_decode_* counters
+    spec_decode: SpecDecodeStats | None = None
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # verified proposals: one per sequence per step that had any
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at proposal position i
 
 
 class EngineClient(Protocol):

@@ -35,7 +35,7 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.input_batch import HAS_PARAMS, PROMPT_LOGPROBS, InputBatch
 from jaxllm.engine.inputs import bucket, step_inputs
 from jaxllm.engine.packing import plain, row_widths, sampler_flags, sampling_arrays
-from jaxllm.engine.programs import StepPrograms, StepVariant, step_args
+from jaxllm.engine.programs import StepPrograms, StepVariant, draft_args, step_args
 from jaxllm.engine.sampler import SamplerFlags
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
@@ -49,7 +49,7 @@ PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to po
 # Field readers for map() over a step's sequences in prepare(): a C-level loop, several times cheaper than a
 # Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
 _seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
-_seq_id = attrgetter("seq_id")
+_seq_id, _spec_token_ids = attrgetter("seq_id"), attrgetter("spec_token_ids")
 
 
 def kv_storage_dtype(dtype):
@@ -100,7 +100,8 @@ def dummy_host_inputs(v: StepVariant, *, max_pages: int, batch: InputBatch, voca
     z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
     meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, max_pages), v.decode_only)
     smd = sampling_arrays(batch, vocab_size, B, v.flags)
-    return z(T), np.full(T, -1, np.int32), meta, z(B), smd, np.full(T, -1, np.int32)
+    logits = (z(B * (v.num_spec + 1)), z(B, v.num_spec), z(B)) if v.num_spec else z(B)  # see _spec_rows
+    return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32)
 
 
 @dataclass
@@ -125,6 +126,7 @@ class PreparedStep:
     num_logprobs: int
     masked: list = dataclasses.field(default_factory=list)  # (row of smd.token_bitmask, the sequence whose mask it is)
     sched: SchedulerOutput | None = None
+    draft_extras: tuple | None = None  # with a drafter: (next_ids [B], num_pages [B]), see drafter.draft_step_fn
 
 
 @dataclass
@@ -135,13 +137,21 @@ class StepResult:
     top_ids: np.ndarray  # [B, k]
     top_logprobs: np.ndarray  # [B, k]
     prompt: tuple | None  # (target logprobs [T], ranks [T], top ids [T, k], top logprobs [T, k])
+    # Speculative steps: tokens, logprobs and ranks are [B, K + 1] and the top-k [B, K + 1, k], each row's emitted
+    # tokens first; num_emitted [B] says how many (None for a plain step)
+    num_emitted: np.ndarray | None = None
+    draft_tokens: np.ndarray | None = None  # [B, K]: a drafter's proposals for the next step (verify steps)
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None):
+                 max_logprobs: int = 20, executable_cache_dir: str | None = None, num_spec_tokens: int = 0,
+                 spec_max_seqs: int = 0, drafter=None, draft_params=None):
+        """num_spec_tokens: speculative decoding's K (0: off); spec_max_seqs: the largest batch that speculates
+        (its verify steps are compiled at start-up for the batch buckets up to it); drafter / draft_params: a
+        draft model or EAGLE head (spec_decode/drafter.py) and its weights, with a KV cache of its own here."""
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
@@ -157,6 +167,8 @@ class ModelRunner:
             self.attn = attn_config = dataclasses.replace(attn_config, kv_dtype=str(self.kv_values_dtype))
         # Weights still loading (abstract_weights): the KV cache is allocated once they are bound (warm_up).
         self.kv_caches = self._allocate_kv() if self.has_weights else self._kv_specs()
+        self.drafter, self.draft_params = drafter, draft_params
+        self.draft_kv = self._draft_kv(allocate=self.has_weights)
         self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
         self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
@@ -175,7 +187,10 @@ class ModelRunner:
                                      dummy_host=functools.partial(dummy_host_inputs, max_pages=self.max_pages,
                                                                   batch=self.batch, vocab_size=cfg.vocab_size),
                                      max_penalty_width=2 * self.max_pages * block_size,
-                                     pipeline=self.pipeline is not None, executable_cache_dir=executable_cache_dir)
+                                     pipeline=self.pipeline is not None, executable_cache_dir=executable_cache_dir,
+                                     num_spec=num_spec_tokens, spec_max_seqs=spec_max_seqs, drafter=drafter,
+                                     draft_state=(draft_params, self._draft_kv(allocate=False)),
+                                     block_size=block_size)
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
@@ -195,6 +210,14 @@ class ModelRunner:
 
     def _kv_specs(self):
         return kv_cache_specs(self.cfg, self.mesh, self.num_blocks, self.block_size, self.kv_dtype)
+
+    def _draft_kv(self, allocate: bool):
+        """The drafter's KV cache (its layers, the target's page count) or its specs; None without a drafter."""
+        if self.drafter is None:
+            return None
+        dcfg = self.drafter.cfg
+        make = make_kv_caches if allocate else kv_cache_specs
+        return make(dcfg, self.mesh, self.num_blocks, self.block_size, kv_storage_dtype(jnp.dtype(dcfg.dtype)))
 
     def _kv_allocated(self) -> bool:
         return isinstance(self.kv_caches[0][0], jax.Array)
@@ -248,15 +271,15 @@ class ModelRunner:
                 # (an H100 start-up with the cache allocated had a compile fail for memory and redone alone:
                 # 37 -> 51 s), then allocate it. (Only before the first step: later the cache holds sequences.)
                 if not programs.warmed_up and self._kv_allocated() and programs.uncompiled():
-                    for a in jax.tree.leaves(self.kv_caches):
+                    for a in jax.tree.leaves((self.kv_caches, self.draft_kv)):
                         a.delete()
-                    self.kv_caches = self._kv_specs()
+                    self.kv_caches, self.draft_kv = self._kv_specs(), self._draft_kv(allocate=False)
                 programs.compile_variants(self.params, self.prev_tokens, workers, weights)
         finally:
             if weights is not None:
                 self.set_params(weights.result())
             if not self._kv_allocated() and self.has_weights:
-                self.kv_caches = self._allocate_kv()
+                self.kv_caches, self.draft_kv = self._allocate_kv(), self._draft_kv(allocate=True)
         programs.finish_warm_up(enforce_eager)
 
     def _step_args(self, host_args) -> tuple:
@@ -272,6 +295,7 @@ class ModelRunner:
         # logprobs, penalties, biases).
         batch = self.batch
         batch.release(sched.freed)
+        batch.truncate(sched.trimmed)
         scheduled = sched.scheduled
         n = len(scheduled)
         seqs = list(map(_seq, scheduled))
@@ -283,7 +307,12 @@ class ModelRunner:
         from_device = np.fromiter(map(len, known), np.int32, n) < q_lens
         n_tok = int(q_lens.sum())
         decode_only = n_tok == n  # every chunk is one token
-        if decode_only:
+        spec = self.programs.num_spec and (sched.verify or any(map(_spec_token_ids, scheduled)))  # (scheduler)
+        if spec:  # (a drafter's verify step may have no proposals yet: still the verify program)
+            decode_only = False
+            v_spec = self.programs.spec_variant(bucket(n, self.seq_buckets), SamplerFlags())
+            B, T = v_spec.num_seqs, v_spec.num_tokens
+        elif decode_only:
             B = T = bucket(n, self.seq_buckets)
         else:
             # Mixed steps: B follows T (B <= n_tok <= T), so there is one mixed variant per token bucket.
@@ -323,11 +352,50 @@ class ModelRunner:
         smd = sampling_arrays(batch, self.cfg.vocab_size, B, flags, seqs, rows, live)
         meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
                                  inp.block_tables, decode_only)
-        v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd))
-        host_args = (inp.token_ids, src_rows, meta, inp.logits_indices, smd, prompt_targets)
+        v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), self.programs.num_spec if spec else 0)
+        logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
+        host_args = (inp.token_ids, src_rows, meta, logits_slot, smd, prompt_targets)
         slot = smd.bitmask_slot
         masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
-        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched)
+        extras = self._draft_extras(scheduled, rows, B) if self.drafter is not None else None
+        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras)
+
+    def _draft_extras(self, scheduled, rows: np.ndarray, B: int) -> tuple:
+        """The draft program's host inputs: (next_ids [B]: the known token after a chunk that samples none, a
+        partial prefill's, else -1; num_pages [B]: each sequence's pages, 0 for padding)."""
+        n = len(scheduled)
+        next_ids = np.full(B, -1, np.int32)
+        for i in itertools.compress(range(n), [not s.sample for s in scheduled]):
+            s = scheduled[i]
+            if s.start + s.num_tokens < s.seq.num_known_tokens:
+                next_ids[i] = s.seq.token_at(s.start + s.num_tokens)
+        num_pages = np.zeros(B, np.int32)
+        num_pages[:n] = self.batch.num_pages[rows]
+        return next_ids, num_pages
+
+    def _spec_rows(self, scheduled, query_start_loc: np.ndarray, B: int):
+        """A verify step's (logits_indices [B * (K + 1)]: each sequence's last-token row and its proposals'
+        rows, repeated past them; drafts [B, K]; num_drafts [B])."""
+        K, n = self.programs.num_spec, len(scheduled)
+        num_drafts = np.zeros(B, np.int32)
+        num_drafts[:n] = np.fromiter(map(len, map(_spec_token_ids, scheduled)), np.int32, n)
+        drafts = np.zeros((B, K), np.int32)
+        for i in np.flatnonzero(num_drafts).tolist():
+            drafts[i, : num_drafts[i]] = scheduled[i].spec_token_ids
+        first = query_start_loc[:B] - np.where(np.arange(B) < n, 0, query_start_loc[:B])  # padding rows: 0
+        rows = first[:, None] + np.minimum(np.arange(K + 1)[None, :], num_drafts[:, None])
+        return rows.reshape(-1).astype(np.int32), drafts, num_drafts
+
+    def _launch_unverified(self, p: PreparedStep, before_sample) -> StepHandle:
+        """A verify step whose program is not ready (non-default sampler flags compiling in the background)
+        runs as plain decodes of each sequence's last token: the scheduler then rolls every proposal back."""
+        plain_seqs = [dataclasses.replace(s, num_tokens=1, token_ids=s.token_ids[:1], spec_token_ids=[])
+                      for s in p.sched.scheduled]
+        stripped = dataclasses.replace(p.sched, scheduled=plain_seqs, freed=[], trimmed={},
+                                       num_batched_tokens=len(plain_seqs), verify=False)
+        handle = self.launch(self.prepare(stripped), before_sample)
+        handle.sched = p.sched
+        return handle
 
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         return self.launch(self.prepare(sched))
@@ -347,7 +415,10 @@ class ModelRunner:
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
         before_sample = before_sample or (lambda: None)
         v, programs = p.variant, self.programs
-        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
+        if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+            return self._launch_unverified(p, before_sample)
+        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs and not v.num_spec
+        prev_in, feats = self.prev_tokens, None
         if self.pipeline is not None:
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
             before_sample()
@@ -358,7 +429,7 @@ class ModelRunner:
             before_sample()
             args = self._step_args(p.host_args)
             exe = programs.executable(v, args)
-            self.kv_caches, self.prev_tokens, outputs, prompt, _ = exe(*args)
+            self.kv_caches, self.prev_tokens, outputs, prompt, _, *feats = exe(*args)
         else:
             # Split: the bucket's start-up program (default flags; its own sampling is discarded) runs the model
             # and returns the sampled rows' hidden states, and a sampler-only program samples them with v's
@@ -366,16 +437,32 @@ class ModelRunner:
             # overlap.
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
             args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets))
-            self.kv_caches, _, _, _, rows = programs.executable(base, args)(*args)
+            self.kv_caches, _, _, _, rows, *feats = programs.executable(base, args)(*args)
             before_sample()
             exe, sargs = programs.sampler_call(v, self._head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = exe(*sargs)
             prompt = None
-        if v.flags.penalties:
+        if v.flags.penalties and not v.num_spec:
             programs.sampler_ahead(v, self._head, self.prev_tokens, smd)
+        drafts = None
+        if self.drafter is not None:
+            drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
         self._prev_rows = dict(p.sample_rows)
-        return StepHandle(p.sched, p.sample_rows, (outputs, prompt), p.prompt_rows, p.num_logprobs)
+        return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
+
+    def _launch_draft(self, p: PreparedStep, prev_in, feats, outputs):
+        """The drafter's program after p's step (spec_decode/drafter.py): keeps its KV in step with the target's
+        and, after a verify step, proposes the next K tokens of each sequence (device array [B, K], else None)."""
+        v = p.variant
+        dv = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0, num_spec=v.num_spec, draft=True)
+        token_ids, src_rows, meta, logits_slot, smd, prompt_targets = p.host_args
+        host = (token_ids, src_rows, meta, logits_slot, plain(smd), prompt_targets)
+        emitted = (outputs[0], outputs[5]) if v.num_spec else None
+        args = draft_args(host, self.params, (self.draft_params, self.draft_kv), prev_in, self.prev_tokens, feats,
+                          emitted, p.draft_extras)
+        self.draft_kv, drafts = self.programs.executable(dv, args)(*args)
+        return drafts
 
     def collect(self, handle: StepHandle) -> StepResult:
-        outputs, prompt = jax.device_get(handle.outputs)
-        return StepResult(*outputs, prompt)
+        outputs, prompt, drafts = jax.device_get(handle.outputs)
+        return StepResult(*outputs[:5], prompt, *outputs[5:], draft_tokens=drafts)

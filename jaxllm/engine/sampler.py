@@ -61,9 +61,22 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
 
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
-    B, V = logits.shape
     raw_max = logits.max(-1)
     lse = raw_max + jnp.log(jnp.exp(logits - raw_max[:, None]).sum(-1))
+    x, y = process_logits(logits, md, flags, raw_max)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    random_tokens = jnp.argmax(y + gumbel_noise(md, logits.shape[1]), axis=-1).astype(jnp.int32)
+    tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
+    return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags,
+                                    greedy_tokens if x is logits else None))
+
+
+def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=None):
+    """The request's processing of raw logits [B, V]: (x, y) with x the greedy space (penalties, logit biases,
+    allowed ids, grammar masks) and y the sampling space (x / temperature, top-k / top-p, min_p; -inf outside
+    what may be sampled). x is logits itself when nothing changed it. The rejection sampler runs the same
+    function on its per-position rows, so speculation samples from exactly these distributions."""
+    B, V = logits.shape
     x = logits
     if flags.penalties:
         x = _apply_penalties(x, md)
@@ -79,8 +92,6 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
         words = md.token_bitmask[jnp.maximum(md.bitmask_slot, 0)]  # [B, W]
         allowed = ((words[:, t >> 5] >> (t & 31)) & 1 == 1) | (md.bitmask_slot < 0)[:, None]
         x = jnp.where(allowed, x, -jnp.inf)
-    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
     y = x / temp
     if flags.filtering:
@@ -88,14 +99,26 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     # min_p keeps p >= min_p * p_max, i.e. y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all).
     # y_max = max(x) / temp exactly (dividing by temp > 0 is monotonic, and top-k/top-p keep the best token),
     # so the logits' max serves unless penalties or biases changed x: one pass over [B, V] less.
-    x_max = raw_max if x is logits else x.max(-1)
+    x_max = raw_max if x is logits and raw_max is not None else x.max(-1)
     y_max = x_max[:, None] / temp
     y = jnp.where(y < y_max + jnp.log(md.min_p)[:, None], -jnp.inf, y)
-    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)
-    random_tokens = jnp.argmax(y + gumbel, axis=-1).astype(jnp.int32)
-    tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
+    return x, y
 
+
+def row_keys(md: SamplingMetadata):
+    """Each row's PRNG key: fold_in(key(seed), index of the token being sampled in the request's output)."""
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
+
+
+def gumbel_noise(md: SamplingMetadata, V: int):
+    """[B, V] Gumbel noise of each row's key: argmax(y + noise) samples softmax(y)."""
+    return jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(row_keys(md))
+
+
+def token_logprobs(logits, tokens, raw_max, lse, flags: SamplerFlags, raw_argmax=None):
+    """(logprobs [B], ranks [B], top ids [B, k], top logprobs [B, k]) of tokens under the raw logits; ranks
+    and the top-k only with flags.num_logprobs (raw_argmax, when known, fills the [B, 1] slot otherwise)."""
+    B = logits.shape[0]
     token_logit = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0]
     token_lp = token_logit - lse
     if flags.num_logprobs:  # the rank, like the top-k, is only returned with logprobs (the runner asks for >= 1)
@@ -104,9 +127,9 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
         top_lp = top_logits - lse[:, None]
     else:  # not returned to anyone: zero ranks, and the raw argmax is enough to fill the [B, 1] slot
         ranks = jnp.zeros((B,), jnp.int32)
-        top_ids = (greedy_tokens if x is logits else jnp.argmax(logits, -1))[:, None]
+        top_ids = (jnp.argmax(logits, -1) if raw_argmax is None else raw_argmax)[:, None]
         top_lp = (raw_max - lse)[:, None]
-    return tokens, token_lp, ranks, top_ids.astype(jnp.int32), top_lp
+    return token_lp, ranks, top_ids.astype(jnp.int32), top_lp
 
 
 def _apply_penalties(x, md: SamplingMetadata):

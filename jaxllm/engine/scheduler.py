@@ -47,6 +47,9 @@ class ScheduledSeq:
     # Input ids known at schedule time: all num_tokens of them, or none when the input is the token the
     # previous step sampled on the device (async scheduling).
     token_ids: list[int] = field(default_factory=list)
+    # Speculative decoding: the proposed tokens this decode verifies (token_ids = [last token] + these); the step
+    # emits 1 to len + 1 tokens for it.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def from_device(self) -> bool:
@@ -68,11 +71,35 @@ class SchedulerOutput:
     # per-sequence state (a preempted sequence comes back with fresh pages and a recompute). An empty schedule
     # (no step runs, so no runner sees it) keeps them for the next one.
     freed: list[str] = field(default_factory=list)
+    # seq_id -> pages kept, for block tables that shrank since the previous non-empty schedule() (speculated
+    # tokens' pages freed by update()): the runner's copies of those tables are stale past that many pages.
+    trimmed: dict[str, int] = field(default_factory=dict)
     step_id: int = 0
+    verify: bool = False  # speculative decoding: the step verifies its sequences' proposals (see _add_proposals)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters, totals since start (vLLM's vllm:spec_decode_* metrics)."""
+
+    num_drafts: int = 0  # verified proposals (one per sequence per step that had some)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [k]: accepted at proposal position i
+
+    def record(self, num_proposed: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_proposed:
+            per_pos.extend([0] * (num_proposed - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
 
 
 @dataclass
@@ -83,6 +110,7 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens, totals since start
     prefix_cache_hits: int
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None
 
 
 def _queue_key(seq: Sequence) -> tuple:
@@ -90,7 +118,12 @@ def _queue_key(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 num_lookahead_tokens: int = 0, verify_every_decode: bool = False) -> None:
+        """num_lookahead_tokens: KV slots a speculating decode needs past its verified tokens (a draft model or
+        EAGLE head writes its own KV for the proposals of the next step there; 0 for n-gram lookup).
+        verify_every_decode: every speculating decode-only step is a verify step, with proposals or not (a
+        drafter on the device proposes in verify steps: the first one after a pause has none to verify)."""
         if cache_config.num_usable_tokens < scheduler_config.max_model_len:
             raise ValueError(
                 f"The KV cache holds {cache_config.num_usable_tokens} tokens "
@@ -110,6 +143,10 @@ class Scheduler:
         self._next_order = 0
         self._step_id = 0
         self._freed: list[str] = []
+        self.num_lookahead_tokens, self.verify_every_decode = num_lookahead_tokens, verify_every_decode
+        self._trimmed: dict[str, int] = {}
+        self.spec_stats = SpecDecodeStats()
+        self.speculate = True  # the engine's per-step switch (off: proposals are ignored, see _add_proposals)
 
     # ---- requests ----
 
@@ -172,6 +209,7 @@ class Scheduler:
             prefix_cache_queries=bm.prefix_cache_queries,
             prefix_cache_hits=bm.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            spec_decode=self.spec_stats,
         )
 
     # ---- one step ----
@@ -212,6 +250,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.PREEMPTED
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -277,19 +316,78 @@ class Scheduler:
                 self._schedule_chunk(out, seq, num_new)
                 budget -= num_new
 
+        if self.speculate and out.scheduled and out.num_batched_tokens == len(out.scheduled):
+            self._add_proposals(out, budget)
+        for s in out.scheduled:  # proposals not verified now are stale once the sequence moves on
+            s.seq.spec_token_ids = []
         if out.scheduled:
             out.freed, self._freed = self._freed, []
+            out.trimmed, self._trimmed = self._trimmed, {}
         return out
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+    def _add_proposals(self, out: SchedulerOutput, budget: int) -> None:
+        """Speculative decoding: a step whose chunks are all single-token decodes verifies the proposals of its
+        sequences too (each decode becomes [last token] + proposals). Steps with prompt tokens do not: the
+        proposals would lengthen a step that is not waiting on weight reads, and the prefill would lose budget.
+        Proposals are cut to the budget, to the tokens the sequence may still emit (max_tokens, max_model_len:
+        a step emits at most one more token than it verifies), and dropped when their pages do not fit (they
+        never preempt anyone)."""
+        bm, max_len, ahead = self.block_manager, self.config.max_model_len, self.num_lookahead_tokens
+        out.verify = self.verify_every_decode
+        for s in out.scheduled:
+            seq = s.seq
+            props = seq.spec_token_ids
+            if not props or budget <= 0 or s.from_device or not s.sample:
+                if self.verify_every_decode and ahead:  # the drafter's pages for its next proposals, when free
+                    bm.ensure_slots(seq, ahead)
+                continue
+            n_out = len(seq.output_token_ids)  # seq.num_pending is 1 for this step's token
+            room = max_len - (len(seq.prompt_token_ids) + n_out) - 1
+            if seq.max_tokens is not None:
+                room = min(room, seq.max_tokens - n_out - 1)
+            n = min(len(props), budget, room)
+            if n <= 0 or not bm.ensure_slots(seq, n + ahead):
+                if self.verify_every_decode and ahead:
+                    bm.ensure_slots(seq, ahead)
+                continue
+            out.verify = True
+            s.spec_token_ids = props[:n]
+            s.token_ids = s.token_ids + s.spec_token_ids
+            s.num_tokens += n
+            seq.num_computed_tokens += n
+            out.num_batched_tokens += n
+            budget -= n
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int | list[int]]) -> list[Sequence]:
         """Appends the tokens sampled by the step that ran `output`; returns the sequences that got one (the
-        new token is seq.output_token_ids[-1]). Tokens of sequences finished since `output` are dropped."""
+        new token is seq.output_token_ids[-1]). Tokens of sequences finished since `output` are dropped.
+
+        A speculating decode's entry is the list of tokens the step emitted (its accepted proposals and one
+        more): its KV progress rolls back past the rejected proposals and their pages are freed. (A single int
+        there: the proposals were not verified, and all roll back uncounted.)"""
         appended = []
         for s in output.scheduled:
             seq = s.seq
             if not s.sample or seq.is_finished:
                 continue
-            seq.output_token_ids.append(int(sampled[seq.seq_id]))
+            new = sampled[seq.seq_id]
+            if s.spec_token_ids:
+                verified = isinstance(new, list)  # an int: the runner ran the step as a plain decode
+                new = new if verified else [int(new)]
+                num_accepted = len(new) - 1
+                assert 0 <= num_accepted <= len(s.spec_token_ids), (seq, new, s.spec_token_ids)
+                if verified:
+                    self.spec_stats.record(len(s.spec_token_ids), num_accepted)
+                seq.output_token_ids.extend(new)
+                if seq.status is SequenceStatus.RUNNING:  # not preempted since it was scheduled
+                    seq.num_computed_tokens -= len(s.spec_token_ids) - num_accepted
+                    if self.block_manager.trim(seq, seq.num_computed_tokens + self.num_lookahead_tokens):
+                        kept = len(seq.block_table)
+                        self._trimmed[seq.seq_id] = min(kept, self._trimmed.get(seq.seq_id, kept))
+            elif isinstance(new, list):
+                seq.output_token_ids.extend(new)
+            else:
+                seq.output_token_ids.append(int(new))
             seq.num_pending -= 1
             assert seq.num_pending >= 0, seq
             if seq.status is SequenceStatus.RUNNING:

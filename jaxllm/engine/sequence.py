@@ -73,6 +73,9 @@ class Sequence:
         self.sampling_params = sampling_params  # carried for the engine; the scheduler never reads it
         self.bias_row: dict[int, float] | None = None  # the engine's logit biases for the next token (runner reads)
         self.token_bitmask = None  # structured outputs: the next token's allowed set ([W] int32; runner reads)
+        # Speculative decoding: tokens proposed to follow the last known one, verified by the next step that runs
+        # this sequence as a decode (the engine sets them after each step; the scheduler takes them).
+        self.spec_token_ids: list[int] = []
 
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0

@@ -32,6 +32,7 @@ class EngineParts:
     generation_defaults: dict
     mesh: object
     grammars: object  # structured.Grammars
+    speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
 
 
 def _is_gpu() -> bool:
@@ -237,10 +238,18 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
 
+    speculation = None
+    if args.speculative_config is not None:  # the drafter's config is checked before any weights load
+        from jaxllm.spec_decode.setup import plan
+
+        speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
+    if speculation is not None:  # the drafter's weights (on the device before the KV cache is sized) and pages
+        speculation.load(mesh, args.load_format, args.seed)
+        per_block += speculation.kv_bytes_per_block(args.block_size, args.tensor_parallel_size)
     # Without pipeline stages (whose warm-up runs them) the steps compile while the weights load on a thread:
     # what they are compiled for (abstract_weights) and the memory left for the KV cache are known before.
     overlap = args.pipeline_parallel_size == 1 and not args.enforce_eager
@@ -255,7 +264,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if overlap:
         params = abstract_weights(cfg, mesh)
         weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
-                           for p in jax.tree.leaves(params))
+                           for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
     else:
         params, weight_bytes = load(), 0
     dequantized = _dequantized_bytes(params, cfg)
@@ -267,6 +276,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
         weights = pool.submit(load)
         pool.shutdown(wait=False)
+    spec_kw = speculation.runner_kwargs() if speculation is not None else {}
 
     def warmed_up_runner(num_blocks, params, weights):
         runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
@@ -274,7 +284,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args))
+                             executable_cache_dir=_executable_cache_dir(args), **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
         return runner
 
@@ -314,7 +324,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):

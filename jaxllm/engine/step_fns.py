@@ -4,9 +4,13 @@
                           sampling (and prompt logprobs); returns the sampled rows' hidden states too
     packed_sample_rows_fn the sampler-only program: logits of those hidden states, then sampling with other
                           flags (a step "run split": the bucket's start-up step program, then this)
+    packed_spec_step_fn   a speculative (verify) step: the model over each sequence's last token and its
+                          proposals, logits at every proposed position, the rejection sampler
     pipeline_head_fn      pp > 1: the last stage's hidden states -> logits and sampling
 
-Static arguments (cfg, attn, flags, prompt_k) select a program; every other argument is an array.
+Static arguments (cfg, attn, flags, prompt_k, drafter) select a program; every other argument is an array. With a
+drafter (spec_decode/drafter.py: a draft model or EAGLE head) the step programs also return what the drafter
+reads of the target (EAGLE: hidden states), for the draft program that follows each step.
 """
 
 from __future__ import annotations
@@ -16,31 +20,70 @@ import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.packing import PackedLayout, unpack_host_args
+from jaxllm.engine.rejection_sampler import rejection_sample
 from jaxllm.engine.sampler import SamplerFlags, sample
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.decoder import compute_logits, forward
+from jaxllm.spec_decode.drafter import target_features
+
+
+def _forward(params, kv_caches, token_ids, meta, cfg: ModelConfig, attn: AttentionConfig, drafter):
+    """The model -> (kv_caches, hidden [T, D], the drafter's features [T, F] or None)."""
+    capture = drafter.feature_layers if drafter is not None and drafter.method == "eagle3" else ()
+    out = forward(params, kv_caches, token_ids, meta, cfg, attn, capture=capture)
+    feats = target_features(params, out[1], out[2] if capture else None, cfg, drafter)
+    if feats is not None:  # the draft program is compiled for replicated features
+        feats = jax.lax.with_sharding_constraint(feats, _replicated(attn))
+    return out[0], out[1], feats
+
+
+def _replicated(attn: AttentionConfig):
+    return jax.sharding.NamedSharding(attn.mesh, jax.sharding.PartitionSpec())
 
 
 def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-             *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+             *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
-    kv_caches, hidden = forward(params, kv_caches, token_ids, meta, cfg, attn)
+    kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
     rows = hidden[logits_indices]
     # The sampled rows' hidden states are returned too ([B, D]: small; returning the [B, V] float32 logits
     # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
     # default can run this program and a sampler-only program on them (ModelRunner.launch).
     logits = compute_logits(params, rows, cfg)
-    return (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
-                                   flags=flags, prompt_k=prompt_k), rows)
+    out = (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
+                                  flags=flags, prompt_k=prompt_k), rows)
+    return out if drafter is None else out + (feats,)
 
 
 def packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
-                   attn: AttentionConfig, flags: SamplerFlags, prompt_k: int):
+                   attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
     """_step_fn on the host inputs as pack_host_args made them."""
     token_ids, src_rows, meta, logits_indices, smd, prompt_targets = unpack_host_args(ints, floats, layout)
     return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-                    cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k)
+                    cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k, drafter=drafter)
+
+
+def packed_spec_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
+                        attn: AttentionConfig, flags: SamplerFlags, num_spec: int, drafter=None):
+    """A speculative decode step: the model over each sequence's last token and its proposals, logits at every
+    proposed position ([B * (K + 1)] rows, logits_indices), and the rejection sampler. Its host inputs are a plain
+    step's with (logits_indices [B * (K + 1)], drafts [B, K], num_drafts [B]) in the logits_indices slot.
+    Returns a plain step's outputs with num_emitted [B] appended to the sampled ones ([B, K + 1] each) (and the
+    drafter's features)."""
+    token_ids, src_rows, meta, (logits_indices, drafts, num_drafts), smd, _ = unpack_host_args(ints, floats, layout)
+    token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
+    kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
+    B = drafts.shape[0]
+    logits = compute_logits(params, hidden[logits_indices], cfg).reshape(B, num_spec + 1, -1)
+    tokens, num_emitted, lp, ranks, top_ids, top_lp = rejection_sample(logits, drafts, num_drafts, smd, flags)
+    last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
+    next_prev = jnp.zeros_like(prev_tokens).at[:B].set(last)
+    if drafter is None:
+        return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp, num_emitted), None, None
+    rep = _replicated(attn)  # the draft program reads them, compiled for replicated inputs
+    tokens, num_emitted = (jax.lax.with_sharding_constraint(a, rep) for a in (tokens, num_emitted))
+    return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp, num_emitted), None, None, feats
 
 
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):

@@ -352,7 +352,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--skip-mm-profiling', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.10.2-0.11.2'),
     _row('--skip-tokenizer-init', IGNORED, TOKENIZER_NEEDED, 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--spec-decoding-acceptance-method', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--speculative-config', REFUSED, SPECULATIVE, 'value', 'engine', '0.8.5-0.11.2'),
+    _row('--speculative-config', HONOURED, "", 'value', 'engine', '0.8.5-0.11.2'),
     _row('--speculative-disable-by-batch-size', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
     _row('--speculative-disable-mqa-scorer', IGNORED, SPECULATIVE, 'bool', 'engine', '0.8.0'),
     _row('--speculative-draft-tensor-parallel-size', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0',

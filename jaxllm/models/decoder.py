@@ -157,9 +157,12 @@ def _traced_once(layer_fn):
 
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
-            attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None):
+            attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None,
+            capture: tuple[int, ...] = ()):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
-    layer range and the previous stage's hidden states; the first stage embeds token_ids."""
+    layer range and the previous stage's hidden states; the first stage embeds token_ids. capture: layers whose
+    input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value
+    (EAGLE-3 heads read them)."""
     layers = range(cfg.num_layers) if layers is None else layers
     if hidden is None:
         x = params["embed"][token_ids]
@@ -169,9 +172,12 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
         x = hidden
     kv_caches = list(kv_caches)
     layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
+    captured = {}
     for i in layers:
+        if i in capture:
+            captured[i] = x
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i))
-    return kv_caches, x
+    return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
 
 
 def compute_logits(params, hidden, cfg: ModelConfig):
