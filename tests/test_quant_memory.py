@@ -4,7 +4,7 @@ An 8B GPTQ int4 engine ran out of memory at its first step on an H100 (a 9.30 Gi
 bench/results/quant_h100_23c93ec_log.txt): the prefill path dequantizes each weight and multiplies it with
 XLA's GEMM, and since a weight's dequantization depends on nothing the step computes, XLA scheduled the
 dequantizations of many layers ahead of the layers that use them, all live at once. kernels_pallas.quant
-.dequantize_for ties each one to its matmul's input with an optimization barrier.
+.tie_to_input ties each one to its matmul's input with an optimization barrier.
 
 XLA honours the barrier while it schedules on a GPU (its OptimizationBarrierExpander runs after scheduling), but
 its CPU compiler removes barriers before scheduling. So the steps here are compiled with that pass disabled
@@ -97,35 +97,4 @@ def test_blocks_for_step_temps():
     assert setup._blocks_for_step_temps(1000, gib // 16, 2 * gib, 9 * gib) == 1000 - 7 * 16 - 4  # 7.25 GiB more
 
 
-def test_kv_cache_shrinks_for_steps_that_need_more_memory(tmp_path, monkeypatch, caplog):
-    """On a GPU (faked here) the engine compares the compiled steps' temporary buffer (StepPrograms.temp_bytes)
-    with the memory its KV cache left them; where they need more, the cache gives up the difference in whole
-    blocks and the steps are compiled again for its shape, and the engine then runs as before."""
-    from jaxllm import LLM, SamplingParams
-    from jaxllm.config import read_hf_config
-    from jaxllm.engine import programs, setup
-    from tests.tiny_models import make_tiny_model_dir
-
-    model = make_tiny_model_dir("llama", str(tmp_path))[0]
-    kw = dict(dtype="float32", max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64, block_size=16,
-              attention_backend="reference")
-    prompts, greedy = [[5, 9, 2, 77, 3], [11, 7, 8]], SamplingParams(temperature=0.0, max_tokens=6)
-    want = [o.outputs[0].token_ids for o in LLM(model, num_gpu_blocks_override=40, **kw).generate(prompts, greedy)]
-
-    per_block = ModelRunner.kv_bytes_per_block(ModelConfig.from_hf(read_hf_config(model), dtype="float32"), 16)
-    reserve = 1 << 30
-    monkeypatch.setattr(setup, "_is_gpu", lambda: True)
-    monkeypatch.setattr(setup, "_gpu_device", lambda: None)
-    monkeypatch.setattr(setup, "_num_blocks", lambda *a, **k: 40)
-    monkeypatch.setattr(setup, "_step_reserve", lambda *a, **k: reserve)
-    temps = []
-    real = programs.StepPrograms.temp_bytes
-    monkeypatch.setattr(programs.StepPrograms, "temp_bytes", lambda self: temps.append(real(self)) or (
-        reserve - setup._STEP_SLACK_BYTES + 10 * per_block + 1))
-    llm = LLM(model, **kw)
-    assert temps and temps[0] > 0  # the real figure of the compiled steps (XLA's memory_analysis)
-    engine = llm.llm_engine
-    assert engine.cache_config.num_blocks == 40 - 11
-    assert all(a.shape[1] == 29 for a in jax.tree.leaves(engine.runner.kv_caches))
-    assert "the KV cache shrinks from 40 to 29 blocks" in caplog.text
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want
+# The engine's shrink and recompile (setup._build_parts) with a quantized checkpoint: tests/test_quant.py.

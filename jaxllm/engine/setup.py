@@ -309,11 +309,13 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                 "The compiled steps need %.2f GiB of temporary device memory, more than the %.2f GiB kept beside "
                 "the KV cache: the KV cache shrinks from %d to %d blocks and the steps are compiled again for it.",
                 temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30, num_blocks, fewer)
-            for a in jax.tree.leaves(runner.kv_caches):
+            params = runner.params
+            for a in jax.tree.leaves((runner.kv_caches, runner.draft_kv)):  # (and the drafter's pages, if any)
                 a.delete()
+            runner = None  # its executables too: the new cache's shape is every step's argument
             _check_one_sequence_fits(fewer, args.block_size, max_model_len)
             num_blocks = fewer
-            runner = warmed_up_runner(num_blocks, runner.params, None)
+            runner = warmed_up_runner(num_blocks, params, None)
     cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=args.enable_prefix_caching)
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -392,7 +394,7 @@ def _step_reserve(max_tokens: int, max_seqs: int, cfg, dequantized_bytes: int = 
     import jax
 
     # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers, and the
-    # largest weight a quantized model's prefill dequantizes (one at a time: kernels_pallas.quant.dequantize_for).
+    # largest weight a quantized model's prefill dequantizes (one at a time: kernels_pallas.quant.tie_to_input).
     act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
     act += dequantized_bytes
     # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
