@@ -468,6 +468,7 @@ def test_latency_and_throughput_take_quantization(tmp_path):
                                "--out", str(tmp_path / "lat.json")])
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    assert res["engine"]["step_temp_bytes"] > 0  # the compiled steps' largest temporary buffer (memory_analysis)
     p = argparse.ArgumentParser()
     common.add_model_args(p)
     args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])

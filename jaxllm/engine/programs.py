@@ -260,6 +260,18 @@ class StepPrograms:
                 logger.debug(msg, v, time.perf_counter() - t0)
         return exe
 
+    def temp_bytes(self) -> int:
+        """The largest temporary buffer of the compiled step programs (XLA's memory_analysis, per device): the
+        working memory a step allocates beside its arguments (weights, KV cache). 0 where none reports it."""
+        out = 0
+        for exe in list(self.compiled.values()):
+            try:
+                stats = exe.memory_analysis()
+            except (jax.errors.JaxRuntimeError, NotImplementedError):
+                continue
+            out = max(out, getattr(stats, "temp_size_in_bytes", 0) or 0)
+        return out
+
     # ---- start-up ----
     def uncompiled(self) -> list[StepVariant]:
         return [v for v in self.variants() if v not in self.compiled]
@@ -302,7 +314,7 @@ class StepPrograms:
         args = {v: self.dummy_args(v, params, prev_tokens) for v in todo}
         workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
-            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
+            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo), strict=True):
                 if exe is not None:
                     self.compiled[v] = exe
             t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self.compiled])
