@@ -153,7 +153,6 @@ class ServerMetrics:
         self.throughput = [IntervalThroughput(throughput_interval) for _ in self.last_per_engine]
         self._stats_failures = 0
         r, labels = self.registry, LABELS
-        self.registry.register(_EngineCollector(self))
         tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
         self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                         LABELS + ["finished_reason"], registry=r)
@@ -181,6 +180,9 @@ class ServerMetrics:
                                                         16384], registry=r))
         # per replica: an object with one labelled child of each histogram (.ttft, .itl, ...)
         self.engines = [_EngineHistograms(families, [model_name, str(i)]) for i in range(len(self.last_per_engine))]
+        # last: registering (auto_describe) polls the engine, which needs the histograms above (an engine that
+        # already ran steps before the server started has iteration tokens to observe)
+        self.registry.register(_EngineCollector(self))
 
     def for_engine(self, i: int) -> _EngineHistograms:
         return self.engines[i] if 0 <= i < len(self.engines) else self.engines[0]

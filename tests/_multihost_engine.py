@@ -1,6 +1,6 @@
 """One of the two processes (4 simulated CPU devices each) of tests/test_multihost_engine.py: the offline LLM API
 at tp 8, pp 2 (one stage per process) and tp 2 x pp 2 with preemption and prefix caching, speculative decoding
-refused, then `jaxllm serve` at tp 2 x pp 2 (process 0 serves, process 1 headless) until the test stops it.
+and LoRA refused, then `jaxllm serve` at tp 2 x pp 2 (process 0 serves, process 1 headless) until the test stops it.
 
     python tests/_multihost_engine.py MODEL_DIR COORDINATOR_PORT PROCESS_ID OUT_JSON HTTP_PORT
 """
@@ -51,6 +51,11 @@ def main(model: str, port: str, process_id: int, out: str, http_port: str) -> No
         results["speculation"] = "accepted"
     except ValueError as e:
         results["speculation"] = str(e)
+    try:
+        LLM(model, tensor_parallel_size=8, enable_lora=True, **ENGINE)
+        results["lora"] = "accepted"
+    except ValueError as e:
+        results["lora"] = str(e)
     if process_id == 0:
         with open(out + ".tmp", "w") as f:
             json.dump(results, f)

@@ -468,6 +468,7 @@ def test_latency_and_throughput_take_quantization(tmp_path):
                                "--out", str(tmp_path / "lat.json")])
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    assert res["engine"]["step_temp_bytes"] > 0  # the compiled steps' largest temporary buffer (memory_analysis)
     p = argparse.ArgumentParser()
     common.add_model_args(p)
     args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])
@@ -495,3 +496,22 @@ def test_multihost_smoke(tmp_path):
     mh = saved["cases"]["multi_pp2"]["throughput"]
     assert mh["output_tok_s"] > 0 and mh["batch1_itl_ms"] > 0 and len(mh["tokens"]) == 4
     assert len(saved["cases"]["dp2"]["throughput"]["tokens"]) == 4 and saved["env"]["command"] and res["cases"]
+
+
+def test_lora_bench_smoke(tmp_path):
+    """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
+    (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
+    adapters it writes itself, ratios to the base engine in the JSON."""
+    from bench import lora
+
+    out = tmp_path / "lora.json"
+    lora.main(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3", "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "--compilation-cache-dir",
+               "", "--rank", "8", "--engines", "base,lora8", "--max-loras-scale", "4", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
+    rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}
+    assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
+    assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0
+    assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0

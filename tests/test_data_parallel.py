@@ -1,6 +1,7 @@
 """Data parallelism (--data-parallel-size): the router's balancing, then 2 replicas on the 8 simulated CPU devices
 (tp 2 each, disjoint) giving the greedy tokens of one engine, offline and behind the server (there with n-gram
-speculation in each replica), both replicas used and labelled in /metrics as vLLM's `engine`."""
+speculation in each replica), both replicas used and labelled in /metrics as vLLM's `engine`; a LoRA adapter
+served by each replica."""
 
 import concurrent.futures
 import re
@@ -94,3 +95,27 @@ def test_server_two_replicas(tiny, ref):
     drafts = re.findall(r'vllm:spec_decode_num_drafts_total\{engine="(\d)",model_name="tiny"\} (\S+)', text)
     assert sorted(e for e, _ in drafts) == ["0", "1"] and sum(float(n) for _, n in drafts) > 0, drafts
     assert sum(engine.router.counts) == len(ALL) and min(engine.router.counts) > 0
+
+
+def test_lora_in_every_replica(tmp_path):
+    """--enable-lora with 2 replicas: the adapter is served by both (the same LoRA request lands on each in turn)
+    with HF + PEFT's greedy tokens, beside base-model requests."""
+    pytest.importorskip("peft")
+    from jaxllm.lora.request import LoRARequest
+    from tests.test_lora import make_adapter
+    from tests.test_lora_engine import hf_greedy
+
+    base, hf_base = make_tiny_model_dir("llama", str(tmp_path / "base"))
+    hf_base.generation_config.eos_token_id = None
+    peft_model = make_adapter(str(tmp_path / "a1"), 1, r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    peft_model.get_base_model().generation_config.eos_token_id = None
+    prompt = [5, 17, 42, 9, 100]
+    want, want_base = hf_greedy(peft_model, prompt), hf_greedy(hf_base, prompt)
+    assert want != want_base  # the adapter changes the tokens: the test can fail
+    llm = LLM(base, data_parallel_size=2, enable_lora=True, max_lora_rank=8, **ENGINE)
+    a1 = LoRARequest("a1", 1, str(tmp_path / "a1"))
+    greedy = SamplingParams(temperature=0, max_tokens=len(want), ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 3, greedy, lora_request=[a1, a1, None], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [want, want, want_base]
+    assert {llm.llm_engine.router.replica_of(i) for i in ("0", "1")} == {0, 1}  # a1 ran in each replica
+    assert llm.llm_engine.list_loras() == {1} and all(e.list_loras() == {1} for e in llm.llm_engine.replicas)

@@ -82,8 +82,8 @@ def test_two_processes(tmp_path):
             r = results[f"{tp}x{pp}"]
             assert r["tokens"] == ref, (tp, pp)
             assert r["preemptions"] > 0 and r["prefix_hits"] > 0, (tp, pp, r)
-        assert results["speculation"].startswith("speculative_config is not supported on an engine over several "
-                                                 "processes"), results["speculation"]
+        for name, key in (("speculative_config", "speculation"), ("enable_lora", "lora")):
+            assert results[key].startswith(f"{name} is not supported on an engine over several processes"), results
 
         base = f"http://127.0.0.1:{http_port}"
         wait_for(lambda: _health(base) == 200, 300, "server ready", procs)

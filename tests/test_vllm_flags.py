@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags that need a companion to parse (as in vLLM).
 COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
               "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
-              "--enable-log-outputs": ["--enable-log-requests"],
+              "--enable-log-outputs": ["--enable-log-requests"], "--lora-modules": ["--enable-lora"],
               "--headless": ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"],
               "--data-parallel-size-local": ["--data-parallel-size", "2"]}
 
@@ -103,7 +103,7 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
         return ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}']
     name = getattr(action.type, "__name__", "")
     value = {"int": "2", "float": "0.5", "human_readable_int": "2k", "_max_model_len": "1k", "loads": '["*"]',
-             "json_object": "{}"}.get(name, "x")
+             "json_object": "{}", "parse_lora_module": "a=/adapters/a"}.get(name, "x")
     return [value] * (2 if action.nargs == "+" else 1)
 
 
@@ -278,7 +278,7 @@ def test_model_source_flags_reach_the_engine(caplog, capsys):
 
 
 def test_override_generation_config_merges_as_vllm():
-    from jaxllm.engine.setup import _generation_config
+    from jaxllm.engine.tokenizer_setup import generation_config
 
     class Tok:
         eos_token_id = 2
@@ -288,7 +288,7 @@ def test_override_generation_config_merges_as_vllm():
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "generation_config.json"), "w") as f:
             json.dump({"temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7]}, f)
-        eos, defaults = _generation_config("auto", d, Tok(), {"temperature": 0.3, "max_new_tokens": 64})
+        eos, defaults = generation_config("auto", d, Tok(), {"temperature": 0.3, "max_new_tokens": 64})
         assert eos == {2, 7} and defaults == {"temperature": 0.3, "top_p": 0.9, "max_tokens": 64}
-        _, defaults = _generation_config("vllm", d, Tok(), {"top_k": 5})
+        _, defaults = generation_config("vllm", d, Tok(), {"top_k": 5})
         assert defaults == {"top_k": 5}

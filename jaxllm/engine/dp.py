@@ -79,8 +79,8 @@ class Router:
         self._routes: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._turn = itertools.count()
 
-    def route(self, request_id: str, prompt, num_seqs: int) -> int:
-        hashes = self._block_hashes(prompt)
+    def route(self, request_id: str, prompt, num_seqs: int, lora_request=None) -> int:
+        hashes = self._block_hashes(prompt, 0 if lora_request is None else lora_request.lora_int_id)
         low = min(self.load)
         slack = max(1, int(low * self.LOAD_SLACK))
         order = next(self._turn)  # ties between equal replicas rotate
@@ -120,9 +120,10 @@ class Router:
             n += 1
         return n
 
-    def _block_hashes(self, prompt) -> list[int]:
+    def _block_hashes(self, prompt, lora_id: int = 0) -> list[int]:
         """Chained hashes of the prompt's first full blocks of token ids (a text prompt: of its characters, a
-        block_size * 4 at a time), salted with its cache_salt: the engine's prefix cache keys blocks alike."""
+        block_size * 4 at a time), salted with its cache_salt and LoRA adapter: the engine's prefix cache keys
+        blocks alike."""
         salt, ids = None, prompt
         if isinstance(prompt, dict):
             salt = prompt.get("cache_salt")
@@ -130,7 +131,7 @@ class Router:
         size = self.block_size * (4 if isinstance(ids, str) else 1)
         if not isinstance(ids, (str, list, tuple)):
             return []
-        out, h = [], hash(salt)
+        out, h = [], hash((salt, lora_id))
         for i in range(min(len(ids) // size, PREFIX_BLOCKS)):
             h = hash((h, tuple(ids[i * size : (i + 1) * size]) if not isinstance(ids, str)
                       else ids[i * size : (i + 1) * size]))
@@ -157,13 +158,14 @@ class DPEngine:
         return self.replicas[0].default_sampling_params()
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
         if request_id in self._where:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         n = (params or self.default_sampling_params()).n
-        r = self.router.route(request_id, prompt, n)
+        r = self.router.route(request_id, prompt, n, lora_request)
         try:
-            self.replicas[r].add_request(request_id, prompt, params, arrival_time, priority)
+            self.replicas[r].add_request(request_id, prompt, params, arrival_time, priority,
+                                         lora_request=lora_request)
         except BaseException:
             self.router.done(r, n)
             raise
@@ -177,6 +179,16 @@ class DPEngine:
 
     def has_unfinished_requests(self) -> bool:
         return any(e.has_unfinished_requests() for e in self.replicas)
+
+    # LoRA adapters: every replica serves every adapter (vLLM's DP engines all get add_lora)
+    def add_lora(self, lora_request) -> bool:
+        return all([e.add_lora(lora_request) for e in self.replicas])
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return all([e.remove_lora(lora_id) for e in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        return self.replicas[0].list_loras()
 
     def step(self) -> list[RequestOutput]:
         outputs = []
@@ -258,17 +270,27 @@ class DPAsyncLLM:
         return any(r.errored for r in self.replicas)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         n = sampling_params.n
-        r = self.router.route(request_id, prompt, n)
+        r = self.router.route(request_id, prompt, n, lora_request)
         try:
-            async for out in self.replicas[r].generate(prompt, sampling_params, request_id, priority=priority):
+            async for out in self.replicas[r].generate(prompt, sampling_params, request_id, priority=priority,
+                                                       lora_request=lora_request):
                 yield out
         finally:
             self.router.done(r, n)
 
     async def abort(self, request_id: str) -> None:
         await self.replicas[self.router.replica_of(request_id)].abort(request_id)
+
+    async def add_lora(self, lora_request) -> bool:
+        return all([await r.add_lora(lora_request) for r in self.replicas])
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return all([await r.remove_lora(lora_id) for r in self.replicas])
+
+    async def list_loras(self) -> set[int]:
+        return await self.replicas[0].list_loras()
 
     def engine_index(self, request_id: str) -> int:
         """The replica that serves (or served) request_id: the metrics' engine label."""

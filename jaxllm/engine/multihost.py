@@ -170,6 +170,31 @@ class MultiHost:
         self._replicate: dict[tuple, object] = {}
 
     # ---- start-up ----
+    @staticmethod
+    def check_args(args) -> None:
+        """What the processes cannot run together yet (ValueError naming it, before anything loads): the step
+        message carries neither a speculative step and its drafter's program nor LoRA adapters' weights, which
+        process 0 alone would load."""
+        for name, given in (("speculative_config", args.speculative_config is not None),
+                            ("enable_lora", args.enable_lora)):
+            if given:
+                raise ValueError(f"{name} is not supported on an engine over several processes (jax.process_count() "
+                                 f"= {jax.process_count()}) yet: run it on one host.")
+
+    def agree_engine(self, cfg, args, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
+                     max_model_len: int) -> int:
+        """The KV blocks every process can hold (the fewest), once the processes are found to run the same model
+        with the same flags that shape the compiled programs (a hash of them), and the same step limits."""
+        import hashlib
+
+        what = repr((cfg, args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size, args.kv_cache_dtype,
+                     args.enable_prefix_caching, args.enable_chunked_prefill, args.max_logprobs, args.enforce_eager,
+                     args.attention_backend, args.load_format, args.seed))
+        fingerprint = int.from_bytes(hashlib.sha256(what.encode()).digest()[:8], "little") >> 1  # 63 bits
+        return self.agree({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
+                           "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
+                           "model_config": fingerprint}, take_min=("num_blocks",))["num_blocks"]
+
     def agree(self, values: dict[str, int], take_min: tuple[str, ...] = ()) -> dict[str, int]:
         """The values every process computed for itself (they size the KV cache and name the compiled programs,
         so they must be equal everywhere): those in take_min become the smallest over the processes (KV blocks:

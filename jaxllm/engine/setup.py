@@ -1,8 +1,7 @@
-"""From EngineArgs to a ready engine: config, weights, KV-cache sizing, runner, tokenizer, generation config."""
+"""From EngineArgs to a ready engine: config, weights, KV-cache sizing, runner (tokenizer side: tokenizer_setup.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -13,8 +12,8 @@ from dataclasses import dataclass, replace
 from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import CacheConfig, SchedulerConfig
-from jaxllm.engine.model_files import resolve_model_dir, resolve_tokenizer_dir
-from jaxllm.engine.tokenizer_load import check_config_code, load_tokenizer
+from jaxllm.engine.model_files import resolve_model_dir
+from jaxllm.engine.tokenizer_setup import tokenizer_parts
 
 logger = logging.getLogger("jaxllm")
 
@@ -33,6 +32,7 @@ class EngineParts:
     mesh: object
     grammars: object  # structured.Grammars
     speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
+    lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
 
 
 def _is_gpu() -> bool:
@@ -182,6 +182,7 @@ def _allocator_fraction() -> float:
 
 
 def build_engine_parts(args: EngineArgs, devices=None) -> EngineParts:
+    """devices: the engine's (a data-parallel replica's group); default: the first tp * pp of jax.devices()."""
     args.validate()
     request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
     from jaxllm.distributed import initialize, watchdog
@@ -191,14 +192,13 @@ def build_engine_parts(args: EngineArgs, devices=None) -> EngineParts:
     initialize()
     import jax
 
-    if jax.process_count() > 1:
-        # start-up runs collectives: a process lost meanwhile must not leave the others waiting in one
-        watchdog().arm()
-        try:
-            return _build_engine_parts(args, devices)
-        finally:
-            watchdog().disarm()
-    return _build_engine_parts(args, devices)
+    if jax.process_count() == 1:
+        return _build_engine_parts(args, devices)
+    watchdog().arm()  # start-up runs collectives: a process lost meanwhile must not leave the others waiting
+    try:
+        return _build_engine_parts(args, devices)
+    finally:
+        watchdog().disarm()
 
 
 def _build_engine_parts(args: EngineArgs, devices) -> EngineParts:
@@ -215,7 +215,7 @@ def _build_engine_parts(args: EngineArgs, devices) -> EngineParts:
     # engine's shapes are worked out; it must load before the weights and the compiles (_build_parts waits for
     # it there), so that a bad tokenizer fails in seconds, as in vLLM, not after minutes of loading.
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
-    tokenizer_future = pool.submit(_tokenizer_parts, args, path, hf)
+    tokenizer_future = pool.submit(tokenizer_parts, args, path, hf)
     pool.shutdown(wait=False)  # its thread ends after this one task
     try:
         return _build_parts(args, path, hf, tokenizer_future, devices)
@@ -235,6 +235,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
+    lora_cfg = args.lora_config()
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     if args.enable_expert_parallel:
         if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
@@ -256,22 +257,23 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
 
+    if jax.process_count() > 1:  # one engine over several processes (hosts): jaxllm/engine/multihost.py
+        from jaxllm.engine.multihost import MultiHost
+
+        MultiHost.check_args(args)  # what it cannot run yet, before anything loads
     speculation = None
     if args.speculative_config is not None:  # the drafter's config is checked before any weights load
-        if jax.process_count() > 1:
-            # Process 0 sends each step's packed inputs to the others (jaxllm/engine/multihost.py); the
-            # speculative step and the drafter's model are not sent, so the others could not follow it.
-            raise ValueError("speculative_config is not supported on an engine over several processes "
-                             f"(jax.process_count() = {jax.process_count()}): run speculative decoding on one host.")
         from jaxllm.spec_decode.setup import plan
 
         speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh(devices)
-    multihost = None
-    if jax.process_count() > 1:  # one engine over several processes (hosts): jaxllm/engine/multihost.py
-        from jaxllm.engine.multihost import MultiHost
+    multihost = MultiHost(mesh) if jax.process_count() > 1 else None
+    lora = None
+    if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
+        from jaxllm.lora.slots import LoRASlots
 
-        multihost = MultiHost(mesh)
+        lora = LoRASlots(lora_cfg, cfg, mesh)
+        lora.warm_up()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
@@ -293,81 +295,75 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
         params = abstract_weights(cfg, mesh)
         weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
                            for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, mesh, weight_bytes)
     else:
-        params = load()
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, mesh)
-    if multihost is not None:
-        # The KV cache's shape and the compiled buckets must be the same everywhere: the fewest blocks win.
-        agreed = multihost.agree({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
-                                  "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                                  "model_config": _fingerprint(cfg, args)}, take_min=("num_blocks",))
-        num_blocks = agreed["num_blocks"]
-    needed = -(-max_model_len // args.block_size) + 1
-    if num_blocks < needed:
-        raise ValueError(
-            f"The KV cache fits {num_blocks - 1} blocks of {args.block_size} tokens "
-            f"({(num_blocks - 1) * args.block_size} tokens), fewer than one sequence of max_model_len="
-            f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
-            f"num_gpu_blocks_override), or decrease max_model_len.")
-    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
-                            enable_prefix_caching=args.enable_prefix_caching)
-    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
-    tokens = (num_blocks - 1) * args.block_size
-    logger.info("KV cache size: %d tokens", tokens)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
+        params, weight_bytes = load(), 0
+    dequantized = _dequantized_bytes(params, cfg)
+    num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
+                             dequantized, device=_first_local(mesh))
+    if multihost is not None:  # the KV cache's shape and the compiled buckets must be the same everywhere
+        num_blocks = multihost.agree_engine(cfg, args, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
+    _check_one_sequence_fits(num_blocks, args.block_size, max_model_len)
     weights = None
     if overlap:
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
         weights = pool.submit(load)
         pool.shutdown(wait=False)
     spec_kw = speculation.runner_kwargs() if speculation is not None else {}
-    try:
+
+    def warmed_up_runner(num_blocks, params, weights):
         runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                              kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), multihost=multihost, **spec_kw)
+                             executable_cache_dir=_executable_cache_dir(args), multihost=multihost, lora=lora,
+                             **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
+        return runner
+
+    try:
+        runner = warmed_up_runner(num_blocks, params, weights)
     except BaseException:
         if weights is not None:
             wait([weights])  # no weights left loading behind a failed start (device memory, a retry)
         raise
+    # The KV cache was sized with an estimate of the steps' working memory (_step_reserve); the compiled steps
+    # now say what they need (vLLM measures a dummy forward pass instead). Where they need more, the cache
+    # gives up the difference and the steps are compiled again for its new shape, rather than the first large
+    # step running out of memory (an 8B GPTQ engine's prefill step did: bench/results/quant_h100_23c93ec_log.txt).
+    if gpu and not (args.num_gpu_blocks_override or args.kv_cache_memory_bytes or args.enforce_eager):
+        reserve = _step_reserve(max_num_batched_tokens, max_num_seqs, cfg, dequantized)
+        temp = runner.programs.temp_bytes()
+        fewer = _blocks_for_step_temps(num_blocks, per_block, reserve, temp)
+        if multihost is not None:  # every process's cache keeps the same shape
+            fewer = multihost.agree({"fewer": fewer}, take_min=("fewer",))["fewer"]
+        logger.info("The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
+                    temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30)
+        if fewer < num_blocks:
+            logger.warning(
+                "The compiled steps need %.2f GiB of temporary device memory, more than the %.2f GiB kept beside "
+                "the KV cache: the KV cache shrinks from %d to %d blocks and the steps are compiled again for it.",
+                temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30, num_blocks, fewer)
+            params = runner.params
+            for a in jax.tree.leaves((runner.kv_caches, runner.draft_kv)):  # (and the drafter's pages, if any)
+                a.delete()
+            runner = None  # its executables too: the new cache's shape is every step's argument
+            _check_one_sequence_fits(fewer, args.block_size, max_model_len)
+            num_blocks = fewer
+            runner = warmed_up_runner(num_blocks, params, None)
+    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=args.enable_prefix_caching)
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_loras=lora_cfg.max_loras if lora_cfg else None)
+    tokens = (num_blocks - 1) * args.block_size
+    logger.info("KV cache size: %d tokens", tokens)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation)
-
-
-def _fingerprint(cfg: ModelConfig, args: EngineArgs) -> int:
-    """63 bits of what the processes of one engine must share: the model's config and the flags that shape the
-    compiled programs."""
-    import hashlib
-
-    what = repr((cfg, args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size, args.kv_cache_dtype,
-                 args.enable_prefix_caching, args.enable_chunked_prefill, args.max_logprobs, args.enforce_eager,
-                 args.attention_backend, args.load_format, args.seed))
-    return int.from_bytes(hashlib.sha256(what.encode()).digest()[:8], "little") >> 1
-
-
-def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
-    """The tokenizer thread's work: the config's and the tokenizer's code (trust_remote_code), the tokenizer,
-    generation_config.json's EOS ids and sampling defaults, and the structured outputs' Grammars (whose llguidance
-    tokenizer is built on first use: Grammars.tokenizer)."""
-    from jaxllm.engine.structured import Grammars
-
-    check_config_code(path, hf, args.trust_remote_code)
-    tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
-                               tokenizer_mode=args.tokenizer_mode)
-    vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
-    if len(tokenizer) > vocab_size:
-        logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
-                       "others are refused.", len(tokenizer), vocab_size)
-    eos, defaults = _generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
-    grammars = Grammars(tokenizer, vocab_size, eos)
-    return tokenizer, eos, defaults, grammars
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars,
+                       speculation=speculation, lora=lora)
 
 
 def _executable_cache_dir(args: EngineArgs) -> str | None:
@@ -378,25 +374,48 @@ def _executable_cache_dir(args: EngineArgs) -> str | None:
 
 
 _MIN_WORKSPACE_BYTES = 1 << 30
+# Kept free beside a compiled step's temporary buffer: its outputs, the packed host inputs, allocator rounding.
+_STEP_SLACK_BYTES = 256 << 20
 
 
-def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, mesh, weight_bytes: int = 0) -> int:
-    """KV blocks that fit on this process's first device of mesh; weight_bytes: its weights when they are not
-    loaded yet."""
-    if args.num_gpu_blocks_override:
-        return args.num_gpu_blocks_override
-    if args.kv_cache_memory_bytes:
-        return max(args.kv_cache_memory_bytes // per_block, 2)
+def _check_one_sequence_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"The KV cache fits {num_blocks - 1} blocks of {block_size} tokens "
+            f"({(num_blocks - 1) * block_size} tokens), fewer than one sequence of max_model_len="
+            f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
+            f"num_gpu_blocks_override), or decrease max_model_len.")
+
+
+def _dequantized_bytes(params, cfg) -> int:
+    """The largest weight a step dequantizes whole (this device's shard, in the model's dtype): int weights on the
+    prefill path (kernels_pallas.quant), fp8 weights with 16-bit activations always; 0 without such weights."""
+    import jax
+    import numpy as np
+
+    from jaxllm.models.quant import QuantizedWeight
+
+    out = 0
+    for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if not isinstance(w, QuantizedWeight) or (w.scheme.weight_type == "float" and w.scheme.activations):
+            continue
+        values = math.prod(w.packed.sharding.shard_shape(w.packed.shape))
+        values *= 32 // w.scheme.bits if w.scheme.weight_type == "int" else 1
+        out = max(out, values * np.dtype(cfg.dtype).itemsize)
+    return out
+
+
+def _step_reserve(max_tokens: int, max_seqs: int, cfg, dequantized_bytes: int = 0, temp_bytes: int = 0) -> int:
+    """Device memory the KV cache leaves free for the steps' working memory: the largest of an estimate of the
+    activations, the GEMM autotuner's operand copies, a floor, and (once compiled) the steps' own temporary
+    buffer plus _STEP_SLACK_BYTES."""
     import jax
 
-    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
-    stats = device.memory_stats() if gpu else None
-    if not stats:
-        return max(_CPU_KV_BYTES // per_block, 2)
-    limit = stats.get("bytes_limit", 0)
-    in_use = stats.get("bytes_in_use", 0) + weight_bytes  # weights (this device's shard)
-    # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
+    # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers, and the
+    # largest weight a quantized model's prefill dequantizes (one at a time: kernels_pallas.quant.tie_to_input).
     act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
+    act += dequantized_bytes
     # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
     # lm_head). Warm-up compiles with the KV cache's memory free (ModelRunner.warm_up), but a variant
     # compiled later (a request's sampler flags) autotunes next to the allocated cache. The activation
@@ -406,6 +425,39 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, mesh, weight_by
     # And a floor for what does not scale with the model (cuBLAS / XLA workspaces, Pallas scratch, the
     # sampler's buffers): a tiny model on an H100 was given all but ~60 MB and its first step ran out of memory.
     act = max(act, _MIN_WORKSPACE_BYTES)
+    return max(act, temp_bytes + _STEP_SLACK_BYTES) if temp_bytes else act
+
+
+def _blocks_for_step_temps(num_blocks: int, per_block: int, reserve: int, temp_bytes: int) -> int:
+    """num_blocks less the blocks whose memory the compiled steps' temporary buffer (temp_bytes) needs beyond the
+    reserve the KV cache was sized with."""
+    short = temp_bytes + _STEP_SLACK_BYTES - reserve
+    return num_blocks if temp_bytes == 0 or short <= 0 else num_blocks - -(-short // per_block)
+
+
+def _first_local(mesh):
+    """This process's first device of mesh (whose free memory sizes the KV cache)."""
+    import jax
+
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
+def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0,
+                dequantized_bytes: int = 0, device=None) -> int:
+    """KV blocks that fit on device (default jax.devices()[0]); weight_bytes: this device's weights when they are
+    not loaded yet; dequantized_bytes: see _dequantized_bytes."""
+    if args.num_gpu_blocks_override:
+        return args.num_gpu_blocks_override
+    if args.kv_cache_memory_bytes:
+        return max(args.kv_cache_memory_bytes // per_block, 2)
+    import jax
+
+    stats = (device or jax.devices()[0]).memory_stats() if gpu else None
+    if not stats:
+        return max(_CPU_KV_BYTES // per_block, 2)
+    limit = stats.get("bytes_limit", 0)
+    in_use = stats.get("bytes_in_use", 0) + weight_bytes  # weights (this device's shard)
+    act = _step_reserve(max_tokens, max_seqs, cfg, dequantized_bytes)
     # bytes_limit is the allocator's fraction of the device (request_device_memory); the budget is
     # gpu_memory_utilization of the whole device, and no more than the allocator can hand out.
     budget = int(min(limit, limit / _allocator_fraction() * args.gpu_memory_utilization))
@@ -416,41 +468,3 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, mesh, weight_by
             f"{in_use / 2**30:.1f} GiB, activations ~{act / 2**30:.1f} GiB. Increase gpu_memory_utilization, "
             f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism.")
     return max(free // per_block, 2)  # per_block is per device, like free
-
-
-def _generation_config(mode: str, path: str, tokenizer, overrides: dict | None = None) -> tuple[set[int], dict]:
-    """EOS ids and default sampling parameters. overrides (vLLM's override_generation_config): merged over the
-    file's values with mode "auto" or a path, the only ones with "vllm"."""
-    eos: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    eos, defaults = _generation_config_file(mode, path, eos)
-    if overrides:
-        defaults = {**defaults, **({"max_tokens": overrides["max_new_tokens"]} if "max_new_tokens" in overrides
-                                   else {}), **{k: v for k, v in overrides.items() if k != "max_new_tokens"}}
-        logger.info("Default sampling parameters with override_generation_config: %s", defaults)
-    return eos, defaults
-
-
-def _generation_config_file(mode: str, path: str, eos: set[int]) -> tuple[set[int], dict]:
-    defaults: dict = {}
-    if mode == "vllm":
-        return eos, defaults
-    gen_path = os.path.join(path if mode == "auto" else mode, "generation_config.json")
-    if not os.path.exists(gen_path):
-        if mode != "auto":
-            raise ValueError(f"generation_config={mode!r}: no generation_config.json there.")
-        return eos, defaults
-    with open(gen_path) as f:
-        gen = json.load(f)
-    ids = gen.get("eos_token_id")
-    eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    # As vLLM (ModelConfig.get_diff_sampling_param): the file's values whatever its do_sample says.
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        if gen.get(key) is not None:
-            defaults[key] = gen[key]
-    if gen.get("max_new_tokens"):
-        defaults["max_tokens"] = gen["max_new_tokens"]
-    if defaults:
-        logger.info("Default sampling parameters from generation_config.json: %s", defaults)
-    return eos, defaults
