@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -103,6 +104,28 @@ def _llmcompressor(src: str, out: str, job: dict) -> None:
     oneshot(model=model, recipe=recipe, **kw)
     model.save_pretrained(out, save_compressed=True)
 
+# An expert's Linear in a checkpoint (Mixtral's w1 / w3 / w2 or Qwen's gate / up / down_proj).
+_EXPERT = re.compile(r"(.*)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
+
+
+def _set_weight(modules: dict, name: str, w) -> None:
+    """Copies a checkpoint Linear's dense weight w [out, in] into HF's in-memory model (modules: named_modules()).
+    transformers 5 keeps a MoE layer's experts as two 3D parameters, experts.gate_up_proj [E, 2F, D] (gate rows,
+    then up) and experts.down_proj [E, D, F], where the checkpoints (and the quantizers) have one Linear each."""
+    if name in modules:
+        modules[name].weight.copy_(w)
+        return
+    m = _EXPERT.match(name)
+    if m is None:
+        raise KeyError(name)
+    experts, e = modules[f"{m[1]}.mlp.experts"], int(m[2])
+    if m[3] in ("down_proj", "w2"):
+        experts.down_proj[e].copy_(w)
+    else:
+        F = experts.gate_up_proj.shape[1] // 2
+        lo = 0 if m[3] in ("gate_proj", "w1") else F
+        experts.gate_up_proj[e, lo:lo + F].copy_(w)
+
 
 def _stored(out: str) -> dict:
     from safetensors import safe_open
@@ -135,7 +158,7 @@ def _ct_decompressed(out: str, src_model):
     with torch.no_grad():
         for name in sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")}):
             state = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
-            dense[name].weight.copy_(compressor.decompress(state, scheme)["weight"].float())
+            _set_weight(dense, name, compressor.decompress(state, scheme)["weight"].float())
     return src_model
 
 
@@ -160,13 +183,13 @@ def _dense_reference(out: str, job: dict, src_model):
             for name in {k.rsplit(".", 1)[0] for k in stored if k.endswith(".qweight")}:
                 w = dequantize_gemm(stored[f"{name}.qweight"], stored[f"{name}.qzeros"],
                                     stored[f"{name}.scales"].float(), 4, job["group_size"])  # [in, out]
-                dense[name].weight.copy_(w.T)
+                _set_weight(dense, name, w.T)
             return src_model
         qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu")
         for name, mod in qmodel.named_modules():
             if hasattr(mod, "dequantize_weight") and f"{name}.scales" in stored:
                 mod.scales = stored[f"{name}.scales"].float()  # the file's fp16 scales, dequantized in float32
-                dense[name].weight.copy_(mod.dequantize_weight().float().T)  # gptqmodel's is [in, out]
+                _set_weight(dense, name, mod.dequantize_weight().float().T)  # gptqmodel's is [in, out]
     return src_model
 
 
