@@ -350,6 +350,10 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
     in_use = stats.get("bytes_in_use", 0) + weight_bytes  # weights (this device's shard)
     # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
     act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
+    # Quantized experts: one layer's routed experts, dequantized for the step's grouped matmul (models/moe_quant.py).
+    from jaxllm.models.moe_quant import dequantized_bytes
+
+    act += dequantized_bytes(cfg, args.tensor_parallel_size, max_tokens)
     # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
     # lm_head). Warm-up compiles with the KV cache's memory free (ModelRunner.warm_up), but a variant
     # compiled later (a request's sampler flags) autotunes next to the allocated cache. The activation

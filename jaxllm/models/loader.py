@@ -134,16 +134,6 @@ def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
     return table
 
 
-# Other spellings of an architecture's tensor names -> the ones the tables use. Mixtral: transformers 5 names the MoE
-# block mlp and (as gptqmodel and llm-compressor write experts) w1 / w3 / w2 gate_proj / up_proj / down_proj.
-CHECKPOINT_ALIASES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
-    "mixtral": ((re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.|gate\.)"), r"\1.block_sparse_moe.\2"),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.gate_proj\."), r"\1.w1."),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.up_proj\."), r"\1.w3."),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.down_proj\."), r"\1.w2.")),
-}
-
-
 TOP_TABLE: dict[str, tuple[str, Callable]] = {
     "embed": ("model.embed_tokens.weight", _identity),
     "final_norm": ("model.norm.weight", _identity),
@@ -195,6 +185,8 @@ class CheckpointReader:
     def use_names_of(self, cfg: ModelConfig) -> None:
         """Renames the tensors that cfg's architecture also spells otherwise (CHECKPOINT_ALIASES) to the names
         the weight tables use; get / shape / dtype then read them under either name's file entry."""
+        from jaxllm.models.moe import CHECKPOINT_ALIASES
+
         rules = CHECKPOINT_ALIASES.get(cfg.architecture, ())
         for name in list(self._index) if rules else ():
             alias = name

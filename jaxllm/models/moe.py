@@ -14,6 +14,9 @@ the reference: every token through every expert (an einsum over E), weighted 0 w
 most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
 batched matrix-vector products (expert_mlp_gathered): they then read only the chosen experts' weights whatever
 ragged_dot's lowering does with the idle ones; off (0) until bench/moe_matmul.py's GPU figures say where it pays.
+Quantized experts (GPTQ / AWQ / compressed-tensors checkpoints, jaxllm/models/moe_quant.py): the experts the step's
+tokens chose are dequantized to the model dtype inside the step, layer by layer, and run through the same grouped
+matmul (a fused int4 / fp8 grouped GEMM is not written yet).
 
 On NVIDIA GPUs XLA lowers ragged_dot by its RaggedDotRewriter, unless XLA_FLAGS has
 --xla_gpu_experimental_use_ragged_dot_fusion=true (a cuDNN grouped GEMM, Ampere / Hopper, 16-bit): the rewriter
@@ -36,6 +39,8 @@ parallel, so every tp rank holds every token of the step; routing is recomputed 
 """
 
 from __future__ import annotations
+
+import re
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +78,18 @@ def expert_linear_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
     if cfg.architecture == "mixtral":
         return "block_sparse_moe.", ("w1", "w3", "w2")
     return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+# Other spellings of an architecture's tensor names -> the ones the weight tables use (loader.CheckpointReader). Mixtral:
+# the Hub's checkpoints (and vLLM) name block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 / w3 / w2; the
+# quantizers of transformers 5 write mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj (gptqmodel) or
+# block_sparse_moe.experts.{e}.gate_proj / up_proj / down_proj (llm-compressor).
+CHECKPOINT_ALIASES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
+    "mixtral": ((re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.|gate\.)"), r"\1.block_sparse_moe.\2"),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.gate_proj\."), r"\1.w1."),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.up_proj\."), r"\1.w3."),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.down_proj\."), r"\1.w2.")),
+}
 
 
 def route(h, router, m: MoeConfig):

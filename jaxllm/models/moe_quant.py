@@ -82,6 +82,23 @@ def num_experts(w) -> int:
     return w.num_experts if isinstance(w, QuantizedExperts) else w.shape[0]
 
 
+def dequantized_bytes(cfg, tp: int, max_tokens: int) -> int:
+    """One device's peak bytes of one layer's experts dequantized inside a step (routed_experts): at most
+    min(E', max_tokens * top_k) experts' gate / up and down in the model dtype (the unpacking and scaling are fused
+    into the one pass that writes them). 0 unless cfg's experts are quantized. The engine adds it to its activation
+    estimate before it sizes the KV cache."""
+    from jaxllm.models.quant import EXPERT_LINEARS, quantized_keys
+
+    m = cfg.moe
+    if cfg.quantization is None or m is None:
+        return 0
+    if not any(k in EXPERT_LINEARS for i in range(cfg.num_layers) for k in quantized_keys(cfg, i)):
+        return 0
+    E, F = (m.num_experts // tp, m.intermediate_size) if cfg.expert_parallel else (m.num_experts,
+                                                                                   m.intermediate_size // tp)
+    return min(E, max_tokens * m.top_k) * 3 * cfg.hidden_size * F * jnp.dtype(cfg.dtype).itemsize
+
+
 # --- specs ----------------------------------------------------------------------------------------------------------
 def quantized_experts_spec(dense, q: QuantConfig, dtype: str, tp: int, name: str) -> QuantizedExperts:
     """The QuantizedExperts of ParamSpecs replacing one dense expert ParamSpec ([E, I, *O], moe_param_specs)."""
