@@ -324,6 +324,7 @@ def engine_summary(llm) -> dict:
         seq_buckets=list(r.seq_buckets), token_buckets=list(r.token_buckets),
         num_variants_compiled=len(r.programs.compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
         kv_cache_tokens=(r.num_blocks - 1) * r.block_size, attention_backend=r.attn.backend,
+        step_temp_bytes=r.programs.temp_bytes(),  # the compiled steps' largest temporary buffer (per device)
         dtype=str(eng.model_config.dtype), enforce_eager=llm.engine_args.enforce_eager,
         quantization=None if eng.model_config.quantization is None else eng.model_config.quantization.describe(),
     )

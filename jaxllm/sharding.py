@@ -40,6 +40,11 @@ LOGICAL_RULES: dict[str, str | None] = {
     "layers": "pp",
     "pages": None,
     "page_slots": None,
+    # LoRA slot arrays (jaxllm/lora/slots.py): the slots, A's rank (column-parallel) and B's output (row-parallel)
+    # stay whole; fully_sharded_loras maps the last two to "tp" (lora_rules)
+    "lora_slots": None,
+    "lora_a_rank": None,
+    "lora_b_out": None,
 }
 
 

@@ -28,9 +28,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _qmatmul
+from . import _qmatmul, qlayout
 from ._common import on_gpu
-from .qlayout import QuantizedWeight, dequantize, padded_k
+from .qlayout import QuantizedWeight, padded_k
 
 MAX_KERNEL_M = 64  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
 FP8 = jnp.float8_e4m3fn
@@ -57,14 +57,30 @@ def quantized_matmul_ref(x, w: QuantizedWeight, *, split=False):
         raise ValueError(f"x has {x.shape[-1]} features; the weight takes K={w.k}")
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    y = jnp.einsum("...k,kn->...n", x, dequantize(w, x.dtype), preferred_element_type=jnp.float32)
+    y = jnp.einsum("...k,kn->...n", x, qlayout.dequantize(w, x.dtype), preferred_element_type=jnp.float32)
     return _split(y.astype(x.dtype), w, split)
 
 
+def tie_to_input(x, w):
+    """(x, w) through one optimization barrier: whatever is computed from the returned w (its dequantization)
+    waits for x, so the large-batch path's dequantized weight lives from its matmul's input to the matmul, not
+    longer. w: a QuantizedWeight or any pytree of arrays.
+
+    Dequantizing a weight depends on the weight alone, so in a model's step (every layer inlined into one program)
+    XLA may schedule every layer's dequantization before the first layer runs, all of the model's dequantized
+    weights live at once: an 8B GPTQ int4 engine's prefill step asked for a 9.3 GiB temporary buffer on an H100
+    and ran out of memory (bench/results/quant_h100_23c93ec_log.txt); the CPU schedule of the same step
+    dequantized all of its layers up front (tests/test_quant_memory.py). The barrier makes w's uses wait for x,
+    which is this layer's activation. It aliases its operands: no copy, no cost. The dequantization itself stays
+    after it (not inside), so XLA may still fuse it into the GEMM's operand."""
+    return jax.lax.optimization_barrier((x, w))
+
+
 def _dequant_matmul(x, w):
+    x, w = tie_to_input(x, w)
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    return jnp.einsum("...k,kn->...n", x, dequantize(w, x.dtype))
+    return jnp.einsum("...k,kn->...n", x, qlayout.dequantize(w, x.dtype))
 
 
 def kernel_m(m: int, fma: bool) -> int:

@@ -22,6 +22,7 @@ from jaxllm.engine.protocol import EngineClient
 from server.admission import ServerLimits
 from server.errors import APIError, error_body, model_not_found, parse_json, parse_model, read_body
 from server.http_server import set_server_header, start_server, stop_server
+from server.lora import ServedLoRAs, load_lora_adapter, load_static, unload_lora_adapter
 from server.metrics import ServerMetrics, StatsLogger
 from server.prompt_bound import PromptBound
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
@@ -60,6 +61,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         tool_parser=TOOL_PARSERS[opt("tool_call_parser")] if opt("tool_call_parser") else None,
         enable_auto_tools=bool(opt("enable_auto_tool_choice", False)),
         exclude_tools_when_tool_choice_none=bool(opt("exclude_tools_when_tool_choice_none", False)),
+        loras=ServedLoRAs(list(names)),
     )
     middlewares = [_error_middleware]
     api_key = opt("api_key")
@@ -86,6 +88,14 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
+    if opt("allow_runtime_lora_updating", False):
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used "
+                       "for local development!")
+        app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
+    if opt("lora_modules"):  # loaded before the server answers; one that fails stops it (vLLM)
+        modules = list(opt("lora_modules"))
+        app.on_startup.append(lambda a: load_static(a[STATE], modules))
     if state.profile_dir:
         app.router.add_post("/start_profile", start_profile)
         app.router.add_post("/stop_profile", stop_profile)
@@ -201,19 +211,24 @@ async def version(request: web.Request) -> web.Response:
 
 
 def _card(state: ServerState, name: str) -> ModelCard:
+    lora = state.loras.get(name) if name not in state.served_model_names else None
+    if lora is not None:  # vLLM's adapter card: its folder as root, the base model it adapts as parent
+        return ModelCard(id=name, created=state.created, root=lora.lora_path,
+                         parent=lora.base_model_name or state.model_name, max_model_len=state.engine.max_model_len)
     return ModelCard(id=name, created=state.created, root=state.model_root, parent=None,
                      max_model_len=state.engine.max_model_len)
 
 
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(text=ModelList(data=[_card(state, n) for n in state.served_model_names]).to_json())
+    names = state.served_model_names + list(state.loras.requests)
+    return web.json_response(text=ModelList(data=[_card(state, n) for n in names]).to_json())
 
 
 async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE]
     name = request.match_info["model"]
-    if name not in state.served_model_names:
+    if name not in state.served_model_names and state.loras.get(name) is None:
         raise model_not_found(name)
     return web.json_response(text=_card(state, name).to_json())
 

@@ -13,6 +13,7 @@ import os
 import re
 import sys
 
+from server.lora import parse_lora_module, runtime_updating_allowed
 from server.tool_parsers import TOOL_PARSERS
 from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
 
@@ -24,6 +25,8 @@ ENGINE_ARG_NAMES = (
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
     "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
+    "lora_extra_vocab_size",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
@@ -168,6 +171,23 @@ def make_parser() -> argparse.ArgumentParser:
                         '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
                         '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
                         '"disable_by_batch_size".')
+    lo = p.add_argument_group("LoRA")
+    lo.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters beside the base model.")
+    lo.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
+                    help='Adapters to load at start-up: name=path, or \'{"name": ..., "path": ..., '
+                         '"base_model_name": ...}\'. Requests name an adapter as their model.')
+    lo.add_argument("--max-loras", type=int, default=1, help="Adapters one step can run (device slots).")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank: 1, 8, 16, 32, 64, 128, "
+                    "256, 320 or 512.")
+    lo.add_argument("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory (default: "
+                    "--max-loras); others are read from their folder again when used.")
+    lo.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                    help="The adapters' dtype in the device slots (auto: the model's).")
+    lo.add_argument("--fully-sharded-loras", action="store_true",
+                    help="With tensor parallelism, also split the halves of the LoRA matmuls vLLM's default "
+                         "layout replicates.")
+    lo.add_argument("--lora-extra-vocab-size", type=int, default=256,
+                    help="Deprecated (as in vLLM): adapters that add tokens are refused.")
     e.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
     e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
@@ -239,6 +259,11 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora")
+    args.allow_runtime_lora_updating = runtime_updating_allowed(environ)
+    if args.allow_runtime_lora_updating and not args.enable_lora:
+        parser.error("VLLM_ALLOW_RUNTIME_LORA_UPDATING needs --enable-lora")
     if args.chat_template:  # as vLLM's validate_parsed_serve_args: before the model loads, not after
         from server.serving_chat import load_chat_template
 

@@ -138,7 +138,6 @@ class ServerMetrics:
         self.last = EngineStats()
         self._stats_failures = 0
         r, labels = self.registry, ["model_name"]
-        self.registry.register(_EngineCollector(self))
         tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
         self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
                                        ["model_name", "finished_reason"], registry=r)
@@ -164,6 +163,9 @@ class ServerMetrics:
         self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
                                           labels, buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                                            16384], registry=r).labels(model_name)
+        # last: registering (auto_describe) polls the engine, which needs the histograms above (an engine that
+        # already ran steps before the server started has iteration tokens to observe)
+        self.registry.register(_EngineCollector(self))
 
     def poll(self) -> EngineStats:
         """Takes an engine snapshot (every caller must come through here: it drains iteration_tokens)."""

@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     level = logging.DEBUG if args.log_level in ("debug", "trace") else getattr(logging, args.log_level.upper())
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
                         datefmt="%m-%d %H:%M:%S")
+    if args.lora_modules:  # before the model loads: a bad adapter folder fails at once
+        from server.lora import check_lora_modules
+
+        check_lora_modules(args.lora_modules, args.max_lora_rank)
     from jaxllm.distributed import maybe_initialize
     from jaxllm.engine.setup import request_device_memory
 

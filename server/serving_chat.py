@@ -140,7 +140,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
     tokenization)."""
     req = parse_model(ChatCompletionRequest, parse_json(raw), sliced=("messages",))
     log_ignored_fields(req, "/v1/chat/completions")
-    model = state.check_model(req.model)
+    model, lora = state.check_model(req.model)
     reject_unsupported(req)
     reject_unsupported_chat(req)
     tool_choice = resolve_tool_choice(req, auto_enabled=state.enable_auto_tools, parser=state.tool_parser)
@@ -169,7 +169,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
         prompt["cache_salt"] = req.cache_salt
-    engine_req = EngineRequest(prompt, params, request_id, ids, text)
+    engine_req = EngineRequest(prompt, params, request_id, ids, text, lora)
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo = ""

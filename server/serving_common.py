@@ -59,6 +59,7 @@ class ServerState:
     workers: Workers = field(default_factory=Workers, repr=False)
     admission: Admission | None = field(default=None, repr=False)
     prompt_bound: PromptBound | None = field(default=None, repr=False)  # set at start-up (reads the tokenizer)
+    loras: Any = None  # server.lora.ServedLoRAs: the adapters requests may name as their model
     _defaults: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -69,12 +70,17 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, name: str | None) -> str:
-        """The model name to report back: the first served name whichever one the request used (vLLM);
-        an unknown name is a 404 (an absent one means the default)."""
-        if name and name not in self.served_model_names:
+    def check_model(self, name: str | None) -> tuple[str, Any]:
+        """(the model name to report back, the LoRARequest of the adapter it names or None), in the route's
+        worker thread with the request's other checks. The base model reports its first served name whichever
+        one the request used (vLLM), an adapter its own; an unknown name is a 404 (an absent one means the
+        default). One lookup gives both, so an adapter unloaded meanwhile is a 404, never the base model."""
+        if not name or name in self.served_model_names:
+            return self.model_name, None
+        lora = None if self.loras is None else self.loras.get(name)
+        if lora is None:
             raise model_not_found(name)
-        return self.model_name
+        return name, lora
 
     def default_sampling(self) -> dict[str, Any]:
         """generation_config defaults the engine exposes, as SamplingParams field names (max_tokens is the
@@ -283,6 +289,7 @@ class EngineRequest:
     request_id: str
     prompt_ids: list[int]
     prompt_text: str | None
+    lora_request: Any = None  # the adapter the request's model names (jaxllm.lora.request.LoRARequest)
 
 
 @dataclass
@@ -405,7 +412,8 @@ class EngineRunner:
         gen = None
         got_output = failed = False
         try:
-            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority)
+            lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
+            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority, **lora)
             async for out in gen:
                 if not got_output:
                     got_output = True

@@ -55,7 +55,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]
     """The request's engine requests (in a worker thread: decoding, validation and tokenization)."""
     req = parse_model(CompletionRequest, parse_json(raw))
     log_ignored_fields(req, "/v1/completions")
-    model = state.check_model(req.model)
+    model, lora = state.check_model(req.model)
     reject_unsupported(req)
     if req.suffix is not None:
         raise APIError("suffix is not currently supported", param="suffix")
@@ -77,7 +77,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]
             prompt["cache_salt"] = req.cache_salt
         rid = f"{request_id}-{i}"
         log_request(state, rid, text if text is not None else ids, params)
-        requests.append(EngineRequest(prompt, params, rid, ids, text))
+        requests.append(EngineRequest(prompt, params, rid, ids, text, lora))
     return _Ctx(state, req, request_id, model, echo_only), requests
 
 

@@ -279,21 +279,25 @@ def test_gpu_parity_quantized_configs_fail_on_a_broken_dequantization(tmp_path, 
     import jax.numpy as jnp
 
     from bench import gpu_parity
-    from jaxllm.models import quant
+    from jaxllm.models import quant_matmul
+    from kernels_pallas import qlayout
 
-    right, seen = quant.dequantize, set()
+    right_int, right_fp8, seen = qlayout.dequantize, quant_matmul.fp8_matmul_ref, set()
 
-    def broken(w, dtype=jnp.float32):
-        seen.add(w.scheme.weight_type)
-        dense = right(w, jnp.float32)
-        if w.scheme.weight_type == "float":
-            return (dense * (448.0 / 240.0)).astype(dtype)
-        scales = w.scales.astype(jnp.float32)
-        ng = scales.shape[0]
-        step = jnp.repeat(scales, dense.shape[0] // ng, axis=0) if w.g_idx is None else scales[w.g_idx]
-        return (dense + step).astype(dtype)  # (q - (z - 1)) * s
+    def broken_int(w, dtype=None):  # (q - (z - 1)) * s = the right weight + one scale step per group
+        seen.add("int")
+        dense = right_int(w, jnp.float32)
+        G = w.k if w.group_size == -1 else w.group_size
+        step = jnp.repeat(w.scales.astype(jnp.float32), G, axis=0)[: w.k]
+        return (dense + step).astype(dtype or w.scales.dtype)
 
-    monkeypatch.setattr(quant, "dequantize", broken)
+    def broken_fp8(x, wq, scale, **kw):
+        seen.add("float")
+        return right_fp8(x, wq, scale * (448.0 / 240.0), **kw)
+
+    # the engine's reference (CPU) paths: jaxllm/models/quant_matmul.py
+    monkeypatch.setattr(qlayout, "dequantize", broken_int)
+    monkeypatch.setattr(quant_matmul, "fp8_matmul_ref", broken_fp8)
     # --num-layers 1: shapes no earlier test traced, so the steps are traced (and compiled) with the patch
     res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--num-layers", "1", "--scale", "0.1",
                            "--output-len", "8", "--enforce-eager", "--configs", "gptq_int4", "fp8",
@@ -464,6 +468,7 @@ def test_latency_and_throughput_take_quantization(tmp_path):
                                "--out", str(tmp_path / "lat.json")])
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
+    assert res["engine"]["step_temp_bytes"] > 0  # the compiled steps' largest temporary buffer (memory_analysis)
     p = argparse.ArgumentParser()
     common.add_model_args(p)
     args = p.parse_args(["--shape", "tiny", "--quantization", "fp8"])
@@ -471,3 +476,22 @@ def test_latency_and_throughput_take_quantization(tmp_path):
     assert common.resolve_model(args) == common.make_model_dir("tiny")  # the 16-bit folder, quantized at load
     with pytest.raises(SystemExit, match="no dummy config"):
         common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))
+
+
+def test_lora_bench_smoke(tmp_path):
+    """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
+    (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
+    adapters it writes itself, ratios to the base engine in the JSON."""
+    from bench import lora
+
+    out = tmp_path / "lora.json"
+    lora.main(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3", "--num-prompts", "4",
+               "--input-len", "8", "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
+               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "--compilation-cache-dir",
+               "", "--rank", "8", "--engines", "base,lora8", "--max-loras-scale", "4", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
+    rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}
+    assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
+    assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0
+    assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0

@@ -188,7 +188,7 @@ def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(c
     for weights, kw in ((path, dict(quantization="gptq_marlin")), (path, dict(load_format="dummy")), (converted, {})):
         jax.clear_caches()  # a start that needed a step would trace it again
         llm = _make_llm(weights, enforce_eager=False, compilation_cache_dir=str(tmp_path / "cache"), **kw)
-        cache, runner = llm.llm_engine.runner.exec_cache, llm.llm_engine.runner
+        cache, runner = llm.llm_engine.runner.programs.exec_cache, llm.llm_engine.runner
         starts.append((cache.hits, cache.misses, cache.stores))
         outs = _run(llm)
         if kw.get("load_format") == "dummy":
@@ -198,7 +198,7 @@ def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(c
             assert _tokens(outs) == _greedy_refs(path)
             assert outs[-1].num_cached_tokens == 16
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), runner.params)
-    n = len(runner.variants())
+    n = len(runner.programs.variants())
     assert starts == [(0, n, n), (n, 0, 0), (n, 0, 0)]
 
 
@@ -217,6 +217,46 @@ def test_engine_greedy_formats(ckpts, name, tp):
     path = _ckpt(ckpts, name)
     outs = _run(_make_llm(path, tensor_parallel_size=tp))
     assert _tokens(outs) == _greedy_refs(path)
+
+
+@pytest.mark.parametrize("shrinks", [False, True])
+def test_kv_cache_shrinks_for_steps_that_need_more_memory(ckpts, tmp_path_factory, monkeypatch, caplog, shrinks):
+    """On a GPU (faked: the KV cache sized to 48 blocks with 1 GiB kept for the steps) the engine compares the
+    compiled steps' temporary buffer (StepPrograms.temp_bytes, XLA's memory_analysis) with what the cache left
+    them. Where it fits, nothing is compiled again; where the steps need more (10.x blocks' worth, faked), the
+    cache gives up that many whole blocks, the steps are compiled again for its shape, and the engine's greedy
+    tokens are still HF's. The first start stores its executables; the second loads them (memory_analysis of
+    deserialized executables) before it shrinks."""
+    import jax
+
+    from jaxllm.engine import programs, setup
+    from jaxllm.engine.runner import ModelRunner
+
+    path = ckpts["gptq_llama"]
+    per_block = ModelRunner.kv_bytes_per_block(ModelConfig.from_hf(path, dtype="float32"), 8)
+    reserve, slack = 1 << 30, setup._STEP_SLACK_BYTES
+    monkeypatch.setattr(setup, "_is_gpu", lambda: True)
+    monkeypatch.setattr(setup, "_gpu_device", lambda: None)
+    monkeypatch.setattr(setup, "_num_blocks", lambda *a, **k: 48)
+    monkeypatch.setattr(setup, "_step_reserve", lambda *a, **k: reserve)
+    temps, warm_ups = [], []
+    real_temp, real_warm_up = programs.StepPrograms.temp_bytes, ModelRunner.warm_up
+    extra = 10 * per_block + 1 if shrinks else 0
+    monkeypatch.setattr(programs.StepPrograms, "temp_bytes",
+                        lambda self: temps.append(real_temp(self)) or reserve - slack + extra)
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, **kw: warm_ups.append(1) or real_warm_up(self, **kw))
+    cache = str(tmp_path_factory.getbasetemp() / "shrink_cache")  # the second start loads what the first stored
+    llm = _make_llm(path, enforce_eager=False, num_gpu_blocks_override=None, attention_backend="reference",
+                    compilation_cache_dir=cache)
+    runner = llm.llm_engine.runner
+    assert temps[0] > 0  # the real figure of the first compiled (or loaded) steps
+    assert len(temps) == 1 and len(warm_ups) == (2 if shrinks else 1)
+    blocks = 48 - 11 if shrinks else 48
+    assert llm.llm_engine.cache_config.num_blocks == runner.num_blocks == blocks
+    assert all(a.shape[1] == blocks for a in jax.tree.leaves(runner.kv_caches))
+    assert ("the KV cache shrinks from 48 to 37 blocks" in caplog.text) == shrinks
+    assert _tokens(_run(llm)) == _greedy_refs(path)
+    assert runner.programs.num_compiles_after_warmup == 0
 
 
 def test_demo_model_gptq_int4_answers_paris(demo_gptq):

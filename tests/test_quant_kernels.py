@@ -3,6 +3,8 @@ interpret mode against the pure-jnp reference, and FP8 W8A8, on CPU."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -79,6 +81,18 @@ def test_dequantize_and_reference_match_numpy(bits, G, sym):
     x = rng.standard_normal((3, K)).astype(np.float32)
     assert rel(quantized_matmul_ref(jnp.asarray(x), w), numpy_product(x, q, s, z, bits, G)) < 1e-5
     assert rel(quantized_matmul_ref(jnp.asarray(x), w), x @ wf) < (0.15 if bits == 4 else 0.02)  # RTN error
+
+
+def test_dequantize_lowers_to_elementwise_ops():
+    """The large-batch path's dequantization is elementwise ops and broadcasts only, which XLA fuses into one loop
+    writing the weight; jnp.repeat(total_repeat_length=...) had put a gather (through an index array built by a
+    scatter and a cumsum) into it. Also on a weight whose K is padded (576 rows in 1024-row tiles)."""
+    rng = np.random.default_rng(4)
+    _, q, s, z, w = packed(rng, 576, 16, 4, 64, False, dtype=jnp.float32)
+    want = (q - np.repeat(z, 64, 0)) * np.repeat(s, 64, 0)
+    np.testing.assert_allclose(np.asarray(dequantize(w)), want, rtol=1e-6, atol=1e-7)
+    ops = set(re.findall(r"stablehlo\.(\w+)", jax.jit(dequantize).lower(w).as_text()))
+    assert not ops & {"gather", "scatter", "reduce_window", "dynamic_slice"}, ops
 
 
 def test_act_order_permutation_math():

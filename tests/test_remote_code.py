@@ -91,8 +91,8 @@ def test_offline_greedy_matches_hf_with_the_remote_code_tokenizer(llm, baichuan)
 def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
     """`python -m jaxllm.serve ./baichuan-7B/ --served-model-name baichuan-7b --chat-template template_baichuan.jinja
     --trust-remote-code`, with streaming through the slow tokenizer's incremental detokenization."""
-    from jaxllm.serve import build_engine
     from server.args import parse_args
+    from server.serve import build_engine
     from server.testing import ServerThread
 
     template = tmp_path / "template_baichuan.jinja"

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags that need a companion to parse (as in vLLM).
 COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
               "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
-              "--enable-log-outputs": ["--enable-log-requests"]}
+              "--enable-log-outputs": ["--enable-log-requests"], "--lora-modules": ["--enable-lora"]}
 
 
 # `vllm serve --help`'s flags (without --) in vLLM 0.8.0, 0.8.5, 0.9.0, 0.9.2, 0.10.0, 0.10.2, 0.11.0 and 0.11.2,
@@ -101,7 +101,7 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
         return ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}']
     name = getattr(action.type, "__name__", "")
     value = {"int": "2", "float": "0.5", "human_readable_int": "2k", "_max_model_len": "1k", "loads": '["*"]',
-             "json_object": "{}"}.get(name, "x")
+             "json_object": "{}", "parse_lora_module": "a=/adapters/a"}.get(name, "x")
     return [value] * (2 if action.nargs == "+" else 1)
 
 

@@ -48,6 +48,14 @@ class EngineArgs:
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig
+    # LoRA adapters (jaxllm/lora/config.py: LoRAConfig, made from these once)
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
+    fully_sharded_loras: bool = False
+    lora_extra_vocab_size: int = 256
     # jaxllm-specific: explicit KV size (tests, CPU), attention backend, compile cache.
     num_gpu_blocks_override: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -55,6 +63,12 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)  # None: off
     served_model_name: str | None = None
     server_mode: bool = False  # vLLM's defaults differ between offline and server
+
+    def lora_config(self):
+        """The LoRAConfig these arguments give (None without enable_lora); a bad value raises ValueError."""
+        from jaxllm.lora.config import LoRAConfig
+
+        return LoRAConfig.from_engine_args(self)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
@@ -106,6 +120,12 @@ class EngineArgs:
             if self.pipeline_parallel_size > 1:
                 raise ValueError("Speculative decoding is not supported with pipeline parallelism yet "
                                  "(pipeline_parallel_size > 1).")
+        if self.lora_config() is not None:
+            if self.pipeline_parallel_size > 1:
+                raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1 yet; use "
+                                 "tensor_parallel_size to split the model.")
+            if spec is not None:
+                raise ValueError("enable_lora is not supported with speculative decoding (speculative_config) yet.")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
                      "kv_cache_memory_bytes"):  # None: derived; anything else a positive int
             value = getattr(self, name)

@@ -63,7 +63,7 @@ class AsyncLLM:
         return self._dead is not None
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"The engine died: {self._dead!r}")
         loop = asyncio.get_running_loop()
@@ -72,7 +72,8 @@ class AsyncLLM:
         with self._close_lock:
             if self._closed is not None:
                 raise EngineDeadError(self._closed)
-            self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added))
+            self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added,
+                                lora_request))
         try:
             await added  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:
@@ -95,6 +96,28 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    # LoRA adapters: run on the engine thread between steps (reading an adapter's files never blocks the loop)
+    async def add_lora(self, lora_request) -> bool:
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        return await self._call(self.engine.remove_lora, lora_id)
+
+    async def list_loras(self) -> set[int]:
+        return await self._call(self.engine.list_loras)
+
+    async def _call(self, fn, *args):
+        """fn(*args) on the engine thread; its result or its exception."""
+        if self._dead is not None:
+            raise EngineDeadError(f"The engine died: {self._dead!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        with self._close_lock:
+            if self._closed is not None:
+                raise EngineDeadError(self._closed)
+            self._commands.put(("call", fn, args, loop, done))
+        return await done
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -154,9 +177,9 @@ class AsyncLLM:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if cmd[0] == "add":
-                loop, added = cmd[5], cmd[7]
-                _call_soon(loop, _set_exception, added, EngineDeadError(reason))
+            if cmd[0] in ("add", "call"):
+                loop, fut = (cmd[5], cmd[7]) if cmd[0] == "add" else (cmd[3], cmd[4])
+                _call_soon(loop, _set_exception, fut, EngineDeadError(reason))
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -166,9 +189,9 @@ class AsyncLLM:
                 return
             block = False
             if cmd[0] == "add":
-                _, request_id, prompt, params, priority, loop, stream, added = cmd
+                _, request_id, prompt, params, priority, loop, stream, added, lora_request = cmd
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority=priority)
+                    self.engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora_request)
                 except Exception as e:  # noqa: BLE001 - bad input fails this request only
                     _call_soon(loop, _set_exception, added, e)
                     continue
@@ -179,6 +202,14 @@ class AsyncLLM:
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
                 self._streams.pop(cmd[1], None)
+            elif cmd[0] == "call":
+                _, fn, args, loop, done = cmd
+                try:
+                    result = fn(*args)
+                except Exception as e:  # noqa: BLE001 - the caller gets it; the engine goes on
+                    _call_soon(loop, _set_exception, done, e)
+                else:
+                    _call_soon(loop, _set_result, done, result)
 
     def _added(self, added: asyncio.Future, request_id: str) -> None:
         """On the front end's loop: the request is in; if its generate() was cancelled while waiting for
@@ -204,6 +235,11 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def _set_result(fut: asyncio.Future, value) -> None:
+    if not fut.done():
+        fut.set_result(value)
 
 
 def _set_exception(fut: asyncio.Future, e: BaseException) -> None:

@@ -9,7 +9,8 @@ but always safe to read, and no sequence ever attends to it through a real table
 num_blocks pages holds (num_blocks - 1) * block_size tokens of real KV.
 
 Prefix caching. A block whose block_size tokens are all known and computed is "full". Its hash chains over the
-whole prefix: h_i = sha256(h_{i-1} || tokens of block i) with h_{-1} = sha256(cache_salt) (b"" without a salt),
+whole prefix: h_i = sha256(h_{i-1} || tokens of block i) with h_{-1} = sha256(cache_salt) (b"" without a salt;
+with a LoRA adapter, sha256 of its key and the salt: KV computed under one adapter is never read under another),
 so equal hashes mean equal token prefixes from position 0 (sha256: no practical collisions, unlike Python's
 hash(), so a crafted prompt cannot read another request's KV). commit_full_blocks() registers full blocks in
 hash -> block; a later sequence with the same prefix reuses those pages (refcount + 1) instead of recomputing
@@ -46,7 +47,9 @@ from jaxllm.engine.sequence import Sequence
 NULL_BLOCK = 0
 
 
-def _salt_hash(salt: str | None) -> bytes:
+def _salt_hash(salt: str | None, lora_key: str | None = None) -> bytes:
+    if lora_key is not None:
+        return hashlib.sha256(f"{lora_key}\0{salt or ''}".encode()).digest()
     return b"" if salt is None else hashlib.sha256(salt.encode()).digest()
 
 
@@ -107,7 +110,7 @@ class BlockManager:
         bs = self.block_size
         n_full = seq.num_known_tokens // bs
         if len(hashes) < n_full:
-            parent = hashes[-1] if hashes else _salt_hash(seq.cache_salt)
+            parent = hashes[-1] if hashes else _salt_hash(seq.cache_salt, seq.lora_key)
             for i in range(len(hashes), n_full):
                 parent = hash_block(parent, seq.token_ids_slice(i * bs, (i + 1) * bs))
                 hashes.append(parent)

@@ -34,9 +34,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048  # token budget of a step
     max_model_len: int  # prompt + output tokens of one sequence
     enable_chunked_prefill: bool = True
+    max_loras: int | None = None  # LoRA: distinct adapters among the running sequences (None: LoRA off)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_loras is not None:
+            _check_int("max_loras", self.max_loras, 1)
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _check_int("max_model_len", self.max_model_len, 1)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

@@ -30,6 +30,7 @@ from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.structured import Grammars
+from jaxllm.lora.engine import EngineLoRAMethods
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import (
     RequestOutputKind,
@@ -72,6 +73,7 @@ class _Request:
     metrics: RequestMetrics
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
+    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
 
 
 def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
@@ -79,7 +81,7 @@ def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
     return req.seqs[0] if len(req.seqs) == 1 else next((s for s in req.seqs if s.seq is seq), None)
 
 
-class LLMEngine:
+class LLMEngine(EngineLoRAMethods):
     def __init__(self, args: EngineArgs):
         from jaxllm.engine.setup import build_engine_parts
 
@@ -106,6 +108,7 @@ class LLMEngine:
         self._inflight: StepHandle | None = None
         self._rng = random.Random(args.seed)
         self.grammars: Grammars = parts.grammars
+        self.lora = parts.lora  # LoRASlots, or None without enable_lora
         self._advanced: list[_SeqState] = []  # constrained sequences that took a token: their masks are stale
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -142,7 +145,7 @@ class LLMEngine:
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.args.scheduling_policy != "priority":
@@ -155,6 +158,7 @@ class LLMEngine:
         ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
+        lora_id, lora_key = self._lora_of(lora_request)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.compile(so)
         if not params.ignore_eos:
@@ -164,12 +168,12 @@ class LLMEngine:
         # generation_config.json's max_new_tokens caps every request (vLLM's max_tokens resolution)
         max_tokens = min(max_tokens, self.generation_defaults.get("max_tokens") or max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        req = _Request(request_id, text, ids, params, [], metrics)
+        req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
                            skip_prefix_cache_read=params.prompt_logprobs is not None, cache_salt=salt,
-                           sampling_params=params)
+                           sampling_params=params, lora_id=lora_id, lora_key=lora_key)
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
             detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
                                            params.spaces_between_special_tokens)
@@ -265,6 +269,7 @@ class LLMEngine:
         if not outputs and self._inflight is None and self._requests:
             # Nothing could run (e.g. every request waits for a pending token): finish stalled ones cleanly.
             outputs = self._finish_stalled()
+        self._drop_removed_loras()
         return outputs
 
     def _needs_sync(self) -> bool:

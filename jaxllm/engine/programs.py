@@ -74,10 +74,12 @@ class StepVariant:
         return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}"
 
 
-def step_args(host_args, params, kv_caches, prev_tokens) -> tuple:
-    """A step program's arguments: the device state and the host inputs, packed (pack_host_args)."""
+def step_args(host_args, params, kv_caches, prev_tokens, lora=None) -> tuple:
+    """A step program's arguments: the device state and the host inputs, packed (pack_host_args); with LoRA,
+    the adapter slot arrays last (jaxllm/lora/slots.py: arguments, never constants, so swapping adapters
+    recompiles nothing)."""
     ints, floats, layout = pack_host_args(host_args)
-    return params, kv_caches, ints, floats, prev_tokens, layout
+    return (params, kv_caches, ints, floats, prev_tokens, layout) + (() if lora is None else (lora,))
 
 
 def draft_args(host_args, params, draft, prev_in, prev_out, feats, emitted, extras) -> tuple:
@@ -118,12 +120,14 @@ class StepPrograms:
 
     kv_specs: the KV cache's per-layer (k, v) specs (shapes, dtypes, shardings) the step programs are compiled
     for; dummy_host: StepVariant -> host inputs of its shapes that write no KV slot (token_ids, src_rows, meta,
-    logits_indices, smd, prompt_targets). Both come from the runner, which owns the memory and the inputs."""
+    logits_indices, smd, prompt_targets, token_slots); lora_specs: the LoRA slot arrays' specs (None without
+    LoRA). All come from the runner, which owns the memory and the inputs."""
 
     def __init__(self, cfg: ModelConfig, attn: AttentionConfig, devices, *, seq_buckets: tuple[int, ...],
                  token_buckets: tuple[int, ...], kv_specs, dummy_host: Callable[[StepVariant], tuple],
                  max_penalty_width: int, pipeline: bool = False, executable_cache_dir: str | None = None,
-                 num_spec: int = 0, spec_max_seqs: int = 0, drafter=None, draft_state=None, block_size: int = 16):
+                 num_spec: int = 0, spec_max_seqs: int = 0, drafter=None, draft_state=None, block_size: int = 16,
+                 lora_specs=None):
         """drafter: a spec_decode.drafter.Drafter (a draft model or EAGLE head) or None; draft_state: its (params,
         KV cache specs) the draft programs are compiled for."""
         self.cfg, self.attn = cfg, attn
@@ -131,7 +135,7 @@ class StepPrograms:
         # Speculative decoding: K (0: off) and the largest batch bucket whose verify step is compiled at start-up
         self.num_spec, self.spec_max_seqs = num_spec, spec_max_seqs
         self.seq_buckets, self.token_buckets = seq_buckets, token_buckets
-        self.kv_specs, self.dummy_host = kv_specs, dummy_host
+        self.kv_specs, self.dummy_host, self.lora_specs = kv_specs, dummy_host, lora_specs
         self.max_penalty_width = max_penalty_width  # penalty rows never get wider (2 x the longest sequence)
         self._jit = jax.jit(packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k", "drafter"),
                             donate_argnums=(1,))
@@ -193,7 +197,7 @@ class StepPrograms:
     def dummy_args(self, v: StepVariant, params, prev_tokens) -> tuple:
         """v's step program's arguments as compiled at start-up: dummy host inputs, the KV cache's specs."""
         if not v.draft:
-            return step_args(self.dummy_host(v), params, self.kv_specs, prev_tokens)
+            return step_args(self.dummy_host(v), params, self.kv_specs, prev_tokens, self.lora_specs)
         T, B, K = v.num_tokens, v.num_seqs, v.num_spec
         host = self.dummy_host(dataclasses.replace(v, draft=False))
         rep = jax.sharding.NamedSharding(self.attn.mesh, jax.sharding.PartitionSpec())
@@ -256,6 +260,18 @@ class StepPrograms:
                 logger.debug(msg, v, time.perf_counter() - t0)
         return exe
 
+    def temp_bytes(self) -> int:
+        """The largest temporary buffer of the compiled step programs (XLA's memory_analysis, per device): the
+        working memory a step allocates beside its arguments (weights, KV cache). 0 where none reports it."""
+        out = 0
+        for exe in list(self.compiled.values()):
+            try:
+                stats = exe.memory_analysis()
+            except (jax.errors.JaxRuntimeError, NotImplementedError):
+                continue
+            out = max(out, getattr(stats, "temp_size_in_bytes", 0) or 0)
+        return out
+
     # ---- start-up ----
     def uncompiled(self) -> list[StepVariant]:
         return [v for v in self.variants() if v not in self.compiled]
@@ -275,7 +291,7 @@ class StepPrograms:
         kv_caches, hiddens = pipeline.warm_up(kv_caches, prev_tokens, shapes)
         for _ in range(2):
             for v in variants:
-                _, _, _, logits_indices, smd, prompt_targets = self.dummy_host(v)
+                _, _, _, logits_indices, smd, prompt_targets, _ = self.dummy_host(v)
                 prev_tokens, outputs, _ = self.pipeline_head(
                     head_params, hiddens[v.num_tokens], prev_tokens, logits_indices, smd, prompt_targets,
                     cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
@@ -298,7 +314,7 @@ class StepPrograms:
         args = {v: self.dummy_args(v, params, prev_tokens) for v in todo}
         workers = max(1, min(workers or 8, len(todo) or 1, os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
-            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo)):
+            for v, exe in zip(todo, pool.map(lambda v: self._load(v, args[v]), todo), strict=True):
                 if exe is not None:
                     self.compiled[v] = exe
             t1, n_loaded = time.perf_counter(), len([v for v in todo if v in self.compiled])
@@ -358,7 +374,7 @@ class StepPrograms:
         job = self.pending.get(v)
         if job is None:
             # specs, not the arrays: the KV cache is donated to every step
-            args = step_args(host_args, params, jax.tree.map(_spec, kv_caches), _spec(prev_tokens))
+            args = step_args(host_args, params, jax.tree.map(_spec, kv_caches), _spec(prev_tokens), self.lora_specs)
             exe = self._load(v, args)
             if exe is not None:
                 self.compiled[v] = exe
@@ -423,8 +439,9 @@ class StepPrograms:
         bitmask[:n_masks] = smd.token_bitmask
         wide_args = (head, rows, prev_tokens, *pack_host_args(dataclasses.replace(smd, token_bitmask=bitmask)))
         exe = self._sampler_executable(wide_v, wide_args)
-        if key not in self._sampler_jobs:  # specs: the step's device arrays may be donated before it runs
-            self._sampler_in_background(v, (head, _spec(rows), _spec(prev_tokens), *args[3:]))
+        if key not in self._sampler_jobs:  # specs: the step's device arrays may be donated before it runs (the
+            # head's too: a LoRA slot write donates the lm_head slot arrays)
+            self._sampler_in_background(v, (jax.tree.map(_spec, head), _spec(rows), _spec(prev_tokens), *args[3:]))
         return exe, wide_args
 
     def sampler_ahead(self, v: StepVariant, head, prev_tokens, smd: SamplingMetadata) -> None:
@@ -442,7 +459,7 @@ class StepPrograms:
         smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
                                   penalty_is_output=wider(smd.penalty_is_output))
         self._sampler_in_background(dataclasses.replace(v, sampler_widths=widths),
-                                    (head, rows, _spec(prev_tokens), *pack_host_args(smd)))
+                                    (jax.tree.map(_spec, head), rows, _spec(prev_tokens), *pack_host_args(smd)))
 
     def _sampler_in_background(self, v: StepVariant, specs) -> None:
         """Compiles v's sampler program in the background for arguments like specs (stored in the executable

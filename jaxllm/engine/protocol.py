@@ -70,11 +70,13 @@ class EngineClient(Protocol):
     def errored(self) -> bool: ...
 
     def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *, priority: int = 0
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
+        lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds the request and yields cumulative RequestOutputs (text/token_ids so far); the last has
         finished=True. Invalid input raises ValueError before the first yield. Closing the iterator early
-        (client gone, task cancelled) aborts the request and frees its KV blocks."""
+        (client gone, task cancelled) aborts the request and frees its KV blocks. lora_request: a LoRARequest
+        (engines with LoRA: also add_lora, remove_lora, list_loras, as AsyncLLM)."""
 
     async def abort(self, request_id: str) -> None: ...
 

@@ -36,7 +36,7 @@ def expand_metadata(md: SamplingMetadata, drafts, K: int) -> SamplingMetadata:
     """md's B rows -> B * (K + 1) rows (row b * (K + 1) + j: sequence b's position j): the same settings, the
     output index advanced by j, and drafts [B, K] d_1..d_j appended to the penalty history as outputs."""
     B = md.temperature.shape[0]
-    rep = lambda a: jnp.repeat(a, K + 1, axis=0)  # noqa: E731
+    rep = lambda a: None if a is None else jnp.repeat(a, K + 1, axis=0)  # noqa: E731  (None: e.g. no LoRA slots)
     j = jnp.tile(jnp.arange(K + 1, dtype=jnp.int32), B)
     # Position j sees proposals i < j: [B * (K + 1), K] of d_{i+1} or -1.
     seen = jnp.arange(K)[None, :] < j[:, None]

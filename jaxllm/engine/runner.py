@@ -14,7 +14,9 @@ prepares step N+1 while the device runs step N. Tokens a step samples stay on th
 reads them from `prev_tokens` for sequences whose input is still pending.
 
 The runner also owns the device memory the steps use: the KV cache (allocated after the start-up compiles, which
-autotune in the memory it will take), the weights (bound once loaded: set_params) and prev_tokens.
+autotune in the memory it will take), the weights (bound once loaded: set_params) and prev_tokens. With LoRA, the
+adapter slots (jaxllm/lora/slots.py, built by setup.py): prepare picks each sequence's slot (host bookkeeping),
+launch writes the adapters that prepare put in new slots, then dispatches the step, which reads the slots after.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to po
 # Field readers for map() over a step's sequences in prepare(): a C-level loop, several times cheaper than a
 # Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
 _seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
-_seq_id, _spec_token_ids = attrgetter("seq_id"), attrgetter("spec_token_ids")
+_seq_id, _spec_token_ids, _lora_id = attrgetter("seq_id"), attrgetter("spec_token_ids"), attrgetter("lora_id")
 
 
 def kv_storage_dtype(dtype):
@@ -93,15 +95,20 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[
             pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
 
 
-def dummy_host_inputs(v: StepVariant, *, max_pages: int, batch: InputBatch, vocab_size: int) -> tuple:
+def dummy_host_inputs(v: StepVariant, *, max_pages: int, batch: InputBatch, vocab_size: int,
+                      lora: bool = False) -> tuple:
     """Host inputs of v's shapes that write no KV slot: (token_ids, src_rows, meta, logits_indices, smd,
-    prompt_targets). What the start-up compiles trace (StepPrograms' dummy_host)."""
+    prompt_targets, token_slots), token_slots (and smd.lora_slots) None without LoRA, else no adapter anywhere.
+    What the start-up compiles trace (StepPrograms' dummy_host)."""
     T, B = v.num_tokens, v.num_seqs
     z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
     meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, max_pages), v.decode_only)
     smd = sampling_arrays(batch, vocab_size, B, v.flags)
     logits = (z(B * (v.num_spec + 1)), z(B, v.num_spec), z(B)) if v.num_spec else z(B)  # see _spec_rows
-    return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32)
+    token_slots = None
+    if lora:
+        smd, token_slots = dataclasses.replace(smd, lora_slots=np.full(B, -1, np.int32)), np.full(T, -1, np.int32)
+    return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32), token_slots
 
 
 @dataclass
@@ -120,13 +127,15 @@ class PreparedStep:
     """One step's host-side inputs (numpy) and its variant, before dispatch."""
 
     variant: StepVariant
-    host_args: tuple  # (token_ids [T], src_rows [T], meta, logits_indices [B], smd, prompt_targets [T])
+    host_args: tuple  # (token_ids [T], src_rows [T], meta, logits_indices [B], smd, prompt_targets [T],
+    # token_slots [T]: each token's LoRA slot, None without LoRA)
     sample_rows: dict[str, int]
     prompt_rows: dict[str, tuple[int, int, int]]
     num_logprobs: int
     masked: list = dataclasses.field(default_factory=list)  # (row of smd.token_bitmask, the sequence whose mask it is)
     sched: SchedulerOutput | None = None
     draft_extras: tuple | None = None  # with a drafter: (next_ids [B], num_pages [B]), see drafter.draft_step_fn
+    lora_loads: list = dataclasses.field(default_factory=list)  # (slot, adapter) to write before the step runs
 
 
 @dataclass
@@ -148,13 +157,15 @@ class ModelRunner:
                  kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
                  max_logprobs: int = 20, executable_cache_dir: str | None = None, num_spec_tokens: int = 0,
-                 spec_max_seqs: int = 0, drafter=None, draft_params=None):
+                 spec_max_seqs: int = 0, drafter=None, draft_params=None, lora=None):
         """num_spec_tokens: speculative decoding's K (0: off); spec_max_seqs: the largest batch that speculates
         (its verify steps are compiled at start-up for the batch buckets up to it); drafter / draft_params: a
-        draft model or EAGLE head (spec_decode/drafter.py) and its weights, with a KV cache of its own here."""
+        draft model or EAGLE head (spec_decode/drafter.py) and its weights, with a KV cache of its own here;
+        lora: jaxllm.lora.slots.LoRASlots (enable_lora; not with speculative decoding), or None."""
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
+        self.lora = lora  # jaxllm.lora.slots.LoRASlots (enable_lora), or None
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
@@ -185,12 +196,14 @@ class ModelRunner:
         self.programs = StepPrograms(cfg, self.attn, mesh.devices.flat, seq_buckets=self.seq_buckets,
                                      token_buckets=self.token_buckets, kv_specs=self._kv_specs(),
                                      dummy_host=functools.partial(dummy_host_inputs, max_pages=self.max_pages,
-                                                                  batch=self.batch, vocab_size=cfg.vocab_size),
+                                                                  batch=self.batch, vocab_size=cfg.vocab_size,
+                                                                  lora=lora is not None),
                                      max_penalty_width=2 * self.max_pages * block_size,
                                      pipeline=self.pipeline is not None, executable_cache_dir=executable_cache_dir,
                                      num_spec=num_spec_tokens, spec_max_seqs=spec_max_seqs, drafter=drafter,
                                      draft_state=(draft_params, self._draft_kv(allocate=False)),
-                                     block_size=block_size)
+                                     block_size=block_size,
+                                     lora_specs=None if lora is None else lora.abstract())
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
@@ -284,7 +297,8 @@ class ModelRunner:
 
     def _step_args(self, host_args) -> tuple:
         """The step program's arguments for these host inputs (packed: pack_host_args)."""
-        return step_args(host_args, self.params, self.kv_caches, self.prev_tokens)
+        return step_args(host_args, self.params, self.kv_caches, self.prev_tokens,
+                         None if self.lora is None else self.lora.arrays)
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
@@ -354,11 +368,18 @@ class ModelRunner:
                                  inp.block_tables, decode_only)
         v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), self.programs.num_spec if spec else 0)
         logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
-        host_args = (inp.token_ids, src_rows, meta, logits_slot, smd, prompt_targets)
+        token_slots, loads = None, []
+        if self.lora is not None:  # each token's adapter slot (-1: the base model, padding); the sampled rows' too
+            slot_of, loads = self.lora.assign(map(_lora_id, seqs))
+            seq_slots = np.fromiter((slot_of.get(i, -1) for i in map(_lora_id, seqs)), np.int32, n)
+            token_slots = np.full(T, -1, np.int32)
+            token_slots[:n_tok] = np.repeat(seq_slots, q_lens)
+            smd = dataclasses.replace(smd, lora_slots=token_slots[inp.logits_indices])
+        host_args = (inp.token_ids, src_rows, meta, logits_slot, smd, prompt_targets, token_slots)
         slot = smd.bitmask_slot
         masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
         extras = self._draft_extras(scheduled, rows, B) if self.drafter is not None else None
-        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras)
+        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras, loads)
 
     def _draft_extras(self, scheduled, rows: np.ndarray, B: int) -> tuple:
         """The draft program's host inputs: (next_ids [B]: the known token after a chunk that samples none, a
@@ -412,9 +433,12 @@ class ModelRunner:
         which waits for the previous step's tokens and rewrites p's masks) runs before p's sampling inputs are
         read; when p has overlap_min_masked masks or more, p runs split and it runs after the model part is
         dispatched, so that host work overlaps the device's."""
-        token_ids, src_rows, meta, logits_indices, smd, prompt_targets = p.host_args
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = p.host_args
         before_sample = before_sample or (lambda: None)
-        v, programs = p.variant, self.programs
+        v, programs, head = p.variant, self.programs, self._head
+        if self.lora is not None:  # dispatched after the steps in flight, which the device finishes first
+            self.lora.write(p.lora_loads)
+            head = dict(head, lora_lm_head=self.lora.arrays["lm_head"])  # the sampler-only program's adapters
         if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
             return self._launch_unverified(p, before_sample)
         overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs and not v.num_spec
@@ -436,14 +460,15 @@ class ModelRunner:
             # flags. For non-default flags whose step program is still compiling in the background, and for
             # overlap.
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
-            args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets))
+            args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets,
+                                    token_slots))
             self.kv_caches, _, _, _, rows, *feats = programs.executable(base, args)(*args)
             before_sample()
-            exe, sargs = programs.sampler_call(v, self._head, rows, self.prev_tokens, smd)
+            exe, sargs = programs.sampler_call(v, head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = exe(*sargs)
             prompt = None
         if v.flags.penalties and not v.num_spec:
-            programs.sampler_ahead(v, self._head, self.prev_tokens, smd)
+            programs.sampler_ahead(v, head, self.prev_tokens, smd)
         drafts = None
         if self.drafter is not None:
             drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
@@ -455,7 +480,7 @@ class ModelRunner:
         and, after a verify step, proposes the next K tokens of each sequence (device array [B, K], else None)."""
         v = p.variant
         dv = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0, num_spec=v.num_spec, draft=True)
-        token_ids, src_rows, meta, logits_slot, smd, prompt_targets = p.host_args
+        token_ids, src_rows, meta, logits_slot, smd, prompt_targets, _ = p.host_args
         host = (token_ids, src_rows, meta, logits_slot, plain(smd), prompt_targets)
         emitted = (outputs[0], outputs[5]) if v.num_spec else None
         args = draft_args(host, self.params, (self.draft_params, self.draft_kv), prev_in, self.prev_tokens, feats,

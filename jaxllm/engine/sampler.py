@@ -29,7 +29,7 @@ class SamplerFlags:
     jax.tree_util.register_dataclass,
     data_fields=["temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
                  "seeds", "steps", "penalty_tokens", "penalty_is_output", "bias_ids", "bias_values",
-                 "allowed_ids", "token_bitmask", "bitmask_slot"],
+                 "allowed_ids", "token_bitmask", "bitmask_slot", "lora_slots"],
     meta_fields=[],
 )
 @dataclass(frozen=True)
@@ -53,6 +53,7 @@ class SamplingMetadata:
     # -1: unconstrained)
     token_bitmask: jax.Array
     bitmask_slot: jax.Array
+    lora_slots: jax.Array | None = None  # [B] int32 LoRA slot of each row (lm_head adapters; -1: none), or None
 
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):

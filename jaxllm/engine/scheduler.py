@@ -12,7 +12,8 @@ Policy of schedule(), under a token budget (max_num_batched_tokens) and max_num_
 2. Then, unless something was preempted this step, waiting sequences in (priority, arrival, add order): each
    first reuses prefix-cache pages, then is admitted with as many tokens as the budget allows (chunked
    prefill) or only whole (chunked prefill off); admission stops at the first sequence that does not fit.
-   A re-admitted sequence recomputes prompt + outputs, with prefix-cache hits.
+   A re-admitted sequence recomputes prompt + outputs, with prefix-cache hits. With LoRA, a sequence whose
+   adapter would make the running sequences' distinct adapters exceed max_loras waits (later ones may run).
 num_computed_tokens advances at schedule time. A chunk that reaches the end of the sequence's tokens has
 sample=True: the step samples the next token, and num_pending goes up by one until update() delivers it.
 
@@ -294,11 +295,16 @@ class Scheduler:
 
         # 2. Waiting sequences, unless this step had to preempt.
         if not out.preempted:
+            # LoRA: the running sequences' adapters, at most max_loras (each is a device slot the steps read)
+            loras = {s.lora_id for s in self.running if s.lora_id} if cfg.max_loras else None
             j = 0
             while j < len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 seq = self.waiting[j]
                 if seq.num_pending or not self._wants_tokens(seq):
                     j += 1  # preempted with a token still in flight (wait for update()), or about to finish
+                    continue
+                if loras is not None and seq.lora_id and seq.lora_id not in loras and len(loras) >= cfg.max_loras:
+                    j += 1  # its adapter needs a slot the running sequences' adapters hold
                     continue
                 cached = bm.find_cached_prefix(seq)
                 num_cached = len(cached) * bm.block_size
@@ -313,6 +319,8 @@ class Scheduler:
                     seq.num_cached_tokens = num_cached
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=_queue_key)
+                if loras is not None and seq.lora_id:
+                    loras.add(seq.lora_id)
                 self._schedule_chunk(out, seq, num_new)
                 budget -= num_new
 

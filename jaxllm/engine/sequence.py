@@ -58,6 +58,8 @@ class Sequence:
         skip_prefix_cache_read: bool = False,
         cache_salt: str | None = None,
         sampling_params: Any = None,
+        lora_id: int = 0,
+        lora_key: str | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty.")
@@ -70,6 +72,8 @@ class Sequence:
         self.max_tokens = max_tokens
         self.skip_prefix_cache_read = skip_prefix_cache_read  # prompt_logprobs requests: compute every token
         self.cache_salt = cache_salt  # isolates prefix-cache sharing between tenants (vLLM's cache_salt)
+        self.lora_id = lora_id  # the LoRA adapter's lora_int_id (0: the base model); the runner maps it to a slot
+        self.lora_key = lora_key  # the adapter's prefix-cache key: KV computed with one adapter is never another's
         self.sampling_params = sampling_params  # carried for the engine; the scheduler never reads it
         self.bias_row: dict[int, float] | None = None  # the engine's logit biases for the next token (runner reads)
         self.token_bitmask = None  # structured outputs: the next token's allowed set ([W] int32; runner reads)

@@ -33,6 +33,7 @@ class EngineParts:
     mesh: object
     grammars: object  # structured.Grammars
     speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
+    lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
 
 
 def _is_gpu() -> bool:
@@ -214,9 +215,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
     from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
+    from jaxllm.models.moe_quant import dequantized_bytes as experts_dequantized_bytes
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
+    lora_cfg = args.lora_config()
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     if args.enable_expert_parallel:
         if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
@@ -244,6 +247,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
         speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    lora = None
+    if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
+        from jaxllm.lora.slots import LoRASlots
+
+        lora = LoRASlots(lora_cfg, cfg, mesh)
+        lora.warm_up()
     per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
                                                args.tensor_parallel_size, args.pipeline_parallel_size)
     tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
@@ -265,46 +274,72 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         params = abstract_weights(cfg, mesh)
         weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
                            for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes)
     else:
-        params = load()
-        num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu)
-    needed = -(-max_model_len // args.block_size) + 1
-    if num_blocks < needed:
-        raise ValueError(
-            f"The KV cache fits {num_blocks - 1} blocks of {args.block_size} tokens "
-            f"({(num_blocks - 1) * args.block_size} tokens), fewer than one sequence of max_model_len="
-            f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
-            f"num_gpu_blocks_override), or decrease max_model_len.")
-    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
-                            enable_prefix_caching=args.enable_prefix_caching)
-    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
-    tokens = (num_blocks - 1) * args.block_size
-    logger.info("KV cache size: %d tokens", tokens)
-    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
+        params, weight_bytes = load(), 0
+    # ... or one MoE layer's routed experts, dequantized together for its grouped matmul (models/moe_quant.py)
+    dequantized = max(_dequantized_bytes(params, cfg),
+                      experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens))
+    num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
+                             dequantized)
+    _check_one_sequence_fits(num_blocks, args.block_size, max_model_len)
     weights = None
     if overlap:
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-weights")
         weights = pool.submit(load)
         pool.shutdown(wait=False)
     spec_kw = speculation.runner_kwargs() if speculation is not None else {}
-    try:
+
+    def warmed_up_runner(num_blocks, params, weights):
         runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
                              kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), **spec_kw)
+                             executable_cache_dir=_executable_cache_dir(args), lora=lora, **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
+        return runner
+
+    try:
+        runner = warmed_up_runner(num_blocks, params, weights)
     except BaseException:
         if weights is not None:
             wait([weights])  # no weights left loading behind a failed start (device memory, a retry)
         raise
+    # The KV cache was sized with an estimate of the steps' working memory (_step_reserve); the compiled steps
+    # now say what they need (vLLM measures a dummy forward pass instead). Where they need more, the cache
+    # gives up the difference and the steps are compiled again for its new shape, rather than the first large
+    # step running out of memory (an 8B GPTQ engine's prefill step did: bench/results/quant_h100_23c93ec_log.txt).
+    if gpu and not (args.num_gpu_blocks_override or args.kv_cache_memory_bytes or args.enforce_eager):
+        reserve = _step_reserve(max_num_batched_tokens, max_num_seqs, cfg, dequantized)
+        temp = runner.programs.temp_bytes()
+        fewer = _blocks_for_step_temps(num_blocks, per_block, reserve, temp)
+        logger.info("The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
+                    temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30)
+        if fewer < num_blocks:
+            logger.warning(
+                "The compiled steps need %.2f GiB of temporary device memory, more than the %.2f GiB kept beside "
+                "the KV cache: the KV cache shrinks from %d to %d blocks and the steps are compiled again for it.",
+                temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30, num_blocks, fewer)
+            params = runner.params
+            for a in jax.tree.leaves((runner.kv_caches, runner.draft_kv)):  # (and the drafter's pages, if any)
+                a.delete()
+            runner = None  # its executables too: the new cache's shape is every step's argument
+            _check_one_sequence_fits(fewer, args.block_size, max_model_len)
+            num_blocks = fewer
+            runner = warmed_up_runner(num_blocks, params, None)
+    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=args.enable_prefix_caching)
+    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+                                max_loras=lora_cfg.max_loras if lora_cfg else None)
+    tokens = (num_blocks - 1) * args.block_size
+    logger.info("KV cache size: %d tokens", tokens)
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation)
+    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars,
+                       speculation=speculation, lora=lora)
 
 
 def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
@@ -333,10 +368,71 @@ def _executable_cache_dir(args: EngineArgs) -> str | None:
 
 
 _MIN_WORKSPACE_BYTES = 1 << 30
+# Kept free beside a compiled step's temporary buffer: its outputs, the packed host inputs, allocator rounding.
+_STEP_SLACK_BYTES = 256 << 20
 
 
-def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0) -> int:
-    """KV blocks that fit; weight_bytes: this device's weights when they are not loaded yet."""
+def _check_one_sequence_fits(num_blocks: int, block_size: int, max_model_len: int) -> None:
+    needed = -(-max_model_len // block_size) + 1
+    if num_blocks < needed:
+        raise ValueError(
+            f"The KV cache fits {num_blocks - 1} blocks of {block_size} tokens "
+            f"({(num_blocks - 1) * block_size} tokens), fewer than one sequence of max_model_len="
+            f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
+            f"num_gpu_blocks_override), or decrease max_model_len.")
+
+
+def _dequantized_bytes(params, cfg) -> int:
+    """The largest weight a step dequantizes whole (this device's shard, in the model's dtype): int weights on the
+    prefill path (kernels_pallas.quant), fp8 weights with 16-bit activations always; 0 without such weights."""
+    import jax
+    import numpy as np
+
+    from jaxllm.models.quant import QuantizedWeight
+
+    out = 0
+    for w in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, QuantizedWeight)):
+        if not isinstance(w, QuantizedWeight) or (w.scheme.weight_type == "float" and w.scheme.activations):
+            continue
+        values = math.prod(w.packed.sharding.shard_shape(w.packed.shape))
+        values *= 32 // w.scheme.bits if w.scheme.weight_type == "int" else 1
+        out = max(out, values * np.dtype(cfg.dtype).itemsize)
+    return out
+
+
+def _step_reserve(max_tokens: int, max_seqs: int, cfg, dequantized_bytes: int = 0, temp_bytes: int = 0) -> int:
+    """Device memory the KV cache leaves free for the steps' working memory: the largest of an estimate of the
+    activations, the GEMM autotuner's operand copies, a floor, and (once compiled) the steps' own temporary
+    buffer plus _STEP_SLACK_BYTES."""
+    import jax
+
+    # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers, and the
+    # largest weight a quantized model's prefill dequantizes (one at a time: kernels_pallas.quant.tie_to_input).
+    act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
+    act += dequantized_bytes
+    # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
+    # lm_head). Warm-up compiles with the KV cache's memory free (ModelRunner.warm_up), but a variant
+    # compiled later (a request's sampler flags) autotunes next to the allocated cache. The activation
+    # buffers are not live then, so the same headroom serves both. Without it an 8B model with
+    # max_num_batched_tokens 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
+    act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * jax.numpy.dtype(cfg.dtype).itemsize)
+    # And a floor for what does not scale with the model (cuBLAS / XLA workspaces, Pallas scratch, the
+    # sampler's buffers): a tiny model on an H100 was given all but ~60 MB and its first step ran out of memory.
+    act = max(act, _MIN_WORKSPACE_BYTES)
+    return max(act, temp_bytes + _STEP_SLACK_BYTES) if temp_bytes else act
+
+
+def _blocks_for_step_temps(num_blocks: int, per_block: int, reserve: int, temp_bytes: int) -> int:
+    """num_blocks less the blocks whose memory the compiled steps' temporary buffer (temp_bytes) needs beyond the
+    reserve the KV cache was sized with."""
+    short = temp_bytes + _STEP_SLACK_BYTES - reserve
+    return num_blocks if temp_bytes == 0 or short <= 0 else num_blocks - -(-short // per_block)
+
+
+def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0,
+                dequantized_bytes: int = 0) -> int:
+    """KV blocks that fit; weight_bytes: this device's weights when they are not loaded yet; dequantized_bytes:
+    see _dequantized_bytes."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes:
@@ -348,21 +444,7 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
         return max(_CPU_KV_BYTES // per_block, 2)
     limit = stats.get("bytes_limit", 0)
     in_use = stats.get("bytes_in_use", 0) + weight_bytes  # weights (this device's shard)
-    # Activation peak of the largest step: hidden states, MLP intermediates and the logits/sort buffers.
-    act = max_tokens * (6 * cfg.hidden_size + 3 * cfg.intermediate_size) * 4 + max_seqs * cfg.vocab_size * 4 * 4
-    # Quantized experts: one layer's routed experts, dequantized for the step's grouped matmul (models/moe_quant.py).
-    from jaxllm.models.moe_quant import dequantized_bytes
-
-    act += dequantized_bytes(cfg, args.tensor_parallel_size, max_tokens)
-    # XLA's GEMM autotuner works on its own copies of a GEMM's operands (the largest: the [V, D] embedding /
-    # lm_head). Warm-up compiles with the KV cache's memory free (ModelRunner.warm_up), but a variant
-    # compiled later (a request's sampler flags) autotunes next to the allocated cache. The activation
-    # buffers are not live then, so the same headroom serves both. Without it an 8B model with
-    # max_num_batched_tokens 128 left too little and compiling failed with RESOURCE_EXHAUSTED on an H100.
-    act = max(act, 2 * cfg.vocab_size * cfg.hidden_size * jax.numpy.dtype(cfg.dtype).itemsize)
-    # And a floor for what does not scale with the model (cuBLAS / XLA workspaces, Pallas scratch, the
-    # sampler's buffers): a tiny model on an H100 was given all but ~60 MB and its first step ran out of memory.
-    act = max(act, _MIN_WORKSPACE_BYTES)
+    act = _step_reserve(max_tokens, max_seqs, cfg, dequantized_bytes)
     # bytes_limit is the allocator's fraction of the device (request_device_memory); the budget is
     # gpu_memory_utilization of the whole device, and no more than the allocator can hand out.
     budget = int(min(limit, limit / _allocator_fraction() * args.gpu_memory_utilization))

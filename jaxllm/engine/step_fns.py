@@ -10,7 +10,11 @@
 
 Static arguments (cfg, attn, flags, prompt_k, drafter) select a program; every other argument is an array. With a
 drafter (spec_decode/drafter.py: a draft model or EAGLE head) the step programs also return what the drafter
-reads of the target (EAGLE: hidden states), for the draft program that follows each step.
+reads of the target (EAGLE: hidden states), for the draft program that follows each step. With LoRA
+(jaxllm/lora/; not with speculative decoding), the step's last argument is the adapter slot arrays and its host
+inputs' last item each token's slot (None without LoRA); the sampled rows' slots ride in SamplingMetadata.lora_slots
+(the lm_head adapters of the sampler-only program too, whose head then carries the slot arrays' "lora_lm_head").
+Which adapters a batch mixes is data: never a new program.
 """
 
 from __future__ import annotations
@@ -22,15 +26,16 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.packing import PackedLayout, unpack_host_args
 from jaxllm.engine.rejection_sampler import rejection_sample
 from jaxllm.engine.sampler import SamplerFlags, sample
+from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.decoder import compute_logits, forward
 from jaxllm.spec_decode.drafter import target_features
 
 
-def _forward(params, kv_caches, token_ids, meta, cfg: ModelConfig, attn: AttentionConfig, drafter):
+def _forward(params, kv_caches, token_ids, meta, cfg: ModelConfig, attn: AttentionConfig, drafter, lora=None):
     """The model -> (kv_caches, hidden [T, D], the drafter's features [T, F] or None)."""
     capture = drafter.feature_layers if drafter is not None and drafter.method == "eagle3" else ()
-    out = forward(params, kv_caches, token_ids, meta, cfg, attn, capture=capture)
+    out = forward(params, kv_caches, token_ids, meta, cfg, attn, capture=capture, lora=lora)
     feats = target_features(params, out[1], out[2] if capture else None, cfg, drafter)
     if feats is not None:  # the draft program is compiled for replicated features
         feats = jax.lax.with_sharding_constraint(feats, _replicated(attn))
@@ -42,26 +47,31 @@ def _replicated(attn: AttentionConfig):
 
 
 def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-             *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
+             lora: LoRAInputs | None = None, *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags,
+             prompt_k: int, drafter=None):
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
-    kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
+    kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter, lora)
     rows = hidden[logits_indices]
     # The sampled rows' hidden states are returned too ([B, D]: small; returning the [B, V] float32 logits
     # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
     # default can run this program and a sampler-only program on them (ModelRunner.launch).
-    logits = compute_logits(params, rows, cfg)
+    lora_head = None if lora is None else lora.weights["lm_head"]
+    logits = compute_logits(params, rows, cfg, lora_head, smd.lora_slots)
     out = (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
-                                  flags=flags, prompt_k=prompt_k), rows)
+                                  flags=flags, prompt_k=prompt_k, lora=lora), rows)
     return out if drafter is None else out + (feats,)
 
 
-def packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
-                   attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
-    """_step_fn on the host inputs as pack_host_args made them."""
-    token_ids, src_rows, meta, logits_indices, smd, prompt_targets = unpack_host_args(ints, floats, layout)
+def packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, lora_weights=None, *,
+                   cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
+    """_step_fn on the host inputs as pack_host_args made them; with LoRA, lora_weights are the slot arrays
+    (jaxllm/lora/slots.py) and the host inputs' last item each token's slot (None without LoRA)."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats,
+                                                                                                   layout)
+    lora = None if lora_weights is None else LoRAInputs(lora_weights, token_slots)
     return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-                    cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k, drafter=drafter)
+                    lora, cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k, drafter=drafter)
 
 
 def packed_spec_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
@@ -71,7 +81,7 @@ def packed_spec_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: Pa
     step's with (logits_indices [B * (K + 1)], drafts [B, K], num_drafts [B]) in the logits_indices slot.
     Returns a plain step's outputs with num_emitted [B] appended to the sampled ones ([B, K + 1] each) (and the
     drafter's features)."""
-    token_ids, src_rows, meta, (logits_indices, drafts, num_drafts), smd, _ = unpack_host_args(ints, floats, layout)
+    token_ids, src_rows, meta, (logits_indices, drafts, num_drafts), smd, *_ = unpack_host_args(ints, floats, layout)
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
     B = drafts.shape[0]
@@ -95,8 +105,9 @@ def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
 
 def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags):
     """The sampler-only program: logits of the sampled rows' hidden states (head: the final norm and output
-    weights), then sampling."""
-    return _sample_logits_fn(compute_logits(head, rows, cfg), prev_tokens, smd, flags=flags)
+    weights, and with LoRA the lm_head slot arrays as "lora_lm_head"), then sampling."""
+    logits = compute_logits(head, rows, cfg, head.get("lora_lm_head"), smd.lora_slots)
+    return _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
 
 
 def packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig,
@@ -107,13 +118,14 @@ def packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: PackedL
 
 
 def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
-               flags: SamplerFlags, prompt_k: int):
+               flags: SamplerFlags, prompt_k: int, lora: LoRAInputs | None = None):
     """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
     the pipeline's tail)."""
     next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
     prompt = None
     if prompt_k:
-        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg), axis=-1)
+        lora_head = (None, None) if lora is None else (lora.weights["lm_head"], lora.token_slots)
+        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg, *lora_head), axis=-1)
         tgt = jnp.maximum(prompt_targets, 0)
         t_lp = jnp.take_along_axis(all_lp, tgt[:, None], axis=-1)[:, 0]
         t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1

@@ -71,7 +71,9 @@ TOKENIZER_NEEDED = "the tokenizer is always loaded: it detokenizes outputs and f
 REASONING = ("reasoning is not split out: the model's thinking stays in the message content (no reasoning_content)")
 PLUGIN = "vLLM plugins and custom Python classes are not supported"
 LOGITS_PROCESSORS = "custom logits processors (Python classes) are not supported"
-LORA = "LoRA adapters are not supported"
+LORA_BIAS = "LoRA bias terms are not supported: an adapter with bias is refused when it loads"
+LONG_LORA = "long-context LoRA adapters are not supported"
+QLORA = "QLoRA (bitsandbytes) adapters are not supported: serve a LoRA adapter of a 16-bit or quantized base"
 PROMPT_ADAPTER = "prompt adapters are not supported"
 SPECULATIVE = "speculative decoding is not supported"
 KV_TRANSFER = "disaggregated prefill (KV / encoder-cache transfer between instances) is not supported"
@@ -187,7 +189,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--dcp-kv-cache-interleave-size', IGNORED, NO_DCP, 'value', 'engine', '0.11.2', accepted=('1',)),
     _row('--decode-context-parallel-size', REFUSED, NO_DCP, 'value', 'engine', '0.10.2-0.11.2',
          accepted=('1',), aliases=('-dcp',)),
-    _row('--default-mm-loras', IGNORED, LORA, 'value', 'engine', '0.10.0-0.11.2'),
+    _row('--default-mm-loras', IGNORED, TEXT_ONLY, 'value', 'engine', '0.10.0-0.11.2'),
     _row('--device', IGNORED, DEVICE, 'value', 'engine', '0.8.0-0.9.2', accepted=('auto', 'cuda', 'gpu')),
     _row('--disable-async-output-proc', IGNORED, OUTPUT_OVERLAP, 'bool', 'engine', '0.8.0-0.10.2'),
     _row('--disable-cascade-attn', SAME, NO_CASCADE, 'bool', 'engine', '0.8.5-0.11.2'),
@@ -216,8 +218,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--enable-force-include-usage', IGNORED, USAGE, 'bool', 'server', '0.9.2-0.11.2'),
     _row('--enable-log-outputs', IGNORED, LOGGING, 'bool', 'server', '0.10.2-0.11.2'),
     _row('--enable-log-requests', HONOURED, "", 'value', 'server', '0.10.2-0.11.2'),
-    _row('--enable-lora', REFUSED, LORA, 'bool', 'engine', '0.8.0-0.11.2'),
-    _row('--enable-lora-bias', IGNORED, LORA, 'bool', 'engine', '0.8.0-0.11.0'),
+    _row('--enable-lora', HONOURED, "", 'bool', 'engine', '0.8.0-0.11.2'),
+    _row('--enable-lora-bias', IGNORED, LORA_BIAS, 'bool', 'engine', '0.8.0-0.11.0'),
     _row('--enable-mm-embeds', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.11.2'),
     _row('--enable-multimodal-encoder-data-parallel', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.9.2-0.11.2'),
     _row('--enable-prefix-caching', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
@@ -238,7 +240,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--exclude-tools-when-tool-choice-none', HONOURED, "", 'value', 'server', '0.10.2-0.11.2'),
     _row('--expand-tools-even-if-tool-choice-none', SAME, TOOLS_SHOWN, 'bool', 'server', '0.9.2'),
     _row('--expert-placement-strategy', IGNORED, MOE, 'value', 'engine', '0.11.0-0.11.2'),
-    _row('--fully-sharded-loras', IGNORED, LORA, 'bool', 'engine', '0.8.0-0.11.2'),
+    _row('--fully-sharded-loras', HONOURED, "", 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--generation-config', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--gpu-memory-utilization', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--guided-decoding-backend', IGNORED, LLGUIDANCE, 'value', 'engine', '0.8.0-0.10.2',
@@ -270,24 +272,24 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--logits-processor-pattern', REFUSED, LOGITS_PROCESSORS, 'value', 'engine', '0.8.0-0.11.2'),
     _row('--logits-processors', REFUSED, LOGITS_PROCESSORS, 'values', 'engine', '0.10.2-0.11.2'),
     _row('--logprobs-mode', IGNORED, RAW_LOGPROBS, 'value', 'engine', '0.10.0-0.11.2', accepted=('raw_logprobs',)),
-    _row('--long-lora-scaling-factors', IGNORED, LORA, 'value', 'engine', '0.8.0-0.9.2'),
+    _row('--long-lora-scaling-factors', IGNORED, LONG_LORA, 'value', 'engine', '0.8.0-0.9.2'),
     _row('--long-prefill-token-threshold', IGNORED, CHUNKED_PREFILL, 'value', 'engine', '0.8.0-0.11.2',
          accepted=('0',)),
-    _row('--lora-dtype', IGNORED, LORA, 'value', 'engine', '0.8.0-0.11.2'),
-    _row('--lora-extra-vocab-size', IGNORED, LORA, 'value', 'engine', '0.8.0-0.11.2'),
-    _row('--lora-modules', REFUSED, LORA, 'values', 'server', '0.8.0-0.11.2'),
+    _row('--lora-dtype', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--lora-extra-vocab-size', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--lora-modules', HONOURED, "", 'values', 'server', '0.8.0-0.11.2'),
     _row('--mamba-block-size', IGNORED, MAMBA, 'value', 'engine', '0.11.2'),
     _row('--mamba-cache-dtype', IGNORED, MAMBA, 'value', 'engine', '0.10.2-0.11.2'),
     _row('--mamba-ssm-cache-dtype', IGNORED, MAMBA, 'value', 'engine', '0.10.2-0.11.2'),
     _row('--master-addr', HONOURED, "", 'value', 'engine', '0.11.2'),
     _row('--master-port', HONOURED, "", 'value', 'engine', '0.11.2'),
-    _row('--max-cpu-loras', IGNORED, LORA, 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--max-cpu-loras', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--max-cudagraph-capture-size', IGNORED, BUCKETS, 'value', 'engine', '0.11.2'),
     _row('--max-log-len', HONOURED, "", 'value', 'server', '0.8.0-0.11.2'),
     _row('--max-logprobs', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--max-long-partial-prefills', IGNORED, CHUNKED_PREFILL, 'value', 'engine', '0.8.0-0.11.2', accepted=('1',)),
-    _row('--max-lora-rank', IGNORED, LORA, 'value', 'engine', '0.8.0-0.11.2'),
-    _row('--max-loras', IGNORED, LORA, 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--max-lora-rank', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--max-loras', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--max-model-len', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--max-num-batched-tokens', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--max-num-partial-prefills', IGNORED, CHUNKED_PREFILL, 'value', 'engine', '0.8.0-0.11.2', accepted=('1',)),
@@ -329,7 +331,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--prefix-caching-hash-algo', IGNORED, PREFIX_HASH, 'value', 'engine', '0.8.5-0.11.2', accepted=('builtin',)),
     _row('--prompt-adapters', REFUSED, PROMPT_ADAPTER, 'values', 'server', '0.8.0-0.9.2'),
     _row('--pt-load-map-location', IGNORED, LOADER, 'value', 'engine', '0.9.0-0.11.2'),
-    _row('--qlora-adapter-name-or-path', REFUSED, LORA, 'value', 'engine', '0.8.0-0.9.2'),
+    _row('--qlora-adapter-name-or-path', REFUSED, QLORA, 'value', 'engine', '0.8.0-0.9.2'),
     _row('--quantization', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2', aliases=('-q',)),
     _row('--ray-workers-use-nsight', IGNORED, NCCL, 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--reasoning-parser', IGNORED, REASONING, 'value', 'engine', '0.8.0-0.11.2'),

@@ -27,17 +27,19 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool | Callable[..., Any] = True,
+                 use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
-        """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False)."""
+        """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False).
+        lora_request: a LoRARequest for every prompt, or a list of them (None entries: the base model)."""
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
-        ids = self._add(prompts, params, priority)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        ids = self._add(prompts, params, priority, loras)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True,
              chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools=None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools=None, lora_request=None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
@@ -50,7 +52,7 @@ class LLM:
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- internals ----
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -67,7 +69,7 @@ class LLM:
                              "the same.")
         return list(sampling_params)
 
-    def _add(self, prompts, params, priority) -> list[str]:
+    def _add(self, prompts, params, priority, loras=None) -> list[str]:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the "
                              "same.")
@@ -81,7 +83,8 @@ class LLM:
                     # caller's params as they were.
                     sp = copy.copy(sp)
                     sp.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, prompt, sp, priority=priority[i] if priority else 0)
+                engine.add_request(request_id, prompt, sp, priority=priority[i] if priority else 0,
+                                   lora_request=loras[i] if loras else None)
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # a bad prompt in the list leaves nothing behind
@@ -121,6 +124,15 @@ class LLM:
         if failed:
             raise next(iter(failed.values()))
         return n
+
+
+def _per_prompt(value, n: int, name: str) -> list | None:
+    """One value for every prompt, or a list of n (vLLM's lora_request)."""
+    if value is None or not isinstance(value, (list, tuple)):
+        return None if value is None else [value] * n
+    if len(value) != n:
+        raise ValueError(f"The lengths of prompts ({n}) and {name} ({len(value)}) must be the same.")
+    return list(value)
 
 
 def _as_prompt_list(prompts) -> list:

@@ -7,6 +7,11 @@ the layer's LayerKind, a static argument of its trace.
 
     forward(params, kv_caches, token_ids, meta, cfg) -> (kv_caches, hidden [T, D])
     compute_logits(params, hidden [B, D], cfg) -> [B, V] float32
+
+With LoRA (jaxllm/lora/), forward takes the step's LoRAInputs and adds each token's adapter term to the output of
+every adapted projection (dense or quantized; before the norms, activations and soft-capping that follow it, as
+PEFT's wrapped modules do) and of the embedding lookup (before Gemma's scaling); compute_logits takes the slot
+weights of its rows for the lm_head term. MoE layers' experts take no adapter (jaxllm/lora/peft.py refuses them).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import LayerKind, ModelConfig
+from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
@@ -95,9 +101,13 @@ def _split_k_qkv(h, w, splits):
     return jnp.einsum("TSd,SdKGH->STKGH", hs, ws, preferred_element_type=jnp.float32)
 
 
-def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None):
+def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None):
+    """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None."""
+    ll = ll or {}
     gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
-    return _proj(activation(gate_up[:, 0], act) * gate_up[:, 1], w_down, b_down, "TF,FD->TD", attn)
+    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
+    a = activation(gate_up[:, 0], act) * gate_up[:, 1]
+    return lora_ops.add(_proj(a, w_down, b_down, "TF,FD->TD", attn), "down", a, ll.get("down"), lw)
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
@@ -110,13 +120,18 @@ def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
 
 
 def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig,
-                  kind: LayerKind):
+                  kind: LayerKind, ll=None, lw=None):
+    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
+    ll = ll or {}
     h = _norm(x, lp["attn_norm"], cfg)
     splits = qkv_splits(h.shape[0], lp, cfg, attn)
     if splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
+        if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
+            qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:
         qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)  # per kv head: G q heads, then k, v
+        qkv = lora_ops.add(qkv, "qkv", h, ll.get("qkv"), lw)
     if "q_norm" in lp:
         qkv = _qk_norm(qkv, lp, cfg)
     inv_freq = slopes = None
@@ -127,7 +142,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
         qkv, kv_cache, meta, scale=cfg.attn_scale, rope_inv_freq=inv_freq, alibi_slopes=slopes,
         sliding_window=kind.sliding_window, soft_cap=cfg.attn_softcap, config=attn, dtype=x.dtype)
-    out = _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
+    out = lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn), "o", out, ll.get("o"), lw)
     if "post_attn_norm" in lp:  # Gemma 2/3
         out = _norm(out, lp["post_attn_norm"], cfg)
     x = x + out
@@ -135,7 +150,8 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
-        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"))
+        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"),
+                  ll, lw)
     if "post_mlp_norm" in lp:
         out = _norm(out, lp["post_mlp_norm"], cfg)
     return x + out, kv_cache
@@ -158,14 +174,17 @@ def _traced_once(layer_fn):
 
 def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
             attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None,
-            capture: tuple[int, ...] = ()):
+            capture: tuple[int, ...] = (), lora: lora_ops.LoRAInputs | None = None):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
     layer range and the previous stage's hidden states; the first stage embeds token_ids. capture: layers whose
     input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value
-    (EAGLE-3 heads read them)."""
+    (EAGLE-3 heads read them). lora: the step's adapters (jaxllm/lora/ops.py), or None."""
     layers = range(cfg.num_layers) if layers is None else layers
+    lw = None if lora is None else lora_ops.select(lora.token_slots, lora.num_slots)
     if hidden is None:
         x = params["embed"][token_ids]
+        if lora is not None:
+            x = lora_ops.add(x, "embed", token_ids, lora.weights["embed"], lw)
         if cfg.scale_embeddings:  # Gemma: times sqrt(D), rounded to the model dtype as HF does
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
     else:
@@ -176,14 +195,18 @@ def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelCon
     for i in layers:
         if i in capture:
             captured[i] = x
-        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i))
+        ll = None if lora is None else lora.weights["layers"][i]
+        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i), ll, lw)
     return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
 
 
-def compute_logits(params, hidden, cfg: ModelConfig):
+def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
+    """lora_head: the lm_head LoRA slot arrays (A, B) and row_slots [B] each row's slot (-1: none), or None."""
     x = _norm(hidden, params["final_norm"], cfg)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
+    if lora_head is not None:
+        logits = logits + lora_ops.delta("lm_head", x, *lora_head, lora_ops.select(row_slots, lora_head[0].shape[0]))
     if cfg.final_softcap is not None:  # Gemma 2
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits

@@ -169,8 +169,8 @@ def weight_table(cfg: ModelConfig) -> dict[tuple, tuple[tuple[str, ...], Callabl
 class CheckpointReader:
     """Lazy name -> numpy access over the tensors of an HF checkpoint directory."""
 
-    def __init__(self, model_dir: str, load_format: str = "auto"):
-        self.files = _weight_files(model_dir, load_format)
+    def __init__(self, model_dir: str | None, load_format: str = "auto", files: list[str] | None = None):
+        self.files = _weight_files(model_dir, load_format) if files is None else files
         self._index: dict[str, str] = {}
         self._handles: dict[str, object] = {}
         self._stored: dict[str, str] = {}  # a name the tables use -> the file's own (use_names_of)
@@ -181,6 +181,11 @@ class CheckpointReader:
                 raise ValueError(f"Cannot read weights from {path}: {type(e).__name__}: {e}") from None
             for name in names:
                 self._index[name] = path
+
+    @classmethod
+    def for_files(cls, files: list[str]) -> CheckpointReader:
+        """A reader of these files (e.g. a LoRA adapter's adapter_model.safetensors)."""
+        return cls(None, files=files)
 
     def use_names_of(self, cfg: ModelConfig) -> None:
         """Renames the tensors that cfg's architecture also spells otherwise (CHECKPOINT_ALIASES) to the names

@@ -85,8 +85,8 @@ def num_experts(w) -> int:
 def dequantized_bytes(cfg, tp: int, max_tokens: int) -> int:
     """One device's peak bytes of one layer's experts dequantized inside a step (routed_experts): at most
     min(E', max_tokens * top_k) experts' gate / up and down in the model dtype (the unpacking and scaling are fused
-    into the one pass that writes them). 0 unless cfg's experts are quantized. The engine adds it to its activation
-    estimate before it sizes the KV cache."""
+    into the one pass that writes them). 0 unless cfg's experts are quantized. The engine reserves it beside the
+    activations when it sizes the KV cache (engine/setup.py; warm-up then checks the compiled steps' temporaries)."""
     from jaxllm.models.quant import EXPERT_LINEARS, quantized_keys
 
     m = cfg.moe

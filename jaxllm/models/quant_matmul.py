@@ -9,6 +9,9 @@
                    with the static scale, one fp8 x fp8 dot (FP8 tensor cores)     the dot in float32
   fp8 weight-only  dequantize + dot (both)
 
+Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
+over both), so a step holds one projection's dequantized weight at a time, not every layer's.
+
 INT8 W8A8 rounds x to int8 per token first, then multiplies like a weight-only int8 weight. The fused projections
 (qkv, gate / up) are one weight each, so one call and one kernel launch each.
 
@@ -32,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.models.quant import QuantizedWeight, quantize_activations
 from jaxllm.sharding import logical_to_spec
 from kernels_pallas import qlayout
-from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul
+from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, tie_to_input
 
 
 def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
@@ -71,7 +74,11 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
         flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
         qw = qlayout.QuantizedWeight(qweight=flat(w.packed), scales=flat(w.scales), zeros=flat(w.zeros), perm=None,
                                      bits=s.bits, group_size=lay.group_size, k=lay.k, plane=lay.plane)
-        y = quantized_matmul(x, qw, interpret=interpret) if kernels else _dot_f32(x, qlayout.dequantize(qw, x.dtype))
+        if kernels:
+            y = quantized_matmul(x, qw, interpret=interpret)
+        else:
+            x, qw = tie_to_input(x, qw)
+            y = _dot_f32(x, qlayout.dequantize(qw, x.dtype))
     if psum:
         y = jax.lax.psum(y, "tp")
     return y.reshape(x.shape[0], *out)
@@ -80,7 +87,8 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
 def _fp8(x, w: QuantizedWeight, kernels: bool):
     wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
     scale = w.scales.reshape(-1)
-    if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize, then one dot
+    if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize (next to the dot), then one dot
+        x, (wq, scale) = tie_to_input(x, (wq, scale))
         return _dot_f32(x, (wq.astype(jnp.float32) * scale[:, None]).astype(x.dtype).T)
     fn = fp8_matmul if kernels else fp8_matmul_ref
     x_scale = w.act_scale if w.scheme.activations == "static" else None

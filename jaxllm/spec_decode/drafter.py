@@ -151,7 +151,7 @@ def draft_step_fn(params, dparams, dkv, ints, floats, prev_in, prev_out, feats, 
     (tokens [B, K + 1], num_emitted [B]), None for a plain step; next_ids [B]: the token after each chunk when
     the step sampled none for it (a partial prefill), else -1; num_pages [B]: each sequence's pages.
     Returns (dkv, proposals [B, K] or None)."""
-    token_ids, src_rows, meta, logits_slot, _, _ = unpack_host_args(ints, floats, layout)
+    token_ids, src_rows, meta, logits_slot, *_ = unpack_host_args(ints, floats, layout)  # (smd, targets, slots)
     token_ids = jnp.where(src_rows >= 0, prev_in[jnp.maximum(src_rows, 0)], token_ids)
     qsl, seq_lens = meta.query_start_loc, meta.seq_lens
     B = seq_lens.shape[0]
