@@ -215,6 +215,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
     from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
+    from jaxllm.models.moe_quant import dequantized_bytes as experts_dequantized_bytes
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
@@ -275,7 +276,9 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                            for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
     else:
         params, weight_bytes = load(), 0
-    dequantized = _dequantized_bytes(params, cfg)
+    # ... or one MoE layer's routed experts, dequantized together for its grouped matmul (models/moe_quant.py)
+    dequantized = max(_dequantized_bytes(params, cfg),
+                      experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens))
     num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
                              dequantized)
     _check_one_sequence_fits(num_blocks, args.block_size, max_model_len)

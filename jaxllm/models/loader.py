@@ -116,11 +116,10 @@ def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
     """A MoE layer's weights: Mixtral's block_sparse_moe.experts.{e}.w1 / w3 / w2 (gate / up / down), Qwen's
     mlp.experts.{e}.gate_proj / up_proj / down_proj and mlp.shared_expert(_gate); each expert separate, as
     the checkpoints on the Hub store them (transformers 5 writes them so too)."""
+    from jaxllm.models.moe import expert_linear_names
+
     E = range(cfg.moe.num_experts)
-    if cfg.architecture == "mixtral":
-        p, (gate, up, down) = "block_sparse_moe.", ("w1", "w3", "w2")
-    else:
-        p, (gate, up, down) = "mlp.", ("gate_proj", "up_proj", "down_proj")
+    p, (gate, up, down) = expert_linear_names(cfg)
     table = {
         "router": ((f"{p}gate.weight",), _transpose),
         "w_experts_gate_up": (tuple(f"{p}experts.{e}.{n}.weight" for n in (gate, up) for e in E),
@@ -133,6 +132,8 @@ def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
         table["w_shared_down"] = ((f"{p}shared_expert.down_proj.weight",), _transpose)
         table["w_shared_expert_gate"] = ((f"{p}shared_expert_gate.weight",), _flatten)
     return table
+
+
 TOP_TABLE: dict[str, tuple[str, Callable]] = {
     "embed": ("model.embed_tokens.weight", _identity),
     "final_norm": ("model.norm.weight", _identity),
@@ -172,6 +173,7 @@ class CheckpointReader:
         self.files = _weight_files(model_dir, load_format) if files is None else files
         self._index: dict[str, str] = {}
         self._handles: dict[str, object] = {}
+        self._stored: dict[str, str] = {}  # a name the tables use -> the file's own (use_names_of)
         for path in self.files:
             try:
                 names = list(self._open(path).keys())
@@ -184,6 +186,23 @@ class CheckpointReader:
     def for_files(cls, files: list[str]) -> CheckpointReader:
         """A reader of these files (e.g. a LoRA adapter's adapter_model.safetensors)."""
         return cls(None, files=files)
+
+    def use_names_of(self, cfg: ModelConfig) -> None:
+        """Renames the tensors that cfg's architecture also spells otherwise (CHECKPOINT_ALIASES) to the names
+        the weight tables use; get / shape / dtype then read them under either name's file entry."""
+        from jaxllm.models.moe import CHECKPOINT_ALIASES
+
+        rules = CHECKPOINT_ALIASES.get(cfg.architecture, ())
+        for name in list(self._index) if rules else ():
+            alias = name
+            for pattern, repl in rules:
+                alias = pattern.sub(repl, alias)
+            if alias != name and alias not in self._index:
+                self._index[alias] = self._index.pop(name)
+                self._stored[alias] = self._stored.pop(name, name)
+
+    def _name(self, name: str) -> str:
+        return self._stored.get(name, name)
 
     def _open(self, path: str):
         if path not in self._handles:
@@ -200,18 +219,18 @@ class CheckpointReader:
         return name in self._index
 
     def get(self, name: str) -> np.ndarray:
-        return self._open(self._index[name]).get_tensor(name)
+        return self._open(self._index[name]).get_tensor(self._name(name))
 
     def file_of(self, name: str) -> str:
         return self._index[name]
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape, from the file's header (safetensors) or its lazy storage (torch): no data read."""
-        return tuple(self._open(self._index[name]).get_shape(name))
+        return tuple(self._open(self._index[name]).get_shape(self._name(name)))
 
     def dtype(self, name: str) -> str:
         """The tensor's dtype as numpy / ml_dtypes names it (int32, float16, bfloat16, float8_e4m3fn, ...)."""
-        return self._open(self._index[name]).get_dtype(name)
+        return self._open(self._index[name]).get_dtype(self._name(name))
 
 
 class _SafetensorsFile:
@@ -328,6 +347,7 @@ def _path_key(path) -> tuple:
 def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
     """(our path, host array in our layout), checked against the declared shapes. Checkpoint layout: kv
     heads are not repeated (tp = 1 specs). Fused weights are fused here, on the host, one at a time."""
+    reader.use_names_of(cfg)
     specs = param_specs(cfg)
     table = weight_table(cfg)
     quant = quant_loader(reader, cfg, table)
@@ -373,6 +393,7 @@ def quant_loader(reader: CheckpointReader, cfg: ModelConfig, table: dict | None 
         return None
     from jaxllm.models.quant_loader import QuantLoader
 
+    reader.use_names_of(cfg)
     loader = QuantLoader(reader, cfg, weight_table(cfg) if table is None else table)
     loader.check()
     return loader
