@@ -61,6 +61,7 @@ class _SeqState:
     matcher: object = None  # structured outputs: the llguidance matcher of this sequence's output
     matched: int = 0  # output tokens the matcher has consumed
     grammar_error: str | None = None  # a token the matcher refused (the request fails when it is processed)
+    thinking: bool = False  # reasoning still: the grammar starts after the token that ends it (structured.py)
 
 
 @dataclass
@@ -161,6 +162,7 @@ class LLMEngine(EngineLoRAMethods):
         lora_id, lora_key = self._lora_of(lora_request)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.compile(so)
+        thinking = grammar is not None and self.grammars.waits_for_reasoning(ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1)
@@ -181,6 +183,7 @@ class LLMEngine(EngineLoRAMethods):
                               logprobs=[] if params.logprobs is not None else None)
             if grammar is not None:
                 state.matcher = self.grammars.matcher(grammar)
+                state.thinking = thinking
             req.seqs.append(state)
         if grammar is not None:
             self._fill_masks(req.seqs)
@@ -300,10 +303,15 @@ class LLMEngine(EngineLoRAMethods):
         self._fill_masks(advanced)
 
     def _consume(self, states: list[_SeqState], tokens: list[int]) -> None:
-        """Feeds each sequence's matcher its token (on llguidance's thread pool when there are several)."""
-        live = [(state, token) for state, token in zip(states, tokens) if state.grammar_error is None]
-        for state in states:
+        """Feeds each sequence's matcher its token (on llguidance's thread pool when there are several); a
+        sequence still reasoning only looks for the token that ends it (the grammar starts after that one)."""
+        live = []
+        for state, token in zip(states, tokens, strict=True):
             state.matched += 1
+            if state.thinking:
+                state.thinking = token != self.grammars.reasoning_end
+            elif state.grammar_error is None:
+                live.append((state, token))
         accepted = self.grammars.consume([(state.matcher, token) for state, token in live])
         for (state, token), ok in zip(live, accepted):
             if not ok:
@@ -445,6 +453,9 @@ class LLMEngine(EngineLoRAMethods):
     def _fill_masks(self, states: list[_SeqState]) -> None:
         """Structured outputs: each sequence's allowed next tokens, for all of them at once (Grammars.fill)."""
         states = [s for s in states if s.finish_reason is None]
+        for state in [s for s in states if s.thinking]:
+            state.seq.token_bitmask = self.grammars.allow_all()
+        states = [s for s in states if not s.thinking]
         if states:
             masks = self.grammars.fill([s.matcher for s in states])
             allows_some = masks.any(axis=1).tolist()

@@ -242,10 +242,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         backend = "pallas" if gpu else "reference"
 
     speculation = None
-    if args.speculative_config is not None:  # the drafter's config is checked before any weights load
+    spec = args.speculative()  # speculative_config, or vLLM 0.8.0's separate options
+    if spec is not None:  # the drafter's config is checked before any weights load
         from jaxllm.spec_decode.setup import plan
 
-        speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
+        speculation = plan(spec, cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
     lora = None
     if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
@@ -347,6 +348,7 @@ def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
     generation_config.json's EOS ids and sampling defaults, and the structured outputs' Grammars (whose llguidance
     tokenizer is built on first use: Grammars.tokenizer)."""
     from jaxllm.engine.structured import Grammars
+    from jaxllm.reasoning import reasoning_parser
 
     check_config_code(path, hf, args.trust_remote_code)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
@@ -356,7 +358,9 @@ def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
         logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
                        "others are refused.", len(tokenizer), vocab_size)
     eos, defaults = _generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
-    grammars = Grammars(tokenizer, vocab_size, eos)
+    # --reasoning-parser: its tags must be tokens of this vocabulary (a ValueError before any weights load)
+    reasoning = reasoning_parser(args.reasoning_parser, tokenizer)
+    grammars = Grammars(tokenizer, vocab_size, eos, reasoning)
     return tokenizer, eos, defaults, grammars
 
 
