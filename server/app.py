@@ -19,6 +19,7 @@ from aiohttp import web
 
 import jaxllm
 from jaxllm.engine.protocol import EngineClient
+from jaxllm.reasoning import reasoning_parser, tags_are_special
 from server.admission import ServerLimits
 from server.errors import APIError, error_body, model_not_found, parse_json, parse_model, read_body
 from server.http_server import set_server_header, start_server, stop_server
@@ -63,6 +64,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         exclude_tools_when_tool_choice_none=bool(opt("exclude_tools_when_tool_choice_none", False)),
         loras=ServedLoRAs(list(names)),
     )
+    if opt("reasoning_parser"):  # ValueError (the server does not start) when the tags are not tokens
+        state.reasoning_parser = reasoning_parser(opt("reasoning_parser"), engine.get_tokenizer())
+        state.reasoning_keeps_special_tokens = tags_are_special(state.reasoning_parser, engine.get_tokenizer())
     middlewares = [_error_middleware]
     api_key = opt("api_key")
     if api_key:

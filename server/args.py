@@ -13,6 +13,8 @@ import os
 import re
 import sys
 
+from jaxllm.engine.args import LEGACY_SPEC_ARG_NAMES, legacy_speculative_config
+from jaxllm.reasoning import REASONING_PARSERS, UNSUPPORTED
 from server.lora import parse_lora_module, runtime_updating_allowed
 from server.tool_parsers import TOOL_PARSERS
 from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
@@ -26,12 +28,12 @@ ENGINE_ARG_NAMES = (
     "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
     "enforce_eager", "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
-    "lora_extra_vocab_size",
+    "lora_extra_vocab_size", "reasoning_parser", "enable_reasoning",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
 OPTIONAL_ENGINE_ARG_NAMES = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "attention_backend",
-                             "compilation_cache_dir", "speculative_config")
+                             "compilation_cache_dir", "speculative_config", *LEGACY_SPEC_ARG_NAMES)
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -177,6 +179,15 @@ def make_parser() -> argparse.ArgumentParser:
                         '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
                         '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
                         '"disable_by_batch_size".')
+    _add_speculative_args(e)
+    e.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, choices=list(REASONING_PARSERS),
+                   help="How the model marks its reasoning: chat responses put it in `reasoning` / "
+                        "`reasoning_content` instead of `content` (deepseek_r1 for DeepSeek-R1 and its distills, "
+                        "qwen3 for Qwen3), and a structured-output grammar applies after it. One of "
+                        f"{', '.join(REASONING_PARSERS)} (jaxllm/reasoning.py says how each reads the output).")
+    e.add_argument("--enable-reasoning", action="store_true",
+                   help="vLLM 0.8-0.9's switch, deprecated there: reasoning is on whenever --reasoning-parser is "
+                        "given, and this flag alone does nothing.")
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters beside the base model.")
     lo.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
@@ -208,6 +219,29 @@ def make_parser() -> argparse.ArgumentParser:
                         "engine's steps for process 0, which serves.")
     add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
+
+
+def _reasoning_parser_name(value: str) -> str:
+    if value in UNSUPPORTED:
+        raise argparse.ArgumentTypeError(f"{value!r} is one of vLLM's reasoning parsers that jaxllm does not "
+                                         f"implement (choose from {', '.join(REASONING_PARSERS)})")
+    return value
+
+
+def _add_speculative_args(e) -> None:
+    """vLLM 0.8.0's speculative flags, the older form of --speculative-config (which wins when both are given)."""
+    e.add_argument("--speculative-model", default=None,
+                   help='Draft model directory, or "[ngram]" for prompt lookup: --speculative-config\'s "model".')
+    e.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help='Tokens proposed per step: --speculative-config\'s "num_speculative_tokens".')
+    e.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
+                   help='With --speculative-model "[ngram]": the longest n-gram looked up ("prompt_lookup_max").')
+    e.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
+                   help='With --speculative-model "[ngram]": the shortest n-gram looked up ("prompt_lookup_min").')
+    e.add_argument("--speculative-draft-tensor-parallel-size", "-spec-draft-tp", type=int, default=None,
+                   help='The draft model\'s tensor parallelism, 1 or the target\'s ("draft_tensor_parallel_size").')
+    e.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
+                   help='No speculation in steps with at least this many sequences ("disable_by_batch_size").')
 
 
 def _count(value: str) -> int:
@@ -279,6 +313,13 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error(f"--data-parallel-size-local {args.data_parallel_size_local}: every data-parallel replica runs "
                      f"on this host ({args.data_parallel_size}, --data-parallel-size); replicas on other hosts are "
                      "not supported")
+    if args.speculative_config is None and legacy_speculative_config(vars(args)) is not None:
+        from jaxllm.engine.configs import SpeculativeConfig
+
+        try:  # a usage error before anything loads, as --speculative-config's
+            SpeculativeConfig.from_value(legacy_speculative_config(vars(args)))
+        except ValueError as e:
+            parser.error(f"--speculative-model / --num-speculative-tokens: {e}")
     if args.lora_modules and not args.enable_lora:
         parser.error("--lora-modules needs --enable-lora")
     args.allow_runtime_lora_updating = runtime_updating_allowed(environ)

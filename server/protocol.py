@@ -150,6 +150,7 @@ class ChatCompletionRequest(_SamplingFields):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
+    include_reasoning: bool = True  # with --reasoning-parser: false leaves the reasoning out (server/reasoning.py)
     _null_means_default = ("stream", "n", "logprobs")
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -251,6 +252,10 @@ class ChatResponseMessage(ResponseModel):
     role: str
     content: str | None = None
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # with --reasoning-parser only (vLLM 0.11.1+ sends both names, server/reasoning.py)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+    _omit_when_unset = frozenset({"reasoning", "reasoning_content"})
 
 
 class ChatChoice(ResponseModel):
@@ -278,8 +283,10 @@ class ChatCompletionResponse(ResponseModel):
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
-    _omit_when_unset = frozenset({"role", "content", "tool_calls"})
+    _omit_when_unset = frozenset({"role", "content", "reasoning", "reasoning_content", "tool_calls"})
 
 
 class ChatStreamChoice(ResponseModel):

@@ -23,6 +23,7 @@ from server.protocol import (
     DeltaMessage,
     random_id,
 )
+from server.reasoning import ReasoningChoice, ReasoningStream, reasoning_fields
 from server.serving_common import (
     SSE,
     STATE,
@@ -156,6 +157,9 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
                           req.truncate_prompt_tokens, state.engine.max_model_len)
     if not ids:
         raise APIError("The decoder prompt cannot be empty", param="messages")
+    reasoning = ReasoningChoice.for_request(state.reasoning_parser, req, state.engine.get_tokenizer(), ids)
+    if reasoning is not None and state.reasoning_keeps_special_tokens:  # the tags are special tokens here
+        req.skip_special_tokens = False
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, requested, len(ids), prompt_param="messages", max_tokens_param=limit_param)
@@ -176,7 +180,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
     if req.echo and conversation and conversation[-1].get("role") == role:
         echo = conversation[-1].get("content") or ""
     req.messages = []  # rendered: not needed for the response, and it can be a million objects (see Workers)
-    return _Ctx(state, req, request_id, model, role, echo, tool_choice), engine_req
+    return _Ctx(state, req, request_id, model, role, echo, tool_choice, reasoning), engine_req
 
 
 def _final_response(ctx: _Ctx, rs: RequestState) -> str:
@@ -192,10 +196,12 @@ def _final_response(ctx: _Ctx, rs: RequestState) -> str:
 
 class _Ctx:
     def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str, role: str,
-                 echo: str, tool_choice: ToolChoice | None):
+                 echo: str, tool_choice: ToolChoice | None, reasoning: ReasoningChoice | None = None):
         self.state = state
         self.tool_choice = tool_choice
         self.tool_streams = [ToolStream(tool_choice) for _ in range(req.n)] if tool_choice else []
+        self.reasoning = reasoning  # --reasoning-parser: tool calls and content come from the text after it
+        self.reasoning_streams = [ReasoningStream(reasoning) for _ in range(req.n)] if reasoning else []
         self.req = req
         self.request_id = request_id
         self.model = model
@@ -215,10 +221,15 @@ class _Ctx:
     def final_choice(self, rs: RequestState, j: int) -> ChatChoice:
         c = rs.choices[j]
         out = c.output
+        text, fields = c.text, {}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.message(c.text)
+            fields = reasoning_fields(reasoning)
         if self.tool_choice is None:
-            message, finish = ChatResponseMessage(role=self.role, content=self.echo + c.text), c.finish_reason
+            content = self.echo + text if text is not None else self.echo or None
+            message, finish = ChatResponseMessage(role=self.role, content=content, **fields), c.finish_reason
         else:
-            message = ChatResponseMessage(role=self.role, **self.tool_choice.message_fields(c.text))
+            message = ChatResponseMessage(role=self.role, **self.tool_choice.message_fields(text or ""), **fields)
             finish = self.tool_choice.finish_reason(bool(message.tool_calls), c.finish_reason)
         choice = ChatChoice(index=j, message=message, logprobs=self._logprobs(c, 0, c.token_ids),
                             finish_reason=finish, stop_reason=out.stop_reason if out is not None else None)
@@ -233,23 +244,32 @@ class _Ctx:
             resp.usage = usage_of(run.states)
         return resp.to_json()
 
+    def delta_message(self, reasoning: str | None = None, **fields) -> DeltaMessage:
+        """A stream delta; with a reasoning parser every one carries reasoning_content, as vLLM 0.11.2's."""
+        if self.reasoning is not None:
+            fields.update(reasoning_fields(reasoning) if reasoning else {"reasoning_content": None})
+        return DeltaMessage(**fields)
+
     def delta(self, rs: RequestState, j: int) -> ChatStreamChoice | None:
         c = rs.choices[j]
-        text = c.text[c.sent_text:]
         start = c.sent_tokens
         ids = c.token_ids[start:]
-        c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
+        c.sent_tokens = len(c.token_ids)
         finish = None if c.finish_sent else c.finish_reason
         c.finish_sent = c.finish_sent or finish is not None
-        delta = DeltaMessage(content=text)
+        reasoning, content = "", c.text  # content: all of it so far
+        if self.reasoning_streams:
+            reasoning, content = self.reasoning_streams[j].step(c.text, final=finish is not None)
         if self.tool_choice is not None:
             stream = self.tool_streams[j]
-            text, calls = stream.step(c.text, final=finish is not None)
-            delta = DeltaMessage(tool_calls=calls, **({"content": text} if text else {})) if calls else \
-                DeltaMessage(content=text)
+            text, calls = stream.step(content, final=finish is not None)
             if finish is not None:
                 finish = self.tool_choice.finish_reason(stream.sent_calls > 0, finish)
-        if not (text or delta.tool_calls or finish is not None
+        else:
+            text, calls, c.sent_text = content[c.sent_text:], [], len(content)
+        fields = {"content": text} if text or not (calls or reasoning) else {}
+        delta = self.delta_message(reasoning, **fields, **({"tool_calls": calls} if calls else {}))
+        if not (text or calls or reasoning or finish is not None
                 or (ids and (self.req.logprobs or self.req.return_token_ids))):
             return None
         choice = ChatStreamChoice(index=j, delta=delta, logprobs=self._logprobs(c, start, ids),
@@ -271,12 +291,12 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
         try:
             try:
                 for j in range(req.n):
-                    first = ChatStreamChoice(index=j, delta=DeltaMessage(role=ctx.role, content=""), logprobs=None,
-                                             finish_reason=None)
+                    first = ChatStreamChoice(index=j, delta=ctx.delta_message(role=ctx.role, content=""),
+                                             logprobs=None, finish_reason=None)
                     await sse.send(ctx.chunk([first], usage_run))
                     if ctx.echo:
-                        echo = ChatStreamChoice(index=j, delta=DeltaMessage(content=ctx.echo), logprobs=None,
-                                                finish_reason=None)
+                        echo = ChatStreamChoice(index=j, delta=ctx.delta_message(content=ctx.echo),
+                                                logprobs=None, finish_reason=None)
                         await sse.send(ctx.chunk([echo], usage_run))
                 async for _, rs in run.events():
                     for j, c in enumerate(rs.choices):

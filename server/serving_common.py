@@ -55,6 +55,8 @@ class ServerState:
     tool_parser: ToolParser | None = None
     enable_auto_tools: bool = False
     exclude_tools_when_tool_choice_none: bool = False
+    reasoning_parser: Any = None  # jaxllm.reasoning.ReasoningParser (--reasoning-parser), checked against the tokenizer
+    reasoning_keeps_special_tokens: bool = False  # its tags are special tokens: chat requests keep them in the text
     created: int = field(default_factory=lambda: int(time.time()))
     workers: Workers = field(default_factory=Workers, repr=False)
     admission: Admission | None = field(default=None, repr=False)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -103,6 +104,10 @@ def _llmcompressor(src: str, out: str, job: dict) -> None:
     oneshot(model=model, recipe=recipe, **kw)
     model.save_pretrained(out, save_compressed=True)
 
+def _set_weight(modules: dict, name: str, w) -> None:
+    """Copies a checkpoint Linear's dense weight w [out, in] into HF's in-memory model (modules: named_modules())."""
+    modules[name].weight.copy_(w)
+
 
 def _stored(out: str) -> dict:
     from safetensors import safe_open
@@ -135,8 +140,28 @@ def _ct_decompressed(out: str, src_model):
     with torch.no_grad():
         for name in sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")}):
             state = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
-            dense[name].weight.copy_(compressor.decompress(state, scheme)["weight"].float())
+            _set_weight(dense, name, compressor.decompress(state, scheme)["weight"].float())
     return src_model
+
+
+def _rows_as_tokens(model):
+    """compressed-tensors' dynamic per-token activation scales reduce over the axes after the first two ([batch, seq,
+    hidden] inputs): the 2D [tokens, hidden] inputs of HF's MoE blocks (their experts and shared expert) get one scale
+    per element, i.e. are not quantized at all, where vLLM quantizes each token's row. The model's activation-quantized
+    Linears see 2D inputs as [1, tokens, hidden] instead; 3D inputs (every dense model's) are untouched."""
+    def as_3d(mod, args):
+        mod._rows = args[0].ndim == 2
+        return (args[0][None], *args[1:]) if mod._rows else None
+
+    def as_2d(mod, args, out):
+        return out[0] if mod._rows else None
+
+    for mod in model.modules():
+        scheme = getattr(mod, "quantization_scheme", None)
+        if scheme is not None and scheme.input_activations is not None and scheme.input_activations.dynamic:
+            mod.register_forward_pre_hook(as_3d)
+            mod.register_forward_hook(as_2d)
+    return model
 
 
 def _dense_reference(out: str, job: dict, src_model):
@@ -147,7 +172,7 @@ def _dense_reference(out: str, job: dict, src_model):
     if job["tool"] == "llmcompressor":
         if not job.get("hf", True):
             return _ct_decompressed(out, src_model)
-        return AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        return _rows_as_tokens(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval())
     stored = _stored(out)
     dense = dict(src_model.named_modules())
     with torch.no_grad():
@@ -160,13 +185,13 @@ def _dense_reference(out: str, job: dict, src_model):
             for name in {k.rsplit(".", 1)[0] for k in stored if k.endswith(".qweight")}:
                 w = dequantize_gemm(stored[f"{name}.qweight"], stored[f"{name}.qzeros"],
                                     stored[f"{name}.scales"].float(), 4, job["group_size"])  # [in, out]
-                dense[name].weight.copy_(w.T)
+                _set_weight(dense, name, w.T)
             return src_model
         qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu")
         for name, mod in qmodel.named_modules():
             if hasattr(mod, "dequantize_weight") and f"{name}.scales" in stored:
                 mod.scales = stored[f"{name}.scales"].float()  # the file's fp16 scales, dequantized in float32
-                dense[name].weight.copy_(mod.dequantize_weight().float().T)  # gptqmodel's is [in, out]
+                _set_weight(dense, name, mod.dequantize_weight().float().T)  # gptqmodel's is [in, out]
     return src_model
 
 
@@ -178,6 +203,8 @@ def _tiny(out_root: str, job: dict) -> None:
     from tests import tiny_models
     from tests.tiny_models import save_tiny_tokenizer
 
+    if job["arch"] in tiny_models.MOE_ARCHS:
+        _defuse(job["arch"])
     common = dict(tiny_models._COMMON)
     try:
         tiny_models._COMMON.update(job.get("overrides", {}))  # e.g. AWQ's clip search: output dims multiples of 64
@@ -200,7 +227,7 @@ def _tiny(out_root: str, job: dict) -> None:
     save_tiny_tokenizer(out, src_model.config.vocab_size)
     hf_logits = np.zeros((0,), np.float32)
     if job.get("hf", True):
-        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, device_map="cpu").eval()
+        hf = _rows_as_tokens(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, device_map="cpu").eval())
         with torch.no_grad():
             hf_logits = hf(torch.tensor([PROMPT])).logits[0].float().numpy()
         del hf
@@ -214,8 +241,40 @@ def _tiny(out_root: str, job: dict) -> None:
         dense_logits = ref(torch.tensor([PROMPT])).logits[0].float().numpy()
     if job["arch"].startswith("baichuan"):  # the tools quantize the Llama stand-in; ship Baichuan's layout
         _to_baichuan(out, job["arch"])
+    if job.get("hub_names"):
+        _to_mixtral_hub_names(out)
     np.savez(os.path.join(out, "refs.npz"), hf_logits=hf_logits, dense_logits=dense_logits, src_logits=src_logits,
              **greedy)
+
+
+def _defuse(arch: str) -> None:
+    """transformers 5 keeps a MoE layer's experts as two 3D parameters; the checkpoints (and vLLM) have one Linear per
+    expert. gptqmodel's defuser makes HF build them as Linears (for this process, as gptqmodel does when it loads a
+    MoE model): both tools then quantize per-expert Linears, and HF's own integrations load the quantized experts and
+    run them as they run any quantized Linear (compressed-tensors with its activation quantization), which its fused
+    experts do not (it would concatenate the raw fp8 / int8 tensors)."""
+    from defuser import replace_fused_blocks
+
+    from tests.tiny_models import hf_config
+
+    replace_fused_blocks(hf_config(arch).model_type)
+
+
+def _to_mixtral_hub_names(out: str) -> None:
+    """A quantized Mixtral as the Hub's checkpoints name it (block_sparse_moe.gate, block_sparse_moe.experts.{e}.w1 /
+    w3 / w2, as TheBloke's GPTQ exports and vLLM's loader do), where the tools of transformers 5 write mlp.gate and
+    mlp.experts.{e}.gate_proj / up_proj / down_proj."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(out, "model.safetensors")
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+    def hub(name: str) -> str:
+        name = re.sub(r"\.mlp\.(experts|gate)\.", r".block_sparse_moe.\1.", name)
+        return re.sub(r"(\.experts\.\d+)\.(gate_proj|up_proj|down_proj)\.", lambda m: f"{m[1]}.{names[m[2]]}.", name)
+
+    state = load_file(path)
+    save_file({hub(k): v for k, v in state.items()}, path, metadata={"format": "pt"})
 
 
 def _demo(out_root: str, job: dict) -> None:

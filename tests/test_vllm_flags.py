@@ -24,7 +24,12 @@ COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["
               "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
               "--enable-log-outputs": ["--enable-log-requests"], "--lora-modules": ["--enable-lora"],
               "--headless": ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"],
-              "--data-parallel-size-local": ["--data-parallel-size", "2"]}
+              "--data-parallel-size-local": ["--data-parallel-size", "2"],
+              "--speculative-model": ["--num-speculative-tokens", "3"],
+              "--num-speculative-tokens": ["--speculative-model", "[ngram]"],
+              **{f: ["--speculative-model", "d", "--num-speculative-tokens", "3"] for f in (
+                  "--ngram-prompt-lookup-max", "--ngram-prompt-lookup-min", "--speculative-draft-tensor-parallel-size",
+                  "--speculative-disable-by-batch-size")}}
 
 
 # `vllm serve --help`'s flags (without --) in vLLM 0.8.0, 0.8.5, 0.9.0, 0.9.2, 0.10.0, 0.10.2, 0.11.0 and 0.11.2,
@@ -292,3 +297,34 @@ def test_override_generation_config_merges_as_vllm():
         assert eos == {2, 7} and defaults == {"temperature": 0.3, "top_p": 0.9, "max_tokens": 64}
         _, defaults = generation_config("vllm", d, Tok(), {"top_k": 5})
         assert defaults == {"top_k": 5}
+
+
+def test_vllm_0_8_speculative_flags_give_the_speculative_config(caplog, capsys):
+    """--speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* / -spec-draft-tp /
+    --speculative-disable-by-batch-size (vLLM 0.8.0, "[ngram]" meaning n-gram lookup) are --speculative-config."""
+    def spec(argv):
+        args, warnings, err = _parse(["m", *argv], caplog, capsys)
+        assert args is not None and warnings == [], err
+        return EngineArgs.from_kwargs(**engine_kwargs(args)).speculative()
+
+    def config(value):
+        return EngineArgs(model="m", speculative_config=value).speculative()
+
+    old = spec(["--speculative-model", "[ngram]", "--num-speculative-tokens", "4", "--ngram-prompt-lookup-max", "4",
+                "--ngram-prompt-lookup-min", "2"])
+    assert old == config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+                          "prompt_lookup_min": 2})
+    assert old.method == "ngram" and old.model is None
+    assert spec(["--speculative-model", "[ngram]", "--num-speculative-tokens", "3"]) == config(
+        '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert spec(["--speculative-model", "/draft", "--num-speculative-tokens", "3", "-spec-draft-tp", "1",
+                 "--speculative-disable-by-batch-size", "8"]) == config(
+        {"model": "/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1, "disable_by_batch_size": 8})
+    # --speculative-config wins, as in vLLM 0.8.0; the lookup flags alone configure nothing
+    assert spec(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--speculative-model",
+                 "/draft", "--num-speculative-tokens", "5"]) == config({"method": "ngram", "num_speculative_tokens": 2})
+    assert spec(["--ngram-prompt-lookup-max", "4"]) is None
+    assert EngineArgs.from_kwargs(model="m", speculative_model="[ngram]", num_speculative_tokens=3).speculative() == \
+        config({"method": "ngram", "num_speculative_tokens": 3})
+    args, code, err = _parse(["m", "--num-speculative-tokens", "3"], caplog, capsys)
+    assert args is None and code == 2 and "num_speculative_tokens was provided without speculative model" in err

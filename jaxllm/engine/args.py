@@ -9,6 +9,23 @@ from jaxllm.engine.configs import SpeculativeConfig
 from jaxllm.paths import default_compilation_cache_dir
 from jaxllm.quantization import METHODS
 
+# vLLM 0.8.0's speculative options before --speculative-config (EngineArgs fields here too) and the
+# speculative_config keys they set.
+LEGACY_SPEC_ARG_NAMES = ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
+                         "ngram_prompt_lookup_min", "speculative_draft_tensor_parallel_size",
+                         "speculative_disable_by_batch_size")
+_LEGACY_SPEC_KEYS = ("model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                     "draft_tensor_parallel_size", "disable_by_batch_size")
+
+
+def legacy_speculative_config(values: dict) -> dict | None:
+    """The speculative_config vLLM 0.8.0 built from its separate flags (values: the flags by field name); None
+    unless a speculative model or a number of tokens is given, as there."""
+    if values.get("speculative_model") is None and values.get("num_speculative_tokens") is None:
+        return None
+    return {key: values[name] for name, key in zip(LEGACY_SPEC_ARG_NAMES, _LEGACY_SPEC_KEYS, strict=True)
+            if values.get(name) is not None}
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -49,6 +66,18 @@ class EngineArgs:
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig
+    # vLLM 0.8.0's older form of speculative_config (speculative_model="[ngram]" is n-gram lookup); ignored when
+    # speculative_config is given, as there
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+    speculative_draft_tensor_parallel_size: int | None = None
+    speculative_disable_by_batch_size: int | None = None
+    # jaxllm/reasoning.py: structured-output grammars apply once the reasoning has ended (the server also splits
+    # chat responses with it); enable_reasoning is vLLM 0.8-0.9's switch, deprecated there, without effect
+    reasoning_parser: str | None = None
+    enable_reasoning: bool = False
     # LoRA adapters (jaxllm/lora/config.py: LoRAConfig, made from these once)
     enable_lora: bool = False
     max_loras: int = 1
@@ -91,6 +120,8 @@ class EngineArgs:
 
     def speculative(self) -> SpeculativeConfig | None:
         """speculative_config as the frozen SpeculativeConfig (ValueError in vLLM's words when it is invalid)."""
+        if self.speculative_config is None:
+            return SpeculativeConfig.from_value(legacy_speculative_config(vars(self)))
         return SpeculativeConfig.from_value(self.speculative_config)
 
     def validate(self) -> None:
@@ -115,6 +146,9 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        from jaxllm.reasoning import check_name
+
+        check_name(self.reasoning_parser)
         spec = self.speculative()
         if spec is not None:
             spec.check_parallel(self.tensor_parallel_size)

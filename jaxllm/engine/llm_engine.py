@@ -19,7 +19,6 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
@@ -27,60 +26,24 @@ from jaxllm.engine.configs import cache_config_info
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxllm.engine.per_token import bias_row, collect_prompt_logprobs, logprob_dict
 from jaxllm.engine.protocol import EngineStats, PromptType
+from jaxllm.engine.request_state import Request as _Request
+from jaxllm.engine.request_state import SeqState as _SeqState
+from jaxllm.engine.request_state import build_output
+from jaxllm.engine.request_state import state_of as _state_of
 from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.step_io import StepHandle, StepResult
 from jaxllm.engine.structured import Grammars
 from jaxllm.lora.engine import EngineLoRAMethods
-from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.sampling_params import (
-    RequestOutputKind,
     SamplingParams,
     truncate_prompt_ids,
 )
 from jaxllm.spec_decode.engine import SpecDecoding
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _SeqState:
-    seq: Sequence
-    index: int
-    detok: IncrementalDetokenizer
-    stops: StopChecker
-    text: str = ""
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # RequestOutputKind.DELTA: how much of the text, tokens and logprobs earlier outputs carried, and whether
-    # one carried the finish
-    sent_text: int = 0
-    sent_tokens: int = 0
-    sent_finish: bool = False
-    matcher: object = None  # structured outputs: the llguidance matcher of this sequence's output
-    matched: int = 0  # output tokens the matcher has consumed
-    grammar_error: str | None = None  # a token the matcher refused (the request fails when it is processed)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_SeqState]
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
-    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
-
-
-def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
-    """The request's state for seq, one of its unfinished sequences (a finished one's id may be in use again)."""
-    return req.seqs[0] if len(req.seqs) == 1 else next((s for s in req.seqs if s.seq is seq), None)
 
 
 class LLMEngine(EngineLoRAMethods):
@@ -165,6 +128,7 @@ class LLMEngine(EngineLoRAMethods):
         lora_id, lora_key = self._lora_of(lora_request)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.compile(so)
+        thinking = grammar is not None and self.grammars.waits_for_reasoning(ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
         # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1)
@@ -185,6 +149,7 @@ class LLMEngine(EngineLoRAMethods):
                               logprobs=[] if params.logprobs is not None else None)
             if grammar is not None:
                 state.matcher = self.grammars.matcher(grammar)
+                state.thinking = thinking
             req.seqs.append(state)
         if grammar is not None:
             self._fill_masks(req.seqs)
@@ -304,10 +269,15 @@ class LLMEngine(EngineLoRAMethods):
         self._fill_masks(advanced)
 
     def _consume(self, states: list[_SeqState], tokens: list[int]) -> None:
-        """Feeds each sequence's matcher its token (on llguidance's thread pool when there are several)."""
-        live = [(state, token) for state, token in zip(states, tokens) if state.grammar_error is None]
-        for state in states:
+        """Feeds each sequence's matcher its token (on llguidance's thread pool when there are several); a
+        sequence still reasoning only looks for the token that ends it (the grammar starts after that one)."""
+        live = []
+        for state, token in zip(states, tokens, strict=True):
             state.matched += 1
+            if state.thinking:
+                state.thinking = token != self.grammars.reasoning_end
+            elif state.grammar_error is None:
+                live.append((state, token))
         accepted = self.grammars.consume([(state.matcher, token) for state, token in live])
         for (state, token), ok in zip(live, accepted):
             if not ok:
@@ -432,6 +402,9 @@ class LLMEngine(EngineLoRAMethods):
     def _fill_masks(self, states: list[_SeqState]) -> None:
         """Structured outputs: each sequence's allowed next tokens, for all of them at once (Grammars.fill)."""
         states = [s for s in states if s.finish_reason is None]
+        for state in [s for s in states if s.thinking]:
+            state.seq.token_bitmask = self.grammars.allow_all()
+        states = [s for s in states if not s.thinking]
         if states:
             masks = self.grammars.fill([s.matcher for s in states])
             allows_some = masks.any(axis=1).tolist()
@@ -448,42 +421,12 @@ class LLMEngine(EngineLoRAMethods):
     def _make_output(self, req: _Request) -> RequestOutput | None:
         """The request's output now (None for a FINAL_ONLY request still running); a finished request is
         forgotten."""
-        finished = all(s.finish_reason is not None for s in req.seqs)
-        kind = req.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        outs = []
-        for s in req.seqs:
-            done = s.finish_reason is not None
-            text = s.text if done else s.stops.visible_text(s.text, False)
-            tokens, logprobs = s.seq.output_token_ids, s.logprobs
-            if kind is RequestOutputKind.DELTA:
-                t0, n0 = s.sent_text, s.sent_tokens
-                # vLLM sends a completion only when it has something new, its finish once
-                if s.sent_finish or (not done and len(text) == t0 and len(tokens) == n0):
-                    continue
-                s.sent_text, s.sent_tokens, s.sent_finish = len(text), len(tokens), done
-                text, tokens = text[t0:], tokens[n0:]
-                logprobs = None if logprobs is None else logprobs[n0:]
-            outs.append(CompletionOutput(s.index, text, list(tokens),
-                                         s.cumulative_logprob if s.logprobs is not None else None,
-                                         logprobs, s.finish_reason, s.stop_reason))
-        prompt_logprobs = req.prompt_logprobs
-        if kind is RequestOutputKind.DELTA:  # all of the prompt's logprobs, once, when its prefill is done
-            complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(req.prompt_token_ids)
-            if req.prompt_logprobs_sent or not complete:
-                prompt_logprobs = None
-            else:
-                req.prompt_logprobs_sent = True
-            if not outs and prompt_logprobs is None and not finished:
-                return None  # nothing new
-        if finished:
-            req.metrics.finished_time = time.time()
+        out = build_output(req)
+        if out is not None and out.finished:
             del self._requests[req.request_id]
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                             finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
+        return out
 
     # ---- stats ----
     def cache_config_info(self) -> dict[str, str]:

@@ -175,7 +175,7 @@ class MultiHost:
         """What the processes cannot run together yet (ValueError naming it, before anything loads): the step
         message carries neither a speculative step and its drafter's program nor LoRA adapters' weights, which
         process 0 alone would load."""
-        for name, given in (("speculative_config", args.speculative_config is not None),
+        for name, given in (("speculative_config", args.speculative() is not None),
                             ("enable_lora", args.enable_lora)):
             if given:
                 raise ValueError(f"{name} is not supported on an engine over several processes (jax.process_count() "

@@ -232,6 +232,7 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     from jaxllm.engine.runner import ModelRunner
     from jaxllm.models.attention import AttentionConfig
     from jaxllm.models.loader import abstract_weights, check_checkpoint, load_params
+    from jaxllm.models.moe_quant import dequantized_bytes as experts_dequantized_bytes
     from jaxllm.sharding import ParallelConfig
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
@@ -262,10 +263,11 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
 
         MultiHost.check_args(args)  # what it cannot run yet, before anything loads
     speculation = None
-    if args.speculative_config is not None:  # the drafter's config is checked before any weights load
+    spec = args.speculative()  # speculative_config, or vLLM 0.8.0's separate options
+    if spec is not None:  # the drafter's config is checked before any weights load
         from jaxllm.spec_decode.setup import plan
 
-        speculation = plan(args.speculative(), cfg, gpu=gpu, max_num_seqs=max_num_seqs)
+        speculation = plan(spec, cfg, gpu=gpu, max_num_seqs=max_num_seqs)
     mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh(devices)
     multihost = MultiHost(mesh) if jax.process_count() > 1 else None
     lora = None
@@ -297,7 +299,9 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
                            for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
     else:
         params, weight_bytes = load(), 0
-    dequantized = _dequantized_bytes(params, cfg)
+    # ... or one MoE layer's routed experts, dequantized together for its grouped matmul (models/moe_quant.py)
+    dequantized = max(_dequantized_bytes(params, cfg),
+                      experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens))
     num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
                              dequantized, device=_first_local(mesh))
     if multihost is not None:  # the KV cache's shape and the compiled buckets must be the same everywhere

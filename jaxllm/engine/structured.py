@@ -18,6 +18,10 @@ the one before runs, then waits for that step's tokens to advance the matchers a
 the step's sampling is dispatched, so that wait and update overlap the model (its module docstring,
 runner.launch).
 When the grammar is complete, the mask allows only the EOS tokens.
+With a reasoning parser (EngineArgs.reasoning_parser, as vLLM's --reasoning-parser), the grammar applies only after
+the model's reasoning: until the token that ends it (</think>) a constrained sequence's mask allows every token and
+its matcher is not fed; the grammar starts with the token after it. A prompt whose template already closed the
+reasoning (jaxllm/reasoning.py) constrains from the first token.
 """
 
 from __future__ import annotations
@@ -56,9 +60,11 @@ class Grammars:
     """The engine's grammar compiler and mask filler: one llguidance tokenizer (built on first use: ~1 s for a
     128k vocabulary) and one thread pool."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids):
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids, reasoning=None):
         self._hf_tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width
+        self.reasoning = reasoning  # jaxllm.reasoning.ReasoningParser, or None
+        self.reasoning_end = None if reasoning is None else reasoning.end_token_id(tokenizer)
         self._eos = sorted(eos_token_ids)
         self._lock = threading.Lock()
         self._tokenizer = None
@@ -138,6 +144,15 @@ class Grammars:
         if error:
             raise ValueError(f"structured_outputs.{field} is not valid: {error}")
         return grammar
+
+    def waits_for_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether a constrained request with this prompt reasons first (its grammar starts after reasoning_end)."""
+        return self.reasoning_end is not None and not self.reasoning.prompt_closes_reasoning(self._hf_tokenizer,
+                                                                                           prompt_ids)
+
+    def allow_all(self) -> np.ndarray:
+        """The mask of a sequence that is still reasoning: every token."""
+        return np.full((self.vocab_size + 31) // 32, -1, np.int32)
 
     def matcher(self, grammar: str):
         matcher = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)

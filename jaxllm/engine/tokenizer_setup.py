@@ -22,6 +22,7 @@ def tokenizer_parts(args: EngineArgs, path: str, hf: dict):
     generation_config.json's EOS ids and sampling defaults, and the structured outputs' Grammars (whose llguidance
     tokenizer is built on first use: Grammars.tokenizer)."""
     from jaxllm.engine.structured import Grammars
+    from jaxllm.reasoning import reasoning_parser
 
     check_config_code(path, hf, args.trust_remote_code)
     tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
@@ -31,7 +32,9 @@ def tokenizer_parts(args: EngineArgs, path: str, hf: dict):
         logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
                        "others are refused.", len(tokenizer), vocab_size)
     eos, defaults = generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
-    grammars = Grammars(tokenizer, vocab_size, eos)
+    # --reasoning-parser: its tags must be tokens of this vocabulary (a ValueError before any weights load)
+    reasoning = reasoning_parser(args.reasoning_parser, tokenizer)
+    grammars = Grammars(tokenizer, vocab_size, eos, reasoning)
     return tokenizer, eos, defaults, grammars
 
 

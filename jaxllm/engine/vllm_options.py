@@ -70,14 +70,14 @@ PREFIX_HASH = "prefix-cache blocks are keyed by Python's built-in hash of the ch
 KV_SHARING = "jaxllm has no cross-layer KV sharing"
 SLEEP = "jaxllm has no sleep mode (/sleep, /wake_up)"
 TOKENIZER_NEEDED = "the tokenizer is always loaded: it detokenizes outputs and finds stop strings"
-REASONING = ("reasoning is not split out: the model's thinking stays in the message content (no reasoning_content)")
 PLUGIN = "vLLM plugins and custom Python classes are not supported"
 LOGITS_PROCESSORS = "custom logits processors (Python classes) are not supported"
 LORA_BIAS = "LoRA bias terms are not supported: an adapter with bias is refused when it loads"
 LONG_LORA = "long-context LoRA adapters are not supported"
 QLORA = "QLoRA (bitsandbytes) adapters are not supported: serve a LoRA adapter of a 16-bit or quantized base"
 PROMPT_ADAPTER = "prompt adapters are not supported"
-SPECULATIVE = "speculative decoding is not supported"
+SPEC_OPTION = "jaxllm's speculative decoding (--speculative-config) has no such option"
+SPEC_ACCEPTANCE = "proposals are always verified by rejection sampling (vLLM's default acceptance method)"
 KV_TRANSFER = "disaggregated prefill (KV / encoder-cache transfer between instances) is not supported"
 KV_EVENTS = "no KV cache events are published"
 MOE = ("jaxllm's expert parallelism (--enable-expert-parallel) shards whole experts over the tp devices with one "
@@ -204,7 +204,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--disable-hybrid-kv-cache-manager', SAME, NO_HYBRID, 'bool', 'engine', '0.9.2-0.11.2'),
     _row('--disable-log-requests', HONOURED, "", 'value', 'server', '0.8.0-0.11.2'),
     _row('--disable-log-stats', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
-    _row('--disable-logprobs-during-spec-decoding', IGNORED, SPECULATIVE, 'bool', 'engine', '0.8.0'),
+    _row('--disable-logprobs-during-spec-decoding', IGNORED, SPEC_OPTION, 'bool', 'engine', '0.8.0'),
     _row('--disable-mm-preprocessor-cache', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--disable-nccl-for-dp-synchronization', IGNORED, DP_HERE, 'bool', 'engine', '0.11.2'),
     _row('--disable-sliding-window', REFUSED, SLIDING_WINDOW, 'bool', 'engine', '0.8.0-0.11.2'),
@@ -230,7 +230,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--enable-prompt-adapter', REFUSED, PROMPT_ADAPTER, 'bool', 'engine', '0.8.0-0.10.0'),
     _row('--enable-prompt-embeds', IGNORED, PROMPT_EMBEDS, 'bool', 'engine', '0.9.0-0.11.2'),
     _row('--enable-prompt-tokens-details', IGNORED, USAGE, 'bool', 'server', '0.8.0-0.11.2'),
-    _row('--enable-reasoning', IGNORED, REASONING, 'bool', 'engine', '0.8.0-0.9.2'),
+    _row('--enable-reasoning', HONOURED, "", 'bool', 'engine', '0.8.0-0.9.2'),
     _row('--enable-request-id-headers', IGNORED, REQUEST_ID_HEADERS, 'bool', 'server', '0.8.0-0.11.2'),
     _row('--enable-server-load-tracking', IGNORED, NO_EXTRA_ROUTES, 'bool', 'server', '0.8.0-0.11.2'),
     _row('--enable-sleep-mode', IGNORED, SLEEP, 'bool', 'engine', '0.8.0-0.11.2'),
@@ -314,15 +314,15 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--model-impl', IGNORED, MODEL_IMPL, 'value', 'engine', '0.8.0-0.11.2', accepted=('auto', 'vllm')),
     _row('--model-loader-extra-config', IGNORED, LOADER, 'value', 'engine', '0.8.0-0.11.2'),
     _row('--multi-step-stream-outputs', IGNORED, MULTI_STEP, 'bool', 'engine', '0.8.0-0.10.0'),
-    _row('--ngram-prompt-lookup-max', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--ngram-prompt-lookup-min', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
+    _row('--ngram-prompt-lookup-max', HONOURED, "", 'value', 'engine', '0.8.0'),
+    _row('--ngram-prompt-lookup-min', HONOURED, "", 'value', 'engine', '0.8.0'),
     _row('--nnodes', HONOURED, "", 'value', 'engine', '0.11.2', aliases=('-n',)),
     _row('--node-rank', HONOURED, "", 'value', 'engine', '0.11.2', aliases=('-r',)),
     _row('--num-gpu-blocks-override', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--num-lookahead-slots', IGNORED, SCHEDULER, 'value', 'engine', '0.8.0-0.11.2', accepted=('0',)),
     _row('--num-redundant-experts', IGNORED, MOE, 'value', 'engine', '0.9.2-0.11.2'),
     _row('--num-scheduler-steps', IGNORED, MULTI_STEP, 'value', 'engine', '0.8.0-0.10.0', accepted=('1',)),
-    _row('--num-speculative-tokens', REFUSED, SPECULATIVE, 'value', 'engine', '0.8.0'),
+    _row('--num-speculative-tokens', HONOURED, "", 'value', 'engine', '0.8.0'),
     _row('--otlp-traces-endpoint', IGNORED, TRACING, 'value', 'engine', '0.8.0-0.11.2'),
     _row('--override-attention-dtype', IGNORED, XLA, 'value', 'engine', '0.9.2-0.11.2'),
     _row('--override-generation-config', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
@@ -338,7 +338,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--qlora-adapter-name-or-path', REFUSED, QLORA, 'value', 'engine', '0.8.0-0.9.2'),
     _row('--quantization', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2', aliases=('-q',)),
     _row('--ray-workers-use-nsight', IGNORED, NCCL, 'bool', 'engine', '0.8.0-0.11.2'),
-    _row('--reasoning-parser', IGNORED, REASONING, 'value', 'engine', '0.8.0-0.11.2'),
+    _row('--reasoning-parser', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--reasoning-parser-plugin', REFUSED, PLUGIN, 'value', 'engine', '0.11.2', accepted=('', 'auto')),
     _row('--response-role', HONOURED, "", 'value', 'server', '0.8.0-0.11.2'),
     _row('--return-tokens-as-token-ids', HONOURED, "", 'value', 'server', '0.8.0-0.11.2'),
@@ -357,15 +357,16 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--show-hidden-metrics-for-version', SAME, OLD_METRICS, 'value', 'engine', '0.8.0-0.11.2'),
     _row('--skip-mm-profiling', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.10.2-0.11.2'),
     _row('--skip-tokenizer-init', IGNORED, TOKENIZER_NEEDED, 'bool', 'engine', '0.8.0-0.11.2'),
-    _row('--spec-decoding-acceptance-method', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
+    _row('--spec-decoding-acceptance-method', IGNORED, SPEC_ACCEPTANCE, 'value', 'engine', '0.8.0',
+         accepted=('rejection_sampler',)),
     _row('--speculative-config', HONOURED, "", 'value', 'engine', '0.8.5-0.11.2'),
-    _row('--speculative-disable-by-batch-size', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--speculative-disable-mqa-scorer', IGNORED, SPECULATIVE, 'bool', 'engine', '0.8.0'),
-    _row('--speculative-draft-tensor-parallel-size', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0',
+    _row('--speculative-disable-by-batch-size', HONOURED, "", 'value', 'engine', '0.8.0'),
+    _row('--speculative-disable-mqa-scorer', IGNORED, SPEC_OPTION, 'bool', 'engine', '0.8.0'),
+    _row('--speculative-draft-tensor-parallel-size', HONOURED, "", 'value', 'engine', '0.8.0',
          aliases=('-spec-draft-tp',)),
-    _row('--speculative-max-model-len', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--speculative-model', REFUSED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--speculative-model-quantization', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
+    _row('--speculative-max-model-len', IGNORED, SPEC_OPTION, 'value', 'engine', '0.8.0'),
+    _row('--speculative-model', HONOURED, "", 'value', 'engine', '0.8.0'),
+    _row('--speculative-model-quantization', IGNORED, SPEC_OPTION, 'value', 'engine', '0.8.0'),
     _row('--ssl-ca-certs', REFUSED, CLIENT_CERTS, 'value', 'server', '0.8.0-0.11.2'),
     _row('--ssl-cert-reqs', REFUSED, CLIENT_CERTS, 'value', 'server', '0.8.0-0.11.2', accepted=('0',)),
     _row('--ssl-certfile', HONOURED, "", 'value', 'server', '0.8.0-0.11.2'),
@@ -387,8 +388,8 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--tool-server', REFUSED, TOOL_SERVER, 'value', 'server', '0.10.2-0.11.2'),
     _row('--trust-remote-code', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--trust-request-chat-template', SAME, REQUEST_TEMPLATES, 'bool', 'server', '0.11.0-0.11.2'),
-    _row('--typical-acceptance-sampler-posterior-alpha', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
-    _row('--typical-acceptance-sampler-posterior-threshold', IGNORED, SPECULATIVE, 'value', 'engine', '0.8.0'),
+    _row('--typical-acceptance-sampler-posterior-alpha', IGNORED, SPEC_OPTION, 'value', 'engine', '0.8.0'),
+    _row('--typical-acceptance-sampler-posterior-threshold', IGNORED, SPEC_OPTION, 'value', 'engine', '0.8.0'),
     _row('--uds', REFUSED, UDS, 'value', 'server', '0.10.2-0.11.2'),
     _row('--use-tqdm-on-load', IGNORED, LOADER, 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--use-v2-block-manager', SAME, V2_BLOCKS, 'bool', 'engine', '0.8.0-0.9.2'),

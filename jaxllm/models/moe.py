@@ -14,6 +14,9 @@ the reference: every token through every expert (an einsum over E), weighted 0 w
 most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
 batched matrix-vector products (expert_mlp_gathered): they then read only the chosen experts' weights whatever
 ragged_dot's lowering does with the idle ones; off (0) until bench/moe_matmul.py's GPU figures say where it pays.
+Quantized experts (GPTQ / AWQ / compressed-tensors checkpoints, jaxllm/models/moe_quant.py): the experts the step's
+tokens chose are dequantized to the model dtype inside the step, layer by layer, and run through the same grouped
+matmul (a fused int4 / fp8 grouped GEMM is not written yet).
 
 On NVIDIA GPUs XLA lowers ragged_dot by its RaggedDotRewriter, unless XLA_FLAGS has
 --xla_gpu_experimental_use_ragged_dot_fusion=true (a cuDNN grouped GEMM, Ampere / Hopper, 16-bit): the rewriter
@@ -37,10 +40,13 @@ parallel, so every tp rank holds every token of the step; routing is recomputed 
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig, MoeConfig
+from jaxllm.models.moe_quant import QuantizedExperts, num_experts, routed_experts, shard_specs
 from jaxllm.models.params import ParamSpec
 
 # Steps of at most this many (token, expert) pairs use expert_mlp_gathered (0: never; see the module docstring).
@@ -66,6 +72,26 @@ def moe_param_specs(cfg: ModelConfig) -> dict:
     return specs
 
 
+def expert_linear_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
+    """(prefix, (gate, up, down)) of a MoE layer's checkpoint tensors: Mixtral's block_sparse_moe.experts.{e}.w1 /
+    w3 / w2, Qwen's mlp.experts.{e}.gate_proj / up_proj / down_proj (the router is prefix + "gate")."""
+    if cfg.architecture == "mixtral":
+        return "block_sparse_moe.", ("w1", "w3", "w2")
+    return "mlp.", ("gate_proj", "up_proj", "down_proj")
+
+
+# Other spellings of an architecture's tensor names -> the ones the weight tables use (loader.CheckpointReader). Mixtral:
+# the Hub's checkpoints (and vLLM) name block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 / w3 / w2; the
+# quantizers of transformers 5 write mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj (gptqmodel) or
+# block_sparse_moe.experts.{e}.gate_proj / up_proj / down_proj (llm-compressor).
+CHECKPOINT_ALIASES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
+    "mixtral": ((re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.|gate\.)"), r"\1.block_sparse_moe.\2"),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.gate_proj\."), r"\1.w1."),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.up_proj\."), r"\1.w3."),
+                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.down_proj\."), r"\1.w2.")),
+}
+
+
 def route(h, router, m: MoeConfig):
     """h [T, D], router [D, E] -> (weights [T, k] float32, expert ids [T, k] int32)."""
     logits = jnp.einsum("TD,DE->TE", h, router).astype(jnp.float32)  # HF rounds them to the model dtype first
@@ -75,37 +101,40 @@ def route(h, router, m: MoeConfig):
     return weights, ids.astype(jnp.int32)
 
 
-def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0):
+def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0, quantize_inputs=None):
     """The routed pairs of experts first_expert .. first_expert + E' - 1 (w_gate_up [E', D, 2, F'], w_down
     [E', F', D]: all experts, or one rank's), summed per token with their weights: [T, D] float32. Pairs of
-    other experts contribute nothing. One ragged_dot per projection over the pairs sorted by expert."""
+    other experts contribute nothing. One ragged_dot per projection over the pairs sorted by expert.
+    quantize_inputs: W8A8 experts' (gate_up's, down's) activation rounding (moe_quant.py), or None."""
     T, k = ids.shape
     E, D = w_gate_up.shape[:2]
+    q_gate_up, q_down = quantize_inputs or (_same, _same)
     local = ids.reshape(-1) - first_expert
     local = jnp.where((local >= 0) & (local < E), local, E)  # E: not ours, sorted after every group
     order = jnp.argsort(local, stable=True)  # [T * k] pair indices (t * k + slot) by expert
     sizes = jnp.bincount(local, length=E).astype(jnp.int32)  # pairs per expert; E (not ours) is not counted
-    rows = h[order // k]  # [T * k, D]: each pair's token
+    rows = q_gate_up(h)[order // k]  # [T * k, D]: each pair's token
     gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(E, D, -1), sizes)  # [T * k, 2 F']: gate | up
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)  # [T * k, D]
+    out = jax.lax.ragged_dot(q_down(jax.nn.silu(gate) * up), w_down, sizes)  # [T * k, D]
     # Rows past the groups (other ranks' experts) are not computed; ragged_dot leaves them unspecified.
     out = jnp.where((local[order] < E)[:, None], out.astype(jnp.float32), 0.0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
     return jnp.einsum("TKD,TK->TD", out[inverse].reshape(T, k, D), weights)
 
 
-def expert_mlp_gathered(h, weights, ids, w_gate_up, w_down, first_expert=0):
+def expert_mlp_gathered(h, weights, ids, w_gate_up, w_down, first_expert=0, quantize_inputs=None):
     """expert_mlp as batched matrix-vector products over each pair's gathered expert weights ([T * k] copies of
     [D, 2, F'] and [F', D]): reads only the chosen experts, for steps with few pairs."""
     T, k = ids.shape
     E = w_gate_up.shape[0]
+    q_gate_up, q_down = quantize_inputs or (_same, _same)
     local = ids.reshape(-1) - first_expert
     mine = (local >= 0) & (local < E)
     local = jnp.clip(local, 0, E - 1)
-    rows = jnp.repeat(h, k, axis=0)  # [T * k, D], pair p = t * k + slot
+    rows = jnp.repeat(q_gate_up(h), k, axis=0)  # [T * k, D], pair p = t * k + slot
     gate_up = jnp.einsum("PD,PDCF->PCF", rows, w_gate_up[local])
-    out = jnp.einsum("PF,PFD->PD", jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], w_down[local])
+    out = jnp.einsum("PF,PFD->PD", q_down(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1]), w_down[local])
     out = jnp.where(mine[:, None], out.astype(jnp.float32), 0.0)
     return jnp.einsum("TKD,TK->TD", out.reshape(T, k, -1), weights)
 
@@ -120,9 +149,19 @@ def expert_mlp_dense(h, weights, ids, w_gate_up, w_down):
     return jnp.einsum("TED,TE->TD", out.astype(jnp.float32), dense)
 
 
+def _same(x):
+    return x
+
+
 def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0):
+    quantize_inputs = None
+    if isinstance(w_gate_up, QuantizedExperts) or isinstance(w_down, QuantizedExperts):
+        # the step's routed experts, dequantized; ids become their indices among them (moe_quant.py)
+        ids, w_gate_up, w_down, quantize_inputs = routed_experts(ids, w_gate_up, w_down, first_expert, h.dtype)
+        first_expert = 0
     few = ids.size <= GATHERED_MAX_PAIRS  # static: the step's token count
-    return (expert_mlp_gathered if few else expert_mlp)(h, weights, ids, w_gate_up, w_down, first_expert)
+    return (expert_mlp_gathered if few else expert_mlp)(h, weights, ids, w_gate_up, w_down, first_expert,
+                                                        quantize_inputs)
 
 
 def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
@@ -137,7 +176,7 @@ def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
 
     def local(h, router, w_gate_up, w_down):
         weights, ids = route(h, router, m)
-        first = jax.lax.axis_index("tp") * w_gate_up.shape[0] if cfg.expert_parallel else 0
+        first = jax.lax.axis_index("tp") * num_experts(w_gate_up) if cfg.expert_parallel else 0
         # Summed in the model dtype, as the dense MLP's all-reduce is.
         return jax.lax.psum(_experts(h, weights, ids, w_gate_up, w_down, first).astype(h.dtype), "tp")
 
@@ -145,5 +184,7 @@ def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
         specs = (P("tp", None, None, None), P("tp", None, None))
     else:
         specs = (P(None, None, None, "tp"), P(None, "tp", None))
+    specs = tuple(shard_specs(w) if isinstance(w, QuantizedExperts) else spec for w, spec in zip(args[2:], specs,
+                                                                                                  strict=True))
     # check_vma=False: the psum makes the output the same on every rank, which out_specs P() states.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *specs), out_specs=P(), check_vma=False)(*args)

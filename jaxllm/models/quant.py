@@ -68,7 +68,8 @@ FP8_MAX = 448.0  # float8_e4m3fn
 INT8_MAX = 127.0
 
 # Our quantizable weights -> how many leading axes of the dense weight are its input (wo [N, H, D]: 2).
-QUANT_LINEARS = {"w_qkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1}
+QUANT_LINEARS = {"w_qkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
+EXPERT_LINEARS = ("w_experts_gate_up", "w_experts_down")  # a MoE layer's experts (jaxllm/models/moe_quant.py)
 ROW_PARALLEL_AXES = ("heads", "ffn")  # logical input axes that tp splits (wo, w_down)
 
 
@@ -252,37 +253,66 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
 
 
 def hf_modules(cfg, key: str) -> tuple[str, ...]:
-    """The HF Linear modules (relative to a decoder layer) fused into our weight `key`."""
+    """The HF Linear modules (relative to a decoder layer) fused into our weight `key` (a MoE layer's experts: every
+    expert's, gate projections before up projections as the loader stacks them)."""
     if key == "w_qkv":
         return ("self_attn.W_pack",) if cfg.fused_qkv else tuple(f"self_attn.{p}_proj" for p in "qkv")
+    if key in EXPERT_LINEARS:
+        from jaxllm.models.moe import expert_linear_names
+
+        p, (gate, up, down) = expert_linear_names(cfg)
+        names = (gate, up) if key == "w_experts_gate_up" else (down,)
+        return tuple(f"{p}experts.{e}.{n}" for n in names for e in range(cfg.moe.num_experts))
     return {"wo": ("self_attn.o_proj",), "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-            "w_down": ("mlp.down_proj",)}[key]
+            "w_down": ("mlp.down_proj",), "w_shared_gate_up": ("mlp.shared_expert.gate_proj",
+                                                               "mlp.shared_expert.up_proj"),
+            "w_shared_down": ("mlp.shared_expert.down_proj",)}[key]
+
+
+def layer_linears(cfg, layer: int) -> tuple[str, ...]:
+    """Our weights of decoder layer `layer` that a checkpoint may quantize. A MoE layer's router (and Qwen2-MoE's
+    shared expert gate) stay unquantized, as vLLM builds them without a quantization method."""
+    if cfg.moe is None or not cfg.layer_kind(layer).moe:
+        return ("w_qkv", "wo", "w_gate_up", "w_down")
+    shared = ("w_shared_gate_up", "w_shared_down") if cfg.moe.shared_intermediate_size else ()
+    return ("w_qkv", "wo", *EXPERT_LINEARS, *shared)
 
 
 def quantized_keys(cfg, layer: int) -> tuple[str, ...]:
     """Our weights of decoder layer `layer` that the checkpoint stores quantized (the rest stay dense)."""
     q = cfg.quantization
     out = []
-    for key in QUANT_LINEARS:
+    for key in layer_linears(cfg, layer):
         modules = [f"model.layers.{layer}.{m}" for m in hf_modules(cfg, key)]
         ignored = [q.is_ignored(m) for m in modules]
         if any(ignored) and not all(ignored):
-            raise ValueError(f"{q.source} keeps {[m for m, i in zip(modules, ignored, strict=True) if i]} unquantized but "
-                             f"quantizes {[m for m, i in zip(modules, ignored, strict=True) if not i]}; jaxllm fuses them into "
-                             "one weight, so they must be quantized alike.")
+            kept = [m for m, i in zip(modules, ignored, strict=True) if i]
+            quantized = [m for m, i in zip(modules, ignored, strict=True) if not i]
+            raise ValueError(f"{q.source} keeps {_some(kept)} unquantized but quantizes {_some(quantized)}; jaxllm "
+                             "fuses them into one weight, so they must be quantized alike.")
         if not any(ignored):
             out.append(key)
     return tuple(out)
 
 
+def _some(names: list[str], n: int = 4) -> str:
+    return str(names) if len(names) <= n else f"{names[:n]} and {len(names) - n} more"
+
+
 def quantize_specs(specs: dict, cfg, tp: int) -> dict:
-    """param_specs with each quantized linear's ParamSpec replaced by its QuantizedWeight of ParamSpecs."""
+    """param_specs with each quantized linear's ParamSpec replaced by its QuantizedWeight of ParamSpecs (a MoE
+    layer's experts: a QuantizedExperts, jaxllm/models/moe_quant.py)."""
+    from jaxllm.models.moe_quant import quantized_experts_spec
+
     layers = []
     for i, layer in enumerate(specs["layers"]):
         layer = dict(layer)
         for key in quantized_keys(cfg, i):
-            layer[key] = quantized_spec(layer[key], QUANT_LINEARS[key], cfg.quantization, cfg.dtype, tp,
-                                        f"layers.{i}.{key}")
+            name = f"layers.{i}.{key}"
+            if key in EXPERT_LINEARS:
+                layer[key] = quantized_experts_spec(layer[key], cfg.quantization, cfg.dtype, tp, name)
+            else:
+                layer[key] = quantized_spec(layer[key], QUANT_LINEARS[key], cfg.quantization, cfg.dtype, tp, name)
         layers.append(layer)
     return dict(specs, layers=layers)
 
@@ -299,6 +329,9 @@ def dummy_values(spec, key):
         return jax.random.randint(key, shape, 0, 2**bits, jnp.int32).astype(spec.dtype)
     if spec.init == "arange":
         return jnp.arange(shape[0], dtype=jnp.int32)
+    if spec.init.startswith("gidx:"):  # quantized experts' act-order g_idx [E, I, ...]: plain groups
+        rows = jnp.arange(shape[1], dtype=jnp.int32) // int(spec.init[5:])
+        return jnp.broadcast_to(rows.reshape(1, -1, *[1] * (len(shape) - 2)), shape)
     if spec.init == "fp8":
         return (jax.random.normal(key, shape, jnp.float32) * 64).astype(jnp.float8_e4m3fn)
     if spec.init.startswith("scale:"):  # chosen so that dequantized values spread ~0.02, as the dense dummies

@@ -28,7 +28,7 @@ import os
 import ml_dtypes
 import numpy as np
 
-from jaxllm.models.quant import FP8_MAX, QUANT_LINEARS, hf_modules, pack_int, quantized_keys
+from jaxllm.models.quant import EXPERT_LINEARS, FP8_MAX, QUANT_LINEARS, hf_modules, pack_int, quantized_keys
 from kernels_pallas.qlayout import act_order_perm
 
 AWQ_ORDER = np.array([0, 2, 4, 6, 1, 3, 5, 7])
@@ -36,11 +36,16 @@ _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def linear_shape(cfg, module: str) -> tuple[int, int]:
-    """(in_features, out_features) of an HF Linear of a decoder layer."""
+    """(in_features, out_features) of an HF Linear of a decoder layer (an expert's, a shared expert's too)."""
     D, NH, KH, F = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    if ".experts." in module:
+        F = cfg.moe.intermediate_size
+    elif ".shared_expert." in module:
+        F = cfg.moe.shared_intermediate_size
     leaf = module.rsplit(".", 1)[-1]
     return {"q_proj": (D, NH), "k_proj": (D, KH), "v_proj": (D, KH), "W_pack": (D, 3 * NH), "o_proj": (NH, D),
-            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}[leaf]
+            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D), "w1": (D, F), "w3": (D, F),
+            "w2": (F, D)}[leaf]
 
 
 def _unpack(x: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -144,9 +149,47 @@ class QuantLoader:
     def get(self, key: tuple) -> np.ndarray:
         """Host array of one leaf (("layers", i, name, field)) in the checkpoint layout (kv heads not repeated)."""
         parent = key[:3]
-        if parent not in self._fused:
-            self._fused = {parent: self._read_fused(key[1], key[2])}  # one fused weight in memory at a time
+        if parent not in self._fused:  # one fused weight in memory at a time
+            read = self._read_experts if key[2] in EXPERT_LINEARS else self._read_fused
+            self._fused = {parent: read(key[1], key[2])}
         return self._fused[parent][key[3]]
+
+    def _read_experts(self, layer: int, key: str) -> dict:
+        """A MoE layer's experts (moe_quant.py's layout): each expert's linears read, fused and packed on their own
+        (one expert's integers unpacked at a time), then stacked on E; rows stay in the checkpoint's order."""
+        q, E = self.q, self.cfg.moe.num_experts
+        modules = [f"model.layers.{layer}.{m}" for m in hf_modules(self.cfg, key)]
+        per_expert = [modules[e::E] for e in range(E)]  # gate_up: (gate, up) of expert e; down: (down,)
+
+        def join(parts, field):  # [rows, O_m] per linear -> [rows, 2, F] (gate, up) or [rows, D]
+            xs = [p[field] for p in parts]
+            return np.stack(xs, axis=1) if len(xs) > 1 else xs[0]
+
+        experts = []
+        for names in per_expert:
+            parts = [self._read_linear(m) for m in names]
+            out = {"scales": join(parts, "scales")}
+            if q.weight_type == "float":
+                out["packed"] = join(parts, "q").astype(_FP8)
+                if q.activations == "static":
+                    out["act_scale"] = max(p["act_scale"] for p in parts)
+            else:
+                out["packed"] = pack_int(join(parts, "q"), q.bits)
+                if not q.symmetric:
+                    out["zeros"] = join(parts, "zeros")
+                if q.act_order:
+                    ng = parts[0]["scales"].shape[0]
+                    for m, p in zip(names, parts, strict=True):
+                        if p["g_idx"].min(initial=0) < 0 or p["g_idx"].max(initial=0) >= ng:
+                            raise ValueError(f"{m}: g_idx names groups outside [0, {ng}).")
+                    out["g_idx"] = join(parts, "g_idx").astype(np.int32)
+            experts.append(out)
+        fused = {f: np.stack([x[f] for x in experts]) for f in experts[0] if f != "act_scale"}
+        if "zeros" in fused:
+            fused["zeros"] = fused["zeros"].astype(np.uint8)
+        if q.activations == "static" and q.weight_type == "float":  # one scale for all experts (vLLM: the max)
+            fused["act_scale"] = np.asarray(max(x["act_scale"] for x in experts), np.float32)
+        return fused
 
     def _read_fused(self, layer: int, key: str) -> dict:
         modules = [f"model.layers.{layer}.{m}" for m in hf_modules(self.cfg, key)]
