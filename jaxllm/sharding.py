@@ -72,15 +72,17 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def make_mesh(self, devices=None) -> Mesh:
-        """(pp, tp) mesh over the first tp * pp devices; tp is the minor axis, so a stage's tp group is
-        devices that are adjacent (same host, NVLink) in jax.devices() order."""
+        """(pp, tp) mesh over tp * pp devices; tp is the minor axis, so a stage's tp group is devices that are
+        adjacent (same host, NVLink) in jax.devices() order. On one host: the first tp * pp devices. Over several
+        processes (hosts) with devices to spare, the stages are spread evenly over the processes, each on its
+        process's first devices (mesh_devices)."""
         devices = list(jax.devices() if devices is None else devices)
         if self.world_size > len(devices):
             raise ValueError(
                 f"tensor_parallel_size * pipeline_parallel_size = {self.tensor_parallel_size} * "
                 f"{self.pipeline_parallel_size} = {self.world_size} exceeds the {len(devices)} available devices."
             )
-        grid = np.array(devices[: self.world_size]).reshape(
+        grid = np.array(mesh_devices(devices, self.tensor_parallel_size, self.pipeline_parallel_size)).reshape(
             self.pipeline_parallel_size, self.tensor_parallel_size
         )
         return Mesh(grid, ("pp", "tp"))
@@ -113,6 +115,25 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_parallel_size ({pp}) exceeds the model's num_hidden_layers ({cfg.num_layers})."
             )
+
+
+def mesh_devices(devices: list, tp: int, pp: int) -> list:
+    """The tp * pp devices of the mesh, stage by stage. The first tp * pp devices, except over several processes
+    with devices to spare, where pp stages spread evenly over the processes (pp a multiple of their number,
+    each process's stages fitting its devices): stage s on process s // (pp / processes), so that pp crosses
+    hosts and tp stays inside one (2 hosts x 4 GPUs, tp 2 pp 2: devices 0, 1 of each host; not all four of
+    host 0)."""
+    world = tp * pp
+    by_process: dict[int, list] = {}
+    for d in devices:
+        by_process.setdefault(getattr(d, "process_index", 0), []).append(d)
+    n = len(by_process)
+    if n == 1 or world >= len(devices) or pp % n:
+        return devices[:world]
+    per = pp // n
+    if any(per * tp > len(local) for local in by_process.values()):
+        return devices[:world]
+    return [d for local in by_process.values() for d in local[: per * tp]]
 
 
 def mesh_tp(mesh: Mesh) -> int:

@@ -25,8 +25,8 @@ API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 ENGINE_ARG_NAMES = (
     "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
     "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
-    "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "enforce_eager",
-    "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
+    "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+    "enforce_eager", "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
     "lora_extra_vocab_size", "reasoning_parser", "enable_reasoning",
 )
@@ -147,6 +147,12 @@ def make_parser() -> argparse.ArgumentParser:
                    help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="Engine replicas, each on its own tensor_parallel_size * pipeline_parallel_size devices of "
+                        "this host, behind this one server; requests go to the least loaded one.")
+    e.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="Replicas on this host: all of them (--data-parallel-size), as replicas on other hosts "
+                        "are not supported.")
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
                         "experts per device) instead of each expert's FFN.")
@@ -208,6 +214,9 @@ def make_parser() -> argparse.ArgumentParser:
     from jaxllm.distributed import add_distributed_args
 
     add_distributed_args(p)
+    p.add_argument("--headless", action="store_true",
+                   help="Run no API server: this process (--process-id > 0, as it is by default) only runs the "
+                        "engine's steps for process 0, which serves.")
     add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
@@ -293,6 +302,17 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.headless and not (args.num_processes or 0) > 1:
+        parser.error("--headless is for the processes other than 0 of a multi-process engine "
+                     "(--coordinator-address, --num-processes, --process-id)")
+    if args.headless and args.process_id == 0:
+        parser.error("--headless: process 0 serves the API; start the other processes with --headless")
+    if args.data_parallel_size < 1:
+        parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
+    if args.data_parallel_size_local not in (None, args.data_parallel_size):
+        parser.error(f"--data-parallel-size-local {args.data_parallel_size_local}: every data-parallel replica runs "
+                     f"on this host ({args.data_parallel_size}, --data-parallel-size); replicas on other hosts are "
+                     "not supported")
     if args.speculative_config is None and legacy_speculative_config(vars(args)) is not None:
         from jaxllm.engine.configs import SpeculativeConfig
 

@@ -1,11 +1,14 @@
-"""Prometheus metrics under vLLM's names (label model_name), and the periodic stats log line.
+"""Prometheus metrics under vLLM's names and labels (model_name, and engine: the data-parallel replica, "0" with
+one engine, as vLLM labels them), and the periodic stats log line.
 
 Two sources feed them:
-- engine-wide numbers come from `EngineClient.stats()` snapshots (gauges and totals, exported through a
-  custom collector so counters are the engine's own totals, and iteration sizes folded into a histogram);
-- per-request latencies and sizes are observed by the server as outputs stream past (RequestTracker).
-Every `stats()` call goes through `ServerMetrics.poll()` because the snapshot's `iteration_tokens` list
-holds only the steps since the previous snapshot.
+- engine-wide numbers come from `EngineClient.stats()` snapshots, one per replica where the engine has several
+  (`stats_per_engine()`, jaxllm/engine/dp.py): gauges and totals, exported through a custom collector so
+  counters are the engine's own totals, and iteration sizes folded into a histogram;
+- per-request latencies and sizes are observed by the server as outputs stream past (RequestTracker), labelled
+  with the replica that served the request (`engine_index(request_id)`).
+Every snapshot goes through `ServerMetrics.poll()` because its `iteration_tokens` list holds only the steps
+since the previous snapshot.
 
 The names dashboards of vLLM 0.4-0.10 read are there too, computed as vLLM did: vllm:gpu_cache_usage_perc
 (= kv_cache_usage_perc), vllm:time_per_output_token_seconds (= inter_token_latency_seconds),
@@ -48,61 +51,71 @@ def _token_buckets(max_model_len: int) -> list[float]:
         scale *= 10
 
 
+LABELS = ["model_name", "engine"]
+
+# (name, help, EngineStats field or None for 0) of the snapshot's gauges, then its counters
+_GAUGES = (("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+           ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+           ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+           ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
+            "vllm:kv_cache_usage_perc instead.", "kv_cache_usage"),
+           ("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV cache "
+            "offloading is not used in V1", None),
+           ("vllm:num_requests_swapped", "Number of requests swapped to CPU. DEPRECATED: KV cache offloading is not "
+            "used in V1", None))
+_COUNTERS = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+              "prefix_cache_queries"),
+             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+             ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+             ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+             ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"))
+_THROUGHPUT = (("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s."),
+               ("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s."))
+_SPEC_COUNTERS = (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+                  ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+                  ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"))
+
+
 class _EngineCollector:
-    """Exports the latest engine snapshot as gauges and counters at scrape time."""
+    """Exports the latest engine snapshots (one per replica) as gauges and counters at scrape time."""
 
     def __init__(self, metrics: ServerMetrics):
         self.metrics = metrics
 
     def collect(self):
-        s = self.metrics.poll()
-        name = [self.metrics.model_name]
-
-        def gauge(metric, doc, value):
-            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
-            g.add_metric(name, value)
-            return g
-
-        def counter(metric, doc, value):
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric(name, value)
-            return c
-
-        yield gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s.num_running)
-        yield gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
-        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage)
-        yield gauge("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
-                    "vllm:kv_cache_usage_perc instead.", s.kv_cache_usage)
-        yield gauge("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV "
-                    "cache offloading is not used in V1", 0.0)
-        yield gauge("vllm:num_requests_swapped", "Number of requests swapped to CPU. DEPRECATED: KV cache "
-                    "offloading is not used in V1", 0)
-        prompt_tput, gen_tput = self.metrics.throughput.rates(s)
-        yield gauge("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s.", prompt_tput)
-        yield gauge("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s.",
-                    gen_tput)
-        if self.metrics.cache_info:
+        self.metrics.poll()
+        m, per_engine = self.metrics, self.metrics.last_per_engine
+        labels = [[m.model_name, str(i)] for i in range(len(per_engine))]
+        for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
+            for metric, doc, field in specs:
+                f = family(metric, doc, labels=LABELS)
+                for label, s in zip(labels, per_engine, strict=True):
+                    f.add_metric(label, getattr(s, field) if field else 0)
+                yield f
+        rates = [t.rates(s) for t, s in zip(m.throughput, per_engine, strict=True)]
+        for j, (metric, doc) in enumerate(_THROUGHPUT):
+            g = GaugeMetricFamily(metric, doc, labels=LABELS)
+            for label, r in zip(labels, rates, strict=True):
+                g.add_metric(label, r[j])
+            yield g
+        if m.cache_info:
             info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                     labels=list(self.metrics.cache_info))
-            info.add_metric(list(self.metrics.cache_info.values()), 1)
+                                     labels=list(m.cache_info[0]) + ["engine"])
+            for i, labels_i in enumerate(m.cache_info):
+                info.add_metric(list(labels_i.values()) + [str(i)], 1)
             yield info
-        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-                      s.prefix_cache_queries)
-        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
-                      s.prefix_cache_hits)
-        yield counter("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions)
-        yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s.prompt_tokens)
-        yield counter("vllm:generation_tokens", "Number of generation tokens processed.", s.generation_tokens)
-        sd = s.spec_decode
-        if sd is not None:  # only with speculative decoding on, as vLLM registers them
-            yield counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", sd.num_drafts)
-            yield counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", sd.num_draft_tokens)
-            yield counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
-                          sd.num_accepted_tokens)
+        spec = [(label, s.spec_decode) for label, s in zip(labels, per_engine, strict=True) if s.spec_decode]
+        if spec:  # only with speculative decoding on, as vLLM registers them
+            for metric, doc, field in _SPEC_COUNTERS:
+                c = CounterMetricFamily(metric, doc, labels=LABELS)
+                for label, sd in spec:
+                    c.add_metric(label, getattr(sd, field))
+                yield c
             per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", labels=["model_name", "position"])
-            for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
-                per_pos.add_metric(name + [str(pos)], n)
+                                          "Accepted tokens per draft position.", labels=LABELS + ["position"])
+            for label, sd in spec:
+                for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
+                    per_pos.add_metric(label + [str(pos)], n)
             yield per_pos
 
 
@@ -131,75 +144,112 @@ class ServerMetrics:
     def __init__(self, engine: EngineClient, model_name: str, throughput_interval: float = 5.0):
         self.engine = engine
         self.model_name = model_name
-        self.throughput = IntervalThroughput(throughput_interval)  # vLLM V0's local logging interval: 5 s
         info = getattr(engine, "cache_config_info", None)
-        self.cache_info: dict[str, str] = {**info(), "engine": "0"} if info is not None else {}
+        per_engine = getattr(engine, "cache_config_info_per_engine", None)
+        self.cache_info: list[dict[str, str]] = per_engine() if per_engine else [info()] if info else []
         self.registry = CollectorRegistry(auto_describe=True)
         self.last = EngineStats()
+        self.last_per_engine = [EngineStats()] * int(getattr(engine, "num_engines", 1))
+        self.throughput = [IntervalThroughput(throughput_interval) for _ in self.last_per_engine]
         self._stats_failures = 0
-        r, labels = self.registry, ["model_name"]
+        r, labels = self.registry, LABELS
         tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
-        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                       ["model_name", "finished_reason"], registry=r)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              labels, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.tpot = Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
-                              "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-                              labels, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
-        self.n_param = Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
-                                 labels, buckets=[1, 2, 5, 10, 20], registry=r).labels(model_name)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                             labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
-        self.queue_time = Histogram("vllm:request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    labels, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                       labels, buckets=tokens, registry=r).labels(model_name)
-        self.generation_tokens = Histogram("vllm:request_generation_tokens",
-                                           "Number of generation tokens processed.",
-                                           labels, buckets=tokens, registry=r).labels(model_name)
-        self.iteration_tokens = Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                          labels, buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                                           16384], registry=r).labels(model_name)
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        LABELS + ["finished_reason"], registry=r)
+        families = dict(
+            ttft=Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                           labels, buckets=_LATENCY_BUCKETS, registry=r),
+            itl=Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                          labels, buckets=_ITL_BUCKETS, registry=r),
+            tpot=Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
+                           "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                           labels, buckets=_ITL_BUCKETS, registry=r),
+            n_param=Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
+                              labels, buckets=[1, 2, 5, 10, 20], registry=r),
+            e2e=Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                          labels, buckets=_E2E_BUCKETS, registry=r),
+            queue_time=Histogram("vllm:request_queue_time_seconds",
+                                 "Histogram of time spent in WAITING phase for request.",
+                                 labels, buckets=_E2E_BUCKETS, registry=r),
+            prompt_tokens=Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
+                                    labels, buckets=tokens, registry=r),
+            generation_tokens=Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                                        labels, buckets=tokens, registry=r),
+            iteration_tokens=Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
+                                       labels, buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                                        16384], registry=r))
+        # per replica: an object with one labelled child of each histogram (.ttft, .itl, ...)
+        self.engines = [_EngineHistograms(families, [model_name, str(i)]) for i in range(len(self.last_per_engine))]
         # last: registering (auto_describe) polls the engine, which needs the histograms above (an engine that
         # already ran steps before the server started has iteration tokens to observe)
         self.registry.register(_EngineCollector(self))
 
+    def for_engine(self, i: int) -> _EngineHistograms:
+        return self.engines[i] if 0 <= i < len(self.engines) else self.engines[0]
+
+    def request_success(self, engine: int, reason: str):
+        return self._request_success.labels(self.model_name, str(engine), reason)
+
     def poll(self) -> EngineStats:
-        """Takes an engine snapshot (every caller must come through here: it drains iteration_tokens)."""
+        """Takes an engine snapshot, all replicas together (every caller must come through here: it drains
+        iteration_tokens); last_per_engine keeps each replica's."""
         try:
-            s = self.engine.stats()
+            per_engine = self.engine.stats_per_engine() if hasattr(self.engine, "stats_per_engine") else None
+            s = self.engine.stats() if per_engine is None else _merge(per_engine)
         except Exception:  # a broken engine must not break /metrics or the log loop
             self._stats_failures += 1
             if self._stats_failures == 1:
                 logger.exception("engine.stats() failed; metrics show the last good snapshot (logged once)")
             return self.last
-        for n in s.iteration_tokens:
-            self.iteration_tokens.observe(n)
-        self.last = s
+        per_engine = per_engine or [s]
+        for i, e in enumerate(per_engine):
+            for n in e.iteration_tokens:
+                self.engines[min(i, len(self.engines) - 1)].iteration_tokens.observe(n)
+        self.last, self.last_per_engine = s, per_engine
         return s
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, request_id: str = "") -> RequestTracker:
+        return RequestTracker(self, request_id)
+
+
+class _EngineHistograms:
+    """One replica's children of the request histograms."""
+
+    def __init__(self, families: dict, labels: list[str]):
+        for name, family in families.items():
+            setattr(self, name, family.labels(*labels))
+
+
+def _merge(stats: list[EngineStats]) -> EngineStats:
+    from jaxllm.engine.dp import merge_stats
+
+    return merge_stats(stats)
 
 
 class RequestTracker:
-    """Observes one engine request's latencies and sizes as its outputs arrive."""
+    """Observes one engine request's latencies and sizes as its outputs arrive, under the label of the replica
+    that serves it (known once the engine has it: looked up at its first output)."""
 
-    __slots__ = ("m", "arrival", "first_token", "last_token", "num_tokens", "done")
+    __slots__ = ("m", "request_id", "h", "arrival", "first_token", "last_token", "num_tokens", "done")
 
-    def __init__(self, metrics: ServerMetrics):
+    def __init__(self, metrics: ServerMetrics, request_id: str = ""):
         self.m = metrics
+        self.request_id = request_id
+        self.h: _EngineHistograms | None = None
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
         self.num_tokens = 0
         self.done = False
+
+    def _histograms(self) -> _EngineHistograms:
+        if self.h is None:
+            index = getattr(self.m.engine, "engine_index", None)
+            self.h = self.m.for_engine(index(self.request_id) if index is not None else 0)
+        return self.h
 
     def on_output(self, out: RequestOutput) -> None:
         n = sum(len(o.token_ids) for o in out.outputs)
@@ -207,10 +257,10 @@ class RequestTracker:
         if n > self.num_tokens:
             if self.first_token is None:
                 self.first_token = now
-                self.m.ttft.observe(now - self.arrival)
+                self._histograms().ttft.observe(now - self.arrival)
             elif self.last_token is not None:
-                self.m.itl.observe(now - self.last_token)
-                self.m.tpot.observe(now - self.last_token)
+                self._histograms().itl.observe(now - self.last_token)
+                self._histograms().tpot.observe(now - self.last_token)
             self.last_token = now
             self.num_tokens = n
         if out.finished:
@@ -222,17 +272,19 @@ class RequestTracker:
 
     def _finish(self, out: RequestOutput | None, reasons: list[str]) -> None:
         self.done = True
-        self.m.e2e.observe(time.monotonic() - self.arrival)
+        h = self._histograms()
+        h.e2e.observe(time.monotonic() - self.arrival)
+        engine = self.m.engines.index(h)
         for reason in reasons:
-            self.m.request_success.labels(self.m.model_name, reason).inc()
-        self.m.n_param.observe(len(reasons))  # the request's n: one reason per sequence
+            self.m.request_success(engine, reason).inc()
+        h.n_param.observe(len(reasons))  # the request's n: one reason per sequence
         if out is None:
             return
-        self.m.prompt_tokens.observe(len(out.prompt_token_ids or []))
-        self.m.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
+        h.prompt_tokens.observe(len(out.prompt_token_ids or []))
+        h.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
         rm = out.metrics
         if rm is not None and rm.first_scheduled_time is not None and rm.arrival_time is not None:
-            self.m.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))
+            h.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))
 
 
 class StatsLogger:

@@ -3,6 +3,11 @@ server's command.
 
 Without MODEL it serves the built-in demo model. The engine (jaxllm.engine.async_engine.AsyncLLM) is imported
 only here, lazily, so the rest of the server package and its tests never need it.
+
+Several hosts: the same command on each, with --coordinator-address --num-processes --process-id. Process 0
+serves HTTP; the others run headless (vLLM's --headless): they build the same engine and run the steps process
+0 sends until it shuts down (jaxllm/engine/multihost.py). --data-parallel-size D serves D engine replicas
+(jaxllm/engine/dp.py).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import signal
 import socket
 import ssl
@@ -20,16 +26,22 @@ logger = logging.getLogger("jaxllm.server")
 
 
 def build_engine(args: argparse.Namespace):
-    from jaxllm.engine.async_engine import AsyncLLM
     from server.args import engine_kwargs
+
+    if getattr(args, "data_parallel_size", 1) > 1:
+        from jaxllm.engine.dp import DPAsyncLLM
+
+        return DPAsyncLLM.from_engine_args(**engine_kwargs(args))
+    from jaxllm.engine.async_engine import AsyncLLM
 
     return AsyncLLM.from_engine_args(**engine_kwargs(args))
 
 
 async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Event | None = None,
-                     on_ready=None, on_app=None) -> None:
+                     on_ready=None, on_app=None) -> str | None:
     """Serves until SIGINT/SIGTERM (or `stop` is set), drains (--shutdown-timeout; a second signal cuts the
-    drain short), then shuts the engine down.
+    drain short), then shuts the engine down. Returns the engine's fatal_error: why it stopped serving on its
+    own (a lost process of a multi-process engine), else None.
 
     `engine`: any EngineClient (tests pass a fake); default: AsyncLLM built from the engine flags.
     `on_ready(port)`: called once the socket listens; `on_app(app)`: once the app is built (tests read its state).
@@ -59,6 +71,7 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         stop = stop or asyncio.Event()
         force = asyncio.Event()
         loop = asyncio.get_running_loop()
+        fatal_watch = asyncio.create_task(_stop_on_fatal(engine, stop, force))
 
         def on_signal() -> None:
             if stop.is_set():
@@ -87,11 +100,38 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
                     "(--shutdown-timeout; a second Ctrl-C ends them now)", app[STATE].limits.shutdown_timeout)
         await stop_server(runner, force=force)
         runner = None
+        fatal_watch.cancel()
         logger.info("Server stopped")
     finally:
         if runner is not None:  # start-up failed, or the drain itself was cancelled
             await runner.cleanup()
         await engine.shutdown()
+    return getattr(engine, "fatal_error", None)
+
+
+async def _stop_on_fatal(engine, stop: asyncio.Event, force: asyncio.Event) -> None:
+    """Stops serving at once when the engine cannot go on (fatal_error: a process of a multi-process engine is
+    lost; its requests have already failed); main() then exits non-zero."""
+    while not getattr(engine, "fatal_error", None):
+        await asyncio.sleep(0.25)
+    logger.error("Stopping the server: %s", engine.fatal_error)
+    force.set()
+    stop.set()
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """A process other than 0 of a multi-process engine: builds the same engine, then runs the steps process 0
+    sends until process 0 shuts down (0) or is lost (the Watchdog exits with 1)."""
+    from jaxllm.engine.args import EngineArgs
+    from jaxllm.engine.llm_engine import LLMEngine
+    from jaxllm.engine.multihost import follow
+    from server.args import engine_kwargs
+
+    engine = LLMEngine(EngineArgs.from_kwargs(**engine_kwargs(args), server_mode=True))
+    logger.info("Process %d ready (headless): running the steps of process 0", args.process_id)
+    follow(engine, until_shutdown=True)
+    logger.info("Process 0 shut down the engine; exiting")
+    return 0
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:
@@ -132,17 +172,28 @@ def main(argv: list[str] | None = None) -> None:
     # (several processes: which GPUs are whose is known only later, so no free-memory check)
     request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size,
                           args.tensor_parallel_size if (args.num_processes or 1) == 1 else 0)
-    maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
+    try:
+        maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
+    except (RuntimeError, ValueError) as e:
+        raise SystemExit(f"jaxllm serve: {e}") from None
     if args.model is None:
         from jaxllm.demo import DEMO_MODEL_NAME, demo_model_path
 
         args.model = str(demo_model_path())
         args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
         logger.info("No MODEL given: serving the demo model at %s as %s", args.model, args.served_model_name[0])
+    if (args.num_processes or 1) > 1 and args.process_id:
+        sys.exit(run_headless(args))
+    fatal = None
     try:
-        asyncio.run(run_server(args))
+        fatal = asyncio.run(run_server(args))
     except KeyboardInterrupt:
         pass
+    if fatal:
+        # a step may still wait in a collective whose peer is gone: do not wait for it at exit
+        logger.error("Exiting with status 1: %s", fatal)
+        logging.shutdown()
+        os._exit(1)
     sys.exit(0)
 
 

@@ -410,7 +410,7 @@ class EngineRunner:
     async def _pump(self, i: int) -> None:
         rs = self.states[i]
         req = rs.request
-        tracker = self.metrics.tracker()
+        tracker = self.metrics.tracker(req.request_id)
         gen = None
         got_output = failed = False
         try:

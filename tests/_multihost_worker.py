@@ -42,7 +42,9 @@ def main(port: str, process_id: int, num_processes: int, out: str):
     logits = step(params, kv, jnp.array([5, 9, 2, 77, 3, 14], jnp.int32), meta)
     np.save(out, np.asarray(logits.addressable_data(0)))
     if num_processes > 1:
-        jax.distributed.shutdown()
+        from jaxllm.distributed import shutdown
+
+        shutdown()
 
 
 if __name__ == "__main__":

@@ -478,6 +478,26 @@ def test_latency_and_throughput_take_quantization(tmp_path):
         common.resolve_model(p.parse_args(["--shape", "tiny", "--quantization", "compressed-tensors"]))
 
 
+@pytest.mark.filterwarnings("ignore")
+def test_multihost_smoke(tmp_path):
+    """bench/multihost.py's cases on simulated CPU devices: pp 2 over two processes (one device each) and two
+    data-parallel replicas, each in its own processes."""
+    from bench import multihost
+
+    out = tmp_path / "mh.json"
+    res = multihost.main(["--shape", "tiny", "--load-format", "dummy", "--cpu", "--cases", "multi_pp2", "dp2",
+                          "--skip-greedy", "--num-prompts", "4", "--dp-num-prompts", "4", "--input-len", "8",
+                          "--output-len", "4", "--itl-output-len", "3", "--max-model-len", "64",
+                          "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+                          "--enforce-eager", "--compilation-cache-dir", "", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert set(saved["cases"]) == {"multi_pp2", "dp2"}
+    assert all("error" not in c for c in saved["cases"].values()), saved["cases"]
+    mh = saved["cases"]["multi_pp2"]["throughput"]
+    assert mh["output_tok_s"] > 0 and mh["batch1_itl_ms"] > 0 and len(mh["tokens"]) == 4
+    assert len(saved["cases"]["dp2"]["throughput"]["tokens"]) == 4 and saved["env"]["command"] and res["cases"]
+
+
 def test_lora_bench_smoke(tmp_path):
     """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
     (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy

@@ -352,10 +352,12 @@ def test_max_logprobs_minus_one_returns_the_whole_vocabulary(tiny):
 def test_failed_add_leaves_nothing_behind(llm, monkeypatch):
     """A request whose set-up fails after it was registered (here: the bad-words encoding) is removed again:
     a half-added request used to wait forever and hang every later generate()."""
-    def boom(params):
+    from jaxllm.engine import llm_engine
+
+    def boom(seq, tokenizer):
         raise RuntimeError("bad words exploded")
 
-    monkeypatch.setattr(llm.llm_engine, "_bad_word_ids", boom)
+    monkeypatch.setattr(llm_engine, "bias_row", boom)
     with pytest.raises(RuntimeError, match="exploded"):
         llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(bad_words=["x"], max_tokens=10), use_tqdm=False)
     monkeypatch.undo()

@@ -283,7 +283,7 @@ def _scrape(url) -> dict:
 
 
 def _value(samples, name, **labels):
-    key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
+    key = (name, tuple(sorted({"model_name": MODEL, "engine": "0", **labels}.items())))
     return samples[key]
 
 
@@ -317,7 +317,7 @@ def test_metrics_move(server, client):
     assert _value(after, "vllm:request_success_total", finished_reason="length") >= 2
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert _value(after, gauge) == 0.0
-    assert ("vllm:num_preemptions_total", (("model_name", MODEL),)) in after
+    assert ("vllm:num_preemptions_total", (("engine", "0"), ("model_name", MODEL))) in after
 
 
 def test_old_metric_names(server, client):

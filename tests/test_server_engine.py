@@ -136,5 +136,5 @@ def test_real_engine_metrics(served):
     assert info.labels["block_size"] == str(cache.block_size) and info.labels["cache_dtype"] == "auto"
     assert info.labels["enable_prefix_caching"] == str(cache.enable_prefix_caching) and info.labels["engine"] == "0"
     (usage,) = families["vllm:gpu_cache_usage_perc"].samples
-    assert usage.labels == {"model_name": "tiny"}
+    assert usage.labels == {"model_name": "tiny", "engine": "0"}
     assert usage.value == families["vllm:kv_cache_usage_perc"].samples[0].value

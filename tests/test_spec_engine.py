@@ -115,10 +115,11 @@ def test_counters_reach_prometheus_and_the_log_line(spec):
     run(spec, PROMPTS[:1])
     text = metrics.render().decode()
     sd = eng.stats().spec_decode
-    assert f'vllm:spec_decode_num_drafts_total{{model_name="tiny"}} {float(sd.num_drafts)}' in text
-    assert f'vllm:spec_decode_num_accepted_tokens_total{{model_name="tiny"}} {float(sd.num_accepted_tokens)}' in text
-    assert f'vllm:spec_decode_num_draft_tokens_total{{model_name="tiny"}} {float(sd.num_draft_tokens)}' in text
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="tiny",position="0"}' in text
+    labels = '{engine="0",model_name="tiny"}'  # prometheus_client writes the labels sorted
+    assert f"vllm:spec_decode_num_drafts_total{labels} {float(sd.num_drafts)}" in text
+    assert f"vllm:spec_decode_num_accepted_tokens_total{labels} {float(sd.num_accepted_tokens)}" in text
+    assert f"vllm:spec_decode_num_draft_tokens_total{labels} {float(sd.num_draft_tokens)}" in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in text
     line = logger.line()
     assert "SpecDecoding metrics: Mean acceptance length: " in line and "Avg Draft acceptance rate: " in line
 

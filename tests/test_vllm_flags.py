@@ -23,6 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
               "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
               "--enable-log-outputs": ["--enable-log-requests"], "--lora-modules": ["--enable-lora"],
+              "--headless": ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"],
+              "--data-parallel-size-local": ["--data-parallel-size", "2"],
               "--speculative-model": ["--num-speculative-tokens", "3"],
               "--num-speculative-tokens": ["--speculative-model", "[ngram]"],
               **{f: ["--speculative-model", "d", "--num-speculative-tokens", "3"] for f in (
@@ -158,11 +160,19 @@ def test_accepted_values_are_silent_and_the_tutorial_command_lines_run(caplog, c
     assert [w.split(" has no effect")[0] for w in warnings] == ["--num-scheduler-steps 8", "--swap-space 16",
                                                                 "--tokenizer-pool-size 2"]
     assert args.max_model_len == 4096 and "swap_space" not in vars(args)
-    for argv, what in ((["--data-parallel-size", "2"], "data parallelism is not supported"),
+    for argv, what in ((["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "replicas on other hosts"),
+                       (["-dp", "2", "--data-parallel-rank", "1"], "data parallelism across hosts"),
+                       (["--headless"], "--headless is for the processes other than 0"),
                        (["--task", "embed"], "only text generation is supported"),
                        (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes")):
         args, code, err = _parse(["m", *argv], caplog, capsys)
         assert args is None and code == 2 and what in err, err
+    # one host's data parallelism as vLLM users write it, and vLLM's multi-node names for a headless process
+    args, warnings, _ = _parse(["m", "-dp", "2", "-dpl", "2", "--data-parallel-backend", "mp"], caplog, capsys)
+    assert args is not None and warnings == [] and engine_kwargs(args)["data_parallel_size"] == 2
+    args, warnings, _ = _parse(["m", "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"],
+                               caplog, capsys)
+    assert args is not None and warnings == [] and (args.num_processes, args.process_id) == (2, 1)
 
 
 def test_where_vllm_fails_before_loading_so_does_jaxllm(caplog, capsys, tmp_path):
@@ -186,7 +196,8 @@ def test_table_and_parser_agree():
         if option.kind == HONOURED:
             assert option.flag not in unimplemented
             if option.scope == "engine" and option.dest not in ("disable_log_stats", "nnodes", "node_rank",
-                                                                 "master_addr", "master_port"):
+                                                                 "master_addr", "master_port",
+                                                                 "data_parallel_size_local"):
                 assert option.dest in fields, f"{option.flag} is honoured, so LLM({option.dest}=...) must be too"
         else:  # defined by add_vllm_flags, not by the parser itself (else this row is stale: it is honoured now)
             assert option.flag in unimplemented, f"{option.flag} is defined in server/args.py: mark it HONOURED"
@@ -272,7 +283,7 @@ def test_model_source_flags_reach_the_engine(caplog, capsys):
 
 
 def test_override_generation_config_merges_as_vllm():
-    from jaxllm.engine.setup import _generation_config
+    from jaxllm.engine.tokenizer_setup import generation_config
 
     class Tok:
         eos_token_id = 2
@@ -282,9 +293,9 @@ def test_override_generation_config_merges_as_vllm():
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "generation_config.json"), "w") as f:
             json.dump({"temperature": 0.6, "top_p": 0.9, "eos_token_id": [2, 7]}, f)
-        eos, defaults = _generation_config("auto", d, Tok(), {"temperature": 0.3, "max_new_tokens": 64})
+        eos, defaults = generation_config("auto", d, Tok(), {"temperature": 0.3, "max_new_tokens": 64})
         assert eos == {2, 7} and defaults == {"temperature": 0.3, "top_p": 0.9, "max_tokens": 64}
-        _, defaults = _generation_config("vllm", d, Tok(), {"top_k": 5})
+        _, defaults = generation_config("vllm", d, Tok(), {"top_k": 5})
         assert defaults == {"top_k": 5}
 
 

@@ -60,6 +60,7 @@ class EngineArgs:
     generation_config: str = "auto"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas on disjoint device groups of this host (jaxllm/engine/dp.py)
     enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
     max_logprobs: int = 20
@@ -142,7 +143,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a dict (JSON object), got {getattr(self, name)!r}.")
         if self.attention_backend not in ("auto", "reference", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, reference, pallas.")
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         from jaxllm.reasoning import check_name

@@ -5,6 +5,10 @@ loop. Front ends talk to it through a command queue (add, abort); outputs come b
 asyncio.Queue through loop.call_soon_threadsafe. If a step raises, the engine is dead: every open request
 gets EngineDeadError and /health reports it. Once the loop has ended (died or shut down), adds still queued and
 any later generate() fail at once instead of waiting for a loop that will never read them.
+
+Over several processes (multihost.py) this is process 0's engine: its steps go to the other processes, an idle
+loop sends them heartbeats, shutting down tells them to exit, and losing one of them (jaxllm.distributed's
+Watchdog) fails every request with an error naming it and sets `fatal_error`, on which the server exits.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
+from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
@@ -38,6 +43,11 @@ class AsyncLLM:
         self._closed: str | None = None  # set when the loop has ended: why new requests fail
         self._close_lock = threading.Lock()  # orders "check closed + queue an add" against closing
         self._profiling = False
+        self.fatal_error: str | None = None  # the engine cannot go on (a process of a multi-process engine is lost)
+        self._multihost = engine.runner.multihost
+        if self._multihost is not None:
+            self._multihost.watchdog.on_lost = self._lost
+            self._multihost.watchdog.arm()
         self._thread = threading.Thread(target=self._loop, name="jaxllm-engine", daemon=True)
         self._thread.start()
 
@@ -158,11 +168,44 @@ class AsyncLLM:
                         self._deliver(out.request_id, out, out.finished)
                     for request_id, error in engine.pop_failures().items():
                         self._deliver(request_id, error, True)
+                elif self._multihost is not None:
+                    self._multihost.heartbeat()
         except BaseException as e:  # noqa: BLE001 - the engine is dead; tell everyone
-            logger.exception("Engine loop died")
-            self._dead = e
+            # a collective failed because a process is gone: say that, not the collective's error
+            lost = self._multihost.watchdog.wait_lost(HEARTBEAT_TIMEOUT_S + 5) if self._multihost else None
+            if lost:
+                logger.error("Engine loop stopped: %s", lost)
+                self._dead = EngineDeadError(lost)
+            else:
+                logger.exception("Engine loop died")
+                self._dead = e
+            if self._multihost is not None:  # the other processes cannot go on alone: neither can the server
+                self.fatal_error = str(self._dead)
         finally:
+            if self._multihost is not None:
+                self._release_workers()
             self._close()
+
+    def _release_workers(self) -> None:
+        """Multi-process: tell the other processes to exit (unless one is lost: that ends them anyway)."""
+        from jaxllm.engine.multihost import SHUTDOWN
+
+        try:
+            if self._dead is None:
+                self._multihost.send(SHUTDOWN)
+        except Exception:  # noqa: BLE001 - they exit when this process does (their Watchdog)
+            logger.exception("Telling the other processes to shut down failed")
+        finally:
+            self._multihost.watchdog.disarm()
+
+    def _lost(self, message: str) -> None:
+        """The Watchdog's thread: a process of this multi-process engine is gone. Every request fails now (the
+        loop may be stuck in a collective that never completes) and the server exits (fatal_error)."""
+        self.fatal_error = message
+        if self._dead is None:
+            self._dead = EngineDeadError(message)
+        self._stopped = True
+        self._close()
 
     def _close(self) -> None:
         """The loop has ended (died or shut down): fail every open stream, and the adds it will never read

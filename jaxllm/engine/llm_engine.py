@@ -19,21 +19,25 @@ import logging
 import random
 import threading
 import time
-from dataclasses import dataclass
 
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import cache_config_info
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxllm.engine.per_token import bias_row, collect_prompt_logprobs, logprob_dict
 from jaxllm.engine.protocol import EngineStats, PromptType
-from jaxllm.engine.runner import ModelRunner, StepHandle, StepResult
+from jaxllm.engine.request_state import Request as _Request
+from jaxllm.engine.request_state import SeqState as _SeqState
+from jaxllm.engine.request_state import build_output
+from jaxllm.engine.request_state import state_of as _state_of
+from jaxllm.engine.runner import ModelRunner
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.sequence import Sequence, SequenceStatus
+from jaxllm.engine.step_io import StepHandle, StepResult
 from jaxllm.engine.structured import Grammars
 from jaxllm.lora.engine import EngineLoRAMethods
-from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.sampling_params import (
-    RequestOutputKind,
     SamplingParams,
     truncate_prompt_ids,
 )
@@ -42,51 +46,13 @@ from jaxllm.spec_decode.engine import SpecDecoding
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class _SeqState:
-    seq: Sequence
-    index: int
-    detok: IncrementalDetokenizer
-    stops: StopChecker
-    text: str = ""
-    logprobs: list | None = None
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # RequestOutputKind.DELTA: how much of the text, tokens and logprobs earlier outputs carried, and whether
-    # one carried the finish
-    sent_text: int = 0
-    sent_tokens: int = 0
-    sent_finish: bool = False
-    matcher: object = None  # structured outputs: the llguidance matcher of this sequence's output
-    matched: int = 0  # output tokens the matcher has consumed
-    grammar_error: str | None = None  # a token the matcher refused (the request fails when it is processed)
-    thinking: bool = False  # reasoning still: the grammar starts after the token that ends it (structured.py)
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[_SeqState]
-    metrics: RequestMetrics
-    prompt_logprobs: list | None = None
-    prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
-    lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
-
-
-def _state_of(req: _Request, seq: Sequence) -> _SeqState | None:
-    """The request's state for seq, one of its unfinished sequences (a finished one's id may be in use again)."""
-    return req.seqs[0] if len(req.seqs) == 1 else next((s for s in req.seqs if s.seq is seq), None)
-
-
 class LLMEngine(EngineLoRAMethods):
-    def __init__(self, args: EngineArgs):
+    def __init__(self, args: EngineArgs, devices=None):
+        """devices: the ones the engine's mesh uses (a data-parallel replica's group, jaxllm/engine/dp.py);
+        default: the first tensor_parallel_size * pipeline_parallel_size of jax.devices()."""
         from jaxllm.engine.setup import build_engine_parts
 
-        parts = build_engine_parts(args)
+        parts = build_engine_parts(args, devices)
         self.args = args
         self.model_config: ModelConfig = parts.model_config
         self.tokenizer = parts.tokenizer
@@ -192,7 +158,7 @@ class LLMEngine(EngineLoRAMethods):
         self._requests[request_id] = req
         try:
             for state in req.seqs:
-                self._update_bias(state)
+                state.seq.bias_row = bias_row(state.seq, self.tokenizer)
                 self._seq_to_req[state.seq.seq_id] = request_id
                 self.scheduler.add(state.seq)
         except Exception:  # all or nothing: a half-added request would wait forever
@@ -341,7 +307,7 @@ class LLMEngine(EngineLoRAMethods):
             self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}
         if result.prompt is not None:
-            self._collect_prompt_logprobs(handle, result, touched)
+            collect_prompt_logprobs(handle, result, self._request_of, self.tokenizer, self.vocab_size)
         now = time.time()
         for seq in appended:
             req = self._requests.get(self._seq_to_req.get(seq.seq_id, ""))
@@ -394,10 +360,10 @@ class LLMEngine(EngineLoRAMethods):
         lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
         if state.logprobs is not None:
-            state.logprobs.append(self._logprob_dict(token, lp, int(result.ranks[at]), result.top_ids[at],
-                                                     result.top_logprobs[at], req.params.logprobs))
+            state.logprobs.append(logprob_dict(self.tokenizer, self.vocab_size, token, lp, int(result.ranks[at]),
+                                               result.top_ids[at], result.top_logprobs[at], req.params.logprobs))
         self._append_token(req, state, token)
-        self._update_bias(state)
+        seq.bias_row = bias_row(seq, self.tokenizer)
         if state.matcher is not None:
             if state.matched < seq.num_output_tokens and state.finish_reason is None:
                 self._consume([state], [token])  # not advanced before the step was processed (_advance_grammars)
@@ -433,23 +399,6 @@ class LLMEngine(EngineLoRAMethods):
         status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish(state.seq.seq_id, status)
 
-    def _update_bias(self, state: _SeqState) -> None:
-        """Host-side logit biases for the next token: min_tokens suppresses stop tokens, bad_words bans the
-        token that would complete a bad word."""
-        p, seq = state.seq.sampling_params, state.seq
-        if not (p.logit_bias or p.bad_words or seq.num_output_tokens < p.min_tokens):
-            seq.bias_row = None  # nothing to bias (most requests: this runs for every token)
-            return
-        row = dict(p.logit_bias or {})
-        if seq.num_output_tokens < p.min_tokens:
-            for t in p.all_stop_token_ids:
-                row[t] = float("-inf")
-        for word_ids in self._bad_word_ids(p):
-            prefix = word_ids[:-1]
-            if not prefix or seq.output_token_ids[-len(prefix):] == prefix:
-                row[word_ids[-1]] = float("-inf")
-        seq.bias_row = row
-
     def _fill_masks(self, states: list[_SeqState]) -> None:
         """Structured outputs: each sequence's allowed next tokens, for all of them at once (Grammars.fill)."""
         states = [s for s in states if s.finish_reason is None]
@@ -466,87 +415,18 @@ class LLMEngine(EngineLoRAMethods):
                                            f"continue the request's structured-output grammar after "
                                            f"{state.matched} tokens")
 
-    def _bad_word_ids(self, p: SamplingParams) -> list[list[int]]:
-        if not p.bad_words:
-            return []
-        cached = getattr(p, "_bad_word_ids", None)
-        if cached is None:
-            cached = []
-            for word in p.bad_words:
-                for variant in (word, " " + word.lstrip()):
-                    ids = self.tokenizer.encode(variant, add_special_tokens=False)
-                    if ids and ids not in cached:
-                        cached.append(ids)
-            p._bad_word_ids = cached
-        return cached
-
-    def _logprob_dict(self, token, lp, rank, top_ids, top_lps, k) -> dict[int, Logprob]:
-        k = self.vocab_size if k == -1 else k  # -1: the whole vocabulary (allowed when max_logprobs is -1)
-        d = {token: Logprob(lp, rank, self.tokenizer.decode([token]))}
-        for tid, tlp, r in zip(top_ids[:k], top_lps[:k], range(1, k + 1)):
-            tid = int(tid)
-            if tid not in d:
-                d[tid] = Logprob(float(tlp), r, self.tokenizer.decode([tid]))
-        return d
-
-    def _collect_prompt_logprobs(self, handle: StepHandle, result: StepResult, touched) -> None:
-        t_lp, t_rank, top_ids, top_lps = result.prompt
-        scheduled = {s.seq.seq_id: s.seq for s in handle.sched.scheduled}
-        for seq_id, (lo, n, start) in handle.prompt_rows.items():
-            req = self._requests.get(self._seq_to_req.get(seq_id, ""))
-            # The chunk must belong to this request's sequence: an aborted request's id may be in use again.
-            if req is None or req.prompt_logprobs is None or req.seqs[0].seq is not scheduled.get(seq_id):
-                continue
-            k = req.params.prompt_logprobs
-            for j in range(n):
-                pos = start + j + 1  # prompt position of token j's target = its index in prompt_logprobs
-                if pos >= len(req.prompt_token_ids):
-                    break
-                if pos < len(req.prompt_logprobs):  # recomputed after a preemption: kept from the first pass
-                    continue
-                req.prompt_logprobs.append(self._logprob_dict(
-                    req.prompt_token_ids[pos], float(t_lp[lo + j]), int(t_rank[lo + j]), top_ids[lo + j],
-                    top_lps[lo + j], k))
+    def _request_of(self, seq_id: str) -> _Request | None:
+        return self._requests.get(self._seq_to_req.get(seq_id, ""))
 
     def _make_output(self, req: _Request) -> RequestOutput | None:
         """The request's output now (None for a FINAL_ONLY request still running); a finished request is
         forgotten."""
-        finished = all(s.finish_reason is not None for s in req.seqs)
-        kind = req.params.output_kind
-        if kind is RequestOutputKind.FINAL_ONLY and not finished:
-            return None
-        outs = []
-        for s in req.seqs:
-            done = s.finish_reason is not None
-            text = s.text if done else s.stops.visible_text(s.text, False)
-            tokens, logprobs = s.seq.output_token_ids, s.logprobs
-            if kind is RequestOutputKind.DELTA:
-                t0, n0 = s.sent_text, s.sent_tokens
-                # vLLM sends a completion only when it has something new, its finish once
-                if s.sent_finish or (not done and len(text) == t0 and len(tokens) == n0):
-                    continue
-                s.sent_text, s.sent_tokens, s.sent_finish = len(text), len(tokens), done
-                text, tokens = text[t0:], tokens[n0:]
-                logprobs = None if logprobs is None else logprobs[n0:]
-            outs.append(CompletionOutput(s.index, text, list(tokens),
-                                         s.cumulative_logprob if s.logprobs is not None else None,
-                                         logprobs, s.finish_reason, s.stop_reason))
-        prompt_logprobs = req.prompt_logprobs
-        if kind is RequestOutputKind.DELTA:  # all of the prompt's logprobs, once, when its prefill is done
-            complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(req.prompt_token_ids)
-            if req.prompt_logprobs_sent or not complete:
-                prompt_logprobs = None
-            else:
-                req.prompt_logprobs_sent = True
-            if not outs and prompt_logprobs is None and not finished:
-                return None  # nothing new
-        if finished:
-            req.metrics.finished_time = time.time()
+        out = build_output(req)
+        if out is not None and out.finished:
             del self._requests[req.request_id]
             for s in req.seqs:
                 self._seq_to_req.pop(s.seq.seq_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                             finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
+        return out
 
     # ---- stats ----
     def cache_config_info(self) -> dict[str, str]:

@@ -89,8 +89,10 @@ def split_chunks(chunks: list[SeqChunk], n: int) -> list[list[SeqChunk]]:
 class PipelineExecutor:
     def __init__(self, cfg: ModelConfig, params, mesh, attn: AttentionConfig, *, block_size: int, max_pages: int,
                  token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], pad_page: int = 0,
-                 num_microbatches: int | None = None):
+                 num_microbatches: int | None = None, move=jax.device_put):
         self.cfg, self.pp = cfg, mesh_pp(mesh)
+        # jax.device_put(x, sharding) between the stages' devices (MultiHost.move when they are other processes')
+        self.move = move
         self.block_size, self.max_pages, self.pad_page = block_size, max_pages, pad_page
         self.token_buckets, self.seq_buckets = token_buckets, seq_buckets
         self.num_microbatches = num_microbatches or self.pp
@@ -108,12 +110,12 @@ class PipelineExecutor:
         self.head_params = {"final_norm": params["final_norm"]}
         if cfg.tie_word_embeddings:
             emb = params["embed"]
-            self.head_params["embed"] = jax.device_put(emb, NamedSharding(self.meshes[last], emb.sharding.spec))
+            self.head_params["embed"] = move(emb, NamedSharding(self.meshes[last], emb.sharding.spec))
         else:
             self.head_params["lm_head"] = params["lm_head"]
         self._fns = [
             jax.jit(functools.partial(_stage_fn, cfg=cfg, attn=_with_mesh(attn, m), layers=r), donate_argnums=(1,))
-            for m, r in zip(self.meshes, self.stages)
+            for m, r in zip(self.meshes, self.stages, strict=True)
         ]
 
     def forward(self, kv_caches, token_ids: np.ndarray, src_rows: np.ndarray, meta: AttentionMetadata,
@@ -125,7 +127,7 @@ class PipelineExecutor:
         chunks, src_of = unflatten_step(token_ids, src_rows, meta)
         T = token_ids.shape[0]
         stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
-        prev0 = jax.device_put(prev_tokens, self.replicated[0])
+        prev0 = self.move(prev_tokens, self.replicated[0])
         outs, index = [], np.zeros(T, np.int32)
         offset = tok = 0
         for group in split_chunks(chunks, self.num_microbatches):
@@ -138,7 +140,7 @@ class PipelineExecutor:
             index[tok : tok + n] = offset + np.arange(n)
             offset += mb.token_ids.shape[0]
             tok += n
-        hidden = _gather_rows(outs, jax.device_put(index, self.replicated[-1]))
+        hidden = _gather_rows(outs, self.move(index, self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hidden
 
     def _run_stages(self, stage_kv, token_ids, src_rows, prev0, meta):
@@ -148,7 +150,7 @@ class PipelineExecutor:
             if s == 0:
                 stage_kv[0], x = fn(self.stage_params[0], stage_kv[0], x, src_rows, prev0, meta)
             else:
-                x = jax.device_put(x, self.replicated[s])
+                x = self.move(x, self.replicated[s])
                 stage_kv[s], x = fn(self.stage_params[s], stage_kv[s], x, None, None, meta)
         return x
 
@@ -171,14 +173,14 @@ class PipelineExecutor:
         before serving. Returns the KV caches (donated and given back) and {T: hidden} as forward() makes it
         (for warming the sampling head)."""
         stage_kv = [list(kv_caches[r.start : r.stop]) for r in self.stages]
-        prev0 = jax.device_put(prev_tokens, self.replicated[0])
+        prev0 = self.move(prev_tokens, self.replicated[0])
         hiddens = {}
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         for T, B, decode_only in shapes:
             meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1),
                                      np.full((B, self.max_pages), self.pad_page, np.int32), decode_only)
             x = self._run_stages(stage_kv, z(T), np.full(T, -1, np.int32), prev0, meta)
-            hiddens[T] = _gather_rows([x], jax.device_put(np.arange(T, dtype=np.int32), self.replicated[-1]))
+            hiddens[T] = _gather_rows([x], self.move(np.arange(T, dtype=np.int32), self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hiddens
 
 

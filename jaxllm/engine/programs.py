@@ -34,7 +34,6 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import jax
 import numpy as np
@@ -50,43 +49,11 @@ from jaxllm.engine.step_fns import (
     packed_step_fn,
     pipeline_head_fn,
 )
+from jaxllm.engine.step_io import StepVariant, draft_args, step_args  # noqa: F401 (re-exported)
 from jaxllm.engine.xla_options import CUBLAS_MIN_DECODE_SEQS, compile_options  # noqa: F401
 from jaxllm.models.attention import AttentionConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StepVariant:
-    num_tokens: int  # T bucket
-    num_seqs: int  # B bucket
-    decode_only: bool
-    flags: SamplerFlags
-    prompt_logprobs: int  # top-k for prompt logprobs, 0 = off
-    sampler_widths: tuple = (1, 1, 1, 1, 1, 1)  # padded widths of the ragged sampling rows, then the number of
-    # structured-output masks (SamplingMetadata.token_bitmask)
-    num_spec: int = 0  # speculative decoding: K proposals verified per sequence (spec_step_fn); 0 = a plain step
-    draft: bool = False  # the draft program that follows this shape's steps (spec_decode/drafter.py); flags unused
-
-    @property
-    def shape_name(self) -> str:
-        """B x T, with a trailing d for decode-only steps (logs, benchmark rows)."""
-        return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}"
-
-
-def step_args(host_args, params, kv_caches, prev_tokens, lora=None) -> tuple:
-    """A step program's arguments: the device state and the host inputs, packed (pack_host_args); with LoRA,
-    the adapter slot arrays last (jaxllm/lora/slots.py: arguments, never constants, so swapping adapters
-    recompiles nothing)."""
-    ints, floats, layout = pack_host_args(host_args)
-    return (params, kv_caches, ints, floats, prev_tokens, layout) + (() if lora is None else (lora,))
-
-
-def draft_args(host_args, params, draft, prev_in, prev_out, feats, emitted, extras) -> tuple:
-    """A draft program's arguments (drafter.draft_step_fn): draft = (draft params, draft KV), extras = (next_ids
-    [B], num_pages [B]) numpy."""
-    ints, floats, layout = pack_host_args(host_args)
-    return (params, *draft, ints, floats, prev_in, prev_out, feats, emitted, *extras, layout)
 
 
 def _spec(a) -> jax.ShapeDtypeStruct:
@@ -164,6 +131,9 @@ class StepPrograms:
         self._rows_spec: dict[int, jax.ShapeDtypeStruct] = {}  # B -> the start-up programs' sampled rows
         self._split_only: set[StepVariant] = set()  # their background compile failed: they keep running split
         self.split_sampler = True  # False: compile a whole step program before the step (tests compare the two)
+        # True: a split step always runs its exact sampler program (compiled now if need be), never a wider one
+        # meanwhile; set over several processes, which must all run the same program (multihost.py).
+        self.exact_samplers = False
         # Compiled steps on disk (exec_cache.py): a warm start loads them instead of tracing every bucket.
         # Not with pipeline stages (jits called per micro-batch, compiled by warm_up) nor across processes.
         self.exec_cache = None
@@ -405,6 +375,12 @@ class StepPrograms:
                     time.perf_counter() - t0)
         return exe
 
+    def wait_for_background_compile(self, v: StepVariant) -> None:
+        """Files v's background compile if one is running (waits for it): a worker process told to run v whole."""
+        job = self.pending.pop(v, None)
+        if job is not None:
+            self._file_background_compile(v, job)
+
     def wait_for_background_compiles(self) -> None:
         """Blocks until the step programs compiling in the background are ready (tests, benchmarks)."""
         for v, job in list(self.pending.items()):
@@ -427,7 +403,7 @@ class StepPrograms:
         key = (v.num_seqs, v.flags, v.sampler_widths)
         n_masks, B = v.sampler_widths[-1], v.num_seqs
         exe = self.samplers.get(key)
-        if exe is not None or not v.flags.grammar or n_masks >= B:
+        if exe is not None or not v.flags.grammar or n_masks >= B or self.exact_samplers:
             return exe or self._sampler_executable(v, args), args
         exe = self._load_sampler(v, args)
         if exe is not None:

@@ -9,6 +9,7 @@ The runner prepares, launches and collects steps; it never compiles. Per step:
     every step. A step with non-default sampler flags whose whole program is not ready yet runs "split": the
     bucket's start-up program, then a sampler-only program;
   - collect: reads the sampled tokens back.
+Over several processes (multihost.py) launch sends each step to the others, which run it through run_step too.
 A step returns immediately (JAX dispatches asynchronously); the engine collects its results later, so the host
 prepares step N+1 while the device runs step N. Tokens a step samples stay on the device too: the next step
 reads them from `prev_tokens` for sequences whose input is still pending.
@@ -26,7 +27,6 @@ import functools
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 from operator import attrgetter
 
 import jax
@@ -37,9 +37,18 @@ from jaxllm.config import ModelConfig
 from jaxllm.engine.input_batch import HAS_PARAMS, PROMPT_LOGPROBS, InputBatch
 from jaxllm.engine.inputs import bucket, step_inputs
 from jaxllm.engine.packing import plain, row_widths, sampler_flags, sampling_arrays
-from jaxllm.engine.programs import StepPrograms, StepVariant, draft_args, step_args
+from jaxllm.engine.programs import StepPrograms
 from jaxllm.engine.sampler import SamplerFlags
 from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.engine.step_io import (
+    PreparedStep,
+    StepHandle,
+    StepResult,
+    StepVariant,
+    draft_args,
+    dummy_host_inputs,
+    step_args,
+)
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
 from kernels_pallas.reference import FP8_MAX
@@ -95,73 +104,18 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[
             pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
 
 
-def dummy_host_inputs(v: StepVariant, *, max_pages: int, batch: InputBatch, vocab_size: int,
-                      lora: bool = False) -> tuple:
-    """Host inputs of v's shapes that write no KV slot: (token_ids, src_rows, meta, logits_indices, smd,
-    prompt_targets, token_slots), token_slots (and smd.lora_slots) None without LoRA, else no adapter anywhere.
-    What the start-up compiles trace (StepPrograms' dummy_host)."""
-    T, B = v.num_tokens, v.num_seqs
-    z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
-    meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, max_pages), v.decode_only)
-    smd = sampling_arrays(batch, vocab_size, B, v.flags)
-    logits = (z(B * (v.num_spec + 1)), z(B, v.num_spec), z(B)) if v.num_spec else z(B)  # see _spec_rows
-    token_slots = None
-    if lora:
-        smd, token_slots = dataclasses.replace(smd, lora_slots=np.full(B, -1, np.int32)), np.full(T, -1, np.int32)
-    return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32), token_slots
-
-
-@dataclass
-class StepHandle:
-    """A dispatched step: device results plus what is needed to read them."""
-
-    sched: SchedulerOutput
-    rows: dict[str, int]  # seq_id -> row of the sampled outputs (sample=True chunks only)
-    outputs: tuple  # device arrays
-    prompt_rows: dict[str, tuple[int, int, int]]  # seq_id -> (first token index, count, first prompt position)
-    num_logprobs: int
-
-
-@dataclass
-class PreparedStep:
-    """One step's host-side inputs (numpy) and its variant, before dispatch."""
-
-    variant: StepVariant
-    host_args: tuple  # (token_ids [T], src_rows [T], meta, logits_indices [B], smd, prompt_targets [T],
-    # token_slots [T]: each token's LoRA slot, None without LoRA)
-    sample_rows: dict[str, int]
-    prompt_rows: dict[str, tuple[int, int, int]]
-    num_logprobs: int
-    masked: list = dataclasses.field(default_factory=list)  # (row of smd.token_bitmask, the sequence whose mask it is)
-    sched: SchedulerOutput | None = None
-    draft_extras: tuple | None = None  # with a drafter: (next_ids [B], num_pages [B]), see drafter.draft_step_fn
-    lora_loads: list = dataclasses.field(default_factory=list)  # (slot, adapter) to write before the step runs
-
-
-@dataclass
-class StepResult:
-    tokens: np.ndarray  # [B]
-    logprobs: np.ndarray  # [B]
-    ranks: np.ndarray  # [B]
-    top_ids: np.ndarray  # [B, k]
-    top_logprobs: np.ndarray  # [B, k]
-    prompt: tuple | None  # (target logprobs [T], ranks [T], top ids [T, k], top logprobs [T, k])
-    # Speculative steps: tokens, logprobs and ranks are [B, K + 1] and the top-k [B, K + 1, k], each row's emitted
-    # tokens first; num_emitted [B] says how many (None for a plain step)
-    num_emitted: np.ndarray | None = None
-    draft_tokens: np.ndarray | None = None  # [B, K]: a drafter's proposals for the next step (verify steps)
-
-
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
-                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig = AttentionConfig(),
+                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None, num_spec_tokens: int = 0,
-                 spec_max_seqs: int = 0, drafter=None, draft_params=None, lora=None):
-        """num_spec_tokens: speculative decoding's K (0: off); spec_max_seqs: the largest batch that speculates
-        (its verify steps are compiled at start-up for the batch buckets up to it); drafter / draft_params: a
-        draft model or EAGLE head (spec_decode/drafter.py) and its weights, with a KV cache of its own here;
-        lora: jaxllm.lora.slots.LoRASlots (enable_lora; not with speculative decoding), or None."""
+                 max_logprobs: int = 20, executable_cache_dir: str | None = None, multihost=None,
+                 num_spec_tokens: int = 0, spec_max_seqs: int = 0, drafter=None, draft_params=None, lora=None):
+        """multihost: an engine over several processes (multihost.py), else None. num_spec_tokens: speculative
+        decoding's K (0: off); spec_max_seqs: the largest batch that speculates (its verify steps are compiled at
+        start-up for the batch buckets up to it); drafter / draft_params: a draft model or EAGLE head
+        (spec_decode/drafter.py) and its weights, with a KV cache of its own here; lora:
+        jaxllm.lora.slots.LoRASlots (enable_lora; not with speculative decoding), or None."""
+        attn_config = attn_config or AttentionConfig()
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
@@ -178,9 +132,11 @@ class ModelRunner:
             self.attn = attn_config = dataclasses.replace(attn_config, kv_dtype=str(self.kv_values_dtype))
         # Weights still loading (abstract_weights): the KV cache is allocated once they are bound (warm_up).
         self.kv_caches = self._allocate_kv() if self.has_weights else self._kv_specs()
+        self.multihost = multihost
         self.drafter, self.draft_params = drafter, draft_params
         self.draft_kv = self._draft_kv(allocate=self.has_weights)
-        self.prev_tokens = jnp.zeros((self.seq_buckets[-1],), jnp.int32)
+        shape = (self.seq_buckets[-1],)
+        self.prev_tokens = jnp.zeros(shape, jnp.int32) if multihost is None else multihost.sampled_zeros(shape)
         self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
         self.pipeline = None
@@ -192,7 +148,8 @@ class ModelRunner:
 
             self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
                                              max_pages=self.max_pages, token_buckets=self.token_buckets,
-                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE)
+                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE,
+                                             move=multihost.move if multihost is not None else jax.device_put)
         self.programs = StepPrograms(cfg, self.attn, mesh.devices.flat, seq_buckets=self.seq_buckets,
                                      token_buckets=self.token_buckets, kv_specs=self._kv_specs(),
                                      dummy_host=functools.partial(dummy_host_inputs, max_pages=self.max_pages,
@@ -204,6 +161,8 @@ class ModelRunner:
                                      draft_state=(draft_params, self._draft_kv(allocate=False)),
                                      block_size=block_size,
                                      lora_specs=None if lora is None else lora.abstract())
+        # Which sampler program a step runs must not depend on one process's compile state (multihost.py).
+        self.programs.exact_samplers = multihost is not None
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
@@ -432,26 +391,52 @@ class ModelRunner:
         """The device half of a step: dispatches p (asynchronously). before_sample (the engine's grammar update,
         which waits for the previous step's tokens and rewrites p's masks) runs before p's sampling inputs are
         read; when p has overlap_min_masked masks or more, p runs split and it runs after the model part is
-        dispatched, so that host work overlaps the device's."""
-        token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = p.host_args
-        before_sample = before_sample or (lambda: None)
-        v, programs, head = p.variant, self.programs, self._head
+        dispatched, so that host work overlaps the device's. Over several processes the step is sent to the
+        others first (with its masks final: no overlap), and every process runs it (run_step)."""
+        v, programs = p.variant, self.programs
         if self.lora is not None:  # dispatched after the steps in flight, which the device finishes first
             self.lora.write(p.lora_loads)
-            head = dict(head, lora_lm_head=self.lora.arrays["lm_head"])  # the sampler-only program's adapters
         if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
             return self._launch_unverified(p, before_sample)
-        overlap = len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs and not v.num_spec
-        prev_in, feats = self.prev_tokens, None
+        overlap = (self.multihost is None and len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
+                   and not v.num_spec)
+        prev_in = self.prev_tokens
         if self.pipeline is not None:
+            mode = "pipeline"
+        elif not overlap and programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+            mode = "whole"
+        else:
+            mode = "split"
+        if self.multihost is not None:
+            (before_sample or (lambda: None))()  # the masks are final before the step goes out
+            before_sample = None
+            self.multihost.send_step(v, mode, p.host_args)
+        outputs, prompt, feats = self.run_step(v, mode, p.host_args, before_sample)
+        drafts = None
+        if self.drafter is not None:
+            drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
+        self._prev_rows = dict(p.sample_rows)
+        return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
+
+    def run_step(self, v: StepVariant, mode: str, host_args, before_sample: Callable[[], None] | None = None):
+        """The device work of a step: "pipeline" (the stages, then the sampling head), "whole" (v's step program)
+        or "split" (the bucket's start-up program, then a sampler-only program for v's flags). Returns the device
+        outputs (sampled tokens and their logprobs, prompt logprobs or None, the drafter's features or ()).
+        multihost.follow runs it on the other processes."""
+        token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = host_args
+        before_sample = before_sample or (lambda: None)
+        programs, head, feats = self.programs, self._head, ()
+        if self.lora is not None:
+            head = dict(head, lora_lm_head=self.lora.arrays["lm_head"])  # the sampler-only program's adapters
+        if mode == "pipeline":
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
             before_sample()
             self.prev_tokens, outputs, prompt = programs.pipeline_head(
                 self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
                 cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
-        elif not overlap and programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+        elif mode == "whole":
             before_sample()
-            args = self._step_args(p.host_args)
+            args = self._step_args(host_args)
             exe = programs.executable(v, args)
             self.kv_caches, self.prev_tokens, outputs, prompt, _, *feats = exe(*args)
         else:
@@ -469,11 +454,9 @@ class ModelRunner:
             prompt = None
         if v.flags.penalties and not v.num_spec:
             programs.sampler_ahead(v, head, self.prev_tokens, smd)
-        drafts = None
-        if self.drafter is not None:
-            drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
-        self._prev_rows = dict(p.sample_rows)
-        return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
+        if self.multihost is not None:
+            outputs, prompt = self.multihost.step_outputs((outputs, prompt), (self.kv_caches, self.prev_tokens))
+        return outputs, prompt, feats
 
     def _launch_draft(self, p: PreparedStep, prev_in, feats, outputs):
         """The drafter's program after p's step (spec_decode/drafter.py): keeps its KV in step with the target's
@@ -489,5 +472,6 @@ class ModelRunner:
         return drafts
 
     def collect(self, handle: StepHandle) -> StepResult:
-        outputs, prompt, drafts = jax.device_get(handle.outputs)
+        get = jax.device_get if self.multihost is None else self.multihost.fetch
+        outputs, prompt, drafts = get(handle.outputs)
         return StepResult(*outputs[:5], prompt, *outputs[5:], draft_tokens=drafts)

@@ -1,8 +1,7 @@
-"""From EngineArgs to a ready engine: config, weights, KV-cache sizing, runner, tokenizer, generation config."""
+"""From EngineArgs to a ready engine: config, weights, KV-cache sizing, runner (tokenizer side: tokenizer_setup.py)."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -13,8 +12,8 @@ from dataclasses import dataclass, replace
 from jaxllm.config import ModelConfig, read_hf_config
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import CacheConfig, SchedulerConfig
-from jaxllm.engine.model_files import resolve_model_dir, resolve_tokenizer_dir
-from jaxllm.engine.tokenizer_load import check_config_code, load_tokenizer
+from jaxllm.engine.model_files import resolve_model_dir
+from jaxllm.engine.tokenizer_setup import tokenizer_parts
 
 logger = logging.getLogger("jaxllm")
 
@@ -143,7 +142,7 @@ def _gpu_device() -> tuple[int, str] | None:
     if (cuda is None or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
             or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0):
         return None
-    return total.value, jax.devices()[0].device_kind
+    return total.value, jax.local_devices()[0].device_kind
 
 
 def _cuda_free_memory(num_devices: int) -> list[tuple[int, int]] | None:
@@ -182,9 +181,27 @@ def _allocator_fraction() -> float:
     return _JAX_DEFAULT_FRACTION
 
 
-def build_engine_parts(args: EngineArgs) -> EngineParts:
+def build_engine_parts(args: EngineArgs, devices=None) -> EngineParts:
+    """devices: the engine's (a data-parallel replica's group); default: the first tp * pp of jax.devices()."""
     args.validate()
     request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
+    from jaxllm.distributed import initialize, watchdog
+
+    # Several processes: LLM() in each (vLLM's external_launcher) joins the cluster JAX_COORDINATOR_ADDRESS,
+    # JAX_NUM_PROCESSES and JAX_PROCESS_ID describe, unless the caller already did (jaxllm.distributed).
+    initialize()
+    import jax
+
+    if jax.process_count() == 1:
+        return _build_engine_parts(args, devices)
+    watchdog().arm()  # start-up runs collectives: a process lost meanwhile must not leave the others waiting
+    try:
+        return _build_engine_parts(args, devices)
+    finally:
+        watchdog().disarm()
+
+
+def _build_engine_parts(args: EngineArgs, devices) -> EngineParts:
     import jax
 
     if args.compilation_cache_dir:
@@ -198,10 +215,10 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     # engine's shapes are worked out; it must load before the weights and the compiles (_build_parts waits for
     # it there), so that a bad tokenizer fails in seconds, as in vLLM, not after minutes of loading.
     pool = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-tokenizer")
-    tokenizer_future = pool.submit(_tokenizer_parts, args, path, hf)
+    tokenizer_future = pool.submit(tokenizer_parts, args, path, hf)
     pool.shutdown(wait=False)  # its thread ends after this one task
     try:
-        return _build_parts(args, path, hf, tokenizer_future)
+        return _build_parts(args, path, hf, tokenizer_future, devices)
     except BaseException:
         # A failed LLM() that returns while the thread still imports transformers leaves the module half
         # imported for a retry in the same process (AttributeError on PreTrainedTokenizerFast).
@@ -209,7 +226,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         raise
 
 
-def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> EngineParts:
+def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, devices=None) -> EngineParts:
     import jax
 
     from jaxllm.engine.runner import ModelRunner
@@ -241,13 +258,18 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
 
+    if jax.process_count() > 1:  # one engine over several processes (hosts): jaxllm/engine/multihost.py
+        from jaxllm.engine.multihost import MultiHost
+
+        MultiHost.check_args(args)  # what it cannot run yet, before anything loads
     speculation = None
     spec = args.speculative()  # speculative_config, or vLLM 0.8.0's separate options
     if spec is not None:  # the drafter's config is checked before any weights load
         from jaxllm.spec_decode.setup import plan
 
         speculation = plan(spec, cfg, gpu=gpu, max_num_seqs=max_num_seqs)
-    mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh()
+    mesh = ParallelConfig(args.tensor_parallel_size, args.pipeline_parallel_size).make_mesh(devices)
+    multihost = MultiHost(mesh) if jax.process_count() > 1 else None
     lora = None
     if lora_cfg is not None:  # its device slots before the KV cache is sized (they are in bytes_in_use then)
         from jaxllm.lora.slots import LoRASlots
@@ -281,7 +303,9 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
     dequantized = max(_dequantized_bytes(params, cfg),
                       experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens))
     num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
-                             dequantized)
+                             dequantized, device=_first_local(mesh))
+    if multihost is not None:  # the KV cache's shape and the compiled buckets must be the same everywhere
+        num_blocks = multihost.agree_engine(cfg, args, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
     _check_one_sequence_fits(num_blocks, args.block_size, max_model_len)
     weights = None
     if overlap:
@@ -296,7 +320,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_model_len=max_model_len,
                              max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), lora=lora, **spec_kw)
+                             executable_cache_dir=_executable_cache_dir(args), multihost=multihost, lora=lora,
+                             **spec_kw)
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
         return runner
 
@@ -314,6 +339,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
         reserve = _step_reserve(max_num_batched_tokens, max_num_seqs, cfg, dequantized)
         temp = runner.programs.temp_bytes()
         fewer = _blocks_for_step_temps(num_blocks, per_block, reserve, temp)
+        if multihost is not None:  # every process's cache keeps the same shape
+            fewer = multihost.agree({"fewer": fewer}, take_min=("fewer",))["fewer"]
         logger.info("The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
                     temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30)
         if fewer < num_blocks:
@@ -341,27 +368,6 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future) -> Eng
 
     return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars,
                        speculation=speculation, lora=lora)
-
-
-def _tokenizer_parts(args: EngineArgs, path: str, hf: dict):
-    """The tokenizer thread's work: the config's and the tokenizer's code (trust_remote_code), the tokenizer,
-    generation_config.json's EOS ids and sampling defaults, and the structured outputs' Grammars (whose llguidance
-    tokenizer is built on first use: Grammars.tokenizer)."""
-    from jaxllm.engine.structured import Grammars
-    from jaxllm.reasoning import reasoning_parser
-
-    check_config_code(path, hf, args.trust_remote_code)
-    tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
-                               tokenizer_mode=args.tokenizer_mode)
-    vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
-    if len(tokenizer) > vocab_size:
-        logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
-                       "others are refused.", len(tokenizer), vocab_size)
-    eos, defaults = _generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
-    # --reasoning-parser: its tags must be tokens of this vocabulary (a ValueError before any weights load)
-    reasoning = reasoning_parser(args.reasoning_parser, tokenizer)
-    grammars = Grammars(tokenizer, vocab_size, eos, reasoning)
-    return tokenizer, eos, defaults, grammars
 
 
 def _executable_cache_dir(args: EngineArgs) -> str | None:
@@ -433,17 +439,24 @@ def _blocks_for_step_temps(num_blocks: int, per_block: int, reserve: int, temp_b
     return num_blocks if temp_bytes == 0 or short <= 0 else num_blocks - -(-short // per_block)
 
 
+def _first_local(mesh):
+    """This process's first device of mesh (whose free memory sizes the KV cache)."""
+    import jax
+
+    return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+
+
 def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0,
-                dequantized_bytes: int = 0) -> int:
-    """KV blocks that fit; weight_bytes: this device's weights when they are not loaded yet; dequantized_bytes:
-    see _dequantized_bytes."""
+                dequantized_bytes: int = 0, device=None) -> int:
+    """KV blocks that fit on device (default jax.devices()[0]); weight_bytes: this device's weights when they are
+    not loaded yet; dequantized_bytes: see _dequantized_bytes."""
     if args.num_gpu_blocks_override:
         return args.num_gpu_blocks_override
     if args.kv_cache_memory_bytes:
         return max(args.kv_cache_memory_bytes // per_block, 2)
     import jax
 
-    stats = jax.devices()[0].memory_stats() if gpu else None
+    stats = (device or jax.devices()[0]).memory_stats() if gpu else None
     if not stats:
         return max(_CPU_KV_BYTES // per_block, 2)
     limit = stats.get("bytes_limit", 0)
@@ -459,41 +472,3 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
             f"{in_use / 2**30:.1f} GiB, activations ~{act / 2**30:.1f} GiB. Increase gpu_memory_utilization, "
             f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism.")
     return max(free // per_block, 2)  # per_block is per device, like free
-
-
-def _generation_config(mode: str, path: str, tokenizer, overrides: dict | None = None) -> tuple[set[int], dict]:
-    """EOS ids and default sampling parameters. overrides (vLLM's override_generation_config): merged over the
-    file's values with mode "auto" or a path, the only ones with "vllm"."""
-    eos: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    eos, defaults = _generation_config_file(mode, path, eos)
-    if overrides:
-        defaults = {**defaults, **({"max_tokens": overrides["max_new_tokens"]} if "max_new_tokens" in overrides
-                                   else {}), **{k: v for k, v in overrides.items() if k != "max_new_tokens"}}
-        logger.info("Default sampling parameters with override_generation_config: %s", defaults)
-    return eos, defaults
-
-
-def _generation_config_file(mode: str, path: str, eos: set[int]) -> tuple[set[int], dict]:
-    defaults: dict = {}
-    if mode == "vllm":
-        return eos, defaults
-    gen_path = os.path.join(path if mode == "auto" else mode, "generation_config.json")
-    if not os.path.exists(gen_path):
-        if mode != "auto":
-            raise ValueError(f"generation_config={mode!r}: no generation_config.json there.")
-        return eos, defaults
-    with open(gen_path) as f:
-        gen = json.load(f)
-    ids = gen.get("eos_token_id")
-    eos |= set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    # As vLLM (ModelConfig.get_diff_sampling_param): the file's values whatever its do_sample says.
-    for key in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty"):
-        if gen.get(key) is not None:
-            defaults[key] = gen[key]
-    if gen.get("max_new_tokens"):
-        defaults["max_tokens"] = gen["max_new_tokens"]
-    if defaults:
-        logger.info("Default sampling parameters from generation_config.json: %s", defaults)
-    return eos, defaults

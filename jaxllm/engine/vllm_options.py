@@ -35,7 +35,7 @@ REQUEST_TEMPLATES = "a request's chat_template is used as given"
 OVERLAP = "the host schedules and prepares the next step while the current one runs on the device"
 NO_CASCADE = "jaxllm has no cascade attention"
 NO_HYBRID = "jaxllm has one KV cache manager for all its (attention-only) models"
-ONE_ENGINE = "one engine per server: its stats are logged as one"
+ONE_ENGINE = "the periodic stats line is always one for all data-parallel replicas (/metrics has each replica's)"
 OLD_METRICS = "/metrics always shows the older metric names too (vllm:gpu_cache_usage_perc, ...)"
 DEVICE = "jax picks the platform (set JAX_PLATFORMS=cpu or cuda to choose)"
 EXECUTOR = ("jaxllm runs one process per host, without Ray (several hosts: --coordinator-address / --num-processes "
@@ -44,9 +44,11 @@ MODEL_IMPL = "jaxllm always runs its own JAX implementation of the model"
 GENERATE_ONLY = "only text generation is supported (no pooling, embedding or classification models)"
 HF_CONFIG_ONLY = "only Hugging Face config.json is supported (no Mistral params.json)"
 RECOMPUTE = "preempted requests are always recomputed (jaxllm has no CPU swap space)"
-NO_DP = "data parallelism is not supported: run one server per replica behind a load balancer"
+DP_HERE = ("data-parallel replicas run in the server's process on this host's devices (--data-parallel-size), "
+           "with no coordinator between them")
+DP_ONE_HOST = ("data parallelism across hosts or behind an external load balancer is not supported: "
+               "--data-parallel-size runs every replica on this host behind this server")
 ONE_API_SERVER = "one API server process serves all requests (aiohttp, on one event loop)"
-HEADLESS = "a headless engine mode is not supported (every process of a multi-host run serves the API)"
 NO_DCP = "decode context parallelism is not supported"
 NO_CPU_OFFLOAD = "offloading weights to CPU memory is not supported"
 NO_KV_OFFLOAD = "the KV cache stays in device memory (no CPU offloading)"
@@ -175,15 +177,17 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--cpu-offload-gb', REFUSED, NO_CPU_OFFLOAD, 'value', 'engine', '0.8.0-0.11.2', accepted=('0', '0.0')),
     _row('--cuda-graph-sizes', IGNORED, BUCKETS, 'values', 'engine', '0.9.0-0.11.2'),
     _row('--cudagraph-capture-sizes', IGNORED, BUCKETS, 'values', 'engine', '0.11.2'),
-    _row('--data-parallel-address', IGNORED, NO_DP, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpa',)),
-    _row('--data-parallel-backend', IGNORED, NO_DP, 'value', 'engine', '0.9.2-0.11.2', aliases=('-dpb',)),
-    _row('--data-parallel-external-lb', IGNORED, NO_DP, 'bool', 'engine', '0.11.2', aliases=('-dpe',)),
-    _row('--data-parallel-hybrid-lb', IGNORED, NO_DP, 'bool', 'engine', '0.10.0-0.11.2', aliases=('-dph',)),
-    _row('--data-parallel-rank', IGNORED, NO_DP, 'value', 'engine', '0.9.2-0.11.2', aliases=('-dpn',)),
-    _row('--data-parallel-rpc-port', IGNORED, NO_DP, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpp',)),
-    _row('--data-parallel-size', REFUSED, NO_DP, 'value', 'engine', '0.8.5-0.11.2', accepted=('1',), aliases=('-dp',)),
-    _row('--data-parallel-size-local', IGNORED, NO_DP, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpl',)),
-    _row('--data-parallel-start-rank', IGNORED, NO_DP, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpr',)),
+    _row('--data-parallel-address', IGNORED, DP_HERE, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpa',)),
+    _row('--data-parallel-backend', IGNORED, DP_HERE, 'value', 'engine', '0.9.2-0.11.2', accepted=('mp',),
+         aliases=('-dpb',)),
+    _row('--data-parallel-external-lb', REFUSED, DP_ONE_HOST, 'bool', 'engine', '0.11.2', aliases=('-dpe',)),
+    _row('--data-parallel-hybrid-lb', REFUSED, DP_ONE_HOST, 'bool', 'engine', '0.10.0-0.11.2', aliases=('-dph',)),
+    _row('--data-parallel-rank', REFUSED, DP_ONE_HOST, 'value', 'engine', '0.9.2-0.11.2', aliases=('-dpn',)),
+    _row('--data-parallel-rpc-port', IGNORED, DP_HERE, 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpp',)),
+    _row('--data-parallel-size', HONOURED, "", 'value', 'engine', '0.8.5-0.11.2', aliases=('-dp',)),
+    _row('--data-parallel-size-local', HONOURED, "", 'value', 'engine', '0.9.0-0.11.2', aliases=('-dpl',)),
+    _row('--data-parallel-start-rank', REFUSED, DP_ONE_HOST, 'value', 'engine', '0.9.0-0.11.2', accepted=('0',),
+         aliases=('-dpr',)),
     _row('--dbo-decode-token-threshold', IGNORED, MOE, 'value', 'engine', '0.11.0-0.11.2'),
     _row('--dbo-prefill-token-threshold', IGNORED, MOE, 'value', 'engine', '0.11.0-0.11.2'),
     _row('--dcp-kv-cache-interleave-size', IGNORED, NO_DCP, 'value', 'engine', '0.11.2', accepted=('1',)),
@@ -202,7 +206,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--disable-log-stats', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--disable-logprobs-during-spec-decoding', IGNORED, SPEC_OPTION, 'bool', 'engine', '0.8.0'),
     _row('--disable-mm-preprocessor-cache', IGNORED, TEXT_ONLY, 'bool', 'engine', '0.8.0-0.11.2'),
-    _row('--disable-nccl-for-dp-synchronization', IGNORED, NO_DP, 'bool', 'engine', '0.11.2'),
+    _row('--disable-nccl-for-dp-synchronization', IGNORED, DP_HERE, 'bool', 'engine', '0.11.2'),
     _row('--disable-sliding-window', REFUSED, SLIDING_WINDOW, 'bool', 'engine', '0.8.0-0.11.2'),
     _row('--disable-uvicorn-access-log', HONOURED, "", 'value', 'server', '0.8.5-0.11.2'),
     _row('--distributed-executor-backend', IGNORED, EXECUTOR, 'value', 'engine', '0.8.0-0.11.2',
@@ -250,7 +254,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row('--guided-decoding-disable-fallback', IGNORED, LLGUIDANCE, 'bool', 'engine', '0.9.0-0.10.2'),
     _row('--h11-max-header-count', IGNORED, H11, 'value', 'server', '0.10.2-0.11.2'),
     _row('--h11-max-incomplete-event-size', IGNORED, H11, 'value', 'server', '0.10.2-0.11.2'),
-    _row('--headless', REFUSED, HEADLESS, 'bool', 'server', '0.9.0-0.11.2'),
+    _row('--headless', HONOURED, "", 'bool', 'server', '0.9.0-0.11.2'),
     _row('--hf-config-path', REFUSED, HF_CONFIG_PATH, 'value', 'engine', '0.8.0-0.11.2'),
     _row('--hf-overrides', HONOURED, "", 'value', 'engine', '0.8.0-0.11.2'),
     _row('--hf-token', HONOURED, "", 'value', 'engine', '0.8.5-0.11.2'),

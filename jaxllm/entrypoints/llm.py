@@ -17,7 +17,13 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
-        self.llm_engine = LLMEngine(self.engine_args)
+        if self.engine_args.data_parallel_size > 1:  # replicas on this host's device groups
+            from jaxllm.engine.dp import DPEngine
+
+            self.engine_args.validate()
+            self.llm_engine = DPEngine(self.engine_args)
+        else:
+            self.llm_engine = LLMEngine(self.engine_args)
         self._counter = itertools.count()
 
     def get_tokenizer(self):
@@ -30,12 +36,25 @@ class LLM:
                  use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
                  priority: list[int] | None = None) -> list[RequestOutput]:
         """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False).
-        lora_request: a LoRARequest for every prompt, or a list of them (None entries: the base model)."""
+        lora_request: a LoRARequest for every prompt, or a list of them (None entries: the base model).
+
+        Over several processes (jaxllm.distributed) every process calls it, as in vLLM's external_launcher mode:
+        process 0 runs the engine and returns the outputs; the others run the steps it sends and return []."""
+        mh = self.llm_engine.runner.multihost
+        if mh is not None and not mh.is_driver:
+            from jaxllm.engine.multihost import follow
+
+            follow(self.llm_engine)
+            return []
         prompts = _as_prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
-        ids = self._add(prompts, params, priority, loras)
-        return self._run(ids, use_tqdm)
+        if mh is None:
+            return self._run(self._add(prompts, params, priority, loras), use_tqdm)
+        from jaxllm.engine.multihost import OfflineCall
+
+        with OfflineCall(mh):
+            return self._run(self._add(prompts, params, priority, loras), use_tqdm)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True,
              chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -75,7 +94,7 @@ class LLM:
                              "same.")
         ids, engine = [], self.llm_engine
         try:
-            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._counter))
                 if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
                     # Only finished outputs are returned: the engine then builds no output per step (at 500

@@ -275,7 +275,9 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
         # Host copy only: each device receives just its slice from the callback.
         spec = flat_spec[key]
         host = spec.expand(np.asarray(x).astype(spec.dtype or dtype))
-        loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx])
+        # dtype: a process holding none of its shards (a pipeline stage of another host) still makes the array
+        loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx],
+                                                   dtype=host.dtype)
     treedef = jax.tree.structure(specs, is_leaf=is_spec)
     paths = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
@@ -342,7 +344,7 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
         local = [jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
                  for s in x.addressable_shards]  # on each device, from its own data: no communication
-        return jax.make_array_from_single_device_arrays(spec.shape, sh, local)
+        return jax.make_array_from_single_device_arrays(spec.shape, sh, local, dtype=x.dtype)
 
     return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)
 
