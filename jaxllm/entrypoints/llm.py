@@ -17,6 +17,7 @@ from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs.from_kwargs(model=model, **kwargs)
+        self.llm_engine: Any  # LLMEngine, or DPEngine (the same surface) over data-parallel replicas
         if self.engine_args.data_parallel_size > 1:  # replicas on this host's device groups
             from jaxllm.engine.dp import DPEngine
 
