@@ -60,7 +60,9 @@ def worker(args) -> dict:
     if seqs is not None:
         default = runner.step_buckets
         runner.step_buckets = lambda max_num_seqs, max_num_batched_tokens: (
-            seqs, default(max_num_seqs, max_num_batched_tokens)[1])
+            seqs,
+            default(max_num_seqs, max_num_batched_tokens)[1],
+        )
     common.setup_logging(args.log_level)
     llm, t0, t_ready = common.build_llm(args)
     vocab = llm.llm_engine.vocab_size
@@ -70,8 +72,9 @@ def worker(args) -> dict:
             ins, outs = [args.input_len] * args.num_prompts, [args.output_len] * args.num_prompts
         else:
             half = llm.llm_engine.max_model_len // 2
-            ins, outs = common.synthetic_sharegpt(args.num_prompts, args.seed, max_input=min(1024, half),
-                                                  max_output=min(1024, half))
+            ins, outs = common.synthetic_sharegpt(
+                args.num_prompts, args.seed, max_input=min(1024, half), max_output=min(1024, half)
+            )
         prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(len(ins), 0, vocab, args.seed, ins)]
         params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature) for o in outs]
         work[ds] = (prompts, params)
@@ -82,11 +85,25 @@ def worker(args) -> dict:
             outs = llm.generate(prompts, params, use_tqdm=False)
             dt = time.perf_counter() - t
             if rnd >= 0:
-                rows.append(dict(round=rnd, dataset=ds, elapsed_s=dt, requests_per_s=len(outs) / dt,
-                                 output_tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / dt))
+                rows.append(
+                    dict(
+                        round=rnd,
+                        dataset=ds,
+                        elapsed_s=dt,
+                        requests_per_s=len(outs) / dt,
+                        output_tokens_per_s=sum(len(o.outputs[0].token_ids) for o in outs) / dt,
+                    )
+                )
                 print(f"{name} round {rnd} {ds}: {len(outs) / dt:.2f} req/s", flush=True)
-    return dict(arm=name, spec=args.worker, env=common.environment(), engine=common.engine_summary(llm),
-                ready_s=t_ready - t0, rows=rows, compiles_after_warmup=llm.llm_engine.runner.programs.num_compiles_after_warmup)
+    return dict(
+        arm=name,
+        spec=args.worker,
+        env=common.environment(),
+        engine=common.engine_summary(llm),
+        ready_s=t_ready - t0,
+        rows=rows,
+        compiles_after_warmup=llm.llm_engine.runner.programs.num_compiles_after_warmup,
+    )
 
 
 def main(argv=None) -> dict:

@@ -27,10 +27,22 @@ from jaxllm.paths import cache_root, default_compilation_cache_dir  # noqa: E402
 
 # Llama-3-8B's config.json (meta-llama/Meta-Llama-3-8B-Instruct), the shape the issue's goals are set for.
 LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
-    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0, hidden_act="silu",
-    tie_word_embeddings=False, attention_bias=False, bos_token_id=128000, eos_token_id=128009,
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    attention_bias=False,
+    bos_token_id=128000,
+    eos_token_id=128009,
     torch_dtype="bfloat16",
     # As in Meta's file. Without it, transformers 5.17 takes a llama folder for a Mistral one and warns that the
     # tokenizer has "an incorrect regex pattern" (the warning the H100 suite logs printed for every start).
@@ -39,34 +51,89 @@ LLAMA3_8B = dict(
 # Llama-3.1-8B's config.json (meta-llama/Llama-3.1-8B-Instruct): Llama-3-8B's weights' shapes with 131072 positions
 # and llama3 rope scaling; the long-context stages (bench/long_context.py) run it.
 LLAMA31_8B = dict(
-    LLAMA3_8B, max_position_embeddings=131072, eos_token_id=[128001, 128008, 128009], transformers_version="4.42.3",
-    rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192,
-                      rope_type="llama3"),
+    LLAMA3_8B,
+    max_position_embeddings=131072,
+    eos_token_id=[128001, 128008, 128009],
+    transformers_version="4.42.3",
+    rope_scaling=dict(
+        factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192, rope_type="llama3"
+    ),
 )
 # A tiny Llama for CPU checks of the scripts (same code path, seconds to build).
-TINY = dict(LLAMA3_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-            bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+TINY = dict(
+    LLAMA3_8B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
 # The tiny Llama with Llama-3.1's rope scaling, scaled down (CPU checks of the long-context stages).
-TINY_LONG = dict(TINY, max_position_embeddings=4096, rope_scaling=dict(LLAMA31_8B["rope_scaling"],
-                                                                        original_max_position_embeddings=256))
+TINY_LONG = dict(
+    TINY,
+    max_position_embeddings=4096,
+    rope_scaling=dict(LLAMA31_8B["rope_scaling"], original_max_position_embeddings=256),
+)
 # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B): 48 layers, each a mixture of 128 experts (8 per token, width
 # 768), ~3.3B parameters active per token of 30.5B (61 GB in bf16: one H100 80GB holds it with a small KV cache).
 QWEN3_30B_A3B = dict(
-    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
-    num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
-    rms_norm_eps=1e-6, rope_theta=1000000.0, hidden_act="silu", tie_word_embeddings=False, attention_bias=False,
-    use_sliding_window=False, bos_token_id=151643, eos_token_id=151645, torch_dtype="bfloat16",
+    architectures=["Qwen3MoeForCausalLM"],
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    attention_bias=False,
+    use_sliding_window=False,
+    bos_token_id=151643,
+    eos_token_id=151645,
+    torch_dtype="bfloat16",
 )
 # A tiny Qwen3-MoE for CPU checks of the scripts.
-TINY_MOE = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2,
-                torch_dtype="float32")
-SHAPES = {"llama3-8b": LLAMA3_8B, "llama3.1-8b": LLAMA31_8B, "tiny": TINY, "tiny-long": TINY_LONG,
-          "qwen3-30b-a3b": QWEN3_30B_A3B, "tiny-moe": TINY_MOE}
+TINY_MOE = dict(
+    QWEN3_30B_A3B,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
+SHAPES = {
+    "llama3-8b": LLAMA3_8B,
+    "llama3.1-8b": LLAMA31_8B,
+    "tiny": TINY,
+    "tiny-long": TINY_LONG,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "tiny-moe": TINY_MOE,
+}
 # --quantization with --shape (dummy weights): the quantization_config written into the generated folder, as the
 # public quantizers write it (issue 29's goals are set for GPTQ int4, group 128, symmetric; --quant-bits and
 # --quant-group-size change bits and group). fp8 needs none: quantization="fp8" quantizes a 16-bit model while
@@ -88,8 +155,7 @@ def write_token_id_tokenizer(out_dir: str, vocab_size: int, bos: int, eos: int) 
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"<t{bos}>", eos_token=f"<t{eos}>",
-                                   unk_token="<t0>")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=f"<t{bos}>", eos_token=f"<t{eos}>", unk_token="<t0>")
     fast.save_pretrained(out_dir)
 
 
@@ -135,6 +201,7 @@ def _cached_model_dir(shape: str, quantization_config: dict | None = None) -> st
 
 def timed(fn, record: dict, key: str):
     """fn, adding each call's wall seconds to record[key]."""
+
     def call(*a, **k):
         t0 = time.perf_counter()
         try:
@@ -180,8 +247,10 @@ def dummy_quant_config(args) -> dict | None:
     if method is None or METHODS[method] == "fp8":
         return None
     if METHODS[method] not in DUMMY_QUANT_CONFIGS:
-        raise SystemExit(f"--quantization {method} with --shape: no dummy config for it (use gptq, awq or fp8, or "
-                         "--model with a real checkpoint)")
+        raise SystemExit(
+            f"--quantization {method} with --shape: no dummy config for it (use gptq, awq or fp8, or "
+            "--model with a real checkpoint)"
+        )
     return dict(DUMMY_QUANT_CONFIGS[METHODS[method]], bits=args.quant_bits, group_size=args.quant_group_size)
 
 
@@ -225,9 +294,17 @@ class ModelMath:
     @classmethod
     def from_config(cls, cfg: dict, weight_itemsize: int = 2, kv_itemsize: int = 2) -> ModelMath:
         heads = cfg["num_attention_heads"]
-        return cls(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
-                   cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                   cfg["vocab_size"], weight_itemsize, kv_itemsize)
+        return cls(
+            cfg["num_hidden_layers"],
+            cfg["hidden_size"],
+            cfg["intermediate_size"],
+            heads,
+            cfg.get("num_key_value_heads") or heads,
+            cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            cfg["vocab_size"],
+            weight_itemsize,
+            kv_itemsize,
+        )
 
     @property
     def layer_params(self) -> int:
@@ -260,15 +337,24 @@ class ModelMath:
 # ---- engine flags shared by the jaxllm scripts ---------------------------------------------------------------
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model folder; omitted: the demo model")
-    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                   help="generate a config + tokenizer of this shape in a temp dir (use with --load-format dummy)")
+    p.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="generate a config + tokenizer of this shape in a temp dir (use with --load-format dummy)",
+    )
     p.add_argument("--load-format", default="auto")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     p.add_argument("--dtype", default="auto")
     from jaxllm.quantization import METHODS
 
-    p.add_argument("--quantization", "-q", choices=sorted(METHODS), default=None,
-                   help="as vLLM's; with --shape, gptq / awq write a quantization_config for dummy weights")
+    p.add_argument(
+        "--quantization",
+        "-q",
+        choices=sorted(METHODS),
+        default=None,
+        help="as vLLM's; with --shape, gptq / awq write a quantization_config for dummy weights",
+    )
     p.add_argument("--quant-bits", type=int, default=4, help="--shape with --quantization gptq: bits (4 or 8)")
     p.add_argument("--quant-group-size", type=int, default=128, help="--shape with --quantization gptq / awq")
     p.add_argument("--max-model-len", type=int, default=None)
@@ -279,8 +365,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir())
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=False,
-                   help="off by default here: random prompts share nothing, as in vLLM's bench")
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="off by default here: random prompts share nothing, as in vLLM's bench",
+    )
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true", help="MoE shapes: whole experts per tp device")
@@ -292,21 +382,32 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def setup_logging(level: str = "info") -> None:
     import logging
 
-    logging.basicConfig(level=getattr(logging, level.upper()), format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%H:%M:%S",
+    )
 
 
 def engine_kwargs(args, model: str | None) -> dict:
-    kw = dict(load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-              attention_backend=args.attention_backend, seed=args.seed,
-              compilation_cache_dir=args.compilation_cache_dir or None,
-              num_gpu_blocks_override=args.num_gpu_blocks_override,
-              enable_prefix_caching=args.enable_prefix_caching,
-              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
-              quantization=getattr(args, "quantization", None))
+    kw = dict(
+        load_format=args.load_format,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        compilation_cache_dir=args.compilation_cache_dir or None,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        enable_expert_parallel=getattr(args, "enable_expert_parallel", False),
+        quantization=getattr(args, "quantization", None),
+    )
     if getattr(args, "tokenizer", None):
         kw["tokenizer"] = args.tokenizer
     return kw
@@ -321,11 +422,16 @@ def engine_summary(llm) -> dict:
         max_model_len=eng.max_model_len,
         max_num_seqs=getattr(sc, "max_num_seqs", None),
         max_num_batched_tokens=getattr(sc, "max_num_batched_tokens", None),
-        seq_buckets=list(r.seq_buckets), token_buckets=list(r.token_buckets),
-        num_variants_compiled=len(r.programs.compiled), kv_cache_blocks=r.num_blocks, block_size=r.block_size,
-        kv_cache_tokens=(r.num_blocks - 1) * r.block_size, attention_backend=r.attn.backend,
+        seq_buckets=list(r.seq_buckets),
+        token_buckets=list(r.token_buckets),
+        num_variants_compiled=len(r.programs.compiled),
+        kv_cache_blocks=r.num_blocks,
+        block_size=r.block_size,
+        kv_cache_tokens=(r.num_blocks - 1) * r.block_size,
+        attention_backend=r.attn.backend,
         step_temp_bytes=r.programs.temp_bytes(),  # the compiled steps' largest temporary buffer (per device)
-        dtype=str(eng.model_config.dtype), enforce_eager=llm.engine_args.enforce_eager,
+        dtype=str(eng.model_config.dtype),
+        enforce_eager=llm.engine_args.enforce_eager,
         quantization=None if eng.model_config.quantization is None else eng.model_config.quantization.describe(),
     )
 
@@ -338,23 +444,34 @@ def git_commit() -> str | None:
             return os.environ[var]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
 
 def environment(with_jax: bool = True) -> dict:
-    env = dict(host=platform.node(), python=platform.python_version(), cpu_count=os.cpu_count(),
-               commit=git_commit(), command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-               time=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    env = dict(
+        host=platform.node(),
+        python=platform.python_version(),
+        cpu_count=os.cpu_count(),
+        commit=git_commit(),
+        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+        time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
     if with_jax:
         import jax
 
         d = jax.devices()[0]
-        env.update(jax=jax.__version__, backend=jax.default_backend(), device=d.device_kind,
-                   num_devices=jax.device_count())
+        env.update(
+            jax=jax.__version__, backend=jax.default_backend(), device=d.device_kind, num_devices=jax.device_count()
+        )
     return env
 
 

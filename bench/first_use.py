@@ -60,8 +60,14 @@ def main(argv=None) -> dict:
     runner = llm.llm_engine.runner
     prompt = common.random_token_prompts(1, args.input_len, llm.llm_engine.vocab_size, args.seed)[0]
     base = dict(max_tokens=args.output_len, ignore_eos=True, seed=0)
-    rows = [dict(mode="plain", setting="temperature", first=timed(llm, prompt, SamplingParams(**base)),
-                 again=timed(llm, prompt, SamplingParams(**base)))]
+    rows = [
+        dict(
+            mode="plain",
+            setting="temperature",
+            first=timed(llm, prompt, SamplingParams(**base)),
+            again=timed(llm, prompt, SamplingParams(**base)),
+        )
+    ]
     for split, settings in ((True, SETTINGS), (False, WHOLE_SETTINGS)):
         runner.programs.split_sampler = split
         for name, kw in settings.items():
@@ -72,16 +78,32 @@ def main(argv=None) -> dict:
             runner.programs.wait_for_background_compiles()
             wait = time.perf_counter() - t0
             again = timed(llm, prompt, sp)
-            rows.append(dict(mode="split_sampler" if split else "whole_step", setting=name, first=first,
-                             background_wait_s=wait, again=again, stall_s=first["e2e_s"] - again["e2e_s"],
-                             step_programs_compiled=len(runner.programs.compiled) - n_steps,
-                             sampler_programs_compiled=len(runner.programs.samplers) - n_samplers))
-            print(f"{rows[-1]['mode']:>13} {name:>18}: first {first['e2e_s']:.2f} s (TTFT {first['ttft_s']:.2f} s), "
-                  f"background wait after it {wait:.2f} s, again {again['e2e_s']:.2f} s; compiled "
-                  f"{rows[-1]['step_programs_compiled']} step / {rows[-1]['sampler_programs_compiled']} sampler "
-                  "programs", flush=True)
-    res = dict(env=common.environment(), engine=common.engine_summary(llm), ready_s=t_ready - t0,
-               workload=dict(input_len=args.input_len, output_len=args.output_len, batch=1), rows=rows)
+            rows.append(
+                dict(
+                    mode="split_sampler" if split else "whole_step",
+                    setting=name,
+                    first=first,
+                    background_wait_s=wait,
+                    again=again,
+                    stall_s=first["e2e_s"] - again["e2e_s"],
+                    step_programs_compiled=len(runner.programs.compiled) - n_steps,
+                    sampler_programs_compiled=len(runner.programs.samplers) - n_samplers,
+                )
+            )
+            print(
+                f"{rows[-1]['mode']:>13} {name:>18}: first {first['e2e_s']:.2f} s (TTFT {first['ttft_s']:.2f} s), "
+                f"background wait after it {wait:.2f} s, again {again['e2e_s']:.2f} s; compiled "
+                f"{rows[-1]['step_programs_compiled']} step / {rows[-1]['sampler_programs_compiled']} sampler "
+                "programs",
+                flush=True,
+            )
+    res = dict(
+        env=common.environment(),
+        engine=common.engine_summary(llm),
+        ready_s=t_ready - t0,
+        workload=dict(input_len=args.input_len, output_len=args.output_len, batch=1),
+        rows=rows,
+    )
     common.write_result("first_use", res, args.out)
     return res
 

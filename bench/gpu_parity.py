@@ -63,18 +63,31 @@ from bench.common import (  # noqa: E402
 
 # name -> (LLM kwargs, what it exercises); each also has "dtype" and gets the shared ones in run_config.
 CONFIGS = {
-    "batch": (dict(dtype="bfloat16"), "64 prompts of 16-600 tokens and 4 of 1,500-3,000 (chunked at "
-              "512 tokens a step), then 3 long ones alone (small decode buckets, split-K decode)"),
-    "prefix_cache": (dict(dtype="bfloat16", enable_prefix_caching=True),
-                     "16 prompts sharing a 800-token prefix, generated twice (the second time from the cache)"),
-    "preemption": (dict(dtype="bfloat16"),
-                   "64 prompts of 100-400 tokens with KV blocks for a third of their tokens: sequences preempted"),
+    "batch": (
+        dict(dtype="bfloat16"),
+        "64 prompts of 16-600 tokens and 4 of 1,500-3,000 (chunked at "
+        "512 tokens a step), then 3 long ones alone (small decode buckets, split-K decode)",
+    ),
+    "prefix_cache": (
+        dict(dtype="bfloat16", enable_prefix_caching=True),
+        "16 prompts sharing a 800-token prefix, generated twice (the second time from the cache)",
+    ),
+    "preemption": (
+        dict(dtype="bfloat16"),
+        "64 prompts of 100-400 tokens with KV blocks for a third of their tokens: sequences preempted",
+    ),
     "fp8_kv": (dict(dtype="bfloat16", kv_cache_dtype="fp8"), "16 prompts, fp8 (e4m3) KV pages"),
     "float32": (dict(dtype="float32"), "16 prompts, float32 weights and KV"),
-    "gptq_int4": (dict(dtype="bfloat16"), "16 prompts, the checkpoint as GPTQ v1 int4 (group 128, sym; round to "
-                  "nearest), against HF on its dequantized weights"),
-    "fp8": (dict(dtype="bfloat16", quantization="fp8"), "16 prompts, quantization='fp8' (per-tensor fp8 weights, "
-            "per-token fp8 activations), against HF on the fp8-rounded weights with its linears' inputs rounded alike"),
+    "gptq_int4": (
+        dict(dtype="bfloat16"),
+        "16 prompts, the checkpoint as GPTQ v1 int4 (group 128, sym; round to "
+        "nearest), against HF on its dequantized weights",
+    ),
+    "fp8": (
+        dict(dtype="bfloat16", quantization="fp8"),
+        "16 prompts, quantization='fp8' (per-tensor fp8 weights, "
+        "per-token fp8 activations), against HF on the fp8-rounded weights with its linears' inputs rounded alike",
+    ),
 }
 QUANTIZED = ("gptq_int4", "fp8")
 
@@ -90,8 +103,12 @@ def parse(argv=None):
     p.add_argument("--gap-tol", type=float, default=0.1, help="16-bit weights and KV (nats)")
     p.add_argument("--gap-tol-fp8", type=float, default=0.5, help="fp8 KV pages, against the rounded reference")
     p.add_argument("--gap-tol-f32", type=float, default=0.02, help="the Pallas kernels' f32 dots may use TF32")
-    p.add_argument("--lp-err-ratio", type=float, default=2.0,
-                   help="quantized configurations: mean logprob error against HF bf16's on the same weights")
+    p.add_argument(
+        "--lp-err-ratio",
+        type=float,
+        default=2.0,
+        help="quantized configurations: mean logprob error against HF bf16's on the same weights",
+    )
     p.add_argument("--gptq-group-size", type=int, default=128, help="gptq_int4's group (the tiny CPU check: 32)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--model-dir", default="/tmp/jaxllm_gpu_parity_model")
@@ -108,11 +125,23 @@ def make_checkpoint(args) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     shape = SHAPES[args.widths]
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
-            "rope_theta")
-    cfg = LlamaConfig(**{k: shape[k] for k in keys}, vocab_size=args.vocab_size, num_hidden_layers=args.num_layers,
-                      max_position_embeddings=8192,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "rms_norm_eps",
+        "rope_theta",
+    )
+    cfg = LlamaConfig(
+        **{k: shape[k] for k in keys},
+        vocab_size=args.vocab_size,
+        num_hidden_layers=args.num_layers,
+        max_position_embeddings=8192,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -130,8 +159,10 @@ def workloads(name: str, vocab: int, scale: float, seed: int) -> list[list[list[
     rng = np.random.default_rng(seed)
     if name == "batch":
         lens = rng.integers(16, n(600) + 1, n(64)).tolist() + rng.integers(n(1500), n(3000) + 1, 4).tolist()
-        return [random_token_prompts(len(lens), 0, vocab, seed=seed + 1, lens=lens),
-                random_token_prompts(3, 0, vocab, seed=seed + 2, lens=[n(3000), n(1500), 40])]
+        return [
+            random_token_prompts(len(lens), 0, vocab, seed=seed + 1, lens=lens),
+            random_token_prompts(3, 0, vocab, seed=seed + 2, lens=[n(3000), n(1500), 40]),
+        ]
     if name == "prefix_cache":
         prefix = random_token_prompts(1, n(800), vocab, seed=seed + 3)[0]
         tails = random_token_prompts(n(16), 0, vocab, seed=seed + 4, lens=rng.integers(1, n(200) + 1, n(16)))
@@ -148,9 +179,19 @@ def run_config(args, model_dir: str, name: str) -> dict:
     from jaxllm.engine import programs
 
     kw, what = CONFIGS[name]
-    kw = dict(max_model_len=4096, max_num_seqs=64, max_num_batched_tokens=512, gpu_memory_utilization=0.5,
-              num_gpu_blocks_override=4096, enforce_eager=args.enforce_eager, seed=args.seed,
-              compilation_cache_dir=args.compilation_cache_dir or None) | kw
+    kw = (
+        dict(
+            max_model_len=4096,
+            max_num_seqs=64,
+            max_num_batched_tokens=512,
+            gpu_memory_utilization=0.5,
+            num_gpu_blocks_override=4096,
+            enforce_eager=args.enforce_eager,
+            seed=args.seed,
+            compilation_cache_dir=args.compilation_cache_dir or None,
+        )
+        | kw
+    )
     batches = workloads(name, args.vocab_size, args.scale, args.seed)
     if name == "preemption":  # a third of the blocks the sequences need (at least one whole max_model_len)
         need = sum(-(-(len(p) + args.output_len) // 16) for p in batches[0])
@@ -182,13 +223,25 @@ def run_config(args, model_dir: str, name: str) -> dict:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             for p, o in zip(prompts, outs, strict=True):
                 c = o.outputs[0]
-                seqs.append(dict(prompt=p, tokens=list(c.token_ids),
-                                 logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]))
+                seqs.append(
+                    dict(
+                        prompt=p,
+                        tokens=list(c.token_ids),
+                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
+                    )
+                )
     st = llm.llm_engine.stats()
-    facts = dict(what=what, llm_kwargs=kw, ready_s=ready, engine=engine_summary(llm), steps=steps,
-                 quant_kernel_traces=traces,
-                 preemptions=st.num_preemptions, prefix_cache_hit_tokens=st.prefix_cache_hits,
-                 kv_cache_dtype=str(runner.kv_values_dtype))
+    facts = dict(
+        what=what,
+        llm_kwargs=kw,
+        ready_s=ready,
+        engine=engine_summary(llm),
+        steps=steps,
+        quant_kernel_traces=traces,
+        preemptions=st.num_preemptions,
+        prefix_cache_hit_tokens=st.prefix_cache_hits,
+        kv_cache_dtype=str(runner.kv_values_dtype),
+    )
     del llm, runner
     gc.collect()
     return dict(facts=facts, seqs=seqs)
@@ -201,9 +254,12 @@ def counting_quant_kernels(counts: dict):
     from jaxllm.models import quant_matmul
     from kernels_pallas import _qmatmul
 
-    saved = [(_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel), (quant_matmul, "fp8_matmul",
-                                                                     quant_matmul.fp8_matmul)]
+    saved = [
+        (_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel),
+        (quant_matmul, "fp8_matmul", quant_matmul.fp8_matmul),
+    ]
     for mod, name, fn in saved:
+
         def counted(*a, _fn=fn, _name=name, **k):
             counts[_name] = counts.get(_name, 0) + 1
             return _fn(*a, **k)
@@ -255,8 +311,9 @@ def write_gptq(model_dir: str, group: int = 128) -> tuple[str, str]:
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         if extra:
-            cfg["quantization_config"] = dict(quant_method="gptq", bits=4, group_size=group, sym=True,
-                                              desc_act=False, checkpoint_format="gptq")
+            cfg["quantization_config"] = dict(
+                quant_method="gptq", bits=4, group_size=group, sym=True, desc_act=False, checkpoint_format="gptq"
+            )
         with open(os.path.join(folder, "config.json"), "w") as f:
             json.dump(cfg, f)
     return qdir, ddir
@@ -288,7 +345,7 @@ def round_linear_inputs_to_fp8(model) -> None:
     def hook(module, args):
         x = args[0]
         s = (x.float().abs().amax(-1, keepdim=True) / 448.0).clamp(min=1e-12)
-        return ((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype),
+        return (((x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn).float() * s).to(x.dtype),)
 
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and ".layers." in name:
@@ -364,20 +421,33 @@ def compare(seqs, ref, base=None, tol: float = 0.1, lp_err_ratio: float | None =
     rows = [np.arange(len(s["tokens"])) for s in seqs]
     tokens = [np.asarray(s["tokens"]) for s in seqs]
     gaps = np.concatenate([r.max(-1) - r[i, t] for r, i, t in zip(ref, rows, tokens, strict=True)])
-    lp_err = np.concatenate([np.abs(np.asarray(s["logprobs"]) - r[i, t])
-                             for s, r, i, t in zip(seqs, ref, rows, tokens, strict=True)])
+    lp_err = np.concatenate(
+        [np.abs(np.asarray(s["logprobs"]) - r[i, t]) for s, r, i, t in zip(seqs, ref, rows, tokens, strict=True)]
+    )
     equal = [t == r.argmax(-1) for r, t in zip(ref, tokens, strict=True)]
-    res = dict(positions=int(len(gaps)), tokens_equal_frac=float(np.concatenate(equal).mean()),
-               sequences=len(seqs), sequences_all_equal=sum(bool(e.all()) for e in equal),
-               gap_max=float(gaps.max()), gap_p99=float(np.percentile(gaps, 99)), gap_tol=tol,
-               positions_over_tol=int((gaps > tol).sum()), lp_err_max=float(lp_err.max()),
-               lp_err_mean=float(lp_err.mean()), passed=bool(gaps.max() <= tol))
+    res = dict(
+        positions=int(len(gaps)),
+        tokens_equal_frac=float(np.concatenate(equal).mean()),
+        sequences=len(seqs),
+        sequences_all_equal=sum(bool(e.all()) for e in equal),
+        gap_max=float(gaps.max()),
+        gap_p99=float(np.percentile(gaps, 99)),
+        gap_tol=tol,
+        positions_over_tol=int((gaps > tol).sum()),
+        lp_err_max=float(lp_err.max()),
+        lp_err_mean=float(lp_err.mean()),
+        passed=bool(gaps.max() <= tol),
+    )
     if base is not None:
         bgap = np.concatenate([r.max(-1) - r[i, b.argmax(-1)] for r, b, i in zip(ref, base, rows, strict=True)])
         berr = np.concatenate([np.abs(b[i, t] - r[i, t]) for r, b, i, t in zip(ref, base, rows, tokens, strict=True)])
         bequal = np.concatenate([b.argmax(-1) == r.argmax(-1) for r, b in zip(ref, base, strict=True)])
-        res["hf_baseline"] = dict(tokens_equal_frac=float(bequal.mean()), gap_max=float(bgap.max()),
-                                  lp_err_max=float(berr.max()), lp_err_mean=float(berr.mean()))
+        res["hf_baseline"] = dict(
+            tokens_equal_frac=float(bequal.mean()),
+            gap_max=float(bgap.max()),
+            lp_err_max=float(berr.max()),
+            lp_err_mean=float(berr.mean()),
+        )
         if lp_err_ratio is not None:
             res["lp_err_ratio_tol"] = lp_err_ratio
             res["passed"] = res["passed"] and res["lp_err_mean"] <= lp_err_ratio * float(berr.mean())
@@ -399,8 +469,11 @@ def main(argv=None):
     ref_model, base_model = hf_models(model_dir, device)
     for name, run in runs.items():
         if name in QUANTIZED:  # HF on the weights the engine holds, dequantized (and fp8's rounded inputs)
-            ref_dir = (write_gptq(model_dir, args.gptq_group_size)[1] if name == "gptq_int4"
-                       else write_fp8_reference(model_dir))
+            ref_dir = (
+                write_gptq(model_dir, args.gptq_group_size)[1]
+                if name == "gptq_int4"
+                else write_fp8_reference(model_dir)
+            )
             qref, qbase = hf_models(ref_dir, device)
             if name == "fp8":
                 round_linear_inputs_to_fp8(qref), round_linear_inputs_to_fp8(qbase)
@@ -410,8 +483,11 @@ def main(argv=None):
             ref = teacher_forced(ref_model, run["seqs"], device)
             base = teacher_forced(base_model, run["seqs"], device)
         fp8 = fp8_format(run["facts"]["kv_cache_dtype"])
-        tol = args.gap_tol_fp8 if fp8 else (
-            args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol)
+        tol = (
+            args.gap_tol_fp8
+            if fp8
+            else (args.gap_tol_f32 if run["facts"]["llm_kwargs"]["dtype"] == "float32" else args.gap_tol)
+        )
         if fp8:  # the fp8 pages' own loss, against the plain reference; the check is against rounded K/V
             cost = compare(run["seqs"], ref, base, tol)
             fp8_ref, fp8_base = hf_models(model_dir, device, fp8)
@@ -420,19 +496,27 @@ def main(argv=None):
             del fp8_ref, fp8_base
         res = compare(run["seqs"], ref, base, tol, args.lp_err_ratio if name in QUANTIZED else None)
         if fp8:
-            res["against_plain_reference"] = {k: cost[k] for k in ("tokens_equal_frac", "gap_max", "gap_p99",
-                                                                   "lp_err_max", "lp_err_mean")}
+            res["against_plain_reference"] = {
+                k: cost[k] for k in ("tokens_equal_frac", "gap_max", "gap_p99", "lp_err_max", "lp_err_mean")
+            }
         result["configs"][name] = run["facts"] | dict(parity=res)
         hb = res["hf_baseline"]
-        print(f"{name}: {'PASS' if res['passed'] else 'FAIL'} {res['positions']} positions, tokens equal "
-              f"{res['tokens_equal_frac']:.3f} (HF bf16 {hb['tokens_equal_frac']:.3f}), gap max {res['gap_max']:.4f} "
-              f"(tol {tol}; HF bf16 {hb['gap_max']:.4f}), logprob err max {res['lp_err_max']:.4f} / mean "
-              f"{res['lp_err_mean']:.5f} (HF bf16 {hb['lp_err_max']:.4f} / {hb['lp_err_mean']:.5f}), preemptions "
-              f"{run['facts']['preemptions']}, prefix hits {run['facts']['prefix_cache_hit_tokens']}, steps "
-              f"{run['facts']['steps']}" + (f", quantized GEMM kernels traced {run['facts']['quant_kernel_traces']}"
-                                            if name in QUANTIZED else "") + (f"; against the plain float32 reference (what fp8 pages cost): tokens "
-                                            f"equal {cost['tokens_equal_frac']:.3f}, gap max {cost['gap_max']:.4f}"
-                                            if fp8 else ""), flush=True)
+        print(
+            f"{name}: {'PASS' if res['passed'] else 'FAIL'} {res['positions']} positions, tokens equal "
+            f"{res['tokens_equal_frac']:.3f} (HF bf16 {hb['tokens_equal_frac']:.3f}), gap max {res['gap_max']:.4f} "
+            f"(tol {tol}; HF bf16 {hb['gap_max']:.4f}), logprob err max {res['lp_err_max']:.4f} / mean "
+            f"{res['lp_err_mean']:.5f} (HF bf16 {hb['lp_err_max']:.4f} / {hb['lp_err_mean']:.5f}), preemptions "
+            f"{run['facts']['preemptions']}, prefix hits {run['facts']['prefix_cache_hit_tokens']}, steps "
+            f"{run['facts']['steps']}"
+            + (f", quantized GEMM kernels traced {run['facts']['quant_kernel_traces']}" if name in QUANTIZED else "")
+            + (
+                f"; against the plain float32 reference (what fp8 pages cost): tokens "
+                f"equal {cost['tokens_equal_frac']:.3f}, gap max {cost['gap_max']:.4f}"
+                if fp8
+                else ""
+            ),
+            flush=True,
+        )
     result["hf_scoring_s"] = time.perf_counter() - t0
     result["passed"] = all(c["parity"]["passed"] for c in result["configs"].values())
     write_result("gpu_parity", result, args.out)

@@ -53,14 +53,24 @@ def parse(argv=None):
     p.add_argument("--model", default=None)
     p.add_argument("--shape", choices=sorted(common.SHAPES), default=None)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--modes", default="static,cb,eager,static_batched,eager_batched,cb_graphs",
-                   help=f"comma-separated, from {','.join(MODES)}")
-    p.add_argument("--no-compile", action="store_true", help="static modes: disable_compile=True (CPU smoke tests; "
-                   "generate() compiles only on accelerators anyway)")
+    p.add_argument(
+        "--modes",
+        default="static,cb,eager,static_batched,eager_batched,cb_graphs",
+        help=f"comma-separated, from {','.join(MODES)}",
+    )
+    p.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="static modes: disable_compile=True (CPU smoke tests; generate() compiles only on accelerators anyway)",
+    )
     p.add_argument("--batch1-input-len", type=int, default=128)
     p.add_argument("--batch1-output-len", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2, help="untimed batch-1 runs of the static mode (it compiles in "
-                   "the first; eager has one)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="untimed batch-1 runs of the static mode (it compiles in the first; eager has one)",
+    )
     p.add_argument("--runs", type=int, default=2, help="timed batch-1 runs of each mode")
     p.add_argument("--input-len", type=int, default=462)
     p.add_argument("--output-len", type=int, default=256)
@@ -71,8 +81,12 @@ def parse(argv=None):
     p.add_argument("--cb-max-batch-tokens", type=int, default=None, help="default: HF's (from free memory)")
     p.add_argument("--cb-num-blocks", type=int, default=None, help="default: HF's (from free memory)")
     p.add_argument("--cb-page-size", type=int, default=None, help="default: HF's")
-    p.add_argument("--budget", type=float, default=None, help="seconds: a mode whose usual time (8B shapes) no "
-                   "longer fits is skipped and said so")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds: a mode whose usual time (8B shapes) no longer fits is skipped and said so",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -90,8 +104,13 @@ def build(args):
     dtype = getattr(torch, args.dtype)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     if args.shape:
-        cfg = LlamaConfig(**{k: v for k, v in common.SHAPES[args.shape].items()
-                             if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")})
+        cfg = LlamaConfig(
+            **{
+                k: v
+                for k, v in common.SHAPES[args.shape].items()
+                if k not in ("architectures", "model_type", "torch_dtype", "transformers_version")
+            }
+        )
     else:
         cfg = AutoConfig.from_pretrained(common.resolve_model(args) or _demo())
     torch.manual_seed(args.seed)
@@ -158,8 +177,16 @@ def generate(model, ids, new_tokens: int, static: bool, no_compile: bool, stream
     if streamer is not None:
         streamer.t_call = t0
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, streamer=streamer, **kw)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+            **kw,
+        )
     _sync(ids.device.type)
     if out.shape[1] != ids.shape[1] + new_tokens:
         raise RuntimeError(f"generate() returned {out.shape[1] - ids.shape[1]} new tokens, not {new_tokens}")
@@ -182,11 +209,21 @@ def batch1_row(model, args, prompts: Prompts, mode: str) -> dict:
         e2e.append(generate(model, ids, n, static, args.no_compile, streamer=first))
         ttft.append(first.ttft)
     decode = common.pct([(n - 1) / max(e - t, 1e-9) for e, t in zip(e2e, ttft, strict=True)], (50,))["p50"]
-    return dict(kind="batch1", input_len=args.batch1_input_len, output_len=n, warmup_s=warm, setup_s=setup_s,
-                e2e_s=e2e, ttft_s=common.pct(ttft, (50,))["p50"], ttft_runs_s=ttft, itl_s=1.0 / decode,
-                decode_tok_per_s=decode, output_tok_per_s=n / common.pct(e2e, (50,))["p50"],
-                cache_implementation="static" if static else "dynamic",
-                compiled=static and not args.no_compile and getattr(model, "_compiled_call", None) is not None)
+    return dict(
+        kind="batch1",
+        input_len=args.batch1_input_len,
+        output_len=n,
+        warmup_s=warm,
+        setup_s=setup_s,
+        e2e_s=e2e,
+        ttft_s=common.pct(ttft, (50,))["p50"],
+        ttft_runs_s=ttft,
+        itl_s=1.0 / decode,
+        decode_tok_per_s=decode,
+        output_tok_per_s=n / common.pct(e2e, (50,))["p50"],
+        cache_implementation="static" if static else "dynamic",
+        compiled=static and not args.no_compile and getattr(model, "_compiled_call", None) is not None,
+    )
 
 
 def batched_row(model, args, prompts: Prompts, mode: str) -> dict:
@@ -196,19 +233,29 @@ def batched_row(model, args, prompts: Prompts, mode: str) -> dict:
     sizes = [min(args.batch_size, args.num_prompts - i) for i in range(0, args.num_prompts, args.batch_size)]
     setup_s = 0.0
     if static:
-        setup_s = generate(model, prompts.tensor("warmup_" + mode, sizes[0], args.input_len), args.output_len,
-                           True, args.no_compile)
+        setup_s = generate(
+            model, prompts.tensor("warmup_" + mode, sizes[0], args.input_len), args.output_len, True, args.no_compile
+        )
     total = 0.0
     for i, b in enumerate(sizes):
-        total += generate(model, prompts.tensor(f"{mode}{i}", b, args.input_len), args.output_len, static,
-                          args.no_compile)
+        total += generate(
+            model, prompts.tensor(f"{mode}{i}", b, args.input_len), args.output_len, static, args.no_compile
+        )
     n = sum(sizes)
-    return dict(kind="throughput", num_prompts=n, batch_size=args.batch_size, input_len=args.input_len,
-                output_len=args.output_len, setup_s=setup_s, elapsed_s=total, requests_per_s=n / total,
-                output_tokens_per_s=n * args.output_len / total,
-                total_tokens_per_s=n * (args.input_len + args.output_len) / total,
-                cache_implementation="static" if static else "dynamic",
-                compiled=static and not args.no_compile and getattr(model, "_compiled_call", None) is not None)
+    return dict(
+        kind="throughput",
+        num_prompts=n,
+        batch_size=args.batch_size,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        setup_s=setup_s,
+        elapsed_s=total,
+        requests_per_s=n / total,
+        output_tokens_per_s=n * args.output_len / total,
+        total_tokens_per_s=n * (args.input_len + args.output_len) / total,
+        cache_implementation="static" if static else "dynamic",
+        compiled=static and not args.no_compile and getattr(model, "_compiled_call", None) is not None,
+    )
 
 
 def cb_config(args, mode: str):
@@ -232,8 +279,9 @@ def _run_requests(manager, inputs: list[list[int]], new_tokens: int, timeout_s: 
         r = manager.get_result(timeout=1)
         if r is None:
             if not manager.is_running():
-                raise RuntimeError(f"the continuous batching thread stopped with {len(ids) - len(done)} requests "
-                                   "unfinished")
+                raise RuntimeError(
+                    f"the continuous batching thread stopped with {len(ids) - len(done)} requests unfinished"
+                )
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"{len(ids) - len(done)} of {len(ids)} requests unfinished after {timeout_s} s")
             continue
@@ -253,13 +301,20 @@ def cb_row(model, args, prompts: Prompts, mode: str) -> dict:
     try:  # the hints generate_batch() gives the manager (internal in 5.17 and 5.24; without them HF's defaults)
         from transformers.generation.continuous_batching.utils import WorkloadHints
 
-        hints = WorkloadHints(max_prompt_length=args.input_len, max_generated_length=args.output_len,
-                              num_requests=len(inputs))
+        hints = WorkloadHints(
+            max_prompt_length=args.input_len, max_generated_length=args.output_len, num_requests=len(inputs)
+        )
     except ImportError:
         hints = None
     t0 = time.perf_counter()
-    with model.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb_config(
-            args, mode), block=True, timeout=30, warmup=True, workload_hints=hints) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=gen,
+        continuous_batching_config=cb_config(args, mode),
+        block=True,
+        timeout=30,
+        warmup=True,
+        workload_hints=hints,
+    ) as manager:
         attn = getattr(model.config, "_attn_implementation", None)  # switched for the manager's lifetime
         warm = prompts.lists("warmup_" + mode, args.cb_warmup_prompts, args.input_len)
         if warm:
@@ -274,21 +329,37 @@ def cb_row(model, args, prompts: Prompts, mode: str) -> dict:
     failed = [r.error for r in done.values() if r.error]
     n_out = [len(r.generated_tokens) for r in done.values() if not r.error]
     ok = len(n_out)
-    return dict(kind="throughput", num_prompts=len(inputs), input_len=args.input_len, output_len=args.output_len,
-                setup_s=setup_s, elapsed_s=elapsed, completed=ok, failed=len(failed), errors=failed[:3],
-                short_outputs=sum(x != args.output_len for x in n_out), requests_per_s=ok / elapsed,
-                output_tokens_per_s=sum(n_out) / elapsed,
-                total_tokens_per_s=(sum(n_out) + ok * args.input_len) / elapsed, attn_implementation=attn,
-                cb_config=resolved, cache=sizes)
+    return dict(
+        kind="throughput",
+        num_prompts=len(inputs),
+        input_len=args.input_len,
+        output_len=args.output_len,
+        setup_s=setup_s,
+        elapsed_s=elapsed,
+        completed=ok,
+        failed=len(failed),
+        errors=failed[:3],
+        short_outputs=sum(x != args.output_len for x in n_out),
+        requests_per_s=ok / elapsed,
+        output_tokens_per_s=sum(n_out) / elapsed,
+        total_tokens_per_s=(sum(n_out) + ok * args.input_len) / elapsed,
+        attn_implementation=attn,
+        cb_config=resolved,
+        cache=sizes,
+    )
 
 
 def _plain(d: dict) -> dict:
-    return {k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)[:200] for k, v in d.items()
-            if not k.startswith("_")}
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)[:200]
+        for k, v in d.items()
+        if not k.startswith("_")
+    }
 
 
 def strongest(rows: dict) -> dict:
     """The best batch-1 decode rate and the best requests/s among the rows that ran."""
+
     def best(kind, key):
         ok = {m: r for m, r in rows.items() if r.get("kind") == kind and key in r}
         if not ok:
@@ -314,12 +385,25 @@ def main(argv=None) -> dict:
         flash = dict(flash_attn_2=is_flash_attn_2_available(), flash_attn_3=is_flash_attn_3_available())
     except ImportError:
         pass
-    res = dict(env=dict(common.environment(with_jax=False), torch=torch.__version__,
-                        transformers=transformers.__version__,
-                        device=torch.cuda.get_device_name() if dev == "cuda" else "cpu", **flash),
-               model=dict(shape=args.shape, model=args.model, dtype=args.dtype,
-                          attn_implementation=getattr(model.config, "_attn_implementation", None)),
-               load_s=time.perf_counter() - t_start, modes=args.modes, rows={}, skipped={})
+    res = dict(
+        env=dict(
+            common.environment(with_jax=False),
+            torch=torch.__version__,
+            transformers=transformers.__version__,
+            device=torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+            **flash,
+        ),
+        model=dict(
+            shape=args.shape,
+            model=args.model,
+            dtype=args.dtype,
+            attn_implementation=getattr(model.config, "_attn_implementation", None),
+        ),
+        load_s=time.perf_counter() - t_start,
+        modes=args.modes,
+        rows={},
+        skipped={},
+    )
     big = args.shape in ("llama3-8b", "llama3.1-8b")
     for mode in args.modes:
         left = None if args.budget is None else args.budget - (time.perf_counter() - t_start)
@@ -332,8 +416,11 @@ def main(argv=None) -> dict:
         try:
             row = fn(model, args, prompts, mode)
         except Exception as e:  # noqa: BLE001 - a mode this transformers or device lacks must not end the others
-            row = dict(kind="batch1" if mode in BATCH1_MODES else "throughput",
-                       error=f"{type(e).__name__}: {str(e)[:500]}", traceback=traceback.format_exc()[-2000:])
+            row = dict(
+                kind="batch1" if mode in BATCH1_MODES else "throughput",
+                error=f"{type(e).__name__}: {str(e)[:500]}",
+                traceback=traceback.format_exc()[-2000:],
+            )
         finally:
             if dev == "cuda":  # what the mode left cached goes back before the next mode sizes its KV
                 torch.cuda.empty_cache()
@@ -352,10 +439,14 @@ def _line(row: dict) -> str:
     if "error" in row:
         return f"ERROR {row['error']}"
     if row["kind"] == "batch1":
-        return (f"{row['decode_tok_per_s']:.1f} decode tok/s (ITL {row['itl_s'] * 1e3:.2f} ms, TTFT "
-                f"{row['ttft_s'] * 1e3:.0f} ms; compiled {row['compiled']}; set-up {row['setup_s']:.1f} s)")
-    return (f"{row['requests_per_s']:.2f} req/s, {row['output_tokens_per_s']:.1f} output tok/s over "
-            f"{row['num_prompts']} prompts (set-up {row['setup_s']:.1f} s)")
+        return (
+            f"{row['decode_tok_per_s']:.1f} decode tok/s (ITL {row['itl_s'] * 1e3:.2f} ms, TTFT "
+            f"{row['ttft_s'] * 1e3:.0f} ms; compiled {row['compiled']}; set-up {row['setup_s']:.1f} s)"
+        )
+    return (
+        f"{row['requests_per_s']:.2f} req/s, {row['output_tokens_per_s']:.1f} output tok/s over "
+        f"{row['num_prompts']} prompts (set-up {row['setup_s']:.1f} s)"
+    )
 
 
 if __name__ == "__main__":

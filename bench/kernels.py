@@ -123,9 +123,14 @@ def tiny_xprof(row, run, t):
     us, summary = xprof_us(run)
     if not us:  # no device kernels in the trace (e.g. on CPU): keep the chain figure
         return t
-    row.update(chain_us=t * 1e6, time_us=us, timing="xprof",
-               kernels=[(k["name"][:60], round(k["us_per_run"], 2)) for k in summary["devices"][0]["top_kernels"][:4]]
-               if summary.get("devices") else [])
+    row.update(
+        chain_us=t * 1e6,
+        time_us=us,
+        timing="xprof",
+        kernels=[(k["name"][:60], round(k["us_per_run"], 2)) for k in summary["devices"][0]["top_kernels"][:4]]
+        if summary.get("devices")
+        else [],
+    )
     return us * 1e-6
 
 
@@ -136,9 +141,13 @@ def xprof_row(results, row, call, args, nbytes, copy):
         run = runner(chained(call), *args)
         t = time_row(row, run)
         us, summary = xprof_us(run)
-        row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy, frac_copy=nbytes / t / copy,
-                   bytes_per_s=nbytes / t, kernels={x["name"][:40]: round(x["us_per_run"], 2)
-                                                    for x in summary["devices"][0]["top_kernels"]})
+        row.update(
+            kernel_us=us,
+            kernel_frac_copy=nbytes / (us * 1e-6) / copy,
+            frac_copy=nbytes / t / copy,
+            bytes_per_s=nbytes / t,
+            kernels={x["name"][:40]: round(x["us_per_run"], 2) for x in summary["devices"][0]["top_kernels"]},
+        )
     except Exception as e:  # noqa: BLE001 - one failing row must not end the run
         row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
     results.append(row)
@@ -191,8 +200,20 @@ def matmul_rate(n=8192):
     return 2 * n**3 / t
 
 
-def make_case(B, ctx, N=32, K=8, H=128, S=16, dtype=jnp.bfloat16, kv_dtype=None, q_per_seq=1, seed=0,
-              total_pages=None, max_len=None):
+def make_case(
+    B,
+    ctx,
+    N=32,
+    K=8,
+    H=128,
+    S=16,
+    dtype=jnp.bfloat16,
+    kv_dtype=None,
+    q_per_seq=1,
+    seed=0,
+    total_pages=None,
+    max_len=None,
+):
     """Random paged cache with shuffled block tables; unused pages hold NaN (checks the kernels skip them).
     max_len: the block tables' width in tokens (the engine's max_model_len) when it exceeds ctx."""
     rng = np.random.default_rng(seed)
@@ -224,8 +245,24 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, kv_dtype=None, shipped=True,
-                 check=True, max_len=None, impl="pallas_triton", fn=paged_decode_attention_kernel):
+def bench_decode(
+    results,
+    B,
+    ctx,
+    copy,
+    label,
+    configs,
+    S=16,
+    K=8,
+    N=32,
+    H=128,
+    kv_dtype=None,
+    shipped=True,
+    check=True,
+    max_len=None,
+    impl="pallas_triton",
+    fn=paged_decode_attention_kernel,
+):
     q, k, v, lens, qsl, bt = make_case(B, ctx, N=N, K=K, H=H, S=S, kv_dtype=kv_dtype, max_len=max_len)
     scale = H**-0.5
     nbytes = B * ctx * K * H * 2 * jnp.dtype(k.dtype).itemsize + 2 * q.size * q.dtype.itemsize  # KV + q + out
@@ -234,23 +271,58 @@ def bench_decode(results, B, ctx, copy, label, configs, S=16, K=8, N=32, H=128, 
     if check:
         ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
     for cfg in configs:
-        row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
-                   kv_dtype=str(jnp.dtype(k.dtype)), impl=impl, cfg=cfg)
+        row = dict(
+            kind="decode",
+            label=label,
+            B=B,
+            ctx=ctx,
+            N=N,
+            K=K,
+            H=H,
+            S=S,
+            kv_dtype=str(jnp.dtype(k.dtype)),
+            impl=impl,
+            cfg=cfg,
+        )
         call = lambda q, k, v, lens, bt, cfg=cfg: fn(  # noqa: E731
-            q, k, v, lens, bt, scale=scale, **cfg)
+            q, k, v, lens, bt, scale=scale, **cfg
+        )
         _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
     if shipped:
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-        row = dict(kind="decode", label=label, B=B, ctx=ctx, N=N, K=K, H=H, S=S,
-                   kv_dtype=str(jnp.dtype(k.dtype)), impl="jax_shipped_paged_attention",
-                   cfg=dict(block_h=16, pages_per_compute_block=8, k_splits=16))
+        row = dict(
+            kind="decode",
+            label=label,
+            B=B,
+            ctx=ctx,
+            N=N,
+            K=K,
+            H=H,
+            S=S,
+            kv_dtype=str(jnp.dtype(k.dtype)),
+            impl="jax_shipped_paged_attention",
+            cfg=dict(block_h=16, pages_per_compute_block=8, k_splits=16),
+        )
         call = lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(scale, q.dtype), k, v, bt, lens)  # noqa: E731
         _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
 
 
-def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0, max_len=None, total_pages=None,
-                      K=8, H=128, configs=({},), fn=paged_decode_attention_kernel):
+def bench_engine_like(
+    results,
+    copy,
+    label,
+    B=512,
+    ctx=600,
+    live=None,
+    jitter=0,
+    max_len=None,
+    total_pages=None,
+    K=8,
+    H=128,
+    configs=({},),
+    fn=paged_decode_attention_kernel,
+):
     """Decode over a batch like the engine's: `live` sequences with lengths ctx - jitter .. ctx, the rest
     padding (length 0); one row per kernel config."""
     q, k, v, lens, _, bt = make_case(B, ctx, K=K, H=H, max_len=max_len, total_pages=total_pages)
@@ -262,17 +334,33 @@ def bench_engine_like(results, copy, label, B=512, ctx=600, live=None, jitter=0,
     nbytes = int(lens.sum()) * K * H * 2 * 2 + 2 * live * q.shape[1] * H * 2
     ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H**-0.5, pages_per_step=64)[:live]
     for cfg in configs:
-        row = dict(kind="decode", label=f"engine_like_{label}", B=B, ctx=ctx, live=live, jitter=jitter,
-                   table_pages=int(bt.shape[1]), total_pages=int(k.shape[1]),
-                   impl="pallas_triton" if fn is paged_decode_attention_kernel else fn.__name__, cfg=cfg)
+        row = dict(
+            kind="decode",
+            label=f"engine_like_{label}",
+            B=B,
+            ctx=ctx,
+            live=live,
+            jitter=jitter,
+            table_pages=int(bt.shape[1]),
+            total_pages=int(k.shape[1]),
+            impl="pallas_triton" if fn is paged_decode_attention_kernel else fn.__name__,
+            cfg=cfg,
+        )
         call = lambda q, k, v, lens, bt, cfg=cfg: fn(  # noqa: E731
-            q, k, v, lens, bt, scale=H**-0.5, **cfg)
+            q, k, v, lens, bt, scale=H**-0.5, **cfg
+        )
         try:  # padding sequences (length 0) have no defined output: compare the live ones
             row["rel_err"] = rel_err(call(q, k, v, lens, bt)[:live], ref)
         except Exception as e:  # noqa: BLE001 - _measure records the failure
             row["rel_err_error"] = str(e)[:200]
-        _measure(results, row, call, (q, k, v, lens, bt), None,
-                 lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy))
+        _measure(
+            results,
+            row,
+            call,
+            (q, k, v, lens, bt),
+            None,
+            lambda t: dict(bytes_per_s=nbytes / t, frac_copy=nbytes / t / copy),
+        )
 
 
 def _measure(results, row, call, args, ref, rates):
@@ -292,8 +380,9 @@ def matmul_rates(flops, mm_rate):
     return lambda t: dict(tflops=flops / t / 1e12, frac_matmul=flops / t / mm_rate)
 
 
-def bench_prefill(results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True,
-                  impl="pallas_triton"):
+def bench_prefill(
+    results, chunk, prefix, mm_rate, label, configs, N=32, K=8, H=128, S=16, check=True, impl="pallas_triton"
+):
     ctx = prefix + chunk
     q, k, v, _, _, bt = make_case(1, ctx, N=N, K=K, H=H, S=S, q_per_seq=chunk)
     lens = jnp.array([ctx], jnp.int32)
@@ -336,8 +425,15 @@ def bench_write(results, T, copy, impl, K=8, H=128, S=16, P=16384, kv_dtype=jnp.
 
         return jax.jit(f, donate_argnums=(0, 1))
 
-    row = dict(kind="write_kv", impl=impl, T=T, K=K, H=H, kv_dtype=str(jnp.dtype(kv_dtype)),
-               note="chained writes in one jit, cache donated; includes one small add per write (k + i)")
+    row = dict(
+        kind="write_kv",
+        impl=impl,
+        T=T,
+        K=K,
+        H=H,
+        kv_dtype=str(jnp.dtype(kv_dtype)),
+        note="chained writes in one jit, cache donated; includes one small add per write (k + i)",
+    )
     try:
         cache = [kp, vp]
         run = runner(build, kn, vn, slots, state=cache)
@@ -378,6 +474,7 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
     for impl, fn in (("xla_rope_pallas_write", xla), ("pallas_fused", fused)):
         row = dict(kind="qkv_rope_write", impl=impl, T=T, K=K, G=G, H=H)
         try:
+
             def build(n, fn=fn):
                 def f(qkv, kp, vp):
                     for _ in range(n):  # q feeds the next rep's qkv so the reps chain
@@ -428,6 +525,7 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
     for impl, fn in (("qkv_write_then_decode", separate), ("pallas_fused_decode", fused)):
         row = dict(kind="fused_decode", impl=impl, B=B, live=live, ctx=ctx, M=M, K=K, G=G, H=H)
         try:
+
             def build(n, fn=fn):
                 def f(kp, vp, qkv):
                     for _ in range(n):  # the output feeds the next rep's q rows so the reps chain
@@ -446,8 +544,9 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
         results.append(row)
         print(json.dumps(row), flush=True)
     if len(outs) == 2:
-        results[-1]["max_abs_diff_vs_separate"] = float(np.abs(outs["pallas_fused_decode"] -
-                                                               outs["qkv_write_then_decode"]).max())
+        results[-1]["max_abs_diff_vs_separate"] = float(
+            np.abs(outs["pallas_fused_decode"] - outs["qkv_write_then_decode"]).max()
+        )
 
 
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
@@ -463,7 +562,7 @@ def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16
     perm = rng.permutation(P).astype(np.int32)
     bt, at = np.zeros((B, M), np.int32), 0
     for b, n in enumerate(seq_lens):
-        bt[b, : -(-n // S)] = perm[at: at + -(-n // S)]
+        bt[b, : -(-n // S)] = perm[at : at + -(-n // S)]
         at += -(-n // S)
     k = jax.random.normal(jax.random.PRNGKey(0), (K, P, S, H), jnp.bfloat16)
     v = jax.random.normal(jax.random.PRNGKey(1), (K, P, S, H), jnp.bfloat16)
@@ -473,10 +572,15 @@ def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16
     args = (q, k, v, jnp.asarray(seq_lens, jnp.int32), qsl, jnp.asarray(bt))
     ref = None
     for split in (False, True):
-        row = dict(kind="mixed", label=f"{n_prefill}x{chunk}_prefill+{n_decode}x{ctx}_decode", impl="pallas_triton",
-                   cfg=dict(split_decode=split))
+        row = dict(
+            kind="mixed",
+            label=f"{n_prefill}x{chunk}_prefill+{n_decode}x{ctx}_decode",
+            impl="pallas_triton",
+            cfg=dict(split_decode=split),
+        )
         call = lambda q, k, v, l, s, b, split=split: kp.ragged_paged_attention(  # noqa: E731
-            q, k, v, l, s, b, scale=H**-0.5, split_decode=split)
+            q, k, v, l, s, b, scale=H**-0.5, split_decode=split
+        )
         _measure(results, row, call, args, ref, lambda t: {})
         out = np.asarray(call(*args), np.float32)
         if ref is None:
@@ -534,8 +638,11 @@ def main():
             q, k, v, lens, _, bt = make_case(B, ctx)
             jax.block_until_ready(paged_decode_attention_kernel(q, k, v, lens, bt, scale=0.088))
         q, k, v, _, _, bt = make_case(1, 4096, q_per_seq=4096)
-        jax.block_until_ready(ragged_paged_attention_kernel(
-            q, k, v, jnp.array([4096], jnp.int32), jnp.array([0, 4096], jnp.int32), bt, scale=0.088))
+        jax.block_until_ready(
+            ragged_paged_attention_kernel(
+                q, k, v, jnp.array([4096], jnp.int32), jnp.array([0, 4096], jnp.int32), bt, scale=0.088
+            )
+        )
         return
     if "trace" in only:  # where a decode call's time goes: the kernel vs the ops around it (XProf)
         traces = {}
@@ -548,8 +655,14 @@ def main():
         with open(a.out.replace(".json", "_trace.json"), "w") as fh:
             json.dump(traces, fh, indent=1)
         only.discard("trace")
-    info = dict(device=str(jax.devices()[0].device_kind), platform=platform.platform(), jax=jax.__version__,
-                git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv), reps=REPS)
+    info = dict(
+        device=str(jax.devices()[0].device_kind),
+        platform=platform.platform(),
+        jax=jax.__version__,
+        git_commit=os.environ.get("GIT_COMMIT", "unknown"),
+        command=" ".join(sys.argv),
+        reps=REPS,
+    )
     print(json.dumps(info), flush=True)
     results = []
     copy = copy_bw()
@@ -562,8 +675,16 @@ def main():
         # batch 1 at the latency workload's lengths in the engine's 1024-token tables (the engine padded batch 1
         # to 8 sequences until stop 17, to 2 since): split-K plus its combine vs one program per kv head
         for B, ctx in ((1, 192), (8, 192), (1, 700)):
-            bench_decode(results, B, ctx, copy, f"b{B}_ctx{ctx}_table1k", [dict(), dict(num_splits=1)],
-                         shipped=False, max_len=1024)
+            bench_decode(
+                results,
+                B,
+                ctx,
+                copy,
+                f"b{B}_ctx{ctx}_table1k",
+                [dict(), dict(num_splits=1)],
+                shipped=False,
+                max_len=1024,
+            )
     if "causal" in only:  # ragged prefill: the defaults against the previous tiles, and where a call's time goes
         cfgs = [dict(), dict(block_k=64, num_stages=2)]
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", cfgs)
@@ -573,32 +694,61 @@ def main():
         args = (q, k, v, jnp.array([4096], jnp.int32), jnp.array([0, 4096], jnp.int32), bt)
         build = chained(lambda *a: ragged_paged_attention_kernel(*a, scale=0.088))
         _, summary = xprof_us(runner(build, *args))
-        results.append(dict(kind="trace", label="goal_chunk4k", impl="pallas_triton", cfg={}, calls=3 * REPS,
-                            summary=summary, time_us=0.0))
+        results.append(
+            dict(
+                kind="trace",
+                label="goal_chunk4k",
+                impl="pallas_triton",
+                cfg={},
+                calls=3 * REPS,
+                summary=summary,
+                time_us=0.0,
+            )
+        )
         print(json.dumps(summary)[:3000], flush=True)
     if "combine" in only:  # batch 1 x 32k: the split-K combine's tiling (it is launch/latency-bound), XProf times
         q, k, v, lens, _, bt = make_case(1, 32768)
         for cfg in [dict()] + [dict(combine_block_h=hb, combine_warps=w) for hb in (64, 32) for w in (1, 2, 4)]:
-            build = chained(lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(
-                q, k, v, lens, bt, scale=0.088, **cfg))
+            build = chained(
+                lambda q, k, v, lens, bt, cfg=cfg: paged_decode_attention_kernel(q, k, v, lens, bt, scale=0.088, **cfg)
+            )
             us, summary = xprof_us(runner(build, q, k, v, lens, bt))
             kernels = {x["name"][:40]: round(x["us_per_run"], 2) for x in summary["devices"][0]["top_kernels"]}
-            row = dict(kind="combine_xprof", label="goal_b1_ctx32k", impl="pallas_triton", cfg=cfg, time_us=us,
-                       kernels=kernels)
+            row = dict(
+                kind="combine_xprof", label="goal_b1_ctx32k", impl="pallas_triton", cfg=cfg, time_us=us, kernels=kernels
+            )
             results.append(row)
             print(json.dumps(row), flush=True)
     if "inflight" in only:  # decode: more KV bytes in flight per SM (prefetch 3 = two blocks ahead, bigger
         # blocks) with fewer, longer splits so the extra registers still give one wave; defaults repeated
-        b1 = [dict(), dict(prefetch=3), dict(prefetch=3, num_splits=33), dict(prefetch=3, num_splits=32),
-              dict(num_splits=33), dict(block_k=64, num_splits=33), dict(block_k=64, num_splits=33, prefetch=1),
-              dict(block_k=64), dict()]
+        b1 = [
+            dict(),
+            dict(prefetch=3),
+            dict(prefetch=3, num_splits=33),
+            dict(prefetch=3, num_splits=32),
+            dict(num_splits=33),
+            dict(block_k=64, num_splits=33),
+            dict(block_k=64, num_splits=33, prefetch=1),
+            dict(block_k=64),
+            dict(),
+        ]
         bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", b1, shipped=False)
-        bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", [dict(), dict(prefetch=3),
-                                                                 dict(block_k=32, prefetch=3), dict()], shipped=False)
+        bench_decode(
+            results,
+            64,
+            2048,
+            copy,
+            "goal_b64_ctx2k",
+            [dict(), dict(prefetch=3), dict(block_k=32, prefetch=3), dict()],
+            shipped=False,
+        )
     if "waves" in only:  # split-K over several waves of programs (the block scheduler balances what one wave
         # cannot: B1 x 32k's programs end over ~4 us, bench/KERNELS_NOTES.md stop 18) against the one-wave default
-        for B, ctx, splits in ((1, 32768, (49, 66, 98, 132, 147, 198, 264)), (4, 8192, (12, 24, 36, 49)),
-                               (2, 131072, (24, 48, 72, 96))):
+        for B, ctx, splits in (
+            (1, 32768, (49, 66, 98, 132, 147, 198, 264)),
+            (4, 8192, (12, 24, 36, 49)),
+            (2, 131072, (24, 48, 72, 96)),
+        ):
             cfgs = [dict()] + [dict(num_splits=n) for n in splits] + [dict()]
             bench_decode(results, B, ctx, copy, f"waves_b{B}_ctx{ctx}", cfgs, shipped=False, check=ctx <= 32768)
     if "mgpu_decode" in only:  # the Mosaic GPU decode kernel (_decode_mgpu.py) against the Triton one, same inputs
@@ -606,30 +756,72 @@ def main():
 
         deep = [dict(slots=4, ctas_per_sm=1), dict(slots=5, ctas_per_sm=1), dict(slots=4, num_splits=17)]
         wide = [dict(slots=2), dict(block_kv=128, slots=2), dict(slots=3)]
-        for B, ctx, mg in ((1, 32768, deep + [dict(slots=2)]), (64, 2048, wide), (16, 16384, wide + deep[:2]),
-                           (4, 8192, deep[:2] + [dict(slots=3, ctas_per_sm=1)]), (2, 131072, deep[:2])):
+        for B, ctx, mg in (
+            (1, 32768, deep + [dict(slots=2)]),
+            (64, 2048, wide),
+            (16, 16384, wide + deep[:2]),
+            (4, 8192, deep[:2] + [dict(slots=3, ctas_per_sm=1)]),
+            (2, 131072, deep[:2]),
+        ):
             label = f"mgpu_b{B}_ctx{ctx}"
             bench_decode(results, B, ctx, copy, label, [dict()], shipped=False, check=ctx <= 32768)
-            bench_decode(results, B, ctx, copy, label, mg + mg[:1], shipped=False, impl="mosaic_gpu",
-                         fn=paged_decode_mgpu, check=ctx <= 32768)
+            bench_decode(
+                results,
+                B,
+                ctx,
+                copy,
+                label,
+                mg + mg[:1],
+                shipped=False,
+                impl="mosaic_gpu",
+                fn=paged_decode_mgpu,
+                check=ctx <= 32768,
+            )
             bench_decode(results, B, ctx, copy, label, [dict()], shipped=False, check=False)
         for cfg in ({}, dict(slots=2)):  # the throughput run's decode batch
             fn = paged_decode_mgpu if cfg else paged_decode_attention_kernel
-            bench_engine_like(results, copy, "engine_shape_cache21k" + ("_mosaic" if cfg else ""), live=500,
-                              jitter=20, max_len=1024, total_pages=21189, configs=(cfg,), fn=fn)
+            bench_engine_like(
+                results,
+                copy,
+                "engine_shape_cache21k" + ("_mosaic" if cfg else ""),
+                live=500,
+                jitter=20,
+                max_len=1024,
+                total_pages=21189,
+                configs=(cfg,),
+                fn=fn,
+            )
     if "mgpu_xprof" in only:  # the same comparison by XProf kernel time (the chain difference of short Mosaic GPU
         # calls moved by 2x between repeats in 88e7d4d): per call, the summed kernels (combine included)
         from kernels_pallas._decode_mgpu import paged_decode_mgpu
 
         impls = dict(triton=paged_decode_attention_kernel, mosaic=paged_decode_mgpu)
-        cases = {(1, 32768): [("triton", {}), ("mosaic", dict(slots=4, ctas_per_sm=1)),
-                              ("mosaic", dict(slots=5, ctas_per_sm=1)), ("mosaic", dict(slots=2)), ("triton", {})],
-                 (64, 2048): [("triton", {}), ("mosaic", dict(slots=2)), ("mosaic", dict(block_kv=128, slots=2)),
-                              ("mosaic", dict(slots=3)), ("triton", {})],
-                 (16, 16384): [("triton", {}), ("mosaic", dict(block_kv=128, slots=2)),
-                               ("mosaic", dict(slots=4, ctas_per_sm=1))],
-                 (4, 8192): [("triton", {}), ("mosaic", dict(slots=4, ctas_per_sm=1)),
-                             ("mosaic", dict(slots=3, ctas_per_sm=1))]}
+        cases = {
+            (1, 32768): [
+                ("triton", {}),
+                ("mosaic", dict(slots=4, ctas_per_sm=1)),
+                ("mosaic", dict(slots=5, ctas_per_sm=1)),
+                ("mosaic", dict(slots=2)),
+                ("triton", {}),
+            ],
+            (64, 2048): [
+                ("triton", {}),
+                ("mosaic", dict(slots=2)),
+                ("mosaic", dict(block_kv=128, slots=2)),
+                ("mosaic", dict(slots=3)),
+                ("triton", {}),
+            ],
+            (16, 16384): [
+                ("triton", {}),
+                ("mosaic", dict(block_kv=128, slots=2)),
+                ("mosaic", dict(slots=4, ctas_per_sm=1)),
+            ],
+            (4, 8192): [
+                ("triton", {}),
+                ("mosaic", dict(slots=4, ctas_per_sm=1)),
+                ("mosaic", dict(slots=3, ctas_per_sm=1)),
+            ],
+        }
         for (B, ctx), variants in cases.items():
             q, k, v, lens, _, bt = make_case(B, ctx)
             nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
@@ -641,10 +833,15 @@ def main():
                 try:
                     t = time_row(row, run)
                     us, summary = xprof_us(run)
-                    row.update(kernel_us=us, kernel_frac_copy=nbytes / (us * 1e-6) / copy,
-                               frac_copy=nbytes / t / copy, bytes_per_s=nbytes / t,
-                               kernels={x["name"][:40]: round(x["us_per_run"], 2)
-                                        for x in summary["devices"][0]["top_kernels"]})
+                    row.update(
+                        kernel_us=us,
+                        kernel_frac_copy=nbytes / (us * 1e-6) / copy,
+                        frac_copy=nbytes / t / copy,
+                        bytes_per_s=nbytes / t,
+                        kernels={
+                            x["name"][:40]: round(x["us_per_run"], 2) for x in summary["devices"][0]["top_kernels"]
+                        },
+                    )
                 except Exception as e:  # noqa: BLE001
                     row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
                 results.append(row)
@@ -654,10 +851,17 @@ def main():
         from kernels_pallas._decode_mgpu import paged_decode_mgpu
 
         deep, wide = dict(slots=4, ctas_per_sm=1), dict(slots=2, ctas_per_sm=2)
-        cases = [(1, 32768, None, None, [deep, wide]), (4, 8192, None, None, [deep]), (16, 16384, None, None, [deep]),
-                 (2, 131072, None, None, [deep]), (64, 2048, None, None, [deep, dict(block_kv=128, slots=2), wide]),
-                 (64, 512, 2048, None, [deep, wide]), (8, 4096, None, None, [deep, wide]),
-                 (512, 600, 1024, 500, [deep, wide]), (128, 1024, None, None, [deep, wide])]
+        cases = [
+            (1, 32768, None, None, [deep, wide]),
+            (4, 8192, None, None, [deep]),
+            (16, 16384, None, None, [deep]),
+            (2, 131072, None, None, [deep]),
+            (64, 2048, None, None, [deep, dict(block_kv=128, slots=2), wide]),
+            (64, 512, 2048, None, [deep, wide]),
+            (8, 4096, None, None, [deep, wide]),
+            (512, 600, 1024, 500, [deep, wide]),
+            (128, 1024, None, None, [deep, wide]),
+        ]
         for B, ctx, max_len, live, mg in cases:
             q, k, v, lens, _, bt = make_case(B, ctx, max_len=max_len, total_pages=21189 if live else None)
             if live is not None:
@@ -668,8 +872,13 @@ def main():
             for name, cfg in [("triton", {})] + [("mosaic", c) for c in mg] + [("triton", {})]:
                 fn = paged_decode_attention_kernel if name == "triton" else paged_decode_mgpu
                 call = lambda q, k, v, lens, bt, fn=fn, cfg=cfg: fn(q, k, v, lens, bt, scale=0.088, **cfg)  # noqa: E731
-                row = dict(kind="decode_xprof", label=f"b{B}_ctx{ctx}" + (f"_live{live}" if live else ""),
-                           table_tokens=int(bt.shape[1]) * 16, impl=name, cfg=cfg)
+                row = dict(
+                    kind="decode_xprof",
+                    label=f"b{B}_ctx{ctx}" + (f"_live{live}" if live else ""),
+                    table_tokens=int(bt.shape[1]) * 16,
+                    impl=name,
+                    cfg=cfg,
+                )
                 xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
     if "goal" in only:  # the decode goal shapes through the entry point (the backend it picks), the Triton kernel
         # and JAX's shipped kernel, each by chain difference and by XProf kernel time, twice
@@ -677,58 +886,93 @@ def main():
 
         import kernels_pallas as kp
 
-        impls = [("entry_point", lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)),
-                 ("pallas_triton", lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt,
-                                                                                           scale=0.088)),
-                 ("jax_shipped_paged_attention", lambda q, k, v, lens, bt: paged_attention(
-                     q * jnp.asarray(0.088, q.dtype), k, v, bt, lens))]
+        impls = [
+            ("entry_point", lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)),
+            ("pallas_triton", lambda q, k, v, lens, bt: paged_decode_attention_kernel(q, k, v, lens, bt, scale=0.088)),
+            (
+                "jax_shipped_paged_attention",
+                lambda q, k, v, lens, bt: paged_attention(q * jnp.asarray(0.088, q.dtype), k, v, bt, lens),
+            ),
+        ]
         for B, ctx in ((64, 2048), (1, 32768)):
             q, k, v, lens, _, bt = make_case(B, ctx)
             nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
             ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=0.088, pages_per_step=64)
             for rep in range(2):
                 for name, call in impls:
-                    row = dict(kind="decode_goal", label=f"goal_b{B}_ctx{ctx}", impl=name, rep=rep,
-                               rel_err=rel_err(call(q, k, v, lens, bt), ref) if rep == 0 else None)
+                    row = dict(
+                        kind="decode_goal",
+                        label=f"goal_b{B}_ctx{ctx}",
+                        impl=name,
+                        rep=rep,
+                        rel_err=rel_err(call(q, k, v, lens, bt), ref) if rep == 0 else None,
+                    )
                     xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
     if "b1" in only:  # batch-1 decode padded to 8 sequences, 1 live (the engine before stop 17), latency lengths
         cfgs = [dict(), dict(num_splits=1)] + [
             dict(num_splits=1, block_k=bk, num_warps=w, prefetch=pf)
-            for bk in (64, 128, 256) for w in (4, 8) for pf in (0, 2)]
+            for bk in (64, 128, 256)
+            for w in (4, 8)
+            for pf in (0, 2)
+        ]
         for ctx in (144, 256, 700):
             bench_engine_like(results, copy, f"b1_ctx{ctx}", B=8, ctx=ctx, live=1, max_len=1024, configs=cfgs)
     if a.sweep:
-        dec_cfgs = [dict(block_k=bk, num_warps=w, num_stages=st)
-                    for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)]
-        pre_cfgs = [dict(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
-                    for bm in (64, 128) for bk in (32, 64) for w in (4, 8) for st in (2, 3)]
+        dec_cfgs = [
+            dict(block_k=bk, num_warps=w, num_stages=st) for bk in (32, 64, 128) for w in (1, 2, 4) for st in (2, 3)
+        ]
+        pre_cfgs = [
+            dict(block_m=bm, block_k=bk, num_warps=w, num_stages=st)
+            for bm in (64, 128)
+            for bk in (32, 64)
+            for w in (4, 8)
+            for st in (2, 3)
+        ]
     else:
         dec_cfgs = [dict()]
         pre_cfgs = [dict()]
     if "decode" in only:
         bench_decode(results, 64, 2048, copy, "goal_b64_ctx2k", dec_cfgs)
-        bench_decode(results, 1, 32768, copy, "goal_b1_ctx32k", dec_cfgs
-                     + [dict(num_splits=n, block_k=64, num_stages=2, num_warps=w) for n in (32, 64) for w in (2, 4)])
+        bench_decode(
+            results,
+            1,
+            32768,
+            copy,
+            "goal_b1_ctx32k",
+            dec_cfgs + [dict(num_splits=n, block_k=64, num_stages=2, num_warps=w) for n in (32, 64) for w in (2, 4)],
+        )
         if not a.sweep:
             bench_decode(results, 64, 2048, copy, "page32", [dict()], S=32, shipped=False)
             bench_decode(results, 64, 2048, copy, "page64", [dict()], S=64, shipped=False)
-            bench_decode(results, 64, 2048, copy, "fp8_e4m3", [dict()], kv_dtype=jnp.float8_e4m3fn,
-                         shipped=False)
+            bench_decode(results, 64, 2048, copy, "fp8_e4m3", [dict()], kv_dtype=jnp.float8_e4m3fn, shipped=False)
             bench_decode(results, 16, 16384, copy, "b16_ctx16k", [dict()])
             bench_decode(results, 2, 131072, copy, "b2_ctx128k", [dict()], shipped=False, check=False)
             bench_decode(results, 64, 2048, copy, "mha_N32_K32_D64", [dict()], N=32, K=32, H=64)
             # the throughput run's decode batch (500 live of 512, 580-600 tokens, 64-page tables, a cache the
             # engine's size): 0.91 of copy alone (7276253) where the engine's step saw ~0.87
-            bench_engine_like(results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024,
-                              total_pages=21189)
+            bench_engine_like(
+                results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024, total_pages=21189
+            )
     if "mgpu" in only:  # the Mosaic GPU prefill kernel against the Triton one, same inputs and run
-        for chunk, prefix, label in ((4096, 0, "goal_chunk4k"), (4096, 4096, "chunk4k_prefix4k"),
-                                     (512, 8192, "chunk512_prefix8k")):
+        for chunk, prefix, label in (
+            (4096, 0, "goal_chunk4k"),
+            (4096, 4096, "chunk4k_prefix4k"),
+            (512, 8192, "chunk512_prefix8k"),
+        ):
             bench_prefill(results, chunk, prefix, mm, label, [dict()])
-            bench_prefill(results, chunk, prefix, mm, label, [dict(block_kv=128, steps_in_flight=2),
-                                                              dict(block_kv=128, steps_in_flight=3),
-                                                              dict(block_kv=64, steps_in_flight=4)],
-                          impl="mosaic_gpu")
+            bench_prefill(
+                results,
+                chunk,
+                prefix,
+                mm,
+                label,
+                [
+                    dict(block_kv=128, steps_in_flight=2),
+                    dict(block_kv=128, steps_in_flight=3),
+                    dict(block_kv=64, steps_in_flight=4),
+                ],
+                impl="mosaic_gpu",
+            )
     if "prefill" in only:
         bench_prefill(results, 4096, 0, mm, "goal_chunk4k", pre_cfgs)
         if not a.sweep:
@@ -763,8 +1007,10 @@ def main():
             continue
         rate = r.get("bytes_per_s", 0) / 1e12 if "bytes_per_s" in r else r.get("tflops", 0)
         frac = r.get("frac_copy", r.get("frac_matmul", 0))
-        print(f'{r["kind"]:8s} {str(r.get("label")):20s} {r["impl"][:28]:28s} {json.dumps(r.get("cfg", {}))[:60]:60s}'
-              f' {r["time_us"]:9.1f} {rate:7.3f} {frac:5.2f} {_err(r):.1e}')
+        print(
+            f"{r['kind']:8s} {str(r.get('label')):20s} {r['impl'][:28]:28s} {json.dumps(r.get('cfg', {}))[:60]:60s}"
+            f" {r['time_us']:9.1f} {rate:7.3f} {frac:5.2f} {_err(r):.1e}"
+        )
 
 
 def _err(row) -> float:

@@ -48,8 +48,9 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> di
     outs = llm.generate(prompts, sp, use_tqdm=False)
     e2e = time.perf_counter() - t0
     ttft = [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
-    itl = [(o.metrics.last_token_time - o.metrics.first_token_time) / max(len(o.outputs[0].token_ids) - 1, 1)
-           for o in outs]
+    itl = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / max(len(o.outputs[0].token_ids) - 1, 1) for o in outs
+    ]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(e2e_s=e2e, ttft_s=ttft, itl_s=itl, output_tokens=n_out)
 
@@ -70,20 +71,39 @@ def main(argv=None) -> dict:
         itl = [t for r in runs for t in r["itl_s"]]
         e2e = [r["e2e_s"] for r in runs]
         out_tok = runs[0]["output_tokens"]
-        row = dict(batch_size=batch, ttft_s=common.pct(ttft), itl_s=common.pct(itl), e2e_s=common.pct(e2e),
-                   decode_tok_per_s_per_seq=1.0 / common.pct(itl)["p50"],
-                   batch_output_tok_per_s=out_tok / common.pct(e2e)["p50"])
+        row = dict(
+            batch_size=batch,
+            ttft_s=common.pct(ttft),
+            itl_s=common.pct(itl),
+            e2e_s=common.pct(e2e),
+            decode_tok_per_s_per_seq=1.0 / common.pct(itl)["p50"],
+            batch_output_tok_per_s=out_tok / common.pct(e2e)["p50"],
+        )
         results.append(row)
-        print(f"batch {batch}: TTFT p50 {row['ttft_s']['p50'] * 1e3:.1f} ms, ITL p50 {row['itl_s']['p50'] * 1e3:.2f} ms"
-              f" ({row['decode_tok_per_s_per_seq']:.1f} tok/s per sequence), e2e p50 {row['e2e_s']['p50']:.2f} s,"
-              f" {row['batch_output_tok_per_s']:.1f} output tok/s", flush=True)
-    res = dict(env=env, engine=common.engine_summary(llm),
-               workload=dict(input_len=args.input_len, output_len=args.output_len, num_iters=args.num_iters,
-                             ignore_eos=True, temperature=0.0, model=args.model or args.shape or "demo",
-                             load_format=args.load_format, quantization=args.quantization),
-               time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
-               results=results, compiles_during_run=len(runner.programs.compiled) - compiled_before,
-               compiles_after_warmup=runner.programs.num_compiles_after_warmup)
+        print(
+            f"batch {batch}: TTFT p50 {row['ttft_s']['p50'] * 1e3:.1f} ms, ITL p50 {row['itl_s']['p50'] * 1e3:.2f} ms"
+            f" ({row['decode_tok_per_s_per_seq']:.1f} tok/s per sequence), e2e p50 {row['e2e_s']['p50']:.2f} s,"
+            f" {row['batch_output_tok_per_s']:.1f} output tok/s",
+            flush=True,
+        )
+    res = dict(
+        env=env,
+        engine=common.engine_summary(llm),
+        workload=dict(
+            input_len=args.input_len,
+            output_len=args.output_len,
+            num_iters=args.num_iters,
+            ignore_eos=True,
+            temperature=0.0,
+            model=args.model or args.shape or "demo",
+            load_format=args.load_format,
+            quantization=args.quantization,
+        ),
+        time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
+        results=results,
+        compiles_during_run=len(runner.programs.compiled) - compiled_before,
+        compiles_after_warmup=runner.programs.num_compiles_after_warmup,
+    )
     if args.profile_dir:
         from bench.throughput import profile_run
 

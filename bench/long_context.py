@@ -87,8 +87,12 @@ def ceilings(copy_mib: int, matmul_n: int) -> dict:
 
     t_mm = timeit(matmuls, a, b)[0]
     del a, b
-    return dict(copy_bytes_per_s=2 * (copy_mib << 20) / t_copy, copy_mib=copy_mib,
-                matmul_flops_per_s=2 * matmul_n**3 / t_mm, matmul_n=matmul_n)
+    return dict(
+        copy_bytes_per_s=2 * (copy_mib << 20) / t_copy,
+        copy_mib=copy_mib,
+        matmul_flops_per_s=2 * matmul_n**3 / t_mm,
+        matmul_n=matmul_n,
+    )
 
 
 def rooflines(math: common.ModelMath, batch: int, input_len: int, output_len: int, ceil: dict) -> dict:
@@ -99,13 +103,17 @@ def rooflines(math: common.ModelMath, batch: int, input_len: int, output_len: in
     prefill_dense = math.dense_flops(input_len, 1)
     prefill_attn = math.attn_flops(input_len, 0)
     return dict(
-        weight_bytes=math.weight_bytes, kv_bytes_per_token=math.kv_bytes_per_token, kv_bytes_per_step=kv_step,
+        weight_bytes=math.weight_bytes,
+        kv_bytes_per_token=math.kv_bytes_per_token,
+        kv_bytes_per_step=kv_step,
         itl_roofline_s=step_bytes / ceil["copy_bytes_per_s"],
-        prefill_flops_per_prompt=prefill_dense + prefill_attn, prefill_dense_flops=prefill_dense,
+        prefill_flops_per_prompt=prefill_dense + prefill_attn,
+        prefill_dense_flops=prefill_dense,
         prefill_attention_flops=prefill_attn,
         ttft_roofline_s=batch * (prefill_dense + prefill_attn) / ceil["matmul_flops_per_s"],
         flop_formula="per prompt of n tokens: 2 * matmul_params * n + 2 * D * V + 2 * L * N * H * n * (n + 1)",
-        itl_formula="(weight_bytes + batch * kv_bytes_per_token * mean decode context) / copy bandwidth")
+        itl_formula="(weight_bytes + batch * kv_bytes_per_token * mean decode context) / copy bandwidth",
+    )
 
 
 def main(argv=None) -> dict:
@@ -119,8 +127,11 @@ def main(argv=None) -> dict:
     t0 = time.perf_counter()
     ceil = ceilings(args.copy_mib, args.matmul_n)
     ceil["seconds"] = time.perf_counter() - t0
-    print(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-          f"{ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s", flush=True)
+    print(
+        f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{ceil['matmul_flops_per_s'] / 1e12:.1f} TFLOP/s",
+        flush=True,
+    )
     import jax.numpy as jnp
 
     from bench.latency import run_batch
@@ -130,8 +141,9 @@ def main(argv=None) -> dict:
     eng = llm.llm_engine
     with open(os.path.join(common.resolve_model(args), "config.json")) as f:
         cfg = json.load(f)
-    math = common.ModelMath.from_config(cfg, weight_itemsize=jnp.dtype(eng.model_config.dtype).itemsize,
-                                        kv_itemsize=eng.runner.kv_dtype.itemsize)
+    math = common.ModelMath.from_config(
+        cfg, weight_itemsize=jnp.dtype(eng.model_config.dtype).itemsize, kv_itemsize=eng.runner.kv_dtype.itemsize
+    )
     B, n_in, n_out = args.batch_size, args.input_len, args.output_len
     for i in range(args.num_iters_warmup):
         run_batch(llm, B, n_in, n_out, seed=1000 + i)
@@ -144,22 +156,38 @@ def main(argv=None) -> dict:
     ttft_batch = common.pct(last_ttft)["p50"]  # batch 1: the p50 TTFT
     rate = B * roof["prefill_flops_per_prompt"] / ttft_batch
     res = dict(
-        env=env, engine=common.engine_summary(llm),
-        workload=dict(batch_size=B, input_len=n_in, output_len=n_out, num_iters=args.num_iters,
-                      num_iters_warmup=args.num_iters_warmup, ignore_eos=True, temperature=0.0,
-                      model=args.model or args.shape, load_format=args.load_format),
+        env=env,
+        engine=common.engine_summary(llm),
+        workload=dict(
+            batch_size=B,
+            input_len=n_in,
+            output_len=n_out,
+            num_iters=args.num_iters,
+            num_iters_warmup=args.num_iters_warmup,
+            ignore_eos=True,
+            temperature=0.0,
+            model=args.model or args.shape,
+            load_format=args.load_format,
+        ),
         time_to_ready_s=dict(llm_init=t_ready - t_llm, since_script_start=t_ready - T_START),
-        ceilings=ceil, roofline=roof,
-        ttft_s=common.pct(ttft), ttft_last_in_batch_s=common.pct(last_ttft), itl_s=common.pct(itl),
+        ceilings=ceil,
+        roofline=roof,
+        ttft_s=common.pct(ttft),
+        ttft_last_in_batch_s=common.pct(last_ttft),
+        itl_s=common.pct(itl),
         e2e_s=common.pct([r["e2e_s"] for r in runs]),
         decode_tok_per_s_per_seq=1.0 / itl_p50,
         itl_roofline_frac=roof["itl_roofline_s"] / itl_p50,
-        prefill_flops_per_s=rate, ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
+        prefill_flops_per_s=rate,
+        ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
         compiles_after_warmup=eng.runner.programs.num_compiles_after_warmup,
     )
-    print(f"batch {B} x {n_in} in / {n_out} out: TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms "
-          f"({rate / 1e12:.1f} TFLOP/s = {res['ttft_matmul_frac']:.1%} of matmul), ITL p50 {itl_p50 * 1e3:.2f} ms "
-          f"(roofline {roof['itl_roofline_s'] * 1e3:.2f} ms: {res['itl_roofline_frac']:.1%})", flush=True)
+    print(
+        f"batch {B} x {n_in} in / {n_out} out: TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms "
+        f"({rate / 1e12:.1f} TFLOP/s = {res['ttft_matmul_frac']:.1%} of matmul), ITL p50 {itl_p50 * 1e3:.2f} ms "
+        f"(roofline {roof['itl_roofline_s'] * 1e3:.2f} ms: {res['itl_roofline_frac']:.1%})",
+        flush=True,
+    )
     common.write_result("long_context", res, args.out)
     return res
 

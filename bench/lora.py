@@ -55,9 +55,15 @@ def write_dummy_adapter(out_dir: str, cfg: dict, rank: int, seed: int) -> str:
     rng = np.random.default_rng(seed)
     D, F = cfg["hidden_size"], cfg["intermediate_size"]
     H = D // cfg["num_attention_heads"]
-    shapes = {"q_proj": (D, D), "k_proj": (D, cfg["num_key_value_heads"] * H),
-              "v_proj": (D, cfg["num_key_value_heads"] * H), "o_proj": (D, D), "gate_proj": (D, F), "up_proj": (D, F),
-              "down_proj": (F, D)}
+    shapes = {
+        "q_proj": (D, D),
+        "k_proj": (D, cfg["num_key_value_heads"] * H),
+        "v_proj": (D, cfg["num_key_value_heads"] * H),
+        "o_proj": (D, D),
+        "gate_proj": (D, F),
+        "up_proj": (D, F),
+        "down_proj": (F, D),
+    }
     tensors = {}
     for i in range(cfg["num_hidden_layers"]):
         for m in MODULES:
@@ -70,8 +76,17 @@ def write_dummy_adapter(out_dir: str, cfg: dict, rank: int, seed: int) -> str:
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(MODULES), bias="none",
-                       base_model_name_or_path="dummy"), f)
+        json.dump(
+            dict(
+                peft_type="LORA",
+                r=rank,
+                lora_alpha=2 * rank,
+                target_modules=list(MODULES),
+                bias="none",
+                base_model_name_or_path="dummy",
+            ),
+            f,
+        )
     return out_dir
 
 
@@ -81,8 +96,9 @@ def _requests(n: int, n_adapters: int, adapter_dir: str):
 
     if not n_adapters:
         return [None] * n
-    return [None if i % 8 == 7 else LoRARequest(f"a{i % n_adapters}", 1 + i % n_adapters, adapter_dir)
-            for i in range(n)]
+    return [
+        None if i % 8 == 7 else LoRARequest(f"a{i % n_adapters}", 1 + i % n_adapters, adapter_dir) for i in range(n)
+    ]
 
 
 def _run(llm, prompts, loras, max_tokens: int) -> dict:
@@ -92,11 +108,16 @@ def _run(llm, prompts, loras, max_tokens: int) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, lora_request=loras, use_tqdm=False)
     e2e = time.perf_counter() - t0
-    itl = [(o.metrics.last_token_time - o.metrics.first_token_time) / max(len(o.outputs[0].token_ids) - 1, 1)
-           for o in outs]
+    itl = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / max(len(o.outputs[0].token_ids) - 1, 1) for o in outs
+    ]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-    return dict(e2e_s=e2e, itl_p50_ms=1e3 * float(np.median(itl)), output_tok_per_s=n_out / e2e,
-                total_tok_per_s=(n_out + sum(map(len, prompts))) / e2e)
+    return dict(
+        e2e_s=e2e,
+        itl_p50_ms=1e3 * float(np.median(itl)),
+        output_tok_per_s=n_out / e2e,
+        total_tok_per_s=(n_out + sum(map(len, prompts))) / e2e,
+    )
 
 
 def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dict:
@@ -156,15 +177,21 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--shape" in argv:  # the children use the folder made here (no second tokenizer build)
         i = argv.index("--shape")
-        argv[i: i + 2] = ["--model", model]
+        argv[i : i + 2] = ["--model", model]
     if "--out" in argv:
         i = argv.index("--out")
-        del argv[i: i + 2]
+        del argv[i : i + 2]
     # This process never touches the device (jax would take its memory from the engines): the children report
     # the device and jax version.
-    out = dict(env=common.environment(with_jax=False), rank=args.rank, batch=args.batch, decode_len=args.decode_len,
-               offline=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len),
-               engines={}, rows=[])
+    out = dict(
+        env=common.environment(with_jax=False),
+        rank=args.rank,
+        batch=args.batch,
+        decode_len=args.decode_len,
+        offline=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len),
+        engines={},
+        rows=[],
+    )
     path = None
     for name, _, _ in engines:
         if name not in args.engines.split(","):
@@ -175,15 +202,18 @@ def main(argv=None) -> dict:
         with open(part) as f:
             res = json.load(f)
         out["env"].update({k: res["env"][k] for k in ("jax", "backend", "device", "num_devices")})
-        out["engines"][name] = dict(engine=res["engine"], time_to_ready_s=res["time_to_ready_s"],
-                                    wall_s=time.perf_counter() - t0)
+        out["engines"][name] = dict(
+            engine=res["engine"], time_to_ready_s=res["time_to_ready_s"], wall_s=time.perf_counter() - t0
+        )
         out["rows"] += res["rows"]
         _ratios(out["rows"], args.batch)
         path = common.write_result("lora", out, args.out if path is None else path)  # each engine's rows at once
     for r in out["rows"]:
-        print(f"{r['engine']:>7} {r['adapters']:>2} adapters: batch-1 ITL {r['batch1']['itl_p50_ms']:.2f} ms, "
-              f"batch-{args.batch} {r[f'batch{args.batch}']['output_tok_per_s']:.0f} tok/s, offline "
-              f"{r['offline']['total_tok_per_s']:.0f} tok/s" + (f", vs base {r['vs_base']}" if "vs_base" in r else ""))
+        print(
+            f"{r['engine']:>7} {r['adapters']:>2} adapters: batch-1 ITL {r['batch1']['itl_p50_ms']:.2f} ms, "
+            f"batch-{args.batch} {r[f'batch{args.batch}']['output_tok_per_s']:.0f} tok/s, offline "
+            f"{r['offline']['total_tok_per_s']:.0f} tok/s" + (f", vs base {r['vs_base']}" if "vs_base" in r else "")
+        )
     return out
 
 
@@ -193,8 +223,9 @@ def _ratios(rows: list[dict], batch: int) -> None:
     if base is None:
         return
     for r in rows:
-        r["vs_base"] = {k: r[k]["output_tok_per_s"] / base[k]["output_tok_per_s"]
-                        for k in ("batch1", f"batch{batch}", "offline")}
+        r["vs_base"] = {
+            k: r[k]["output_tok_per_s"] / base[k]["output_tok_per_s"] for k in ("batch1", f"batch{batch}", "offline")
+        }
 
 
 if __name__ == "__main__":

@@ -122,8 +122,17 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
     rows, sizes = sorted_rows(h, ids, E)
     dense_w = (w_gate_up[0].reshape(D, 2 * F), w_down[0])
     gemm_flops = 2 * T * k * D * 3 * F  # gate + up + down
-    row = dict(shape=name, T=T, D=D, F=F, E=E, k=k, dtype=str(jnp.dtype(dtype)),
-               experts_with_tokens=int((np.asarray(sizes) > 0).sum()), gemm_gflop=gemm_flops / 1e9)
+    row = dict(
+        shape=name,
+        T=T,
+        D=D,
+        F=F,
+        E=E,
+        k=k,
+        dtype=str(jnp.dtype(dtype)),
+        experts_with_tokens=int((np.asarray(sizes) > 0).sum()),
+        gemm_gflop=gemm_flops / 1e9,
+    )
 
     def measure(key, fn, args, flops):
         """fn(*args) -> like args[0]: chained timing, or one call's wall time where one call takes longer than
@@ -139,39 +148,65 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
                 row[key] = dict(us=one * 1e6, tflops=flops / one / 1e12, timing="one call (not chained: slow)")
                 return
             med, lo, hi, wall = timeit(chained(fn), *args, runs=runs)
-            row[key] = dict(us=med * 1e6, min_us=lo * 1e6, max_us=hi * 1e6, wall_us=wall * 1e6,
-                            tflops=flops / med / 1e12 if med > 0 else None)
+            row[key] = dict(
+                us=med * 1e6,
+                min_us=lo * 1e6,
+                max_us=hi * 1e6,
+                wall_us=wall * 1e6,
+                tflops=flops / med / 1e12 if med > 0 else None,
+            )
         except Exception as e:  # noqa: BLE001 - recorded in the JSON, the sweep goes on
             row[key] = dict(error=f"{type(e).__name__}: {str(e)[:300]}")
 
     layer = (h, weights, ids, w_gate_up, w_down)
-    measure("grouped_gemms", lambda r, s, a, b: grouped_gemms(r, s, a, b).astype(r.dtype),
-            (rows, sizes, w_gate_up, w_down), gemm_flops)
+    measure(
+        "grouped_gemms",
+        lambda r, s, a, b: grouped_gemms(r, s, a, b).astype(r.dtype),
+        (rows, sizes, w_gate_up, w_down),
+        gemm_flops,
+    )
     measure("dense_gemms", lambda r, a, b: dense_gemms(r, a, b).astype(r.dtype), (rows, *dense_w), gemm_flops)
     measure("expert_mlp", lambda x, w, i, a, b: expert_mlp(x, w, i, a, b).astype(x.dtype), layer, gemm_flops)
     if gathered:
-        measure("expert_mlp_gathered", lambda x, w, i, a, b: expert_mlp_gathered(x, w, i, a, b).astype(x.dtype),
-                layer, gemm_flops)
+        measure(
+            "expert_mlp_gathered",
+            lambda x, w, i, a, b: expert_mlp_gathered(x, w, i, a, b).astype(x.dtype),
+            layer,
+            gemm_flops,
+        )
     if jax.default_backend() == "gpu":
         from kernels_pallas._common import on_hopper
 
         if on_hopper():
-            measure("grouped_gemms_mgpu", lambda r, s, a, b: mgpu_grouped_gemms(r, s, a, b).astype(r.dtype),
-                    (rows, sizes, w_gate_up, w_down), gemm_flops)
+            measure(
+                "grouped_gemms_mgpu",
+                lambda r, s, a, b: mgpu_grouped_gemms(r, s, a, b).astype(r.dtype),
+                (rows, sizes, w_gate_up, w_down),
+                gemm_flops,
+            )
         if hasattr(jax.config, "jax_ragged_dot_use_gpu_pallas_triton_lowering"):
             with _config(True):
-                measure("grouped_gemms_triton", lambda r, s, a, b: grouped_gemms(r, s, a, b).astype(r.dtype),
-                        (rows, sizes, w_gate_up, w_down), gemm_flops)
+                measure(
+                    "grouped_gemms_triton",
+                    lambda r, s, a, b: grouped_gemms(r, s, a, b).astype(r.dtype),
+                    (rows, sizes, w_gate_up, w_down),
+                    gemm_flops,
+                )
     if T <= check_max_tokens:
-        measure("all_experts", lambda x, w, i, a, b: expert_mlp_dense(x, w, i, a, b).astype(x.dtype), layer,
-                gemm_flops * E // k)
+        measure(
+            "all_experts",
+            lambda x, w, i, a, b: expert_mlp_dense(x, w, i, a, b).astype(x.dtype),
+            layer,
+            gemm_flops * E // k,
+        )
         got = np.asarray(jax.jit(expert_mlp)(h, weights, ids, w_gate_up, w_down), np.float32)
         want = np.asarray(jax.jit(expert_mlp_dense)(h, weights, ids, w_gate_up, w_down), np.float32)
         row["max_rel_err_vs_all_experts"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
         if gathered:
             got = np.asarray(jax.jit(expert_mlp_gathered)(h, weights, ids, w_gate_up, w_down), np.float32)
-            row["max_rel_err_vs_all_experts"] = max(row["max_rel_err_vs_all_experts"], float(
-                np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)))
+            row["max_rel_err_vs_all_experts"] = max(
+                row["max_rel_err_vs_all_experts"], float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+            )
         row["check_ok"] = row["max_rel_err_vs_all_experts"] <= (1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2)
     dense_us = row["dense_gemms"].get("us", 0)
     for key in ("grouped_gemms", "expert_mlp", "expert_mlp_gathered", "grouped_gemms_mgpu", "grouped_gemms_triton"):
@@ -186,12 +221,24 @@ def main(argv=None):
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of token counts T")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--runs", type=int, default=5, help="timed pairs per figure (median kept)")
-    p.add_argument("--check-max-tokens", type=int, default=512,
-                   help="also time the all-experts einsum and check against it up to this T")
-    p.add_argument("--gathered-max-gib", type=float, default=4.0,
-                   help="also time expert_mlp_gathered where its T * k gathered expert copies fit in this")
-    p.add_argument("--max-call-s", type=float, default=0.25,
-                   help="a variant whose single call takes longer is timed by that one call, not chained")
+    p.add_argument(
+        "--check-max-tokens",
+        type=int,
+        default=512,
+        help="also time the all-experts einsum and check against it up to this T",
+    )
+    p.add_argument(
+        "--gathered-max-gib",
+        type=float,
+        default=4.0,
+        help="also time expert_mlp_gathered where its T * k gathered expert copies fit in this",
+    )
+    p.add_argument(
+        "--max-call-s",
+        type=float,
+        default=0.25,
+        help="a variant whose single call takes longer is timed by that one call, not chained",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -207,8 +254,11 @@ def main(argv=None):
             rows.append(row)
             if row.get("check_ok") is False:
                 failures.append(dict(shape=name, T=T, error=f"max rel err {row['max_rel_err_vs_all_experts']}"))
-            times = {key: (f"{v['us']:.1f} us" if "us" in v else v["error"][:60]) for key, v in row.items()
-                     if isinstance(v, dict)}
+            times = {
+                key: (f"{v['us']:.1f} us" if "us" in v else v["error"][:60])
+                for key, v in row.items()
+                if isinstance(v, dict)
+            }
             print(f"{name} T={T}: {times}", flush=True)
     result = dict(env=environment() | {"xla_flags": os.environ.get("XLA_FLAGS", "")}, rows=rows, failures=failures)
     write_result("moe_matmul", result, a.out)

@@ -96,8 +96,10 @@ def run_case(args, argv: list[str], model: str, case: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="jaxllm-multihost-") as tmp:
         outs = [os.path.join(tmp, f"p{i}.json") for i in range(2 if multi else 1)]
         cmd = [sys.executable, os.path.abspath(__file__), *argv, "--model", model]
-        procs = [subprocess.Popen(cmd + ["--role", f"{case}:{i}:{port}:{out}"], env=_env(args, case, i))
-                 for i, out in enumerate(outs)]
+        procs = [
+            subprocess.Popen(cmd + ["--role", f"{case}:{i}:{port}:{out}"], env=_env(args, case, i))
+            for i, out in enumerate(outs)
+        ]
         try:
             codes = [p.wait(timeout=args.case_timeout) for p in procs]
         except subprocess.TimeoutExpired:
@@ -120,8 +122,9 @@ def _env(args, case: str, process_id: int) -> dict:
         env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     else:
         # two processes as two hosts: each sees its own GPU only
-        env["CUDA_VISIBLE_DEVICES"] = str(process_id) if case.startswith("multi_") else ",".join(map(str,
-                                                                                                    range(devices)))
+        env["CUDA_VISIBLE_DEVICES"] = (
+            str(process_id) if case.startswith("multi_") else ",".join(map(str, range(devices)))
+        )
     return env
 
 
@@ -139,8 +142,14 @@ def run_role(args) -> None:
         from jaxllm.distributed import initialize
 
         initialize(f"localhost:{port}", 2, process_id, timeout=300)
-    layout = {"single_tp2": (2, 1, 1), "multi_tp2": (2, 1, 1), "single_pp2": (1, 2, 1), "multi_pp2": (1, 2, 1),
-              "single_tp1": (1, 1, 1), "dp2": (1, 1, 2)}[case]
+    layout = {
+        "single_tp2": (2, 1, 1),
+        "multi_tp2": (2, 1, 1),
+        "single_pp2": (1, 2, 1),
+        "multi_pp2": (1, 2, 1),
+        "single_tp1": (1, 1, 1),
+        "dp2": (1, 1, 2),
+    }[case]
     from jaxllm.config import ModelConfig
 
     vocab = ModelConfig.from_hf(args.model).vocab_size
@@ -149,8 +158,14 @@ def run_role(args) -> None:
         prompts = random_token_prompts(args.num_greedy, 64, vocab, seed=1)
         entry["greedy"] = run(args, layout, args.greedy_dtype, prompts, args.greedy_len)
     n = args.dp_num_prompts if case in ("dp2", "single_tp1") else args.num_prompts
-    entry["throughput"] = run(args, layout, args.throughput_dtype, random_token_prompts(n, args.input_len, vocab, 2),
-                              args.output_len, itl=case not in ("dp2", "single_tp1"))
+    entry["throughput"] = run(
+        args,
+        layout,
+        args.throughput_dtype,
+        random_token_prompts(n, args.input_len, vocab, 2),
+        args.output_len,
+        itl=case not in ("dp2", "single_tp1"),
+    )
     if process_id == 0:
         with open(out, "w") as f:
             json.dump(entry, f, default=str)
@@ -163,8 +178,9 @@ def run(args, layout, dtype, prompts, output_len, itl: bool = False) -> dict:
     from jaxllm import LLM, SamplingParams
 
     tp, pp, dp = layout
-    kw = engine_kwargs(args, args.model) | dict(dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                                data_parallel_size=dp)
+    kw = engine_kwargs(args, args.model) | dict(
+        dtype=dtype, tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp
+    )
     t0 = time.perf_counter()
     llm = LLM(args.model, **kw)
     ready = time.perf_counter() - t0
@@ -174,8 +190,14 @@ def run(args, layout, dtype, prompts, output_len, itl: bool = False) -> dict:
     t0 = time.perf_counter()
     outs = llm.generate(batch, sp, use_tqdm=False)
     secs = time.perf_counter() - t0
-    r = dict(ready_s=ready, seconds=secs, num_prompts=len(prompts), output_tok_s=len(prompts) * output_len / secs,
-             req_s=len(prompts) / secs, tokens=[o.outputs[0].token_ids for o in outs])
+    r = dict(
+        ready_s=ready,
+        seconds=secs,
+        num_prompts=len(prompts),
+        output_tok_s=len(prompts) * output_len / secs,
+        req_s=len(prompts) / secs,
+        tokens=[o.outputs[0].token_ids for o in outs],
+    )
     if itl:
         one = SamplingParams(temperature=0, max_tokens=args.itl_output_len, ignore_eos=True)
         llm.generate(batch[:1], one, use_tqdm=False)
@@ -200,24 +222,30 @@ def compare(cases: dict) -> dict:
         single, multi = cases.get(f"single_{layout}", {}), cases.get(f"multi_{layout}", {})
         if "throughput" not in single or "throughput" not in multi:
             continue
-        row = dict(throughput_ratio=multi["throughput"]["output_tok_s"] / single["throughput"]["output_tok_s"],
-                   single_out_tok_s=single["throughput"]["output_tok_s"],
-                   multi_out_tok_s=multi["throughput"]["output_tok_s"],
-                   single_batch1_itl_ms=single["throughput"].get("batch1_itl_ms"),
-                   multi_batch1_itl_ms=multi["throughput"].get("batch1_itl_ms"),
-                   throughput_tokens_equal=single["throughput"]["tokens"] == multi["throughput"]["tokens"])
+        row = dict(
+            throughput_ratio=multi["throughput"]["output_tok_s"] / single["throughput"]["output_tok_s"],
+            single_out_tok_s=single["throughput"]["output_tok_s"],
+            multi_out_tok_s=multi["throughput"]["output_tok_s"],
+            single_batch1_itl_ms=single["throughput"].get("batch1_itl_ms"),
+            multi_batch1_itl_ms=multi["throughput"].get("batch1_itl_ms"),
+            throughput_tokens_equal=single["throughput"]["tokens"] == multi["throughput"]["tokens"],
+        )
         if "greedy" in single and "greedy" in multi:
             a, b = single["greedy"]["tokens"], multi["greedy"]["tokens"]
             row["greedy_equal"] = a == b
-            row["greedy_first_divergence"] = [next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), None)
-                                              for p, q in zip(a, b, strict=True)]
+            row["greedy_first_divergence"] = [
+                next((i for i, (x, y) in enumerate(zip(p, q, strict=False)) if x != y), None)
+                for p, q in zip(a, b, strict=True)
+            ]
         out[layout] = row
     one, dp = cases.get("single_tp1", {}), cases.get("dp2", {})
     if "throughput" in one and "throughput" in dp:
-        out["dp2"] = dict(one_gpu_out_tok_s=one["throughput"]["output_tok_s"],
-                          dp2_out_tok_s=dp["throughput"]["output_tok_s"],
-                          speedup=dp["throughput"]["output_tok_s"] / one["throughput"]["output_tok_s"],
-                          tokens_equal=one["throughput"]["tokens"] == dp["throughput"]["tokens"])
+        out["dp2"] = dict(
+            one_gpu_out_tok_s=one["throughput"]["output_tok_s"],
+            dp2_out_tok_s=dp["throughput"]["output_tok_s"],
+            speedup=dp["throughput"]["output_tok_s"] / one["throughput"]["output_tok_s"],
+            tokens_equal=one["throughput"]["tokens"] == dp["throughput"]["tokens"],
+        )
     return out
 
 

@@ -68,11 +68,19 @@ def parse(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--matmul-tflops", type=float, default=687.0)
     p.add_argument("--bandwidth-tbps", type=float, default=2.6)
-    p.add_argument("--measured-s", type=float, default=None,
-                   help="the workload's elapsed seconds on the device, for the model's efficiency")
+    p.add_argument(
+        "--measured-s",
+        type=float,
+        default=None,
+        help="the workload's elapsed seconds on the device, for the model's efficiency",
+    )
     p.add_argument("--kv-itemsize", type=int, default=2, help="1: an fp8 KV cache")
-    p.add_argument("--profile-json", default=None, help="a bench/throughput.py (or suite.py) JSON whose profile "
-                   "window traced the same workload: its device time per kernel category against the model")
+    p.add_argument(
+        "--profile-json",
+        default=None,
+        help="a bench/throughput.py (or suite.py) JSON whose profile "
+        "window traced the same workload: its device time per kernel category against the model",
+    )
     p.add_argument("--variant", action="append", default=[], metavar="NAME:KEY=VALUE,...")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -97,20 +105,21 @@ def workload(args) -> tuple[list[int], list[int]]:
     if args.dataset == "random":
         return [args.input_len] * args.num_prompts, [args.output_len] * args.num_prompts
     half = args.max_model_len // 2
-    return common.synthetic_sharegpt(args.num_prompts, args.seed, max_input=min(1024, half),
-                                     max_output=min(1024, half))
+    return common.synthetic_sharegpt(args.num_prompts, args.seed, max_input=min(1024, half), max_output=min(1024, half))
 
 
 def replay(in_lens, out_lens, *, max_num_seqs, max_num_batched_tokens, max_model_len, num_blocks, block_size):
     """The engine's schedule for these requests: per dispatched step, its chunks as (start, num_tokens, sample)
     and the number of preemptions so far."""
-    sched = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      max_model_len=max_model_len),
-                      CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False))
+    sched = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len
+        ),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=False),
+    )
     for i, (n_in, n_out) in enumerate(zip(in_lens, out_lens, strict=True)):
         # Token ids only matter to prefix caching (off); arrival order = add order, as LLM.generate adds them.
-        sched.add(Sequence(f"r{i}", [100 + (i + j) % 1000 for j in range(n_in)], max_tokens=n_out,
-                           arrival_time=0.0))
+        sched.add(Sequence(f"r{i}", [100 + (i + j) % 1000 for j in range(n_in)], max_tokens=n_out, arrival_time=0.0))
     steps, inflight = [], None
     while sched.has_unfinished() or inflight is not None:
         out = sched.schedule()
@@ -126,8 +135,9 @@ def replay(in_lens, out_lens, *, max_num_seqs, max_num_batched_tokens, max_model
     return steps
 
 
-def analyse(steps, math: common.ModelMath, token_buckets, seq_buckets, mm_rate: float, bw: float,
-            window: range | None = None) -> dict:
+def analyse(
+    steps, math: common.ModelMath, token_buckets, seq_buckets, mm_rate: float, bw: float, window: range | None = None
+) -> dict:
     """Per bucket totals and the step-time model (see the module docstring); window: only those steps."""
     rows: dict = collections.defaultdict(dict)
     kv_tok = math.kv_bytes_per_token
@@ -146,11 +156,26 @@ def analyse(steps, math: common.ModelMath, token_buckets, seq_buckets, mm_rate: 
         t_gemm_real = max(dense_real / mm_rate, math.weight_bytes / bw)
         t_attn = max(attn / mm_rate, kv / bw)
         key = f"{B}x{T}{'d' if decode else ''}"
-        _add(rows[key], dict(steps=1, tokens=n_tok, padded_tokens=T - n_tok, seqs=n, padded_seqs=B - n,
-                             sampled_rows=sampled, unsampled_rows=B - sampled, dense_flops=dense_real,
-                             dense_flops_computed=dense_done, attention_flops=attn, kv_bytes=kv,
-                             model_s=t_gemm + t_attn, model_gemm_s=t_gemm, model_attention_s=t_attn,
-                             padding_s=t_gemm - t_gemm_real))
+        _add(
+            rows[key],
+            dict(
+                steps=1,
+                tokens=n_tok,
+                padded_tokens=T - n_tok,
+                seqs=n,
+                padded_seqs=B - n,
+                sampled_rows=sampled,
+                unsampled_rows=B - sampled,
+                dense_flops=dense_real,
+                dense_flops_computed=dense_done,
+                attention_flops=attn,
+                kv_bytes=kv,
+                model_s=t_gemm + t_attn,
+                model_gemm_s=t_gemm,
+                model_attention_s=t_attn,
+                padding_s=t_gemm - t_gemm_real,
+            ),
+        )
     order = sorted(rows, key=lambda k: (k.endswith("d"), -rows[k]["model_s"]))
 
     def summed(keys):
@@ -159,9 +184,12 @@ def analyse(steps, math: common.ModelMath, token_buckets, seq_buckets, mm_rate: 
             _add(out, rows[k])
         return _finish(out)
 
-    return dict(total=summed(rows), decode_only=summed(k for k in rows if k.endswith("d")),
-                with_prompt_tokens=summed(k for k in rows if not k.endswith("d")),
-                per_bucket={k: _finish(dict(rows[k])) for k in order})
+    return dict(
+        total=summed(rows),
+        decode_only=summed(k for k in rows if k.endswith("d")),
+        with_prompt_tokens=summed(k for k in rows if not k.endswith("d")),
+        per_bucket={k: _finish(dict(rows[k])) for k in order},
+    )
 
 
 def _add(into: dict, values: dict) -> None:
@@ -183,8 +211,12 @@ def _finish(r: dict) -> dict:
 def parse_variant(text: str, args) -> tuple[str, dict]:
     """NAME:key=value,... -> (name, replay + bucket settings) on top of args' own."""
     name, _, spec = text.partition(":")
-    cfg = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-               seq_buckets="pow2", token_buckets="pow2")
+    cfg = dict(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seq_buckets="pow2",
+        token_buckets="pow2",
+    )
     for item in filter(None, spec.split(",")):
         key, _, value = item.partition("=")
         if key not in cfg:
@@ -200,14 +232,25 @@ def run_variant(name: str, cfg: dict, args, in_lens, out_lens, math, mm_rate, bw
     if tok[-1] < cfg["max_num_batched_tokens"] or seq[-1] < cfg["max_num_seqs"]:
         raise ValueError(f"variant {name}: the largest buckets ({tok[-1]}, {seq[-1]}) must cover the limits")
     t0 = time.perf_counter()
-    steps = replay(in_lens, out_lens, max_num_seqs=cfg["max_num_seqs"],
-                   max_num_batched_tokens=cfg["max_num_batched_tokens"], max_model_len=args.max_model_len,
-                   num_blocks=args.num_blocks, block_size=args.block_size)
+    steps = replay(
+        in_lens,
+        out_lens,
+        max_num_seqs=cfg["max_num_seqs"],
+        max_num_batched_tokens=cfg["max_num_batched_tokens"],
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+    )
     res = analyse(steps, math, tok, seq, mm_rate, bw)
     res["_steps"], res["_buckets"] = steps, (tok, seq)
-    res.update(name=name, settings=dict(cfg, token_buckets=list(tok), seq_buckets=list(seq)), num_steps=len(steps),
-               num_variants=len({k for k in res["per_bucket"]}), preemptions=steps[-1][1] if steps else 0,
-               replay_s=time.perf_counter() - t0)
+    res.update(
+        name=name,
+        settings=dict(cfg, token_buckets=list(tok), seq_buckets=list(seq)),
+        num_steps=len(steps),
+        num_variants=len({k for k in res["per_bucket"]}),
+        preemptions=steps[-1][1] if steps else 0,
+        replay_s=time.perf_counter() - t0,
+    )
     return res
 
 
@@ -220,23 +263,42 @@ def main(argv=None) -> dict:
     results = [run_variant(n, c, args, in_lens, out_lens, math, mm_rate, bw) for n, c in variants]
     base = results[0]
     t = base["total"]
-    floor = dict(dense_flops=t["dense_flops"], dense_s=t["dense_flops"] / mm_rate,
-                 attention_flops=t["attention_flops"], kv_bytes=t["kv_bytes"], kv_s=t["kv_bytes"] / bw,
-                 weights_bytes_per_step=math.weight_bytes)
+    floor = dict(
+        dense_flops=t["dense_flops"],
+        dense_s=t["dense_flops"] / mm_rate,
+        attention_flops=t["attention_flops"],
+        kv_bytes=t["kv_bytes"],
+        kv_s=t["kv_bytes"] / bw,
+        weights_bytes_per_step=math.weight_bytes,
+    )
     # Both totals are the workload's, whatever the schedule: every token's matmuls, and every decode reading its
     # whole context once. While a step's attention and its GEMMs run one after the other, their sum bounds it.
-    floor.update(serial_s=floor["dense_s"] + floor["kv_s"],
-                 serial_requests_per_s=len(in_lens) / (floor["dense_s"] + floor["kv_s"]))
-    res = dict(env=common.environment(with_jax=False),
-               workload=dict(dataset=args.dataset, num_prompts=len(in_lens), prompt_tokens=sum(in_lens),
-                             output_tokens=sum(out_lens), shape=args.shape),
-               rates=dict(matmul_tflops=args.matmul_tflops, bandwidth_tbps=args.bandwidth_tbps), floor=floor,
-               engine=base, variants={r["name"]: _brief(r) for r in results})
+    floor.update(
+        serial_s=floor["dense_s"] + floor["kv_s"],
+        serial_requests_per_s=len(in_lens) / (floor["dense_s"] + floor["kv_s"]),
+    )
+    res = dict(
+        env=common.environment(with_jax=False),
+        workload=dict(
+            dataset=args.dataset,
+            num_prompts=len(in_lens),
+            prompt_tokens=sum(in_lens),
+            output_tokens=sum(out_lens),
+            shape=args.shape,
+        ),
+        rates=dict(matmul_tflops=args.matmul_tflops, bandwidth_tbps=args.bandwidth_tbps),
+        floor=floor,
+        engine=base,
+        variants={r["name"]: _brief(r) for r in results},
+    )
     if args.measured_s:
-        res["measured"] = dict(elapsed_s=args.measured_s, model_s=t["model_s"],
-                               model_over_measured=t["model_s"] / args.measured_s,
-                               requests_per_s=len(in_lens) / args.measured_s,
-                               model_requests_per_s=len(in_lens) / t["model_s"])
+        res["measured"] = dict(
+            elapsed_s=args.measured_s,
+            model_s=t["model_s"],
+            model_over_measured=t["model_s"] / args.measured_s,
+            requests_per_s=len(in_lens) / args.measured_s,
+            model_requests_per_s=len(in_lens) / t["model_s"],
+        )
     if args.profile_json:
         res["profile"] = against_profile(args.profile_json, base, math, mm_rate, bw)
     for r in results:
@@ -259,66 +321,101 @@ def against_profile(path: str, base: dict, math, mm_rate: float, bw: float) -> d
         return {"error": f"{path}: no profile window with per-step rows and a device plane"}
     steps = base["_steps"]
     idx = [r["step"] for r in prof["steps"] if r["kind"] != "none"]
-    mismatch = [r["step"] for r in prof["steps"] if r["kind"] != "none" and (
-        r["step"] >= len(steps) or len(steps[r["step"]][0]) != r["num_seqs"]
-        or sum(c[1] for c in steps[r["step"]][0]) != r["num_tokens"])]
+    mismatch = [
+        r["step"]
+        for r in prof["steps"]
+        if r["kind"] != "none"
+        and (
+            r["step"] >= len(steps)
+            or len(steps[r["step"]][0]) != r["num_seqs"]
+            or sum(c[1] for c in steps[r["step"]][0]) != r["num_tokens"]
+        )
+    ]
     model = analyse(steps, math, *base["_buckets"], mm_rate, bw, window=range(min(idx), max(idx) + 1))["total"]
     dev = prof["devices"][0]
     cat = dev.get("by_category_ms", {})
     gemm_ms = cat.get("gemm", 0.0)
     attn_ms = cat.get("decode_attention", 0.0) + cat.get("prefill_attention", 0.0)
     return dict(
-        file=path, window=prof.get("window"), steps=len(idx), steps_not_matching_the_replay=mismatch,
-        device_busy_ms=dev.get("busy_ms"), device_span_ms=dev.get("span_ms"), by_category_ms=cat,
-        model_ms=model["model_s"] * 1e3, model_gemm_ms=model["model_gemm_s"] * 1e3,
+        file=path,
+        window=prof.get("window"),
+        steps=len(idx),
+        steps_not_matching_the_replay=mismatch,
+        device_busy_ms=dev.get("busy_ms"),
+        device_span_ms=dev.get("span_ms"),
+        by_category_ms=cat,
+        model_ms=model["model_s"] * 1e3,
+        model_gemm_ms=model["model_gemm_s"] * 1e3,
         model_attention_ms=model["model_attention_s"] * 1e3,
         model_over_busy=model["model_s"] * 1e3 / dev["busy_ms"] if dev.get("busy_ms") else None,
         gemm_tflops=model["dense_flops_computed"] / (gemm_ms * 1e-3) / 1e12 if gemm_ms else None,
         gemm_frac_of_rate=model["dense_flops_computed"] / (gemm_ms * 1e-3) / mm_rate if gemm_ms else None,
         attention_tbps=model["kv_bytes"] / (attn_ms * 1e-3) / 1e12 if attn_ms else None,
         attention_tflops=model["attention_flops"] / (attn_ms * 1e-3) / 1e12 if attn_ms else None,
-        other_ms=cat.get("other", 0.0) + cat.get("kv_write", 0.0) + cat.get("memcpy", 0.0))
+        other_ms=cat.get("other", 0.0) + cat.get("kv_write", 0.0) + cat.get("memcpy", 0.0),
+    )
 
 
 def _brief(r: dict) -> dict:
     t = r["total"]
-    return dict(steps=r["num_steps"], variants=r["num_variants"], preemptions=r["preemptions"],
-                model_s=t["model_s"], padding_s=t["padding_s"], padding_flops_frac=t["padding_flops_frac"],
-                padded_tokens=t["padded_tokens"], padded_seqs=t["padded_seqs"], settings=r["settings"])
+    return dict(
+        steps=r["num_steps"],
+        variants=r["num_variants"],
+        preemptions=r["preemptions"],
+        model_s=t["model_s"],
+        padding_s=t["padding_s"],
+        padding_flops_frac=t["padding_flops_frac"],
+        padded_tokens=t["padded_tokens"],
+        padded_seqs=t["padded_seqs"],
+        settings=r["settings"],
+    )
 
 
 def report(res: dict) -> str:
     e = res["engine"]
-    lines = [f"{res['workload']['num_prompts']} prompts ({res['workload']['dataset']}), {e['num_steps']} steps, "
-             f"{e['preemptions']} preemptions; model at {res['rates']['matmul_tflops']:.0f} TFLOP/s, "
-             f"{res['rates']['bandwidth_tbps']:.2f} TB/s",
-             f"{'bucket':>11} {'steps':>5} {'tok/step':>8} {'pad tok':>8} {'seq/step':>8} {'pad seq':>7} "
-             f"{'pad FLOP':>8} {'ms/step':>8} {'model s':>8} {'attn s':>7} {'pad s':>6}"]
+    lines = [
+        f"{res['workload']['num_prompts']} prompts ({res['workload']['dataset']}), {e['num_steps']} steps, "
+        f"{e['preemptions']} preemptions; model at {res['rates']['matmul_tflops']:.0f} TFLOP/s, "
+        f"{res['rates']['bandwidth_tbps']:.2f} TB/s",
+        f"{'bucket':>11} {'steps':>5} {'tok/step':>8} {'pad tok':>8} {'seq/step':>8} {'pad seq':>7} "
+        f"{'pad FLOP':>8} {'ms/step':>8} {'model s':>8} {'attn s':>7} {'pad s':>6}",
+    ]
     for k, r in list(e["per_bucket"].items()) + [("total", e["total"])]:
-        lines.append(f"{k:>11} {r['steps']:>5} {r['mean_tokens']:>8.0f} {r['padded_tokens']:>8} "
-                     f"{r['mean_seqs']:>8.0f} {r['padded_seqs']:>7} {r.get('padding_flops_frac', 0):>8.1%} "
-                     f"{r['model_ms_per_step']:>8.2f} {r['model_s']:>8.3f} {r['model_attention_s']:>7.3f} "
-                     f"{r['padding_s']:>6.3f}")
+        lines.append(
+            f"{k:>11} {r['steps']:>5} {r['mean_tokens']:>8.0f} {r['padded_tokens']:>8} "
+            f"{r['mean_seqs']:>8.0f} {r['padded_seqs']:>7} {r.get('padding_flops_frac', 0):>8.1%} "
+            f"{r['model_ms_per_step']:>8.2f} {r['model_s']:>8.3f} {r['model_attention_s']:>7.3f} "
+            f"{r['padding_s']:>6.3f}"
+        )
     f = res["floor"]
-    lines.append(f"floors (any schedule): dense {f['dense_flops'] / 1e15:.2f} PFLOP = {f['dense_s']:.2f} s; KV read "
-                 f"{f['kv_bytes'] / 1e12:.2f} TB = {f['kv_s']:.2f} s; one after the other {f['serial_s']:.2f} s = "
-                 f"{f['serial_requests_per_s']:.1f} req/s")
+    lines.append(
+        f"floors (any schedule): dense {f['dense_flops'] / 1e15:.2f} PFLOP = {f['dense_s']:.2f} s; KV read "
+        f"{f['kv_bytes'] / 1e12:.2f} TB = {f['kv_s']:.2f} s; one after the other {f['serial_s']:.2f} s = "
+        f"{f['serial_requests_per_s']:.1f} req/s"
+    )
     if "measured" in res:
         m = res["measured"]
-        lines.append(f"measured {m['elapsed_s']:.2f} s ({m['requests_per_s']:.1f} req/s); the model "
-                     f"{m['model_s']:.2f} s ({m['model_requests_per_s']:.1f} req/s) = {m['model_over_measured']:.0%}")
+        lines.append(
+            f"measured {m['elapsed_s']:.2f} s ({m['requests_per_s']:.1f} req/s); the model "
+            f"{m['model_s']:.2f} s ({m['model_requests_per_s']:.1f} req/s) = {m['model_over_measured']:.0%}"
+        )
     if "profile" in res and "error" not in res["profile"]:
         p = res["profile"]
-        lines.append(f"traced steps {p['window']}: device busy {p['device_busy_ms']:.1f} ms, model "
-                     f"{p['model_ms']:.1f} ms ({p['model_over_busy']:.0%}); GEMMs {p['by_category_ms'].get('gemm', 0):.1f}"
-                     f" ms = {p['gemm_tflops'] or 0:.0f} TFLOP/s (model {p['model_gemm_ms']:.1f} ms); attention "
-                     f"{p['attention_tbps'] or 0:.2f} TB/s of KV, {p['attention_tflops'] or 0:.0f} TFLOP/s (model "
-                     f"{p['model_attention_ms']:.1f} ms); other {p['other_ms']:.1f} ms")
-    lines.append(f"{'variant':>18} {'steps':>5} {'buckets':>7} {'preempt':>7} {'model s':>8} {'pad s':>6} "
-                 f"{'pad FLOP':>8}")
+        lines.append(
+            f"traced steps {p['window']}: device busy {p['device_busy_ms']:.1f} ms, model "
+            f"{p['model_ms']:.1f} ms ({p['model_over_busy']:.0%}); GEMMs {p['by_category_ms'].get('gemm', 0):.1f}"
+            f" ms = {p['gemm_tflops'] or 0:.0f} TFLOP/s (model {p['model_gemm_ms']:.1f} ms); attention "
+            f"{p['attention_tbps'] or 0:.2f} TB/s of KV, {p['attention_tflops'] or 0:.0f} TFLOP/s (model "
+            f"{p['model_attention_ms']:.1f} ms); other {p['other_ms']:.1f} ms"
+        )
+    lines.append(
+        f"{'variant':>18} {'steps':>5} {'buckets':>7} {'preempt':>7} {'model s':>8} {'pad s':>6} {'pad FLOP':>8}"
+    )
     for name, v in res["variants"].items():
-        lines.append(f"{name:>18} {v['steps']:>5} {v['variants']:>7} {v['preemptions']:>7} {v['model_s']:>8.3f} "
-                     f"{v['padding_s']:>6.3f} {v['padding_flops_frac']:>8.1%}")
+        lines.append(
+            f"{name:>18} {v['steps']:>5} {v['variants']:>7} {v['preemptions']:>7} {v['model_s']:>8.3f} "
+            f"{v['padding_s']:>6.3f} {v['padding_flops_frac']:>8.1%}"
+        )
     return "\n".join(lines)
 
 

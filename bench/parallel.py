@@ -78,13 +78,21 @@ def main(argv=None):
         if not args.skip_greedy:
             tokens, g = run_layout(args, model, tp, pp, args.greedy_dtype, greedy_prompts, args.greedy_len)
             base_tokens = tokens if base_tokens is None else base_tokens
-            entry = dict(greedy_equal_to_baseline=tokens == base_tokens, greedy=g, first_divergence=[
-                next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens, base_tokens)])
+            entry = dict(
+                greedy_equal_to_baseline=tokens == base_tokens,
+                greedy=g,
+                first_divergence=[
+                    next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), None) for x, y in zip(tokens, base_tokens)
+                ],
+            )
         _, t = run_layout(args, model, tp, pp, args.throughput_dtype, tp_prompts, args.output_len)
         result["layouts"][name] = entry | dict(throughput=t)
-        print(f"{name}: greedy equal={entry.get('greedy_equal_to_baseline')} "
-              f"first_diff={entry.get('first_divergence')} throughput {t['output_tok_s']:.0f} out tok/s "
-              f"(ready {t['ready_s']:.0f} s)", flush=True)
+        print(
+            f"{name}: greedy equal={entry.get('greedy_equal_to_baseline')} "
+            f"first_diff={entry.get('first_divergence')} throughput {t['output_tok_s']:.0f} out tok/s "
+            f"(ready {t['ready_s']:.0f} s)",
+            flush=True,
+        )
     write_result("parallel", result, args.out)
     return result
 

@@ -38,19 +38,23 @@ def main(argv=None):
 
     model = make_model_dir(args.shape) if args.shape else args.model
     n_tok = args.num_seqs * args.seq_len
-    kw = engine_kwargs(args, model) | dict(pipeline_parallel_size=args.pp, max_num_batched_tokens=n_tok,
-                                           max_num_seqs=args.num_seqs, enforce_eager=True)
+    kw = engine_kwargs(args, model) | dict(
+        pipeline_parallel_size=args.pp, max_num_batched_tokens=n_tok, max_num_seqs=args.num_seqs, enforce_eager=True
+    )
     llm = LLM(model, **kw)
     runner = llm.llm_engine.runner
     pipe = runner.pipeline
     S = runner.block_size
     pages = args.seq_len // S + 1
     rng = np.random.default_rng(0)
-    chunks = [SeqChunk(list(rng.integers(0, 1000, args.seq_len)), 0, list(range(1 + i * pages, 1 + (i + 1) * pages)))
-              for i in range(args.num_seqs)]
+    chunks = [
+        SeqChunk(list(rng.integers(0, 1000, args.seq_len)), 0, list(range(1 + i * pages, 1 + (i + 1) * pages)))
+        for i in range(args.num_seqs)
+    ]
     inp = build_step_inputs(chunks, S, n_tok, args.num_seqs, runner.max_pages, 0)
-    meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables,
-                             False)
+    meta = AttentionMetadata(
+        inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, False
+    )
     src = np.full(n_tok, -1, np.int32)
     times = {}
     for m in args.microbatches:
@@ -63,12 +67,18 @@ def main(argv=None):
             if i >= 2:
                 samples.append(time.perf_counter() - t0)
         times[m] = float(np.median(samples))
-        print(f"micro-batches {m}: {times[m] * 1e3:.1f} ms (ratio to 1: {times[m] / times[args.microbatches[0]]:.3f}, "
-              f"ideal with overlap {(m + args.pp - 1) / (m * args.pp):.3f})", flush=True)
-    result = dict(env=environment(), workload=vars(args) | {"model": model, "tokens": n_tok},
-                  step_seconds=times,
-                  ratio_to_1=({m: t / times[args.microbatches[0]] for m, t in times.items()}),
-                  ideal_ratio_with_overlap={m: (m + args.pp - 1) / (m * args.pp) for m in times})
+        print(
+            f"micro-batches {m}: {times[m] * 1e3:.1f} ms (ratio to 1: {times[m] / times[args.microbatches[0]]:.3f}, "
+            f"ideal with overlap {(m + args.pp - 1) / (m * args.pp):.3f})",
+            flush=True,
+        )
+    result = dict(
+        env=environment(),
+        workload=vars(args) | {"model": model, "tokens": n_tok},
+        step_seconds=times,
+        ratio_to_1=({m: t / times[args.microbatches[0]] for m, t in times.items()}),
+        ideal_ratio_with_overlap={m: (m + args.pp - 1) / (m * args.pp) for m in times},
+    )
     write_result("pipeline_overlap", result, args.out)
     return result
 

@@ -90,17 +90,31 @@ def summarize(path: str, top: int = 40) -> dict:
                 span = max(e for _, e in kernels) - min(s for s, _ in kernels)
                 big = [g for g in gaps if g > 50_000]
                 dev.update(
-                    span_ms=span / 1e6, busy_ms=busy / 1e6, busy_fraction=busy / span if span else None,
-                    idle_ms=(span - busy) / 1e6, gaps_over_50us=len(big), gaps_over_50us_ms=sum(big) / 1e6,
+                    span_ms=span / 1e6,
+                    busy_ms=busy / 1e6,
+                    busy_fraction=busy / span if span else None,
+                    idle_ms=(span - busy) / 1e6,
+                    gaps_over_50us=len(big),
+                    gaps_over_50us_ms=sum(big) / 1e6,
                     largest_gaps_ms=[g / 1e6 for g in sorted(gaps, reverse=True)[:8]],
                     gaps_ms_by_size={k: sum(g for g in gaps if lo <= g < hi) / 1e6 for k, lo, hi in _GAP_SIZES},
                     by_category_ms=_by_category(kernel_time),
-                    top_kernels=[{"name": k[:120], "ms": v / 1e6, "share": v / max(busy, 1), "runs": kernel_runs[k],
-                                  "us_per_run": v / 1e3 / kernel_runs[k]}
-                                 for k, v in kernel_time.most_common(top)])
+                    top_kernels=[
+                        {
+                            "name": k[:120],
+                            "ms": v / 1e6,
+                            "share": v / max(busy, 1),
+                            "runs": kernel_runs[k],
+                            "us_per_run": v / 1e3 / kernel_runs[k],
+                        }
+                        for k, v in kernel_time.most_common(top)
+                    ],
+                )
             if modules:
-                dev["xla_modules"] = [{"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}
-                                      for k, _ in module_time.most_common(top)]
+                dev["xla_modules"] = [
+                    {"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}
+                    for k, _ in module_time.most_common(top)
+                ]
             out["devices"].append(dev)
         else:
             for line in plane.lines:
@@ -109,8 +123,9 @@ def summarize(path: str, top: int = 40) -> dict:
                     if "compile" in n and "cache" not in n:
                         compiles[e.name] += 1
                         compile_ns[e.name] += e.duration_ns
-    out["host_compile_events"] = [{"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6}
-                                  for k, c in compiles.most_common(top)]
+    out["host_compile_events"] = [
+        {"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6} for k, c in compiles.most_common(top)
+    ]
     return out
 
 

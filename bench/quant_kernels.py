@@ -43,10 +43,17 @@ from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, q
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TINY_SHAPES = {"qkv": (512, 384), "o": (256, 256), "gate_up": (256, 512), "down": (768, 256)}
 IMPLS = ("bf16", "int4_sym", "int4_asym", "int8", "int4_dequant", "fp8")
-SWEEP = [dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
-         for bn, sp, loop, fma, w, st in (
-             (64, None, False, True, 8, 3), (32, None, True, False, 4, 3), (64, None, True, False, 4, 3),
-             (32, None, True, False, 4, 2), (128, None, False, False, 8, 3), (32, None, True, False, 8, 3))]
+SWEEP = [
+    dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
+    for bn, sp, loop, fma, w, st in (
+        (64, None, False, True, 8, 3),
+        (32, None, True, False, 4, 3),
+        (64, None, True, False, 4, 3),
+        (32, None, True, False, 4, 2),
+        (128, None, False, False, 8, 3),
+        (32, None, True, False, 8, 3),
+    )
+]
 ROTATE_BYTES = 256 << 20
 
 
@@ -59,6 +66,7 @@ def copy_bw(nbytes, reps):
             for _ in range(n):
                 x = jax.lax.optimization_barrier(x + jnp.bfloat16(1))
             return x
+
         return jax.jit(f)
 
     return 2 * x.size * 2 / per_call(runner(build, x), reps)[0]
@@ -133,8 +141,9 @@ def make_impl(name, K, N, key):
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
         return (lambda x, w: fp8_matmul(x, *w)), (w, s), N * K + N * 4
-    bits, group, sym = dict(int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True),
-                            int4_dequant=(4, 128, True))[name]
+    bits, group, sym = dict(
+        int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True), int4_dequant=(4, 128, True)
+    )[name]
     w = int_weight(key, K, N, bits, group, sym)
     return None, w, w.nbytes
 
@@ -151,9 +160,11 @@ def measure(row, call, xs, ws, nbytes, copy, args):
     """Times call(x_i, w_i) over distinct inputs x_i and the rotating weight copies ws into row: the summed kernel
     time per call of an XProf trace of `reps` chained calls (each call's inputs differ, so XLA can merge none),
     and the chain's wall time per call (which adds the dispatch of one jitted run)."""
+
     def build(n):
         def f(xs, ws):
             return [call(xs[i], ws[i % len(ws)]) for i in range(n)]
+
         return jax.jit(f)
 
     run = runner(build, xs[: args.reps], ws)
@@ -184,13 +195,16 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
         configs = [{}] + (SWEEP if sweep and name == "int4_sym" else [])
         for M in ms:
-            xs = [jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
-                  for i in range(args.reps)]
+            xs = [
+                jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
+                for i in range(args.reps)
+            ]
             x = xs[0]
             want = reference(name, x, w0)
             for cfg in configs:
-                if cfg and (M not in sweep_m or shape not in args.sweep_shapes.split(",")
-                            or (cfg.get("fma") and M > 4)):
+                if cfg and (
+                    M not in sweep_m or shape not in args.sweep_shapes.split(",") or (cfg.get("fma") and M > 4)
+                ):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
                 try:
@@ -210,16 +224,28 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
                     traceback.print_exc()
                 rows.append(row)
-                print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
-                                  if k != "kernels"}), flush=True)
+                print(
+                    json.dumps(
+                        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "kernels"}
+                    ),
+                    flush=True,
+                )
         ws = w0 = None  # frees this impl's copies before the next
 
 
 CHECK_CASES = [  # (K, N, M, bits, group_size, sym, act_order): every kernel variant against the reference
-    (576, 1536, 1, 4, 32, True, False), (576, 1536, 3, 4, 64, False, False), (576, 960, 16, 8, -1, True, False),
-    (4096, 4096, 1, 4, 128, False, False), (4096, 4096, 2, 4, 32, True, True), (4096, 4096, 8, 4, -1, False, False),
-    (4096, 4096, 64, 4, 128, True, False), (4096, 4096, 128, 4, 128, False, False), (1024, 512, 33, 8, 128, False, False),
-    (1024, 512, 4, 8, 64, True, False), (14336, 4096, 16, 4, 128, True, False), (4096, 6144, 1, 8, -1, True, False),
+    (576, 1536, 1, 4, 32, True, False),
+    (576, 1536, 3, 4, 64, False, False),
+    (576, 960, 16, 8, -1, True, False),
+    (4096, 4096, 1, 4, 128, False, False),
+    (4096, 4096, 2, 4, 32, True, True),
+    (4096, 4096, 8, 4, -1, False, False),
+    (4096, 4096, 64, 4, 128, True, False),
+    (4096, 4096, 128, 4, 128, False, False),
+    (1024, 512, 33, 8, 128, False, False),
+    (1024, 512, 4, 8, 64, True, False),
+    (14336, 4096, 16, 4, 128, True, False),
+    (4096, 6144, 1, 8, -1, True, False),
 ]
 
 
@@ -244,8 +270,13 @@ def check(rows, tiny):
             got = jax.jit(functools.partial(quantized_matmul, backend="kernel", interpret=tiny))(x, w)
             ref = quantized_matmul_ref(x, w)
             dense = jnp.dot(x.astype(jnp.float32), jnp.asarray(wf))
-            row.update(rel_err=rel_err(got, ref), ref_vs_float=rel_err(ref, dense), kernel_vs_float=rel_err(got, dense),
-                       finite=bool(np.isfinite(np.asarray(got, np.float32)).all()), shape=list(got.shape))
+            row.update(
+                rel_err=rel_err(got, ref),
+                ref_vs_float=rel_err(ref, dense),
+                kernel_vs_float=rel_err(got, dense),
+                finite=bool(np.isfinite(np.asarray(got, np.float32)).all()),
+                shape=list(got.shape),
+            )
             row["ok"] = row["finite"] and row["rel_err"] < 1e-2 and tuple(got.shape) == (M, N)
         except Exception as e:  # noqa: BLE001 - one failing case must not end the run
             row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:600]}")

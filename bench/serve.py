@@ -116,8 +116,15 @@ async def run(args) -> dict:
         recs = [dict() for _ in prompts]
 
         async def task(i):
-            payload = dict(model=model, prompt=prompts[i], max_tokens=out_lens[i], ignore_eos=True, stream=True,
-                           temperature=0.0, stream_options={"include_usage": True})
+            payload = dict(
+                model=model,
+                prompt=prompts[i],
+                max_tokens=out_lens[i],
+                ignore_eos=True,
+                stream=True,
+                temperature=0.0,
+                stream_options={"include_usage": True},
+            )
             if sem is None:
                 return await one_request(session, base + "/v1/completions", payload, recs[i])
             async with sem:
@@ -134,20 +141,36 @@ async def run(args) -> dict:
     ok = [r for r in recs if r.get("ok")]
     n_out = sum(r["output_tokens"] for r in ok)
     n_chunks = sum(len(r["itl"]) + 1 for r in ok if r["ttft"] is not None)
-    tpot = [(r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1) for r in ok
-            if r["ttft"] is not None and r["output_tokens"] > 1]
+    tpot = [
+        (r["e2e"] - r["ttft"]) / (r["output_tokens"] - 1)
+        for r in ok
+        if r["ttft"] is not None and r["output_tokens"] > 1
+    ]
     ms = lambda xs: {k: (v * 1e3 if v is not None else None) for k, v in common.pct(xs).items()}  # noqa: E731
     return dict(
-        workload=dict(dataset=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len,
-                      output_len=args.output_len, request_rate=args.request_rate,
-                      max_concurrency=args.max_concurrency, model=model, target=base, ignore_eos=True),
-        completed=len(ok), failed=len(recs) - len(ok),
+        workload=dict(
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            model=model,
+            target=base,
+            ignore_eos=True,
+        ),
+        completed=len(ok),
+        failed=len(recs) - len(ok),
         errors=sorted({r["error"] for r in recs if r.get("error")})[:5],
-        elapsed_s=elapsed, requests_per_s=len(ok) / elapsed, output_tokens_per_s=n_out / elapsed,
-        total_input_tokens=sum(in_lens[i] for i, r in enumerate(recs) if r.get("ok")), total_output_tokens=n_out,
+        elapsed_s=elapsed,
+        requests_per_s=len(ok) / elapsed,
+        output_tokens_per_s=n_out / elapsed,
+        total_input_tokens=sum(in_lens[i] for i, r in enumerate(recs) if r.get("ok")),
+        total_output_tokens=n_out,
         ttft_ms=ms([r["ttft"] for r in ok if r["ttft"] is not None]),
         itl_ms=ms([x for r in ok for x in r["itl"]]),
-        tpot_ms=ms(tpot), tokens_per_chunk=n_out / n_chunks if n_chunks else None,
+        tpot_ms=ms(tpot),
+        tokens_per_chunk=n_out / n_chunks if n_chunks else None,
         e2e_ms=ms([r["e2e"] for r in ok]),
     )
 
@@ -158,9 +181,12 @@ def main(argv=None) -> dict:
     res = asyncio.run(run(args))
     res["env"] = common.environment(with_jax=False)
     p50 = lambda k: "-" if res[k]["p50"] is None else f"{res[k]['p50']:.1f}"  # noqa: E731
-    print(f"{res['completed']} ok / {res['failed']} failed in {res['elapsed_s']:.1f} s: {res['requests_per_s']:.2f} req/s, "
-          f"{res['output_tokens_per_s']:.1f} output tok/s; p50 ms: TTFT {p50('ttft_ms')}, ITL {p50('itl_ms')}, "
-          f"TPOT {p50('tpot_ms')}, E2E {p50('e2e_ms')}", flush=True)
+    print(
+        f"{res['completed']} ok / {res['failed']} failed in {res['elapsed_s']:.1f} s: {res['requests_per_s']:.2f} req/s, "
+        f"{res['output_tokens_per_s']:.1f} output tok/s; p50 ms: TTFT {p50('ttft_ms')}, ITL {p50('itl_ms')}, "
+        f"TPOT {p50('tpot_ms')}, E2E {p50('e2e_ms')}",
+        flush=True,
+    )
     res["env"]["device"] = "server"
     common.write_result("serve", res, args.out)
     return res

@@ -35,10 +35,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-TEXT = ("The committee met on Tuesday to review the budget for the new library. After a long discussion, the "
-        "members agreed to move the reading room to the second floor, to extend the opening hours on weekends, "
-        "and to buy three hundred new books for the children's section. The final report will be published "
-        "next month on the town's website.")
+TEXT = (
+    "The committee met on Tuesday to review the budget for the new library. After a long discussion, the "
+    "members agreed to move the reading room to the second floor, to extend the opening hours on weekends, "
+    "and to buy three hundred new books for the children's section. The final report will be published "
+    "next month on the town's website."
+)
 PROMPTS = [
     f"Repeat the following text exactly, word for word:\n\n{TEXT}",
     f"Rewrite the following text, replacing 'library' with 'museum' and changing nothing else:\n\n{TEXT}",
@@ -59,8 +61,11 @@ def parse(argv=None):
     p.add_argument("--accept-tokens", type=int, default=200, help="max_tokens of each acceptance prompt")
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--prompt-lookup-min", type=int, default=2)
-    p.add_argument("--acceptance-json", default=None,
-                   help="(b)'s per-position rates from this JSON when this run has none (demo model not installed)")
+    p.add_argument(
+        "--acceptance-json",
+        default=None,
+        help="(b)'s per-position rates from this JSON when this run has none (demo model not installed)",
+    )
     p.add_argument("--dtype", default="auto")
     p.add_argument("--compilation-cache-dir", default="")
     p.add_argument("--out", default=None)
@@ -127,11 +132,19 @@ def part_verify(args) -> dict:
     batches = [int(x) for x in args.batches.split(",")]
     max_b = max(batches)
     blocks = max_b * (-(-(args.context + 16) // 16)) + 2
-    llm = LLM(common.make_model_dir(args.shape), load_format="dummy", dtype=args.dtype, enforce_eager=True,
-              max_model_len=args.context + 64, max_num_seqs=max(max_b, 2),
-              max_num_batched_tokens=max(max_b * (max(ks) + 1), 16), num_gpu_blocks_override=blocks,
-              enable_prefix_caching=False, compilation_cache_dir=args.compilation_cache_dir or None,
-              speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)})
+    llm = LLM(
+        common.make_model_dir(args.shape),
+        load_format="dummy",
+        dtype=args.dtype,
+        enforce_eager=True,
+        max_model_len=args.context + 64,
+        max_num_seqs=max(max_b, 2),
+        max_num_batched_tokens=max(max_b * (max(ks) + 1), 16),
+        num_gpu_blocks_override=blocks,
+        enable_prefix_caching=False,
+        compilation_cache_dir=args.compilation_cache_dir or None,
+        speculative_config={"method": "ngram", "num_speculative_tokens": max(ks)},
+    )
     runner = llm.llm_engine.runner
     t0 = time.perf_counter()
     variants = _grid_variants(runner, batches, ks)
@@ -144,8 +157,10 @@ def part_verify(args) -> dict:
         row = dict(batch=B, plain_ms=plain, spec_ms={})
         for k in ks:
             row["spec_ms"][str(k)] = time_step(runner, B, k, args.context, args.iters)
-        print(f"B={B}: plain {plain:.3f} ms; verify " + ", ".join(f"k={k} {v:.3f}" for k, v in row["spec_ms"].items()),
-              flush=True)
+        print(
+            f"B={B}: plain {plain:.3f} ms; verify " + ", ".join(f"k={k} {v:.3f}" for k, v in row["spec_ms"].items()),
+            flush=True,
+        )
         rows.append(row)
     del llm
     return dict(shape=args.shape, context=args.context, iters=args.iters, compile_s=compile_s, rows=rows)
@@ -165,8 +180,13 @@ def part_accept(args) -> dict:
     from jaxllm.demo import DemoModelUnavailable
 
     kw = dict(enforce_eager=True, compilation_cache_dir=args.compilation_cache_dir or None, max_model_len=1024)
-    spec_cfg = {"method": "ngram", "num_speculative_tokens": args.accept_k, "disable_by_batch_size": 2,
-                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    spec_cfg = {
+        "method": "ngram",
+        "num_speculative_tokens": args.accept_k,
+        "disable_by_batch_size": 2,
+        "prompt_lookup_max": args.prompt_lookup_max,
+        "prompt_lookup_min": args.prompt_lookup_min,
+    }
     try:
         plain = LLM(**kw)
     except DemoModelUnavailable as e:
@@ -186,24 +206,39 @@ def part_accept(args) -> dict:
         outs, secs = _accept_run(spec, [prompt], args.accept_tokens)
         toks = outs[0].outputs[0].token_ids
         accepted = stats.num_accepted_tokens - a0
-        row.update(identical=toks == row.pop("plain_tokens"), spec_s=secs, tokens=len(toks),
-                   drafts=stats.num_drafts - d0, accepted=accepted,
-                   decode_steps=len(toks) - 1 - accepted)  # the first token comes from the prefill
+        row.update(
+            identical=toks == row.pop("plain_tokens"),
+            spec_s=secs,
+            tokens=len(toks),
+            drafts=stats.num_drafts - d0,
+            accepted=accepted,
+            decode_steps=len(toks) - 1 - accepted,
+        )  # the first token comes from the prefill
         tot["tokens"] += len(toks) - 1
         tot["decode_steps"] += row["decode_steps"]
         tot["plain_s"] += row["plain_s"]
         tot["spec_s"] += secs
-        print(f"{row['prompt']!r}: {len(toks)} tokens, identical={row['identical']}, {row['drafts']} drafts, "
-              f"{accepted} accepted, {row['decode_steps']} decode steps", flush=True)
+        print(
+            f"{row['prompt']!r}: {len(toks)} tokens, identical={row['identical']}, {row['drafts']} drafts, "
+            f"{accepted} accepted, {row['decode_steps']} decode steps",
+            flush=True,
+        )
     per_pos = [n / max(stats.num_drafts, 1) for n in stats.num_accepted_tokens_per_pos]
-    return dict(k=args.accept_k, prompt_lookup=[args.prompt_lookup_min, args.prompt_lookup_max], rows=rows,
-                num_drafts=stats.num_drafts, num_draft_tokens=stats.num_draft_tokens,
-                num_accepted_tokens=stats.num_accepted_tokens,
-                mean_acceptance_length=1 + stats.num_accepted_tokens / max(stats.num_drafts, 1),
-                per_position_acceptance=per_pos, draft_fraction=stats.num_drafts / max(tot["decode_steps"], 1),
-                tokens_per_decode_step=tot["tokens"] / max(tot["decode_steps"], 1),
-                all_identical=all(r["identical"] for r in rows),
-                tok_per_s_plain=tot["tokens"] / tot["plain_s"], tok_per_s_spec=tot["tokens"] / tot["spec_s"])
+    return dict(
+        k=args.accept_k,
+        prompt_lookup=[args.prompt_lookup_min, args.prompt_lookup_max],
+        rows=rows,
+        num_drafts=stats.num_drafts,
+        num_draft_tokens=stats.num_draft_tokens,
+        num_accepted_tokens=stats.num_accepted_tokens,
+        mean_acceptance_length=1 + stats.num_accepted_tokens / max(stats.num_drafts, 1),
+        per_position_acceptance=per_pos,
+        draft_fraction=stats.num_drafts / max(tot["decode_steps"], 1),
+        tokens_per_decode_step=tot["tokens"] / max(tot["decode_steps"], 1),
+        all_identical=all(r["identical"] for r in rows),
+        tok_per_s_plain=tot["tokens"] / tot["plain_s"],
+        tok_per_s_spec=tot["tokens"] / tot["spec_s"],
+    )
 
 
 def project(verify: dict, accept: dict) -> dict:
@@ -218,9 +253,15 @@ def project(verify: dict, accept: dict) -> dict:
             sp[k] = e * row["plain_ms"] / t
         k_best = max(sp, key=sp.get)
         table.append(dict(batch=row["batch"], speedup=sp))
-        best.append(dict(batch=row["batch"], k=int(k_best), speedup=sp[k_best],
-                         tok_per_s_plain=row["batch"] * 1e3 / row["plain_ms"],
-                         tok_per_s_spec=row["batch"] * 1e3 / row["plain_ms"] * sp[k_best]))
+        best.append(
+            dict(
+                batch=row["batch"],
+                k=int(k_best),
+                speedup=sp[k_best],
+                tok_per_s_plain=row["batch"] * 1e3 / row["plain_ms"],
+                tok_per_s_spec=row["batch"] * 1e3 / row["plain_ms"] * sp[k_best],
+            )
+        )
     paying = [b["batch"] for b in best if b["speedup"] > 1.0]
     return dict(table=table, best=best, largest_paying_batch=max(paying) if paying else 0)
 

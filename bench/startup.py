@@ -39,8 +39,12 @@ def parse(argv=None):
     p.add_argument("--num-layers", type=int, default=None, help="override num_hidden_layers of --shape")
     p.add_argument("--warm-runs", type=int, default=2)
     p.add_argument("--phases", action="store_true", help="also a per-bucket trace/lower/compile breakdown")
-    p.add_argument("--code-dir", action="append", default=None,
-                   help="run the starts against this checkout (repeatable: one cold + warm series each)")
+    p.add_argument(
+        "--code-dir",
+        action="append",
+        default=None,
+        help="run the starts against this checkout (repeatable: one cold + warm series each)",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -84,22 +88,28 @@ def child(args) -> dict:
     llm = LLM(args.model, **common.engine_kwargs(args, args.model))
     parts["llm_init_s"] = time.perf_counter() - t0
     # The rest: imports (transformers, torch), config, mesh, tokenizer, generation config, scheduler.
-    parts["other_s"] = parts["llm_init_s"] - sum(parts.get(k, 0.0) for k in ("weights_s", "kv_alloc_s",
-                                                                               "warm_up_s"))
+    parts["other_s"] = parts["llm_init_s"] - sum(parts.get(k, 0.0) for k in ("weights_s", "kv_alloc_s", "warm_up_s"))
     # Greedy tokens after LLM() (not timed): a warm start (loaded executables) must give the cold start's.
     from jaxllm import SamplingParams
 
     prompts = common.random_token_prompts(2, 16, llm.llm_engine.vocab_size, seed=0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     parts["greedy_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
     r = llm.llm_engine.runner
     cache = r.programs.exec_cache
     counters = ("hits", "misses", "errors", "stores", "from_jax_cache")
-    parts.update(step_traces=traces["n"], code=os.path.dirname(os.path.dirname(jaxllm.__file__)),
-                 num_variants=len(r.programs.compiled), jax=jax.__version__,
-                 exec_cache=None if cache is None else {k: getattr(cache, k) for k in counters},
-                 log=[m for m in messages if "variants" in m or "weights" in m])
+    parts.update(
+        step_traces=traces["n"],
+        code=os.path.dirname(os.path.dirname(jaxllm.__file__)),
+        num_variants=len(r.programs.compiled),
+        jax=jax.__version__,
+        exec_cache=None if cache is None else {k: getattr(cache, k) for k in counters},
+        log=[m for m in messages if "variants" in m or "weights" in m],
+    )
     return parts
 
 
@@ -122,15 +132,32 @@ def phases(args) -> list[dict]:
         t2 = time.perf_counter()
         lowered.compile()
         t3 = time.perf_counter()
-        rows.append(dict(T=v.num_tokens, B=v.num_seqs, decode_only=v.decode_only, trace_s=t1 - t0,
-                         lower_s=t2 - t1, compile_s=t3 - t2))
+        rows.append(
+            dict(
+                T=v.num_tokens,
+                B=v.num_seqs,
+                decode_only=v.decode_only,
+                trace_s=t1 - t0,
+                lower_s=t2 - t1,
+                compile_s=t3 - t2,
+            )
+        )
         print(f"phases {rows[-1]}", flush=True)
     return rows
 
 
 def run_child(args, argv, code_dir: str | None, cache_dir: str, mode: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", mode, "--model", args.model,
-           "--compilation-cache-dir", cache_dir]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *argv,
+        "--child",
+        mode,
+        "--model",
+        args.model,
+        "--compilation-cache-dir",
+        cache_dir,
+    ]
     if code_dir:
         cmd += ["--code-dir", os.path.abspath(code_dir)]
     t0 = time.perf_counter()
@@ -140,7 +167,7 @@ def run_child(args, argv, code_dir: str | None, cache_dir: str, mode: str) -> di
     if out.returncode or not lines:
         sys.stderr.write(out.stdout[-4000:] + out.stderr[-4000:])
         raise SystemExit(f"child {mode} failed ({out.returncode})")
-    res = json.loads(lines[-1][len("RESULT "):])
+    res = json.loads(lines[-1][len("RESULT ") :])
     return res if isinstance(res, list) else res | {"process_wall_s": wall}
 
 
@@ -208,8 +235,9 @@ def main(argv=None) -> dict:
         for name, s in series.items():
             s["warm_tokens_equal_cold"] = all(w["greedy_tokens"] == s["cold"]["greedy_tokens"] for w in s["warm"])
             print(f"{name}: greedy tokens of the warm starts equal the cold start's: {s['warm_tokens_equal_cold']}")
-        result = dict(env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"},
-                      series=series)
+        result = dict(
+            env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"}, series=series
+        )
         if args.phases:
             result["phases"] = run_child(args, child_argv, code_dirs[0], os.path.join(work, "none"), "phases")
     common.write_result("startup", result, args.out)

@@ -66,6 +66,7 @@ def install_timers(current: dict):
         gc.callbacks.remove(on_gc)
         for cls, name, f in reversed(originals):
             setattr(cls, name, f)
+
     return undo
 
 
@@ -77,7 +78,7 @@ def main(argv=None) -> dict:
     own, _ = p.parse_known_args(argv)
     if "--min-seqs" in argv:
         i = argv.index("--min-seqs")
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     if "--profile-dir" in argv:
         p.error("--profile-dir re-runs the workload after the timed run; run it without")
     from jaxllm.engine import llm_engine
@@ -104,15 +105,24 @@ def main(argv=None) -> dict:
     finally:
         llm_engine.LLMEngine.step = step
         undo()
-    run = steps[-_timed_steps(steps):]  # the timed generate() is the last one (warm-up ones come before)
+    run = steps[-_timed_steps(steps) :]  # the timed generate() is the last one (warm-up ones come before)
     steady = [r for r in run if r["num_running"] >= own.min_seqs]
     out = dict(
-        throughput=dict(requests_per_s=res["requests_per_s"], elapsed_s=res["elapsed_s"], commit=res["env"]["commit"],
-                        device=res["env"]["device"], jax=res["env"]["jax"], command=res["env"]["command"]),
-        steps=len(run), steady_steps=len(steady), min_seqs=own.min_seqs,
+        throughput=dict(
+            requests_per_s=res["requests_per_s"],
+            elapsed_s=res["elapsed_s"],
+            commit=res["env"]["commit"],
+            device=res["env"]["device"],
+            jax=res["env"]["jax"],
+            command=res["env"]["command"],
+        ),
+        steps=len(run),
+        steady_steps=len(steady),
+        min_seqs=own.min_seqs,
         totals_s={k: round(sum(r.get(k, 0.0) for r in run) / 1e3, 3) for k in PHASES + ("total",)},
         steady_median_ms={k: round(statistics.median(r.get(k, 0.0) for r in steady), 3) for k in PHASES + ("total",)}
-        if steady else None,
+        if steady
+        else None,
         slowest_steady=sorted(steady, key=lambda r: -r["total"])[:20],
     )
     path = own.out[:-5] + "_step_phases.json" if own.out.endswith(".json") else own.out + "_step_phases.json"

@@ -27,10 +27,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"title": {"type": "string"},
-                                           "tags": {"type": "array", "items": {"type": "string"}},
-                                           "score": {"type": "number"}},
-          "required": ["title", "tags", "score"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "score": {"type": "number"},
+    },
+    "required": ["title", "tags", "score"],
+    "additionalProperties": False,
+}
 
 
 def parse(argv=None):
@@ -40,15 +46,28 @@ def parse(argv=None):
     p.add_argument("--input-len", type=int, default=462)
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--fractions", type=float, nargs="+", default=[0.0, 1.0, 0.1],
-                   help="fractions of constrained requests, run in this order each round")
+    p.add_argument(
+        "--fractions",
+        type=float,
+        nargs="+",
+        default=[0.0, 1.0, 0.1],
+        help="fractions of constrained requests, run in this order each round",
+    )
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--overlap-min-masked", type=int, nargs="+", default=None,
-                   help="runner.overlap_min_masked values to alternate in each constrained run (A/B of the "
-                        "overlapped grammar update; a huge value turns it off); default: the engine's")
-    p.add_argument("--profile-host", action="store_true",
-                   help="after the timed rounds, one all-constrained run per --overlap-min-masked value under "
-                        "cProfile: the functions with the most host time go into the JSON (profiled runs are slower)")
+    p.add_argument(
+        "--overlap-min-masked",
+        type=int,
+        nargs="+",
+        default=None,
+        help="runner.overlap_min_masked values to alternate in each constrained run (A/B of the "
+        "overlapped grammar update; a huge value turns it off); default: the engine's",
+    )
+    p.add_argument(
+        "--profile-host",
+        action="store_true",
+        help="after the timed rounds, one all-constrained run per --overlap-min-masked value under "
+        "cProfile: the functions with the most host time go into the JSON (profiled runs are slower)",
+    )
     return p.parse_args(argv)
 
 
@@ -57,9 +76,14 @@ def _follows(text: str) -> bool:
         obj = json.loads(text)
     except ValueError:
         return False
-    return (isinstance(obj, dict) and set(obj) == set(SCHEMA["required"]) and isinstance(obj["title"], str)
-            and isinstance(obj["tags"], list) and all(isinstance(t, str) for t in obj["tags"])
-            and isinstance(obj["score"], (int, float)))
+    return (
+        isinstance(obj, dict)
+        and set(obj) == set(SCHEMA["required"])
+        and isinstance(obj["title"], str)
+        and isinstance(obj["tags"], list)
+        and all(isinstance(t, str) for t in obj["tags"])
+        and isinstance(obj["score"], (int, float))
+    )
 
 
 def _time_calls(obj, names) -> dict:
@@ -87,9 +111,15 @@ def _top_functions(profile, n=30) -> list[dict]:
 
     stats = pstats.Stats(profile).stats
     rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:n]
-    return [dict(function=f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})",
-                 calls=nc, own_s=round(tt, 4), cumulative_s=round(ct, 4))
-            for (file, line, name), (_, nc, tt, ct, _) in rows]
+    return [
+        dict(
+            function=f"{os.path.relpath(file) if file.startswith('/') else file}:{line}({name})",
+            calls=nc,
+            own_s=round(tt, 4),
+            cumulative_s=round(ct, 4),
+        )
+        for (file, line, name), (_, nc, tt, ct, _) in rows
+    ]
 
 
 def main(argv=None) -> dict:
@@ -103,15 +133,25 @@ def main(argv=None) -> dict:
     t = time.perf_counter()
     engine.grammars.tokenizer  # noqa: B018 - built on first use (~1 s holding the GIL): here, not in a timed run
     grammar_tokenizer_wait_s = time.perf_counter() - t
-    prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(args.num_prompts, args.input_len,
-                                                                              engine.vocab_size, args.seed)]
+    prompts = [
+        {"prompt_token_ids": p}
+        for p in common.random_token_prompts(args.num_prompts, args.input_len, engine.vocab_size, args.seed)
+    ]
     so = StructuredOutputsParams(json=SCHEMA)
     eos = sorted(engine.eos_token_ids)
 
     def params(fraction):
         k = round(fraction * len(prompts))
-        return [SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=args.temperature,
-                               seed=i, structured_outputs=so if i < k else None) for i in range(len(prompts))], k
+        return [
+            SamplingParams(
+                max_tokens=args.output_len,
+                ignore_eos=True,
+                temperature=args.temperature,
+                seed=i,
+                structured_outputs=so if i < k else None,
+            )
+            for i in range(len(prompts))
+        ], k
 
     timers = _time_calls(engine, ("_advance_grammars", "_fill_masks", "_process"))
     timers.update(_time_calls(engine.runner, ("prepare", "launch", "collect")))
@@ -123,8 +163,9 @@ def main(argv=None) -> dict:
     engine.runner.programs.wait_for_background_compiles()
     rows = []
     thresholds = args.overlap_min_masked or [engine.runner.overlap_min_masked]
-    runs = [(r, f, m) for r in range(args.rounds) for f in args.fractions
-            for m in (thresholds if f else thresholds[:1])]  # unconstrained runs do not depend on it
+    runs = [
+        (r, f, m) for r in range(args.rounds) for f in args.fractions for m in (thresholds if f else thresholds[:1])
+    ]  # unconstrained runs do not depend on it
     if args.profile_host:
         runs += [("profile", 0.0, thresholds[0])] + [("profile", 1.0, m) for m in thresholds]
     for r, f, overlap_min_masked in runs:
@@ -145,30 +186,50 @@ def main(argv=None) -> dict:
         if profile is not None:
             profile.disable()
         n_out = sum(len(o.outputs[0].token_ids) for o in outs)
-        texts = [engine.tokenizer.decode([t for t in o.outputs[0].token_ids if t not in eos])
-                 for o in outs[:k]]
-        row = dict(round=r, fraction=f, constrained=k, overlap_min_masked=overlap_min_masked,
-                   elapsed_s=elapsed, requests_per_s=len(outs) / elapsed,
-                   output_tokens_per_s=n_out / elapsed, constrained_complete_json=sum(map(_follows, texts)),
-                   compiles_during_run=engine.runner.programs.num_compiles_after_warmup - compiles,
-                   host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()})
+        texts = [engine.tokenizer.decode([t for t in o.outputs[0].token_ids if t not in eos]) for o in outs[:k]]
+        row = dict(
+            round=r,
+            fraction=f,
+            constrained=k,
+            overlap_min_masked=overlap_min_masked,
+            elapsed_s=elapsed,
+            requests_per_s=len(outs) / elapsed,
+            output_tokens_per_s=n_out / elapsed,
+            constrained_complete_json=sum(map(_follows, texts)),
+            compiles_during_run=engine.runner.programs.num_compiles_after_warmup - compiles,
+            host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()},
+        )
         if profile is not None:
             row["host_profile_top"] = _top_functions(profile)
         rows.append(row)
         # Programs a run started compiling in the background (a constrained step's whole program, say) finish
         # here, untimed, not on threads competing with the next run's host loop (that made later rounds slower).
         engine.runner.programs.wait_for_background_compiles()
-        print(f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
-              f"{row['requests_per_s']:.2f} req/s, "
-              f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
-              f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()), flush=True)
-    res = dict(env=common.environment(), engine=common.engine_summary(llm),
-               workload=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                             temperature=args.temperature, ignore_eos=True, schema=SCHEMA,
-                             model=args.model or args.shape or "demo", tokenizer=args.tokenizer,
-                             load_format=args.load_format),
-               time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
-               grammar_tokenizer_wait_s=grammar_tokenizer_wait_s, runs=rows)
+        print(
+            f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
+            f"{row['requests_per_s']:.2f} req/s, "
+            f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
+            f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()),
+            flush=True,
+        )
+    res = dict(
+        env=common.environment(),
+        engine=common.engine_summary(llm),
+        workload=dict(
+            num_prompts=args.num_prompts,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            temperature=args.temperature,
+            ignore_eos=True,
+            schema=SCHEMA,
+            model=args.model or args.shape or "demo",
+            tokenizer=args.tokenizer,
+            load_format=args.load_format,
+        ),
+        time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
+        grammar_tokenizer_wait_s=grammar_tokenizer_wait_s,
+        runs=rows,
+    )
     common.write_result("structured", res, args.out)
     return res
 

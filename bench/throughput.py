@@ -40,14 +40,23 @@ def parse(argv=None):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--temperature", type=float, default=1.0, help="vLLM's bench samples at 1.0")
     p.add_argument("--no-detokenize", action="store_true")
-    p.add_argument("--warmup-prompts", type=int, default=0,
-                   help="run this many short requests before timing (with --enforce-eager: compiles buckets)")
+    p.add_argument(
+        "--warmup-prompts",
+        type=int,
+        default=0,
+        help="run this many short requests before timing (with --enforce-eager: compiles buckets)",
+    )
     p.add_argument("--profile-dir", default=None)
     p.add_argument("--profile-prompts", type=int, default=64)
     p.add_argument("--profile-output-len", type=int, default=16)
-    p.add_argument("--profile-window", type=_window, default=None, metavar="START:COUNT",
-                   help="with --profile-dir: re-run the timed workload and trace only engine steps "
-                        "START..START+COUNT-1 (0-based step() calls) instead of the --profile-prompts run")
+    p.add_argument(
+        "--profile-window",
+        type=_window,
+        default=None,
+        metavar="START:COUNT",
+        help="with --profile-dir: re-run the timed workload and trace only engine steps "
+        "START..START+COUNT-1 (0-based step() calls) instead of the --profile-prompts run",
+    )
     args = p.parse_args(argv)
     if args.profile_window is not None and not args.profile_dir:
         p.error("--profile-window needs --profile-dir")
@@ -76,16 +85,21 @@ def main(argv=None) -> dict:
         in_lens = [args.input_len] * args.num_prompts
         out_lens = [args.output_len] * args.num_prompts
     else:
-        in_lens, out_lens = common.synthetic_sharegpt(args.num_prompts, args.seed,
-                                                      max_input=min(1024, llm.llm_engine.max_model_len // 2),
-                                                      max_output=min(1024, llm.llm_engine.max_model_len // 2))
-    prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(args.num_prompts, 0, vocab,
-                                                                              args.seed, in_lens)]
-    params = [SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature,
-                             detokenize=not args.no_detokenize) for o in out_lens]
+        in_lens, out_lens = common.synthetic_sharegpt(
+            args.num_prompts,
+            args.seed,
+            max_input=min(1024, llm.llm_engine.max_model_len // 2),
+            max_output=min(1024, llm.llm_engine.max_model_len // 2),
+        )
+    prompts = [
+        {"prompt_token_ids": p} for p in common.random_token_prompts(args.num_prompts, 0, vocab, args.seed, in_lens)
+    ]
+    params = [
+        SamplingParams(max_tokens=o, ignore_eos=True, temperature=args.temperature, detokenize=not args.no_detokenize)
+        for o in out_lens
+    ]
     if args.warmup_prompts:
-        llm.generate(prompts[: args.warmup_prompts],
-                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+        llm.generate(prompts[: args.warmup_prompts], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     runner = llm.llm_engine.runner
     compiled_before = len(runner.programs.compiled)
     t1 = time.perf_counter()
@@ -94,22 +108,36 @@ def main(argv=None) -> dict:
     n_in = sum(len(o.prompt_token_ids) for o in outs)
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     res = dict(
-        env=env, engine=common.engine_summary(llm),
-        workload=dict(dataset=args.dataset, num_prompts=args.num_prompts,
-                      input_len=args.input_len if args.dataset == "random" else None,
-                      output_len=args.output_len if args.dataset == "random" else None,
-                      prompt_tokens=n_in, output_tokens=n_out, ignore_eos=True, temperature=args.temperature,
-                      detokenize=not args.no_detokenize, model=args.model or args.shape or "demo",
-                      load_format=args.load_format, quantization=args.quantization),
+        env=env,
+        engine=common.engine_summary(llm),
+        workload=dict(
+            dataset=args.dataset,
+            num_prompts=args.num_prompts,
+            input_len=args.input_len if args.dataset == "random" else None,
+            output_len=args.output_len if args.dataset == "random" else None,
+            prompt_tokens=n_in,
+            output_tokens=n_out,
+            ignore_eos=True,
+            temperature=args.temperature,
+            detokenize=not args.no_detokenize,
+            model=args.model or args.shape or "demo",
+            load_format=args.load_format,
+            quantization=args.quantization,
+        ),
         time_to_ready_s=dict(llm_init=t_ready - t0, since_script_start=t_ready - T_START),
-        elapsed_s=elapsed, requests_per_s=len(outs) / elapsed, total_tokens_per_s=(n_in + n_out) / elapsed,
+        elapsed_s=elapsed,
+        requests_per_s=len(outs) / elapsed,
+        total_tokens_per_s=(n_in + n_out) / elapsed,
         output_tokens_per_s=n_out / elapsed,
         compiles_during_run=len(runner.programs.compiled) - compiled_before,
         compiles_after_warmup=runner.programs.num_compiles_after_warmup,
     )
-    print(f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
-          f"{res['output_tokens_per_s']:.2f} output tokens/s  ({len(outs)} requests, {elapsed:.1f} s; "
-          f"ready in {t_ready - t0:.1f} s)", flush=True)
+    print(
+        f"Throughput: {res['requests_per_s']:.2f} requests/s, {res['total_tokens_per_s']:.2f} total tokens/s, "
+        f"{res['output_tokens_per_s']:.2f} output tokens/s  ({len(outs)} requests, {elapsed:.1f} s; "
+        f"ready in {t_ready - t0:.1f} s)",
+        flush=True,
+    )
     if args.profile_dir and args.profile_window is not None:
         res["profile"] = profile_window_run(llm, prompts, params, *args.profile_window, args.profile_dir)
         _print_window(res["profile"])
@@ -133,8 +161,12 @@ def profile_run(llm, prompts, output_len: int, log_dir: str) -> dict:
         llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     summary = summarize(log_dir)
-    summary.update(num_prompts=len(prompts), output_len=output_len, traced_wall_s=wall,
-                   input_len=len(prompts[0]["prompt_token_ids"]) if prompts else 0)
+    summary.update(
+        num_prompts=len(prompts),
+        output_len=output_len,
+        traced_wall_s=wall,
+        input_len=len(prompts[0]["prompt_token_ids"]) if prompts else 0,
+    )
     return summary
 
 
@@ -164,10 +196,14 @@ def _step_kind(sched) -> dict:
     """What one dispatched step ran."""
     seqs = sched.scheduled
     n_prefill = sum(1 for s in seqs if s.is_prefill)
-    kind = ("decode_only" if _decode_only(sched) else
-            "prefill_only" if n_prefill == len(seqs) else "mixed")
-    return dict(kind=kind, num_seqs=len(seqs), num_tokens=sched.num_batched_tokens, num_prefill_chunks=n_prefill,
-                num_preempted=len(sched.preempted))
+    kind = "decode_only" if _decode_only(sched) else "prefill_only" if n_prefill == len(seqs) else "mixed"
+    return dict(
+        kind=kind,
+        num_seqs=len(seqs),
+        num_tokens=sched.num_batched_tokens,
+        num_prefill_chunks=n_prefill,
+        num_preempted=len(sched.preempted),
+    )
 
 
 def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: str) -> dict:
@@ -232,27 +268,41 @@ def profile_window_run(llm, prompts, params, start: int, count: int, log_dir: st
         rows.append(row)
     by_kind = {k: sum(r["kind"] == k for r in rows) for k in ("decode_only", "mixed", "prefill_only", "none")}
     in_window = set(range(start, start + count))
-    untraced_decode = [w for i, (w, k) in enumerate(zip(walls, kinds)) if k and i not in in_window
-                       and i - 1 not in in_window and i != start + count]  # not the calls next to the trace
+    untraced_decode = [
+        w
+        for i, (w, k) in enumerate(zip(walls, kinds))
+        if k and i not in in_window and i - 1 not in in_window and i != start + count
+    ]  # not the calls next to the trace
     traced_decode = [walls[i] for i, _ in traced if kinds[i]]
     outs = [done[i] for i in ids if i in done]
     summary.update(
-        mode="window", window=dict(start=start, count=count), traced_steps=len(rows),
-        decode_only_steps=by_kind["decode_only"], mixed_steps=by_kind["mixed"],
-        prefill_only_steps=by_kind["prefill_only"], empty_steps=by_kind["none"],
-        traced_wall_s=traced_wall, final_wait_ms=None if drain is None else drain * 1e3,
+        mode="window",
+        window=dict(start=start, count=count),
+        traced_steps=len(rows),
+        decode_only_steps=by_kind["decode_only"],
+        mixed_steps=by_kind["mixed"],
+        prefill_only_steps=by_kind["prefill_only"],
+        empty_steps=by_kind["none"],
+        traced_wall_s=traced_wall,
+        final_wait_ms=None if drain is None else drain * 1e3,
         traced_mean_seqs=sum(r["num_seqs"] for r in rows) / len(rows) if rows else None,
         traced_mean_tokens=sum(r["num_tokens"] for r in rows) / len(rows) if rows else None,
         steps=rows,
-        run=dict(total_steps=len(walls), decode_only_steps=sum(1 for k in kinds if k),
-                 other_steps=sum(1 for k in kinds if k is False), wall_s=rerun_wall,
-                 median_decode_only_step_ms_untraced=_median_ms(untraced_decode),
-                 median_decode_only_step_ms_traced=_median_ms(traced_decode),
-                 num_requests=len(outs), output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-                 compiles=len(runner.programs.compiled) - compiled_before,
-                 note="step wall = host time of one step() call; pipelined, it mostly waits for the step "
-                      "dispatched by the call before"),
-        num_prompts=len(prompts), log_dir=log_dir,
+        run=dict(
+            total_steps=len(walls),
+            decode_only_steps=sum(1 for k in kinds if k),
+            other_steps=sum(1 for k in kinds if k is False),
+            wall_s=rerun_wall,
+            median_decode_only_step_ms_untraced=_median_ms(untraced_decode),
+            median_decode_only_step_ms_traced=_median_ms(traced_decode),
+            num_requests=len(outs),
+            output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+            compiles=len(runner.programs.compiled) - compiled_before,
+            note="step wall = host time of one step() call; pipelined, it mostly waits for the step "
+            "dispatched by the call before",
+        ),
+        num_prompts=len(prompts),
+        log_dir=log_dir,
     )
     return summary
 
@@ -267,11 +317,14 @@ def _print_window(p: dict) -> None:
         print(f"Profile window: {p['error']}", flush=True)
         return
     busy = [d.get("busy_fraction") for d in p.get("devices", []) if d.get("busy_fraction") is not None]
-    print(f"Profile window {p['window']['start']}:{p['window']['count']} of {p['run']['total_steps']} steps: "
-          f"{p['traced_steps']} traced ({p['decode_only_steps']} decode-only, {p['mixed_steps']} mixed, "
-          f"{p['prefill_only_steps']} prefill-only; {p['traced_mean_seqs']:.0f} seqs / "
-          f"{p['traced_mean_tokens']:.0f} tokens a step) in {p['traced_wall_s'] * 1e3:.1f} ms"
-          + (f"; device busy {busy[0]:.1%}" if busy else ""), flush=True)
+    print(
+        f"Profile window {p['window']['start']}:{p['window']['count']} of {p['run']['total_steps']} steps: "
+        f"{p['traced_steps']} traced ({p['decode_only_steps']} decode-only, {p['mixed_steps']} mixed, "
+        f"{p['prefill_only_steps']} prefill-only; {p['traced_mean_seqs']:.0f} seqs / "
+        f"{p['traced_mean_tokens']:.0f} tokens a step) in {p['traced_wall_s'] * 1e3:.1f} ms"
+        + (f"; device busy {busy[0]:.1%}" if busy else ""),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ def build_parser(prog: str = "jaxllm convert") -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
     p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size the checkpoint is chunked for.")
     p.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size it is written for (validated).")
-    p.add_argument("--dtype", default="auto",
-                   help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype).")
+    p.add_argument(
+        "--dtype", default="auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype)."
+    )
     p.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "pt"])
     p.add_argument("--overwrite", action="store_true", help="Replace a non-empty --out.")
     p.add_argument("--no-progress", action="store_true")
@@ -41,9 +42,16 @@ def main(argv: list[str] | None = None, prog: str = "jaxllm convert") -> int:
     from convert import ConversionError, convert_checkpoint
 
     try:
-        out = convert_checkpoint(args.model, args.out, tp=args.tp, pp=args.pp, dtype=args.dtype,
-                                 load_format=args.load_format, overwrite=args.overwrite,
-                                 progress=not args.no_progress)
+        out = convert_checkpoint(
+            args.model,
+            args.out,
+            tp=args.tp,
+            pp=args.pp,
+            dtype=args.dtype,
+            load_format=args.load_format,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
     except ConversionError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

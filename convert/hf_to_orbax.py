@@ -25,17 +25,36 @@ import numpy as np
 
 from jaxllm.models.loader import FORMAT, FORMAT_VERSION, MANIFEST, ORBAX_SUBDIR
 
-COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
-                "chat_template.json", "preprocessor_config.json")
+COPIED_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+)
 
 
 class ConversionError(ValueError):
     """A bad input to the converter; the message says which and what to do."""
 
 
-def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, dtype: str = "auto",
-                       load_format: str = "auto", overwrite: bool = False, progress: bool = True) -> str:
+def convert_checkpoint(
+    model_dir: str,
+    out_dir: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dtype: str = "auto",
+    load_format: str = "auto",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> str:
     import jax
 
     import jaxllm
@@ -52,8 +71,10 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ConversionError(f"--model {model_dir} has no config.json; point it at an HF model directory.")
     if os.path.commonpath([model_dir, out_dir]) == out_dir:
-        raise ConversionError(f"--out {out_dir} is --model {model_dir} or contains it: writing there would delete "
-                              "the checkpoint being converted.")
+        raise ConversionError(
+            f"--out {out_dir} is --model {model_dir} or contains it: writing there would delete "
+            "the checkpoint being converted."
+        )
     _check_out_dir(out_dir, overwrite)
     try:
         hf = read_hf_config(model_dir)
@@ -97,11 +118,22 @@ def convert_checkpoint(model_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1
             ckptr.save(os.path.join(tmp, ORBAX_SUBDIR), tree)
             ckptr.wait_until_finished()
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "jaxllm_version": jaxllm.__version__,
-            "source": model_dir, "architecture": cfg.architecture, "dtype": cfg.dtype,
-            "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-            "params": {"/".join(map(str, k)): {"shape": list(s.checkpoint_shape), "axes": list(s.checkpoint_axes),
-                                                "dtype": s.dtype or cfg.dtype} for k, s in flat_specs.items()},
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "jaxllm_version": jaxllm.__version__,
+            "source": model_dir,
+            "architecture": cfg.architecture,
+            "dtype": cfg.dtype,
+            "tensor_parallel_size": tp,
+            "pipeline_parallel_size": pp,
+            "params": {
+                "/".join(map(str, k)): {
+                    "shape": list(s.checkpoint_shape),
+                    "axes": list(s.checkpoint_axes),
+                    "dtype": s.dtype or cfg.dtype,
+                }
+                for k, s in flat_specs.items()
+            },
             # the scheme of the packed weights (jaxllm/models/quant.py); config.json keeps quantization_config
             "quantization": None if cfg.quantization is None else dataclasses.asdict(cfg.quantization),
         }

@@ -31,8 +31,13 @@ ARCHITECTURES = {
 }
 # hidden_act / hidden_activation values -> the activation we run. gelu_pytorch_tanh is GELU's tanh approximation
 # (Gemma); gelu_new and gelu_fast are the same function.
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-               "gelu_fast": "gelu_tanh"}
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
 
 DTYPES = {
     "float16": "float16",
@@ -146,12 +151,20 @@ class ModelConfig:
     def layer_kind(self, i: int) -> LayerKind:
         sliding = self.layer_types is None or self.layer_types[i] == "sliding_attention"
         rope = self.rope_local if sliding and self.rope_local is not None else self.rope
-        return LayerKind(sliding_window=self.sliding_window if sliding else None, rope=rope,
-                         moe=self.moe is not None and i not in self.moe.dense_layers)
+        return LayerKind(
+            sliding_window=self.sliding_window if sliding else None,
+            rope=rope,
+            moe=self.moe is not None and i not in self.moe.dense_layers,
+        )
 
     @classmethod
-    def from_hf(cls, config: str | os.PathLike | dict[str, Any], dtype: str = "auto",
-                quantization: str | None = None, model_dir: str | None = None) -> ModelConfig:
+    def from_hf(
+        cls,
+        config: str | os.PathLike | dict[str, Any],
+        dtype: str = "auto",
+        quantization: str | None = None,
+        model_dir: str | None = None,
+    ) -> ModelConfig:
         """Reads a model directory, a config.json path, or its dict. Unsupported options raise ValueError
         naming the field. quantization: vLLM's argument (None: config.json's quantization_config decides);
         model_dir: where a dict came from (older checkpoints keep their quantization config in a side file)."""
@@ -159,9 +172,7 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
         if family is None:
-            raise ValueError(
-                f"architectures={archs!r} is not supported; jaxllm supports {sorted(ARCHITECTURES)}."
-            )
+            raise ValueError(f"architectures={archs!r} is not supported; jaxllm supports {sorted(ARCHITECTURES)}.")
         act_key = "hidden_activation" if hf.get("hidden_activation") else "hidden_act"
         act = hf.get(act_key) or "silu"
         if act not in ACTIVATIONS:
@@ -182,15 +193,14 @@ class ModelConfig:
             num_kv_heads=K,
             head_dim=head_dim,
             rms_norm_eps=float(hf.get("rms_norm_eps", hf.get("rms_norm_eps", 1e-6))),
-            max_position_embeddings=int(
-                hf.get("max_position_embeddings") or hf.get("model_max_length") or 4096
-            ),
+            max_position_embeddings=int(hf.get("max_position_embeddings") or hf.get("model_max_length") or 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             dtype=resolve_dtype(dtype, hf),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=tuple(eos) if isinstance(eos := hf.get("eos_token_id"), list) else eos,
-            quantization=resolve_quantization(hf, quantization,
-                                              model_dir or (None if isinstance(config, dict) else _dir(config))),
+            quantization=resolve_quantization(
+                hf, quantization, model_dir or (None if isinstance(config, dict) else _dir(config))
+            ),
             hidden_act=ACTIVATIONS[act],
         )
         if family in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe"):
@@ -238,9 +248,14 @@ def _moe_config(hf: dict[str, Any], family: str, num_layers: int) -> MoeConfig:
     only = set(hf.get("mlp_only_layers") or ())
     dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
     shared = int(hf.get("shared_expert_intermediate_size") or 0) if family == "qwen2_moe" else 0
-    return MoeConfig(num_experts=int(E), top_k=top_k, intermediate_size=int(_require(hf, "moe_intermediate_size")),
-                     norm_topk_prob=bool(hf.get("norm_topk_prob", False)), shared_intermediate_size=shared,
-                     dense_layers=dense)
+    return MoeConfig(
+        num_experts=int(E),
+        top_k=top_k,
+        intermediate_size=int(_require(hf, "moe_intermediate_size")),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        dense_layers=dense,
+    )
 
 
 _GEMMA_PATTERN = {"gemma2": 2, "gemma3": 6}  # every n-th layer is global when config.json has no layer_types
@@ -255,15 +270,20 @@ def _gemma_fields(hf: dict[str, Any], family: str, num_layers: int) -> dict[str,
         n = int(hf.get("sliding_window_pattern") or _GEMMA_PATTERN[family])
         types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(num_layers)]
     if len(types) != num_layers or set(types) - {"sliding_attention", "full_attention"}:
-        raise ValueError(f"layer_types={types!r} must list sliding_attention / full_attention for each of the "
-                         f"{num_layers} layers.")
+        raise ValueError(
+            f"layer_types={types!r} must list sliding_attention / full_attention for each of the {num_layers} layers."
+        )
     head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
     out: dict[str, Any] = dict(
-        norm_plus_one=True, sandwich_norm=True, scale_embeddings=True,
+        norm_plus_one=True,
+        sandwich_norm=True,
+        scale_embeddings=True,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-        qkv_bias=bool(hf.get("attention_bias", False)), o_bias=bool(hf.get("attention_bias", False)),
+        qkv_bias=bool(hf.get("attention_bias", False)),
+        o_bias=bool(hf.get("attention_bias", False)),
         query_scale=float(hf.get("query_pre_attn_scalar") or head_dim) ** -0.5,
-        sliding_window=hf.get("sliding_window"), layer_types=tuple(types),
+        sliding_window=hf.get("sliding_window"),
+        layer_types=tuple(types),
         final_softcap=hf.get("final_logit_softcapping"),
     )
     if hf.get("use_bidirectional_attention"):
@@ -277,8 +297,7 @@ def _gemma_fields(hf: dict[str, Any], family: str, num_layers: int) -> dict[str,
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one entry per layer type
         out["rope"] = _rope_config({"rope_parameters": params.get("full_attention") or {}, "rope_theta": 1e6})
-        out["rope_local"] = _rope_config({"rope_parameters": params.get("sliding_attention") or {},
-                                          "rope_theta": 1e4})
+        out["rope_local"] = _rope_config({"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4})
     else:  # rope_theta + rope_scaling for global layers, rope_local_base_freq (unscaled) for sliding ones
         out["rope"] = _rope_config(dict(hf, rope_theta=hf.get("rope_theta", 1e6)))
         out["rope_local"] = RopeConfig(theta=float(hf.get("rope_local_base_freq", 1e4)))

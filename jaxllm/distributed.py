@@ -31,8 +31,11 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-       "process_id": "JAX_PROCESS_ID"}
+ENV = {
+    "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+    "num_processes": "JAX_NUM_PROCESSES",
+    "process_id": "JAX_PROCESS_ID",
+}
 DEFAULT_TIMEOUT_S = 300.0  # jax.distributed's own initialization_timeout
 # A process that sends no heartbeat for this long is lost. The coordination service's live-process query (the
 # Watchdog's) answers only once a dead process's heartbeats have timed out: jax's default, 100 s, kept a server
@@ -42,17 +45,29 @@ HEARTBEAT_TIMEOUT_S = 10
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("multi-host (jax.distributed)")
-    g.add_argument("--coordinator-address", default=None,
-                   help="host:port of process 0's coordinator (env JAX_COORDINATOR_ADDRESS). Unset: one host.")
+    g.add_argument(
+        "--coordinator-address",
+        default=None,
+        help="host:port of process 0's coordinator (env JAX_COORDINATOR_ADDRESS). Unset: one host.",
+    )
     g.add_argument("--num-processes", type=int, default=None, help="Processes in all (env JAX_NUM_PROCESSES).")
     g.add_argument("--process-id", type=int, default=None, help="This process's rank (env JAX_PROCESS_ID).")
-    g.add_argument("--distributed-timeout", type=float, default=DEFAULT_TIMEOUT_S,
-                   help="Seconds every process waits for the others to join; past it start-up fails, naming the "
-                        "processes that did not join.")
+    g.add_argument(
+        "--distributed-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="Seconds every process waits for the others to join; past it start-up fails, naming the "
+        "processes that did not join.",
+    )
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, local_device_ids=None, timeout: float = DEFAULT_TIMEOUT_S) -> bool:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    local_device_ids=None,
+    timeout: float = DEFAULT_TIMEOUT_S,
+) -> bool:
     """Joins the jax.distributed cluster if a coordinator is given (argument or environment). Returns
     whether it did. Single-host runs (nothing given) do nothing; so does a second call once joined."""
     coordinator_address = coordinator_address or os.environ.get(ENV["coordinator_address"])
@@ -61,8 +76,9 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     num_processes = num_processes if num_processes is not None else _env_int("num_processes")
     process_id = process_id if process_id is not None else _env_int("process_id")
     if num_processes is None or process_id is None:
-        raise ValueError("--coordinator-address needs --num-processes and --process-id "
-                         "(or JAX_NUM_PROCESSES / JAX_PROCESS_ID).")
+        raise ValueError(
+            "--coordinator-address needs --num-processes and --process-id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)."
+        )
     if num_processes < 1 or not 0 <= process_id < num_processes:
         raise ValueError(f"--process-id must be in [0, {num_processes}), got {process_id}.")
     if not timeout > 0:
@@ -80,13 +96,23 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             jax.config.update("jax_enable_recoverability", True)
         except (AttributeError, KeyError):  # a jax without the option keeps its default
             logger.warning("This jax cannot run jax.distributed recoverable: a lost process aborts the others")
-    jax.distributed.initialize(coordinator_address, num_processes, process_id, local_device_ids=local_device_ids,
-                               initialization_timeout=max(int(timeout), 1),
-                               heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S)
+    jax.distributed.initialize(
+        coordinator_address,
+        num_processes,
+        process_id,
+        local_device_ids=local_device_ids,
+        initialization_timeout=max(int(timeout), 1),
+        heartbeat_timeout_seconds=HEARTBEAT_TIMEOUT_S,
+    )
     if num_processes > 1:
         atexit.register(shutdown, timeout)
-    logger.info("jax.distributed: process %d of %d, %d local / %d global devices", jax.process_index(),
-                jax.process_count(), jax.local_device_count(), jax.device_count())
+    logger.info(
+        "jax.distributed: process %d of %d, %d local / %d global devices",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+    )
     return True
 
 
@@ -115,9 +141,12 @@ def shutdown(timeout: float = DEFAULT_TIMEOUT_S) -> None:
 
 
 def maybe_initialize(args: argparse.Namespace) -> bool:
-    return initialize(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
-                      getattr(args, "process_id", None),
-                      timeout=getattr(args, "distributed_timeout", None) or DEFAULT_TIMEOUT_S)
+    return initialize(
+        getattr(args, "coordinator_address", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+        timeout=getattr(args, "distributed_timeout", None) or DEFAULT_TIMEOUT_S,
+    )
 
 
 def _env_int(name: str) -> int | None:
@@ -164,8 +193,10 @@ def _collect_joins(port: int, n: int, deadline: float, address: str, timeout: fl
         else:
             srv = socket.create_server(("", port))
     except OSError as e:
-        raise RuntimeError(f"Process 0 cannot listen on the coordinator port {port}: {e.strerror or e}. Pick "
-                           "another port in --coordinator-address.") from None
+        raise RuntimeError(
+            f"Process 0 cannot listen on the coordinator port {port}: {e.strerror or e}. Pick "
+            "another port in --coordinator-address."
+        ) from None
     joined: dict[int, socket.socket] = {}
     error = None
     try:
@@ -173,10 +204,12 @@ def _collect_joins(port: int, n: int, deadline: float, address: str, timeout: fl
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = sorted(set(range(1, n)) - set(joined))
-                error = (f"Process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {n} did not "
-                         f"join within {timeout:g} s (--distributed-timeout): start the same command with "
-                         f"--process-id {missing[0]} --num-processes {n} --coordinator-address {address} on its "
-                         "host, and check that this address and port are reachable from there.")
+                error = (
+                    f"Process{'es' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of {n} did not "
+                    f"join within {timeout:g} s (--distributed-timeout): start the same command with "
+                    f"--process-id {missing[0]} --num-processes {n} --coordinator-address {address} on its "
+                    "host, and check that this address and port are reachable from there."
+                )
                 break
             srv.settimeout(min(left, 1.0))
             try:
@@ -190,8 +223,9 @@ def _collect_joins(port: int, n: int, deadline: float, address: str, timeout: fl
                 continue
             problem = None
             if hello.get("num_processes") != n:
-                problem = (f"Process {pid} was started with --num-processes {hello.get('num_processes')}, "
-                           f"process 0 with {n}.")
+                problem = (
+                    f"Process {pid} was started with --num-processes {hello.get('num_processes')}, process 0 with {n}."
+                )
             elif not 0 < pid < n:
                 problem = f"--process-id {pid} is not in [1, {n}) for --num-processes {n}."
             elif pid in joined:
@@ -214,8 +248,10 @@ def _collect_joins(port: int, n: int, deadline: float, address: str, timeout: fl
 
 
 def _send_join(host: str, port: int, n: int, pid: int, deadline: float, address: str, timeout: float) -> None:
-    unreachable = (f"Process {pid}: process 0 did not answer at {address} within {timeout:g} s "
-                   "(--distributed-timeout): start process 0 there (--process-id 0), or check the address and port.")
+    unreachable = (
+        f"Process {pid}: process 0 did not answer at {address} within {timeout:g} s "
+        "(--distributed-timeout): start process 0 there (--process-id 0), or check the address and port."
+    )
     while True:
         try:
             conn = socket.create_connection((host, port), timeout=max(min(deadline - time.monotonic(), 2.0), 0.1))
@@ -331,9 +367,11 @@ class Watchdog:
 
     def _lose(self, missing: list[int], why: str) -> None:
         who = ", ".join(map(str, missing))
-        self.lost = (f"Process{'es' if len(missing) > 1 else ''} {who} of {self.num_processes} left the "
-                     f"jax.distributed cluster{why} (died, was killed or lost its network): this engine runs over "
-                     "all of them and cannot continue.")
+        self.lost = (
+            f"Process{'es' if len(missing) > 1 else ''} {who} of {self.num_processes} left the "
+            f"jax.distributed cluster{why} (died, was killed or lost its network): this engine runs over "
+            "all of them and cannot continue."
+        )
         logger.error("%s", self.lost)
         self._lost_event.set()
         try:

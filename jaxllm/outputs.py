@@ -46,9 +46,11 @@ class CompletionOutput:
         return self.finish_reason is not None
 
     def __repr__(self) -> str:  # vLLM's: lora_request is not shown
-        return (f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
-                f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
-                f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})")
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, token_ids={self.token_ids}, "
+            f"cumulative_logprob={self.cumulative_logprob}, logprobs={self.logprobs}, "
+            f"finish_reason={self.finish_reason}, stop_reason={self.stop_reason})"
+        )
 
 
 @dataclass
@@ -66,12 +68,23 @@ _warned_extra_args = False
 class RequestOutput:
     """One request's output so far (or final): its prompt and one CompletionOutput per sequence (n)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                 prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
-                 metrics: RequestMetrics | None = None, lora_request: Any = None, encoder_prompt: str | None = None,
-                 encoder_prompt_token_ids: list[int] | None = None, num_cached_tokens: int | None = None,
-                 multi_modal_placeholders: dict | None = None, kv_transfer_params: dict[str, Any] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int] | None,
+        prompt_logprobs: PromptLogprobs | None,
+        outputs: list[CompletionOutput],
+        finished: bool,
+        metrics: RequestMetrics | None = None,
+        lora_request: Any = None,
+        encoder_prompt: str | None = None,
+        encoder_prompt_token_ids: list[int] | None = None,
+        num_cached_tokens: int | None = None,
+        multi_modal_placeholders: dict | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         global _warned_extra_args
         if kwargs and not _warned_extra_args:  # vLLM: code written for a newer release still runs
             _warned_extra_args = True
@@ -115,9 +128,11 @@ class RequestOutput:
                 self.outputs.append(nxt)
 
     def __repr__(self) -> str:  # vLLM's order
-        return (f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
-                f"prompt_token_ids={self.prompt_token_ids}, encoder_prompt={self.encoder_prompt!r}, "
-                f"encoder_prompt_token_ids={self.encoder_prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
-                f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
-                f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens}, "
-                f"multi_modal_placeholders={self.multi_modal_placeholders})")
+        return (
+            f"RequestOutput(request_id={self.request_id}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, encoder_prompt={self.encoder_prompt!r}, "
+            f"encoder_prompt_token_ids={self.encoder_prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+            f"outputs={self.outputs}, finished={self.finished}, metrics={self.metrics}, "
+            f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens}, "
+            f"multi_modal_placeholders={self.multi_modal_placeholders})"
+        )

@@ -19,8 +19,14 @@ from dataclasses import dataclass
 from typing import Any
 
 # vLLM's method names -> our implementation.
-METHODS = {"gptq": "gptq", "gptq_marlin": "gptq", "awq": "awq", "awq_marlin": "awq",
-           "compressed-tensors": "compressed-tensors", "fp8": "fp8"}
+METHODS = {
+    "gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "awq": "awq",
+    "awq_marlin": "awq",
+    "compressed-tensors": "compressed-tensors",
+    "fp8": "fp8",
+}
 # Files older GPTQ / AWQ exports keep the config in (vLLM's get_quant_config reads them too).
 SIDE_CONFIG_FILES = ("quantize_config.json", "quant_config.json")
 
@@ -56,16 +62,22 @@ class QuantConfig:
 
     def describe(self) -> str:
         if self.weight_type == "float":
-            act = {None: "weight-only", "dynamic": "dynamic per-token activations",
-                   "static": "static activation scales"}[self.activations]
+            act = {
+                None: "weight-only",
+                "dynamic": "dynamic per-token activations",
+                "static": "static activation scales",
+            }[self.activations]
             return f"{self.method} fp8 ({act})"
         group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
         acts = ", int8 activations" if self.activations else ""
         return f"{self.method} int{self.bits} ({group}, {'sym' if self.symmetric else 'asym'}{acts})"
 
 
-def resolve_quantization(hf: dict[str, Any], quantization: str | None, model_dir: str | None = None,
-                         ) -> QuantConfig | None:
+def resolve_quantization(
+    hf: dict[str, Any],
+    quantization: str | None,
+    model_dir: str | None = None,
+) -> QuantConfig | None:
     """The QuantConfig of a checkpoint: config.json's quantization_config (or an older side file), checked against
     an explicit quantization argument as vLLM does; None for an unquantized model run unquantized."""
     if quantization is not None and quantization not in METHODS:
@@ -83,21 +95,33 @@ def resolve_quantization(hf: dict[str, Any], quantization: str | None, model_dir
         if quantization is None:
             return None
         if quantization == "fp8":  # vLLM's dynamic FP8: quantize a 16-bit checkpoint while loading
-            return QuantConfig(method="fp8", weight_type="float", bits=8, activations="dynamic", serialized=False,
-                               source="quantization='fp8'")
-        raise ValueError(f"quantization={quantization!r}, but the checkpoint has no quantization_config in "
-                         f"config.json (nor {' / '.join(SIDE_CONFIG_FILES)}): it is not a {quantization} checkpoint.")
+            return QuantConfig(
+                method="fp8",
+                weight_type="float",
+                bits=8,
+                activations="dynamic",
+                serialized=False,
+                source="quantization='fp8'",
+            )
+        raise ValueError(
+            f"quantization={quantization!r}, but the checkpoint has no quantization_config in "
+            f"config.json (nor {' / '.join(SIDE_CONFIG_FILES)}): it is not a {quantization} checkpoint."
+        )
     if not isinstance(qc, dict):
         raise ValueError(f"{source} must be an object, got {qc!r}.")
     method = qc.get("quant_method")
     if isinstance(method, str):
         method = method.lower()
     if method not in ("gptq", "awq", "compressed-tensors", "fp8"):
-        raise ValueError(f"{source}.quant_method={method!r} is not supported; jaxllm loads gptq, awq, "
-                         f"compressed-tensors and fp8 checkpoints.")
+        raise ValueError(
+            f"{source}.quant_method={method!r} is not supported; jaxllm loads gptq, awq, "
+            f"compressed-tensors and fp8 checkpoints."
+        )
     if quantization is not None and METHODS[quantization] != method:
-        raise ValueError(f"Quantization method specified in the model config ({method}) does not match the "
-                         f"quantization method specified in the `quantization` argument ({quantization}).")
+        raise ValueError(
+            f"Quantization method specified in the model config ({method}) does not match the "
+            f"quantization method specified in the `quantization` argument ({quantization})."
+        )
     parse = {"gptq": _gptq, "awq": _awq, "compressed-tensors": _compressed_tensors, "fp8": _fp8}[method]
     return parse(qc, source)
 
@@ -130,11 +154,16 @@ def _gptq(qc: dict, source: str) -> QuantConfig:
         raise ValueError(f"{source}.lm_head=true (a quantized lm_head) is not supported.")
     if qc.get("dynamic"):
         raise ValueError(f"{source}.dynamic (per-module overrides) is not supported.")
-    return QuantConfig(method="gptq", bits=bits, group_size=_group_size(qc, source),
-                       symmetric=bool(_get(qc, "sym", source, (True, False), default=True)),
-                       act_order=bool(_get(qc, "desc_act", source, (True, False), default=False)),
-                       zero_offset=1 if fmt == "gptq" else 0,
-                       ignore=tuple(qc.get("modules_to_not_convert") or ()), source=source)
+    return QuantConfig(
+        method="gptq",
+        bits=bits,
+        group_size=_group_size(qc, source),
+        symmetric=bool(_get(qc, "sym", source, (True, False), default=True)),
+        act_order=bool(_get(qc, "desc_act", source, (True, False), default=False)),
+        zero_offset=1 if fmt == "gptq" else 0,
+        ignore=tuple(qc.get("modules_to_not_convert") or ()),
+        source=source,
+    )
 
 
 def _awq(qc: dict, source: str) -> QuantConfig:
@@ -145,9 +174,14 @@ def _awq(qc: dict, source: str) -> QuantConfig:
     if version != "gemm":
         raise ValueError(f"{source}.version={version!r} is not supported; jaxllm reads AWQ's GEMM layout ('gemm').")
     g = _group_size(qc, source, "group_size" if "group_size" in qc else "q_group_size")
-    return QuantConfig(method="awq", bits=4, group_size=g,
-                       symmetric=not bool(qc.get("zero_point", True)),
-                       ignore=tuple(qc.get("modules_to_not_convert") or ()), source=source)
+    return QuantConfig(
+        method="awq",
+        bits=4,
+        group_size=g,
+        symmetric=not bool(qc.get("zero_point", True)),
+        ignore=tuple(qc.get("modules_to_not_convert") or ()),
+        source=source,
+    )
 
 
 def _fp8(qc: dict, source: str) -> QuantConfig:
@@ -165,9 +199,11 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
         raise ValueError(f"{source}.kv_cache_scheme (checkpoint KV-cache scales) is not supported.")
     groups = qc.get("config_groups") or {}
     if len(groups) != 1:
-        raise ValueError(f"{source}.config_groups has {len(groups)} schemes; jaxllm supports exactly one scheme "
-                         "for all Linear layers.")
-    (name, group), = groups.items()
+        raise ValueError(
+            f"{source}.config_groups has {len(groups)} schemes; jaxllm supports exactly one scheme "
+            "for all Linear layers."
+        )
+    ((name, group),) = groups.items()
     where = f"{source}.config_groups.{name}"
     targets = group.get("targets") or []
     if "Linear" not in targets:
@@ -178,8 +214,13 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
     fmt = group.get("format") or qc.get("format")
     wtype = _get(w, "type", f"{where}.weights", ("int", "float"), default="int")
     bits = _get(w, "num_bits", f"{where}.weights", (4, 8) if wtype == "int" else (8,), required=True)
-    strategy = _get(w, "strategy", f"{where}.weights",
-                    ("group", "channel") if wtype == "int" else ("tensor", "channel"), required=True)
+    strategy = _get(
+        w,
+        "strategy",
+        f"{where}.weights",
+        ("group", "channel") if wtype == "int" else ("tensor", "channel"),
+        required=True,
+    )
     if w.get("dynamic"):
         raise ValueError(f"{where}.weights.dynamic=true is not supported (weights must carry their scales).")
     group_size = _group_size(w, f"{where}.weights") if strategy == "group" else -1
@@ -203,8 +244,10 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
         where_a = f"{where}.input_activations"
         _get(a, "num_bits", where_a, (8,), required=True)
         if _get(a, "type", where_a, ("int", "float"), default="int") != wtype:
-            raise ValueError(f"{where_a}.type={a.get('type')!r} differs from the weights' type {wtype!r}; "
-                             "jaxllm supports W8A8 with both int or both float.")
+            raise ValueError(
+                f"{where_a}.type={a.get('type')!r} differs from the weights' type {wtype!r}; "
+                "jaxllm supports W8A8 with both int or both float."
+            )
         if bits != 8:
             raise ValueError(f"{where_a}: activation quantization needs 8-bit weights, got num_bits={bits}.")
         dynamic = bool(a.get("dynamic", False))
@@ -215,6 +258,14 @@ def _compressed_tensors(qc: dict, source: str) -> QuantConfig:
         if not a.get("symmetric", True):
             raise ValueError(f"{where_a}.symmetric=false is not supported.")
         activations = "dynamic" if dynamic else "static"
-    return QuantConfig(method="compressed-tensors", weight_type=wtype, bits=bits, group_size=group_size,
-                       symmetric=symmetric or wtype == "float", act_order=act_order,
-                       activations=activations, ignore=tuple(qc.get("ignore") or ()), source=source)
+    return QuantConfig(
+        method="compressed-tensors",
+        weight_type=wtype,
+        bits=bits,
+        group_size=group_size,
+        symmetric=symmetric or wtype == "float",
+        act_order=act_order,
+        activations=activations,
+        ignore=tuple(qc.get("ignore") or ()),
+        source=source,
+    )

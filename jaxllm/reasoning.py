@@ -104,7 +104,7 @@ class Split:
         if self.none:
             return "", self.prefix + text
         if not final and p.end not in text:
-            text = text[:len(text) - _partial_tag(text, (p.start, p.end))]
+            text = text[: len(text) - _partial_tag(text, (p.start, p.end))]
         if p.stream_needs_start:
             before, tag, rest = text.partition(p.start)
             if not tag:
@@ -126,24 +126,28 @@ def _partial_tag(text: str, tags: tuple[str, ...]) -> int:
     return best
 
 
-REASONING_PARSERS: dict[str, ReasoningParser] = {p.name: p for p in (
-    ReasoningParser("deepseek_r1"),
-    ReasoningParser("kimi_k2"),  # vLLM registers DeepSeekR1ReasoningParser under this name too
-    ReasoningParser("qwen3", whole_needs_start=True, stream_needs_start=True),
-    ReasoningParser("glm45", whole_needs_start=True, stream_needs_start=True, extra_tokens=("<|assistant|>",)),
-    ReasoningParser("seed_oss", start="<seed:think>", end="</seed:think>", stream_needs_start=True),
-    ReasoningParser("minimax_m2", stream_needs_start=True),
-    ReasoningParser("deepseek_v3", kind="deepseek_v3"),
-    ReasoningParser("minimax_m2_append_think", kind="append_think"),
-)}
+REASONING_PARSERS: dict[str, ReasoningParser] = {
+    p.name: p
+    for p in (
+        ReasoningParser("deepseek_r1"),
+        ReasoningParser("kimi_k2"),  # vLLM registers DeepSeekR1ReasoningParser under this name too
+        ReasoningParser("qwen3", whole_needs_start=True, stream_needs_start=True),
+        ReasoningParser("glm45", whole_needs_start=True, stream_needs_start=True, extra_tokens=("<|assistant|>",)),
+        ReasoningParser("seed_oss", start="<seed:think>", end="</seed:think>", stream_needs_start=True),
+        ReasoningParser("minimax_m2", stream_needs_start=True),
+        ReasoningParser("deepseek_v3", kind="deepseek_v3"),
+        ReasoningParser("minimax_m2_append_think", kind="append_think"),
+    )
+}
 
 
 def check_name(name: str | None) -> None:
     """ValueError naming the choices for a parser jaxllm does not have (vLLM's message for an unknown one)."""
     if name and name not in REASONING_PARSERS:
         if name in UNSUPPORTED:
-            raise ValueError(f"reasoning parser {name!r} (vLLM's) is not supported by jaxllm; it has "
-                             f"{', '.join(REASONING_PARSERS)}.")
+            raise ValueError(
+                f"reasoning parser {name!r} (vLLM's) is not supported by jaxllm; it has {', '.join(REASONING_PARSERS)}."
+            )
         raise ValueError(f"invalid reasoning parser: {name} (chose from {{ {','.join(REASONING_PARSERS)} }})")
 
 
@@ -157,9 +161,11 @@ def reasoning_parser(name: str | None, tokenizer) -> ReasoningParser | None:
     vocab = tokenizer.get_vocab()
     missing = [t for t in parser.tokens if t not in vocab]
     if missing:
-        raise ValueError(f"--reasoning-parser {name}: the tokenizer has no {' or '.join(missing)} token, so this "
-                         "model does not write its reasoning the way this parser reads it (vLLM: reasoning parser "
-                         "could not locate think start/end tokens in the tokenizer!).")
+        raise ValueError(
+            f"--reasoning-parser {name}: the tokenizer has no {' or '.join(missing)} token, so this "
+            "model does not write its reasoning the way this parser reads it (vLLM: reasoning parser "
+            "could not locate think start/end tokens in the tokenizer!)."
+        )
     return parser
 
 

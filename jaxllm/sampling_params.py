@@ -36,24 +36,45 @@ class StructuredOutputsParams:
     structural_tag: str | None = None
 
     def __post_init__(self) -> None:
-        kinds = {k: getattr(self, k) for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
-                 if getattr(self, k) is not None}
-        _check(len(kinds) <= 1, "You can only use one kind of structured outputs constraint but multiple are "
-                                f"specified: {kinds}")
-        _check(len(kinds) == 1, "You must use one kind of structured outputs constraint but none are specified: "
-                                f"{self.__dict__}")
+        kinds = {
+            k: getattr(self, k)
+            for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+            if getattr(self, k) is not None
+        }
+        _check(
+            len(kinds) <= 1,
+            f"You can only use one kind of structured outputs constraint but multiple are specified: {kinds}",
+        )
+        _check(
+            len(kinds) == 1,
+            f"You must use one kind of structured outputs constraint but none are specified: {self.__dict__}",
+        )
         _check(self.structural_tag is None, "structured_outputs.structural_tag is not supported by jaxllm.")
-        _check(self.json_object in (None, True), f"structured_outputs.json_object must be true when given, got "
-                                                 f"{self.json_object!r}.")
-        _check(self.regex is None or isinstance(self.regex, str), f"structured_outputs.regex must be a string, "
-                                                                  f"got {self.regex!r:.80}.")
-        _check(self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
-               f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r:.80}.")
-        _check(self.choice is None or (isinstance(self.choice, (list, tuple)) and len(self.choice) > 0
-                                       and all(isinstance(c, str) for c in self.choice)),
-               f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}.")
-        _check(self.json is None or isinstance(self.json, (str, dict)),
-               f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {self.json!r:.80}.")
+        _check(
+            self.json_object in (None, True),
+            f"structured_outputs.json_object must be true when given, got {self.json_object!r}.",
+        )
+        _check(
+            self.regex is None or isinstance(self.regex, str),
+            f"structured_outputs.regex must be a string, got {self.regex!r:.80}.",
+        )
+        _check(
+            self.grammar is None or (isinstance(self.grammar, str) and self.grammar.strip() != ""),
+            f"structured_outputs.grammar must be a non-empty string, got {self.grammar!r:.80}.",
+        )
+        _check(
+            self.choice is None
+            or (
+                isinstance(self.choice, (list, tuple))
+                and len(self.choice) > 0
+                and all(isinstance(c, str) for c in self.choice)
+            ),
+            f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r:.80}.",
+        )
+        _check(
+            self.json is None or isinstance(self.json, (str, dict)),
+            f"structured_outputs.json must be a JSON schema (a dict or its JSON text), got {self.json!r:.80}.",
+        )
         if self.choice is not None:
             self.choice = list(self.choice)
 
@@ -116,8 +137,10 @@ class SamplingParams:
             self.structured_outputs, self.guided_decoding = self.guided_decoding, None
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
-        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
-               f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.")
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.",
+        )
         self._verify()
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0
@@ -127,8 +150,11 @@ class SamplingParams:
     def _verify(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.", "n")
         t = self.truncate_prompt_tokens
-        _check(t is None or (isinstance(t, int) and (t >= 1 or t == -1)),
-               f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}", "truncate_prompt_tokens")
+        _check(
+            t is None or (isinstance(t, int) and (t >= 1 or t == -1)),
+            f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}",
+            "truncate_prompt_tokens",
+        )
         _check(
             -2.0 <= self.presence_penalty <= 2.0,
             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.",
@@ -158,8 +184,9 @@ class SamplingParams:
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}.", "min_p")
         if self.max_tokens is not None:
             _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}.", "max_tokens")
-        _check(self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.",
-               "min_tokens")
+        _check(
+            self.min_tokens >= 0, f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.", "min_tokens"
+        )
         if self.max_tokens is not None:
             _check(
                 self.min_tokens <= self.max_tokens,
@@ -171,20 +198,30 @@ class SamplingParams:
             if value is not None:
                 _check(value >= -1, f"{name} must be non-negative, got {value}.", name)
         _check(all(s != "" for s in self.stop or ()), "stop cannot contain an empty string.", "stop")
-        _check(not (self.stop and not self.detokenize),  # stop strings are matched in the detokenized text
-               "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.", "stop")
+        _check(
+            not (self.stop and not self.detokenize),  # stop strings are matched in the detokenized text
+            "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.",
+            "stop",
+        )
         _check(
             all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids or ()),
             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids}.",
             "stop_token_ids",
         )
-        _check(all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
-               f"logit_bias values must be finite, got {self.logit_bias}.", "logit_bias")
-        _check(self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
-               f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.", "bad_words")
+        _check(
+            all(math.isfinite(v) for v in (self.logit_bias or {}).values()),
+            f"logit_bias values must be finite, got {self.logit_bias}.",
+            "logit_bias",
+        )
+        _check(
+            self.bad_words is None or all(isinstance(w, str) and w for w in self.bad_words),
+            f"bad_words must be a list of non-empty strings, got {self.bad_words!r}.",
+            "bad_words",
+        )
         if self.allowed_token_ids is not None:
-            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.",
-                   "allowed_token_ids")
+            _check(
+                len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.", "allowed_token_ids"
+            )
         if self.seed is not None:
             _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.", "seed")
         if self.temperature < _GREEDY_EPS:
@@ -202,15 +239,17 @@ class SamplingParams:
                 wanted = vocab_size if value == -1 else value
                 limit = vocab_size if max_logprobs == -1 else max_logprobs
                 asked = f"-1 (the whole vocabulary, {vocab_size} tokens)" if value == -1 else value
-                _check(wanted <= limit, f"Requested {name} of {asked}, which is greater than max allowed: {limit}.",
-                       name)
+                _check(
+                    wanted <= limit, f"Requested {name} of {asked}, which is greater than max allowed: {limit}.", name
+                )
         for name in ("stop_token_ids", "allowed_token_ids"):
             ids = getattr(self, name) or []
             bad = [t for t in ids if not 0 <= t < vocab_size]
             _check(not bad, f"{name} contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).", name)
         bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
-        _check(not bad, f"logit_bias contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).",
-               "logit_bias")
+        _check(
+            not bad, f"logit_bias contains out-of-vocab token ids {bad[:5]} (vocab size {vocab_size}).", "logit_bias"
+        )
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
@@ -225,8 +264,10 @@ def truncate_prompt_ids(ids: list[int], truncate: int | None, max_model_len: int
         return ids
     k = max_model_len if truncate == -1 else truncate
     if k > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len})."
-                         " Please, select a smaller truncation size.")
+        raise ValueError(
+            f"truncate_prompt_tokens value ({truncate}) is greater than max_model_len ({max_model_len})."
+            " Please, select a smaller truncation size."
+        )
     return ids[-k:] if k > 0 else []
 
 

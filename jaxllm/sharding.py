@@ -112,9 +112,7 @@ class ParallelConfig:
                 f"tensor_parallel_size a multiple of it (kv heads are then replicated)."
             )
         if pp > cfg.num_layers:
-            raise ValueError(
-                f"pipeline_parallel_size ({pp}) exceeds the model's num_hidden_layers ({cfg.num_layers})."
-            )
+            raise ValueError(f"pipeline_parallel_size ({pp}) exceeds the model's num_hidden_layers ({cfg.num_layers}).")
 
 
 def mesh_devices(devices: list, tp: int, pp: int) -> list:

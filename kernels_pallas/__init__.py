@@ -88,20 +88,24 @@ def _use_write_kernel(k_pages, interpret):
 
 def _check_partials(qkv, dtype):
     if qkv.ndim == 5 and dtype is None:
-        raise ValueError("qkv given as split-K partials [S, T, K, G + 2, H] needs dtype= (the model's dtype, "
-                         "which the summed partials are rounded to)")
+        raise ValueError(
+            "qkv given as split-K partials [S, T, K, G + 2, H] needs dtype= (the model's dtype, "
+            "which the summed partials are rounded to)"
+        )
 
 
 def write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False):
     """k, v: [T, K, H] into their slots (page * S + offset) of both caches; slot -1 is dropped."""
     if _use_write_kernel(k_pages, interpret):
-        return write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                               interpret=interpret)
+        return write_kv_kernel(
+            k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale, interpret=interpret
+        )
     return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
 
-def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                 dtype=None, interpret=False):
+def qkv_write_kv(
+    qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0, dtype=None, interpret=False
+):
     """See reference.qkv_write_kv; on GPU one Pallas launch (_write.py) instead of XLA's RoPE fusions for q
     and k, the slice for v and the write, for batches of < 2048 tokens. Measured on an H100 (same run,
     bench/results/kernels_h100_97c2470.json): 8 tokens 3.3 vs 7.9 us, 512: 6.9 vs 11.3, but 2048: 27.1 vs
@@ -117,45 +121,112 @@ def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_
     return qkv_write_kv_kernel(*args, interpret=interpret, **kw)
 
 
-def fused_decode_attention(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *,
-                           scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None, sliding_window=None, soft_cap=None,
-                           dtype=None, interpret=False, **tuning):
+def fused_decode_attention(
+    qkv,
+    positions,
+    inv_freq,
+    k_pages,
+    v_pages,
+    slot_mapping,
+    seq_lens,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    dtype=None,
+    interpret=False,
+    **tuning,
+):
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
     sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
     launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
     _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
-        raise ValueError(f"fused_decode_attention needs one token per sequence: {T} tokens, "
-                         f"{seq_lens.shape[0]} sequences")
-    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window, soft_cap=soft_cap)
+        raise ValueError(
+            f"fused_decode_attention needs one token per sequence: {T} tokens, {seq_lens.shape[0]} sequences"
+        )
+    kw = dict(
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
     if not (_use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)):
-        q, k_pages, v_pages = qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, dtype=dtype,
-                                           k_scale=k_scale, v_scale=v_scale, interpret=interpret)
-        return paged_decode_attention(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw), \
-            k_pages, v_pages
-    return fused_decode_attention_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens,
-                                         block_tables, dtype=dtype, interpret=interpret, **kw, **tuning)
+        q, k_pages, v_pages = qkv_write_kv(
+            qkv,
+            positions,
+            inv_freq,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            dtype=dtype,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            interpret=interpret,
+        )
+        return (
+            paged_decode_attention(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw),
+            k_pages,
+            v_pages,
+        )
+    return fused_decode_attention_kernel(
+        qkv,
+        positions,
+        inv_freq,
+        k_pages,
+        v_pages,
+        slot_mapping,
+        seq_lens,
+        block_tables,
+        dtype=dtype,
+        interpret=interpret,
+        **kw,
+        **tuning,
+    )
 
 
 def paged_decode_attention(
-    q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, soft_cap=None, decode_backend=None, interpret=False,
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    decode_backend=None,
+    interpret=False,
 ):
     """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros.
     decode_backend: "auto" | "mosaic" | "triton", or None: $JAXLLM_DECODE_BACKEND, else "auto" (see
     _decode_backend)."""
-    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if not _use_kernel(q, k_pages, interpret):
         return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
     return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
 
 
 def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
-    """"mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
+    """ "mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
     window or fp8); "triton" otherwise (and by default in interpret mode: the Mosaic GPU interpreter is much
     slower on CPU). XProf kernel time per call, Mosaic vs Triton, same run: on an H200 (bench/results/
     kernels_h200_29176ac_goal.json) B64 x 2k 131.5 vs 172.4-172.7 us, B1 x 32k 37.0-37.6 vs 43.4-43.5; on an
@@ -178,13 +249,14 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
 def _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret):
     """The decode kernel _decode_backend picks (named apart from the _decode module, which it would shadow)."""
     if _decode_backend(q, k_pages, kw, requested, interpret) == "mosaic":
-        return _decode_mgpu.paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, scale=kw["scale"],
-                                              interpret=interpret)
+        return _decode_mgpu.paged_decode_mgpu(
+            q, k_pages, v_pages, seq_lens, block_tables, scale=kw["scale"], interpret=interpret
+        )
     return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
 
 
 def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
-    """"mosaic" (Mosaic GPU kernel, _prefill_mgpu.py: 0.64-0.77 of the bf16 matmul rate on an H100 where the
+    """ "mosaic" (Mosaic GPU kernel, _prefill_mgpu.py: 0.64-0.77 of the bf16 matmul rate on an H100 where the
     Triton kernel reaches 0.47-0.55, bench/results/kernels_h100_2088a1e_mgpu_prefill.json) on sm_90 GPUs for
     what it supports (bf16 / fp16, no ALiBi, window or fp8); "triton" otherwise (and by default in interpret
     mode: the Mosaic GPU interpreter is much slower on CPU)."""
@@ -199,18 +271,38 @@ def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
 
 
 def ragged_paged_attention(
-    q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, soft_cap=None, decode_only=False, split_decode=True,
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    query_start_loc,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    decode_only=False,
+    split_decode=True,
     prefill_backend="auto",
-    decode_backend=None, interpret=False,
+    decode_backend=None,
+    interpret=False,
 ):
     """Causal attention of every new token of a flat ragged batch over its paged context ([T, N, H]).
     split_decode: in a mixed batch, the sequences with one new token (decode steps) go to the decode kernel
     and only the others get ragged tiles (a one-token tile would run 128-row MMAs over the same KV).
     prefill_backend: "auto" | "mosaic" | "triton" for the ragged tiles (see _prefill_backend); decode_backend the
     same for the one-token sequences (see _decode_backend)."""
-    kw = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-              sliding_window=sliding_window, soft_cap=soft_cap)
+    kw = dict(
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if not _use_kernel(q, k_pages, interpret):
         return ragged_paged_attention_ref(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, **kw)
     T = q.shape[0]

@@ -99,8 +99,22 @@ def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
 
 
 def _decode_kernel(
-    lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, sliding_window, has_alibi, final, prefetch, replicas, tail_mask, fused=None,
+    lens_ref,
+    bt_ref,
+    scal_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *rest,
+    page_size,
+    pages_per_block,
+    sliding_window,
+    has_alibi,
+    final,
+    prefetch,
+    replicas,
+    tail_mask,
+    fused=None,
     soft_cap=None,
 ):
     rest = list(rest)
@@ -144,8 +158,9 @@ def _decode_kernel(
         return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
 
     if fused:
-        finish = _fused_qkv(q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"],
-                            rope=fused["rope"], dt=cdt)
+        finish = _fused_qkv(
+            q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt
+        )
         # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
         # registers; every program reads the cache only below q_pos (another program may be writing it).
         own = (seq_len > 0) & (lo_page * S <= q_pos) & (q_pos < hi_page * S)
@@ -160,8 +175,11 @@ def _decode_kernel(
             kn, vn = (x.astype(cdt).astype(jnp.float32) for x in new_kv)
             # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
             s_new = cap_scores((q.astype(jnp.float32) * kn[None, :]).sum(axis=1) * qk_mult, soft_cap)
-            return (jnp.where(own, s_new, state[0]), jnp.where(own, 1.0, state[1]),
-                    jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), state[2]))
+            return (
+                jnp.where(own, s_new, state[0]),
+                jnp.where(own, 1.0, state[1]),
+                jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), state[2]),
+            )
     else:
         q, start = stacked(q_ref[...]), None
 
@@ -294,28 +312,85 @@ def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_spli
     return -(-M // pps), pps
 
 
-_STATIC = ("scale", "sliding_window", "soft_cap", "interpret", "block_k", "num_splits", "num_warps", "num_stages",
-           "prefetch", "min_split_tokens", "tail_mask", "combine_block_h", "combine_warps")
+_STATIC = (
+    "scale",
+    "sliding_window",
+    "soft_cap",
+    "interpret",
+    "block_k",
+    "num_splits",
+    "num_warps",
+    "num_stages",
+    "prefetch",
+    "min_split_tokens",
+    "tail_mask",
+    "combine_block_h",
+    "combine_warps",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_decode_attention_kernel(
-    q, k_pages, v_pages, seq_lens, block_tables, *, scale, k_scale=1.0, v_scale=1.0, alibi_slopes=None,
-    sliding_window=None, soft_cap=None, interpret=False, **tuning,
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    interpret=False,
+    **tuning,
 ):
     """q [B, N, H] over the paged cache -> [B, N, H]. tuning: block_k, num_splits, num_warps, num_stages,
     prefetch, min_split_tokens, tail_mask, combine_block_h, combine_warps (static; defaults by measurement)."""
     B, N, H = q.shape
     G = N // k_pages.shape[0]
-    return _decode(q, None, k_pages, v_pages, seq_lens, block_tables, B=B, G=G, dtype=q.dtype, scale=scale,
-                   k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                   soft_cap=soft_cap, interpret=interpret, **tuning)
+    return _decode(
+        q,
+        None,
+        k_pages,
+        v_pages,
+        seq_lens,
+        block_tables,
+        B=B,
+        G=G,
+        dtype=q.dtype,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        **tuning,
+    )
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("dtype",))
 def fused_decode_attention_kernel(
-    qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, seq_lens, block_tables, *, scale, k_scale=1.0,
-    v_scale=1.0, alibi_slopes=None, sliding_window=None, soft_cap=None, dtype=None, interpret=False, **tuning,
+    qkv,
+    positions,
+    inv_freq,
+    k_pages,
+    v_pages,
+    slot_mapping,
+    seq_lens,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    dtype=None,
+    interpret=False,
+    **tuning,
 ):
     """The decode step's attention from the projection's output: qkv [B, K, G + 2, H] (token b is sequence
     b's one new token), or its split-K partials [S, B, K, G + 2, H] (f32; dtype: the model's). RoPE on q and
@@ -327,16 +402,54 @@ def fused_decode_attention_kernel(
     rope = inv_freq is not None
     freq = jnp.tile(jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32), 2)
     extra = (slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq)
-    return _decode(qkv, (extra, dict(group=G2 - 2, rope=rope, dt=dt)), k_pages, v_pages, seq_lens, block_tables,
-                   B=B, G=G2 - 2, dtype=dt, scale=scale, k_scale=k_scale, v_scale=v_scale,
-                   alibi_slopes=alibi_slopes, sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret,
-                   **tuning)
+    return _decode(
+        qkv,
+        (extra, dict(group=G2 - 2, rope=rope, dt=dt)),
+        k_pages,
+        v_pages,
+        seq_lens,
+        block_tables,
+        B=B,
+        G=G2 - 2,
+        dtype=dt,
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+        **tuning,
+    )
 
 
 def _decode(
-    q, fused, k_pages, v_pages, seq_lens, block_tables, *, B, G, dtype, scale, k_scale, v_scale, alibi_slopes,
-    sliding_window, interpret, soft_cap=None, block_k=None, num_splits=None, num_warps=4, num_stages=1, prefetch=2,
-    min_split_tokens=128, tail_mask=True, combine_block_h=32, combine_warps=1,
+    q,
+    fused,
+    k_pages,
+    v_pages,
+    seq_lens,
+    block_tables,
+    *,
+    B,
+    G,
+    dtype,
+    scale,
+    k_scale,
+    v_scale,
+    alibi_slopes,
+    sliding_window,
+    interpret,
+    soft_cap=None,
+    block_k=None,
+    num_splits=None,
+    num_warps=4,
+    num_stages=1,
+    prefetch=2,
+    min_split_tokens=128,
+    tail_mask=True,
+    combine_block_h=32,
+    combine_warps=1,
 ):
     """The pallas_call of either entry point. q is [B, N, H], or with fused = ((slots, positions, freq), static
     settings) the projection's qkv, which the kernel reads whole and indexes by (b, h)."""
@@ -371,8 +484,14 @@ def _decode(
         if Gq != G:
             q = jnp.pad(q, ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
         q_spec = pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))
-    in_specs = [full((B,)), pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)), full(scal.shape), q_spec,
-                pages, pages]
+    in_specs = [
+        full((B,)),
+        pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)),
+        full(scal.shape),
+        q_spec,
+        pages,
+        pages,
+    ]
     args = [lens, bt, scal, q, k_pages, v_pages]
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
@@ -400,13 +519,23 @@ def _decode(
     aliases = {}
     if fused:
         aliases = {4: len(out_shape), 5: len(out_shape) + 1}
-        out_shape += [jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                      jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
+        out_shape += [
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ]
         out_specs += [pages, pages]
     kernel = functools.partial(
-        _decode_kernel, page_size=S, pages_per_block=ppb,
-        sliding_window=sliding_window, has_alibi=has_alibi, final=final, prefetch=prefetch, replicas=R,
-        tail_mask=tail_mask and not interpret, fused=settings, soft_cap=soft_cap,
+        _decode_kernel,
+        page_size=S,
+        pages_per_block=ppb,
+        sliding_window=sliding_window,
+        has_alibi=has_alibi,
+        final=final,
+        prefetch=prefetch,
+        replicas=R,
+        tail_mask=tail_mask and not interpret,
+        fused=settings,
+        soft_cap=soft_cap,
     )
     outs = pl.pallas_call(
         kernel,
@@ -421,8 +550,11 @@ def _decode(
     )(*args)
     if fused:
         *outs, k_pages, v_pages = outs
-    out = outs[0] if final else combine_splits(*outs, splits, dtype, interpret=interpret,
-                                               block_h=combine_block_h, num_warps=combine_warps)
+    out = (
+        outs[0]
+        if final
+        else combine_splits(*outs, splits, dtype, interpret=interpret, block_h=combine_block_h, num_warps=combine_warps)
+    )
     out = out[:, :, :G].reshape(B, K * G, H)
     return (out, k_pages, v_pages) if fused else out
 

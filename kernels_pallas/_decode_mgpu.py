@@ -35,16 +35,28 @@ from ._decode import NUM_SMS, combine_splits
 BQ = 64  # wgmma rows
 
 
-def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
-              block_kv=64, **_) -> bool:
+def supported(
+    q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0, block_kv=64, **_
+) -> bool:
     """The inputs this kernel takes (the others go to the Triton kernel)."""
     B, N, H = q.shape
     K, P, S, _ = k_pages.shape
     dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     unit_scales = all(isinstance(x, (int, float)) and x == 1.0 for x in (k_scale, v_scale))
-    return (jnp.dtype(q.dtype) in dtypes and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype) and H in (64, 128)
-            and N % K == 0 and N // K <= 16 and block_kv in (64, 128) and 8 <= S <= block_kv and block_kv % S == 0
-            and alibi_slopes is None and sliding_window is None and soft_cap is None and unit_scales)
+    return (
+        jnp.dtype(q.dtype) in dtypes
+        and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype)
+        and H in (64, 128)
+        and N % K == 0
+        and N // K <= 16
+        and block_kv in (64, 128)
+        and 8 <= S <= block_kv
+        and block_kv % S == 0
+        and alibi_slopes is None
+        and sliding_window is None
+        and soft_cap is None
+        and unit_scales
+    )
 
 
 def choose_splits(B, K, M, pages_per_block, page_size, ctas_per_sm=2, min_split_tokens=128):
@@ -59,8 +71,23 @@ def _q_rows(G):
     return 8 * (-(-(7 + G) // 8))
 
 
-def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, G, num_splits, block_kv, page_size, slots, scale_log2,
-            dtype, regs, interpret):
+def _kernel(
+    lens_ref,
+    bt_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    G,
+    num_splits,
+    block_kv,
+    page_size,
+    slots,
+    scale_log2,
+    dtype,
+    regs,
+    interpret,
+):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     *outs, scoped = refs
@@ -193,10 +220,24 @@ def _kernel(lens_ref, bt_ref, q_ref, k_ref, v_ref, *refs, G, num_splits, block_k
             plgpu.barrier_wait(v_free.at[slot])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_kv", "slots", "num_splits", "ctas_per_sm", "regs",
-                                             "interpret"))
-def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, block_kv=64, slots=4, num_splits=None,
-                      ctas_per_sm=1, regs=None, interpret=False):
+@functools.partial(
+    jax.jit, static_argnames=("scale", "block_kv", "slots", "num_splits", "ctas_per_sm", "regs", "interpret")
+)
+def paged_decode_mgpu(
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    block_tables,
+    *,
+    scale,
+    block_kv=64,
+    slots=4,
+    num_splits=None,
+    ctas_per_sm=1,
+    regs=None,
+    interpret=False,
+):
     """q [B, N, H] over the paged cache -> [B, N, H]; see the module docstring. regs: (compute, memory)
     registers per thread for the two warpgroups (setmaxnreg), or None to leave them to the compiler.
 
@@ -219,9 +260,18 @@ def paged_decode_mgpu(q, k_pages, v_pages, seq_lens, block_tables, *, scale, blo
     pad = _q_rows(G) if interpret else -(B * N) % 8
     if pad:
         q2 = jnp.pad(q2, ((0, pad), (0, 0)))
-    kernel = functools.partial(_kernel, G=G, num_splits=splits, block_kv=block_kv, page_size=S, slots=slots,
-                               scale_log2=scale * math.log2(math.e), dtype=q.dtype, regs=regs,
-                               interpret=interpret)
+    kernel = functools.partial(
+        _kernel,
+        G=G,
+        num_splits=splits,
+        block_kv=block_kv,
+        page_size=S,
+        slots=slots,
+        scale_log2=scale * math.log2(math.e),
+        dtype=q.dtype,
+        regs=regs,
+        interpret=interpret,
+    )
 
     def entry(*refs):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

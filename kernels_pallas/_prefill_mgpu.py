@@ -37,15 +37,25 @@ BQ = 64  # query rows per compute warpgroup
 TILE = 2 * BQ  # tokens per CTA
 
 
-def supported(q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0,
-              block_kv=128, **_) -> bool:
+def supported(
+    q, k_pages, *, alibi_slopes=None, sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0, block_kv=128, **_
+) -> bool:
     """The inputs this kernel takes (the others go to the Triton kernel)."""
     K, P, S, H = k_pages.shape
     dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
     unit_scales = all(isinstance(x, (int, float)) and x == 1.0 for x in (k_scale, v_scale))
-    return (jnp.dtype(q.dtype) in dtypes and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype) and H in (64, 128)
-            and q.shape[1] % K == 0 and 8 <= S <= block_kv and block_kv % S == 0 and alibi_slopes is None
-            and sliding_window is None and soft_cap is None and unit_scales)
+    return (
+        jnp.dtype(q.dtype) in dtypes
+        and jnp.dtype(k_pages.dtype) == jnp.dtype(q.dtype)
+        and H in (64, 128)
+        and q.shape[1] % K == 0
+        and 8 <= S <= block_kv
+        and block_kv % S == 0
+        and alibi_slopes is None
+        and sliding_window is None
+        and soft_cap is None
+        and unit_scales
+    )
 
 
 def tile_plan_aligned(query_start_loc, seq_lens, num_tokens, skip_single=False):
@@ -80,12 +90,39 @@ def tile_plan_aligned(query_start_loc, seq_lens, num_tokens, skip_single=False):
     pos = lens[b] - q_len[b] + (row0 - qsl[b])  # query position of the box's row 0 (negative: rows before)
     kv_hi = jnp.where(live & (hi > lo), pos + hi, 0)
     unit = jnp.where(live | pad, row0 // 8, 0)
-    return b, unit.astype(jnp.int32), pos.astype(jnp.int32), lo.astype(jnp.int32), hi.astype(jnp.int32), \
-        kv_hi.astype(jnp.int32)
+    return (
+        b,
+        unit.astype(jnp.int32),
+        pos.astype(jnp.int32),
+        lo.astype(jnp.int32),
+        hi.astype(jnp.int32),
+        kv_hi.astype(jnp.int32),
+    )
 
 
-def _kernel(tseq_ref, tunit_ref, tpos_ref, tlo_ref, thi_ref, tkv_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, scoped,
-            *, num_tiles, group, block_kv, page_size, steps_in_flight, scale_log2, dtype, interpret):
+def _kernel(
+    tseq_ref,
+    tunit_ref,
+    tpos_ref,
+    tlo_ref,
+    thi_ref,
+    tkv_ref,
+    bt_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    scoped,
+    *,
+    num_tiles,
+    group,
+    block_kv,
+    page_size,
+    steps_in_flight,
+    scale_log2,
+    dtype,
+    interpret,
+):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     (q_smem2, o_smem2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free) = scoped
@@ -161,6 +198,7 @@ def _kernel(tseq_ref, tunit_ref, tpos_ref, tlo_ref, thi_ref, tkv_ref, bt_ref, q_
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
             plgpu.barrier_wait(v_ready.at[slot])
             if masked:  # the last block's V rows past the context: zeros (stale or NaN otherwise)
+
                 @pl.when(step == steps - 1)
                 def _zero_tail():
                     rows = iota((BK, H), 0)
@@ -188,6 +226,7 @@ def _kernel(tseq_ref, tunit_ref, tpos_ref, tlo_ref, thi_ref, tkv_ref, bt_ref, q_
         n = jnp.clip(hi - r0, 0, BQ) - a
         at = a
         for size in (64, 32, 16, 8, 4, 2, 1):
+
             @pl.when((n & size) != 0)
             def _store(at=at, size=size):
                 plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(at, size)], o_ref.at[pl.ds(row0 + r0 + at, size), head])
@@ -220,8 +259,20 @@ def _kernel(tseq_ref, tunit_ref, tpos_ref, tlo_ref, thi_ref, tkv_ref, bt_ref, q_
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_kv", "steps_in_flight", "skip_single", "interpret"))
-def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, block_kv=128,
-                        steps_in_flight=2, skip_single=False, interpret=False):
+def ragged_prefill_mgpu(
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    query_start_loc,
+    block_tables,
+    *,
+    scale,
+    block_kv=128,
+    steps_in_flight=2,
+    skip_single=False,
+    interpret=False,
+):
     """q [T, N, H] -> [T, N, H]; see the module docstring. Padding tokens get zeros; with skip_single the
     one-token sequences get no tile and their rows are unspecified (the entry point attends them with the
     decode kernel)."""
@@ -241,8 +292,16 @@ def ragged_prefill_mgpu(q, k_pages, v_pages, seq_lens, query_start_loc, block_ta
     if rows:
         q = jnp.pad(q, ((0, rows), (0, 0), (0, 0)))
     kernel = functools.partial(
-        _kernel, num_tiles=nt, group=group, block_kv=block_kv, page_size=S, steps_in_flight=steps_in_flight,
-        scale_log2=scale * math.log2(math.e), dtype=dtype, interpret=interpret)
+        _kernel,
+        num_tiles=nt,
+        group=group,
+        block_kv=block_kv,
+        page_size=S,
+        steps_in_flight=steps_in_flight,
+        scale_log2=scale * math.log2(math.e),
+        dtype=dtype,
+        interpret=interpret,
+    )
 
     def entry(*refs):
         tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

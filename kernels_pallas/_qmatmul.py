@@ -47,8 +47,13 @@ MMA_MIN_ROWS = 8
 def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
     """Inputs the kernel takes: 16-bit activations (a float32 MMA would run in TF32), N a multiple of 16, and planes
     that lie inside one group (the plane divides the group size, or per channel)."""
-    return (jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and n % 16 == 0
-            and bits in (4, 8) and plane in PLANES and (group_size == -1 or group_size % plane == 0))
+    return (
+        jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and n % 16 == 0
+        and bits in (4, 8)
+        and plane in PLANES
+        and (group_size == -1 or group_size % plane == 0)
+    )
 
 
 def default_block_n(n: int, fma: bool) -> int:
@@ -68,8 +73,21 @@ def plan(m: int, kp: int, n: int, bits: int, plane: int, *, fma: bool, block_n=N
     return bn, -(-tiles // per_split), per_split, tiles
 
 
-def _kernel(x_ref, qw_ref, s_ref, *rest, bits, plane, group_size, has_zeros, tiles_per_split, num_tiles, replicas,
-            plane_loop, fma):
+def _kernel(
+    x_ref,
+    qw_ref,
+    s_ref,
+    *rest,
+    bits,
+    plane,
+    group_size,
+    has_zeros,
+    tiles_per_split,
+    num_tiles,
+    replicas,
+    plane_loop,
+    fma,
+):
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
     P, L = per_word(bits), plane
@@ -95,8 +113,13 @@ def _kernel(x_ref, qw_ref, s_ref, *rest, bits, plane, group_size, has_zeros, til
 
     def plane_step(words, t, j, acc, static_j):
         k0 = t * TK + j * L
-        q = words if static_j and j == 0 else jax.lax.shift_right_logical(words, (j * bits).astype(jnp.int32)
-                                                                          if not static_j else jnp.int32(j * bits))
+        q = (
+            words
+            if static_j and j == 0
+            else jax.lax.shift_right_logical(
+                words, (j * bits).astype(jnp.int32) if not static_j else jnp.int32(j * bits)
+            )
+        )
         if not (static_j and j == P - 1):  # the top field needs no mask after a logical shift
             q = q & mask
         g = 0 if per_channel else k0 // group_size
@@ -136,13 +159,38 @@ def _kernel(x_ref, qw_ref, s_ref, *rest, bits, plane, group_size, has_zeros, til
     o_ref[...] = acc.astype(o_ref.dtype)
 
 
-_STATIC = ("bits", "group_size", "plane", "block_n", "splits", "plane_loop", "fma", "num_warps", "num_stages",
-           "interpret")
+_STATIC = (
+    "bits",
+    "group_size",
+    "plane",
+    "block_n",
+    "splits",
+    "plane_loop",
+    "fma",
+    "num_warps",
+    "num_stages",
+    "interpret",
+)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def qmatmul_kernel(x, qweight, scales, zeros, *, bits, group_size, plane, block_n=None, splits=None,
-                   plane_loop=None, fma=None, num_warps=None, num_stages=3, interpret=False):
+def qmatmul_kernel(
+    x,
+    qweight,
+    scales,
+    zeros,
+    *,
+    bits,
+    group_size,
+    plane,
+    block_n=None,
+    splits=None,
+    plane_loop=None,
+    fma=None,
+    num_warps=None,
+    num_stages=3,
+    interpret=False,
+):
     """x [M, Kp] (M a power of two up to 64, or a multiple of 64; Kp the layout's padded K, x's columns already in
     the layout's row order) times the packed weight -> [M, N] in x's dtype, or, when the plan splits K, float32
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
@@ -151,8 +199,10 @@ def qmatmul_kernel(x, qweight, scales, zeros, *, bits, group_size, plane, block_
     M, Kp = x.shape
     N = qweight.shape[1]
     if not supported(x.dtype, N, bits, group_size, plane):
-        raise ValueError(f"the kernel does not take x {x.dtype}, N={N}, bits={bits}, group_size={group_size}, "
-                         f"plane={plane} (see supported)")
+        raise ValueError(
+            f"the kernel does not take x {x.dtype}, N={N}, bits={bits}, group_size={group_size}, "
+            f"plane={plane} (see supported)"
+        )
     if Kp != qweight.shape[0] * per_word(bits):
         raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
     BM = min(M, MAX_BLOCK_M)
@@ -186,8 +236,17 @@ def qmatmul_kernel(x, qweight, scales, zeros, *, bits, group_size, plane, block_
         out_shape = jax.ShapeDtypeStruct((S, M, N), jnp.float32)
         out_spec = pl.BlockSpec((None, BM, BN), lambda n, s, m: (s, m, n))
     kernel = functools.partial(
-        _kernel, bits=bits, plane=plane, group_size=group_size, has_zeros=has_zeros, tiles_per_split=per_split,
-        num_tiles=tiles, replicas=max(1, 16 // BM), plane_loop=plane_loop, fma=fma)
+        _kernel,
+        bits=bits,
+        plane=plane,
+        group_size=group_size,
+        has_zeros=has_zeros,
+        tiles_per_split=per_split,
+        num_tiles=tiles,
+        replicas=max(1, 16 // BM),
+        plane_loop=plane_loop,
+        fma=fma,
+    )
     return pl.pallas_call(
         kernel,
         grid=(N // BN, S, M // BM),

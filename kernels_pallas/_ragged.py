@@ -30,9 +30,27 @@ from ._common import cap_scores, kv_blocks, mma, next_pow2, pad_block_tables, sc
 
 
 def _ragged_kernel(
-    tseq_ref, tpos_ref, ttok_ref, trows_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, *rest,
-    page_size, pages_per_block, block_q, group, rows_per_token, sliding_window, has_alibi, prefetch, num_tokens,
-    interpret, soft_cap=None,
+    tseq_ref,
+    tpos_ref,
+    ttok_ref,
+    trows_ref,
+    bt_ref,
+    scal_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *rest,
+    page_size,
+    pages_per_block,
+    block_q,
+    group,
+    rows_per_token,
+    sliding_window,
+    has_alibi,
+    prefetch,
+    num_tokens,
+    interpret,
+    soft_cap=None,
 ):
     if has_alibi:
         slope_ref, o_ref = rest
@@ -139,13 +157,40 @@ def tile_plan(query_start_loc, seq_lens, num_tokens, block_q, skip_single=False)
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "sliding_window", "soft_cap", "interpret", "block_m", "block_k", "num_warps",
-                     "num_stages", "prefetch", "skip_single"),
+    static_argnames=(
+        "scale",
+        "sliding_window",
+        "soft_cap",
+        "interpret",
+        "block_m",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "prefetch",
+        "skip_single",
+    ),
 )
 def ragged_paged_attention_kernel(
-    q, k_pages, v_pages, seq_lens, query_start_loc, block_tables, *, scale, k_scale=1.0, v_scale=1.0,
-    alibi_slopes=None, sliding_window=None, soft_cap=None, interpret=False, block_m=128, block_k=128, num_warps=8,
-    num_stages=1, prefetch=1, skip_single=False,
+    q,
+    k_pages,
+    v_pages,
+    seq_lens,
+    query_start_loc,
+    block_tables,
+    *,
+    scale,
+    k_scale=1.0,
+    v_scale=1.0,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    interpret=False,
+    block_m=128,
+    block_k=128,
+    num_warps=8,
+    num_stages=1,
+    prefetch=1,
+    skip_single=False,
 ):
     """skip_single: one-token sequences get no tile and their output rows are unspecified (the entry point
     attends them with the decode kernel instead). Padding tokens (past the last sequence) get zeros."""
@@ -169,7 +214,12 @@ def ragged_paged_attention_kernel(
     has_alibi = alibi_slopes is not None
     full = lambda shape: pl.BlockSpec(shape, lambda i, h: (0,) * len(shape))
     in_specs = [
-        full((nt,)), full((nt,)), full((nt,)), full((nt,)), full(bt.shape), full((2,)),
+        full((nt,)),
+        full((nt,)),
+        full((nt,)),
+        full((nt,)),
+        full(bt.shape),
+        full((2,)),
         full(qg.shape),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
         pl.BlockSpec((None, P, S, H), lambda i, h: (h, 0, 0, 0)),
@@ -182,9 +232,18 @@ def ragged_paged_attention_kernel(
         in_specs.append(pl.BlockSpec((None, BM), lambda i, h: (h, 0)))
         args.append(slopes)
     kernel = functools.partial(
-        _ragged_kernel, page_size=S, pages_per_block=ppb, block_q=BQ, group=Gp, rows_per_token=K * Gp,
-        sliding_window=sliding_window, soft_cap=soft_cap,
-        has_alibi=has_alibi, prefetch=prefetch, num_tokens=T, interpret=interpret,
+        _ragged_kernel,
+        page_size=S,
+        pages_per_block=ppb,
+        block_q=BQ,
+        group=Gp,
+        rows_per_token=K * Gp,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        has_alibi=has_alibi,
+        prefetch=prefetch,
+        num_tokens=T,
+        interpret=interpret,
     )
     out = pl.pallas_call(
         kernel,

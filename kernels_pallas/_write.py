@@ -37,8 +37,7 @@ def _write_kernel(slots_ref, scale_ref, k_ref, v_ref, _k_in, _v_in, k_out, v_out
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps"))
-def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False,
-                    num_warps=1):
+def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scale=1.0, interpret=False, num_warps=1):
     """Same contract as reference.write_kv: k, v [T, K, H]; slot_mapping [T] (-1 = padding, dropped).
     In place only where the caller's pages are donated (the engine's step donates the KV cache)."""
     K, P, S, H = k_pages.shape
@@ -52,8 +51,10 @@ def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scal
         grid=(T,),
         in_specs=[pl.BlockSpec((T,), lambda t: (0,)), pl.BlockSpec((2,), lambda t: (0,)), row, row, pages, pages],
         out_specs=[pages, pages],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ],
         input_output_aliases={4: 0, 5: 1},
         interpret=interpret,
         compiler_params=triton_params(num_warps, 1),
@@ -61,8 +62,9 @@ def write_kv_kernel(k_pages, v_pages, k, v, slot_mapping, *, k_scale=1.0, v_scal
     )(slot_mapping.astype(jnp.int32), scales, k, v, k_pages, v_pages)
 
 
-def _qkv_write_kernel(slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _v_in, q_out, k_out, v_out, *,
-                      page_size, group, rope, dt):
+def _qkv_write_kernel(
+    slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _v_in, q_out, k_out, v_out, *, page_size, group, rope, dt
+):
     """Program (t, h): token t, kv head h. Its G query rows -> q_out (rotated); its k (rotated) and v rows
     -> their cache slot. Rows are read and written as two halves, which is what rotate-half RoPE pairs.
     qkv_ref is [T, K, G + 2, H] in dt, or split-K partials [S, T, K, G + 2, H] (f32) summed here."""
@@ -103,8 +105,20 @@ def _qkv_write_kernel(slots_ref, pos_ref, freq_ref, scale_ref, qkv_ref, _k_in, _
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "num_warps", "dtype"))
-def qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                        dtype=None, interpret=False, num_warps=1):
+def qkv_write_kv_kernel(
+    qkv,
+    positions,
+    inv_freq,
+    k_pages,
+    v_pages,
+    slot_mapping,
+    *,
+    k_scale=1.0,
+    v_scale=1.0,
+    dtype=None,
+    interpret=False,
+    num_warps=1,
+):
     """Same contract as reference.qkv_write_kv: one launch splits the fused projection's output into q,
     applies RoPE to q and k, and writes k and v into their slots (in place where the pages are donated).
     Replaces XLA's RoPE fusions for q and k, the slice for v and the separate write. With split-K partials
@@ -120,12 +134,21 @@ def qkv_write_kv_kernel(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping
     q, k_pages, v_pages = pl.pallas_call(
         functools.partial(_qkv_write_kernel, page_size=S, group=G, rope=rope, dt=dt),
         grid=(T, K),
-        in_specs=[full((T,)), full((T,)), full((H // 2,)), full((2,)), full(qkv.shape),
-                  full(k_pages.shape), full(v_pages.shape)],
+        in_specs=[
+            full((T,)),
+            full((T,)),
+            full((H // 2,)),
+            full((2,)),
+            full(qkv.shape),
+            full(k_pages.shape),
+            full(v_pages.shape),
+        ],
         out_specs=[full((T, K * G, H)), full(k_pages.shape), full(v_pages.shape)],
-        out_shape=[jax.ShapeDtypeStruct((T, K * G, H), dt),
-                   jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=[
+            jax.ShapeDtypeStruct((T, K * G, H), dt),
+            jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+            jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype),
+        ],
         input_output_aliases={5: 1, 6: 2},
         interpret=interpret,
         compiler_params=triton_params(num_warps, 1),

@@ -117,13 +117,16 @@ def act_order_perm(g_idx, group_size: int) -> np.ndarray | None:
         return None
     perm = np.argsort(g, kind="stable")
     if not np.array_equal(g[perm], natural):
-        raise ValueError(f"g_idx does not put exactly group_size={group_size} rows in each group; "
-                         "this act-order layout cannot be permuted into contiguous groups")
+        raise ValueError(
+            f"g_idx does not put exactly group_size={group_size} rows in each group; "
+            "this act-order layout cannot be permuted into contiguous groups"
+        )
     return perm.astype(np.int32)
 
 
-def pack_quantized(q, scales, zeros=None, *, bits: int, group_size: int, g_idx=None, parts=None, dtype=None,
-                   plane=None) -> QuantizedWeight:
+def pack_quantized(
+    q, scales, zeros=None, *, bits: int, group_size: int, g_idx=None, parts=None, dtype=None, plane=None
+) -> QuantizedWeight:
     """Packs a plain quantized weight into the layout (numpy, at load time).
     q [K, N]: unsigned integers in [0, 2^bits) (any integer dtype); scales [ceil(K / G), N] (G = group_size, -1: one
     row); zeros: the same shape with integer values in [0, 2^bits), or None (symmetric, z = 2^(bits - 1)).
@@ -173,9 +176,16 @@ def pack_quantized(q, scales, zeros=None, *, bits: int, group_size: int, g_idx=N
         z[:ng] = zeros
         z = jnp.asarray(z, dtype)
     return QuantizedWeight(
-        qweight=jnp.asarray(words.reshape(Kp // P, N).view(np.int32)), scales=jnp.asarray(s, dtype), zeros=z,
-        perm=None if perm is None else jnp.asarray(perm), bits=bits, group_size=group_size, k=K, plane=plane,
-        parts=None if parts is None else tuple(int(p) for p in parts))
+        qweight=jnp.asarray(words.reshape(Kp // P, N).view(np.int32)),
+        scales=jnp.asarray(s, dtype),
+        zeros=z,
+        perm=None if perm is None else jnp.asarray(perm),
+        bits=bits,
+        group_size=group_size,
+        k=K,
+        plane=plane,
+        parts=None if parts is None else tuple(int(p) for p in parts),
+    )
 
 
 def unpack_quantized(w: QuantizedWeight) -> np.ndarray:

@@ -91,8 +91,9 @@ def kernel_m(m: int, fma: bool) -> int:
     return -(-m // _qmatmul.MAX_BLOCK_M) * _qmatmul.MAX_BLOCK_M
 
 
-def quantized_matmul(x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto",
-                     interpret=False, **tuning):
+def quantized_matmul(
+    x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto", interpret=False, **tuning
+):
     """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, splits, plane_loop, num_warps,
     num_stages."""
     if backend not in ("auto", "kernel", "dequant"):
@@ -105,8 +106,10 @@ def quantized_matmul(x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KER
         M *= d
     ok = _qmatmul.supported(x.dtype, w.n, w.bits, w.group_size, w.plane)
     if backend == "kernel" and not ok:
-        raise ValueError(f"the quantized matmul kernel does not take these inputs (x {x.dtype}, N={w.n}, "
-                         f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported")
+        raise ValueError(
+            f"the quantized matmul kernel does not take these inputs (x {x.dtype}, N={w.n}, "
+            f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported"
+        )
     use_kernel = backend == "kernel" or (backend == "auto" and ok and (interpret or on_gpu()) and M <= max_kernel_m)
     if not use_kernel:
         return _split(_dequant_matmul(x, w), w, split)
@@ -118,8 +121,18 @@ def quantized_matmul(x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KER
     Mp, Kp = kernel_m(M, fma), padded_k(w.k, w.bits, w.plane)
     if (Mp, Kp) != (M, w.k):  # rows up to the kernel's block, K's zero padding (the layout's padded rows)
         x2 = jnp.pad(x2, ((0, Mp - M), (0, Kp - w.k)))
-    y = _qmatmul.qmatmul_kernel(x2, w.qweight, w.scales, w.zeros, bits=w.bits, group_size=w.group_size,
-                                plane=w.plane, fma=fma, interpret=interpret, **tuning)
+    y = _qmatmul.qmatmul_kernel(
+        x2,
+        w.qweight,
+        w.scales,
+        w.zeros,
+        bits=w.bits,
+        group_size=w.group_size,
+        plane=w.plane,
+        fma=fma,
+        interpret=interpret,
+        **tuning,
+    )
     if y.ndim == 3:  # split-K partials
         y = y.sum(0).astype(x.dtype)
     if Mp != M:
@@ -174,11 +187,25 @@ def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot):
 def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):
     """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
     both operands K-major), float32 out, scaled by the token and channel scales in the fusion after it."""
-    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, lambda a, b: jax.lax.dot_general(
-        a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32))
+    return _fp8(
+        x,
+        w,
+        w_scale,
+        x_scale,
+        act_scale,
+        out_dtype,
+        lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32),
+    )
 
 
 def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):
     """The same function with the fp8 values widened to float32 before the dot (the reference)."""
-    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, lambda a, b: jnp.dot(
-        a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST))
+    return _fp8(
+        x,
+        w,
+        w_scale,
+        x_scale,
+        act_scale,
+        out_dtype,
+        lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST),
+    )

@@ -53,8 +53,20 @@ def apply_rope(x, positions, inv_freq):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
-def qkv_write_kv(qkv, positions, inv_freq, k_pages, v_pages, slot_mapping, *, k_scale=1.0, v_scale=1.0,
-                 write=None, dtype=None, **write_kwargs):
+def qkv_write_kv(
+    qkv,
+    positions,
+    inv_freq,
+    k_pages,
+    v_pages,
+    slot_mapping,
+    *,
+    k_scale=1.0,
+    v_scale=1.0,
+    write=None,
+    dtype=None,
+    **write_kwargs,
+):
     """The fused projection's output qkv [T, K, G + 2, H] (per kv head: its G query heads, then k, v) ->
     q [T, K * G, H] with RoPE applied (inv_freq [H / 2]; None: no rotation, e.g. ALiBi models), and the
     rotated k and v written into their slots by write (default write_kv). Returns (q, k_pages, v_pages).

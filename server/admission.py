@@ -43,12 +43,14 @@ class ServerLimits:
             value = getattr(args, name, None)
             return default if value is None else value
 
-        return cls(max_body_bytes=opt("max_request_body_bytes", d.max_body_bytes),
-                   timeout_request_body=opt("timeout_request_body", d.timeout_request_body) or None,
-                   timeout_keep_alive=opt("timeout_keep_alive", d.timeout_keep_alive),
-                   max_num_queued_reqs=opt("max_num_queued_reqs", None),
-                   max_num_queued_tokens=opt("max_num_queued_tokens", None),
-                   shutdown_timeout=opt("shutdown_timeout", d.shutdown_timeout))
+        return cls(
+            max_body_bytes=opt("max_request_body_bytes", d.max_body_bytes),
+            timeout_request_body=opt("timeout_request_body", d.timeout_request_body) or None,
+            timeout_keep_alive=opt("timeout_keep_alive", d.timeout_keep_alive),
+            max_num_queued_reqs=opt("max_num_queued_reqs", None),
+            max_num_queued_tokens=opt("max_num_queued_tokens", None),
+            shutdown_timeout=opt("shutdown_timeout", d.shutdown_timeout),
+        )
 
 
 class Interruptible(Protocol):
@@ -97,11 +99,15 @@ class Admission:
         if self.draining:
             raise APIError("The server is shutting down and takes no new requests.", 503)
         if lim.max_num_queued_reqs is not None and self.seqs and self.seqs + seqs > lim.max_num_queued_reqs:
-            raise self._busy(f"{self.seqs} sequences are already waiting or running, and this request adds {seqs} "
-                             f"(--max-num-queued-reqs {lim.max_num_queued_reqs})")
+            raise self._busy(
+                f"{self.seqs} sequences are already waiting or running, and this request adds {seqs} "
+                f"(--max-num-queued-reqs {lim.max_num_queued_reqs})"
+            )
         if lim.max_num_queued_tokens is not None and self.queued_tokens >= lim.max_num_queued_tokens:
-            raise self._busy(f"{self.queued_tokens} prompt tokens are already waiting to be prefilled "
-                             f"(--max-num-queued-tokens {lim.max_num_queued_tokens})")
+            raise self._busy(
+                f"{self.queued_tokens} prompt tokens are already waiting to be prefilled "
+                f"(--max-num-queued-tokens {lim.max_num_queued_tokens})"
+            )
         ticket = Ticket(self, seqs, prompt_tokens, owner)
         self.seqs += seqs
         self.queued_tokens += prompt_tokens
@@ -110,8 +116,9 @@ class Admission:
         return ticket
 
     def _busy(self, why: str) -> APIError:
-        return APIError(f"The server is busy: {why}. Retry later.", 503,
-                        headers={"Retry-After": str(self.limits.retry_after_s)})
+        return APIError(
+            f"The server is busy: {why}. Retry later.", 503, headers={"Retry-After": str(self.limits.retry_after_s)}
+        )
 
     def _release(self, ticket: Ticket) -> None:
         self.seqs -= ticket.seqs
@@ -129,8 +136,7 @@ class Admission:
         then interrupts those left and waits a moment for them to send their error."""
         self.draining = True
         if self._tickets:
-            logger.info("Draining %d running requests for up to %g s (--shutdown-timeout)", len(self._tickets),
-                        timeout)
+            logger.info("Draining %d running requests for up to %g s (--shutdown-timeout)", len(self._tickets), timeout)
         waits = [asyncio.ensure_future(self._idle.wait())]
         if force is not None:
             waits.append(asyncio.ensure_future(force.wait()))
@@ -143,10 +149,17 @@ class Admission:
             return
         ids = [rid for t in self._tickets for rid in t.owner.request_ids]
         shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
-        logger.warning("Shutdown: aborting %d requests still running after %g s (--shutdown-timeout): %s",
-                       len(self._tickets), timeout, shown)
-        err = APIError(f"The server is shutting down: this request was aborted after {timeout:g} s of draining "
-                       "(--shutdown-timeout).", 503)
+        logger.warning(
+            "Shutdown: aborting %d requests still running after %g s (--shutdown-timeout): %s",
+            len(self._tickets),
+            timeout,
+            shown,
+        )
+        err = APIError(
+            f"The server is shutting down: this request was aborted after {timeout:g} s of draining "
+            "(--shutdown-timeout).",
+            503,
+        )
         for t in list(self._tickets):
             t.owner.interrupt(err)
         try:

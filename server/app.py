@@ -71,8 +71,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     api_key = opt("api_key")
     if api_key:
         middlewares.insert(0, _auth_middleware(api_key))
-    cors = _Cors(opt("allowed_origins") or ["*"], opt("allowed_methods") or ["*"], opt("allowed_headers") or ["*"],
-                 bool(opt("allow_credentials", False)))
+    cors = _Cors(
+        opt("allowed_origins") or ["*"],
+        opt("allowed_methods") or ["*"],
+        opt("allowed_headers") or ["*"],
+        bool(opt("allow_credentials", False)),
+    )
     middlewares.insert(0, cors.preflight)  # outermost, as vLLM's CORSMiddleware: before the API-key check
     # aiohttp refuses bodies past client_max_size itself; read_body turns that into our 413.
     app = web.Application(middlewares=middlewares, client_max_size=limits.max_body_bytes)
@@ -93,8 +97,10 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/metrics", metrics)
     if opt("allow_runtime_lora_updating", False):
-        logger.warning("LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used "
-                       "for local development!")
+        logger.warning(
+            "LoRA dynamic loading & unloading is enabled in the API server. This should ONLY be used "
+            "for local development!"
+        )
         app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     if opt("lora_modules"):  # loaded before the server answers; one that fails stops it (vLLM)
@@ -126,8 +132,11 @@ class _Cors:
         self.origins = set(origins)
         self.methods = self._ALL_METHODS if "*" in methods else ", ".join(m.upper() for m in methods)
         self.any_header = "*" in headers
-        self.headers = ", ".join(sorted({"accept", "accept-language", "content-language", "content-type"}
-                                        | {h.lower() for h in headers} - {"*"}))
+        self.headers = ", ".join(
+            sorted(
+                {"accept", "accept-language", "content-language", "content-type"} | {h.lower() for h in headers} - {"*"}
+            )
+        )
         self.credentials = credentials
 
     def _allow_origin(self, origin: str, headers) -> bool:
@@ -217,10 +226,16 @@ async def version(request: web.Request) -> web.Response:
 def _card(state: ServerState, name: str) -> ModelCard:
     lora = state.loras.get(name) if name not in state.served_model_names else None
     if lora is not None:  # vLLM's adapter card: its folder as root, the base model it adapts as parent
-        return ModelCard(id=name, created=state.created, root=lora.lora_path,
-                         parent=lora.base_model_name or state.model_name, max_model_len=state.engine.max_model_len)
-    return ModelCard(id=name, created=state.created, root=state.model_root, parent=None,
-                     max_model_len=state.engine.max_model_len)
+        return ModelCard(
+            id=name,
+            created=state.created,
+            root=lora.lora_path,
+            parent=lora.base_model_name or state.model_name,
+            max_model_len=state.engine.max_model_len,
+        )
+    return ModelCard(
+        id=name, created=state.created, root=state.model_root, parent=None, max_model_len=state.engine.max_model_len
+    )
 
 
 async def list_models(request: web.Request) -> web.Response:
@@ -255,10 +270,15 @@ def _tokenize(state: ServerState, raw: bytes) -> str:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = encode(state, req.prompt, add_special, param="prompt", generating=False)
     else:
-        text = render_chat(state, to_conversation(req.messages), chat_template=req.chat_template,
-                           add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
-                           chat_template_kwargs=req.chat_template_kwargs, tools=template_tools(req.tools))
+        text = render_chat(
+            state,
+            to_conversation(req.messages),
+            chat_template=req.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+            tools=template_tools(req.tools),
+        )
         ids = encode(state, text, bool(req.add_special_tokens), param="messages", generating=False)
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
@@ -278,8 +298,9 @@ def _detokenize(state: ServerState, raw: bytes) -> str:
     state.check_model(req.model)
     bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
     if bad:
-        raise APIError(f"Token id {bad[0]} is out of vocabulary (vocab size {state.engine.vocab_size}).",
-                       param="tokens")
+        raise APIError(
+            f"Token id {bad[0]} is out of vocabulary (vocab size {state.engine.vocab_size}).", param="tokens"
+        )
     return json.dumps({"prompt": state.engine.get_tokenizer().decode(req.tokens)})
 
 
@@ -322,8 +343,10 @@ async def _analyse_tokenizer(app: web.Application) -> None:
     state = app[STATE]
     state.prompt_bound = await state.workers.run(PromptBound, state.engine.get_tokenizer(), state.engine.max_model_len)
     if state.prompt_bound.chars_per_token is None:
-        logger.info("Prompts too long for the context are found by tokenizing them (this tokenizer may drop "
-                    "characters, so no character-length bound is safe)")
+        logger.info(
+            "Prompts too long for the context are found by tokenizing them (this tokenizer may drop "
+            "characters, so no character-length bound is safe)"
+        )
 
 
 async def _stop_workers(app: web.Application) -> None:

@@ -23,17 +23,49 @@ API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
 # LLM(...) keyword arguments the serve flags map onto (served_model_name stays in the server).
 ENGINE_ARG_NAMES = (
-    "model", "tokenizer", "dtype", "seed", "max_model_len", "gpu_memory_utilization", "max_num_seqs",
-    "max_num_batched_tokens", "enable_prefix_caching", "enable_chunked_prefill", "block_size", "kv_cache_dtype",
-    "load_format", "generation_config", "tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-    "enforce_eager", "max_logprobs", "quantization", "trust_remote_code", "scheduling_policy", "enable_expert_parallel",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "lora_dtype", "fully_sharded_loras",
-    "lora_extra_vocab_size", "reasoning_parser", "enable_reasoning",
+    "model",
+    "tokenizer",
+    "dtype",
+    "seed",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "block_size",
+    "kv_cache_dtype",
+    "load_format",
+    "generation_config",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "data_parallel_size",
+    "enforce_eager",
+    "max_logprobs",
+    "quantization",
+    "trust_remote_code",
+    "scheduling_policy",
+    "enable_expert_parallel",
+    "enable_lora",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+    "lora_dtype",
+    "fully_sharded_loras",
+    "lora_extra_vocab_size",
+    "reasoning_parser",
+    "enable_reasoning",
 )
 
 # Engine options beyond LLM's documented ones (vLLM has the first two too); passed on only when given.
-OPTIONAL_ENGINE_ARG_NAMES = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "attention_backend",
-                             "compilation_cache_dir", "speculative_config", *LEGACY_SPEC_ARG_NAMES)
+OPTIONAL_ENGINE_ARG_NAMES = (
+    "num_gpu_blocks_override",
+    "kv_cache_memory_bytes",
+    "attention_backend",
+    "compilation_cache_dir",
+    "speculative_config",
+    *LEGACY_SPEC_ARG_NAMES,
+)
 
 _DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -51,8 +83,8 @@ def human_readable_int(value: str) -> int:
             return int(number) * _BINARY[suffix]
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"decimals are not allowed with binary suffixes like {suffix}; did you mean "
-                f"{number}{suffix.lower()}?") from None
+                f"decimals are not allowed with binary suffixes like {suffix}; did you mean {number}{suffix.lower()}?"
+            ) from None
     try:
         return int(value)
     except ValueError:
@@ -83,165 +115,322 @@ def make_parser() -> argparse.ArgumentParser:
         description="OpenAI-compatible server for jaxllm (vLLM's serving engine on JAX/XLA).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                   help="Model directory (HF layout). Without it, the built-in demo model is served.")
+    p.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="Model directory (HF layout). Without it, the built-in demo model is served.",
+    )
     p.add_argument("--model", default=None, help="Same as the positional MODEL.")
 
     s = p.add_argument_group("server")
     s.add_argument("--host", default=None, help="Host to bind (default: all interfaces).")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="Model name(s) the API accepts; the first is reported in responses and metrics. "
-                        "Default: the model path.")
+    s.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        help="Model name(s) the API accepts; the first is reported in responses and metrics. Default: the model path.",
+    )
     s.add_argument("--chat-template", default=None, help="Chat template: a file path or the template itself.")
     s.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
-    s.add_argument("--api-key", default=None,
-                   help=f"Require 'Authorization: Bearer <key>' on /v1/*. Falls back to ${API_KEY_ENV_VARS[0]}, "
-                        f"then ${API_KEY_ENV_VARS[1]}.")
+    s.add_argument(
+        "--api-key",
+        default=None,
+        help=f"Require 'Authorization: Bearer <key>' on /v1/*. Falls back to ${API_KEY_ENV_VARS[0]}, "
+        f"then ${API_KEY_ENV_VARS[1]}.",
+    )
     s.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: allowed origins (JSON list).")
     s.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: allowed methods (JSON list).")
     s.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: allowed headers (JSON list).")
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
-    s.add_argument("--profile-dir", default=None,
-                   help="Enables POST /start_profile and /stop_profile, writing jax.profiler traces here "
-                        "(view with TensorBoard or XProf).")
+    s.add_argument(
+        "--profile-dir",
+        default=None,
+        help="Enables POST /start_profile and /stop_profile, writing jax.profiler traces here "
+        "(view with TensorBoard or XProf).",
+    )
     s.add_argument("--disable-log-stats", action="store_true", help="Do not log the periodic stats line.")
     s.add_argument("--log-stats-interval", type=float, default=10.0, help="Seconds between stats lines.")
-    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
-                   help="Log each request's prompt and sampling params.")
-    s.add_argument("--disable-log-requests", action="store_true", help="Deprecated; requests are not logged "
-                   "unless --enable-log-requests is given.")
+    s.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Log each request's prompt and sampling params.",
+    )
+    s.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Deprecated; requests are not logged unless --enable-log-requests is given.",
+    )
     s.add_argument("--max-log-len", type=int, default=None, help="Max prompt characters in request logs.")
-    s.add_argument("--return-tokens-as-token-ids", action="store_true",
-                   help="Show logprob tokens as 'token_id:N' instead of their text.")
-    s.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help='Let the model call tools on its own (tool_choice "auto", the default when a request has '
-                        "tools); needs --tool-call-parser.")
-    s.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                   help="How the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json "
-                        "(Llama 3.1/3.2), mistral.")
-    s.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                   help='Do not show the tools to the chat template when tool_choice is "none".')
-    s.add_argument("--max-request-body-bytes", type=human_readable_int, default=64 * 2**20,
-                   help="Requests with a larger body get 413 (accepts 64M, 1G, ...).")
+    s.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="Show logprob tokens as 'token_id:N' instead of their text.",
+    )
+    s.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='Let the model call tools on its own (tool_choice "auto", the default when a request has '
+        "tools); needs --tool-call-parser.",
+    )
+    s.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="How the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), mistral.",
+    )
+    s.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='Do not show the tools to the chat template when tool_choice is "none".',
+    )
+    s.add_argument(
+        "--max-request-body-bytes",
+        type=human_readable_int,
+        default=64 * 2**20,
+        help="Requests with a larger body get 413 (accepts 64M, 1G, ...).",
+    )
     s.add_argument("--ssl-keyfile", default=None)
     s.add_argument("--ssl-certfile", default=None)
-    s.add_argument("--uvicorn-log-level", "--log-level", dest="log_level", default="info",
-                   choices=["debug", "info", "warning", "error", "critical", "trace"])
-    s.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
-                   action="store_true", help="Do not log one line per HTTP request.")
+    s.add_argument(
+        "--uvicorn-log-level",
+        "--log-level",
+        dest="log_level",
+        default="info",
+        choices=["debug", "info", "warning", "error", "critical", "trace"],
+    )
+    s.add_argument(
+        "--disable-access-log",
+        "--disable-uvicorn-access-log",
+        dest="disable_access_log",
+        action="store_true",
+        help="Do not log one line per HTTP request.",
+    )
 
     _add_limit_args(p)
 
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
-    e.add_argument("--trust-remote-code", action="store_true",
-                   help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
-                        "model itself is always jaxllm's implementation.")
+    e.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="Let transformers run the model folder's own tokenizer / config classes (auto_map); the "
+        "model itself is always jaxllm's implementation.",
+    )
     e.add_argument("--dtype", default="auto", choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
-    e.add_argument("--quantization", "-q", default=None,
-                   help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
-                        "quantization_config; fp8 on a 16-bit checkpoint quantizes its weights while loading).")
+    e.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="gptq, gptq_marlin, awq, awq_marlin, compressed-tensors or fp8 (default: config.json's "
+        "quantization_config; fp8 on a 16-bit checkpoint quantizes its weights while loading).",
+    )
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--max-model-len", type=_max_model_len, default=None,
-                   help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.")
+    e.add_argument(
+        "--max-model-len",
+        type=_max_model_len,
+        default=None,
+        help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.",
+    )
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    e.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="Engine replicas, each on its own tensor_parallel_size * pipeline_parallel_size devices of "
-                        "this host, behind this one server; requests go to the least loaded one.")
-    e.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="Replicas on this host: all of them (--data-parallel-size), as replicas on other hosts "
-                        "are not supported.")
-    e.add_argument("--enable-expert-parallel", action="store_true",
-                   help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
-                        "experts per device) instead of each expert's FFN.")
-    e.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="Fraction of total device memory for weights, activations and KV cache.")
+    e.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=int,
+        default=1,
+        help="Engine replicas, each on its own tensor_parallel_size * pipeline_parallel_size devices of "
+        "this host, behind this one server; requests go to the least loaded one.",
+    )
+    e.add_argument(
+        "--data-parallel-size-local",
+        "-dpl",
+        type=int,
+        default=None,
+        help="Replicas on this host: all of them (--data-parallel-size), as replicas on other hosts are not supported.",
+    )
+    e.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="Mixture-of-experts models: split the experts over the tensor-parallel devices (whole "
+        "experts per device) instead of each expert's FFN.",
+    )
+    e.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="Fraction of total device memory for weights, activations and KV cache.",
+    )
     e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")
-    e.add_argument("--max-num-batched-tokens", type=human_readable_int, default=None,
-                   help="Max tokens per step (default: by device).")
+    e.add_argument(
+        "--max-num-batched-tokens",
+        type=human_readable_int,
+        default=None,
+        help="Max tokens per step (default: by device).",
+    )
     e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
     e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, dummy (random weights).")
-    e.add_argument("--generation-config", default="auto",
-                   help="'auto': the model's generation_config.json; 'vllm': ignore it; or a directory.")
-    e.add_argument("--enforce-eager", action="store_true",
-                   help="Skip compiling all shape buckets at start-up (compile on first use).")
+    e.add_argument(
+        "--generation-config",
+        default="auto",
+        help="'auto': the model's generation_config.json; 'vllm': ignore it; or a directory.",
+    )
+    e.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="Skip compiling all shape buckets at start-up (compile on first use).",
+    )
     e.add_argument("--max-logprobs", type=int, default=20)
-    e.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                   help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
-                        "priority values run first, then arrival order.")
-    e.add_argument("--speculative-config", type=_speculative_config, default=None,
-                   help='Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": '
-                        '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
-                        '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
-                        '"disable_by_batch_size".')
+    e.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        default="fcfs",
+        help="fcfs: first come, first served (a request's priority must be 0); priority: lower "
+        "priority values run first, then arrival order.",
+    )
+    e.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        help='Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
+        '{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": 3}; optional '
+        '"disable_by_batch_size".',
+    )
     _add_speculative_args(e)
-    e.add_argument("--reasoning-parser", type=_reasoning_parser_name, default=None, choices=list(REASONING_PARSERS),
-                   help="How the model marks its reasoning: chat responses put it in `reasoning` / "
-                        "`reasoning_content` instead of `content` (deepseek_r1 for DeepSeek-R1 and its distills, "
-                        "qwen3 for Qwen3), and a structured-output grammar applies after it. One of "
-                        f"{', '.join(REASONING_PARSERS)} (jaxllm/reasoning.py says how each reads the output).")
-    e.add_argument("--enable-reasoning", action="store_true",
-                   help="vLLM 0.8-0.9's switch, deprecated there: reasoning is on whenever --reasoning-parser is "
-                        "given, and this flag alone does nothing.")
+    e.add_argument(
+        "--reasoning-parser",
+        type=_reasoning_parser_name,
+        default=None,
+        choices=list(REASONING_PARSERS),
+        help="How the model marks its reasoning: chat responses put it in `reasoning` / "
+        "`reasoning_content` instead of `content` (deepseek_r1 for DeepSeek-R1 and its distills, "
+        "qwen3 for Qwen3), and a structured-output grammar applies after it. One of "
+        f"{', '.join(REASONING_PARSERS)} (jaxllm/reasoning.py says how each reads the output).",
+    )
+    e.add_argument(
+        "--enable-reasoning",
+        action="store_true",
+        help="vLLM 0.8-0.9's switch, deprecated there: reasoning is on whenever --reasoning-parser is "
+        "given, and this flag alone does nothing.",
+    )
     lo = p.add_argument_group("LoRA")
     lo.add_argument("--enable-lora", action="store_true", help="Serve LoRA adapters beside the base model.")
-    lo.add_argument("--lora-modules", nargs="+", type=parse_lora_module, default=None,
-                    help='Adapters to load at start-up: name=path, or \'{"name": ..., "path": ..., '
-                         '"base_model_name": ...}\'. Requests name an adapter as their model.')
+    lo.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=parse_lora_module,
+        default=None,
+        help='Adapters to load at start-up: name=path, or \'{"name": ..., "path": ..., '
+        '"base_model_name": ...}\'. Requests name an adapter as their model.',
+    )
     lo.add_argument("--max-loras", type=int, default=1, help="Adapters one step can run (device slots).")
-    lo.add_argument("--max-lora-rank", type=int, default=16, help="Largest adapter rank: 1, 8, 16, 32, 64, 128, "
-                    "256, 320 or 512.")
-    lo.add_argument("--max-cpu-loras", type=int, default=None, help="Adapters kept in host memory (default: "
-                    "--max-loras); others are read from their folder again when used.")
-    lo.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
-                    help="The adapters' dtype in the device slots (auto: the model's).")
-    lo.add_argument("--fully-sharded-loras", action="store_true",
-                    help="With tensor parallelism, also split the halves of the LoRA matmuls vLLM's default "
-                         "layout replicates.")
-    lo.add_argument("--lora-extra-vocab-size", type=int, default=256,
-                    help="Deprecated (as in vLLM): adapters that add tokens are refused.")
-    e.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).")
-    e.add_argument("--kv-cache-memory-bytes", type=human_readable_int, default=None,
-                   help="KV cache size in bytes (accepts 4G), instead of --gpu-memory-utilization's sizing.")
+    lo.add_argument(
+        "--max-lora-rank", type=int, default=16, help="Largest adapter rank: 1, 8, 16, 32, 64, 128, 256, 320 or 512."
+    )
+    lo.add_argument(
+        "--max-cpu-loras",
+        type=int,
+        default=None,
+        help="Adapters kept in host memory (default: --max-loras); others are read from their folder again when used.",
+    )
+    lo.add_argument(
+        "--lora-dtype",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+        help="The adapters' dtype in the device slots (auto: the model's).",
+    )
+    lo.add_argument(
+        "--fully-sharded-loras",
+        action="store_true",
+        help="With tensor parallelism, also split the halves of the LoRA matmuls vLLM's default layout replicates.",
+    )
+    lo.add_argument(
+        "--lora-extra-vocab-size",
+        type=int,
+        default=256,
+        help="Deprecated (as in vLLM): adapters that add tokens are refused.",
+    )
+    e.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=None,
+        help="Use exactly this many KV blocks instead of sizing from device memory (tests, CPU).",
+    )
+    e.add_argument(
+        "--kv-cache-memory-bytes",
+        type=human_readable_int,
+        default=None,
+        help="KV cache size in bytes (accepts 4G), instead of --gpu-memory-utilization's sizing.",
+    )
     e.add_argument("--attention-backend", default=None, choices=["auto", "reference", "pallas"])
     e.add_argument("--compilation-cache-dir", default=None, help="Persistent XLA compilation cache directory.")
     from jaxllm.distributed import add_distributed_args
 
     add_distributed_args(p)
-    p.add_argument("--headless", action="store_true",
-                   help="Run no API server: this process (--process-id > 0, as it is by default) only runs the "
-                        "engine's steps for process 0, which serves.")
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="Run no API server: this process (--process-id > 0, as it is by default) only runs the "
+        "engine's steps for process 0, which serves.",
+    )
     add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
 
 
 def _reasoning_parser_name(value: str) -> str:
     if value in UNSUPPORTED:
-        raise argparse.ArgumentTypeError(f"{value!r} is one of vLLM's reasoning parsers that jaxllm does not "
-                                         f"implement (choose from {', '.join(REASONING_PARSERS)})")
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is one of vLLM's reasoning parsers that jaxllm does not "
+            f"implement (choose from {', '.join(REASONING_PARSERS)})"
+        )
     return value
 
 
 def _add_speculative_args(e) -> None:
     """vLLM 0.8.0's speculative flags, the older form of --speculative-config (which wins when both are given)."""
-    e.add_argument("--speculative-model", default=None,
-                   help='Draft model directory, or "[ngram]" for prompt lookup: --speculative-config\'s "model".')
-    e.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help='Tokens proposed per step: --speculative-config\'s "num_speculative_tokens".')
-    e.add_argument("--ngram-prompt-lookup-max", type=int, default=None,
-                   help='With --speculative-model "[ngram]": the longest n-gram looked up ("prompt_lookup_max").')
-    e.add_argument("--ngram-prompt-lookup-min", type=int, default=None,
-                   help='With --speculative-model "[ngram]": the shortest n-gram looked up ("prompt_lookup_min").')
-    e.add_argument("--speculative-draft-tensor-parallel-size", "-spec-draft-tp", type=int, default=None,
-                   help='The draft model\'s tensor parallelism, 1 or the target\'s ("draft_tensor_parallel_size").')
-    e.add_argument("--speculative-disable-by-batch-size", type=int, default=None,
-                   help='No speculation in steps with at least this many sequences ("disable_by_batch_size").')
+    e.add_argument(
+        "--speculative-model",
+        default=None,
+        help='Draft model directory, or "[ngram]" for prompt lookup: --speculative-config\'s "model".',
+    )
+    e.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help='Tokens proposed per step: --speculative-config\'s "num_speculative_tokens".',
+    )
+    e.add_argument(
+        "--ngram-prompt-lookup-max",
+        type=int,
+        default=None,
+        help='With --speculative-model "[ngram]": the longest n-gram looked up ("prompt_lookup_max").',
+    )
+    e.add_argument(
+        "--ngram-prompt-lookup-min",
+        type=int,
+        default=None,
+        help='With --speculative-model "[ngram]": the shortest n-gram looked up ("prompt_lookup_min").',
+    )
+    e.add_argument(
+        "--speculative-draft-tensor-parallel-size",
+        "-spec-draft-tp",
+        type=int,
+        default=None,
+        help="The draft model's tensor parallelism, 1 or the target's (\"draft_tensor_parallel_size\").",
+    )
+    e.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help='No speculation in steps with at least this many sequences ("disable_by_batch_size").',
+    )
 
 
 def _count(value: str) -> int:
@@ -266,24 +455,45 @@ def _add_limit_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "limits and timeouts",
         "Bounds on what one client can make the server hold. Requests past a queue limit get 503 with "
-        "Retry-After; a request body too large gets 413 (--max-request-body-bytes), one too slow 408.")
-    g.add_argument("--max-num-queued-reqs", type=_count, default=None,
-                   help="Most sequences in flight (waiting or running; a request with n choices counts n), as "
-                        "vLLM's flag (none: no limit).")
-    g.add_argument("--max-num-queued-tokens", type=_count, default=None,
-                   help="No new request while this many prompt tokens wait to be prefilled (bounds the time to "
-                        "first token), as vLLM's flag; accepts 32k (none: no limit).")
-    g.add_argument("--timeout-keep-alive", type=_seconds, default=5.0,
-                   help="Close a connection that stays idle, or has not sent a complete request head, this long "
-                        "(uvicorn's flag and vLLM's default; 0: never).")
-    g.add_argument("--timeout-request-body", type=_seconds, default=60.0,
-                   help="A request body must arrive within this many seconds of its headers, else 408 and the "
-                        "connection closes. 0: no limit.")
-    g.add_argument("--shutdown-timeout", type=_seconds, default=25.0,
-                   help="On SIGTERM/SIGINT, new requests are refused and running ones may finish for this long; "
-                        "then streams end with an error event and [DONE] and the rest get 503. vLLM's default is "
-                        "0 (abort at once); 25 fits Kubernetes' default 30 s grace period. A second signal ends "
-                        "the drain at once.")
+        "Retry-After; a request body too large gets 413 (--max-request-body-bytes), one too slow 408.",
+    )
+    g.add_argument(
+        "--max-num-queued-reqs",
+        type=_count,
+        default=None,
+        help="Most sequences in flight (waiting or running; a request with n choices counts n), as "
+        "vLLM's flag (none: no limit).",
+    )
+    g.add_argument(
+        "--max-num-queued-tokens",
+        type=_count,
+        default=None,
+        help="No new request while this many prompt tokens wait to be prefilled (bounds the time to "
+        "first token), as vLLM's flag; accepts 32k (none: no limit).",
+    )
+    g.add_argument(
+        "--timeout-keep-alive",
+        type=_seconds,
+        default=5.0,
+        help="Close a connection that stays idle, or has not sent a complete request head, this long "
+        "(uvicorn's flag and vLLM's default; 0: never).",
+    )
+    g.add_argument(
+        "--timeout-request-body",
+        type=_seconds,
+        default=60.0,
+        help="A request body must arrive within this many seconds of its headers, else 408 and the "
+        "connection closes. 0: no limit.",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=_seconds,
+        default=25.0,
+        help="On SIGTERM/SIGINT, new requests are refused and running ones may finish for this long; "
+        "then streams end with an error event and [DONE] and the rest get 503. vLLM's default is "
+        "0 (abort at once); 25 fits Kubernetes' default 30 s grace period. A second signal ends "
+        "the drain at once.",
+    )
 
 
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
@@ -303,16 +513,20 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         parser.error("--ssl-keyfile and --ssl-certfile go together")
     if args.headless and not (args.num_processes or 0) > 1:
-        parser.error("--headless is for the processes other than 0 of a multi-process engine "
-                     "(--coordinator-address, --num-processes, --process-id)")
+        parser.error(
+            "--headless is for the processes other than 0 of a multi-process engine "
+            "(--coordinator-address, --num-processes, --process-id)"
+        )
     if args.headless and args.process_id == 0:
         parser.error("--headless: process 0 serves the API; start the other processes with --headless")
     if args.data_parallel_size < 1:
         parser.error(f"--data-parallel-size must be at least 1, got {args.data_parallel_size}")
     if args.data_parallel_size_local not in (None, args.data_parallel_size):
-        parser.error(f"--data-parallel-size-local {args.data_parallel_size_local}: every data-parallel replica runs "
-                     f"on this host ({args.data_parallel_size}, --data-parallel-size); replicas on other hosts are "
-                     "not supported")
+        parser.error(
+            f"--data-parallel-size-local {args.data_parallel_size_local}: every data-parallel replica runs "
+            f"on this host ({args.data_parallel_size}, --data-parallel-size); replicas on other hosts are "
+            "not supported"
+        )
     if args.speculative_config is None and legacy_speculative_config(vars(args)) is not None:
         from jaxllm.engine.configs import SpeculativeConfig
 

@@ -52,14 +52,19 @@ def _convert(argv: list[str]) -> int:
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in BENCHMARKS:
         lines = "\n".join(f"  {name:<12}{what}" for name, what in BENCHMARKS.items())
-        print(f"usage: jaxllm bench {{{','.join(BENCHMARKS)}}} [flags]\n\n{lines}",
-              file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr)
+        print(
+            f"usage: jaxllm bench {{{','.join(BENCHMARKS)}}} [flags]\n\n{lines}",
+            file=sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr,
+        )
         return 0 if argv[:1] in (["-h"], ["--help"]) else 2
     # bench/ is not installed with the package: the scripts run from the checkout this server/ belongs to.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(root, "bench", argv[0] + ".py")):
-        print(f"jaxllm bench: {os.path.join(root, 'bench')} not found. The benchmarks run from a source checkout "
-              "(git clone the repository, then pip install -e .).", file=sys.stderr)
+        print(
+            f"jaxllm bench: {os.path.join(root, 'bench')} not found. The benchmarks run from a source checkout "
+            "(git clone the repository, then pip install -e .).",
+            file=sys.stderr,
+        )
         return 2
     if root not in sys.path:
         sys.path.insert(0, root)

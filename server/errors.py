@@ -32,8 +32,16 @@ M = TypeVar("M", bound=pydantic.BaseModel)
 class APIError(Exception):
     """Raised anywhere in a handler; the error middleware turns it into an OpenAI error response."""
 
-    def __init__(self, message: str, status: int = 400, *, param: str | None = None, err_type: str | None = None,
-                 headers: dict[str, str] | None = None, close: bool = False):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        *,
+        param: str | None = None,
+        err_type: str | None = None,
+        headers: dict[str, str] | None = None,
+        close: bool = False,
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
@@ -79,14 +87,16 @@ async def read_body(request: web.Request, max_bytes: int, timeout: float | None)
     if request.headers.get("Content-Type") is not None and not (_is_json_type(ctype) or ctype == _GENERIC):
         raise APIError(f"Unsupported Content-Type '{request.content_type}'; send the body as application/json.", 400)
     if request.content_length is not None and request.content_length > max_bytes:
-        raise APIError(f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.", 413,
-                       close=True)
+        raise APIError(
+            f"Request body of {request.content_length} bytes exceeds the limit of {max_bytes} bytes.", 413, close=True
+        )
     try:
         async with asyncio.timeout(timeout):
             raw = await request.read()
     except TimeoutError:
-        raise APIError(f"The request body did not arrive within {timeout:g} s (--timeout-request-body).", 408,
-                       close=True) from None
+        raise APIError(
+            f"The request body did not arrive within {timeout:g} s (--timeout-request-body).", 408, close=True
+        ) from None
     except web.HTTPRequestEntityTooLarge:
         raise APIError(f"Request body exceeds the limit of {max_bytes} bytes.", 413, close=True) from None
     except web.RequestPayloadError:  # a broken chunked encoding, a body shorter than its Content-Length
@@ -125,8 +135,12 @@ def _reject_lone_surrogates(value: Any, path: list) -> None:
         m = _SURROGATE.search(value)
         if m:
             where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".") or "body"
-            raise APIError(f"Invalid text in `{where}`: it contains a lone surrogate ({ascii(m.group())}), which "
-                           "is not a Unicode character.", 400, param=str(path[0]) if path else None)
+            raise APIError(
+                f"Invalid text in `{where}`: it contains a lone surrogate ({ascii(m.group())}), which "
+                "is not a Unicode character.",
+                400,
+                param=str(path[0]) if path else None,
+            )
     elif isinstance(value, dict):
         for k, v in value.items():
             _reject_lone_surrogates(k, path + [k])
@@ -172,10 +186,17 @@ def _validate_sliced(cls: type[pydantic.BaseModel], name: str, items: list) -> l
     out: list = []
     for start in range(0, len(items), _SLICE):
         try:
-            out.extend(adapter.validate_python(items[start:start + _SLICE]))
+            out.extend(adapter.validate_python(items[start : start + _SLICE]))
         except pydantic.ValidationError as e:  # locations as if the whole request had been validated at once
-            errors = [{"type": err["type"], "input": err["input"], "ctx": err.get("ctx", {}),
-                       "loc": (name, err["loc"][0] + start, *err["loc"][1:])} for err in e.errors(include_url=False)]
+            errors = [
+                {
+                    "type": err["type"],
+                    "input": err["input"],
+                    "ctx": err.get("ctx", {}),
+                    "loc": (name, err["loc"][0] + start, *err["loc"][1:]),
+                }
+                for err in e.errors(include_url=False)
+            ]
             raise pydantic.ValidationError.from_exception_data(cls.__name__, errors) from None
     return out
 

@@ -42,8 +42,9 @@ _MALFORMED = {
 
 
 class _RequestHandler(RequestHandler):
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         """aiohttp's low-level error answer (a request it could not parse, or a handler that raised past the
         error middleware), OpenAI-shaped."""
         if isinstance(exc, HttpProcessingError):
@@ -81,16 +82,18 @@ async def set_server_header(request: web.Request, response: web.StreamResponse) 
         response.force_close()
 
 
-async def start_server(app: web.Application, host: str | None, port: int, *, ssl_context=None,
-                       access_log: bool = True, sock=None) -> tuple[web.AppRunner, int]:
+async def start_server(
+    app: web.Application, host: str | None, port: int, *, ssl_context=None, access_log: bool = True, sock=None
+) -> tuple[web.AppRunner, int]:
     """Starts serving; returns the runner (stop it with stop_server) and the bound port (port 0 picks one).
     `sock`: an already bound listening socket to serve on instead of host and port."""
     limits = app[STATE].limits
     kwargs = {} if access_log else {"access_log": None}
     # handler_cancellation: a client that hangs up cancels its handler, which aborts its engine requests.
     # shutdown_timeout: what stop_server's last step waits for handlers the drain has already ended.
-    runner = _AppRunner(app, handler_cancellation=True, shutdown_timeout=5.0,
-                        keepalive_timeout=limits.timeout_keep_alive, **kwargs)
+    runner = _AppRunner(
+        app, handler_cancellation=True, shutdown_timeout=5.0, keepalive_timeout=limits.timeout_keep_alive, **kwargs
+    )
     await runner.setup()
     if sock is not None:
         site = web.SockSite(runner, sock, ssl_context=ssl_context)

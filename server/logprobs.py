@@ -36,8 +36,9 @@ class TokenNamer:
         return self.tokenizer.decode([tid])
 
 
-def completion_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top: int,
-                        offset: int) -> tuple[CompletionLogProbs, int]:
+def completion_logprobs(
+    name: TokenNamer, token_ids: list[int], entries: list, num_top: int, offset: int
+) -> tuple[CompletionLogProbs, int]:
     """The legacy completions shape; entries[i] is None for the first prompt token. Returns the next offset."""
     out = CompletionLogProbs()
     for tid, entry in zip(token_ids, entries):
@@ -69,8 +70,14 @@ def chat_logprobs(name: TokenNamer, token_ids: list[int], entries: list, num_top
         for t, l in sorted(entry.items(), key=_rank_key)[:num_top]:
             s = name(t, l)
             tops.append(TopLogprob(token=s, logprob=_clamp(l.logprob), bytes=list(s.encode("utf-8", "replace"))))
-        content.append(ChatLogprobToken(token=tok, logprob=_clamp(lp.logprob) if lp is not None else -9999.0,
-                                        bytes=list(tok.encode("utf-8", "replace")), top_logprobs=tops))
+        content.append(
+            ChatLogprobToken(
+                token=tok,
+                logprob=_clamp(lp.logprob) if lp is not None else -9999.0,
+                bytes=list(tok.encode("utf-8", "replace")),
+                top_logprobs=tops,
+            )
+        )
     return content
 
 
@@ -78,6 +85,9 @@ def prompt_logprobs_json(entries) -> list | None:
     """vLLM's prompt_logprobs field: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
     if entries is None:
         return None
-    return [None if e is None else {t: {"logprob": _clamp(l.logprob), "rank": l.rank,
-                                        "decoded_token": l.decoded_token} for t, l in e.items()}
-            for e in entries]
+    return [
+        None
+        if e is None
+        else {t: {"logprob": _clamp(l.logprob), "rank": l.rank, "decoded_token": l.decoded_token} for t, l in e.items()}
+        for e in entries
+    ]

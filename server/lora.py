@@ -38,8 +38,9 @@ def parse_lora_module(value: str) -> LoRAModulePath:
         except json.JSONDecodeError as e:
             raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {value!r}: {e}") from None
         if not isinstance(d, dict) or not isinstance(d.get("name"), str) or not isinstance(d.get("path"), str):
-            raise argparse.ArgumentTypeError(f"--lora-modules: a JSON module needs string 'name' and 'path', got "
-                                             f"{value!r}.")
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules: a JSON module needs string 'name' and 'path', got {value!r}."
+            )
         unknown = sorted(set(d) - {"name", "path", "base_model_name"})
         if unknown:
             raise argparse.ArgumentTypeError(f"--lora-modules: unknown keys {unknown} in {value!r}.")
@@ -87,8 +88,9 @@ class ServedLoRAs:
         if name in self.requests or name in self._loading:
             raise APIError(f"The lora adapter '{name}' has already been loaded.", err_type="InvalidUserInput")
         if name in self.base_names:
-            raise APIError(f"'{name}' is the name of the served base model.", err_type="InvalidUserInput",
-                           param="lora_name")
+            raise APIError(
+                f"'{name}' is the name of the served base model.", err_type="InvalidUserInput", param="lora_name"
+            )
         parent = base_model_name if base_model_name in self.base_names else None
         request = LoRARequest(name, next(self._ids), path, base_model_name=parent)
         add = getattr(engine, "add_lora", None)
@@ -109,8 +111,11 @@ class ServedLoRAs:
     async def unload(self, engine, name: str | None, lora_int_id: int | None = None) -> None:
         if not name and not lora_int_id:
             raise APIError("either 'lora_name' and 'lora_int_id' needs to be provided.", err_type="InvalidUserInput")
-        request = self.requests.get(name) if name else next(
-            (r for r in self.requests.values() if r.lora_int_id == lora_int_id), None)
+        request = (
+            self.requests.get(name)
+            if name
+            else next((r for r in self.requests.values() if r.lora_int_id == lora_int_id), None)
+        )
         if request is None:
             raise APIError(f"The lora adapter '{name or lora_int_id}' cannot be found.", 404)
         del self.requests[request.lora_name]

@@ -32,12 +32,74 @@ from jaxllm.outputs import RequestOutput
 
 logger = logging.getLogger("jaxllm.server")
 
-_LATENCY_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0]
-_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                240.0, 480.0, 960.0, 1920.0, 7680.0]
+_LATENCY_BUCKETS = [
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+]
+_ITL_BUCKETS = [
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+]
+_E2E_BUCKETS = [
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+]
 
 
 def _token_buckets(max_model_len: int) -> list[float]:
@@ -54,26 +116,46 @@ def _token_buckets(max_model_len: int) -> list[float]:
 LABELS = ["model_name", "engine"]
 
 # (name, help, EngineStats field or None for 0) of the snapshot's gauges, then its counters
-_GAUGES = (("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
-           ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
-           ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
-           ("vllm:gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use "
-            "vllm:kv_cache_usage_perc instead.", "kv_cache_usage"),
-           ("vllm:cpu_cache_usage_perc", "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV cache "
-            "offloading is not used in V1", None),
-           ("vllm:num_requests_swapped", "Number of requests swapped to CPU. DEPRECATED: KV cache offloading is not "
-            "used in V1", None))
-_COUNTERS = (("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
-              "prefix_cache_queries"),
-             ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
-             ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
-             ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
-             ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"))
-_THROUGHPUT = (("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s."),
-               ("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s."))
-_SPEC_COUNTERS = (("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
-                  ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
-                  ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"))
+_GAUGES = (
+    ("vllm:num_requests_running", "Number of requests in model execution batches.", "num_running"),
+    ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
+    (
+        "vllm:gpu_cache_usage_perc",
+        "GPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: Use vllm:kv_cache_usage_perc instead.",
+        "kv_cache_usage",
+    ),
+    (
+        "vllm:cpu_cache_usage_perc",
+        "CPU KV-cache usage. 1 means 100 percent usage. DEPRECATED: KV cache offloading is not used in V1",
+        None,
+    ),
+    (
+        "vllm:num_requests_swapped",
+        "Number of requests swapped to CPU. DEPRECATED: KV cache offloading is not used in V1",
+        None,
+    ),
+)
+_COUNTERS = (
+    (
+        "vllm:prefix_cache_queries",
+        "Prefix cache queries, in terms of number of queried tokens.",
+        "prefix_cache_queries",
+    ),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", "prefix_cache_hits"),
+    ("vllm:num_preemptions", "Cumulative number of preemptions from the engine.", "num_preemptions"),
+    ("vllm:prompt_tokens", "Number of prefill tokens processed.", "prompt_tokens"),
+    ("vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"),
+)
+_THROUGHPUT = (
+    ("vllm:avg_prompt_throughput_toks_per_s", "Average prefill throughput in tokens/s."),
+    ("vllm:avg_generation_throughput_toks_per_s", "Average generation throughput in tokens/s."),
+)
+_SPEC_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", "num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", "num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", "num_accepted_tokens"),
+)
 
 
 class _EngineCollector:
@@ -99,8 +181,11 @@ class _EngineCollector:
                 g.add_metric(label, r[j])
             yield g
         if m.cache_info:
-            info = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                     labels=list(m.cache_info[0]) + ["engine"])
+            info = GaugeMetricFamily(
+                "vllm:cache_config_info",
+                "Information of the LLMEngine CacheConfig",
+                labels=list(m.cache_info[0]) + ["engine"],
+            )
             for i, labels_i in enumerate(m.cache_info):
                 info.add_metric(list(labels_i.values()) + [str(i)], 1)
             yield info
@@ -111,8 +196,11 @@ class _EngineCollector:
                 for label, sd in spec:
                     c.add_metric(label, getattr(sd, field))
                 yield c
-            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                          "Accepted tokens per draft position.", labels=LABELS + ["position"])
+            per_pos = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                labels=LABELS + ["position"],
+            )
             for label, sd in spec:
                 for pos, n in enumerate(sd.num_accepted_tokens_per_pos):
                     per_pos.add_metric(label + [str(pos)], n)
@@ -154,30 +242,74 @@ class ServerMetrics:
         self._stats_failures = 0
         r, labels = self.registry, LABELS
         tokens = _token_buckets(max(int(getattr(engine, "max_model_len", 0) or 0), 1))
-        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                                        LABELS + ["finished_reason"], registry=r)
+        self._request_success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            LABELS + ["finished_reason"],
+            registry=r,
+        )
         families = dict(
-            ttft=Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                           labels, buckets=_LATENCY_BUCKETS, registry=r),
-            itl=Histogram("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                          labels, buckets=_ITL_BUCKETS, registry=r),
-            tpot=Histogram("vllm:time_per_output_token_seconds", "Histogram of time per output token in seconds."
-                           "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
-                           labels, buckets=_ITL_BUCKETS, registry=r),
-            n_param=Histogram("vllm:request_params_n", "Histogram of the n request parameter.",
-                              labels, buckets=[1, 2, 5, 10, 20], registry=r),
-            e2e=Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                          labels, buckets=_E2E_BUCKETS, registry=r),
-            queue_time=Histogram("vllm:request_queue_time_seconds",
-                                 "Histogram of time spent in WAITING phase for request.",
-                                 labels, buckets=_E2E_BUCKETS, registry=r),
-            prompt_tokens=Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                    labels, buckets=tokens, registry=r),
-            generation_tokens=Histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                                        labels, buckets=tokens, registry=r),
-            iteration_tokens=Histogram("vllm:iteration_tokens_total", "Histogram of number of tokens per engine_step.",
-                                       labels, buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
-                                                        16384], registry=r))
+            ttft=Histogram(
+                "vllm:time_to_first_token_seconds",
+                "Histogram of time to first token in seconds.",
+                labels,
+                buckets=_LATENCY_BUCKETS,
+                registry=r,
+            ),
+            itl=Histogram(
+                "vllm:inter_token_latency_seconds",
+                "Histogram of inter-token latency in seconds.",
+                labels,
+                buckets=_ITL_BUCKETS,
+                registry=r,
+            ),
+            tpot=Histogram(
+                "vllm:time_per_output_token_seconds",
+                "Histogram of time per output token in seconds."
+                "DEPRECATED: Use vllm:inter_token_latency_seconds instead.",
+                labels,
+                buckets=_ITL_BUCKETS,
+                registry=r,
+            ),
+            n_param=Histogram(
+                "vllm:request_params_n",
+                "Histogram of the n request parameter.",
+                labels,
+                buckets=[1, 2, 5, 10, 20],
+                registry=r,
+            ),
+            e2e=Histogram(
+                "vllm:e2e_request_latency_seconds",
+                "Histogram of e2e request latency in seconds.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            ),
+            queue_time=Histogram(
+                "vllm:request_queue_time_seconds",
+                "Histogram of time spent in WAITING phase for request.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            ),
+            prompt_tokens=Histogram(
+                "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, buckets=tokens, registry=r
+            ),
+            generation_tokens=Histogram(
+                "vllm:request_generation_tokens",
+                "Number of generation tokens processed.",
+                labels,
+                buckets=tokens,
+                registry=r,
+            ),
+            iteration_tokens=Histogram(
+                "vllm:iteration_tokens_total",
+                "Histogram of number of tokens per engine_step.",
+                labels,
+                buckets=[1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+                registry=r,
+            ),
+        )
         # per replica: an object with one labelled child of each histogram (.ttft, .itl, ...)
         self.engines = [_EngineHistograms(families, [model_name, str(i)]) for i in range(len(self.last_per_engine))]
         # last: registering (auto_describe) polls the engine, which needs the histograms above (an engine that
@@ -330,10 +462,12 @@ class StatsLogger:
             return None
         old = p.num_accepted_tokens_per_pos + [0] * len(sd.num_accepted_tokens_per_pos)
         rates = ", ".join(f"{(n - o) / drafts:.3f}" for n, o in zip(sd.num_accepted_tokens_per_pos, old, strict=False))
-        return (f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
-                f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
-                f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
-                f"Avg Draft acceptance rate: {100.0 * accepted / drafted if drafted else float('nan'):.1f}%")
+        return (
+            f"SpecDecoding metrics: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted throughput: {accepted / dt:.2f} tokens/s, Drafted throughput: {drafted / dt:.2f} tokens/s, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position acceptance rate: {rates}, "
+            f"Avg Draft acceptance rate: {100.0 * accepted / drafted if drafted else float('nan'):.1f}%"
+        )
 
     async def run(self) -> None:
         s = self.metrics.poll()

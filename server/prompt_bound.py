@@ -29,15 +29,41 @@ _SPACES = "".join(c for c in map(chr, range(0x3001)) if c.isspace())  # all 29 o
 
 # Components that keep every non-space character (a factor: how many input characters one output character
 # can stand for). Anything not listed, or listed as None, may drop characters.
-_NORMALIZERS = {"NFD": 1, "NFKD": 1, "NFC": _COMPOSING, "NFKC": _COMPOSING, "Lowercase": 1, "Prepend": 1,
-                "Strip": 1, "ByteLevel": 1}
-_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Whitespace", "WhitespaceSplit",
-                   "BertPreTokenizer", "FixedLength", "Split", "Punctuation"}
+_NORMALIZERS = {
+    "NFD": 1,
+    "NFKD": 1,
+    "NFC": _COMPOSING,
+    "NFKC": _COMPOSING,
+    "Lowercase": 1,
+    "Prepend": 1,
+    "Strip": 1,
+    "ByteLevel": 1,
+}
+_PRE_TOKENIZERS = {
+    "ByteLevel",
+    "Metaspace",
+    "Digits",
+    "UnicodeScripts",
+    "Whitespace",
+    "WhitespaceSplit",
+    "BertPreTokenizer",
+    "FixedLength",
+    "Split",
+    "Punctuation",
+}
 
 # Strings that make a lossy tokenizer show itself: control characters, runs of combining marks, private-use
 # and unassigned characters, a long word, composable sequences.
-_PROBES = ("\x00\x01\x02\x1b\x7f\x80\x9f" * 30, "a" + "\u0301" * 200, "\ue000\U000f0000\U0010fffd" * 60,
-           "x" * 400, "e\u0301" * 200, "\u1100\u1161\u11a8" * 60, "\u200b\u200d\ufeff" * 60, "\U0001f600" * 100)
+_PROBES = (
+    "\x00\x01\x02\x1b\x7f\x80\x9f" * 30,
+    "a" + "\u0301" * 200,
+    "\ue000\U000f0000\U0010fffd" * 60,
+    "x" * 400,
+    "e\u0301" * 200,
+    "\u1100\u1161\u11a8" * 60,
+    "\u200b\u200d\ufeff" * 60,
+    "\U0001f600" * 100,
+)
 
 
 def chars_per_token(tokenizer) -> int | None:
@@ -59,8 +85,10 @@ def chars_per_token(tokenizer) -> int | None:
         return None
     for probe in _PROBES:
         if len(tokenizer.encode(probe, add_special_tokens=False)) * bound < non_space_len(probe):
-            logger.warning("The tokenizer drops characters of %r: over-long prompts are tokenized in full before "
-                           "they are refused", probe[:12])
+            logger.warning(
+                "The tokenizer drops characters of %r: over-long prompts are tokenized in full before they are refused",
+                probe[:12],
+            )
             return None
     return bound
 
@@ -92,10 +120,13 @@ class PromptBound:
         if self.too_long(text, limit):
             m = self.max_model_len
             at_least = math.ceil(non_space_len(text) / self.chars_per_token)
-            raise APIError(f"This model's maximum context length is {m} tokens. However, your request has at "
-                           f"least {at_least} input tokens ({len(text)} characters; a token of this tokenizer "
-                           f"holds at most {self.chars_per_token}). Please reduce the length of the input "
-                           "messages.", param=param)
+            raise APIError(
+                f"This model's maximum context length is {m} tokens. However, your request has at "
+                f"least {at_least} input tokens ({len(text)} characters; a token of this tokenizer "
+                f"holds at most {self.chars_per_token}). Please reduce the length of the input "
+                "messages.",
+                param=param,
+            )
 
 
 def _state(component) -> dict | None:

@@ -47,7 +47,7 @@ class ReasoningStream:
     def step(self, text: str, final: bool) -> tuple[str, str]:
         """(the new reasoning to send, all the content so far)."""
         reasoning, content = self.choice.split.stream(text, final)
-        new, self.sent = reasoning[self.sent:], len(reasoning)
+        new, self.sent = reasoning[self.sent :], len(reasoning)
         return (new if self.choice.include else ""), content
 
 

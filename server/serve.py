@@ -37,8 +37,9 @@ def build_engine(args: argparse.Namespace):
     return AsyncLLM.from_engine_args(**engine_kwargs(args))
 
 
-async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Event | None = None,
-                     on_ready=None, on_app=None) -> str | None:
+async def run_server(
+    args: argparse.Namespace, engine=None, *, stop: asyncio.Event | None = None, on_ready=None, on_app=None
+) -> str | None:
     """Serves until SIGINT/SIGTERM (or `stop` is set), drains (--shutdown-timeout; a second signal cuts the
     drain short), then shuts the engine down. Returns the engine's fatal_error: why it stopped serving on its
     own (a lost process of a multi-process engine), else None.
@@ -66,8 +67,14 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         if args.ssl_certfile:
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
-        runner, port = await start_server(app, args.host, args.port, ssl_context=ssl_context, sock=sock,
-                                          access_log=not getattr(args, "disable_access_log", False))
+        runner, port = await start_server(
+            app,
+            args.host,
+            args.port,
+            ssl_context=ssl_context,
+            sock=sock,
+            access_log=not getattr(args, "disable_access_log", False),
+        )
         stop = stop or asyncio.Event()
         force = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -86,9 +93,16 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
                 pass
         scheme = "https" if ssl_context else "http"
         host = args.host or "0.0.0.0"
-        logger.info("jaxllm %s API server ready on %s://%s:%d (model %s served as %s, max_model_len %d)",
-                    _version(), scheme, host, port, app[STATE].model_root,
-                    ", ".join(app[STATE].served_model_names), engine.max_model_len)
+        logger.info(
+            "jaxllm %s API server ready on %s://%s:%d (model %s served as %s, max_model_len %d)",
+            _version(),
+            scheme,
+            host,
+            port,
+            app[STATE].model_root,
+            ", ".join(app[STATE].served_model_names),
+            engine.max_model_len,
+        )
         # What exists now (modules, weights, compiled programs) lives as long as the server: keep the collector
         # from walking it, else each full collection stalls every stream for ~0.5 s (vLLM does the same).
         gc.collect()
@@ -96,8 +110,11 @@ async def run_server(args: argparse.Namespace, engine=None, *, stop: asyncio.Eve
         if on_ready is not None:
             on_ready(port)
         await stop.wait()
-        logger.info("Shutting down: new requests are refused; running ones may finish for up to %g s "
-                    "(--shutdown-timeout; a second Ctrl-C ends them now)", app[STATE].limits.shutdown_timeout)
+        logger.info(
+            "Shutting down: new requests are refused; running ones may finish for up to %g s "
+            "(--shutdown-timeout; a second Ctrl-C ends them now)",
+            app[STATE].limits.shutdown_timeout,
+        )
         await stop_server(runner, force=force)
         runner = None
         fatal_watch.cancel()
@@ -144,8 +161,10 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
             return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
         return socket.create_server(("", port))
     except OSError as e:
-        raise SystemExit(f"Cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}. Is another server "
-                         "running there? Pick another --port.") from None
+        raise SystemExit(
+            f"Cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}. Is another server "
+            "running there? Pick another --port."
+        ) from None
 
 
 def _version() -> str:
@@ -159,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     level = logging.DEBUG if args.log_level in ("debug", "trace") else getattr(logging, args.log_level.upper())
-    logging.basicConfig(level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
-                        datefmt="%m-%d %H:%M:%S")
+    logging.basicConfig(
+        level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S"
+    )
     if args.lora_modules:  # before the model loads: a bad adapter folder fails at once
         from server.lora import check_lora_modules
 
@@ -170,8 +190,11 @@ def main(argv: list[str] | None = None) -> None:
 
     # before jax.distributed starts the backend
     # (several processes: which GPUs are whose is known only later, so no free-memory check)
-    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size,
-                          args.tensor_parallel_size if (args.num_processes or 1) == 1 else 0)
+    request_device_memory(
+        args.gpu_memory_utilization,
+        args.pipeline_parallel_size,
+        args.tensor_parallel_size if (args.num_processes or 1) == 1 else 0,
+    )
     try:
         maybe_initialize(args)  # multi-host: join jax.distributed before any device is touched
     except (RuntimeError, ValueError) as e:

@@ -51,8 +51,19 @@ from server.tool_calls import (
 )
 
 # apply_chat_template arguments a request's chat_template_kwargs may not override.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "return_dict", "return_tensors", "padding", "truncation",
-                             "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask", "chat_template"}
+_RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tokenize",
+    "return_dict",
+    "return_tensors",
+    "padding",
+    "truncation",
+    "max_length",
+    "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+    "chat_template",
+}
+
 
 def load_chat_template(value: str | None) -> str | None:
     """--chat-template: a file path, or the template itself (anything with braces or newlines)."""
@@ -81,18 +92,31 @@ def to_conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return conversation
 
 
-def render_chat(state: ServerState, conversation: list[dict], *, chat_template: str | None,
-                add_generation_prompt: bool, continue_final_message: bool, chat_template_kwargs: dict | None,
-                tools: list | None = None, documents: list | None = None) -> str:
+def render_chat(
+    state: ServerState,
+    conversation: list[dict],
+    *,
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict | None,
+    tools: list | None = None,
+    documents: list | None = None,
+) -> str:
     if continue_final_message and add_generation_prompt:
         raise APIError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
     tokenizer = state.engine.get_tokenizer()
     template = chat_template or state.chat_template
     if template is None and getattr(tokenizer, "chat_template", None) is None:
-        raise APIError("This model's tokenizer has no chat template: start the server with --chat-template, "
-                       "or send `chat_template` in the request.", param="chat_template")
-    kwargs: dict[str, Any] = {"add_generation_prompt": add_generation_prompt,
-                              "continue_final_message": continue_final_message}
+        raise APIError(
+            "This model's tokenizer has no chat template: start the server with --chat-template, "
+            "or send `chat_template` in the request.",
+            param="chat_template",
+        )
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "continue_final_message": continue_final_message,
+    }
     if tools:
         kwargs["tools"] = tools
     if documents:
@@ -148,13 +172,22 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
 
     conversation = to_conversation(req.messages)
     tools = template_tools(req.tools, req.tool_choice, state.exclude_tools_when_tool_choice_none)
-    text = render_chat(state, conversation, chat_template=req.chat_template,
-                       add_generation_prompt=req.add_generation_prompt,
-                       continue_final_message=req.continue_final_message,
-                       chat_template_kwargs=req.chat_template_kwargs, tools=tools, documents=req.documents)
+    text = render_chat(
+        state,
+        conversation,
+        chat_template=req.chat_template,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
+        tools=tools,
+        documents=req.documents,
+    )
     truncating = req.truncate_prompt_tokens is not None
-    ids = truncate_prompt(encode(state, text, req.add_special_tokens, param="messages", truncating=truncating),
-                          req.truncate_prompt_tokens, state.engine.max_model_len)
+    ids = truncate_prompt(
+        encode(state, text, req.add_special_tokens, param="messages", truncating=truncating),
+        req.truncate_prompt_tokens,
+        state.engine.max_model_len,
+    )
     if not ids:
         raise APIError("The decoder prompt cannot be empty", param="messages")
     reasoning = ReasoningChoice.for_request(state.reasoning_parser, req, state.engine.get_tokenizer(), ids)
@@ -164,10 +197,15 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = resolve_max_tokens(state, requested, len(ids), prompt_param="messages", max_tokens_param=limit_param)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=logprobs,
-                                  prompt_logprobs=req.prompt_logprobs,
-                                  constraint=tool_constraint(tool_choice, req.tools),
-                                  param_names={"logprobs": "top_logprobs", "max_tokens": limit_param})
+    params = make_sampling_params(
+        state,
+        req,
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=req.prompt_logprobs,
+        constraint=tool_constraint(tool_choice, req.tools),
+        param_names={"logprobs": "top_logprobs", "max_tokens": limit_param},
+    )
     request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
     log_request(state, request_id, text, params)
     prompt = {"prompt_token_ids": ids, "prompt": text}
@@ -185,8 +223,13 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
 
 def _final_response(ctx: _Ctx, rs: RequestState) -> str:
     req = ctx.req
-    resp = ChatCompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, usage=usage_of([rs]),
-                                  choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))])
+    resp = ChatCompletionResponse(
+        id=ctx.request_id,
+        created=ctx.created,
+        model=ctx.model,
+        usage=usage_of([rs]),
+        choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))],
+    )
     if req.prompt_logprobs is not None and rs.last is not None:
         resp.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
     if req.return_token_ids:
@@ -195,8 +238,17 @@ def _final_response(ctx: _Ctx, rs: RequestState) -> str:
 
 
 class _Ctx:
-    def __init__(self, state: ServerState, req: ChatCompletionRequest, request_id: str, model: str, role: str,
-                 echo: str, tool_choice: ToolChoice | None, reasoning: ReasoningChoice | None = None):
+    def __init__(
+        self,
+        state: ServerState,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        role: str,
+        echo: str,
+        tool_choice: ToolChoice | None,
+        reasoning: ReasoningChoice | None = None,
+    ):
         self.state = state
         self.tool_choice = tool_choice
         self.tool_streams = [ToolStream(tool_choice) for _ in range(req.n)] if tool_choice else []
@@ -215,7 +267,7 @@ class _Ctx:
     def _logprobs(self, c, start: int, ids: list[int]) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
-        entries = ((c.output.logprobs or []) if c.output is not None else [])[start:start + len(ids)]
+        entries = ((c.output.logprobs or []) if c.output is not None else [])[start : start + len(ids)]
         return ChatLogprobs(content=chat_logprobs(self.name, ids, entries, self.top))
 
     def final_choice(self, rs: RequestState, j: int) -> ChatChoice:
@@ -231,15 +283,19 @@ class _Ctx:
         else:
             message = ChatResponseMessage(role=self.role, **self.tool_choice.message_fields(text or ""), **fields)
             finish = self.tool_choice.finish_reason(bool(message.tool_calls), c.finish_reason)
-        choice = ChatChoice(index=j, message=message, logprobs=self._logprobs(c, 0, c.token_ids),
-                            finish_reason=finish, stop_reason=out.stop_reason if out is not None else None)
+        choice = ChatChoice(
+            index=j,
+            message=message,
+            logprobs=self._logprobs(c, 0, c.token_ids),
+            finish_reason=finish,
+            stop_reason=out.stop_reason if out is not None else None,
+        )
         if self.req.return_token_ids:
             choice.token_ids = list(c.token_ids)
         return choice
 
     def chunk(self, choices: list[ChatStreamChoice], run: EngineRunner | None = None) -> str:
-        resp = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                            choices=choices)
+        resp = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
         if run is not None:
             resp.usage = usage_of(run.states)
         return resp.to_json()
@@ -266,14 +322,24 @@ class _Ctx:
             if finish is not None:
                 finish = self.tool_choice.finish_reason(stream.sent_calls > 0, finish)
         else:
-            text, calls, c.sent_text = content[c.sent_text:], [], len(content)
+            text, calls, c.sent_text = content[c.sent_text :], [], len(content)
         fields = {"content": text} if text or not (calls or reasoning) else {}
         delta = self.delta_message(reasoning, **fields, **({"tool_calls": calls} if calls else {}))
-        if not (text or calls or reasoning or finish is not None
-                or (ids and (self.req.logprobs or self.req.return_token_ids))):
+        if not (
+            text
+            or calls
+            or reasoning
+            or finish is not None
+            or (ids and (self.req.logprobs or self.req.return_token_ids))
+        ):
             return None
-        choice = ChatStreamChoice(index=j, delta=delta, logprobs=self._logprobs(c, start, ids),
-                                  finish_reason=finish, stop_reason=c.output.stop_reason if finish else None)
+        choice = ChatStreamChoice(
+            index=j,
+            delta=delta,
+            logprobs=self._logprobs(c, start, ids),
+            finish_reason=finish,
+            stop_reason=c.output.stop_reason if finish else None,
+        )
         if self.req.return_token_ids:
             choice.token_ids = ids
         return choice
@@ -291,12 +357,14 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
         try:
             try:
                 for j in range(req.n):
-                    first = ChatStreamChoice(index=j, delta=ctx.delta_message(role=ctx.role, content=""),
-                                             logprobs=None, finish_reason=None)
+                    first = ChatStreamChoice(
+                        index=j, delta=ctx.delta_message(role=ctx.role, content=""), logprobs=None, finish_reason=None
+                    )
                     await sse.send(ctx.chunk([first], usage_run))
                     if ctx.echo:
-                        echo = ChatStreamChoice(index=j, delta=ctx.delta_message(content=ctx.echo),
-                                                logprobs=None, finish_reason=None)
+                        echo = ChatStreamChoice(
+                            index=j, delta=ctx.delta_message(content=ctx.echo), logprobs=None, finish_reason=None
+                        )
                         await sse.send(ctx.chunk([echo], usage_run))
                 async for _, rs in run.events():
                     for j, c in enumerate(rs.choices):
@@ -309,8 +377,9 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
                 await sse.error(e)
             else:
                 if include_usage:
-                    resp = ChatCompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
-                                                        choices=[], usage=usage_of(run.states))
+                    resp = ChatCompletionStreamResponse(
+                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=usage_of(run.states)
+                    )
                     await sse.send(resp.to_json())
             await sse.done()
         except ConnectionError:

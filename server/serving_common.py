@@ -119,13 +119,16 @@ def reject_unsupported(req) -> None:
     """Known fields that would change the output but that jaxllm cannot honour yet: a 400, never ignored; and
     `n` within OpenAI's bound (n=10000 would queue 10,000 sequences ahead of everyone else)."""
     if req.n > MAX_N:
-        raise APIError(f"Invalid 'n': integer above maximum value. Expected a value <= {MAX_N}, but got {req.n} "
-                       "instead.", param="n")
+        raise APIError(
+            f"Invalid 'n': integer above maximum value. Expected a value <= {MAX_N}, but got {req.n} instead.",
+            param="n",
+        )
     if req.use_beam_search:
         raise APIError("Beam search is not supported by jaxllm.", param="use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
-        raise APIError(f"best_of is not supported by jaxllm (got best_of={req.best_of}, n={req.n}); use n.",
-                       param="best_of")
+        raise APIError(
+            f"best_of is not supported by jaxllm (got best_of={req.best_of}, n={req.n}); use n.", param="best_of"
+        )
     if req.prompt_embeds is not None:
         raise APIError("prompt_embeds is not supported by jaxllm.", param="prompt_embeds")
     if req.logits_processors is not None:
@@ -138,18 +141,29 @@ def reject_unsupported(req) -> None:
         raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
 
-def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: int, *, prompt_param: str,
-                       max_tokens_param: str = "max_tokens") -> int:
+def resolve_max_tokens(
+    state: ServerState,
+    requested: int | None,
+    prompt_len: int,
+    *,
+    prompt_param: str,
+    max_tokens_param: str = "max_tokens",
+) -> int:
     """min(request's limit, room left in the context, generation_config max_new_tokens), after vLLM's checks."""
     limit = state.engine.max_model_len
     if prompt_len >= limit:
-        raise APIError(f"This model's maximum context length is {limit} tokens. However, your request has "
-                       f"{prompt_len} input tokens. Please reduce the length of the input messages.",
-                       param=prompt_param)
+        raise APIError(
+            f"This model's maximum context length is {limit} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages.",
+            param=prompt_param,
+        )
     if requested is not None and prompt_len + requested > limit:
-        raise APIError(f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
-                       f"context length is {limit} tokens and your request has {prompt_len} input tokens "
-                       f"({requested} > {limit} - {prompt_len}).", param=max_tokens_param)
+        raise APIError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
+            f"context length is {limit} tokens and your request has {prompt_len} input tokens "
+            f"({requested} > {limit} - {prompt_len}).",
+            param=max_tokens_param,
+        )
     candidates = [limit - prompt_len]
     if requested is not None:
         candidates.append(requested)
@@ -159,8 +173,13 @@ def resolve_max_tokens(state: ServerState, requested: int | None, prompt_len: in
     return min(candidates)
 
 
-_LEGACY_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar", "guided_whitespace_pattern": "whitespace_pattern"}
+_LEGACY_GUIDED = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 
 
 def structured_outputs(req) -> StructuredOutputsParams | None:
@@ -190,12 +209,15 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
             js = rf.json_schema
             schema = js.get("schema", js.get("json_schema")) if isinstance(js, dict) else None
             if schema is None:
-                raise APIError("response_format of type 'json_schema' needs json_schema.schema (the JSON schema).",
-                               param=param)
+                raise APIError(
+                    "response_format of type 'json_schema' needs json_schema.schema (the JSON schema).", param=param
+                )
             kw["json"] = schema
         else:
-            raise APIError(f"response_format type '{rf.type}' is not supported; use 'text', 'json_object' or "
-                           "'json_schema'.", param=param)
+            raise APIError(
+                f"response_format type '{rf.type}' is not supported; use 'text', 'json_object' or 'json_schema'.",
+                param=param,
+            )
     if not kw:
         return None
     try:
@@ -204,9 +226,16 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
         raise APIError(str(e), param=param) from None
 
 
-def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: int | None,
-                         prompt_logprobs: int | None, constraint: StructuredOutputsParams | None = None,
-                         param_names: dict[str, str] | None = None) -> SamplingParams:
+def make_sampling_params(
+    state: ServerState,
+    req,
+    *,
+    max_tokens: int,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    constraint: StructuredOutputsParams | None = None,
+    param_names: dict[str, str] | None = None,
+) -> SamplingParams:
     """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message, naming the
     request field (`param_names`: SamplingParams field -> request field where they differ). `constraint`
     (a tool choice's) replaces the request's own structured outputs."""
@@ -219,8 +248,11 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
     logit_bias = None
     if req.logit_bias:
         if len(req.logit_bias) > state.engine.vocab_size:  # before a Python loop over a million entries
-            raise APIError(f"logit_bias has {len(req.logit_bias)} entries, but the vocabulary has only "
-                           f"{state.engine.vocab_size} tokens.", param="logit_bias")
+            raise APIError(
+                f"logit_bias has {len(req.logit_bias)} entries, but the vocabulary has only "
+                f"{state.engine.vocab_size} tokens.",
+                param="logit_bias",
+            )
         try:
             logit_bias = {int(k): max(-100.0, min(100.0, float(v))) for k, v in req.logit_bias.items()}
         except ValueError:
@@ -258,8 +290,15 @@ def make_sampling_params(state: ServerState, req, *, max_tokens: int, logprobs: 
     return params
 
 
-def encode(state: ServerState, text: str, add_special_tokens: bool, *, param: str, truncating: bool = False,
-           generating: bool = True) -> list[int]:
+def encode(
+    state: ServerState,
+    text: str,
+    add_special_tokens: bool,
+    *,
+    param: str,
+    truncating: bool = False,
+    generating: bool = True,
+) -> list[int]:
     """Token ids of `text` (call it in a worker thread). A text that cannot fit the context is refused by its
     length before the tokenizer sees it, unless the request truncates it to its last tokens."""
     if not truncating and state.prompt_bound is not None:
@@ -354,8 +393,11 @@ class EngineRunner:
 
     async def __aenter__(self) -> EngineRunner:
         """Admission first (a 503 when the server is busy or shutting down), then the requests go in."""
-        self._ticket = self.admission.admit(self, sum(r.params.n for r in (s.request for s in self.states)),
-                                            sum(len(s.request.prompt_ids) for s in self.states))
+        self._ticket = self.admission.admit(
+            self,
+            sum(r.params.n for r in (s.request for s in self.states)),
+            sum(len(s.request.prompt_ids) for s in self.states),
+        )
         self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.states))]
         return self
 
@@ -490,7 +532,8 @@ class SSE:
     def __init__(self, request: web.Request):
         self.request = request
         self.response = web.StreamResponse(
-            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
 
     async def open(self) -> None:
         await self.response.prepare(self.request)

@@ -70,8 +70,9 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]
     requests = []
     for i, (text, ids) in enumerate(_prompts(state, req)):
         max_tokens = resolve_max_tokens(state, 1 if echo_only else req.max_tokens, len(ids), prompt_param="prompt")
-        params = make_sampling_params(state, req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                      prompt_logprobs=prompt_logprobs)
+        params = make_sampling_params(
+            state, req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
+        )
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
         if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
             prompt["cache_salt"] = req.cache_salt
@@ -82,10 +83,12 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]
 
 
 def _final_response(ctx: _Ctx, states: list[RequestState]) -> str:
-    choices = [ctx.piece(i, rs, j, first=True, always=True) for i, rs in enumerate(states)
-               for j in range(len(rs.choices))]
-    return CompletionResponse(id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices,
-                              usage=ctx.usage(states)).to_json()
+    choices = [
+        ctx.piece(i, rs, j, first=True, always=True) for i, rs in enumerate(states) for j in range(len(rs.choices))
+    ]
+    return CompletionResponse(
+        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=choices, usage=ctx.usage(states)
+    ).to_json()
 
 
 def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -102,8 +105,9 @@ def _prompts(state: ServerState, req: CompletionRequest) -> list[tuple[str | Non
     out = []
     for item in items:
         if isinstance(item, str):
-            ids = encode(state, item, req.add_special_tokens, param="prompt",
-                         truncating=req.truncate_prompt_tokens is not None)
+            ids = encode(
+                state, item, req.add_special_tokens, param="prompt", truncating=req.truncate_prompt_tokens is not None
+            )
             text = item
         else:
             check_token_ids(item, state.engine.vocab_size)
@@ -153,12 +157,12 @@ class _Ctx:
                 entries = list(pl) if pl is not None else [None] * len(ids)
         new_ids: list[int] = []
         if not self.echo_only:
-            text += c.text[c.sent_text:]
-            new_ids = c.token_ids[c.sent_tokens:]
+            text += c.text[c.sent_text :]
+            new_ids = c.token_ids[c.sent_tokens :]
             ids += new_ids
             if req.logprobs is not None:
                 lps = (c.output.logprobs or []) if c.output is not None else []
-                entries += lps[c.sent_tokens:c.sent_tokens + len(new_ids)]
+                entries += lps[c.sent_tokens : c.sent_tokens + len(new_ids)]
         c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
         finish = None if c.finish_sent else c.finish_reason
         c.finish_sent = c.finish_sent or finish is not None
@@ -166,10 +170,16 @@ class _Ctx:
             return None
         logprobs = None
         if req.logprobs is not None:
-            logprobs, self.offsets[index] = completion_logprobs(self.name, ids, entries, req.logprobs,
-                                                                self.offsets.get(index, 0))
-        choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                  stop_reason=c.output.stop_reason if finish is not None else None)
+            logprobs, self.offsets[index] = completion_logprobs(
+                self.name, ids, entries, req.logprobs, self.offsets.get(index, 0)
+            )
+        choice = CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=finish,
+            stop_reason=c.output.stop_reason if finish is not None else None,
+        )
         if req.return_token_ids:
             choice.token_ids = new_ids
             if first:
@@ -198,8 +208,9 @@ async def _stream(request: web.Request, ctx: _Ctx, requests: list[EngineRequest]
                         if choice is None:
                             continue
                         started.add((i, j))
-                        chunk = CompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
-                                                         choices=[choice])
+                        chunk = CompletionStreamResponse(
+                            id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]
+                        )
                         if continuous:
                             chunk.usage = ctx.usage(run.states)
                         await sse.send(chunk.to_json())
@@ -207,8 +218,9 @@ async def _stream(request: web.Request, ctx: _Ctx, requests: list[EngineRequest]
                 await sse.error(e)
             else:
                 if include_usage:
-                    chunk = CompletionStreamResponse(id=ctx.request_id, created=ctx.created, model=ctx.model,
-                                                     choices=[], usage=ctx.usage(run.states))
+                    chunk = CompletionStreamResponse(
+                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=ctx.usage(run.states)
+                    )
                     await sse.send(chunk.to_json())
             await sse.done()
         except ConnectionError:

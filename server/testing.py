@@ -30,14 +30,18 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-_WORDS = ("the quick brown fox jumps over lazy dog a river runs through green valley where old trees "
-          "stand tall and birds sing every morning while children play near small houses made of stone "
-          "wood light falls on quiet water people walk slowly home after long day work is done night "
-          "comes with stars bright moon cold wind soft rain warm fire bread tea story book friend").split()
-SCRIPT = ("The quick brown fox jumps over the lazy dog. A river runs through the green valley, where old "
-          "trees stand tall and birds sing every morning. Children play near the small houses made of stone "
-          "and wood, and light falls on the quiet water. People walk slowly home after a long day; the work "
-          "is done, and night comes with bright stars and a cold wind.")
+_WORDS = (
+    "the quick brown fox jumps over lazy dog a river runs through green valley where old trees "
+    "stand tall and birds sing every morning while children play near small houses made of stone "
+    "wood light falls on quiet water people walk slowly home after long day work is done night "
+    "comes with stars bright moon cold wind soft rain warm fire bread tea story book friend"
+).split()
+SCRIPT = (
+    "The quick brown fox jumps over the lazy dog. A river runs through the green valley, where old "
+    "trees stand tall and birds sing every morning. Children play near the small houses made of stone "
+    "and wood, and light falls on the quiet water. People walk slowly home after a long day; the work "
+    "is done, and night comes with bright stars and a cold wind."
+)
 
 
 def corpus(lines: int = 400, seed: int = 0) -> list[str]:
@@ -62,11 +66,20 @@ def build_tokenizer(vocab_size: int = 600):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|im_end|>",
-                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 @dataclass
@@ -101,9 +114,19 @@ class _Req:
 class FakeEngine:
     """An EngineClient over a real tokenizer, with scripted generation; see the module docstring."""
 
-    def __init__(self, tokenizer, *, model_name: str = "fake-model", max_model_len: int = 256,
-                 max_logprobs: int = 20, step_s: float = 0.002, max_num_seqs: int = 256, block_size: int = 16,
-                 num_blocks: int = 4096, default_sampling_params: dict | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        model_name: str = "fake-model",
+        max_model_len: int = 256,
+        max_logprobs: int = 20,
+        step_s: float = 0.002,
+        max_num_seqs: int = 256,
+        block_size: int = 16,
+        num_blocks: int = 4096,
+        default_sampling_params: dict | None = None,
+    ):
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -160,8 +183,10 @@ class FakeEngine:
         if not ids:
             raise ValueError("The decoder prompt cannot be empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
-                             f"of {self.max_model_len}.")
+            raise ValueError(
+                f"The decoder prompt (length {len(ids)}) is longer than the maximum model length "
+                f"of {self.max_model_len}."
+            )
         if text is not None and "ENGINE_REJECTS" in text:
             raise ValueError("fake engine rejected this prompt")
         if request_id in self._live:
@@ -171,9 +196,17 @@ class FakeEngine:
         max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
         seed = sp.seed if sp.seed is not None else 0
         seqs = [_Seq(j, self._offset(ids, j if not sp.greedy else 0, seed)) for j in range(sp.n)]
-        req = _Req(request_id, text, ids, sp, max_tokens, seqs, asyncio.Queue(),
-                   RequestMetrics(arrival_time=time.time()),
-                   fail_mid_stream=text is not None and "FAIL_MID_STREAM" in text)
+        req = _Req(
+            request_id,
+            text,
+            ids,
+            sp,
+            max_tokens,
+            seqs,
+            asyncio.Queue(),
+            RequestMetrics(arrival_time=time.time()),
+            fail_mid_stream=text is not None and "FAIL_MID_STREAM" in text,
+        )
         self._live[request_id] = req
         self._waiting.append(req)
         self.requests_seen.append(request_id)
@@ -200,10 +233,16 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         s = self._stats
         snap = EngineStats(
-            num_running=len(self._running), num_waiting=len(self._waiting),
-            kv_cache_usage=self.used_blocks / self.num_blocks, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, num_preemptions=0, prompt_tokens=s.prompt_tokens,
-            generation_tokens=s.generation_tokens, iteration_tokens=s.iteration_tokens)
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            kv_cache_usage=self.used_blocks / self.num_blocks,
+            prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits,
+            num_preemptions=0,
+            prompt_tokens=s.prompt_tokens,
+            generation_tokens=s.generation_tokens,
+            iteration_tokens=s.iteration_tokens,
+        )
         s.iteration_tokens = []
         return snap
 
@@ -293,7 +332,7 @@ class FakeEngine:
         self._stats.prefix_cache_queries += n
         h, hit, hashes = 0, True, []
         for b in range(n // self.block_size):
-            h = zlib.crc32(repr(req.prompt_ids[b * self.block_size:(b + 1) * self.block_size]).encode(), h)
+            h = zlib.crc32(repr(req.prompt_ids[b * self.block_size : (b + 1) * self.block_size]).encode(), h)
             if hit and h in self._seen_blocks:
                 self._stats.prefix_cache_hits += self.block_size
             else:
@@ -377,26 +416,39 @@ class FakeEngine:
 
     def _emit(self, req: _Req, now: float) -> None:
         sp = req.params
-        holdback = max((len(s) for s in sp.stop), default=1) - 1 if sp.stop and not sp.include_stop_str_in_output \
-            else 0
+        holdback = max((len(s) for s in sp.stop), default=1) - 1 if sp.stop and not sp.include_stop_str_in_output else 0
         outputs = []
         for seq in req.seqs:
             text = seq.text
             if seq.finish_reason is None and holdback:
                 text = text[: max(0, len(text) - holdback)]
-            outputs.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.ids),
-                cumulative_logprob=seq.cumulative if sp.logprobs is not None else None,
-                logprobs=list(seq.logprobs) if sp.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            outputs.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=text,
+                    token_ids=list(seq.ids),
+                    cumulative_logprob=seq.cumulative if sp.logprobs is not None else None,
+                    logprobs=list(seq.logprobs) if sp.logprobs is not None else None,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                )
+            )
         finished = all(s.finish_reason is not None for s in req.seqs)
         if finished:
             req.metrics.finished_time = now
             self._finish_request(req)
             self._live.pop(req.request_id, None)
-        req.queue.put_nowait(RequestOutput(
-            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=list(req.prompt_ids),
-            prompt_logprobs=req.prompt_logprobs, outputs=outputs, finished=finished, metrics=req.metrics))
+        req.queue.put_nowait(
+            RequestOutput(
+                request_id=req.request_id,
+                prompt=req.prompt,
+                prompt_token_ids=list(req.prompt_ids),
+                prompt_logprobs=req.prompt_logprobs,
+                outputs=outputs,
+                finished=finished,
+                metrics=req.metrics,
+            )
+        )
 
     def _finish_request(self, req: _Req) -> None:
         if req.finished:
@@ -500,8 +552,9 @@ class ServerThread:
                 self.port = port
                 self._ready.set()
 
-            await run_server(self.args, self.engine, stop=self._stop, on_ready=ready,
-                             on_app=lambda app: setattr(self, "app", app))
+            await run_server(
+                self.args, self.engine, stop=self._stop, on_ready=ready, on_app=lambda app: setattr(self, "app", app)
+            )
 
         try:
             self.loop.run_until_complete(serve())

@@ -48,8 +48,11 @@ class ToolChoice:
     def parse(self, text: str, final: bool) -> Parsed:
         if self.mode == "required":
             items, _ = array_items(text)
-            calls = [Call(o["name"], json.dumps(o["parameters"], ensure_ascii=False)) for o in items
-                     if isinstance(o, dict) and isinstance(o.get("name"), str) and "parameters" in o]
+            calls = [
+                Call(o["name"], json.dumps(o["parameters"], ensure_ascii=False))
+                for o in items
+                if isinstance(o, dict) and isinstance(o.get("name"), str) and "parameters" in o
+            ]
             return Parsed("" if calls or not final else text, calls)
         if self.mode == "auto":
             return self.parser.parse(text, final)
@@ -95,12 +98,16 @@ def resolve_tool_choice(req, *, auto_enabled: bool, parser: ToolParser | None) -
         return ToolChoice("required", parallel=parallel)
     if choice == "auto":
         if not (auto_enabled and parser is not None):
-            raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
-                           param="tool_choice")
+            raise APIError(
+                '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                param="tool_choice",
+            )
         return ToolChoice("auto", parser=parser, parallel=parallel)
     if not isinstance(choice, dict):
-        raise APIError(f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" '
-                       "are supported.", param="tool_choice")
+        raise APIError(
+            f'Invalid value for `tool_choice`: {choice}! Only named tools, "none", "auto" or "required" are supported.',
+            param="tool_choice",
+        )
     function = choice.get("function")
     if not isinstance(function, dict):
         raise APIError(f"Invalid value for `function`: `{function}` in `tool_choice`! {_USAGE}", param="tool_choice")
@@ -110,8 +117,9 @@ def resolve_tool_choice(req, *, auto_enabled: bool, parser: ToolParser | None) -
     if not isinstance(name, str) or not name:
         raise APIError(f"Invalid `name` in `function`: `{name}` in `tool_choice`! {_USAGE}", param="tool_choice")
     if not any(t.function.name == name for t in tools):
-        raise APIError("The tool specified in `tool_choice` does not match any of the specified `tools`",
-                       param="tool_choice")
+        raise APIError(
+            "The tool specified in `tool_choice` does not match any of the specified `tools`", param="tool_choice"
+        )
     return ToolChoice("named", name=name, parallel=parallel)
 
 
@@ -123,16 +131,28 @@ def tool_constraint(choice: ToolChoice | None, tools) -> StructuredOutputsParams
         params = next(t.function.parameters for t in tools if t.function.name == choice.name)
         # vLLM leaves a tool without a parameters schema unconstrained; its arguments must still be an object.
         return StructuredOutputsParams(json=params) if params else StructuredOutputsParams(json_object=True)
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-        {"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                        "parameters": t.function.parameters or {"type": "object", "properties": {}}},
-         "required": ["name", "parameters"]} for t in tools]}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {
+                        "name": {"type": "string", "enum": [t.function.name]},
+                        "parameters": t.function.parameters or {"type": "object", "properties": {}},
+                    },
+                    "required": ["name", "parameters"],
+                }
+                for t in tools
+            ],
+        },
+    }
     defs: dict[str, Any] = {}
     for t in tools:
         for name, sub in ((t.function.parameters or {}).get("$defs") or {}).items():
             if defs.get(name, sub) != sub:
-                raise APIError(f"Tool definition '{name}' has multiple schemas, which is not supported.",
-                               param="tools")
+                raise APIError(f"Tool definition '{name}' has multiple schemas, which is not supported.", param="tools")
             defs[name] = sub
     if defs:
         schema["$defs"] = defs
@@ -163,8 +183,9 @@ def parse_history_arguments(conversation: list[dict]) -> None:
                 try:
                     function["arguments"] = json.loads(args)
                 except json.JSONDecodeError as e:
-                    raise APIError(f"messages[{i}].tool_calls: arguments are not valid JSON ({e}).",
-                                   param="messages") from None
+                    raise APIError(
+                        f"messages[{i}].tool_calls: arguments are not valid JSON ({e}).", param="messages"
+                    ) from None
 
 
 @dataclass
@@ -179,7 +200,7 @@ class ToolStream:
     def step(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """The content delta and tool-call deltas since the last step."""
         if self.choice.mode == "named":
-            delta = text[self.sent_args:]
+            delta = text[self.sent_args :]
             if not delta and (self.sent_calls or not final):
                 return "", []
             call: dict[str, Any] = {"index": 0, "function": {"arguments": delta}}
@@ -190,9 +211,8 @@ class ToolStream:
             return "", [call]
         parsed = self.choice.parse(text, final)
         calls = parsed.calls if self.choice.parallel else parsed.calls[:1]
-        content = parsed.content[self.sent_content:]
+        content = parsed.content[self.sent_content :]
         self.sent_content = max(self.sent_content, len(parsed.content))
-        deltas = [{"index": k, **_call_json(c, tool_call_id())} for k, c in enumerate(calls)
-                  if k >= self.sent_calls]
+        deltas = [{"index": k, **_call_json(c, tool_call_id())} for k, c in enumerate(calls) if k >= self.sent_calls]
         self.sent_calls = max(self.sent_calls, len(calls))
         return content, deltas

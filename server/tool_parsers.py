@@ -104,7 +104,7 @@ _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 def parse_hermes(text: str, final: bool) -> Parsed:
     start = text.find(_HERMES_START)
     if start < 0:
-        return Parsed(text if final else text[:len(text) - held_suffix(text, _HERMES_START)])
+        return Parsed(text if final else text[: len(text) - held_suffix(text, _HERMES_START)])
     calls, bad = [], 0
     for part in text[start:].split(_HERMES_START)[1:]:
         body, closed, _ = part.partition(_HERMES_END)
@@ -129,7 +129,7 @@ _PYTHON_TAG = "<|python_tag|>"
 def parse_llama3_json(text: str, final: bool) -> Parsed:
     if not final and (not text or _PYTHON_TAG.startswith(text)):
         return Parsed("")
-    body = text[len(_PYTHON_TAG):] if text.startswith(_PYTHON_TAG) else text
+    body = text[len(_PYTHON_TAG) :] if text.startswith(_PYTHON_TAG) else text
     if not body.startswith("{"):
         return Parsed(text)
     decoder = json.JSONDecoder()
@@ -160,8 +160,8 @@ _MISTRAL_START = "[TOOL_CALLS]"
 def parse_mistral(text: str, final: bool) -> Parsed:
     start = text.find(_MISTRAL_START)
     if start < 0:
-        return Parsed(text if final else text[:len(text) - held_suffix(text, _MISTRAL_START)])
-    rest = text[start + len(_MISTRAL_START):].replace(_MISTRAL_START, "")
+        return Parsed(text if final else text[: len(text) - held_suffix(text, _MISTRAL_START)])
+    rest = text[start + len(_MISTRAL_START) :].replace(_MISTRAL_START, "")
     items, closed = array_items(rest)
     calls = [c for c in (call_from(o, ("arguments",)) for o in items) if c is not None]
     return _finish(text, text[:start], calls, len(items) - len(calls) + (not closed), final)
@@ -201,8 +201,12 @@ def _python_call(source: str) -> Call | None:
     """name(key=literal, ...) as a Call (vLLM's pythonic parser takes keyword arguments only)."""
     try:
         node = ast.parse(source.strip(), mode="eval").body
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
-                and all(kw.arg is not None for kw in node.keywords)):
+        if not (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and not node.args
+            and all(kw.arg is not None for kw in node.keywords)
+        ):
             return None
         args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
     except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
@@ -223,9 +227,12 @@ def parse_pythonic(text: str, final: bool) -> Parsed:
     return _finish(text, "", calls, len(items) - len(calls) + (final and end is None), final)
 
 
-TOOL_PARSERS = {p.name: p for p in (
-    ToolParser("hermes", parse_hermes, keep_special_tokens=True),
-    ToolParser("llama3_json", parse_llama3_json, keep_special_tokens=False),
-    ToolParser("mistral", parse_mistral, keep_special_tokens=True),
-    ToolParser("pythonic", parse_pythonic, keep_special_tokens=False),
-)}
+TOOL_PARSERS = {
+    p.name: p
+    for p in (
+        ToolParser("hermes", parse_hermes, keep_special_tokens=True),
+        ToolParser("llama3_json", parse_llama3_json, keep_special_tokens=False),
+        ToolParser("mistral", parse_mistral, keep_special_tokens=True),
+        ToolParser("pythonic", parse_pythonic, keep_special_tokens=False),
+    )
+}

@@ -1,12 +1,12 @@
 """The serve parser's side of jaxllm/engine/vllm_options.py: every `vllm serve` flag of vLLM 0.8-0.11 parses.
 
-    add_vllm_flags(parser)             vLLM's model-source flags jaxllm honours (revision, download dir, ...),
-                                       then one argument per table row jaxllm does not implement, and --no-X
-                                       for vLLM's boolean flags
-    expand_config_file(argv) -> argv   --config FILE.yaml: its options before the command line's (which win)
-    resolve_vllm_flags(parser, args)   after parsing: one warning per IGNORED flag given, parser.error for a
-                                       REFUSED one, vLLM's multi-node flags onto jaxllm's multi-host ones
-    flags_markdown(parser) -> str      server/VLLM_FLAGS.md (`python -m server.vllm_flags > server/VLLM_FLAGS.md`)
+add_vllm_flags(parser)             vLLM's model-source flags jaxllm honours (revision, download dir, ...),
+                                   then one argument per table row jaxllm does not implement, and --no-X
+                                   for vLLM's boolean flags
+expand_config_file(argv) -> argv   --config FILE.yaml: its options before the command line's (which win)
+resolve_vllm_flags(parser, args)   after parsing: one warning per IGNORED flag given, parser.error for a
+                                   REFUSED one, vLLM's multi-node flags onto jaxllm's multi-host ones
+flags_markdown(parser) -> str      server/VLLM_FLAGS.md (`python -m server.vllm_flags > server/VLLM_FLAGS.md`)
 """
 
 from __future__ import annotations
@@ -21,9 +21,19 @@ from jaxllm.engine.vllm_options import BY_FLAG, HONOURED, REFUSED, SAME, VLLM_OP
 logger = logging.getLogger("jaxllm.server")
 
 # Honoured engine flags defined here (not in server/args.py's engine group); engine_kwargs passes them on.
-MODEL_SOURCE_ARG_NAMES = ("revision", "code_revision", "tokenizer_revision", "download_dir", "hf_token",
-                          "tokenizer_mode", "ignore_patterns", "hf_overrides", "override_generation_config",
-                          "rope_scaling", "rope_theta")
+MODEL_SOURCE_ARG_NAMES = (
+    "revision",
+    "code_revision",
+    "tokenizer_revision",
+    "download_dir",
+    "hf_token",
+    "tokenizer_mode",
+    "ignore_patterns",
+    "hf_overrides",
+    "override_generation_config",
+    "rope_scaling",
+    "rope_theta",
+)
 _UNIMPLEMENTED_GROUP = "vLLM flags jaxllm does not implement"
 
 
@@ -42,35 +52,63 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model source (vLLM's flags)")
     m.add_argument("--revision", default=None, help="Branch, tag or commit of a Hub model id.")
     m.add_argument("--code-revision", default=None, help="Revision of a Hub model's code (comes with the snapshot).")
-    m.add_argument("--tokenizer-revision", default=None,
-                   help="Revision of a Hub tokenizer id (default: --revision).")
-    m.add_argument("--download-dir", default=None,
-                   help="Where model ids are downloaded (huggingface_hub's cache_dir; default: the HF cache).")
-    m.add_argument("--hf-token", nargs="?", const=True, default=None,
-                   help="Token for private or gated Hub models; alone: the one `huggingface-cli login` saved.")
-    m.add_argument("--tokenizer-mode", default="auto", choices=["auto", "slow", "mistral", "custom"],
-                   help="auto: the fast tokenizer where there is one; slow: the Python class (use_fast=False). "
-                        "mistral and custom are refused.")
-    m.add_argument("--ignore-patterns", nargs="+", default=None,
-                   help='Files of a model id not to download (default: "original/**/*").')
+    m.add_argument("--tokenizer-revision", default=None, help="Revision of a Hub tokenizer id (default: --revision).")
+    m.add_argument(
+        "--download-dir",
+        default=None,
+        help="Where model ids are downloaded (huggingface_hub's cache_dir; default: the HF cache).",
+    )
+    m.add_argument(
+        "--hf-token",
+        nargs="?",
+        const=True,
+        default=None,
+        help="Token for private or gated Hub models; alone: the one `huggingface-cli login` saved.",
+    )
+    m.add_argument(
+        "--tokenizer-mode",
+        default="auto",
+        choices=["auto", "slow", "mistral", "custom"],
+        help="auto: the fast tokenizer where there is one; slow: the Python class (use_fast=False). "
+        "mistral and custom are refused.",
+    )
+    m.add_argument(
+        "--ignore-patterns",
+        nargs="+",
+        default=None,
+        help='Files of a model id not to download (default: "original/**/*").',
+    )
     m.add_argument("--hf-overrides", type=json_object, default=None, help="JSON object set over config.json.")
-    m.add_argument("--override-generation-config", type=json_object, default=None,
-                   help='JSON object over generation_config.json\'s sampling defaults, e.g. \'{"temperature": 0.5}\' '
-                        "(the only defaults with --generation-config vllm).")
-    m.add_argument("--rope-scaling", type=json_object, default=None,
-                   help="JSON object: config.json's rope_scaling (vLLM's older form of --hf-overrides).")
-    m.add_argument("--rope-theta", type=float, default=None,
-                   help="config.json's rope_theta (vLLM's older form of --hf-overrides).")
-    m.add_argument("--config", default=None,
-                   help="A YAML file of flags (keys are flag names without --); the command line's win.")
+    m.add_argument(
+        "--override-generation-config",
+        type=json_object,
+        default=None,
+        help="JSON object over generation_config.json's sampling defaults, e.g. '{\"temperature\": 0.5}' "
+        "(the only defaults with --generation-config vllm).",
+    )
+    m.add_argument(
+        "--rope-scaling",
+        type=json_object,
+        default=None,
+        help="JSON object: config.json's rope_scaling (vLLM's older form of --hf-overrides).",
+    )
+    m.add_argument(
+        "--rope-theta", type=float, default=None, help="config.json's rope_theta (vLLM's older form of --hf-overrides)."
+    )
+    m.add_argument(
+        "--config", default=None, help="A YAML file of flags (keys are flag names without --); the command line's win."
+    )
     m.add_argument("--nnodes", "-n", type=int, default=None, help="vLLM's name for --num-processes.")
     m.add_argument("--node-rank", "-r", type=int, default=None, help="vLLM's name for --process-id.")
     m.add_argument("--master-addr", default=None, help="With --master-port: vLLM's name for --coordinator-address.")
     m.add_argument("--master-port", type=int, default=None, help="See --master-addr.")
 
-    g = parser.add_argument_group(_UNIMPLEMENTED_GROUP, "Accepted so that vLLM command lines run: each one given "
-                                  "is either without effect (one warning says what jaxllm does instead) or "
-                                  "refused before anything loads. server/VLLM_FLAGS.md lists them all.")
+    g = parser.add_argument_group(
+        _UNIMPLEMENTED_GROUP,
+        "Accepted so that vLLM command lines run: each one given "
+        "is either without effect (one warning says what jaxllm does instead) or "
+        "refused before anything loads. server/VLLM_FLAGS.md lists them all.",
+    )
     parser.vllm_unimplemented = []  # the rows added here: resolve_vllm_flags reads them back
     for option in VLLM_OPTIONS:
         names = [n for n in (option.flag, *option.aliases) if n not in parser._option_string_actions]
@@ -100,9 +138,9 @@ def expand_config_file(argv: list[str]) -> list[str]:
     names (with - or _); true adds a boolean flag, false its --no- form, lists give several values."""
     for i, arg in enumerate(argv):
         if arg == "--config" and i + 1 < len(argv):
-            path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+            path, rest = argv[i + 1], argv[:i] + argv[i + 2 :]
         elif arg.startswith("--config="):
-            path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1:]
+            path, rest = arg.split("=", 1)[1], argv[:i] + argv[i + 1 :]
         else:
             continue
         import yaml
@@ -130,7 +168,7 @@ def expand_config_file(argv: list[str]) -> list[str]:
                 config_args += [flag, json.dumps(value)]
             else:
                 config_args += [flag, str(value)]
-        return model_first + config_args + rest[len(model_first):]
+        return model_first + config_args + rest[len(model_first) :]
     return argv
 
 
@@ -161,13 +199,22 @@ def resolve_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
 def flags_markdown(parser: argparse.ArgumentParser) -> str:
     """server/VLLM_FLAGS.md: each vLLM flag, what jaxllm does with it, the vLLM releases that have it; then the
     flags of jaxllm's own."""
-    kinds = {"honoured": "honoured", "same": "accepted (jaxllm always does this)", "ignored": "accepted, no effect "
-             "(one warning)", "refused": "refused"}
-    lines = ["# `vllm serve` flags in `python -m jaxllm.serve`", "",
-             "Generated from the parser (`python -m server.vllm_flags > server/VLLM_FLAGS.md`; "
-             "tests/test_vllm_flags.py checks it is current). The same names, with underscores, are `LLM()` keyword "
-             "arguments where vLLM's EngineArgs has them (scope engine). An accepted value is taken silently.", "",
-             "| flag | jaxllm | what it does in jaxllm | scope | vLLM |", "|---|---|---|---|---|"]
+    kinds = {
+        "honoured": "honoured",
+        "same": "accepted (jaxllm always does this)",
+        "ignored": "accepted, no effect (one warning)",
+        "refused": "refused",
+    }
+    lines = [
+        "# `vllm serve` flags in `python -m jaxllm.serve`",
+        "",
+        "Generated from the parser (`python -m server.vllm_flags > server/VLLM_FLAGS.md`; "
+        "tests/test_vllm_flags.py checks it is current). The same names, with underscores, are `LLM()` keyword "
+        "arguments where vLLM's EngineArgs has them (scope engine). An accepted value is taken silently.",
+        "",
+        "| flag | jaxllm | what it does in jaxllm | scope | vLLM |",
+        "|---|---|---|---|---|",
+    ]
     for option in sorted(VLLM_OPTIONS, key=lambda o: o.flag):
         names = ", ".join(f"`{n}`" for n in (option.flag, *option.aliases))
         if option.kind == HONOURED:
@@ -181,8 +228,16 @@ def flags_markdown(parser: argparse.ArgumentParser) -> str:
             if option.accepted:
                 what += " Accepted: " + ", ".join(f"`{v}`" for v in option.accepted if v) + "."
         lines.append(f"| {names} | {kinds[option.kind]} | {what} | {option.scope} | {option.versions} |")
-    own = sorted({a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS
-                  and not any(f in BY_FLAG for f in a.option_strings) and a.option_strings[0] != "-h"})
+    own = sorted(
+        {
+            a.option_strings[0]
+            for a in parser._actions
+            if a.option_strings
+            and a.help != argparse.SUPPRESS
+            and not any(f in BY_FLAG for f in a.option_strings)
+            and a.option_strings[0] != "-h"
+        }
+    )
     lines += ["", "jaxllm's own flags (not vLLM's): " + ", ".join(f"`{f}`" for f in own) + ".", ""]
     return "\n".join(lines)
 

@@ -19,18 +19,32 @@ def main(port: str, process_id: int, num_processes: int, out: str):
     from jaxllm.models.loader import load_params
     from jaxllm.sharding import ParallelConfig, make_kv_caches
 
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-                               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                               "num_key_value_heads": 2}, dtype="float32")
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        dtype="float32",
+    )
     assert jax.process_count() == num_processes and jax.device_count() == 2 * num_processes - (num_processes == 1)
     tp = jax.device_count() if num_processes > 1 else 1
     mesh = ParallelConfig(tp, 1).make_mesh()
     params = load_params("", cfg, mesh, load_format="dummy", seed=1)
     kv = make_kv_caches(cfg, mesh, 8, 4)
     T = 6
-    meta = AttentionMetadata(np.arange(T, dtype=np.int32), np.arange(T, dtype=np.int32) + 4,
-                             np.array([T], np.int32), np.array([0, T], np.int32), np.array([[1, 2, 3]], np.int32),
-                             False)
+    meta = AttentionMetadata(
+        np.arange(T, dtype=np.int32),
+        np.arange(T, dtype=np.int32) + 4,
+        np.array([T], np.int32),
+        np.array([0, T], np.int32),
+        np.array([[1, 2, 3]], np.int32),
+        False,
+    )
     attn = AttentionConfig(mesh=mesh)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 

@@ -15,16 +15,27 @@ def _linear(out_f: int, in_f: int, g: torch.Generator, std: float = 0.2) -> torc
 
 
 def _layer(prefix: str, D: int, D_in: int, N: int, K: int, H: int, F: int, g) -> dict:
-    t = {f"{prefix}self_attn.q_proj.weight": _linear(N * H, D_in, g), f"{prefix}self_attn.k_proj.weight":
-         _linear(K * H, D_in, g), f"{prefix}self_attn.v_proj.weight": _linear(K * H, D_in, g),
-         f"{prefix}self_attn.o_proj.weight": _linear(D, N * H, g), f"{prefix}mlp.gate_proj.weight": _linear(F, D, g),
-         f"{prefix}mlp.up_proj.weight": _linear(F, D, g), f"{prefix}mlp.down_proj.weight": _linear(D, F, g),
-         f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * torch.randn(D, generator=g)}
+    t = {
+        f"{prefix}self_attn.q_proj.weight": _linear(N * H, D_in, g),
+        f"{prefix}self_attn.k_proj.weight": _linear(K * H, D_in, g),
+        f"{prefix}self_attn.v_proj.weight": _linear(K * H, D_in, g),
+        f"{prefix}self_attn.o_proj.weight": _linear(D, N * H, g),
+        f"{prefix}mlp.gate_proj.weight": _linear(F, D, g),
+        f"{prefix}mlp.up_proj.weight": _linear(F, D, g),
+        f"{prefix}mlp.down_proj.weight": _linear(D, F, g),
+        f"{prefix}post_attention_layernorm.weight": 1 + 0.1 * torch.randn(D, generator=g),
+    }
     return t
 
 
-def save_eagle_head(out_dir: str, target_cfg: dict, method: str, seed: int = 0, draft_vocab: int = 32,
-                    feature_layers: list[int] | None = None) -> str:
+def save_eagle_head(
+    out_dir: str,
+    target_cfg: dict,
+    method: str,
+    seed: int = 0,
+    draft_vocab: int = 32,
+    feature_layers: list[int] | None = None,
+) -> str:
     """An EAGLE (method "eagle") or EAGLE-3 head for a target with config target_cfg (HF dict), saved as
     config.json + pytorch_model.bin the way the published heads are."""
     os.makedirs(out_dir, exist_ok=True)
@@ -32,12 +43,28 @@ def save_eagle_head(out_dir: str, target_cfg: dict, method: str, seed: int = 0, 
     D, N, V = target_cfg["hidden_size"], target_cfg["num_attention_heads"], target_cfg["vocab_size"]
     K, F = target_cfg.get("num_key_value_heads", N), target_cfg["intermediate_size"]
     H = D // N
-    cfg = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
-           "hidden_size": D, "initializer_range": 0.02, "intermediate_size": F, "max_position_embeddings": 2048,
-           "model_type": "llama", "num_attention_heads": N, "num_key_value_heads": K, "num_hidden_layers": 1,
-           "pad_token_id": 0, "rms_norm_eps": 1e-05, "tie_word_embeddings": False, "torch_dtype": "float16",
-           "transformers_version": "4.28.1", "use_cache": True, "vocab_size": V,
-           "rope_theta": target_cfg.get("rope_theta", 10000.0)}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": D,
+        "initializer_range": 0.02,
+        "intermediate_size": F,
+        "max_position_embeddings": 2048,
+        "model_type": "llama",
+        "num_attention_heads": N,
+        "num_key_value_heads": K,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "rms_norm_eps": 1e-05,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float16",
+        "transformers_version": "4.28.1",
+        "use_cache": True,
+        "vocab_size": V,
+        "rope_theta": target_cfg.get("rope_theta", 10000.0),
+    }
     if method == "eagle":
         cfg["bias"] = False
         tensors = _layer("layers.0.", D, D, N, K, H, F, g)
@@ -70,9 +97,21 @@ def save_draft_model(out_dir: str, vocab_size: int, seed: int = 1, **overrides) 
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**({"vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 48,
-                          "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
-                          "max_position_embeddings": 256, "rms_norm_eps": 1e-5} | overrides))
+    cfg = LlamaConfig(
+        **(
+            {
+                "vocab_size": vocab_size,
+                "hidden_size": 32,
+                "intermediate_size": 48,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 256,
+                "rms_norm_eps": 1e-5,
+            }
+            | overrides
+        )
+    )
     LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
 
@@ -96,7 +135,7 @@ def reference_proposals(model, head_dir: str, method: str, tokens: list[int], k:
     def rope(x, pos):  # [T, heads, H], HF's rotate-half convention
         inv = 1.0 / (cfg["rope_theta"] ** (torch.arange(0, H, 2, dtype=torch.float32) / H))
         ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
-        rot = torch.cat([-x[..., H // 2:], x[..., : H // 2]], -1)
+        rot = torch.cat([-x[..., H // 2 :], x[..., : H // 2]], -1)
         return x * ang.cos() + rot * ang.sin()
 
     def layer(attn_in, resid):  # causal over all rows, positions 0..T-1
@@ -118,8 +157,11 @@ def reference_proposals(model, head_dir: str, method: str, tokens: list[int], k:
         if method == "eagle":
             feats = hs[-1][0]  # the target's last hidden states, after its final norm
         else:
-            layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (2, model.config.num_hidden_layers // 2,
-                                                                    model.config.num_hidden_layers - 3)
+            layers = cfg.get("eagle_aux_hidden_state_layer_ids") or (
+                2,
+                model.config.num_hidden_layers // 2,
+                model.config.num_hidden_layers - 3,
+            )
             feats = torch.cat([hs[i][0] for i in layers], -1) @ sd["fc.weight"].T
         toks, out = list(tokens[1:]), []
         for _ in range(k):
@@ -130,8 +172,9 @@ def reference_proposals(model, head_dir: str, method: str, tokens: list[int], k:
                 logits = hidden[-1] @ lm_head.T
                 nxt = int(logits.argmax())
             else:
-                attn_in = torch.cat([rms(e, sd[p + "input_layernorm.weight"]), rms(feats, sd[p + "hidden_norm.weight"])],
-                                    -1)
+                attn_in = torch.cat(
+                    [rms(e, sd[p + "input_layernorm.weight"]), rms(feats, sd[p + "hidden_norm.weight"])], -1
+                )
                 hidden = layer(attn_in, feats)
                 d = int((rms(hidden[-1], sd["norm.weight"]) @ sd["lm_head.weight"].T).argmax())
                 nxt = d + int(sd["d2t"][d])

@@ -75,7 +75,7 @@ class FakeHub:
         path = unquote(urlsplit(h.path).path)
         self.requests.append((h.command, path))
         if path.startswith("/api/models/"):
-            rest = path[len("/api/models/"):]
+            rest = path[len("/api/models/") :]
             if "/tree/" in rest:
                 repo, tail = rest.split("/tree/", 1)
                 rev, _, sub = tail.partition("/")
@@ -101,16 +101,32 @@ class FakeHub:
         found = self._found(h, repo, rev)
         if found:
             sha, files = found
-            self._json(h, {"id": repo, "modelId": repo, "sha": sha, "private": False,
-                           "siblings": [{"rfilename": f} for f in sorted(files)]}, body)
+            self._json(
+                h,
+                {
+                    "id": repo,
+                    "modelId": repo,
+                    "sha": sha,
+                    "private": False,
+                    "siblings": [{"rfilename": f} for f in sorted(files)],
+                },
+                body,
+            )
 
     def _tree(self, h, repo, rev, sub, body):
         found = self._found(h, repo, rev)
         if found:
             _, files = found
             prefix = sub.rstrip("/") + "/" if sub else ""
-            self._json(h, [{"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
-                           for f, data in sorted(files.items()) if f.startswith(prefix)], body)
+            self._json(
+                h,
+                [
+                    {"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                    for f, data in sorted(files.items())
+                    if f.startswith(prefix)
+                ],
+                body,
+            )
 
     def _file(self, h, repo, rev, name, body):
         found = self._found(h, repo, rev)

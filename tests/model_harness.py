@@ -19,8 +19,9 @@ def _step(params, kv_caches, token_ids, meta, cfg, attn):
     return kv_caches, compute_logits(params, hidden, cfg)
 
 
-def ragged_logits(params, cfg, seqs, cached, block_size=4, num_pages=64, attn=AttentionConfig(), seed=0,
-                  pad_tokens=5, pad_seqs=2):
+def ragged_logits(
+    params, cfg, seqs, cached, block_size=4, num_pages=64, attn=AttentionConfig(), seed=0, pad_tokens=5, pad_seqs=2
+):
     """Logits [len(seq) - cached, V] per sequence: a first step writes each sequence's first cached[i]
     tokens, a second step computes the rest over the cache (prefix-cache hits / chunked prefill)."""
     rng = np.random.default_rng(seed)
@@ -44,9 +45,14 @@ def ragged_logits(params, cfg, seqs, cached, block_size=4, num_pages=64, attn=At
             continue
         n_tok = sum(len(c.token_ids) for c in chunks)
         inp = build_step_inputs(chunks, block_size, n_tok + pad_tokens, len(chunks) + pad_seqs, max_pages + 1)
-        meta = AttentionMetadata(jnp.asarray(inp.positions), jnp.asarray(inp.slot_mapping),
-                                 jnp.asarray(inp.seq_lens), jnp.asarray(inp.query_start_loc),
-                                 jnp.asarray(inp.block_tables), inp.decode_only)
+        meta = AttentionMetadata(
+            jnp.asarray(inp.positions),
+            jnp.asarray(inp.slot_mapping),
+            jnp.asarray(inp.seq_lens),
+            jnp.asarray(inp.query_start_loc),
+            jnp.asarray(inp.block_tables),
+            inp.decode_only,
+        )
         kv, logits = _step(params, kv, jnp.asarray(inp.token_ids), meta, cfg, attn)
         out = (np.asarray(logits), inp)
     logits, inp = out

@@ -33,9 +33,14 @@ import sys
 import time
 
 PROMPT = [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79]
-PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3],
-           [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 1, 2],
-           [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 3]]
+PROMPTS = [
+    [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
+    [101, 7],
+    [8] * 19,
+    [3],
+    [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 1, 2],
+    [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9, 3],
+]
 MAX_TOKENS = 8
 # The last llm-compressor / compressed-tensors that write act-order (weight_g_idx) checkpoints, installed beside the
 # current ones (.ci/run does this).
@@ -63,12 +68,23 @@ def _gptqmodel(src: str, out: str, job: dict, calib: list | None = None) -> None
     from gptqmodel import AWQConfig, GPTQModel, QuantizeConfig
 
     if job.get("method") == "awq":
-        qc = AWQConfig(bits=4, group_size=job["group_size"], sym=not job.get("zero_point", True), format="gemm",
-                       offload_to_disk=False)
+        qc = AWQConfig(
+            bits=4,
+            group_size=job["group_size"],
+            sym=not job.get("zero_point", True),
+            format="gemm",
+            offload_to_disk=False,
+        )
     else:
-        qc = QuantizeConfig(bits=job["bits"], group_size=job["group_size"], desc_act=job.get("desc_act", False),
-                            sym=job.get("sym", True), format=job.get("format", "gptq"), offload_to_disk=False,
-                            act_group_aware=False)  # its default reorders groups; needs group_size > 0
+        qc = QuantizeConfig(
+            bits=job["bits"],
+            group_size=job["group_size"],
+            desc_act=job.get("desc_act", False),
+            sym=job.get("sym", True),
+            format=job.get("format", "gptq"),
+            offload_to_disk=False,
+            act_group_aware=False,
+        )  # its default reorders groups; needs group_size > 0
     model = GPTQModel.load(src, qc, device="cpu")
     if calib is None:
         calib = _calibration(job.get("calibration", 16))
@@ -91,18 +107,27 @@ def _llmcompressor(src: str, out: str, job: dict) -> None:
     if job.get("preset"):  # llm-compressor's named schemes: FP8, FP8_DYNAMIC, W8A8, ...
         recipe = QuantizationModifier(targets="Linear", scheme=job["preset"], ignore=job.get("ignore", ["lm_head"]))
     else:
-        w = QuantizationArgs(num_bits=job["bits"], type="int", strategy=job["strategy"],
-                             group_size=job.get("group_size"), symmetric=job.get("sym", True),
-                             actorder=job.get("actorder"))
+        w = QuantizationArgs(
+            num_bits=job["bits"],
+            type="int",
+            strategy=job["strategy"],
+            group_size=job.get("group_size"),
+            symmetric=job.get("sym", True),
+            actorder=job.get("actorder"),
+        )
         groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=w)}
         # act-order is a GPTQ option (columns quantized in order of their Hessian diagonal; "group" also stores it)
         modifier = GPTQModifier if job.get("actorder") else QuantizationModifier
         recipe = modifier(config_groups=groups, ignore=job.get("ignore", ["lm_head"]))
     if job.get("preset") == "FP8" or job.get("actorder"):  # calibrated on random tokens
-        kw = dict(dataset=Dataset.from_dict({"input_ids": [x.tolist() for x in _calibration(8)]}),
-                  num_calibration_samples=8, max_seq_length=32)
+        kw = dict(
+            dataset=Dataset.from_dict({"input_ids": [x.tolist() for x in _calibration(8)]}),
+            num_calibration_samples=8,
+            max_seq_length=32,
+        )
     oneshot(model=model, recipe=recipe, **kw)
     model.save_pretrained(out, save_compressed=True)
+
 
 def _set_weight(modules: dict, name: str, w) -> None:
     """Copies a checkpoint Linear's dense weight w [out, in] into HF's in-memory model (modules: named_modules())."""
@@ -139,7 +164,7 @@ def _ct_decompressed(out: str, src_model):
     dense = dict(src_model.named_modules())
     with torch.no_grad():
         for name in sorted({k.rsplit(".", 1)[0] for k in stored if k.endswith(".weight_scale")}):
-            state = {k[len(name) + 1:]: v for k, v in stored.items() if k.startswith(name + ".")}
+            state = {k[len(name) + 1 :]: v for k, v in stored.items() if k.startswith(name + ".")}
             _set_weight(dense, name, compressor.decompress(state, scheme)["weight"].float())
     return src_model
 
@@ -149,6 +174,7 @@ def _rows_as_tokens(model):
     hidden] inputs): the 2D [tokens, hidden] inputs of HF's MoE blocks (their experts and shared expert) get one scale
     per element, i.e. are not quantized at all, where vLLM quantizes each token's row. The model's activation-quantized
     Linears see 2D inputs as [1, tokens, hidden] instead; 3D inputs (every dense model's) are untouched."""
+
     def as_3d(mod, args):
         mod._rows = args[0].ndim == 2
         return (args[0][None], *args[1:]) if mod._rows else None
@@ -183,8 +209,13 @@ def _dense_reference(out: str, job: dict, src_model):
             from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
 
             for name in {k.rsplit(".", 1)[0] for k in stored if k.endswith(".qweight")}:
-                w = dequantize_gemm(stored[f"{name}.qweight"], stored[f"{name}.qzeros"],
-                                    stored[f"{name}.scales"].float(), 4, job["group_size"])  # [in, out]
+                w = dequantize_gemm(
+                    stored[f"{name}.qweight"],
+                    stored[f"{name}.qzeros"],
+                    stored[f"{name}.scales"].float(),
+                    4,
+                    job["group_size"],
+                )  # [in, out]
                 _set_weight(dense, name, w.T)
             return src_model
         qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16, device_map="cpu")
@@ -237,14 +268,15 @@ def _tiny(out_root: str, job: dict) -> None:
     with torch.no_grad():
         for i, p in enumerate(PROMPTS):
             y = ref.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
-            greedy[f"dense_{i}"] = y[0, len(p):].numpy()
+            greedy[f"dense_{i}"] = y[0, len(p) :].numpy()
         dense_logits = ref(torch.tensor([PROMPT])).logits[0].float().numpy()
     if job["arch"].startswith("baichuan"):  # the tools quantize the Llama stand-in; ship Baichuan's layout
         _to_baichuan(out, job["arch"])
     if job.get("hub_names"):
         _to_mixtral_hub_names(out)
-    np.savez(os.path.join(out, "refs.npz"), hf_logits=hf_logits, dense_logits=dense_logits, src_logits=src_logits,
-             **greedy)
+    np.savez(
+        os.path.join(out, "refs.npz"), hf_logits=hf_logits, dense_logits=dense_logits, src_logits=src_logits, **greedy
+    )
 
 
 def _defuse(arch: str) -> None:
@@ -287,8 +319,10 @@ def _demo(out_root: str, job: dict) -> None:
     torch.set_num_threads(1)  # GPTQ's column loop runs small ops: intra-op threads cost CPU (40 s -> 34 s)
     src = demo_model_path()
     tok = AutoTokenizer.from_pretrained(src)
-    calib = [tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                     tokenize=False) for q, a in DEMO_CALIBRATION]
+    calib = [
+        tok.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=False)
+        for q, a in DEMO_CALIBRATION
+    ]
     calib = [tok(text, return_tensors="pt")["input_ids"][0] for text in calib]
     _gptqmodel(src, os.path.join(out_root, job["name"]), job, calib)
 
@@ -311,11 +345,20 @@ def _to_baichuan(out: str, arch: str) -> None:
         if g:
             state[p + "W_pack.g_idx"] = g[0]
     save_file(state, path)
-    bc = dict(architectures=["BaiChuanForCausalLM"], model_type="baichuan", vocab_size=cfg["vocab_size"],
-              hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-              num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-              rms_norm_eps=cfg["rms_norm_eps"], hidden_act="silu", torch_dtype="float16",
-              max_position_embeddings=cfg["max_position_embeddings"], quantization_config=cfg["quantization_config"])
+    bc = dict(
+        architectures=["BaiChuanForCausalLM"],
+        model_type="baichuan",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=cfg["num_attention_heads"],
+        rms_norm_eps=cfg["rms_norm_eps"],
+        hidden_act="silu",
+        torch_dtype="float16",
+        max_position_embeddings=cfg["max_position_embeddings"],
+        quantization_config=cfg["quantization_config"],
+    )
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(bc, f)
 

@@ -102,7 +102,7 @@ class BaiChuanTokenizer(PreTrainedTokenizer):
         return out
 '''
 
-CONFIG_CODE = '''
+CONFIG_CODE = """
 from transformers.configuration_utils import PretrainedConfig
 
 
@@ -118,7 +118,7 @@ class BaiChuanConfig(PretrainedConfig):
         self.max_position_embeddings = max_position_embeddings
         super().__init__(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
                          tie_word_embeddings=tie_word_embeddings, **kwargs)
-'''
+"""
 
 # English and Chinese, so that the tokenizer has multi-byte pieces and byte-fallback pieces (<0xE9>) for the rarer
 # characters: the cases incremental detokenization must get right.
@@ -129,15 +129,23 @@ greedy or with a seed, and the detokenizer spoke the words aloud, one delta at a
 北京是中国的首都。上海是一个大城市。我们今天去公园散步，天气很好。""".splitlines()
 
 # A Baichuan-style chat template (the models ship none; vLLM's examples/template_baichuan.jinja has this shape).
-CHAT_TEMPLATE = ("{%- for message in messages -%}{%- if message['role'] == 'user' -%}{{- '<s>user:' + "
-                 "message['content'] -}}{%- elif message['role'] == 'assistant' -%}{{- '<s>assistant:' + "
-                 "message['content'] -}}{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}"
-                 "{{- '<s>assistant:' -}}{%- endif -%}")
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}{%- if message['role'] == 'user' -%}{{- '<s>user:' + "
+    "message['content'] -}}{%- elif message['role'] == 'assistant' -%}{{- '<s>assistant:' + "
+    "message['content'] -}}{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}"
+    "{{- '<s>assistant:' -}}{%- endif -%}"
+)
 
 
 def _added(content: str) -> dict:
-    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": True, "rstrip": False,
-            "single_word": True}
+    return {
+        "__type": "AddedToken",
+        "content": content,
+        "lstrip": False,
+        "normalized": True,
+        "rstrip": False,
+        "single_word": True,
+    }
 
 
 def write_sentencepiece_model(path: str, vocab_size: int = 384) -> int:
@@ -146,9 +154,21 @@ def write_sentencepiece_model(path: str, vocab_size: int = 384) -> int:
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_TEXT * 8), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
-        byte_fallback=True, character_coverage=0.98, hard_vocab_limit=False, split_digits=True, unk_id=0, bos_id=1,
-        eos_id=2, pad_id=-1, num_threads=1, minloglevel=2)
+        sentence_iterator=iter(_TEXT * 8),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=0.98,
+        hard_vocab_limit=False,
+        split_digits=True,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        num_threads=1,
+        minloglevel=2,
+    )
     with open(path, "wb") as f:
         f.write(buf.getvalue())
     return spm.SentencePieceProcessor(model_proto=buf.getvalue()).get_piece_size()
@@ -162,10 +182,21 @@ def write_remote_code_tokenizer(out_dir: str) -> int:
     with open(os.path.join(out_dir, "tokenization_baichuan.py"), "w") as f:
         f.write(TOKENIZER_CODE)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump({"auto_map": {"AutoTokenizer": ["tokenization_baichuan.BaiChuanTokenizer", None]},
-                   "add_bos_token": False, "add_eos_token": False, "bos_token": _added("<s>"),
-                   "eos_token": _added("</s>"), "unk_token": _added("<unk>"), "clean_up_tokenization_spaces": False,
-                   "model_max_length": 4096, "sp_model_kwargs": {}, "tokenizer_class": "BaiChuanTokenizer"}, f)
+        json.dump(
+            {
+                "auto_map": {"AutoTokenizer": ["tokenization_baichuan.BaiChuanTokenizer", None]},
+                "add_bos_token": False,
+                "add_eos_token": False,
+                "bos_token": _added("<s>"),
+                "eos_token": _added("</s>"),
+                "unk_token": _added("<unk>"),
+                "clean_up_tokenization_spaces": False,
+                "model_max_length": 4096,
+                "sp_model_kwargs": {},
+                "tokenizer_class": "BaiChuanTokenizer",
+            },
+            f,
+        )
     with open(os.path.join(out_dir, "special_tokens_map.json"), "w") as f:
         json.dump({"bos_token": _added("<s>"), "eos_token": _added("</s>"), "unk_token": _added("<unk>")}, f)
     return size
@@ -187,9 +218,16 @@ def make_baichuan7b_remote_code_dir(out_dir: str, seed: int = 0):
     save_checkpoint(model, "baichuan7b", out_dir)
     with open(os.path.join(out_dir, "config.json")) as f:
         config = json.load(f)
-    config.update(auto_map={"AutoConfig": "configuration_baichuan.BaiChuanConfig",
-                            "AutoModelForCausalLM": "modeling_baichuan.BaiChuanForCausalLM"},
-                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    config.update(
+        auto_map={
+            "AutoConfig": "configuration_baichuan.BaiChuanConfig",
+            "AutoModelForCausalLM": "modeling_baichuan.BaiChuanForCausalLM",
+        },
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f)
     with open(os.path.join(out_dir, "configuration_baichuan.py"), "w") as f:

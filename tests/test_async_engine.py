@@ -17,8 +17,16 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
-    args = EngineArgs(model=model_dir, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8,
-                      max_num_batched_tokens=32, block_size=8, enforce_eager=True, max_model_len=128)
+    args = EngineArgs(
+        model=model_dir,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+    )
     eng = AsyncLLM(LLMEngine(args))
     yield eng
     asyncio.run(eng.shutdown())
@@ -51,8 +59,9 @@ def test_concurrent_streams(engine):
 
 def test_early_close_aborts(engine):
     async def main():
-        gen = engine.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=100,
-                                                                               ignore_eos=True), "early")
+        gen = engine.generate(
+            {"prompt_token_ids": [1, 2, 3]}, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), "early"
+        )
         async for _ in gen:
             break
         await gen.aclose()

@@ -49,8 +49,9 @@ def test_host_overhead_smoke(tmp_path):
     from bench import host_overhead
 
     out = tmp_path / "ho.json"
-    res = host_overhead.main(["--num-seqs", "16", "--context", "40", "--steps", "5", "--warmup-steps", "1",
-                              "--out", str(out)])
+    res = host_overhead.main(
+        ["--num-seqs", "16", "--context", "40", "--steps", "5", "--warmup-steps", "1", "--out", str(out)]
+    )
     assert res["prepare_ms"]["p50"] > 0 and json.loads(out.read_text())["workload"]["num_seqs"] == 16
 
 
@@ -59,10 +60,33 @@ def test_throughput_smoke(tmp_path):
     from bench import throughput
 
     out = tmp_path / "tp.json"
-    res = throughput.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
-                           "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager",
-                           "--compilation-cache-dir", "", "--out", str(out)])
+    res = throughput.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
     assert saved["env"]["jax"] and saved["env"]["command"] and "time_to_ready_s" in saved
@@ -75,10 +99,34 @@ def test_step_phases_smoke(tmp_path):
     from jaxllm.engine.programs import StepPrograms
 
     before = (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable)
-    res = step_phases.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
-                            "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-                            "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--compilation-cache-dir", "",
-                            "--min-seqs", "4", "--out", str(tmp_path / "tp.json")])
+    res = step_phases.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--compilation-cache-dir",
+            "",
+            "--min-seqs",
+            "4",
+            "--out",
+            str(tmp_path / "tp.json"),
+        ]
+    )
     assert (LLMEngine.step, LLMEngine._on_token, StepPrograms.executable) == before
     saved = json.loads((tmp_path / "tp_step_phases.json").read_text())
     assert saved["steps"] >= 3 and saved["steady_steps"] >= 1
@@ -92,10 +140,32 @@ def test_first_use_smoke(tmp_path):
     from bench import first_use
 
     out = tmp_path / "fu.json"
-    res = first_use.main(["--shape", "tiny", "--load-format", "dummy", "--input-len", "8", "--output-len", "3",
-                          "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
-                          "--max-num-batched-tokens", "16", "--compilation-cache-dir", "", "--log-level", "warning",
-                          "--out", str(out)])
+    res = first_use.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--compilation-cache-dir",
+            "",
+            "--log-level",
+            "warning",
+            "--out",
+            str(out),
+        ]
+    )
     rows = {(r["mode"], r["setting"]): r for r in res["rows"]}
     split, whole = rows["split_sampler", "top_p_top_k"], rows["whole_step", "top_p_logprobs"]
     assert split["step_programs_compiled"] > 0 and split["sampler_programs_compiled"] > 0  # the latter in between
@@ -109,11 +179,39 @@ def test_throughput_profile_window(tmp_path):
     """--profile-window re-runs the timed workload and traces exactly COUNT of its engine steps."""
     from bench import throughput
 
-    res = throughput.main(["--shape", "tiny", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
-                           "--output-len", "8", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager",
-                           "--compilation-cache-dir", "", "--log-level", "warning", "--profile-dir",
-                           str(tmp_path / "prof"), "--profile-window", "3:3", "--out", str(tmp_path / "tp.json")])
+    res = throughput.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "8",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--log-level",
+            "warning",
+            "--profile-dir",
+            str(tmp_path / "prof"),
+            "--profile-window",
+            "3:3",
+            "--out",
+            str(tmp_path / "tp.json"),
+        ]
+    )
     prof = res["profile"]
     assert prof["window"] == {"start": 3, "count": 3} and prof["traced_steps"] == 3 and prof["file"]
     assert [r["step"] for r in prof["steps"]] == [3, 4, 5] and prof["decode_only_steps"] == 3
@@ -126,8 +224,14 @@ def test_suite_profile_window():
 
     from bench import suite
 
-    a = argparse.Namespace(profile_window="auto", num_prompts=500, max_num_seqs=512, input_len=462,
-                           max_num_batched_tokens=8192, output_len=256)
+    a = argparse.Namespace(
+        profile_window="auto",
+        num_prompts=500,
+        max_num_seqs=512,
+        input_len=462,
+        max_num_batched_tokens=8192,
+        output_len=256,
+    )
     assert suite.profile_window(a) == "147:20"  # decode of all 500 sequences (prefill ends at step ~29)
     a.profile_window = "200:20"
     assert suite.profile_window(a) == "200:20"
@@ -143,11 +247,37 @@ def test_first_steps_trace_smoke(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "SMALLEST_SEQ_BUCKET", runner.SMALLEST_SEQ_BUCKET)  # restored after the test
     monkeypatch.setattr(attention, "FUSED_DECODE", attention.FUSED_DECODE)
     out = tmp_path / "fst.json"
-    res = first_steps_trace.main(["--shape", "tiny", "--load-format", "dummy", "--input-len", "8", "--output-len", "3",
-                                  "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
-                                  "--max-num-batched-tokens", "16", "--compilation-cache-dir", "", "--warm", "1",
-                                  "--smallest-seq-bucket", "8", "--no-fused-decode", "--log-level", "warning",
-                                  "--out", str(out)])
+    res = first_steps_trace.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--compilation-cache-dir",
+            "",
+            "--warm",
+            "1",
+            "--smallest-seq-bucket",
+            "8",
+            "--no-fused-decode",
+            "--log-level",
+            "warning",
+            "--out",
+            str(out),
+        ]
+    )
     assert res["smallest_seq_bucket"] == 8 and res["fused_decode"] is False
     assert len(res["ttft_ms_untraced"]) == 1 and res["ttft_ms_traced"] > 0
     assert any("step" in e["name"] for e in res["events"]) and json.loads(out.read_text())["env"]["command"]
@@ -158,9 +288,30 @@ def test_startup_smoke(tmp_path):
     from bench import startup
 
     out = tmp_path / "su.json"
-    res = startup.main(["--shape", "tiny", "--load-format", "dummy", "--num-layers", "1", "--max-model-len", "64",
-                        "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "16",
-                        "--warm-runs", "1", "--log-level", "warning", "--out", str(out)])
+    res = startup.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--num-layers",
+            "1",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "16",
+            "--warm-runs",
+            "1",
+            "--log-level",
+            "warning",
+            "--out",
+            str(out),
+        ]
+    )
     cold, warm = res["series"]["."]["cold"], res["series"]["."]["warm"][0]
     n = cold["num_variants"]
     # decode buckets 2, 4, 8 and the 16-token mixed bucket
@@ -199,8 +350,7 @@ def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
 
     params = inspect.signature(ragged_prefill_mgpu).parameters
     assert plot_results.MGPU_PREFILL_DEFAULTS == {k: params[k].default for k in plot_results.MGPU_PREFILL_DEFAULTS}
-    f, (row, triton) = plot_results.pick_mgpu_prefill(os.path.join(os.path.dirname(__file__), "..", "bench",
-                                                                    "results"))
+    f, (row, triton) = plot_results.pick_mgpu_prefill(os.path.join(os.path.dirname(__file__), "..", "bench", "results"))
     assert f and row["impl"] == "mosaic_gpu" and row["frac_matmul"] > 0.5 and triton["impl"] == "pallas_triton"
 
 
@@ -223,8 +373,13 @@ def test_decode_tail_probe_kernels_match_the_reference():
     ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
     out = probe.steal_decode(q, k, v, lens, bt, scale=scale, splits=3)
     assert out.shape == ref.shape and rel_err(out, ref) < 1e-2
-    assert rel_err(probe.steal_decode(q, k, v, lens * 0 + 320, bt, scale=scale, splits=3, mask_all=False),
-                   reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=scale)) < 1e-2
+    assert (
+        rel_err(
+            probe.steal_decode(q, k, v, lens * 0 + 320, bt, scale=scale, splits=3, mask_all=False),
+            reference.paged_decode_attention_ref(q, k, v, lens * 0 + 320, bt, scale=scale),
+        )
+        < 1e-2
+    )
     assert not jnp.isnan(out).any()
 
 
@@ -234,9 +389,24 @@ def test_gpu_parity_smoke(tmp_path):
     from bench import gpu_parity
 
     out = tmp_path / "gp.json"
-    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.1", "--enforce-eager",
-                           "--configs", "batch", "preemption", "--model-dir", str(tmp_path / "m"),
-                           "--out", str(out)])
+    res = gpu_parity.main(
+        [
+            "--widths",
+            "tiny",
+            "--vocab-size",
+            "512",
+            "--scale",
+            "0.1",
+            "--enforce-eager",
+            "--configs",
+            "batch",
+            "preemption",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--out",
+            str(out),
+        ]
+    )
     assert res["passed"] and json.loads(out.read_text())["passed"]
     batch, pre = res["configs"]["batch"], res["configs"]["preemption"]
     assert batch["parity"]["positions"] == (6 + 4 + 3) * 32 and batch["parity"]["hf_baseline"]
@@ -248,9 +418,23 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     pages: that reference is closer to the engine than the plain one (on CPU, reference attention)."""
     from bench import gpu_parity
 
-    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.25", "--enforce-eager",
-                           "--configs", "fp8_kv", "--model-dir", str(tmp_path / "m"),
-                           "--out", str(tmp_path / "r.json")])
+    res = gpu_parity.main(
+        [
+            "--widths",
+            "tiny",
+            "--vocab-size",
+            "512",
+            "--scale",
+            "0.25",
+            "--enforce-eager",
+            "--configs",
+            "fp8_kv",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     parity = res["configs"]["fp8_kv"]["parity"]
     assert res["configs"]["fp8_kv"]["kv_cache_dtype"] == "float8_e4m3fn" and parity["passed"]
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
@@ -261,10 +445,26 @@ def test_gpu_parity_quantized_configs(tmp_path):
     weights."""
     from bench import gpu_parity
 
-    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--scale", "0.1", "--enforce-eager",
-                           "--configs", "gptq_int4", "fp8", "--gptq-group-size", "32",
-                           "--model-dir", str(tmp_path / "m"),
-                           "--out", str(tmp_path / "q.json")])
+    res = gpu_parity.main(
+        [
+            "--widths",
+            "tiny",
+            "--vocab-size",
+            "512",
+            "--scale",
+            "0.1",
+            "--enforce-eager",
+            "--configs",
+            "gptq_int4",
+            "fp8",
+            "--gptq-group-size",
+            "32",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--out",
+            str(tmp_path / "q.json"),
+        ]
+    )
     for name in ("gptq_int4", "fp8"):
         parity = res["configs"][name]["parity"]
         assert parity["passed"] and parity["lp_err_ratio_tol"] == 2.0, (name, parity)
@@ -299,10 +499,30 @@ def test_gpu_parity_quantized_configs_fail_on_a_broken_dequantization(tmp_path, 
     monkeypatch.setattr(qlayout, "dequantize", broken_int)
     monkeypatch.setattr(quant_matmul, "fp8_matmul_ref", broken_fp8)
     # --num-layers 1: shapes no earlier test traced, so the steps are traced (and compiled) with the patch
-    res = gpu_parity.main(["--widths", "tiny", "--vocab-size", "512", "--num-layers", "1", "--scale", "0.1",
-                           "--output-len", "8", "--enforce-eager", "--configs", "gptq_int4", "fp8",
-                           "--gptq-group-size", "32", "--model-dir", str(tmp_path / "m"),
-                           "--out", str(tmp_path / "q.json")])
+    res = gpu_parity.main(
+        [
+            "--widths",
+            "tiny",
+            "--vocab-size",
+            "512",
+            "--num-layers",
+            "1",
+            "--scale",
+            "0.1",
+            "--output-len",
+            "8",
+            "--enforce-eager",
+            "--configs",
+            "gptq_int4",
+            "fp8",
+            "--gptq-group-size",
+            "32",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--out",
+            str(tmp_path / "q.json"),
+        ]
+    )
     assert seen == {"int", "float"}
     for name in ("gptq_int4", "fp8"):
         parity = res["configs"][name]["parity"]
@@ -339,9 +559,22 @@ def test_lowering_profile_smoke(tmp_path):
     """bench/probes/lowering_profile.py lowers each step variant for CUDA on the CPU with the Pallas kernels in it."""
     from bench.probes import lowering_profile
 
-    res = lowering_profile.main(["--num-layers", "1", "--vocab-size", "512", "--max-num-seqs", "4",
-                                 "--max-num-batched-tokens", "16", "--model-dir", str(tmp_path / "m"),
-                                 "--out", str(tmp_path / "lp.json")])
+    res = lowering_profile.main(
+        [
+            "--num-layers",
+            "1",
+            "--vocab-size",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "16",
+            "--model-dir",
+            str(tmp_path / "m"),
+            "--out",
+            str(tmp_path / "lp.json"),
+        ]
+    )
     assert [r["variant"] for r in res["rows"]] == ["2x2d", "4x4d", "4x16"]
     assert res["parts"]["pallas_triton_lowering"]["calls"] >= 3 and res["total_s"] > 0
     assert res["triton_lowerings"]["calls"] == res["parts"]["pallas_triton_lowering"]["calls"]
@@ -369,15 +602,54 @@ def test_structured_smoke(tmp_path):
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path / "model"), json_text=True)
     out = tmp_path / "structured.json"
-    res = structured.main(["--model", model_dir, "--num-prompts", "6", "--input-len", "8", "--output-len", "6",
-                           "--rounds", "1", "--fractions", "0", "0.5", "--overlap-min-masked", "1", "1000000",
-                           "--max-model-len", "64", "--num-gpu-blocks-override", "64", "--max-num-seqs", "8",
-                           "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", "",
-                           "--profile-host", "--out", str(out)])
+    res = structured.main(
+        [
+            "--model",
+            model_dir,
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "8",
+            "--output-len",
+            "6",
+            "--rounds",
+            "1",
+            "--fractions",
+            "0",
+            "0.5",
+            "--overlap-min-masked",
+            "1",
+            "1000000",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--profile-host",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     runs = [(r["round"], r["fraction"], r["constrained"], r["overlap_min_masked"]) for r in saved["runs"]]
-    assert runs == [(0, 0.0, 0, 1), (0, 0.5, 3, 1), (0, 0.5, 3, 1000000), ("profile", 0.0, 0, 1),
-                    ("profile", 1.0, 6, 1), ("profile", 1.0, 6, 1000000)] and res["runs"][1]["requests_per_s"] > 0
+    assert (
+        runs
+        == [
+            (0, 0.0, 0, 1),
+            (0, 0.5, 3, 1),
+            (0, 0.5, 3, 1000000),
+            ("profile", 0.0, 0, 1),
+            ("profile", 1.0, 6, 1),
+            ("profile", 1.0, 6, 1000000),
+        ]
+        and res["runs"][1]["requests_per_s"] > 0
+    )
     top = saved["runs"][4]["host_profile_top"]
     assert len(top) == 30 and all(t["own_s"] >= 0 and t["calls"] > 0 for t in top)
     assert "host_profile_top" not in saved["runs"][1]
@@ -393,8 +665,26 @@ def test_spec_decode_smoke(tmp_path):
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"accept": {"per_position_acceptance": [0.8, 0.6, 0.4], "draft_fraction": 0.9}}))
     out = tmp_path / "sd.json"
-    res = spec_decode.main(["--parts", "verify", "--shape", "tiny", "--ks", "1,3", "--batches", "1,4", "--iters", "2",
-                            "--context", "24", "--acceptance-json", str(acc), "--out", str(out)])
+    res = spec_decode.main(
+        [
+            "--parts",
+            "verify",
+            "--shape",
+            "tiny",
+            "--ks",
+            "1,3",
+            "--batches",
+            "1,4",
+            "--iters",
+            "2",
+            "--context",
+            "24",
+            "--acceptance-json",
+            str(acc),
+            "--out",
+            str(out),
+        ]
+    )
     rows = res["verify"]["rows"]
     assert [r["batch"] for r in rows] == [1, 4] and all(set(r["spec_ms"]) == {"1", "3"} for r in rows)
     assert all(r["plain_ms"] > 0 and min(r["spec_ms"].values()) > 0 for r in rows)
@@ -409,13 +699,29 @@ def test_quant_kernels_smoke(tmp_path):
     from bench import quant_kernels
 
     out = tmp_path / "q.json"
-    res = quant_kernels.main(["--tiny", "--check", "--m", "1", "--shapes", "o", "--impls", "bf16,int4_sym,fp8",
-                              "--reps", "1", "--out", str(out)])
+    res = quant_kernels.main(
+        [
+            "--tiny",
+            "--check",
+            "--m",
+            "1",
+            "--shapes",
+            "o",
+            "--impls",
+            "bf16,int4_sym,fp8",
+            "--reps",
+            "1",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     checks = [r for r in saved["rows"] if r.get("stage") == "check"]
     assert len(checks) == 3 and all(r["ok"] for r in checks)
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
-    assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
+    assert set(rows) == {"bf16", "int4_sym", "fp8"} and all(
+        r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values()
+    )
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
 
 
@@ -424,8 +730,7 @@ def test_moe_matmul_smoke(tmp_path):
     from bench import moe_matmul
 
     out = tmp_path / "moe.json"
-    res = moe_matmul.main(["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32",
-                           "--out", str(out)])
+    res = moe_matmul.main(["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert not res["failures"] and row["T"] == 6 and row["check_ok"] and row["max_rel_err_vs_all_experts"] < 1e-4
     assert {"grouped_gemms", "dense_gemms", "expert_mlp", "expert_mlp_gathered", "all_experts"} <= set(row)
@@ -437,10 +742,36 @@ def test_throughput_smoke_moe_expert_parallel(tmp_path):
 
     assert common.SHAPES["qwen3-30b-a3b"]["num_experts"] == 128
     out = tmp_path / "tp.json"
-    res = throughput.main(["--shape", "tiny-moe", "--load-format", "dummy", "--num-prompts", "4", "--input-len", "8",
-                           "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-                           "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--enforce-eager", "-tp", "2",
-                           "--enable-expert-parallel", "--compilation-cache-dir", "", "--out", str(out)])
+    res = throughput.main(
+        [
+            "--shape",
+            "tiny-moe",
+            "--load-format",
+            "dummy",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--enforce-eager",
+            "-tp",
+            "2",
+            "--enable-expert-parallel",
+            "--compilation-cache-dir",
+            "",
+            "--out",
+            str(out),
+        ]
+    )
     assert json.loads(out.read_text())["workload"]["output_tokens"] == 12 and res["requests_per_s"] > 0
 
 
@@ -461,11 +792,44 @@ def test_latency_and_throughput_take_quantization(tmp_path):
 
     from bench import latency
 
-    tiny = ["--shape", "tiny", "--load-format", "dummy", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-            "--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--enforce-eager", "--compilation-cache-dir", ""]
-    res = latency.main(tiny + ["--quantization", "gptq", "--quant-group-size", "32", "--batch-size", "1",
-                               "--input-len", "4", "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0",
-                               "--out", str(tmp_path / "lat.json")])
+    tiny = [
+        "--shape",
+        "tiny",
+        "--load-format",
+        "dummy",
+        "--max-model-len",
+        "64",
+        "--num-gpu-blocks-override",
+        "64",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "32",
+        "--enforce-eager",
+        "--compilation-cache-dir",
+        "",
+    ]
+    res = latency.main(
+        tiny
+        + [
+            "--quantization",
+            "gptq",
+            "--quant-group-size",
+            "32",
+            "--batch-size",
+            "1",
+            "--input-len",
+            "4",
+            "--output-len",
+            "3",
+            "--num-iters",
+            "1",
+            "--num-iters-warmup",
+            "0",
+            "--out",
+            str(tmp_path / "lat.json"),
+        ]
+    )
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
     assert res["engine"]["step_temp_bytes"] > 0  # the compiled steps' largest temporary buffer (memory_analysis)
@@ -485,11 +849,42 @@ def test_multihost_smoke(tmp_path):
     from bench import multihost
 
     out = tmp_path / "mh.json"
-    res = multihost.main(["--shape", "tiny", "--load-format", "dummy", "--cpu", "--cases", "multi_pp2", "dp2",
-                          "--skip-greedy", "--num-prompts", "4", "--dp-num-prompts", "4", "--input-len", "8",
-                          "--output-len", "4", "--itl-output-len", "3", "--max-model-len", "64",
-                          "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
-                          "--enforce-eager", "--compilation-cache-dir", "", "--out", str(out)])
+    res = multihost.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--cpu",
+            "--cases",
+            "multi_pp2",
+            "dp2",
+            "--skip-greedy",
+            "--num-prompts",
+            "4",
+            "--dp-num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--itl-output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "32",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert set(saved["cases"]) == {"multi_pp2", "dp2"}
     assert all("error" not in c for c in saved["cases"].values()), saved["cases"]
@@ -505,10 +900,43 @@ def test_lora_bench_smoke(tmp_path):
     from bench import lora
 
     out = tmp_path / "lora.json"
-    lora.main(["--shape", "tiny", "--load-format", "dummy", "--batch", "4", "--decode-len", "3", "--num-prompts", "4",
-               "--input-len", "8", "--output-len", "3", "--max-model-len", "64", "--num-gpu-blocks-override", "64",
-               "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "--compilation-cache-dir",
-               "", "--rank", "8", "--engines", "base,lora8", "--max-loras-scale", "4", "--out", str(out)])
+    lora.main(
+        [
+            "--shape",
+            "tiny",
+            "--load-format",
+            "dummy",
+            "--batch",
+            "4",
+            "--decode-len",
+            "3",
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--max-model-len",
+            "64",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "16",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--rank",
+            "8",
+            "--engines",
+            "base,lora8",
+            "--max-loras-scale",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
     rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}

@@ -16,10 +16,39 @@ sys.path.insert(0, ROOT)
 
 from bench import common  # noqa: E402
 
-HF_TINY = ["--shape", "tiny", "--dtype", "float32", "--batch1-input-len", "12", "--batch1-output-len", "5",
-           "--warmup", "1", "--runs", "1", "--input-len", "16", "--output-len", "4", "--batch-size", "3",
-           "--num-prompts", "4", "--cb-num-prompts", "5", "--cb-warmup-prompts", "2", "--cb-max-batch-tokens", "128",
-           "--cb-num-blocks", "64", "--cb-page-size", "16", "--no-compile"]
+HF_TINY = [
+    "--shape",
+    "tiny",
+    "--dtype",
+    "float32",
+    "--batch1-input-len",
+    "12",
+    "--batch1-output-len",
+    "5",
+    "--warmup",
+    "1",
+    "--runs",
+    "1",
+    "--input-len",
+    "16",
+    "--output-len",
+    "4",
+    "--batch-size",
+    "3",
+    "--num-prompts",
+    "4",
+    "--cb-num-prompts",
+    "5",
+    "--cb-warmup-prompts",
+    "2",
+    "--cb-max-batch-tokens",
+    "128",
+    "--cb-num-blocks",
+    "64",
+    "--cb-page-size",
+    "16",
+    "--no-compile",
+]
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -86,11 +115,43 @@ def test_long_context_smoke(tmp_path):
     from bench import long_context
 
     out = tmp_path / "long.json"
-    res = long_context.main(["--shape", "tiny-long", "--load-format", "dummy", "--max-model-len", "512",
-                             "--max-num-seqs", "4", "--max-num-batched-tokens", "128", "--num-gpu-blocks-override",
-                             "128", "--batch-size", "2", "--input-len", "300", "--output-len", "3", "--num-iters", "1",
-                             "--num-iters-warmup", "0", "--copy-mib", "2", "--matmul-n", "64", "--enforce-eager",
-                             "--compilation-cache-dir", "", "--log-level", "warning", "--out", str(out)])
+    res = long_context.main(
+        [
+            "--shape",
+            "tiny-long",
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "128",
+            "--num-gpu-blocks-override",
+            "128",
+            "--batch-size",
+            "2",
+            "--input-len",
+            "300",
+            "--output-len",
+            "3",
+            "--num-iters",
+            "1",
+            "--num-iters-warmup",
+            "0",
+            "--copy-mib",
+            "2",
+            "--matmul-n",
+            "64",
+            "--enforce-eager",
+            "--compilation-cache-dir",
+            "",
+            "--log-level",
+            "warning",
+            "--out",
+            str(out),
+        ]
+    )
     saved = json.loads(out.read_text())
     assert saved["workload"]["batch_size"] == 2 and saved["ceilings"]["copy_bytes_per_s"] > 0
     roof, ceil = res["roofline"], res["ceilings"]
@@ -101,35 +162,63 @@ def test_long_context_smoke(tmp_path):
     assert roof["itl_roofline_s"] == pytest.approx((m.weight_bytes + kv_step) / ceil["copy_bytes_per_s"])
     assert res["itl_roofline_frac"] == pytest.approx(roof["itl_roofline_s"] / res["itl_s"]["p50"])
     assert res["ttft_matmul_frac"] == pytest.approx(
-        2 * per_prompt / res["ttft_last_in_batch_s"]["p50"] / ceil["matmul_flops_per_s"])
+        2 * per_prompt / res["ttft_last_in_batch_s"]["p50"] / ceil["matmul_flops_per_s"]
+    )
     assert res["engine"]["max_model_len"] == 512
 
 
 def _suite_args(**kw):
-    return argparse.Namespace(**dict(dict(shape="llama3-8b", dtype="bfloat16", max_num_seqs=512,
-                                          max_num_batched_tokens=8192, max_model_len=1024, attention_backend="auto",
-                                          eager=False, budget=560, input_len=462, output_len=256), **kw))
+    return argparse.Namespace(
+        **dict(
+            dict(
+                shape="llama3-8b",
+                dtype="bfloat16",
+                max_num_seqs=512,
+                max_num_batched_tokens=8192,
+                max_model_len=1024,
+                attention_backend="auto",
+                eager=False,
+                budget=560,
+                input_len=462,
+                output_len=256,
+            ),
+            **kw,
+        )
+    )
 
 
 def test_suite_ratios_divide_by_the_strongest_hf_row():
     from bench import suite
 
-    hf = dict(rows=dict(static=dict(kind="batch1", decode_tok_per_s=116.0, ttft_s=0.02, compiled=True),
-                        eager=dict(kind="batch1", decode_tok_per_s=17.0, ttft_s=0.05, compiled=False),
-                        cb=dict(kind="throughput", requests_per_s=2.2, output_tokens_per_s=560.0, num_prompts=100),
-                        eager_batched=dict(kind="throughput", requests_per_s=3.6, output_tokens_per_s=920.0,
-                                           num_prompts=64),
-                        cb_graphs=dict(kind="throughput", error="RuntimeError: x")),
-              strongest=dict(batch1=dict(mode="static", decode_tok_per_s=116.0),
-                             throughput=dict(mode="eager_batched", requests_per_s=3.6)),
-              skipped={"static_batched": "needs ~80 s"})
-    r = dict(latency=dict(results=[dict(batch_size=1, decode_tok_per_s_per_seq=184.0)]),
-             throughput=dict(requests_per_s=39.0, output_tokens_per_s=9984.0,
-                             workload=dict(num_prompts=500)), hf=hf,
-             long32k=dict(ttft_s=dict(p50=1.5), ttft_last_in_batch_s=dict(p50=1.5), itl_s=dict(p50=0.007),
-                          roofline=dict(itl_roofline_s=0.0065), itl_roofline_frac=0.0065 / 0.007,
-                          ttft_matmul_frac=0.7, ceilings=dict(copy_bytes_per_s=2.6e12, matmul_flops_per_s=6.87e14),
-                          workload=dict(batch_size=1, input_len=32640, output_len=128, model="llama3.1-8b")))
+    hf = dict(
+        rows=dict(
+            static=dict(kind="batch1", decode_tok_per_s=116.0, ttft_s=0.02, compiled=True),
+            eager=dict(kind="batch1", decode_tok_per_s=17.0, ttft_s=0.05, compiled=False),
+            cb=dict(kind="throughput", requests_per_s=2.2, output_tokens_per_s=560.0, num_prompts=100),
+            eager_batched=dict(kind="throughput", requests_per_s=3.6, output_tokens_per_s=920.0, num_prompts=64),
+            cb_graphs=dict(kind="throughput", error="RuntimeError: x"),
+        ),
+        strongest=dict(
+            batch1=dict(mode="static", decode_tok_per_s=116.0),
+            throughput=dict(mode="eager_batched", requests_per_s=3.6),
+        ),
+        skipped={"static_batched": "needs ~80 s"},
+    )
+    r = dict(
+        latency=dict(results=[dict(batch_size=1, decode_tok_per_s_per_seq=184.0)]),
+        throughput=dict(requests_per_s=39.0, output_tokens_per_s=9984.0, workload=dict(num_prompts=500)),
+        hf=hf,
+        long32k=dict(
+            ttft_s=dict(p50=1.5),
+            ttft_last_in_batch_s=dict(p50=1.5),
+            itl_s=dict(p50=0.007),
+            roofline=dict(itl_roofline_s=0.0065),
+            itl_roofline_frac=0.0065 / 0.007,
+            ttft_matmul_frac=0.7,
+            ceilings=dict(copy_bytes_per_s=2.6e12, matmul_flops_per_s=6.87e14),
+            workload=dict(batch_size=1, input_len=32640, output_len=128, model="llama3.1-8b"),
+        ),
+    )
     runs = {st: dict(rc=0, compile_cache=None) for st in r}
     runs["hf"]["rc"] = "timeout"  # its finished rows still count
     s = suite.summarize(r, runs, {}, _suite_args(), 100.0)
@@ -157,21 +246,39 @@ def test_padding_waste_replay_is_the_engines_schedule(monkeypatch):
 
     def recording(self, sched):
         p = prepare(self, sched)
-        seen.append(([(s.start, s.num_tokens, s.sample) for s in sched.scheduled],
-                     (p.variant.num_tokens, p.variant.num_seqs, p.variant.decode_only)))
+        seen.append(
+            (
+                [(s.start, s.num_tokens, s.sample) for s in sched.scheduled],
+                (p.variant.num_tokens, p.variant.num_seqs, p.variant.decode_only),
+            )
+        )
         return p
 
     monkeypatch.setattr(ModelRunner, "prepare", recording)
     ins, outs = [20, 9, 33, 5, 17, 26, 12, 8, 40, 3], [5, 9, 2, 7, 4, 6, 3, 8, 5, 6]
-    llm = LLM(common.make_model_dir("tiny"), load_format="dummy", max_model_len=64, max_num_seqs=4,
-              max_num_batched_tokens=32, num_gpu_blocks_override=6, enforce_eager=True, compilation_cache_dir=None,
-              enable_prefix_caching=False)
+    llm = LLM(
+        common.make_model_dir("tiny"),
+        load_format="dummy",
+        max_model_len=64,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_gpu_blocks_override=6,
+        enforce_eager=True,
+        compilation_cache_dir=None,
+        enable_prefix_caching=False,
+    )
     prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(len(ins), 0, 512, 0, ins)]
-    llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in outs],
-                 use_tqdm=False)
+    llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True, temperature=0) for o in outs], use_tqdm=False)
     r = llm.llm_engine.runner
-    steps = padding_waste.replay(ins, outs, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
-                                 num_blocks=r.num_blocks, block_size=r.block_size)
+    steps = padding_waste.replay(
+        ins,
+        outs,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+        num_blocks=r.num_blocks,
+        block_size=r.block_size,
+    )
     assert [c for c, _ in steps] == [c for c, _ in seen] and steps[-1][1] > 0  # it preempted, as the engine did
     assert padding_waste.default_buckets(4, 32) == (r.token_buckets, r.seq_buckets)
     for chunks, variant in seen:
@@ -182,10 +289,30 @@ def test_padding_waste_replay_is_the_engines_schedule(monkeypatch):
 def test_padding_waste_totals_and_variants(tmp_path):
     from bench import padding_waste
 
-    res = padding_waste.main(["--num-prompts", "40", "--input-len", "100", "--output-len", "20", "--max-num-seqs",
-                              "32", "--max-num-batched-tokens", "512", "--max-model-len", "256", "--num-blocks",
-                              "400", "--measured-s", "2.0", "--variant", "fine:seq_buckets=2/4/8/16/24/32",
-                              "--out", str(tmp_path / "pw.json")])
+    res = padding_waste.main(
+        [
+            "--num-prompts",
+            "40",
+            "--input-len",
+            "100",
+            "--output-len",
+            "20",
+            "--max-num-seqs",
+            "32",
+            "--max-num-batched-tokens",
+            "512",
+            "--max-model-len",
+            "256",
+            "--num-blocks",
+            "400",
+            "--measured-s",
+            "2.0",
+            "--variant",
+            "fine:seq_buckets=2/4/8/16/24/32",
+            "--out",
+            str(tmp_path / "pw.json"),
+        ]
+    )
     e = res["engine"]
     buckets = e["per_bucket"]
     assert sum(b["steps"] for b in buckets.values()) == e["num_steps"] == e["total"]["steps"]

@@ -26,15 +26,24 @@ CACHE_VARS = ("JAXLLM_TEST_CACHE_ROOT", "JAXLLM_CACHE_ROOT", "XDG_CACHE_HOME", "
 
 def run_key_tests(**env):
     base = {k: v for k, v in os.environ.items() if k not in CACHE_VARS and not k.startswith("PYTEST_")}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-                        *KEY_TESTS], cwd=ROOT, env=base | env, capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *KEY_TESTS],
+        cwd=ROOT,
+        env=base | env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert f"{len(KEY_TESTS)} passed" in r.stdout, r.stdout[-2000:]
 
 
 def snapshot(folder):
-    return sorted((os.path.relpath(os.path.join(d, f), folder), os.stat(os.path.join(d, f)).st_mtime_ns)
-                  for d, _, files in os.walk(folder) for f in files)
+    return sorted(
+        (os.path.relpath(os.path.join(d, f), folder), os.stat(os.path.join(d, f)).st_mtime_ns)
+        for d, _, files in os.walk(folder)
+        for f in files
+    )
 
 
 def test_key_engine_tests_pass_twice_on_one_cache_and_never_touch_the_users(tmp_path):

@@ -15,10 +15,13 @@ from server.args import parse_args
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Imports that must not happen: the library under its entry points, and in the engine runner -> programs ->
 # packing (the compiled programs' owner never reaches back into the runner).
-FORBIDDEN = {"jaxllm": ("server", "convert", "bench"), "kernels_pallas": ("jaxllm", "server", "convert", "bench"),
-             "jaxllm/engine/programs.py": ("jaxllm.engine.runner",),
-             "jaxllm/engine/step_fns.py": ("jaxllm.engine.runner", "jaxllm.engine.programs"),
-             "jaxllm/engine/packing.py": ("jaxllm.engine.runner", "jaxllm.engine.programs", "jaxllm.engine.step_fns")}
+FORBIDDEN = {
+    "jaxllm": ("server", "convert", "bench"),
+    "kernels_pallas": ("jaxllm", "server", "convert", "bench"),
+    "jaxllm/engine/programs.py": ("jaxllm.engine.runner",),
+    "jaxllm/engine/step_fns.py": ("jaxllm.engine.runner", "jaxllm.engine.programs"),
+    "jaxllm/engine/packing.py": ("jaxllm.engine.runner", "jaxllm.engine.programs", "jaxllm.engine.step_fns"),
+}
 # python -m aliases: they forward to the command above the library, only when run as __main__
 ALIASES = ("jaxllm/serve.py", "jaxllm/convert.py")
 
@@ -37,13 +40,19 @@ def test_imports_run_one_way():
     bad = []
     for where, forbidden in FORBIDDEN.items():
         top = os.path.join(ROOT, where)
-        paths = [top] if top.endswith(".py") else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs
-                                                   if f.endswith(".py")]
+        paths = (
+            [top]
+            if top.endswith(".py")
+            else [os.path.join(d, f) for d, _, fs in os.walk(top) for f in fs if f.endswith(".py")]
+        )
         for path in paths:
             if os.path.relpath(path, ROOT) in ALIASES:
                 continue
-            bad += [(os.path.relpath(path, ROOT), name) for name in _imports(path)
-                    if any(name == f or name.startswith(f + ".") for f in forbidden)]
+            bad += [
+                (os.path.relpath(path, ROOT), name)
+                for name in _imports(path)
+                if any(name == f or name.startswith(f + ".") for f in forbidden)
+            ]
     assert not bad
 
 
@@ -79,17 +88,19 @@ def test_jaxllm_serve_runs_the_server_with_python_m_jaxllm_serve_flags(monkeypat
 def test_python_m_aliases_print_the_same_help_and_import_nothing_above_the_library(capsys, monkeypatch):
     env = dict(os.environ, COLUMNS="120", PYTHONPATH=ROOT)
     monkeypatch.setenv("COLUMNS", "120")
-    out = subprocess.run([sys.executable, "-m", "jaxllm.serve", "--help"], capture_output=True, text=True, env=env,
-                         timeout=300, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-m", "jaxllm.serve", "--help"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", "--help"])
     assert e.value.code == 0 and capsys.readouterr().out == out.stdout and "--max-model-len" in out.stdout
     # Importing the aliases (or the library) loads none of server/, convert/, bench/.
-    script = ("import sys, jaxllm, jaxllm.serve, jaxllm.convert, jaxllm.engine.llm_engine\n"
-              "print(sorted(m for m in sys.modules if m.split('.')[0] in ('server', 'convert', 'bench')))")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=ROOT)
+    script = (
+        "import sys, jaxllm, jaxllm.serve, jaxllm.convert, jaxllm.engine.llm_engine\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('server', 'convert', 'bench')))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr[-2000:]
 
 

@@ -17,21 +17,32 @@ def test_llama31_rope_scaling_and_dtypes():
     cfg = ModelConfig.from_hf(hf_config("llama31").to_dict() | {"architectures": ["LlamaForCausalLM"]})
     assert cfg.rope.rope_type == "llama3" and cfg.rope.factor == 8.0 and cfg.rope.theta == 500000.0
     assert cfg.dtype == "bfloat16"  # float32 checkpoints run in bf16 under "auto"
-    old_style = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8,
-                 "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                 "rope_theta": 1e6, "rope_scaling": {"type": "linear", "factor": 2.0}, "torch_dtype": "float16"}
+    old_style = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "rope_theta": 1e6,
+        "rope_scaling": {"type": "linear", "factor": 2.0},
+        "torch_dtype": "float16",
+    }
     cfg = ModelConfig.from_hf(old_style)
     assert (cfg.rope.theta, cfg.rope.rope_type, cfg.dtype) == (1e6, "linear", "float16")
     assert ModelConfig.from_hf(old_style, dtype="float").dtype == "float32"
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
-    ({"num_key_value_heads": 3}, "num_key_value_heads"),
-    ({"vocab_size": None}, "vocab_size"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
 def test_unsupported_config_names_field(change, field):
     base = hf_config("llama").to_dict() | {"architectures": ["LlamaForCausalLM"]}
     with pytest.raises(ValueError, match=field):
@@ -69,14 +80,18 @@ def test_missing_tensor_named(llama_dir, tmp_path):
 def test_unused_tensors_are_an_error(llama_dir, tmp_path):
     """Weights the config does not use mean the two disagree (here: a checkpoint with a bias the config has
     not, and a config with one layer fewer): loading would silently run another model. RoPE buffers are fine."""
+
     def add(t):
         t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(64, np.float32)
         t["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(8, np.float32)
 
     d = _rewrite(llama_dir, str(tmp_path / "b"), add)
     cfg = ModelConfig.from_hf(d, dtype="float32")
-    with pytest.raises(ValueError, match=r"1 tensor\(s\) the model config does not use, e\.g\. "
-                                         r"'model\.layers\.0\.self_attn\.q_proj\.bias'"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 tensor\(s\) the model config does not use, e\.g\. "
+        r"'model\.layers\.0\.self_attn\.q_proj\.bias'",
+    ):
         load_params(d, cfg, ParallelConfig().make_mesh())
     hf = json.load(open(os.path.join(llama_dir, "config.json")))
     cfg = ModelConfig.from_hf(hf | {"num_hidden_layers": hf["num_hidden_layers"] - 1}, dtype="float32")
@@ -101,8 +116,11 @@ def test_legacy_torch_bin_loads(llama_dir, tmp_path):
     tensors = load_file(os.path.join(llama_dir, "model.safetensors"))
     d = tmp_path / "legacy"
     d.mkdir()
-    torch.save({k: torch.from_numpy(v) for k, v in tensors.items()}, d / "pytorch_model.bin",
-               _use_new_zipfile_serialization=False)
+    torch.save(
+        {k: torch.from_numpy(v) for k, v in tensors.items()},
+        d / "pytorch_model.bin",
+        _use_new_zipfile_serialization=False,
+    )
     (d / "config.json").write_text(open(os.path.join(llama_dir, "config.json")).read())
     cfg = ModelConfig.from_hf(str(d), dtype="float32")
     mesh = ParallelConfig().make_mesh()
@@ -150,20 +168,35 @@ def test_kv_budget_leaves_autotuning_headroom(monkeypatch):
 
     from jaxllm.engine import setup
 
-    cfg = ModelConfig("llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                      num_heads=32, num_kv_heads=8, head_dim=128)
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+    )
     stats = {"bytes_limit": 72 << 30, "bytes_in_use": 16 << 30}
     monkeypatch.setattr(jax, "devices", lambda: [types.SimpleNamespace(memory_stats=lambda: stats)])
-    args = types.SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None,
-                                 gpu_memory_utilization=0.9)
+    args = types.SimpleNamespace(num_gpu_blocks_override=None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9)
     per_block = 2 << 20
     small = setup._num_blocks(args, per_block, 128, 8, cfg, gpu=True)
     assert small * per_block <= (72 - 16) * 2**30 - 2 * 128256 * 4096 * 2
     big = setup._num_blocks(args, per_block, 8192, 512, cfg, gpu=True)  # activations already cover it
     assert big < small and big * per_block > (72 - 16 - 4) * 2**30
     # a tiny model still leaves 1 GiB of working memory (all but ~60 MB went to its cache on an H100)
-    tiny = ModelConfig("llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=16)
+    tiny = ModelConfig(
+        "llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     stats.update(bytes_in_use=1 << 20)
     blocks = setup._num_blocks(args, 4096, 16384, 1024, tiny, gpu=True)
     assert (72 << 30) - (1 << 20) - blocks * 4096 >= 1 << 30
@@ -185,19 +218,48 @@ def test_default_batch_limits_follow_vllm_by_gpu():
 
 
 GEMMA3_1B = {  # google/gemma-3-1b-it's config.json as the Hub has it (transformers 4.50 layout)
-    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262144, "hidden_size": 1152,
-    "intermediate_size": 6912, "num_hidden_layers": 26, "num_attention_heads": 4, "num_key_value_heads": 1,
-    "head_dim": 256, "query_pre_attn_scalar": 256, "rope_local_base_freq": 10000, "rope_theta": 1000000,
-    "rope_scaling": None, "sliding_window": 512, "sliding_window_pattern": 6, "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 32768, "attn_logit_softcapping": None, "final_logit_softcapping": None,
-    "rms_norm_eps": 1e-6, "torch_dtype": "bfloat16",
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": 262144,
+    "hidden_size": 1152,
+    "intermediate_size": 6912,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "rope_local_base_freq": 10000,
+    "rope_theta": 1000000,
+    "rope_scaling": None,
+    "sliding_window": 512,
+    "sliding_window_pattern": 6,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 32768,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "bfloat16",
 }
 GEMMA2_2B = {  # google/gemma-2-2b-it's config.json (transformers 4.42 layout: no layer_types)
-    "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304,
-    "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "attn_logit_softcapping": 50.0,
-    "final_logit_softcapping": 30.0, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 8192, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "torch_dtype": "float32",
+    "architectures": ["Gemma2ForCausalLM"],
+    "model_type": "gemma2",
+    "vocab_size": 256000,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "attn_logit_softcapping": 50.0,
+    "final_logit_softcapping": 30.0,
+    "hidden_act": "gelu_pytorch_tanh",
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float32",
 }
 
 
@@ -209,9 +271,16 @@ def test_gemma_hub_configs():
     kinds = [cfg.layer_kind(i) for i in range(12)]
     assert [k.sliding_window for k in kinds] == ([512] * 5 + [None]) * 2
     assert {k.rope.theta for k in kinds if k.sliding_window} == {1e4} and kinds[5].rope.theta == 1e6
-    assert (cfg.qk_norm, cfg.norm_plus_one, cfg.sandwich_norm, cfg.scale_embeddings, cfg.tie_word_embeddings,
-            cfg.hidden_act, cfg.attn_softcap, cfg.final_softcap) == (True, True, True, True, True, "gelu_tanh",
-                                                                      None, None)
+    assert (
+        cfg.qk_norm,
+        cfg.norm_plus_one,
+        cfg.sandwich_norm,
+        cfg.scale_embeddings,
+        cfg.tie_word_embeddings,
+        cfg.hidden_act,
+        cfg.attn_softcap,
+        cfg.final_softcap,
+    ) == (True, True, True, True, True, "gelu_tanh", None, None)
     assert cfg.attn_scale == 256**-0.5
     scaled = ModelConfig.from_hf(GEMMA3_1B | {"rope_scaling": {"rope_type": "linear", "factor": 8.0}})
     assert (scaled.layer_kind(5).rope.rope_type, scaled.layer_kind(5).rope.factor) == ("linear", 8.0)
@@ -222,5 +291,7 @@ def test_gemma_hub_configs():
     with pytest.raises(ValueError, match="layer_types"):
         ModelConfig.from_hf(GEMMA2_2B | {"layer_types": ["sliding_attention"] * 3})
     with pytest.raises(ValueError, match="only 'silu'"):
-        ModelConfig.from_hf(hf_config("mixtral").to_dict() | {"architectures": ["MixtralForCausalLM"],
-                                                               "hidden_act": "gelu_pytorch_tanh"})
+        ModelConfig.from_hf(
+            hf_config("mixtral").to_dict()
+            | {"architectures": ["MixtralForCausalLM"], "hidden_act": "gelu_pytorch_tanh"}
+        )

@@ -47,8 +47,14 @@ def test_round_trip_cli(hf_dir, tmp_path, capsys):
     # --dtype auto stores the checkpoint's own dtype (float32 here); running it applies vLLM's rule later
     assert convert_main(["--model", src, "--out", out, "--tp", "2", "--no-progress"]) == 0
     files = set(os.listdir(out))
-    assert {MANIFEST, "params", "config.json", "generation_config.json", "tokenizer.json",
-            "tokenizer_config.json"} <= files
+    assert {
+        MANIFEST,
+        "params",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
     assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
     manifest = json.load(open(os.path.join(out, MANIFEST)))
     assert manifest["dtype"] == "float32" and manifest["tensor_parallel_size"] == 2

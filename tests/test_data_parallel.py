@@ -19,8 +19,16 @@ from tests.tiny_models import make_tiny_model_dir
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 ALL = PROMPTS + [SHARED + [1, 2], SHARED + [3]]
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32, block_size=8,
-              max_model_len=64, enforce_eager=True, compilation_cache_dir=None)
+ENGINE = dict(
+    dtype="float32",
+    num_gpu_blocks_override=64,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    block_size=8,
+    max_model_len=64,
+    enforce_eager=True,
+    compilation_cache_dir=None,
+)
 
 
 def test_router_balances_load_and_follows_prefixes():
@@ -51,8 +59,9 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref(tiny):
     llm = LLM(tiny, **ENGINE)
-    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ALL], GREEDY,
-                                                         use_tqdm=False)]
+    return [
+        o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ALL], GREEDY, use_tqdm=False)
+    ]
 
 
 def test_offline_two_replicas_equal_one_engine(tiny, ref):
@@ -63,25 +72,53 @@ def test_offline_two_replicas_equal_one_engine(tiny, ref):
     outs = llm.generate([{"prompt_token_ids": p} for p in ALL], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref
     assert all(n > 0 for n in engine.router.counts) and engine.router.load == [0, 0]
-    assert all(e.scheduler.block_manager.num_free_blocks == e.scheduler.block_manager.num_usable_blocks
-               for e in engine.replicas)
+    assert all(
+        e.scheduler.block_manager.num_free_blocks == e.scheduler.block_manager.num_usable_blocks
+        for e in engine.replicas
+    )
 
 
 def test_server_two_replicas(tiny, ref):
     from server.serve import build_engine
 
-    args = parse_args([tiny, "--dtype", "float32", "--max-model-len", "64", "--enforce-eager", "--num-gpu-blocks-override",
-                       "64", "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--block-size", "8",
-                       "--served-model-name", "tiny", "--disable-access-log", "--data-parallel-size", "2",
-                       # each replica speculates (greedy outputs stay the engine's)
-                       "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'])
+    args = parse_args(
+        [
+            tiny,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "64",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "32",
+            "--block-size",
+            "8",
+            "--served-model-name",
+            "tiny",
+            "--disable-access-log",
+            "--data-parallel-size",
+            "2",
+            # each replica speculates (greedy outputs stay the engine's)
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}',
+        ]
+    )
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
 
         def complete(prompt):
-            r = client.completions.create(model="tiny", prompt=prompt, max_tokens=GREEDY.max_tokens, temperature=0,
-                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            r = client.completions.create(
+                model="tiny",
+                prompt=prompt,
+                max_tokens=GREEDY.max_tokens,
+                temperature=0,
+                extra_body={"ignore_eos": True, "return_token_ids": True},
+            )
             return r.choices[0].model_extra["token_ids"]
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
@@ -89,8 +126,9 @@ def test_server_two_replicas(tiny, ref):
         with urllib.request.urlopen(srv.base_url + "/metrics") as resp:
             text = resp.read().decode()
     for metric in ("vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count"):
-        per_engine = {m[0]: float(m[1]) for m in re.findall(
-            metric + r'\{engine="(\d)",model_name="tiny"\} (\S+)', text)}
+        per_engine = {
+            m[0]: float(m[1]) for m in re.findall(metric + r'\{engine="(\d)",model_name="tiny"\} (\S+)', text)
+        }
         assert set(per_engine) == {"0", "1"} and all(v > 0 for v in per_engine.values()), (metric, per_engine)
     drafts = re.findall(r'vllm:spec_decode_num_drafts_total\{engine="(\d)",model_name="tiny"\} (\S+)', text)
     assert sorted(e for e, _ in drafts) == ["0", "1"] and sum(float(n) for _, n in drafts) > 0, drafts

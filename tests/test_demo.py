@@ -95,10 +95,25 @@ def test_conversion_layout(converted):
     assert os.listdir(cache) == [demo.DEMO_MODEL_NAME]  # no temp folder left behind
     config = json.load(open(os.path.join(path, "config.json")))
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"]
-    shape = {k: config[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads",
-                                    "num_key_value_heads", "intermediate_size", "vocab_size")}
-    assert shape == {"num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-                     "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152}
+    shape = {
+        k: config[k]
+        for k in (
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+    }
+    assert shape == {
+        "num_hidden_layers": 30,
+        "hidden_size": 576,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "intermediate_size": 1536,
+        "vocab_size": 49152,
+    }
     assert (config["rope_theta"], config["rms_norm_eps"]) == (100000.0, 1e-05)
     assert json.load(open(os.path.join(path, "generation_config.json")))["eos_token_id"] == 2
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
@@ -120,8 +135,13 @@ def test_conversion_is_cached(converted):
 
 @needs_gguf
 def test_tokenizer_round_trip(tokenizer):
-    texts = ["Hello, world!", "  leading spaces\n\ttabs and\r\nnewlines  ", "héllo wörld 日本語 🙂 ½ ²",
-             "x = [1, 22, 333]  # 2024-11-21", "<|im_start|>user\nhi<|im_end|>"]
+    texts = [
+        "Hello, world!",
+        "  leading spaces\n\ttabs and\r\nnewlines  ",
+        "héllo wörld 日本語 🙂 ½ ²",
+        "x = [1, 22, 333]  # 2024-11-21",
+        "<|im_start|>user\nhi<|im_end|>",
+    ]
     for text in texts:
         ids = tokenizer(text)["input_ids"]
         assert tokenizer.decode(ids) == text
@@ -156,5 +176,5 @@ def test_transformers_greedy_answers_paris(converted, tokenizer):
     inputs = tokenizer(text, return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
-    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer

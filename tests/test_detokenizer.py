@@ -96,8 +96,13 @@ def sentencepiece():
     spm = pytest.importorskip("sentencepiece")
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(_TRAIN), model_writer=model, vocab_size=330, model_type="bpe",
-        byte_fallback=True, character_coverage=1.0, minloglevel=2,
+        sentence_iterator=iter(_TRAIN),
+        model_writer=model,
+        vocab_size=330,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        minloglevel=2,
     )
     return _SentencePiece(spm.SentencePieceProcessor(model_proto=model.getvalue()))
 

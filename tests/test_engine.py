@@ -17,11 +17,13 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import RequestOutputKind
 from tests.tiny_models import make_tiny_model_dir
 
-PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
-           [101, 7],
-           [8] * 19,
-           [3],
-           [44, 55, 66, 77, 88, 99, 11, 22, 33]]
+PROMPTS = [
+    [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
+    [101, 7],
+    [8] * 19,
+    [3],
+    [44, 55, 66, 77, 88, 99, 11, 22, 33],
+]
 SHARED = [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9]  # > 2 blocks of 8
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -35,12 +37,19 @@ def hf_greedy(model, prompt, n):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def make_llm(model_dir, **kw):
-    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
-                block_size=8, enforce_eager=True, max_model_len=128)
+    base = dict(
+        dtype="float32",
+        num_gpu_blocks_override=96,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+    )
     return LLM(model_dir, **(base | kw))
 
 
@@ -133,8 +142,11 @@ def test_prompt_logprobs_survive_preemption_mid_prefill(tiny):
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     alone = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].prompt_logprobs
     before = llm.llm_engine.scheduler.num_preemptions
-    busy = llm.generate([{"prompt_token_ids": list(range(60, 100))}, {"prompt_token_ids": prompt}],
-                        [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), sp], use_tqdm=False)[1]
+    busy = llm.generate(
+        [{"prompt_token_ids": list(range(60, 100))}, {"prompt_token_ids": prompt}],
+        [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), sp],
+        use_tqdm=False,
+    )[1]
     assert llm.llm_engine.scheduler.num_preemptions > before
     _same_prompt_logprobs(busy.prompt_logprobs, alone)
     check_free(llm)
@@ -161,14 +173,19 @@ def test_prompt_logprobs_not_taken_from_an_aborted_request_of_the_same_id(tiny):
 def test_seeded_sampling_reproducible_and_batch_independent(llm):
     sp = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, seed=1234, max_tokens=8, ignore_eos=True)
     alone = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0].token_ids
-    batch = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                         [SamplingParams(temperature=0.7, seed=i, max_tokens=8) for i in range(4)] + [sp],
-                         use_tqdm=False)
+    batch = llm.generate(
+        [{"prompt_token_ids": p} for p in PROMPTS],
+        [SamplingParams(temperature=0.7, seed=i, max_tokens=8) for i in range(4)] + [sp],
+        use_tqdm=False,
+    )
     again = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)[0].outputs[0].token_ids
     batched = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, sp, use_tqdm=False)
     assert alone == again == batched[0].outputs[0].token_ids == batched[1].outputs[0].token_ids
-    other = llm.generate({"prompt_token_ids": PROMPTS[0]},
-                         SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    other = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=1.0, seed=99, max_tokens=8, ignore_eos=True),
+        use_tqdm=False,
+    )
     assert other[0].outputs[0].token_ids != alone
     assert len(batch) == 5
 
@@ -183,8 +200,9 @@ def test_n_and_logprobs(llm):
         for tok, d in zip(c.token_ids, c.logprobs):
             assert tok in d and 3 <= len(d) <= 4
             assert all(lp.logprob <= 0 for lp in d.values())
-        assert c.cumulative_logprob == pytest.approx(sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)),
-                                                     rel=1e-5)
+        assert c.cumulative_logprob == pytest.approx(
+            sum(d[t].logprob for t, d in zip(c.token_ids, c.logprobs)), rel=1e-5
+        )
     check_free(llm)
 
 
@@ -193,8 +211,16 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     same as the final cumulative output; the prompt's logprobs once), FINAL_ONLY one output at the end.
     LLM.generate asks for FINAL_ONLY on a copy: the caller's params are left as they were."""
     engine = llm.llm_engine
-    base = dict(n=2, temperature=1.0, seed=11, max_tokens=9, logprobs=2, prompt_logprobs=1, ignore_eos=True,
-                stop=["never-in-this-vocab"])
+    base = dict(
+        n=2,
+        temperature=1.0,
+        seed=11,
+        max_tokens=9,
+        logprobs=2,
+        prompt_logprobs=1,
+        ignore_eos=True,
+        stop=["never-in-this-vocab"],
+    )
     got = {}
     for kind in RequestOutputKind:
         engine.add_request(kind.name, {"prompt_token_ids": PROMPTS[0]}, SamplingParams(output_kind=kind, **base))
@@ -214,13 +240,15 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
         joined = [d for p in parts for d in p.logprobs]  # another row of the batch: equal up to rounding
         assert [list(d) for d in joined] == [list(d) for d in c.logprobs]
         assert [lp.logprob for d in joined for lp in d.values()] == pytest.approx(
-            [lp.logprob for d in c.logprobs for lp in d.values()], abs=1e-5)
+            [lp.logprob for d in c.logprobs for lp in d.values()], abs=1e-5
+        )
         assert parts[-1].cumulative_logprob == pytest.approx(c.cumulative_logprob, abs=1e-4)
         assert parts[-1].finish_reason == "length"
     sent = [o.prompt_logprobs for o in delta if o.prompt_logprobs is not None]
     assert len(sent) == 1 and len(sent[0]) == len(end.prompt_logprobs) == len(PROMPTS[0])
-    assert [None if d is None else list(d) for d in sent[0]] == [None if d is None else list(d)
-                                                                  for d in end.prompt_logprobs]
+    assert [None if d is None else list(d) for d in sent[0]] == [
+        None if d is None else list(d) for d in end.prompt_logprobs
+    ]
     sp = SamplingParams(**base)
     (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
     assert sp.output_kind is RequestOutputKind.CUMULATIVE
@@ -235,9 +263,12 @@ def test_delta_outputs_send_each_completion_when_it_has_news_and_its_finish_once
     base = dict(n=2, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
     (first,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(**base), use_tqdm=False)
     a, b = (c.token_ids for c in first.outputs)
-    stop = next(t for t in a[2:] if t not in b and t not in a[:a.index(t)])
-    engine.add_request("d", {"prompt_token_ids": PROMPTS[0]},
-                       SamplingParams(output_kind=RequestOutputKind.DELTA, stop_token_ids=[stop], **base))
+    stop = next(t for t in a[2:] if t not in b and t not in a[: a.index(t)])
+    engine.add_request(
+        "d",
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(output_kind=RequestOutputKind.DELTA, stop_token_ids=[stop], **base),
+    )
     outs = []
     while engine.has_unfinished_requests():
         outs += engine.step()
@@ -247,7 +278,7 @@ def test_delta_outputs_send_each_completion_when_it_has_news_and_its_finish_once
             assert c.token_ids or c.finish_reason, "a completion sent with nothing new"
             sent[c.index].append(c)
     assert [c.finish_reason for c in sent[0]].count("stop") == 1 and sent[0][-1].finish_reason == "stop"
-    assert sum((c.token_ids for c in sent[0]), []) == a[:a.index(stop) + 1]
+    assert sum((c.token_ids for c in sent[0]), []) == a[: a.index(stop) + 1]
     assert sum((c.token_ids for c in sent[1]), []) == b and len(sent[1]) > len(sent[0])
     assert [c.finish_reason for c in sent[1]].count("length") == 1 and outs[-1].finished
     with pytest.raises(ValueError, match="output_kind must be a RequestOutputKind"):
@@ -258,9 +289,11 @@ def test_delta_outputs_send_each_completion_when_it_has_news_and_its_finish_once
 def test_greedy_logprobs_match_hf(llm, tiny):
     _, model = tiny
     p = PROMPTS[0]
-    out = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=3, logprobs=2,
-                                                               prompt_logprobs=1, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": p},
+        SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     with torch.no_grad():
         ref = torch.log_softmax(model(torch.tensor([p + out.outputs[0].token_ids])).logits[0].double(), -1)
     first = out.outputs[0].logprobs[0][out.outputs[0].token_ids[0]]
@@ -273,24 +306,32 @@ def test_greedy_logprobs_match_hf(llm, tiny):
 def test_stop_token_ids_min_tokens_and_stop_strings(llm, hf_refs):
     ref = hf_refs[tuple(PROMPTS[0])]
     stop_tok = ref[3]
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
-                       SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     c = out.outputs[0]
     k = ref.index(stop_tok)
     assert c.token_ids == ref[: k + 1] and c.finish_reason == "stop" and c.stop_reason == stop_tok
     # min_tokens suppresses the stop token until enough tokens exist.
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]},
-                       SamplingParams(temperature=0, max_tokens=10, min_tokens=k + 2, stop_token_ids=[stop_tok]),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=k + 2, stop_token_ids=[stop_tok]),
+        use_tqdm=False,
+    )[0]
     assert len(out.outputs[0].token_ids) >= k + 2
     full = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY, use_tqdm=False)[0].outputs[0].text
     stop = full[4:7]
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10, stop=[stop]),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False
+    )[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == full[: full.index(stop)]
-    incl = llm.generate({"prompt_token_ids": PROMPTS[0]},
-                        SamplingParams(temperature=0, max_tokens=10, stop=[stop], include_stop_str_in_output=True),
-                        use_tqdm=False)[0].outputs[0]
+    incl = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=0, max_tokens=10, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert incl.text == full[: full.index(stop) + len(stop)]
     check_free(llm)
 
@@ -302,9 +343,11 @@ def test_stop_token_text_kept_only_with_include_stop_str(llm, hf_refs):
     k = ref.index(stop_tok)
     tok = llm.get_tokenizer()
     for include, n in ((False, k), (True, k + 1)):
-        c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(
-            temperature=0, max_tokens=10, stop_token_ids=[stop_tok], include_stop_str_in_output=include),
-            use_tqdm=False)[0].outputs[0]
+        c = llm.generate(
+            {"prompt_token_ids": PROMPTS[0]},
+            SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_tok], include_stop_str_in_output=include),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert c.token_ids == ref[: k + 1] and c.stop_reason == stop_tok
         assert c.text == tok.decode(ref[:n], skip_special_tokens=True)
 
@@ -318,12 +361,16 @@ def test_generation_config_eos_ids_and_max_new_tokens(tiny, hf_refs, tmp_path):
     with open(model_dir / "generation_config.json", "w") as f:
         json.dump({"eos_token_id": [2, extra], "max_new_tokens": 6}, f)
     llm = make_llm(str(model_dir))
-    c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10),
-                     use_tqdm=False)[0].outputs[0]
+    c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert c.token_ids == ref[: ref.index(extra) + 1] and c.finish_reason == "stop" and c.stop_reason == extra
     for max_tokens in (10, None):
-        c = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                                          ignore_eos=True), use_tqdm=False)[0]
+        c = llm.generate(
+            {"prompt_token_ids": PROMPTS[0]},
+            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
         assert c.outputs[0].token_ids == ref[:6] and c.outputs[0].finish_reason == "length"
 
 
@@ -332,8 +379,17 @@ def test_generation_config_sampling_defaults_apply_whatever_do_sample_says(tiny,
     generation_config.json with no do_sample gate (many checkpoints ship do_sample false beside them)."""
     model_dir = shutil.copytree(tiny[0], tmp_path / "model")
     with open(model_dir / "generation_config.json", "w") as f:
-        json.dump({"do_sample": False, "temperature": 0.6, "top_p": 0.9, "top_k": 20, "min_p": None,
-                   "repetition_penalty": 1.05}, f)
+        json.dump(
+            {
+                "do_sample": False,
+                "temperature": 0.6,
+                "top_p": 0.9,
+                "top_k": 20,
+                "min_p": None,
+                "repetition_penalty": 1.05,
+            },
+            f,
+        )
     sp = make_llm(str(model_dir)).get_default_sampling_params()
     assert (sp.temperature, sp.top_p, sp.top_k, sp.min_p, sp.repetition_penalty) == (0.6, 0.9, 20, 0.0, 1.05)
 
@@ -341,8 +397,11 @@ def test_generation_config_sampling_defaults_apply_whatever_do_sample_says(tiny,
 def test_max_logprobs_minus_one_returns_the_whole_vocabulary(tiny):
     llm = make_llm(tiny[0], max_logprobs=-1)
     V = llm.llm_engine.vocab_size
-    out = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(
-        temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=5, ignore_eos=True), use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[1]},
+        SamplingParams(temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=5, ignore_eos=True),
+        use_tqdm=False,
+    )[0]
     assert [len(d) for d in out.outputs[0].logprobs] == [V, V]
     assert out.prompt_logprobs[0] is None and 5 <= len(out.prompt_logprobs[1]) <= 6
     ranks = sorted(lp.rank for lp in out.outputs[0].logprobs[0].values())
@@ -418,11 +477,16 @@ def test_text_prompts_and_chat(llm):
     assert outs[0].prompt_token_ids == tok.encode("the engine was paged")
     assert outs[0].outputs[0].text == tok.decode(outs[0].outputs[0].token_ids, skip_special_tokens=True)
     chat = llm.chat([{"role": "user", "content": "the scheduler saw"}], GREEDY, use_tqdm=False)
-    assert chat[0].outputs[0].token_ids and chat[0].prompt_token_ids[-1] == tok.encode(
-        "<s>assistant:", add_special_tokens=False)[-1]
+    assert (
+        chat[0].outputs[0].token_ids
+        and chat[0].prompt_token_ids[-1] == tok.encode("<s>assistant:", add_special_tokens=False)[-1]
+    )
     # OpenAI content parts: text parts joined with newlines (vLLM); other parts are refused
-    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "the scheduler"},
-                                                   {"type": "text", "text": "saw"}]}], GREEDY, use_tqdm=False)
+    parts = llm.chat(
+        [{"role": "user", "content": [{"type": "text", "text": "the scheduler"}, {"type": "text", "text": "saw"}]}],
+        GREEDY,
+        use_tqdm=False,
+    )
     joined = llm.chat([{"role": "user", "content": "the scheduler\nsaw"}], GREEDY, use_tqdm=False)
     assert parts[0].prompt_token_ids == joined[0].prompt_token_ids
     with pytest.raises(ValueError, match="Content part type 'image_url'"):
@@ -432,17 +496,23 @@ def test_text_prompts_and_chat(llm):
 def test_penalties_and_logit_bias(llm, hf_refs):
     ref = hf_refs[tuple(PROMPTS[2])]
     banned = ref[0]
-    out = llm.generate({"prompt_token_ids": PROMPTS[2]},
-                       SamplingParams(temperature=0, max_tokens=10, logit_bias={banned: -100.0}, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[2]},
+        SamplingParams(temperature=0, max_tokens=10, logit_bias={banned: -100.0}, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert banned not in out.token_ids
-    rep = llm.generate({"prompt_token_ids": PROMPTS[2]},
-                       SamplingParams(temperature=0, max_tokens=10, repetition_penalty=5.0, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    rep = llm.generate(
+        {"prompt_token_ids": PROMPTS[2]},
+        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=5.0, ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert rep.token_ids != ref
-    allowed = llm.generate({"prompt_token_ids": PROMPTS[2]},
-                           SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[10, 11], ignore_eos=True),
-                           use_tqdm=False)[0].outputs[0]
+    allowed = llm.generate(
+        {"prompt_token_ids": PROMPTS[2]},
+        SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[10, 11], ignore_eos=True),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert set(allowed.token_ids) <= {10, 11}
     check_free(llm)
 
@@ -471,15 +541,21 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm, hf_refs):
     """vLLM's SamplingParams.truncate_prompt_tokens: the prompt's last k tokens (-1: max_model_len); larger
     than max_model_len, or 0, is refused."""
     long = [9, 9, 9] + PROMPTS[0]
-    (out,) = llm.generate({"prompt_token_ids": long},
-                          SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
-                                         truncate_prompt_tokens=len(PROMPTS[0])), use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": long},
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, truncate_prompt_tokens=len(PROMPTS[0])),
+        use_tqdm=False,
+    )
     assert out.prompt_token_ids == PROMPTS[0] and out.outputs[0].token_ids == hf_refs[tuple(PROMPTS[0])]
-    (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1),
-                          use_tqdm=False)
+    (out,) = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=2, truncate_prompt_tokens=-1), use_tqdm=False
+    )
     assert out.prompt_token_ids == PROMPTS[0]
-    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(129\) is greater than max_model_len "
-                                         r"\(128\). Please, select a smaller truncation size."):
+    with pytest.raises(
+        ValueError,
+        match=r"truncate_prompt_tokens value \(129\) is greater than max_model_len "
+        r"\(128\). Please, select a smaller truncation size.",
+    ):
         llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(truncate_prompt_tokens=129), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens must be an integer >= 1 or -1, got 0"):
         SamplingParams(truncate_prompt_tokens=0)
@@ -491,8 +567,9 @@ def test_priority_scheduling_policy(tiny):
     priorities (above). With room for one sequence at a time, the order of admission is the order of the
     first tokens."""
     llm = make_llm(tiny[0], scheduling_policy="priority", max_num_seqs=1)
-    outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}], GREEDY,
-                        priority=[5, 1], use_tqdm=False)
+    outs = llm.generate(
+        [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}], GREEDY, priority=[5, 1], use_tqdm=False
+    )
     first = [o.metrics.first_token_time for o in outs]
     assert first[1] < first[0]
     with pytest.raises(ValueError, match="scheduling_policy must be 'fcfs' or 'priority'"):
@@ -500,31 +577,37 @@ def test_priority_scheduling_policy(tiny):
     check_free(llm)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"temperature": -1}, "temperature must be non-negative, got -1."),
-    ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0."),
-    ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5."),
-    ({"top_k": -2}, r"top_k must be 0 \(disable\), or at least 1, got -2."),
-    ({"min_p": 2}, r"min_p must be in \[0, 1\], got 2."),
-    ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3."),
-    ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3."),
-    ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0."),
-    ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
-    ({"max_tokens": 3, "min_tokens": 4}, "min_tokens must be less than or equal to max_tokens=3, got 4."),
-    ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
-    ({"stop": "a", "detokenize": False}, "stop strings are only supported when detokenize is True"),
-    ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
-    ({"n": 0}, "n must be at least 1, got 0."),
-    ({"logprobs": -2}, "logprobs must be non-negative, got -2."),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"temperature": -1}, "temperature must be non-negative, got -1."),
+        ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0."),
+        ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5."),
+        ({"top_k": -2}, r"top_k must be 0 \(disable\), or at least 1, got -2."),
+        ({"min_p": 2}, r"min_p must be in \[0, 1\], got 2."),
+        ({"presence_penalty": 3}, r"presence_penalty must be in \[-2, 2\], got 3."),
+        ({"frequency_penalty": -3}, r"frequency_penalty must be in \[-2, 2\], got -3."),
+        ({"repetition_penalty": 0}, "repetition_penalty must be greater than zero, got 0."),
+        ({"max_tokens": 0}, "max_tokens must be at least 1, got 0."),
+        ({"max_tokens": 3, "min_tokens": 4}, "min_tokens must be less than or equal to max_tokens=3, got 4."),
+        ({"stop": ["a", ""]}, "stop cannot contain an empty string."),
+        ({"stop": "a", "detokenize": False}, "stop strings are only supported when detokenize is True"),
+        ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
+        ({"n": 0}, "n must be at least 1, got 0."),
+        ({"logprobs": -2}, "logprobs must be non-negative, got -2."),
+    ],
+)
 def test_sampling_params_validation(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
 
 
 def test_engine_level_validation(llm):
-    with pytest.raises(ValueError, match=r"The decoder prompt \(length 200\) is longer than the maximum model "
-                                         r"length of 128"):
+    with pytest.raises(
+        ValueError,
+        match=r"The decoder prompt \(length 200\) is longer than the maximum model "
+        r"length of 128",
+    ):
         llm.generate({"prompt_token_ids": [1] * 200}, GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="Requested logprobs of 21, which is greater than max allowed: 20"):
         llm.generate("x", SamplingParams(logprobs=21), use_tqdm=False)
@@ -547,8 +630,10 @@ def test_runner_rows_come_back_when_a_step_schedules_nothing(tiny):
     llm = make_llm(tiny[0], max_num_seqs=2)
     batch = llm.llm_engine.runner.batch
     rows = batch.tables.shape[0]
-    params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+    ]
     for _ in range(3 * rows):
         outs = llm.generate([{"prompt_token_ids": [5, 9]}, {"prompt_token_ids": [7]}], params, use_tqdm=False)
         assert [len(o.outputs[0].token_ids) for o in outs] == [4, 5]
@@ -583,9 +668,13 @@ def test_startup_fails_clearly_when_the_gpu_memory_is_not_free(monkeypatch):
         setup.check_free_device_memory(fraction, n)
 
     check(0.9, 1)  # 75 of 80 GiB free: enough
-    with pytest.raises(ValueError, match=re.escape(
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
             "Free memory on device (20.5/80.0 GiB) on startup is less than desired GPU memory utilization (0.9, "
-            "72.0 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes.")):
+            "72.0 GiB). Decrease GPU memory utilization or reduce GPU memory used by other processes."
+        ),
+    ):
         check(0.9, 2)  # tp 2: the second GPU is mostly taken
     setup.check_free_device_memory(0.9, 2)  # once per process
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
@@ -601,14 +690,17 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
     that: 0.9 meant 0.75 of the device. The engine asks for gpu_memory_utilization before the backend starts
     (not when the user set the variable), and sizes the cache from the whole device. An engine without
     pipeline stages also asks for the stream-ordered allocator (cuda_async), unless the user chose one."""
-    code = ("import os, sys; from jaxllm.engine.setup import request_device_memory; "
-            "request_device_memory(0.85, int(sys.argv[1])); "
-            "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))")
+    code = (
+        "import os, sys; from jaxllm.engine.setup import request_device_memory; "
+        "request_device_memory(0.85, int(sys.argv[1])); "
+        "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))"
+    )
     env = {k: v for k, v in os.environ.items() if "MEM_FRACTION" not in k and k != "XLA_PYTHON_CLIENT_ALLOCATOR"}
 
     def run(e, pp="1"):
-        return subprocess.run([sys.executable, "-c", code, pp], env=e, capture_output=True, text=True,
-                              check=True).stdout.split()[-2:]
+        return subprocess.run(
+            [sys.executable, "-c", code, pp], env=e, capture_output=True, text=True, check=True
+        ).stdout.split()[-2:]
 
     assert run(env) == ["0.8500", "cuda_async"]  # no pipeline stages (any tp): the stream-ordered allocator too
     assert run(env, pp="2") == ["0.8500", "None"]  # pp > 1: jax's default allocator
@@ -652,19 +744,25 @@ def test_request_output_has_vllms_fields(llm):
         assert out.num_cached_tokens == cached
     assert out.lora_request is None and out.outputs[0].lora_request is None and out.multi_modal_placeholders == {}
     assert out.encoder_prompt is None and out.kv_transfer_params is None
-    assert repr(out).startswith(f"RequestOutput(request_id={out.request_id}, prompt=None, prompt_token_ids="
-                                f"{prompt}, encoder_prompt=None, encoder_prompt_token_ids=None, ")
+    assert repr(out).startswith(
+        f"RequestOutput(request_id={out.request_id}, prompt=None, prompt_token_ids="
+        f"{prompt}, encoder_prompt=None, encoder_prompt_token_ids=None, "
+    )
     assert repr(out).endswith("lora_request=None, num_cached_tokens=8, multi_modal_placeholders={})")
 
 
 def test_max_model_len_caps_output(llm):
-    out = llm.generate({"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
-                       use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": [3] * 125}, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "length"
     # max_tokens=None fills the context; a prompt of exactly max_model_len still gets its one token (vLLM)
     for n, want in ((100, 28), (128, 1)):
-        out = llm.generate({"prompt_token_ids": [3] * n}, SamplingParams(temperature=0, max_tokens=None,
-                                                                         ignore_eos=True), use_tqdm=False)[0].outputs[0]
+        out = llm.generate(
+            {"prompt_token_ids": [3] * n},
+            SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+            use_tqdm=False,
+        )[0].outputs[0]
         assert len(out.token_ids) == want and out.finish_reason == "length"
     check_free(llm)
 
@@ -716,8 +814,11 @@ def test_cpu_fp8_kv_pages_are_written_in_place(tiny, monkeypatch):
     def run():
         llm = make_llm(tiny[0], kv_cache_dtype="fp8")
         outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-        return llm.llm_engine.runner, [o.token_ids for o in outs], [
-            [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs]
+        return (
+            llm.llm_engine.runner,
+            [o.token_ids for o in outs],
+            [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs],
+        )
 
     r, tokens, lps = run()
     assert r.kv_caches[0][0].dtype == jnp.uint8 and not whole_cache_rewrites(r)
@@ -746,16 +847,26 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
     gate = threading.Event()
     compile_in_background = runner.programs._compile_in_background
     runner.programs._compile_in_background = lambda v, args: gate.wait() and compile_in_background(v, args)
-    params = [SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=1.0, presence_penalty=0.5, repetition_penalty=1.2, seed=4, max_tokens=6,
-                             ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, logit_bias={7: 5.0}, max_tokens=6, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=20, seed=3, max_tokens=6, ignore_eos=True),
+        SamplingParams(
+            temperature=1.0,
+            presence_penalty=0.5,
+            repetition_penalty=1.2,
+            seed=4,
+            max_tokens=6,
+            ignore_eos=True,
+            logprobs=2,
+        ),
+        SamplingParams(temperature=0, logit_bias={7: 5.0}, max_tokens=6, ignore_eos=True),
+    ]
     prompts = [{"prompt_token_ids": p} for p in PROMPTS[:3]]
 
     def run():
         outs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-        return [o.token_ids for o in outs], [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs or []]
-                                             for o in outs]
+        return [o.token_ids for o in outs], [
+            [{t: lp.logprob for t, lp in d.items()} for d in o.logprobs or []] for o in outs
+        ]
 
     split = run()
     assert len(runner.programs.compiled) == n_steps and runner.programs.samplers and runner.programs.pending
@@ -814,8 +925,13 @@ params = [SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, **k)
 llm.generate([[1, 2, 3]] * 3, params, use_tqdm=False)
 print("queued", len(runner.programs.pending), flush=True)
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.split("\n")
     at = next(i for i, line in enumerate(lines) if line.startswith("queued"))
@@ -836,8 +952,11 @@ def test_cpu_kv_cache_of_a_16_bit_model_is_stored_as_float32(tiny, monkeypatch):
         llm = make_llm(tiny[0], dtype="bfloat16")
         r = llm.llm_engine.runner
         outs = [o.outputs[0] for o in llm.generate(prompts, sp, use_tqdm=False)]
-        return r, [o.token_ids for o in outs], [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs]
-                                                 for o in outs]
+        return (
+            r,
+            [o.token_ids for o in outs],
+            [[{t: lp.logprob for t, lp in d.items()} for d in o.logprobs] for o in outs],
+        )
 
     r, tokens, lps = run()
     assert r.kv_caches[0][0].dtype == jnp.float32
@@ -886,10 +1005,24 @@ def test_packed_host_inputs_round_trip():
     i32 = lambda *s: rng.integers(-5, 1000, s).astype(np.int32)  # noqa: E731
     f32 = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     meta = AttentionMetadata(i32(T), i32(T), i32(B), i32(B + 1), i32(B, 4), True)
-    smd = SamplingMetadata(f32(B), f32(B), i32(B), f32(B), f32(B), f32(B), f32(B),
-                           np.array([0, 2**32 - 1, 2**31 + 5], np.uint32), i32(B), i32(B, 2),
-                           np.array([[True, False], [False, False], [True, True]]), i32(B, 1), f32(B, 1), i32(B, 3),
-                           i32(2, 4), i32(B))
+    smd = SamplingMetadata(
+        f32(B),
+        f32(B),
+        i32(B),
+        f32(B),
+        f32(B),
+        f32(B),
+        f32(B),
+        np.array([0, 2**32 - 1, 2**31 + 5], np.uint32),
+        i32(B),
+        i32(B, 2),
+        np.array([[True, False], [False, False], [True, True]]),
+        i32(B, 1),
+        f32(B, 1),
+        i32(B, 3),
+        i32(2, 4),
+        i32(B),
+    )
     host = (i32(T), i32(T), meta, i32(B), smd, i32(T))
     ints, floats, layout = pack_host_args(host)
     assert ints.dtype == np.int32 and floats.dtype == np.float32

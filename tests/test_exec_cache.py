@@ -63,8 +63,17 @@ def start(model_dir, cache_dir, monkeypatch):
     # out again and counted as JAX's cache's (not stored), so every start begins from empty caches.
     jax.clear_caches()
     monkeypatch.setattr(setup, "_executable_cache_dir", lambda args: str(cache_dir))
-    return LLM(model_dir, dtype="float32", num_gpu_blocks_override=72, max_num_seqs=8, max_num_batched_tokens=64,
-               block_size=8, max_model_len=64, enforce_eager=False, compilation_cache_dir=None)
+    return LLM(
+        model_dir,
+        dtype="float32",
+        num_gpu_blocks_override=72,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        max_model_len=64,
+        enforce_eager=False,
+        compilation_cache_dir=None,
+    )
 
 
 def run(llm):
@@ -129,8 +138,9 @@ def test_warm_up_compiles_while_the_weights_load_and_the_kv_cache_is_unallocated
     assert seen and set(seen) == {jax.ShapeDtypeStruct}
     assert events == ["compile", "allocate"]  # the KV cache's memory is allocated after the compiles
     assert all(isinstance(a, jax.Array) and not a.is_deleted() for a in jax.tree.leaves(runner.params))
-    assert all(isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72
-               for a in jax.tree.leaves(runner.kv_caches))
+    assert all(
+        isinstance(a, jax.Array) and not a.is_deleted() and a.shape[1] == 72 for a in jax.tree.leaves(runner.kv_caches)
+    )
     assert run(llm)[0]  # the compiled steps run on the loaded weights and the new cache
 
 
@@ -226,8 +236,13 @@ cache.compile_and_store("other", jax.jit(f).lower(x).compile)  # from JAX's cach
 cache.compile_and_store("again", jax.jit(f).lower(x).compile)  # the same, from JAX's in-memory cache
 print(cache.stores, cache.from_jax_cache, cache.load(key, (x,))(x).tolist())
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == "1 2 [1, 3, 5, 7, 9, 11, 13, 15]"
 
@@ -256,8 +271,13 @@ key = cache.key("f", (x,), ())
 print(cache.compile_and_store(key, jax.jit(f).lower(x).compile)(x).tolist())  # JAX's in-memory copy
 print(cache.stores, cache.from_jax_cache, cache.load(key, (x,)))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-3:-1] == ["[1, 3, 5, 7, 9, 11, 13, 15]", "0 1 None"]
 
@@ -278,16 +298,20 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
     small_decode = programs_mod.StepVariant(big // 2, big // 2, True, SamplerFlags(), 0)
     big_decode = programs_mod.StepVariant(big, big, True, SamplerFlags(), 0)
     variants = (mixed, small_decode, big_decode)
-    fake = types.SimpleNamespace(exec_cache=exec_cache.ExecutableCache(str(tmp_path), jax.devices()), cfg="cfg",
-                                 attn="attn", drafter=None)
+    fake = types.SimpleNamespace(
+        exec_cache=exec_cache.ExecutableCache(str(tmp_path), jax.devices()), cfg="cfg", attn="attn", drafter=None
+    )
     args = (jnp.ones(4),)
     cpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
     assert [programs_mod.compile_options(v) for v in variants] == [{}, {}, {}]
 
     monkeypatch.setattr(programs_mod.jax, "default_backend", lambda: "gpu")
     options = [programs_mod.compile_options(v) for v in variants]
-    assert options == [{"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}, {},
-                       {"xla_gpu_enable_triton_gemm": False}]
+    assert options == [
+        {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False},
+        {},
+        {"xla_gpu_enable_triton_gemm": False},
+    ]
     gpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
     assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1] and gpu_keys[2] != cpu_keys[2]
     monkeypatch.undo()

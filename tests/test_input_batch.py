@@ -52,12 +52,19 @@ def test_no_free_row_is_a_clear_error():
 
 def test_rows_record_sampler_features():
     b = InputBatch(max_rows=4, max_pages=2)
-    plain, filt, pen, rest = (seq("p", [1], temperature=0.0), seq("f", [2], top_p=0.5),
-                              seq("r", [3], repetition_penalty=1.1),
-                              seq("x", [4], allowed_token_ids=[5], logprobs=1, prompt_logprobs=0))
+    plain, filt, pen, rest = (
+        seq("p", [1], temperature=0.0),
+        seq("f", [2], top_p=0.5),
+        seq("r", [3], repetition_penalty=1.1),
+        seq("x", [4], allowed_token_ids=[5], logprobs=1, prompt_logprobs=0),
+    )
     rows = b.rows([plain, filt, pen, rest])
-    assert b.features[rows].tolist() == [HAS_PARAMS, HAS_PARAMS | FILTERING, HAS_PARAMS | PENALTIES,
-                                         HAS_PARAMS | ALLOWED_IDS | LOGPROBS | PROMPT_LOGPROBS]
+    assert b.features[rows].tolist() == [
+        HAS_PARAMS,
+        HAS_PARAMS | FILTERING,
+        HAS_PARAMS | PENALTIES,
+        HAS_PARAMS | ALLOWED_IDS | LOGPROBS | PROMPT_LOGPROBS,
+    ]
     b.release(["p"])
     assert b.features[b.rows([seq("none", [6])])[0]] == 0  # no sampling params: a padding row
 

@@ -66,8 +66,7 @@ DECODE_CASES = [
     (4, 4, 128, 32, jnp.float16, [32, 33, 5], {}),
     (8, 1, 64, 64, jnp.bfloat16, [64, 65, 1], {}),
     (6, 2, 64, 16, jnp.float32, [300, 47], dict(num_splits=3, block_k=32)),
-    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2,
-                                                      block_k=32)),
+    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 31], dict(sliding_window=20, alibi_slopes=True, num_splits=2, block_k=32)),
     (16, 1, 64, 16, jnp.bfloat16, [70, 5], dict(num_splits=2, block_k=32)),  # G = 16: no stacked copies
     (4, 2, 128, 16, jnp.bfloat16, [90, 3], dict(alibi_slopes=True, num_splits=2, block_k=32)),  # 8 copies of G=2
     # prefetch modes (2, the default, loads block-table entries two blocks ahead; 1 only the next block's
@@ -142,8 +141,7 @@ RAGGED_CASES = [
     # N, K, H, S, dtype, q_lens, seq_lens, extra
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32)),
     (4, 4, 64, 32, jnp.float16, [33, 16, 1], [33, 48, 64], dict(block_m=16, block_k=32)),
-    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7,
-                                                         alibi_slopes=True)),
+    (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, alibi_slopes=True)),
     (3, 1, 128, 16, jnp.float32, [17, 2], [17, 65], dict(block_m=16, block_k=64)),
     (8, 2, 64, 16, jnp.bfloat16, [5, 1, 40, 0], [5, 30, 170, 0], dict(block_m=32, block_k=32, prefetch=1)),
     (16, 2, 64, 16, jnp.bfloat16, [20, 3], [52, 3], dict(block_m=32, block_k=16, sliding_window=7, prefetch=1)),
@@ -180,7 +178,7 @@ def test_ragged_matches_reference(N, K, H, S, dtype, q_lens, seq_lens, extra):
     if "soft_cap" in kw:  # the cap matters at these scores: without it the kernel would fail the check
         with pytest.raises(AssertionError):
             check(out, reference.ragged_paged_attention_ref(*args, **(kw | {"soft_cap": None})), dtype)
-    assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
+    assert not np.asarray(out[sum(q_lens) :], np.float32).any(), "padding tokens must be zero"
 
 
 @pytest.mark.parametrize("split_decode", [True, False])
@@ -194,7 +192,7 @@ def test_ragged_entry_point_mixed_batch(split_decode):
     out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, split_decode=split_decode, interpret=True, **kw)
     ref = reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, **kw)
     check(out, ref, jnp.bfloat16)
-    assert not np.asarray(out[int(qsl[-1]):], np.float32).any()  # padding tokens: zeros
+    assert not np.asarray(out[int(qsl[-1]) :], np.float32).any()  # padding tokens: zeros
 
 
 def test_ragged_entry_point_fp8_default_tiles():
@@ -252,8 +250,11 @@ def test_combine_splits_ignores_unwritten_slots(block_h):
     o[:, :, live:], m[:, :, live:], l[:, :, live:] = np.nan, np.nan, np.nan
     m[0, 1, 1], l[0, 1, 1] = -np.inf, 0.0
     m[1, 0, :live], l[1, 0, :live] = -np.inf, 0.0
-    out = np.asarray(combine_splits(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), live, jnp.float32,
-                                    interpret=True, block_h=block_h))
+    out = np.asarray(
+        combine_splits(
+            jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), live, jnp.float32, interpret=True, block_h=block_h
+        )
+    )
     with np.errstate(invalid="ignore"):  # a row whose splits are all empty: -inf - -inf, masked out by l > 0
         w = np.where(l[:, :, :live] > 0, np.exp2(m[:, :, :live] - m[:, :, :live].max(2, keepdims=True)), 0.0)
     w = np.nan_to_num(w) * l[:, :, :live]
@@ -285,12 +286,15 @@ def test_write_kv_kernel_matches_scatter(kv_dtype):
     assert np.isfinite(np.asarray(ok.astype(jnp.float32))).sum() == (T - 2) * K * H
 
 
-@pytest.mark.parametrize("G,K,H,kv_dtype,rope", [
-    (4, 2, 64, jnp.bfloat16, True),
-    (3, 3, 128, jnp.bfloat16, True),  # G and K not powers of two (Qwen2.5-7B has G = 7)
-    (1, 2, 64, jnp.float8_e4m3fn, True),
-    (2, 2, 64, jnp.float32, False),  # ALiBi models: split and write only
-])
+@pytest.mark.parametrize(
+    "G,K,H,kv_dtype,rope",
+    [
+        (4, 2, 64, jnp.bfloat16, True),
+        (3, 3, 128, jnp.bfloat16, True),  # G and K not powers of two (Qwen2.5-7B has G = 7)
+        (1, 2, 64, jnp.float8_e4m3fn, True),
+        (2, 2, 64, jnp.float32, False),  # ALiBi models: split and write only
+    ],
+)
 def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
     """q (RoPE'd) and every written slot equal the reference (split, apply_rope, scatter) bit for bit;
     padding slots (-1) write nothing (the NaN pages show a stray write)."""
@@ -319,8 +323,9 @@ def test_qkv_write_kv_kernel_matches_reference(G, K, H, kv_dtype, rope):
             np.testing.assert_array_equal(g, w)
     assert np.isfinite(np.asarray(got[1].astype(jnp.float32))).sum() == (T - 2) * K * H
     if rope:  # the rotation happened (not a copy)
-        assert not np.array_equal(np.asarray(got[0], np.float32), np.asarray(qkv[:, :, :G].reshape(T, K * G, H),
-                                                                                np.float32))
+        assert not np.array_equal(
+            np.asarray(got[0], np.float32), np.asarray(qkv[:, :, :G].reshape(T, K * G, H), np.float32)
+        )
 
 
 def test_qkv_write_kv_kernel_sums_split_k_partials():
@@ -350,10 +355,28 @@ FUSED_DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 2], 0, True, dict(num_splits=1, block_k=32)),  # one split: final output
     (7, 1, 128, 16, jnp.bfloat16, [31, 32, 90], 2, True, dict(num_splits=2, block_k=32)),  # G = 7: padded q rows
     (2, 2, 64, 16, jnp.float8_e4m3fn, [40, 1, 16], 0, True, dict(prefetch=1)),  # quantized on the way in
-    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 33], 0, False, dict(sliding_window=20, alibi_slopes=True,
-                                                              num_splits=2, block_k=32, prefetch=3)),
-    (4, 2, 64, 16, jnp.bfloat16, [200, 9, 1], 0, True, dict(soft_cap=1.5, sliding_window=20, num_splits=2,
-                                                            block_k=32)),  # the new token's score is capped too
+    (
+        4,
+        2,
+        64,
+        16,
+        jnp.bfloat16,
+        [200, 9, 33],
+        0,
+        False,
+        dict(sliding_window=20, alibi_slopes=True, num_splits=2, block_k=32, prefetch=3),
+    ),
+    (
+        4,
+        2,
+        64,
+        16,
+        jnp.bfloat16,
+        [200, 9, 1],
+        0,
+        True,
+        dict(soft_cap=1.5, sliding_window=20, num_splits=2, block_k=32),
+    ),  # the new token's score is capped too
 ]
 
 
@@ -387,8 +410,9 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
     scales = {k_: kw[k_] for k_ in ("k_scale", "v_scale") if k_ in kw}
     q, k_ref, v_ref = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots_a, dtype=jnp.bfloat16, **scales)
     want = reference.paged_decode_attention_ref(q, k_ref, v_ref, lens_a, bt, **kw)
-    out, k_out, v_out = kp.fused_decode_attention(qkv, pos, inv_freq, k, v, slots_a, lens_a, bt, dtype=jnp.bfloat16,
-                                                  interpret=True, **kw, **extra)
+    out, k_out, v_out = kp.fused_decode_attention(
+        qkv, pos, inv_freq, k, v, slots_a, lens_a, bt, dtype=jnp.bfloat16, interpret=True, **kw, **extra
+    )
     live = np.asarray(lens) > 0
     check(out[live], want[live], jnp.bfloat16)
     assert not np.asarray(out[~live], np.float32).any()
@@ -405,12 +429,32 @@ def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])
     qkv = jnp.zeros((3, 2, 6, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="one token per sequence: 3 tokens, 2 sequences"):
-        kp.fused_decode_attention(qkv, jnp.zeros(3, jnp.int32), None, k, v, jnp.zeros(3, jnp.int32),
-                                  jnp.asarray([5, 7], jnp.int32), bt, scale=0.125, interpret=True)
+        kp.fused_decode_attention(
+            qkv,
+            jnp.zeros(3, jnp.int32),
+            None,
+            k,
+            v,
+            jnp.zeros(3, jnp.int32),
+            jnp.asarray([5, 7], jnp.int32),
+            bt,
+            scale=0.125,
+            interpret=True,
+        )
     parts = jnp.zeros((4, 2, 2, 6, 64), jnp.float32)
     with pytest.raises(ValueError, match="split-K partials .* needs dtype="):
-        kp.fused_decode_attention(parts, jnp.zeros(2, jnp.int32), None, k, v, jnp.zeros(2, jnp.int32),
-                                  jnp.asarray([5, 7], jnp.int32), bt, scale=0.125, interpret=True)
+        kp.fused_decode_attention(
+            parts,
+            jnp.zeros(2, jnp.int32),
+            None,
+            k,
+            v,
+            jnp.zeros(2, jnp.int32),
+            jnp.asarray([5, 7], jnp.int32),
+            bt,
+            scale=0.125,
+            interpret=True,
+        )
     with pytest.raises(ValueError, match="split-K partials .* needs dtype="):
         kp.qkv_write_kv(parts, jnp.zeros(2, jnp.int32), None, k, v, jnp.zeros(2, jnp.int32), interpret=True)
 
@@ -431,16 +475,24 @@ def test_model_through_pallas_kernels_matches_reference(tmp_path, tp):
     from tests.model_harness import ragged_logits
 
     torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=96, hidden_size=64 * 2 * tp, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=2 * tp, num_key_value_heads=tp, max_position_embeddings=128)  # H = 64
+    hf = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64 * 2 * tp,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2 * tp,
+        num_key_value_heads=tp,
+        max_position_embeddings=128,
+    )  # H = 64
     LlamaForCausalLM(hf).save_pretrained(tmp_path)
     cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
     mesh = ParallelConfig(tp, 1).make_mesh()
     params = load_params(str(tmp_path), cfg, mesh)
     seqs, cached = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9], [8, 1, 0]
     ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh))
-    out = ragged_logits(params, cfg, seqs, cached, block_size=8,
-                        attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh))
+    out = ragged_logits(
+        params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(backend="pallas", interpret=True, mesh=mesh)
+    )
     for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
@@ -462,8 +514,15 @@ def test_model_split_k_qkv_path_matches_reference(tmp_path, monkeypatch, cached,
     from tests.model_harness import ragged_logits
 
     torch.manual_seed(1)
-    hf = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # H = 32
+    hf = LlamaConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )  # H = 32
     LlamaForCausalLM(hf).save_pretrained(tmp_path)
     cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
     mesh = ParallelConfig(1, 1).make_mesh()
@@ -501,8 +560,15 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     from tests.model_harness import ragged_logits
 
     torch.manual_seed(2)
-    hf = LlamaConfig(vocab_size=96, hidden_size=64 * 2 * tp, intermediate_size=96, num_hidden_layers=2,
-                     num_attention_heads=4 * tp, num_key_value_heads=2 * tp, max_position_embeddings=128)  # H = 32
+    hf = LlamaConfig(
+        vocab_size=96,
+        hidden_size=64 * 2 * tp,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4 * tp,
+        num_key_value_heads=2 * tp,
+        max_position_embeddings=128,
+    )  # H = 32
     LlamaForCausalLM(hf).save_pretrained(tmp_path)
     cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
     mesh = ParallelConfig(tp, 1).make_mesh()
@@ -524,13 +590,15 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas, pad_tokens=2, pad_seqs=2)
     assert seen == [(4, 5, 2, 4, 32)] if tp == 1 else seen == [(5, 2, 4, 32)]  # [S,] T = B = 5, K per shard 2
     assert tuning == [2 if tp == 1 else None]
-    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2,
-                        pad_seqs=2)
+    ref = ragged_logits(
+        params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=2, pad_seqs=2
+    )
     for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
 # ---- Mosaic GPU prefill kernel (_prefill_mgpu.py), in jax's Mosaic GPU interpreter (slow: two cases) ----
+
 
 def test_mosaic_prefill_matches_reference():
     """Chunks over cached prefixes (one ends mid-page: NaN in the page's tail), padding tokens: zeros."""
@@ -541,7 +609,7 @@ def test_mosaic_prefill_matches_reference():
     args = _ragged_args(rng, 4, 2, 64, 16, jnp.bfloat16, q_lens, seq_lens)
     out = ragged_prefill_mgpu(*args, scale=0.125, block_kv=64, interpret=True)
     check(out, reference.ragged_paged_attention_ref(*args, scale=0.125), jnp.bfloat16)
-    assert not np.asarray(out[sum(q_lens):], np.float32).any(), "padding tokens must be zero"
+    assert not np.asarray(out[sum(q_lens) :], np.float32).any(), "padding tokens must be zero"
 
 
 def test_mosaic_prefill_through_the_entry_point_mixed_batch():
@@ -552,18 +620,22 @@ def test_mosaic_prefill_through_the_entry_point_mixed_batch():
     q, k, v, lens, qsl, bt = _ragged_args(rng, 4, 1, 64, 16, jnp.float16, q_lens, seq_lens)
     out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, scale=0.125, prefill_backend="mosaic", interpret=True)
     check(out, reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=0.125), jnp.float16)
-    assert not np.asarray(out[int(qsl[-1]):], np.float32).any()
+    assert not np.asarray(out[int(qsl[-1]) :], np.float32).any()
 
 
 # ---- Mosaic GPU decode kernel (_decode_mgpu.py), in the interpreter (slow: small grids) ----
 
-@pytest.mark.parametrize("N,K,dtype,lens,table_pages,splits,slots", [
-    # split-K: empty / one-token / page-boundary / padding sequences, NaN in unused pages and page tails
-    (8, 2, jnp.bfloat16, [100, 1, 17, 0], None, 2, 4),
-    # one split (the output written in q's dtype, no combine); G = 8; 4 blocks through a 2-slot ring; a table
-    # exactly as wide as the longest sequence and not a whole number of 4-page blocks (13 pages)
-    (8, 1, jnp.float16, [200, 16, 33], 13, 1, 2),
-])
+
+@pytest.mark.parametrize(
+    "N,K,dtype,lens,table_pages,splits,slots",
+    [
+        # split-K: empty / one-token / page-boundary / padding sequences, NaN in unused pages and page tails
+        (8, 2, jnp.bfloat16, [100, 1, 17, 0], None, 2, 4),
+        # one split (the output written in q's dtype, no combine); G = 8; 4 blocks through a 2-slot ring; a table
+        # exactly as wide as the longest sequence and not a whole number of 4-page blocks (13 pages)
+        (8, 1, jnp.float16, [200, 16, 33], 13, 1, 2),
+    ],
+)
 def test_mosaic_decode_matches_reference(N, K, dtype, lens, table_pages, splits, slots):
     from kernels_pallas._decode_mgpu import paged_decode_mgpu
 

@@ -57,9 +57,16 @@ def base(tmp_path_factory):
 def adapters(tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     a1 = make_adapter(str(root / "a1"), 1, r=4, lora_alpha=8, target_modules=ALL_MODULES)
-    a2 = make_adapter(str(root / "a2"), 2, r=8, lora_alpha=16, use_rslora=True,
-                      target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"down_proj": 2},
-                      alpha_pattern={"down_proj": 4})
+    a2 = make_adapter(
+        str(root / "a2"),
+        2,
+        r=8,
+        lora_alpha=16,
+        use_rslora=True,
+        target_modules=["q_proj", "v_proj", "down_proj"],
+        rank_pattern={"down_proj": 2},
+        alpha_pattern={"down_proj": 4},
+    )
     return {"a1": (str(root / "a1"), a1), "a2": (str(root / "a2"), a2)}
 
 
@@ -68,14 +75,22 @@ def adapters(tmp_path_factory):
 def test_batched_delta_matches_per_token_reference(kind):
     S, R, T, D, N, K, H, F, V = 3, 4, 11, 16, 4, 2, 4, 24, 32
     G = N // K
-    shapes = {"qkv": ((S, D, 3, R), (S, R, K, G + 2, H), (T, D)), "o": ((S, N, H, R), (S, R, D), (T, N, H)),
-              "gate_up": ((S, D, 2, R), (S, R, 2, F), (T, D)), "down": ((S, F, R), (S, R, D), (T, F)),
-              "embed": ((S, V, R), (S, R, D), None), "lm_head": ((S, D, R), (S, R, V), (T, D))}
+    shapes = {
+        "qkv": ((S, D, 3, R), (S, R, K, G + 2, H), (T, D)),
+        "o": ((S, N, H, R), (S, R, D), (T, N, H)),
+        "gate_up": ((S, D, 2, R), (S, R, 2, F), (T, D)),
+        "down": ((S, F, R), (S, R, D), (T, F)),
+        "embed": ((S, V, R), (S, R, D), None),
+        "lm_head": ((S, D, R), (S, R, V), (T, D)),
+    }
     sa, sb, sx = shapes[kind]
     rng = np.random.default_rng(0)
     A, B = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (sa, sb))
-    x = jnp.asarray(rng.integers(0, V, T), jnp.int32) if sx is None else jnp.asarray(rng.standard_normal(sx),
-                                                                                        jnp.float32)
+    x = (
+        jnp.asarray(rng.integers(0, V, T), jnp.int32)
+        if sx is None
+        else jnp.asarray(rng.standard_normal(sx), jnp.float32)
+    )
     slots = jnp.asarray([-1, 0, 1, 2, 2, -1, 0, 1, 1, 2, 0], jnp.int32)
     got = ops.delta(kind, x, A, B, ops.select(slots, S))
     want = ops.delta_reference(kind, x, A, B, slots)
@@ -111,13 +126,27 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(ba
     owners = [1, 0, 2]  # lora_int_id per prompt (0: the base model)
     chunks = [SeqChunk(p, 0, [1 + 2 * i, 2 + 2 * i]) for i, p in enumerate(prompts)]
     inp = build_step_inputs(chunks, 4, 16, 4, 4)
-    meta = AttentionMetadata(*(jnp.asarray(getattr(inp, f)) for f in ("positions", "slot_mapping", "seq_lens",
-                                                                       "query_start_loc", "block_tables")),
-                             inp.decode_only)
+    meta = AttentionMetadata(
+        *(
+            jnp.asarray(getattr(inp, f))
+            for f in ("positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+        ),
+        inp.decode_only,
+    )
     token_slots = np.full(16, -1, np.int32)
     token_slots[: inp.num_tokens] = np.repeat([slot_of.get(o, -1) for o in owners], [len(p) for p in prompts])
-    out = np.asarray(_logits(params, make_kv_caches(cfg, mesh, 16, 4), jnp.asarray(inp.token_ids), meta,
-                             slots.arrays, jnp.asarray(token_slots), cfg, AttentionConfig(mesh=mesh)))
+    out = np.asarray(
+        _logits(
+            params,
+            make_kv_caches(cfg, mesh, 16, 4),
+            jnp.asarray(inp.token_ids),
+            meta,
+            slots.arrays,
+            jnp.asarray(token_slots),
+            cfg,
+            AttentionConfig(mesh=mesh),
+        )
+    )
     hf = {0: adapters["a1"][1].get_base_model(), 1: adapters["a1"][1], 2: adapters["a2"][1]}
     lo = 0
     for p, owner in zip(prompts, owners, strict=True):
@@ -128,7 +157,7 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(ba
                     ref = adapters["a1"][1](torch.tensor([p])).logits[0].numpy()
             else:
                 ref = model(torch.tensor([p])).logits[0].numpy()
-        np.testing.assert_allclose(out[lo: lo + len(p)], ref, atol=2e-4, rtol=1e-4)
+        np.testing.assert_allclose(out[lo : lo + len(p)], ref, atol=2e-4, rtol=1e-4)
         lo += len(p)
 
 
@@ -175,11 +204,15 @@ def test_bad_adapters_are_refused_naming_the_field(base, adapters, tmp_path):
 
     hf_cfg = make_hf_model("llama").config
     hf_cfg.hidden_size, hf_cfg.intermediate_size = 32, 48
-    wide = peft.get_peft_model(AutoModelForCausalLM.from_config(hf_cfg),
-                               peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    wide = peft.get_peft_model(
+        AutoModelForCausalLM.from_config(hf_cfg), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
     wide.peft_config["default"].base_model_name_or_path = "other/llama-32"
     wide.save_pretrained(str(tmp_path / "wide"))
-    with pytest.raises(ValueError, match=r"^base_model_name_or_path: .*'other/llama-32'.*: model\.layers\.0\.self_attn\.q_proj maps 32 -> "):
+    with pytest.raises(
+        ValueError,
+        match=r"^base_model_name_or_path: .*'other/llama-32'.*: model\.layers\.0\.self_attn\.q_proj maps 32 -> ",
+    ):
         load_adapter(str(tmp_path / "wide"), cfg, 16)
 
 
@@ -193,8 +226,10 @@ def test_lora_config_and_request_checks():
     with pytest.raises(ValueError, match="pipeline_parallel_size"):
         EngineArgs(enable_lora=True, pipeline_parallel_size=2).validate()
     with pytest.raises(ValueError, match="enable_lora is not supported with speculative decoding"):
-        EngineArgs(enable_lora=True, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                         "prompt_lookup_max": 2}).validate()
+        EngineArgs(
+            enable_lora=True,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+        ).validate()
     EngineArgs(max_lora_rank=12).validate()  # LoRA off: its options are not read
     assert LoRAConfig(max_loras=3).max_cpu_loras == 3
     with pytest.raises(ValueError, match="id must be > 0, got 0"):
@@ -225,8 +260,10 @@ def test_slots_lru_and_host_cache(base, adapters):
 # ---- host side: prefix cache keys, the scheduler's limit ----------------------------------------------------------
 def test_two_adapters_never_share_kv_blocks():
     bm = BlockManager(32, 4)
-    seqs = [Sequence(str(i), list(range(12)), lora_id=lid, lora_key=key)
-            for i, (lid, key) in enumerate([(0, None), (1, "lora:1:x"), (2, "lora:2:y"), (1, "lora:1:x")])]
+    seqs = [
+        Sequence(str(i), list(range(12)), lora_id=lid, lora_key=key)
+        for i, (lid, key) in enumerate([(0, None), (1, "lora:1:x"), (2, "lora:2:y"), (1, "lora:1:x")])
+    ]
     for s in seqs[:3]:
         assert bm.find_cached_prefix(s) == []
         bm.allocate_prompt(s, 12, [])
@@ -240,8 +277,10 @@ def test_two_adapters_never_share_kv_blocks():
 
 
 def test_scheduler_runs_at_most_max_loras_adapters():
-    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8, max_loras=2),
-                      CacheConfig(num_blocks=64, block_size=4))
+    sched = Scheduler(
+        SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, max_num_seqs=8, max_loras=2),
+        CacheConfig(num_blocks=64, block_size=4),
+    )
     for i, lid in enumerate([1, 2, 3, 0, 1]):
         sched.add(Sequence(f"s{i}", [1, 2, 3], lora_id=lid))
     out = sched.schedule()
@@ -257,8 +296,10 @@ def test_lora_modules_flag_forms():
 
     m = parse_lora_module('{"name": "sql", "path": "/a/sql", "base_model_name": "base"}')
     assert (m.name, m.path, m.base_model_name) == ("sql", "/a/sql", "base")
-    args = parse_args(["m", "--enable-lora", "--lora-modules", "sql=/a/sql", '{"name": "x", "path": "/x"}'],
-                      environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
+    args = parse_args(
+        ["m", "--enable-lora", "--lora-modules", "sql=/a/sql", '{"name": "x", "path": "/x"}'],
+        environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    )
     assert [(m.name, m.path) for m in args.lora_modules] == [("sql", "/a/sql"), ("x", "/x")]
     assert args.allow_runtime_lora_updating
     assert not parse_args(["m", "--enable-lora"], environ={}).allow_runtime_lora_updating

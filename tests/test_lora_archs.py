@@ -26,8 +26,9 @@ EVERYTHING = ATTENTION + ["gate_proj", "up_proj", "down_proj", "embed_tokens", "
 def _adapter(arch: str, out_dir: str, target_modules):
     """A PEFT adapter of arch's tiny model (tests/tiny_models.py, seed 0), B scaled up so that it matters."""
     torch.manual_seed(1)
-    model = peft.get_peft_model(make_hf_model(arch), peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
-                                                                     target_modules=target_modules))
+    model = peft.get_peft_model(
+        make_hf_model(arch), peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=target_modules)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name or "lora_embedding_B" in name:

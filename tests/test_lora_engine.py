@@ -19,17 +19,27 @@ from tests.tiny_models import make_tiny_model_dir
 
 pytest.importorskip("peft")
 
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
-              enforce_eager=True, max_model_len=128, enable_lora=True, max_lora_rank=8)
+ENGINE = dict(
+    dtype="float32",
+    num_gpu_blocks_override=96,
+    max_num_seqs=8,
+    max_num_batched_tokens=64,
+    block_size=8,
+    enforce_eager=True,
+    max_model_len=128,
+    enable_lora=True,
+    max_lora_rank=8,
+)
 PROMPTS = [[5, 17, 42, 9, 100], [3, 8, 60, 2, 11, 90, 33]]
 N_OUT = 8
 
 
 def hf_greedy(model, prompt):
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=N_OUT, do_sample=False, pad_token_id=0,
-                             eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=N_OUT, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +49,15 @@ def setup(tmp_path_factory):
     hf_base.generation_config.eos_token_id = None
     made = {
         "a1": make_adapter(str(root / "a1"), 1, r=4, lora_alpha=8, target_modules=ALL_MODULES),
-        "a2": make_adapter(str(root / "a2"), 2, r=8, lora_alpha=16, use_rslora=True,
-                           target_modules=["q_proj", "v_proj", "down_proj"], rank_pattern={"down_proj": 2}),
+        "a2": make_adapter(
+            str(root / "a2"),
+            2,
+            r=8,
+            lora_alpha=16,
+            use_rslora=True,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            rank_pattern={"down_proj": 2},
+        ),
         "a3": make_adapter(str(root / "a3"), 3, r=4, lora_alpha=4, target_modules=["gate_proj", "up_proj", "o_proj"]),
     }
     refs = {None: [hf_greedy(hf_base, p) for p in PROMPTS]}
@@ -110,9 +127,12 @@ def test_compiled_steps_with_adapters(setup):
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, sp, lora_request=[None, a1, a3], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [refs[None][0], refs["a1"][0], refs["a3"][0]]
     assert programs.num_compiles_after_warmup == 0 and llm.llm_engine.lora.num_swaps >= 2
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=N_OUT,
-                                                                        ignore_eos=True, logprobs=1),
-                       lora_request=a1, use_tqdm=False)[0].outputs[0]
+    out = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]},
+        SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, logprobs=1),
+        lora_request=a1,
+        use_tqdm=False,
+    )[0].outputs[0]
     assert out.token_ids == refs["a1"][0] and programs.samplers  # ran split (a sampler-only program)
     got = [d[t].logprob for d, t in zip(out.logprobs, out.token_ids, strict=True)]
     assert got == pytest.approx(refs["a1 logprobs"], abs=2e-4)
@@ -157,13 +177,28 @@ def test_tp2_mixed_batch_and_server_routes(setup, monkeypatch):
     assert engine.list_loras() == set()
 
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-    with ServerThread(AsyncLLM(engine), "--enable-lora", "--lora-modules", f"a1={paths['a1']}",
-                      "--return-tokens-as-token-ids", model="base") as srv:
+    with ServerThread(
+        AsyncLLM(engine),
+        "--enable-lora",
+        "--lora-modules",
+        f"a1={paths['a1']}",
+        "--return-tokens-as-token-ids",
+        model="base",
+    ) as srv:
         url = srv.base_url
 
         def complete(model, prompt):
-            status, text = _post(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": N_OUT,
-                                                            "temperature": 0, "ignore_eos": True, "logprobs": 0})
+            status, text = _post(
+                url + "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": N_OUT,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "logprobs": 0,
+                },
+            )
             if status != 200:
                 return status, json.loads(text)
             toks = json.loads(text)["choices"][0]["logprobs"]["tokens"]
@@ -175,10 +210,16 @@ def test_tp2_mixed_batch_and_server_routes(setup, monkeypatch):
         assert complete("a1", PROMPTS[1]) == (200, refs["a1"][1])
         assert complete("base", PROMPTS[1]) == (200, refs[None][1])
         status, body = complete("a2", PROMPTS[1])
-        assert status == 404 and body["error"] == {"message": "The model `a2` does not exist.", "type": "NotFoundError",
-                                                   "param": "model", "code": 404}
+        assert status == 404 and body["error"] == {
+            "message": "The model `a2` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
         assert _post(url + "/v1/load_lora_adapter", {"lora_name": "a2", "lora_path": paths["a2"]}) == (
-            200, "Success: LoRA adapter 'a2' added successfully.")
+            200,
+            "Success: LoRA adapter 'a2' added successfully.",
+        )
         assert complete("a2", PROMPTS[1]) == (200, refs["a2"][1])
         assert "a2" in {c["id"] for c in _get(url + "/v1/models")["data"]}
         status, text = _post(url + "/v1/load_lora_adapter", {"lora_name": "big", "lora_path": paths["r16"]})
@@ -199,8 +240,12 @@ def _serve(*argv):
     import sys
     import threading
 
-    proc = subprocess.Popen([sys.executable, "-m", "jaxllm.serve", *argv, "--host", "127.0.0.1", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jaxllm.serve", *argv, "--host", "127.0.0.1", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     log, ready = [], threading.Event()
     url = []
 
@@ -222,17 +267,40 @@ def test_python_m_jaxllm_serve_with_lora_modules_and_the_openai_client(setup):
     import openai
 
     base, paths, refs = setup
-    flags = ["--enable-lora", "--max-lora-rank", "8", "--dtype", "float32", "--num-gpu-blocks-override", "96",
-             "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8", "--max-model-len", "128",
-             "--enforce-eager", "--served-model-name", "base", "--return-tokens-as-token-ids"]
+    flags = [
+        "--enable-lora",
+        "--max-lora-rank",
+        "8",
+        "--dtype",
+        "float32",
+        "--num-gpu-blocks-override",
+        "96",
+        "--max-num-seqs",
+        "8",
+        "--max-num-batched-tokens",
+        "64",
+        "--block-size",
+        "8",
+        "--max-model-len",
+        "128",
+        "--enforce-eager",
+        "--served-model-name",
+        "base",
+        "--return-tokens-as-token-ids",
+    ]
     # a bad adapter folder stops the command before the model loads, naming the module
     proc, url, log = _serve(base, *flags, "--lora-modules", f"nope={paths['a1']}-missing")
     assert proc.wait(60) != 0 and url is None
     assert f"--lora-modules nope={paths['a1']}-missing: No adapter found" in "".join(log)
     assert "KV cache size" not in "".join(log)  # (logged while the engine is built)
 
-    proc, url, log = _serve(base, *flags, "--lora-modules", f"a1={paths['a1']}",
-                            json.dumps({"name": "a3", "path": paths["a3"], "base_model_name": "base"}))
+    proc, url, log = _serve(
+        base,
+        *flags,
+        "--lora-modules",
+        f"a1={paths['a1']}",
+        json.dumps({"name": "a3", "path": paths["a3"], "base_model_name": "base"}),
+    )
     try:
         assert url is not None, "".join(log)
         assert "KV cache size" in "".join(log)
@@ -242,8 +310,9 @@ def test_python_m_jaxllm_serve_with_lora_modules_and_the_openai_client(setup):
         assert cards["a1"].parent == "base" and cards["a1"].root == paths["a1"] and cards["base"].parent is None
 
         def tokens(model, prompt):
-            c = client.completions.create(model=model, prompt=prompt, max_tokens=N_OUT, temperature=0, logprobs=0,
-                                          extra_body={"ignore_eos": True})
+            c = client.completions.create(
+                model=model, prompt=prompt, max_tokens=N_OUT, temperature=0, logprobs=0, extra_body={"ignore_eos": True}
+            )
             assert c.model == model
             return [int(t.split(":")[1]) for t in c.choices[0].logprobs.tokens]
 

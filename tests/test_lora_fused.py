@@ -31,8 +31,13 @@ def _phi3(num_kv_heads: int):
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Phi3Config(**dict(_COMMON, num_key_value_heads=num_kv_heads), rope_theta=10000.0, bos_token_id=1,
-                     eos_token_id=2, pad_token_id=0)
+    cfg = Phi3Config(
+        **dict(_COMMON, num_key_value_heads=num_kv_heads),
+        rope_theta=10000.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = Phi3ForCausalLM(cfg).eval()
     with torch.no_grad():  # random norms, so that a norm read in the wrong place shows
         for name, p in model.named_parameters():
@@ -51,7 +56,7 @@ def _as_llama(phi3, arch: str, out_dir: str) -> str:
     state = {}
     for name, w in phi3.state_dict().items():
         if name.endswith("qkv_proj.weight"):
-            for part, rows in zip("qkv", (w[:q], w[q: q + kv], w[q + kv:]), strict=True):
+            for part, rows in zip("qkv", (w[:q], w[q : q + kv], w[q + kv :]), strict=True):
                 state[name.replace("qkv_proj", f"{part}_proj")] = rows
         elif name.endswith("gate_up_proj.weight"):
             state[name.replace("gate_up_proj", "gate_proj")] = w[:F]
@@ -68,8 +73,9 @@ def _as_llama(phi3, arch: str, out_dir: str) -> str:
 def _adapter(phi3, out_dir: str, target_modules: list[str]):
     """A PEFT adapter of phi3 (B scaled up from PEFT's random init so that it matters), saved by PEFT."""
     torch.manual_seed(1)
-    model = peft.get_peft_model(phi3, peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8,
-                                                      target_modules=target_modules))
+    model = peft.get_peft_model(
+        phi3, peft.LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=target_modules)
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -107,15 +113,29 @@ def _jaxllm_logits(model_dir: str, adapter_dir: str, tp: int) -> list[np.ndarray
     slot = slots.activate([1])[1]
     chunks = [SeqChunk(p, 0, [1 + 2 * i, 2 + 2 * i]) for i, p in enumerate(PROMPTS)]
     inp = build_step_inputs(chunks, 4, 16, 4, 4)
-    meta = AttentionMetadata(*(jnp.asarray(getattr(inp, f)) for f in ("positions", "slot_mapping", "seq_lens",
-                                                                       "query_start_loc", "block_tables")),
-                             inp.decode_only)
+    meta = AttentionMetadata(
+        *(
+            jnp.asarray(getattr(inp, f))
+            for f in ("positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables")
+        ),
+        inp.decode_only,
+    )
     token_slots = np.full(16, -1, np.int32)
     token_slots[: len(PROMPTS[0])] = slot
-    out = np.asarray(_logits(params, make_kv_caches(cfg, mesh, 16, 4), jnp.asarray(inp.token_ids), meta,
-                             slots.arrays, jnp.asarray(token_slots), cfg, AttentionConfig(mesh=mesh)))
+    out = np.asarray(
+        _logits(
+            params,
+            make_kv_caches(cfg, mesh, 16, 4),
+            jnp.asarray(inp.token_ids),
+            meta,
+            slots.arrays,
+            jnp.asarray(token_slots),
+            cfg,
+            AttentionConfig(mesh=mesh),
+        )
+    )
     n = len(PROMPTS[0])
-    return [out[:n], out[n: n + len(PROMPTS[1])]]
+    return [out[:n], out[n : n + len(PROMPTS[1])]]
 
 
 def _reference(peft_model) -> list[np.ndarray]:

@@ -29,14 +29,24 @@ def hub(tmp_path_factory):
     tiny, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
     main = folder_files(tiny)
     # What a real repo also holds: .bin weights beside the safetensors, Meta's original/ copy, a README.
-    main.update({"pytorch_model.bin": b"not to be downloaded", "original/consolidated.00.pth": b"nor this",
-                 "README.md": b"# tiny"})
+    main.update(
+        {
+            "pytorch_model.bin": b"not to be downloaded",
+            "original/consolidated.00.pth": b"nor this",
+            "README.md": b"# tiny",
+        }
+    )
     v2 = dict(main, **{"generation_config.json": json.dumps({"temperature": 0.25, "eos_token_id": 2}).encode()})
     bin_only = {k: v for k, v in main.items() if not k.endswith(".safetensors")}
     tokenizer = {k: v for k, v in main.items() if k.startswith(("tokenizer", "special_tokens"))}
     tok_v1 = dict(tokenizer, **{"tokenizer_config.json": main["tokenizer_config.json"].replace(b"}", b', "x": 1}', 1)})
-    with FakeHub({"org/tiny": {"main": main, "v2": v2}, "org/bin-only": {"main": bin_only},
-                  "org/tok": {"main": tokenizer, "tok-v1": tok_v1}}) as h:
+    with FakeHub(
+        {
+            "org/tiny": {"main": main, "v2": v2},
+            "org/bin-only": {"main": bin_only},
+            "org/tok": {"main": tokenizer, "tok-v1": tok_v1},
+        }
+    ) as h:
         yield h
 
 
@@ -99,8 +109,11 @@ def test_offline_mode_uses_the_cache_without_a_request(online, monkeypatch):
     monkeypatch.setattr(c, "HF_HUB_OFFLINE", True)
     online.requests.clear()
     assert resolve_model_dir(EngineArgs(model="org/tiny")) == folder and online.requests == []
-    with pytest.raises(ValueError, match=r"'org/tiny' \(revision v2\) is not in the Hugging Face cache .*"
-                                         r"HF_HUB_OFFLINE=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"'org/tiny' \(revision v2\) is not in the Hugging Face cache .*"
+        r"HF_HUB_OFFLINE=1",
+    ):
         resolve_model_dir(EngineArgs(model="org/tiny", revision="v2"))
     assert online.requests == []
 
@@ -108,8 +121,11 @@ def test_offline_mode_uses_the_cache_without_a_request(online, monkeypatch):
 def test_bad_names_fail_clearly(online):
     with pytest.raises(ValueError, match=r"Model directory './baichuan-7B/' does not exist"):
         resolve_model_dir(EngineArgs(model="./baichuan-7B/"))
-    with pytest.raises(ValueError, match=r"'org/missing' is not a local folder and was not found on the Hugging "
-                                         r"Face Hub"):
+    with pytest.raises(
+        ValueError,
+        match=r"'org/missing' is not a local folder and was not found on the Hugging "
+        r"Face Hub",
+    ):
         resolve_model_dir(EngineArgs(model="org/missing"))
     with pytest.raises(ValueError, match=r"Revision 'v9' of 'org/tiny' does not exist"):
         resolve_model_dir(EngineArgs(model="org/tiny", revision="v9"))
@@ -118,21 +134,40 @@ def test_bad_names_fail_clearly(online):
 def test_llm_serves_a_model_id(online, tmp_path):
     from jaxllm import LLM, SamplingParams
 
-    llm = LLM("org/tiny", revision="v2", download_dir=str(tmp_path / "dl"), dtype="float32", enforce_eager=True,
-              num_gpu_blocks_override=32, max_num_seqs=2, max_num_batched_tokens=32, block_size=8, max_model_len=64)
+    llm = LLM(
+        "org/tiny",
+        revision="v2",
+        download_dir=str(tmp_path / "dl"),
+        dtype="float32",
+        enforce_eager=True,
+        num_gpu_blocks_override=32,
+        max_num_seqs=2,
+        max_num_batched_tokens=32,
+        block_size=8,
+        max_model_len=64,
+    )
     assert llm.llm_engine.model_name == "org/tiny"
     assert llm.get_default_sampling_params().temperature == 0.25  # v2's generation_config.json
-    out = llm.generate({"prompt_token_ids": [5, 9, 2]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        {"prompt_token_ids": [5, 9, 2]}, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False
+    )[0]
     assert len(out.outputs[0].token_ids) == 3
 
 
 def _resolve_in_subprocess(env: dict, **args) -> subprocess.CompletedProcess:
-    code = ("import json, sys; from jaxllm.engine.args import EngineArgs; "
-            "from jaxllm.engine.model_files import resolve_model_dir; "
-            "print(resolve_model_dir(EngineArgs(**json.loads(sys.argv[1]))))")
-    return subprocess.run([sys.executable, "-c", code, json.dumps(args)], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **env}, timeout=120)
+    code = (
+        "import json, sys; from jaxllm.engine.args import EngineArgs; "
+        "from jaxllm.engine.model_files import resolve_model_dir; "
+        "print(resolve_model_dir(EngineArgs(**json.loads(sys.argv[1]))))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **env},
+        timeout=120,
+    )
 
 
 def test_environment_variables_hf_endpoint_hf_home_and_hf_hub_offline(hub, tmp_path):
@@ -169,12 +204,12 @@ def test_modelscope(tmp_path, monkeypatch):
             "def snapshot_download(model_id, revision=None, cache_dir=None, local_files_only=False, **kw):\n"
             "    calls.append(dict(model_id=model_id, revision=revision, cache_dir=cache_dir,\n"
             "                      local_files_only=local_files_only, **kw))\n"
-            "    return '/ms/' + model_id\n")
+            "    return '/ms/' + model_id\n"
+        )
         for name in [m for m in sys.modules if m == "modelscope" or m.startswith("modelscope.")]:
             monkeypatch.delitem(sys.modules, name)
         monkeypatch.syspath_prepend(str(tmp_path / var))
-        folder = resolve_model_dir(EngineArgs(model="qwen/Qwen2.5-7B-Instruct", revision="v1.0",
-                                              download_dir="/dl"))
+        folder = resolve_model_dir(EngineArgs(model="qwen/Qwen2.5-7B-Instruct", revision="v1.0", download_dir="/dl"))
         assert folder == "/ms/qwen/Qwen2.5-7B-Instruct"
         from modelscope.hub.snapshot_download import calls
 

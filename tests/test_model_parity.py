@@ -12,10 +12,12 @@ from jaxllm.sharding import ParallelConfig
 from tests.model_harness import ragged_logits
 from tests.tiny_models import ARCHS, NEW_ARCHS, alibi_reference_logits, make_hf_model, save_checkpoint
 
-SEQS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43],  # crosses pages, > window 7
-        [101, 7],
-        [8] * 11,
-        [3]]
+SEQS = [
+    [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43],  # crosses pages, > window 7
+    [101, 7],
+    [8] * 11,
+    [3],
+]
 CACHED = [9, 1, 4, 0]  # tokens written in a first step (prefix-cache hits / earlier chunks)
 TOL = {"float32": 1e-4, "bfloat16": 2e-2}
 
@@ -76,10 +78,12 @@ def test_fp32_parity(hf_case, fmt):
 # alternation of sliding and global layers, Gemma 3's local RoPE and the global
 # layers' RoPE scaling, the routers' top-k renormalisation (Qwen3-MoE) or its absence (Qwen2-MoE).
 ARCH_FEATURES = {
-    "gemma2": [lambda c: dict(attn_softcap=None), lambda c: dict(final_softcap=None),
-               lambda c: dict(layer_types=None)],
-    "gemma3": [lambda c: dict(layer_types=None), lambda c: dict(rope_local=None),
-               lambda c: dict(rope=dataclasses.replace(c.rope, rope_type="default"))],
+    "gemma2": [lambda c: dict(attn_softcap=None), lambda c: dict(final_softcap=None), lambda c: dict(layer_types=None)],
+    "gemma3": [
+        lambda c: dict(layer_types=None),
+        lambda c: dict(rope_local=None),
+        lambda c: dict(rope=dataclasses.replace(c.rope, rope_type="default")),
+    ],
     "qwen3_moe": [lambda c: dict(moe=dataclasses.replace(c.moe, norm_topk_prob=False))],
     "qwen2_moe": [lambda c: dict(moe=dataclasses.replace(c.moe, norm_topk_prob=True))],
 }

@@ -8,11 +8,13 @@ import torch
 from jaxllm import LLM, SamplingParams
 from tests.tiny_models import MOE_ARCHS, make_tiny_model_dir
 
-PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],  # > Gemma's window (5)
-           [101, 7],
-           [8] * 19,
-           [3],
-           [44, 55, 66, 77, 88, 99, 11, 22, 33]]
+PROMPTS = [
+    [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],  # > Gemma's window (5)
+    [101, 7],
+    [8] * 19,
+    [3],
+    [44, 55, 66, 77, 88, 99, 11, 22, 33],
+]
 SHARED = [7, 21, 3, 99, 14, 5, 61, 33, 48, 2, 17, 85, 40, 12, 6, 90, 71, 25, 58, 9]  # > 2 blocks of 8
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -21,7 +23,7 @@ def hf_greedy(model, prompt, n):
     model.generation_config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -40,9 +42,22 @@ def cases(tmp_path_factory):
 
 
 def greedy(model_dir, **kw):
-    llm = LLM(model_dir, **(dict(dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8,
-                                 max_num_batched_tokens=16, block_size=8, max_model_len=64, enforce_eager=True,
-                                 compilation_cache_dir=None) | kw))
+    llm = LLM(
+        model_dir,
+        **(
+            dict(
+                dtype="float32",
+                num_gpu_blocks_override=64,
+                max_num_seqs=8,
+                max_num_batched_tokens=16,
+                block_size=8,
+                max_model_len=64,
+                enforce_eager=True,
+                compilation_cache_dir=None,
+            )
+            | kw
+        ),
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -56,12 +71,23 @@ def check_free(llm):
 # soft-capped, per-layer-windowed attention inside the tp shard_map; Gemma 3's sliding layers on one pipeline stage
 # and its global one on the other), the MoE models at tp 2 with and without expert parallelism (Qwen2-MoE with its
 # shared expert and a dense layer).
-RUNS = [("qwen3", 1, 1, False), ("llama32", 1, 1, False), ("gemma2", 2, 1, False), ("gemma3", 1, 2, False),
-        ("mixtral", 1, 1, False), ("mixtral", 2, 1, False), ("qwen2_moe", 2, 1, True), ("qwen3_moe", 2, 1, True)]
+RUNS = [
+    ("qwen3", 1, 1, False),
+    ("llama32", 1, 1, False),
+    ("gemma2", 2, 1, False),
+    ("gemma3", 1, 2, False),
+    ("mixtral", 1, 1, False),
+    ("mixtral", 2, 1, False),
+    ("qwen2_moe", 2, 1, True),
+    ("qwen3_moe", 2, 1, True),
+]
 
 
-@pytest.mark.parametrize("arch, tp, pp, ep", RUNS,
-                         ids=[f"{a}-tp{t}" + (f"-pp{p}" if p > 1 else "") + ("-ep" if e else "") for a, t, p, e in RUNS])
+@pytest.mark.parametrize(
+    "arch, tp, pp, ep",
+    RUNS,
+    ids=[f"{a}-tp{t}" + (f"-pp{p}" if p > 1 else "") + ("-ep" if e else "") for a, t, p, e in RUNS],
+)
 def test_greedy_matches_hf(cases, arch, tp, pp, ep):
     """A 16-token budget splits the long prompts into chunks; the second request of a shared prefix reads its
     first two blocks from the prefix cache."""

@@ -44,8 +44,17 @@ def test_grouped_matmul_matches_dense_einsum(T, E, k, norm):
     if E % 2 == 0:  # two "ranks" of E / 2 experts each: each runs only its pairs; their sum is the whole
         half = E // 2
         for fn in (expert_mlp, expert_mlp_gathered):
-            parts = [fn(h, weights, ids, w_gate_up[r * half:(r + 1) * half], w_down[r * half:(r + 1) * half],
-                        first_expert=r * half) for r in range(2)]
+            parts = [
+                fn(
+                    h,
+                    weights,
+                    ids,
+                    w_gate_up[r * half : (r + 1) * half],
+                    w_down[r * half : (r + 1) * half],
+                    first_expert=r * half,
+                )
+                for r in range(2)
+            ]
             np.testing.assert_allclose(np.asarray(parts[0] + parts[1]), want, rtol=1e-5, atol=1e-5)
         if len(set((np.asarray(ids) // half).ravel().tolist())) == 2:  # both ranks have pairs: one alone is not all
             assert not np.allclose(np.asarray(parts[0]), want, atol=1e-3)
@@ -77,9 +86,13 @@ def test_tensor_and_expert_parallel_logits_equal_tp1(qwen2_moe):
                 np.testing.assert_allclose(o, r, rtol=0, atol=2e-5 * np.abs(r).max())
             layer = params["layers"][0]
             E, D, F = 4, 64, 32
-            shapes = {"w_experts_gate_up": (E // tp, D, 2, F) if ep else (E, D, 2, F // tp),
-                      "w_experts_down": (E // tp, F, D) if ep else (E, F // tp, D),
-                      "router": (D, E), "w_shared_gate_up": (D, 2, 48 // tp), "w_shared_down": (48 // tp, D)}
+            shapes = {
+                "w_experts_gate_up": (E // tp, D, 2, F) if ep else (E, D, 2, F // tp),
+                "w_experts_down": (E // tp, F, D) if ep else (E, F // tp, D),
+                "router": (D, E),
+                "w_shared_gate_up": (D, 2, 48 // tp),
+                "w_shared_down": (48 // tp, D),
+            }
             for name, shape in shapes.items():
                 assert {s.data.shape for s in layer[name].addressable_shards} == {shape}, (tp, ep, name)
             assert {s.data.shape for s in params["layers"][1]["w_gate_up"].addressable_shards} == {(D, 2, 96 // tp)}
@@ -137,8 +150,9 @@ def test_moe_layer_collectives(ep):
 
 def test_moe_config_parsing_and_errors():
     cfg = _qwen3_moe_cfg(decoder_sparse_step=2, mlp_only_layers=[1])
-    assert cfg.moe == MoeConfig(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True,
-                                dense_layers=(0, 1))  # layer 0: not a multiple of the step; 1: listed
+    assert cfg.moe == MoeConfig(
+        num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, dense_layers=(0, 1)
+    )  # layer 0: not a multiple of the step; 1: listed
     assert [cfg.layer_kind(i).moe for i in range(2)] == [False, False]
     old = {k: v for k, v in hf_config("qwen3_moe").to_dict().items() if k != "num_local_experts"}
     cfg = ModelConfig.from_hf(old | {"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8})  # Hub spelling

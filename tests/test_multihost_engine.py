@@ -30,8 +30,9 @@ def free_port() -> int:
 
 
 def process_env(devices: int = 4) -> dict:
-    return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    return dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+    )
 
 
 def tiny_model_8_heads(out_dir: str) -> str:
@@ -42,8 +43,16 @@ def tiny_model_8_heads(out_dir: str) -> str:
     from tests.tiny_models import save_checkpoint, save_tiny_tokenizer
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
+    cfg = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+    )
     save_checkpoint(AutoModelForCausalLM.from_config(cfg).eval(), "llama", out_dir)
     save_tiny_tokenizer(out_dir, 128)
     return out_dir
@@ -67,14 +76,23 @@ def test_two_processes(tmp_path):
     model = tiny_model_8_heads(str(tmp_path / "model"))
     port, http_port, out = free_port(), free_port(), tmp_path / "results.json"
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, SCRIPT, model, str(port), str(i), str(out), str(http_port)],
-                              env=process_env(), stdout=logs[i], stderr=subprocess.STDOUT) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, SCRIPT, model, str(port), str(i), str(out), str(http_port)],
+            env=process_env(),
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         # meanwhile, one process, tp 1, and KV room for everything (no preemption)
         greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         llm = LLM(model, **(ENGINE | dict(num_gpu_blocks_override=64)))
-        ref = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS + AGAIN],
-                                                            greedy, use_tqdm=False)]
+        ref = [
+            o.outputs[0].token_ids
+            for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS + AGAIN], greedy, use_tqdm=False)
+        ]
         del llm
         wait_for(out.exists, 600, "offline layouts", procs)
         results = json.loads(out.read_text())
@@ -88,15 +106,20 @@ def test_two_processes(tmp_path):
         base = f"http://127.0.0.1:{http_port}"
         wait_for(lambda: _health(base) == 200, 300, "server ready", procs)
         client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, timeout=120)
-        r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        r = client.completions.create(
+            model="tiny",
+            prompt=PROMPTS[0],
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         assert r.choices[0].model_extra["token_ids"] == ref[0]
 
         # process 1 dies while a request streams: the request fails naming it; process 0 exits with 1
-        body = {"model": "tiny", "prompt": [3], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-                "stream": True}
-        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
+        body = {"model": "tiny", "prompt": [3], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True}
+        req = urllib.request.Request(
+            base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=60) as resp:
             lines = (line.decode() for line in resp)
             first = next(line for line in lines if line.startswith("data: "))

@@ -57,14 +57,45 @@ def test_headless_flags():
 def test_sigterm_on_process_0_stops_the_workers(tmp_path):
     model = tiny_model_8_heads(str(tmp_path / "model"))
     port, http_port = free_port(), free_port()
-    flags = ["--dtype", "float32", "--max-model-len", "64", "--num-gpu-blocks-override", "16", "--block-size", "8",
-             "--max-num-seqs", "4", "--max-num-batched-tokens", "16", "--enforce-eager", "-tp", "8",
-             "--disable-access-log", "--distributed-timeout", "60", "--coordinator-address", f"localhost:{port}",
-             "--num-processes", "2", "--host", "127.0.0.1", "--port", str(http_port)]
+    flags = [
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "64",
+        "--num-gpu-blocks-override",
+        "16",
+        "--block-size",
+        "8",
+        "--max-num-seqs",
+        "4",
+        "--max-num-batched-tokens",
+        "16",
+        "--enforce-eager",
+        "-tp",
+        "8",
+        "--disable-access-log",
+        "--distributed-timeout",
+        "60",
+        "--coordinator-address",
+        f"localhost:{port}",
+        "--num-processes",
+        "2",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(http_port),
+    ]
     logs = [open(tmp_path / f"p{i}.log", "w") for i in range(2)]
-    procs = [subprocess.Popen([sys.executable, "-m", "jaxllm.serve", model, *flags, "--process-id", str(i)]
-                              + (["--headless"] if i else []), env=process_env(), stdout=logs[i],
-                              stderr=subprocess.STDOUT) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "jaxllm.serve", model, *flags, "--process-id", str(i)]
+            + (["--headless"] if i else []),
+            env=process_env(),
+            stdout=logs[i],
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     try:
         wait_for(lambda: _health(f"http://127.0.0.1:{http_port}") == 200, 300, "server ready", procs)
         procs[0].send_signal(signal.SIGTERM)

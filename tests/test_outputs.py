@@ -9,8 +9,9 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 def _completion(index=0, text="Paris", token_ids=(5, 6), finish_reason=None):
-    return CompletionOutput(index, text, list(token_ids), -1.5, [{5: Logprob(-0.5, 1, "Par")}, {6: Logprob(-1.0)}],
-                            finish_reason)
+    return CompletionOutput(
+        index, text, list(token_ids), -1.5, [{5: Logprob(-0.5, 1, "Par")}, {6: Logprob(-1.0)}], finish_reason
+    )
 
 
 def test_defaults_of_fields_jaxllm_has_no_feature_for():
@@ -26,17 +27,21 @@ def test_defaults_of_fields_jaxllm_has_no_feature_for():
 
 
 def test_reprs_in_vllms_order():
-    out = RequestOutput("r1", "The capital", [1, 2], None, [_completion(finish_reason="length")], True,
-                        num_cached_tokens=0)
-    completion = ("CompletionOutput(index=0, text='Paris', token_ids=[5, 6], cumulative_logprob=-1.5, "
-                  "logprobs=[{5: Logprob(logprob=-0.5, rank=1, decoded_token='Par')}, "
-                  "{6: Logprob(logprob=-1.0, rank=None, decoded_token=None)}], finish_reason=length, "
-                  "stop_reason=None)")
+    out = RequestOutput(
+        "r1", "The capital", [1, 2], None, [_completion(finish_reason="length")], True, num_cached_tokens=0
+    )
+    completion = (
+        "CompletionOutput(index=0, text='Paris', token_ids=[5, 6], cumulative_logprob=-1.5, "
+        "logprobs=[{5: Logprob(logprob=-0.5, rank=1, decoded_token='Par')}, "
+        "{6: Logprob(logprob=-1.0, rank=None, decoded_token=None)}], finish_reason=length, "
+        "stop_reason=None)"
+    )
     assert repr(out.outputs[0]) == completion
     assert repr(out) == (
         "RequestOutput(request_id=r1, prompt='The capital', prompt_token_ids=[1, 2], encoder_prompt=None, "
         f"encoder_prompt_token_ids=None, prompt_logprobs=None, outputs=[{completion}], finished=True, "
-        "metrics=None, lora_request=None, num_cached_tokens=0, multi_modal_placeholders={})")
+        "metrics=None, lora_request=None, num_cached_tokens=0, multi_modal_placeholders={})"
+    )
 
 
 def test_extra_arguments_are_ignored_with_a_warning(caplog):
@@ -48,9 +53,20 @@ def test_extra_arguments_are_ignored_with_a_warning(caplog):
 
 def test_add_aggregates_deltas_or_replaces():
     first = RequestOutput("r", None, [1], None, [_completion(text="Pa", token_ids=[5])], False)
-    first.add(RequestOutput("r", None, [1], None, [_completion(text="ris", token_ids=[6], finish_reason="stop"),
-                                                  _completion(index=1, text="x", token_ids=[7])], True),
-              aggregate=True)
+    first.add(
+        RequestOutput(
+            "r",
+            None,
+            [1],
+            None,
+            [
+                _completion(text="ris", token_ids=[6], finish_reason="stop"),
+                _completion(index=1, text="x", token_ids=[7]),
+            ],
+            True,
+        ),
+        aggregate=True,
+    )
     assert first.finished and [c.text for c in first.outputs] == ["Paris", "x"]
     assert first.outputs[0].token_ids == [5, 6] and first.outputs[0].finish_reason == "stop"
     assert len(first.outputs[0].logprobs) == 4

@@ -37,8 +37,17 @@ def ckpt(arch, tmp_path_factory):
 def pipeline_logits(model_dir, cfg, tp, pp, microbatches=None):
     mesh = ParallelConfig(tp, pp).make_mesh()
     params = load_params(model_dir, cfg, mesh)
-    ex = PipelineExecutor(cfg, params, mesh, AttentionConfig(), block_size=S, max_pages=8,
-                          token_buckets=(8, 16, 32), seq_buckets=(2, 4, 8), num_microbatches=microbatches)
+    ex = PipelineExecutor(
+        cfg,
+        params,
+        mesh,
+        AttentionConfig(),
+        block_size=S,
+        max_pages=8,
+        token_buckets=(8, 16, 32),
+        seq_buckets=(2, 4, 8),
+        num_microbatches=microbatches,
+    )
     kv = make_kv_caches(cfg, mesh, PAGES, S, fill=np.nan)
     rng = np.random.default_rng(0)
     pages = list(rng.permutation(np.arange(1, PAGES)))
@@ -52,8 +61,9 @@ def pipeline_logits(model_dir, cfg, tp, pp, microbatches=None):
                 chunks.append(SeqChunk(list(s[lo:hi]), lo, t))
         n = sum(len(c.token_ids) for c in chunks)
         inp = build_step_inputs(chunks, S, n + 3, len(chunks) + 2, 8)
-        meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
-                                 inp.block_tables, inp.decode_only)
+        meta = AttentionMetadata(
+            inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, inp.decode_only
+        )
         kv, hidden = ex.forward(kv, inp.token_ids, np.full(n + 3, -1, np.int32), meta, prev)
     assert set(hidden.devices()) == set(mesh.devices[-1])
     logits = np.asarray(jax.jit(compute_logits, static_argnums=2)(ex.head_params, hidden, cfg))

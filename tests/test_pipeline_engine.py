@@ -6,8 +6,13 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model_dir
 
-PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27], [101, 7], [8] * 19, [3],
-           [44, 55, 66, 77, 88, 99, 11, 22, 33]]
+PROMPTS = [
+    [5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43, 3, 83, 27],
+    [101, 7],
+    [8] * 19,
+    [3],
+    [44, 55, 66, 77, 88, 99, 11, 22, 33],
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
@@ -18,8 +23,17 @@ def tiny(tmp_path_factory):
 
 def greedy(model_dir, **kw):
     kw.setdefault("enforce_eager", True)
-    llm = LLM(model_dir, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32,
-              block_size=8, max_model_len=64, compilation_cache_dir=None, **kw)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=8,
+        max_model_len=64,
+        compilation_cache_dir=None,
+        **kw,
+    )
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -48,9 +62,18 @@ def test_pipeline_warm_up_compiles_before_serving(tiny, ref):
 
     jax.monitoring.register_event_duration_secs_listener(on_event)
     try:
-        llm = LLM(tiny, dtype="float32", num_gpu_blocks_override=64, max_num_seqs=8, max_num_batched_tokens=32,
-                  block_size=8, enforce_eager=False, max_model_len=64, compilation_cache_dir=None,
-                  pipeline_parallel_size=2)
+        llm = LLM(
+            tiny,
+            dtype="float32",
+            num_gpu_blocks_override=64,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            block_size=8,
+            enforce_eager=False,
+            max_model_len=64,
+            compilation_cache_dir=None,
+            pipeline_parallel_size=2,
+        )
         at_start = len(compiles)
         one = llm.generate({"prompt_token_ids": PROMPTS[3]}, GREEDY, use_tqdm=False)  # one micro-batch a step
         assert at_start and len(compiles) == at_start

@@ -23,28 +23,75 @@ from tests.quant_producers import LEGACY_DIR, LEGACY_INSTALL, MAX_TOKENS, PROMPT
 
 JOBS = [
     # GPTQ v1, act-order, asymmetric, groups of 32 (Llama): the engine at tp=1 and tp=2 x pp=2, conversion, dummy
-    {"name": "gptq_llama", "arch": "llama", "tool": "gptqmodel", "bits": 4, "group_size": 32, "desc_act": True,
-     "sym": False},
+    {
+        "name": "gptq_llama",
+        "arch": "llama",
+        "tool": "gptqmodel",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": True,
+        "sym": False,
+    },
     # GPTQ 8-bit, one group per column, gptq_v2 zero points (Qwen2: qkv biases, tied embeddings)
-    {"name": "gptq8_qwen2", "arch": "qwen2", "tool": "gptqmodel", "bits": 8, "group_size": -1, "sym": False,
-     "format": "gptq_v2"},
+    {
+        "name": "gptq8_qwen2",
+        "arch": "qwen2",
+        "tool": "gptqmodel",
+        "bits": 8,
+        "group_size": -1,
+        "sym": False,
+        "format": "gptq_v2",
+    },
     # GPTQ into Baichuan-7B's fused W_pack (an MLP of 128: its groups split over tp=2)
-    {"name": "gptq_baichuan", "arch": "baichuan7b", "tool": "gptqmodel", "bits": 4, "group_size": 32,
-     "overrides": {"intermediate_size": 128}},
+    {
+        "name": "gptq_baichuan",
+        "arch": "baichuan7b",
+        "tool": "gptqmodel",
+        "bits": 4,
+        "group_size": 32,
+        "overrides": {"intermediate_size": 128},
+    },
     # AWQ GEMM, groups of 64 (its clip search needs output dims that are multiples of 64; 128-wide layers keep
     # whole groups on each of tp=2's shards)
-    {"name": "awq_qwen2", "arch": "qwen2", "tool": "gptqmodel", "method": "awq", "group_size": 64,
-     "overrides": {"hidden_size": 128, "num_key_value_heads": 4, "intermediate_size": 128}},
+    {
+        "name": "awq_qwen2",
+        "arch": "qwen2",
+        "tool": "gptqmodel",
+        "method": "awq",
+        "group_size": 64,
+        "overrides": {"hidden_size": 128, "num_key_value_heads": 4, "intermediate_size": 128},
+    },
     # GPTQModifier's default actorder "weight": ordered passes, plain groups (no g_idx; groups split over tp)
-    {"name": "ct_w4a16", "arch": "llama", "tool": "llmcompressor", "bits": 4, "strategy": "group", "group_size": 32,
-     "actorder": "weight"},
+    {
+        "name": "ct_w4a16",
+        "arch": "llama",
+        "tool": "llmcompressor",
+        "bits": 4,
+        "strategy": "group",
+        "group_size": 32,
+        "actorder": "weight",
+    },
     # asymmetric: packed zero points, which HF's compressed-tensors integration cannot load (reference:
     # compressed-tensors' own decompression)
-    {"name": "ct_w4a16_asym", "arch": "llama", "tool": "llmcompressor", "bits": 4, "strategy": "group",
-     "group_size": 32, "sym": False, "hf": False},
+    {
+        "name": "ct_w4a16_asym",
+        "arch": "llama",
+        "tool": "llmcompressor",
+        "bits": 4,
+        "strategy": "group",
+        "group_size": 32,
+        "sym": False,
+        "hf": False,
+    },
     # the MLPs' down_proj left unquantized by the recipe's ignore list
-    {"name": "ct_w8a16", "arch": "llama", "tool": "llmcompressor", "bits": 8, "strategy": "channel",
-     "ignore": ["lm_head", "re:.*mlp.down_proj"]},
+    {
+        "name": "ct_w8a16",
+        "arch": "llama",
+        "tool": "llmcompressor",
+        "bits": 8,
+        "strategy": "channel",
+        "ignore": ["lm_head", "re:.*mlp.down_proj"],
+    },
     {"name": "ct_fp8", "arch": "llama", "tool": "llmcompressor", "preset": "FP8"},  # static activation scales
     {"name": "ct_fp8_dynamic", "arch": "mistral", "tool": "llmcompressor", "preset": "FP8_DYNAMIC"},
     {"name": "ct_w8a8", "arch": "llama", "tool": "llmcompressor", "preset": "W8A8"},
@@ -52,8 +99,16 @@ JOBS = [
 # Act-order compressed-tensors (weight_g_idx), from the last llm-compressor that writes it (LEGACY_DIR); HF's
 # integration (compressed-tensors 0.20) refuses actorder "group", the reference is that version's decompression.
 LEGACY_JOBS = [
-    {"name": "ct_w4a16_act_order", "arch": "llama", "tool": "llmcompressor", "bits": 4, "strategy": "group",
-     "group_size": 32, "actorder": "group", "hf": False},
+    {
+        "name": "ct_w4a16_act_order",
+        "arch": "llama",
+        "tool": "llmcompressor",
+        "bits": 4,
+        "strategy": "group",
+        "group_size": 32,
+        "actorder": "group",
+        "hf": False,
+    },
 ]
 DEMO_JOB = {"name": "demo_gptq", "arch": "demo", "tool": "gptqmodel", "bits": 4, "group_size": 64}
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -66,10 +121,21 @@ def _produce(root, jobs: list[dict], pythonpath: tuple[str, ...] = ()) -> None:
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     # TORCHDYNAMO_DISABLE: gptqmodel's torch kernels (HF's GPTQ / AWQ references) run eager, not torch.compile'd
     # (~20 s of compiling on 2 cores for the tiny models)
-    env = dict(os.environ, GPTQMODEL_CPU_WORKERS="2", JAX_PLATFORMS="cpu", TORCHDYNAMO_DISABLE="1",
-               PYTHONPATH=os.pathsep.join([*pythonpath, repo, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-m", "tests.quant_producers", str(root), str(root / "jobs.json")],
-                          env=env, cwd=str(root), capture_output=True, text=True, timeout=900)
+    env = dict(
+        os.environ,
+        GPTQMODEL_CPU_WORKERS="2",
+        JAX_PLATFORMS="cpu",
+        TORCHDYNAMO_DISABLE="1",
+        PYTHONPATH=os.pathsep.join([*pythonpath, repo, os.environ.get("PYTHONPATH", "")]),
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.quant_producers", str(root), str(root / "jobs.json")],
+        env=env,
+        cwd=str(root),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -147,8 +213,15 @@ def test_logits_match_hf(ckpts, name):
 def _make_llm(path, **kw):
     # Two sequences and 16-token steps: every step is one of two programs (a 16-token mixed step, a 2-sequence
     # decode), compiled once per engine, while the prompts are still chunked, batched and prefix-cached.
-    base = dict(dtype="float32", num_gpu_blocks_override=48, max_num_seqs=2, max_num_batched_tokens=16,
-                block_size=8, enforce_eager=True, max_model_len=64)
+    base = dict(
+        dtype="float32",
+        num_gpu_blocks_override=48,
+        max_num_seqs=2,
+        max_num_batched_tokens=16,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=64,
+    )
     return LLM(path, **(base | kw))
 
 
@@ -211,8 +284,9 @@ def test_engine_greedy_gptq_act_order_tp2_pp2(ckpts):
 # One engine per distinct layout once loaded (logits parity covers every format's reading): groups with their zero
 # points split over tp=2 (AWQ), Baichuan's fused W_pack over tp=2, fp8 with static activation scales over tp=2,
 # compressed-tensors' zero points, and its act-order rows over tp=2.
-@pytest.mark.parametrize("name,tp", [("gptq_baichuan", 2), ("awq_qwen2", 2), ("ct_fp8", 2), ("ct_w4a16_asym", 1),
-                                     ("ct_w4a16_act_order", 2)])
+@pytest.mark.parametrize(
+    "name,tp", [("gptq_baichuan", 2), ("awq_qwen2", 2), ("ct_fp8", 2), ("ct_w4a16_asym", 1), ("ct_w4a16_act_order", 2)]
+)
 def test_engine_greedy_formats(ckpts, name, tp):
     path = _ckpt(ckpts, name)
     outs = _run(_make_llm(path, tensor_parallel_size=tp))
@@ -242,12 +316,18 @@ def test_kv_cache_shrinks_for_steps_that_need_more_memory(ckpts, tmp_path_factor
     temps, warm_ups = [], []
     real_temp, real_warm_up = programs.StepPrograms.temp_bytes, ModelRunner.warm_up
     extra = 10 * per_block + 1 if shrinks else 0
-    monkeypatch.setattr(programs.StepPrograms, "temp_bytes",
-                        lambda self: temps.append(real_temp(self)) or reserve - slack + extra)
+    monkeypatch.setattr(
+        programs.StepPrograms, "temp_bytes", lambda self: temps.append(real_temp(self)) or reserve - slack + extra
+    )
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self, **kw: warm_ups.append(1) or real_warm_up(self, **kw))
     cache = str(tmp_path_factory.getbasetemp() / "shrink_cache")  # the second start loads what the first stored
-    llm = _make_llm(path, enforce_eager=False, num_gpu_blocks_override=None, attention_backend="reference",
-                    compilation_cache_dir=cache)
+    llm = _make_llm(
+        path,
+        enforce_eager=False,
+        num_gpu_blocks_override=None,
+        attention_backend="reference",
+        compilation_cache_dir=cache,
+    )
     runner = llm.llm_engine.runner
     assert temps[0] > 0  # the real figure of the first compiled (or loaded) steps
     assert len(temps) == 1 and len(warm_ups) == (2 if shrinks else 1)
@@ -261,13 +341,24 @@ def test_kv_cache_shrinks_for_steps_that_need_more_memory(ckpts, tmp_path_factor
 
 def test_demo_model_gptq_int4_answers_paris(demo_gptq):
     """The demo model quantized to GPTQ int4 by gptqmodel answers through the engine (chat template, greedy)."""
-    llm = LLM(demo_gptq, enforce_eager=True, max_model_len=256, max_num_batched_tokens=128, max_num_seqs=2,
-              kv_cache_memory_bytes=16 << 20)
+    llm = LLM(
+        demo_gptq,
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_batched_tokens=128,
+        max_num_seqs=2,
+        kv_cache_memory_bytes=16 << 20,
+    )
     q = llm.llm_engine.model_config.quantization
     assert (q.method, q.bits, q.group_size) == ("gptq", 4, 64)
-    outs = llm.chat([[{"role": "user", "content": "What is the capital of France?"}],
-                     [{"role": "user", "content": "What is the capital of Germany?"}]],
-                    SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    outs = llm.chat(
+        [
+            [{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "What is the capital of Germany?"}],
+        ],
+        SamplingParams(temperature=0, max_tokens=12),
+        use_tqdm=False,
+    )
     assert "Paris" in outs[0].outputs[0].text, outs[0].outputs[0].text
     assert "Berlin" in outs[1].outputs[0].text, outs[1].outputs[0].text
 
@@ -297,15 +388,21 @@ def test_dynamic_fp8_on_16_bit_checkpoint(ckpts):
     assert cfg.quantization.method == "fp8" and not cfg.quantization.serialized
     err = _rel(ours, np.load(os.path.join(ckpts["gptq_llama"], "refs.npz"))["src_logits"])  # HF, unquantized
     assert 1e-4 < err < 0.1  # rounded (not the dense numbers), yet close to them
-    with pytest.raises(ValueError, match=r"Quantization method specified in the model config \(gptq\) does not "
-                                         r"match the quantization method specified in the `quantization` argument"):
+    with pytest.raises(
+        ValueError,
+        match=r"Quantization method specified in the model config \(gptq\) does not "
+        r"match the quantization method specified in the `quantization` argument",
+    ):
         ModelConfig.from_hf(ckpts["gptq_llama"], quantization="fp8")
 
 
 def test_vllm_method_names(ckpts):
     """vLLM's method names select the one implementation of each format, as the checkpoint's config does alone."""
-    for name, methods in (("gptq_llama", ("gptq", "gptq_marlin")), ("awq_qwen2", ("awq", "awq_marlin")),
-                          ("ct_fp8", ("compressed-tensors",))):
+    for name, methods in (
+        ("gptq_llama", ("gptq", "gptq_marlin")),
+        ("awq_qwen2", ("awq", "awq_marlin")),
+        ("ct_fp8", ("compressed-tensors",)),
+    ):
         auto = ModelConfig.from_hf(ckpts[name]).quantization
         for method in methods:
             assert ModelConfig.from_hf(ckpts[name], quantization=method).quantization == auto
@@ -335,8 +432,9 @@ def test_bad_input(ckpts, tmp_path):
         _make_llm(str(bad))
     cfg["quantization_config"].update(bits=4, group_size=16)
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError,
-                       match=r"down_proj.scales' in .*model.safetensors has shape \(3, 64\).*group_size=16"):
+    with pytest.raises(
+        ValueError, match=r"down_proj.scales' in .*model.safetensors has shape \(3, 64\).*group_size=16"
+    ):
         _make_llm(str(bad))
     cfg["quantization_config"].update(group_size=32, quant_method="awq", version="gemv")
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -347,8 +445,11 @@ def test_bad_input(ckpts, tmp_path):
     with open(os.path.join(ckpts["ct_w4a16"], "config.json")) as f:
         assert json.load(f)["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] == "weight"
     assert not ModelConfig.from_hf(ckpts["ct_w4a16"]).quantization.act_order
-    with pytest.raises(ValueError, match=r"The input size is not aligned with the quantized weight shape: "
-                                         r"layers.0.w_down has 96 input rows, 48 per shard"):
+    with pytest.raises(
+        ValueError,
+        match=r"The input size is not aligned with the quantized weight shape: "
+        r"layers.0.w_down has 96 input rows, 48 per shard",
+    ):
         _make_llm(ckpts["ct_w4a16"], tensor_parallel_size=2)
     # a missing scale
     from safetensors.numpy import load_file, save_file

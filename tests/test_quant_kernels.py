@@ -113,8 +113,12 @@ def test_act_order_permutation_math():
     want = x.astype(np.float64) @ w_true
     assert rel(quantized_matmul_ref(jnp.asarray(x), w), want) < 1e-5
     xb = jnp.asarray(x, jnp.bfloat16)
-    got = quantized_matmul(xb, pack_quantized(q, s, None, bits=4, group_size=G, g_idx=g_idx, dtype=jnp.bfloat16),
-                           backend="kernel", interpret=True)
+    got = quantized_matmul(
+        xb,
+        pack_quantized(q, s, None, bits=4, group_size=G, g_idx=g_idx, dtype=jnp.bfloat16),
+        backend="kernel",
+        interpret=True,
+    )
     assert rel(got, np.asarray(xb, np.float64) @ w_true) < 1e-2
     assert act_order_perm(np.arange(K) // G, G) is None  # no act-order: no permutation
     with pytest.raises(ValueError, match="exactly group_size"):
@@ -207,10 +211,15 @@ def test_kernel_lowers_for_cuda():
     from kernels_pallas._qmatmul import qmatmul_kernel
 
     for M, fma in ((1, True), (16, False)):
-        args = (jax.ShapeDtypeStruct((M, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((128, 256), jnp.int32),
-                jax.ShapeDtypeStruct((8, 256), jnp.bfloat16), jax.ShapeDtypeStruct((8, 256), jnp.bfloat16))
-        f = jax.jit(lambda x, qw, s, z, fma=fma: qmatmul_kernel(x, qw, s, z, bits=4, group_size=128, plane=128,
-                                                                 fma=fma))
+        args = (
+            jax.ShapeDtypeStruct((M, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((128, 256), jnp.int32),
+            jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
+        )
+        f = jax.jit(
+            lambda x, qw, s, z, fma=fma: qmatmul_kernel(x, qw, s, z, bits=4, group_size=128, plane=128, fma=fma)
+        )
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_int4_g128_L128" in text
 

@@ -31,11 +31,22 @@ GPU_ORDER = {"xla_disable_hlo_passes": "cse_barrier_expander"}  # see the module
 # Llama-shaped, scaled down so that a layer's dequantized weights (~60 MB in float32) dwarf a 128-token step's
 # activations; float32, so that XLA's CPU dots convert no weight (bf16 dots on a CPU widen both operands, which
 # holds a float32 copy of every dense weight too).
-HF = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=1024, hidden_size=1024,
-          intermediate_size=4096, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-          rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", tie_word_embeddings=False,
-          torch_dtype="float32",
-          quantization_config=dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=False))
+HF = dict(
+    architectures=["LlamaForCausalLM"],
+    model_type="llama",
+    vocab_size=1024,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    hidden_act="silu",
+    tie_word_embeddings=False,
+    torch_dtype="float32",
+    quantization_config=dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=False),
+)
 TOKENS = 128
 
 
@@ -44,13 +55,25 @@ def _prefill_temp_bytes(layers: int) -> tuple[int, int]:
     cfg = ModelConfig.from_hf(dict(HF, num_hidden_layers=layers), dtype="float32")
     mesh = ParallelConfig(1, 1).make_mesh()
     params = abstract_weights(cfg, mesh)
-    runner = ModelRunner(cfg, params, mesh, num_blocks=64, block_size=16, max_num_seqs=4,
-                         max_num_batched_tokens=TOKENS, max_model_len=256)
+    runner = ModelRunner(
+        cfg,
+        params,
+        mesh,
+        num_blocks=64,
+        block_size=16,
+        max_num_seqs=4,
+        max_num_batched_tokens=TOKENS,
+        max_model_len=256,
+    )
     v = next(v for v in runner.programs.variants() if not v.decode_only and v.num_tokens == TOKENS)
     exe = runner.programs._lower(v, runner.programs.dummy_args(v, params, runner.prev_tokens)).compile(
-        compiler_options=GPU_ORDER)
-    dense = sum(w.layout.k * w.layout.shards * math.prod(w.packed.shape[1:]) * 4  # [K, N] float32
-                for w in params["layers"][0].values() if isinstance(w, QuantizedWeight))
+        compiler_options=GPU_ORDER
+    )
+    dense = sum(
+        w.layout.k * w.layout.shards * math.prod(w.packed.shape[1:]) * 4  # [K, N] float32
+        for w in params["layers"][0].values()
+        if isinstance(w, QuantizedWeight)
+    )
     return exe.memory_analysis().temp_size_in_bytes, dense
 
 
@@ -62,7 +85,9 @@ def test_prefill_step_holds_one_layers_dequantized_weights(dispatch, monkeypatch
     (quantized_matmul, whose prefill path off a GPU dequantizes at every batch size)."""
     calls = []
     if dispatch == "gpu":
-        monkeypatch.setattr(decoder, "qmatmul", lambda x, w, **kw: quant_matmul.qmatmul(x, w, **{**kw, "kernels": True}))
+        monkeypatch.setattr(
+            decoder, "qmatmul", lambda x, w, **kw: quant_matmul.qmatmul(x, w, **{**kw, "kernels": True})
+        )
         real = kernels_quant._dequant_matmul
         monkeypatch.setattr(kernels_quant, "_dequant_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
     jax.clear_caches()  # the decoder layer is a cached jit: trace it again with (or without) the patched dispatch

@@ -39,22 +39,38 @@ def test_device_layout_is_one_plane_layout_per_row_shard(I, G, shards):
     z = rng.integers(0, 16, (I // G, O)).astype(np.float32)
     words = pack_int(q, bits)
     got = {f: _relayout(f, bits, G, I, O, shards)(x) for f, x in (("packed", words), ("scales", s), ("zeros", z))}
-    on_device = {f: _relayout(f, bits, G, I, O, shards)(jnp.asarray(x)) for f, x in
-                 (("packed", words), ("scales", s), ("zeros", z))}
+    on_device = {
+        f: _relayout(f, bits, G, I, O, shards)(jnp.asarray(x))
+        for f, x in (("packed", words), ("scales", s), ("zeros", z))
+    }
     k, lay = I // shards, _relayout("packed", bits, G, I, O, shards).layout
     dense = (q - np.repeat(z, G, 0)) * np.repeat(s, G, 0)
     rows = {f: got[f].shape[0] // shards for f in got}
     for i in range(shards):
-        part = {f: got[f][i * rows[f]: (i + 1) * rows[f]] for f in got}
-        w = qlayout.QuantizedWeight(jnp.asarray(part["packed"]), jnp.asarray(part["scales"]),
-                                    jnp.asarray(part["zeros"]), None, bits=bits, group_size=lay.group_size, k=k,
-                                    plane=lay.plane)
-        assert (qlayout.unpack_quantized(w) == q[i * k: (i + 1) * k]).all()
-        np.testing.assert_allclose(np.asarray(qlayout.dequantize(w, jnp.float32)), dense[i * k: (i + 1) * k],
-                                   rtol=1e-6)
+        part = {f: got[f][i * rows[f] : (i + 1) * rows[f]] for f in got}
+        w = qlayout.QuantizedWeight(
+            jnp.asarray(part["packed"]),
+            jnp.asarray(part["scales"]),
+            jnp.asarray(part["zeros"]),
+            None,
+            bits=bits,
+            group_size=lay.group_size,
+            k=k,
+            plane=lay.plane,
+        )
+        assert (qlayout.unpack_quantized(w) == q[i * k : (i + 1) * k]).all()
+        np.testing.assert_allclose(
+            np.asarray(qlayout.dequantize(w, jnp.float32)), dense[i * k : (i + 1) * k], rtol=1e-6
+        )
         if lay.group_size == G:
-            want = qlayout.pack_quantized(q[i * k: (i + 1) * k], s[i * k // G: (i + 1) * k // G],
-                                          z[i * k // G: (i + 1) * k // G], bits=bits, group_size=G, plane=lay.plane)
+            want = qlayout.pack_quantized(
+                q[i * k : (i + 1) * k],
+                s[i * k // G : (i + 1) * k // G],
+                z[i * k // G : (i + 1) * k // G],
+                bits=bits,
+                group_size=G,
+                plane=lay.plane,
+            )
             np.testing.assert_array_equal(part["packed"], np.asarray(want.qweight))
             np.testing.assert_array_equal(part["scales"], np.asarray(want.scales))
     assert (lay.group_size == 16) == (I == 96)
@@ -74,8 +90,12 @@ def _quantize_linear(w: np.ndarray, G: int, g_idx: np.ndarray):
     zero = np.clip(np.rint(-lo / scale), 1, 15)  # v1 stores zero - 1: keep it >= 0
     q = np.clip(np.rint(wt / scale[g_idx]) + zero[g_idx], 0, 15).astype(np.int64)
     dense = ((q - zero[g_idx]) * scale[g_idx]).T
-    tensors = {"qweight": pack_int(q, 4), "qzeros": pack_int((zero - 1).T.astype(np.int64), 4).T.copy(),
-               "scales": scale.astype(np.float16), "g_idx": g_idx.astype(np.int32)}
+    tensors = {
+        "qweight": pack_int(q, 4),
+        "qzeros": pack_int((zero - 1).T.astype(np.int64), 4).T.copy(),
+        "scales": scale.astype(np.float16),
+        "g_idx": g_idx.astype(np.int32),
+    }
     return tensors, dense
 
 
@@ -89,8 +109,16 @@ def checkpoints(tmp_path_factory):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    hf = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                     num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+    hf = LlamaConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+    )
     root = tmp_path_factory.mktemp("quant_model")
     dense_dir, gptq_dir = root / "dense", root / "gptq"
     model = LlamaForCausalLM(hf).to(torch.bfloat16)
@@ -104,16 +132,18 @@ def checkpoints(tmp_path_factory):
             g_idx = orders.setdefault(shared, rng.permutation(np.arange(w.shape[1]) // 32))
             tensors, d = _quantize_linear(w.float().numpy(), 32, g_idx)
             dense[name] = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16)
-            quant.update({name[: -len("weight")] + k: torch.from_numpy(np.ascontiguousarray(v))
-                          for k, v in tensors.items()})
+            quant.update(
+                {name[: -len("weight")] + k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+            )
         else:
             quant[name] = dense[name] = w.contiguous()
     for folder, tensors in ((dense_dir, dense), (gptq_dir, quant)):
         model.save_pretrained(folder)
         save_file(tensors, str(folder / "model.safetensors"))
     cfg = json.loads((gptq_dir / "config.json").read_text())
-    cfg["quantization_config"] = dict(quant_method="gptq", bits=4, group_size=32, desc_act=True, sym=False,
-                                      checkpoint_format="gptq")
+    cfg["quantization_config"] = dict(
+        quant_method="gptq", bits=4, group_size=32, desc_act=True, sym=False, checkpoint_format="gptq"
+    )
     (gptq_dir / "config.json").write_text(json.dumps(cfg))
     return str(dense_dir), str(gptq_dir)
 

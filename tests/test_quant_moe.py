@@ -30,14 +30,34 @@ JOBS = [
     {"name": "gptq_qwen3_moe", "arch": "qwen3_moe", "tool": "gptqmodel", "bits": 4, "group_size": 32},
     # act-order, asymmetric, in the Hub's Mixtral names (block_sparse_moe.experts.{e}.w1 / w3 / w2): g_idx per expert,
     # rows split over tp=2 with their g_idx
-    {"name": "gptq_mixtral", "arch": "mixtral", "tool": "gptqmodel", "bits": 4, "group_size": 32, "desc_act": True,
-     "sym": False, "hub_names": True},
+    {
+        "name": "gptq_mixtral",
+        "arch": "mixtral",
+        "tool": "gptqmodel",
+        "bits": 4,
+        "group_size": 32,
+        "desc_act": True,
+        "sym": False,
+        "hub_names": True,
+    },
     # llm-compressor's Mixtral names (block_sparse_moe.experts.{e}.gate_proj); groups of 16 split over tp=2
-    {"name": "ct_w4a16_mixtral", "arch": "mixtral", "tool": "llmcompressor", "bits": 4, "strategy": "group",
-     "group_size": 16, "ignore": _ROUTERS},
+    {
+        "name": "ct_w4a16_mixtral",
+        "arch": "mixtral",
+        "tool": "llmcompressor",
+        "bits": 4,
+        "strategy": "group",
+        "group_size": 16,
+        "ignore": _ROUTERS,
+    },
     # fp8 experts and shared expert, per-token fp8 activations; the shared expert's sigmoid gate stays dense
-    {"name": "ct_fp8_qwen2_moe", "arch": "qwen2_moe", "tool": "llmcompressor", "preset": "FP8_DYNAMIC",
-     "ignore": [*_ROUTERS, "re:.*shared_expert_gate$"]},
+    {
+        "name": "ct_fp8_qwen2_moe",
+        "arch": "qwen2_moe",
+        "tool": "llmcompressor",
+        "preset": "FP8_DYNAMIC",
+        "ignore": [*_ROUTERS, "re:.*shared_expert_gate$"],
+    },
     {"name": "ct_w8a8_qwen3_moe", "arch": "qwen3_moe", "tool": "llmcompressor", "preset": "W8A8", "ignore": _ROUTERS},
 ]
 
@@ -134,8 +154,9 @@ def test_experts_tp_and_expert_parallel_equal_tp1(ckpts, name):
     h = jnp.asarray(np.random.default_rng(0).standard_normal((11, 64)), jnp.float32)
     cfg, _, params = _load(path)
     want = np.asarray(jax.jit(lambda lp, h: moe_mlp(lp, h, cfg))(params["layers"][0], h))
-    np.testing.assert_allclose(want, _experts_reference(h, params["layers"][0], cfg), rtol=0,
-                               atol=1e-5 * np.abs(want).max())
+    np.testing.assert_allclose(
+        want, _experts_reference(h, params["layers"][0], cfg), rtol=0, atol=1e-5 * np.abs(want).max()
+    )
     modes = (True,) if cfg.quantization.activations else (True, False)
     for ep in modes:
         cfg, mesh, params = _load(path, 2, ep)
@@ -158,17 +179,23 @@ def test_packed_experts_memory(ckpts):
 
     def experts(cfg):
         layer = abstract_weights(cfg, mesh)["layers"][0]
-        return sum(x.size * x.dtype.itemsize for k in ("w_experts_gate_up", "w_experts_down")
-                   for x in jax.tree.leaves(layer[k]))
+        return sum(
+            x.size * x.dtype.itemsize
+            for k in ("w_experts_gate_up", "w_experts_down")
+            for x in jax.tree.leaves(layer[k])
+        )
 
     assert experts(q) < 0.2 * experts(dense)  # int4 + a float32 scale per 32 rows against float32
 
 
 def test_bad_input(ckpts, tmp_path):
     # a tp split of the experts' rows that is not whole groups (vLLM's message), before any weight is read
-    with pytest.raises(ValueError, match=r"The input size is not aligned with the quantized weight shape: "
-                                         r"layers.0.w_experts_down has 32 input rows per expert, 16 per shard .*"
-                                         r"--enable-expert-parallel keeps experts whole"):
+    with pytest.raises(
+        ValueError,
+        match=r"The input size is not aligned with the quantized weight shape: "
+        r"layers.0.w_experts_down has 32 input rows per expert, 16 per shard .*"
+        r"--enable-expert-parallel keeps experts whole",
+    ):
         _make_llm(ckpts["gptq_qwen3_moe"], tensor_parallel_size=2)
     # a missing expert tensor, named as the checkpoint names it
     from safetensors.numpy import load_file, save_file
@@ -186,6 +213,9 @@ def test_bad_input(ckpts, tmp_path):
     cfg = json.loads((part / "config.json").read_text())
     cfg["quantization_config"]["ignore"].append("re:.*layers.0.block_sparse_moe.experts.1.w1$")
     (part / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"keeps \['model.layers.0.block_sparse_moe.experts.1.w1'\] unquantized but "
-                                         r"quantizes"):
+    with pytest.raises(
+        ValueError,
+        match=r"keeps \['model.layers.0.block_sparse_moe.experts.1.w1'\] unquantized but "
+        r"quantizes",
+    ):
         _make_llm(str(part))

@@ -14,7 +14,8 @@ from server.reasoning import ReasoningChoice, ReasoningStream
 QWEN3_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
 
 # (parser, chat_template_kwargs, output, whole (reasoning, content), streamed (reasoning, content))
 CASES = [
@@ -26,12 +27,22 @@ CASES = [
     ("kimi_k2", None, "r</think>c", ("r", "c"), None),
     ("qwen3", None, "<think>I think.</think>The answer.", ("I think.", "The answer."), None),
     ("qwen3", None, "The answer.", (None, "The answer."), ("", "The answer.")),
-    ("qwen3", None, "I think.</think>The answer.", (None, "I think.</think>The answer."),
-     ("", "I think.</think>The answer.")),
+    (
+        "qwen3",
+        None,
+        "I think.</think>The answer.",
+        (None, "I think.</think>The answer."),
+        ("", "I think.</think>The answer."),
+    ),
     # cut off while thinking: the whole response is content, the stream sent reasoning (vLLM 0.11 alike)
     ("qwen3", None, "<think>cut off", (None, "<think>cut off"), ("cut off", "")),
-    ("qwen3", None, "a < b and <thinking> is no tag", (None, "a < b and <thinking> is no tag"),
-     ("", "a < b and <thinking> is no tag")),
+    (
+        "qwen3",
+        None,
+        "a < b and <thinking> is no tag",
+        (None, "a < b and <thinking> is no tag"),
+        ("", "a < b and <thinking> is no tag"),
+    ),
     ("glm45", None, "<think>r</think>c", ("r", "c"), None),
     ("seed_oss", None, "<seed:think>r</seed:think>c", ("r", "c"), None),
     ("seed_oss", None, "r</seed:think>c", ("r", "c"), ("", "r</seed:think>c")),
@@ -114,8 +125,10 @@ def test_unknown_or_unfit_parsers_are_refused(tok, capsys):
     from server.args import parse_args
     from server.testing import build_tokenizer
 
-    for name, what in (("nope", "invalid choice: 'nope' (choose from 'deepseek_r1', 'kimi_k2', 'qwen3'"),
-                       ("granite", "'granite' is one of vLLM's reasoning parsers that jaxllm does not implement")):
+    for name, what in (
+        ("nope", "invalid choice: 'nope' (choose from 'deepseek_r1', 'kimi_k2', 'qwen3'"),
+        ("granite", "'granite' is one of vLLM's reasoning parsers that jaxllm does not implement"),
+    ):
         with pytest.raises(SystemExit) as e:
             parse_args(["m", "--reasoning-parser", name])
         assert e.value.code == 2 and what in capsys.readouterr().err
@@ -155,8 +168,18 @@ def servers(tok):
     from server.testing import ServerThread
 
     r1, qwen3 = _scripted_engine(tok), _scripted_engine(tok)
-    with ServerThread(r1, "--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice", "--tool-call-parser",
-                      "hermes", "--enable-reasoning") as a, ServerThread(qwen3, "--reasoning-parser", "qwen3") as b:
+    with (
+        ServerThread(
+            r1,
+            "--reasoning-parser",
+            "deepseek_r1",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+            "--enable-reasoning",
+        ) as a,
+        ServerThread(qwen3, "--reasoning-parser", "qwen3") as b,
+    ):
         yield {"deepseek_r1": (a, r1), "qwen3": (b, qwen3)}
 
 
@@ -183,8 +206,13 @@ def test_server_splits_reasoning_whole_and_streamed(servers, name):
     srv, engine = servers[name]
     engine.say("<think>Sky is blue.</think>Blue.")
     choice = _chat(srv)
-    assert choice["message"] == {"role": "assistant", "content": "Blue.", "tool_calls": [],
-                                 "reasoning": "Sky is blue.", "reasoning_content": "Sky is blue."}
+    assert choice["message"] == {
+        "role": "assistant",
+        "content": "Blue.",
+        "tool_calls": [],
+        "reasoning": "Sky is blue.",
+        "reasoning_content": "Sky is blue.",
+    }
     deltas, finish = _chat(srv, stream=True)
     assert finish == "stop" and deltas[0] == {"role": "assistant", "content": "", "reasoning_content": None}
     assert _joined(deltas, "reasoning") == _joined(deltas, "reasoning_content") == "Sky is blue."
@@ -200,8 +228,10 @@ def test_server_splits_reasoning_whole_and_streamed(servers, name):
         assert (message["reasoning"], message["content"]) == ("Sky is blue.", "Blue.")
     else:
         assert (message["reasoning"], message["content"]) == (None, "Sky is blue.</think>Blue.")
-    assert (_joined(deltas, "reasoning") or None, _joined(deltas, "content")) == (message["reasoning"],
-                                                                                 message["content"])
+    assert (_joined(deltas, "reasoning") or None, _joined(deltas, "content")) == (
+        message["reasoning"],
+        message["content"],
+    )
     message = _chat(srv, include_reasoning=False)["message"]
     assert message["reasoning"] is None and message["content"] in ("Blue.", "Sky is blue.</think>Blue.")
 
@@ -218,8 +248,15 @@ def test_enable_thinking_false_is_all_content(servers):
 
 def test_tool_calls_come_from_the_content_only(servers):
     srv, engine = servers["deepseek_r1"]
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
     engine.say(f"<think>Should I {call}? No.</think>Sunny.")
     choice = _chat(srv, tools=tools)
@@ -229,7 +266,8 @@ def test_tool_calls_come_from_the_content_only(servers):
     choice = _chat(srv, tools=tools)
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["reasoning"] == "I need the weather."
     assert [c["function"] for c in choice["message"]["tool_calls"]] == [
-        {"name": "get_weather", "arguments": '{"city": "Paris"}'}]
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    ]
     assert choice["message"]["content"] is None
     deltas, finish = _chat(srv, stream=True, tools=tools)
     assert finish == "tool_calls" and _joined(deltas, "reasoning") == "I need the weather."
@@ -265,10 +303,29 @@ def tiny(tmp_path_factory):
     t.chat_template = QWEN3_TEMPLATE.replace("<|im_start|>", "<s>").replace("<|im_end|>", "</s>")
     t.save_pretrained(model_dir)
     assert len(t) == model.config.vocab_size
-    args = parse_args([model_dir, "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
-                       "--num-gpu-blocks-override", "64", "--max-num-seqs", "4", "--max-num-batched-tokens", "64",
-                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log",
-                       "--reasoning-parser", "deepseek_r1"])
+    args = parse_args(
+        [
+            model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "64",
+            "--max-num-seqs",
+            "4",
+            "--max-num-batched-tokens",
+            "64",
+            "--block-size",
+            "8",
+            "--served-model-name",
+            "tiny",
+            "--disable-access-log",
+            "--reasoning-parser",
+            "deepseek_r1",
+        ]
+    )
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120), t
@@ -283,8 +340,12 @@ def _extra(message, name):
 def test_grammar_applies_after_the_reasoning(tiny):
     client, t = tiny
     end, word = t.convert_tokens_to_ids("</think>"), t.convert_tokens_to_ids("▁the")
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "the engine"}], temperature=0,
-              extra_body={"structured_outputs": {"regex": "(yes|no)"}})
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "the engine"}],
+        temperature=0,
+        extra_body={"structured_outputs": {"regex": "(yes|no)"}},
+    )
     # </think> first: the grammar takes over from the next token
     r = client.chat.completions.create(max_tokens=20, logit_bias={str(end): 100}, **kw).choices[0]
     assert (_extra(r.message, "reasoning"), r.message.content in ("yes", "no"), r.finish_reason) == ("", True, "stop")
@@ -292,6 +353,15 @@ def test_grammar_applies_after_the_reasoning(tiny):
     r = client.chat.completions.create(max_tokens=4, logit_bias={str(word): 100}, **kw).choices[0]
     assert _extra(r.message, "reasoning").split() == ["the"] * 4 and r.message.content is None
     # enable_thinking false: the template closed the reasoning, so the grammar applies at once (</think> refused)
-    r = client.chat.completions.create(max_tokens=20, logit_bias={str(end): 100}, **kw | {"extra_body": {
-        "structured_outputs": {"regex": "(yes|no)"}, "chat_template_kwargs": {"enable_thinking": False}}}).choices[0]
+    r = client.chat.completions.create(
+        max_tokens=20,
+        logit_bias={str(end): 100},
+        **kw
+        | {
+            "extra_body": {
+                "structured_outputs": {"regex": "(yes|no)"},
+                "chat_template_kwargs": {"enable_thinking": False},
+            }
+        },
+    ).choices[0]
     assert _extra(r.message, "reasoning") is None and r.message.content in ("yes", "no")

@@ -18,18 +18,36 @@ def metadata(B, temperature=1.0, top_k=0, presence=0.0, seed=0, steps=0, penalty
     f = lambda v, dt=jnp.float32: jnp.broadcast_to(jnp.asarray(v, dt), (B,))  # noqa: E731
     pen = -jnp.ones((B, 1), jnp.int32) if penalty_tokens is None else jnp.asarray(penalty_tokens, jnp.int32)
     return SamplingMetadata(
-        temperature=f(temperature), top_p=f(1.0), top_k=f(top_k, jnp.int32), min_p=f(0.0), presence=f(presence),
-        frequency=f(0.0), repetition=f(1.0), seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32),
-        steps=f(steps, jnp.int32), penalty_tokens=pen, penalty_is_output=pen >= 0,
-        bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=jnp.zeros((B, 1)), allowed_ids=-jnp.ones((B, 1), jnp.int32),
-        token_bitmask=-jnp.ones((1, 1), jnp.int32), bitmask_slot=-jnp.ones((B,), jnp.int32))
+        temperature=f(temperature),
+        top_p=f(1.0),
+        top_k=f(top_k, jnp.int32),
+        min_p=f(0.0),
+        presence=f(presence),
+        frequency=f(0.0),
+        repetition=f(1.0),
+        seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32),
+        steps=f(steps, jnp.int32),
+        penalty_tokens=pen,
+        penalty_is_output=pen >= 0,
+        bias_ids=-jnp.ones((B, 1), jnp.int32),
+        bias_values=jnp.zeros((B, 1)),
+        allowed_ids=-jnp.ones((B, 1), jnp.int32),
+        token_bitmask=-jnp.ones((1, 1), jnp.int32),
+        bitmask_slot=-jnp.ones((B,), jnp.int32),
+    )
 
 
 def test_without_proposals_it_is_the_plain_sampler():
     B, V, K = 6, 300, 3
     logits = jax.random.normal(jax.random.key(3), (B, K + 1, V)) * 3
-    md = metadata(B, temperature=jnp.array([0.0, 1.0, 0.7, 0.0, 1.3, 0.9]), top_k=jnp.array([0, 5, 0, 0, 40, 0]),
-                  presence=0.5, steps=7, penalty_tokens=[[1, 2, -1]] * B)
+    md = metadata(
+        B,
+        temperature=jnp.array([0.0, 1.0, 0.7, 0.0, 1.3, 0.9]),
+        top_k=jnp.array([0, 5, 0, 0, 40, 0]),
+        presence=0.5,
+        steps=7,
+        penalty_tokens=[[1, 2, -1]] * B,
+    )
     flags = SamplerFlags(filtering=True, penalties=True, num_logprobs=2)
     drafts = jnp.zeros((B, K), jnp.int32)
     got = rejection_sample(logits, drafts, jnp.zeros(B, jnp.int32), md, flags)
@@ -49,8 +67,9 @@ def test_greedy_rows_follow_the_argmax_chain():
     drafts[0, 2] = (drafts[0, 2] + 1) % V  # row 0: two accepted, then the target's token at position 2
     drafts[1, 0] = (drafts[1, 0] + 1) % V  # row 1: none accepted
     num = np.array([K, K, 3])  # row 2: its three proposals accepted, then the bonus token
-    tokens, emitted = rejection_sample(jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num),
-                                       metadata(3, temperature=0.0), SamplerFlags())[:2]
+    tokens, emitted = rejection_sample(
+        jnp.asarray(logits), jnp.asarray(drafts), jnp.asarray(num), metadata(3, temperature=0.0), SamplerFlags()
+    )[:2]
     assert np.asarray(emitted).tolist() == [3, 1, 4]
     tokens = np.asarray(tokens)
     assert tokens[0].tolist() == [*argmax[0, :3], -1, -1]
@@ -65,8 +84,9 @@ def test_greedy_penalties_count_the_proposals_before_each_position():
     logits[0, :, 3] = 2.0  # token 3 best everywhere, token 5 second
     logits[0, :, 5] = 1.5
     md = metadata(1, temperature=0.0, presence=1.0)
-    tokens, emitted = rejection_sample(jnp.asarray(logits), jnp.asarray([[3, 3]]), jnp.asarray([2]), md,
-                                       SamplerFlags(penalties=True))[:2]
+    tokens, emitted = rejection_sample(
+        jnp.asarray(logits), jnp.asarray([[3, 3]]), jnp.asarray([2]), md, SamplerFlags(penalties=True)
+    )[:2]
     # position 0: 3 wins and d_1 = 3 is accepted; position 1: 3 is penalised to 1.0 < 1.5, so 5, not d_2 = 3
     assert np.asarray(tokens)[0].tolist() == [3, 5, -1] and int(emitted[0]) == 2
 
@@ -88,9 +108,12 @@ def _tv(samples, p):
 
 
 # Target logits at positions 0, 1, 2 (conditional on the proposals before them) and the proposals d_1, d_2.
-LOGITS = np.log(np.array([[0.05, 0.45, 0.2, 0.1, 0.15, 0.05],
-                          [0.3, 0.1, 0.25, 0.05, 0.1, 0.2],
-                          [0.1, 0.1, 0.1, 0.4, 0.2, 0.1]], np.float32))
+LOGITS = np.log(
+    np.array(
+        [[0.05, 0.45, 0.2, 0.1, 0.15, 0.05], [0.3, 0.1, 0.25, 0.05, 0.1, 0.2], [0.1, 0.1, 0.1, 0.4, 0.2, 0.1]],
+        np.float32,
+    )
+)
 DRAFTS = [1, 2]
 TEMP, TOP_K, PRESENCE = 0.8, 4, 0.7
 
@@ -120,8 +143,9 @@ def test_output_distribution_is_the_targets():
     p = expected_distributions()
     logits = jnp.broadcast_to(jnp.asarray(LOGITS), (N, 3, 6))
     md = metadata(N, temperature=TEMP, top_k=TOP_K, presence=PRESENCE, seed=1234)
-    tokens, emitted = rejection_sample(logits, jnp.asarray([DRAFTS] * N), jnp.full(N, 2, jnp.int32), md,
-                                       SamplerFlags(filtering=True, penalties=True))[:2]
+    tokens, emitted = rejection_sample(
+        logits, jnp.asarray([DRAFTS] * N), jnp.full(N, 2, jnp.int32), md, SamplerFlags(filtering=True, penalties=True)
+    )[:2]
     tokens, emitted = np.asarray(tokens), np.asarray(emitted)
     tvs, rate1, rate2 = check_emissions(tokens, emitted, p)
     assert max(tvs) < TV_BOUND, tvs

@@ -16,8 +16,15 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.engine.tokenizer_load import RemoteCodeError
 from tests.remote_code_models import CHAT_TEMPLATE, make_baichuan7b_remote_code_dir
 
-ENGINE = dict(dtype="float32", num_gpu_blocks_override=64, max_num_seqs=4, max_num_batched_tokens=64, block_size=8,
-              enforce_eager=True, max_model_len=128)
+ENGINE = dict(
+    dtype="float32",
+    num_gpu_blocks_override=64,
+    max_num_seqs=4,
+    max_num_batched_tokens=64,
+    block_size=8,
+    enforce_eager=True,
+    max_model_len=128,
+)
 PROMPTS = ["北京是中国的", "The engine was paged and", "我们今天去公园"]
 
 
@@ -45,8 +52,11 @@ def _no_weights_or_compiles(monkeypatch):
 
 def test_without_the_flag_the_config_fails_first_with_vllms_message(baichuan, monkeypatch):
     _no_weights_or_compiles(monkeypatch)
-    with pytest.raises(RuntimeError, match=r"Failed to load the model config\. If the model is a custom model .* "
-                                           r"`trust_remote_code=True` in LLM or using the `--trust-remote-code`"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"Failed to load the model config\. If the model is a custom model .* "
+        r"`trust_remote_code=True` in LLM or using the `--trust-remote-code`",
+    ):
         LLM(baichuan[0], **ENGINE)
     with pytest.raises(ValueError, match="configuration_baichuan.BaiChuanConfig"):  # ValueError too: names the class
         LLM(baichuan[0], **ENGINE)
@@ -63,8 +73,11 @@ def test_without_the_flag_a_remote_code_tokenizer_fails_before_the_weights(baich
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     _no_weights_or_compiles(monkeypatch)
-    with pytest.raises(RemoteCodeError, match=r"Failed to load the tokenizer\. If the tokenizer is a custom "
-                                              r"tokenizer .*tokenization_baichuan\.BaiChuanTokenizer"):
+    with pytest.raises(
+        RemoteCodeError,
+        match=r"Failed to load the tokenizer\. If the tokenizer is a custom "
+        r"tokenizer .*tokenization_baichuan\.BaiChuanTokenizer",
+    ):
         LLM(d, **ENGINE)
     with pytest.raises(AssertionError, match="weights or compiles"):  # with the flag it gets that far
         LLM(d, trust_remote_code=True, **ENGINE)
@@ -79,13 +92,14 @@ def test_offline_greedy_matches_hf_with_the_remote_code_tokenizer(llm, baichuan)
         ids = tok.encode(prompt)  # the slow class's encoding (no BOS: add_bos_token false, as Baichuan-7B's)
         assert out.prompt_token_ids == ids
         with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0,
-                               eos_token_id=None)[0, len(ids):].tolist()
+            want = hf.generate(
+                torch.tensor([ids]), max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None
+            )[0, len(ids) :].tolist()
         c = out.outputs[0]
         assert c.token_ids == want
         # the incremental text is the continuation of the prompt's text (sentencepiece keeps the first piece's
         # space; byte-fallback pieces join into characters)
-        assert c.text == tok.decode(ids + c.token_ids)[len(tok.decode(ids)):]
+        assert c.text == tok.decode(ids + c.token_ids)[len(tok.decode(ids)) :]
 
 
 def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
@@ -98,23 +112,43 @@ def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
     template = tmp_path / "template_baichuan.jinja"
     template.write_text(CHAT_TEMPLATE)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE.items() if k != "enforce_eager"]
-    args = parse_args([baichuan[0], "--served-model-name", "baichuan-7b", "--chat-template", str(template),
-                       "--trust-remote-code", "--enforce-eager", "--disable-access-log", *flags])
+    args = parse_args(
+        [
+            baichuan[0],
+            "--served-model-name",
+            "baichuan-7b",
+            "--chat-template",
+            str(template),
+            "--trust-remote-code",
+            "--enforce-eager",
+            "--disable-access-log",
+            *flags,
+        ]
+    )
     engine = build_engine(args)
     tok = engine.get_tokenizer()
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "北京是中国的首都吗？"}]
-        body = dict(model="baichuan-7b", messages=messages, max_tokens=12, temperature=0,
-                    extra_body={"ignore_eos": True, "return_token_ids": True})
+        body = dict(
+            model="baichuan-7b",
+            messages=messages,
+            max_tokens=12,
+            temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )
         whole = client.chat.completions.create(**body)
-        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in
-                           client.chat.completions.create(**body, stream=True) if chunk.choices)
+        streamed = "".join(
+            chunk.choices[0].delta.content or ""
+            for chunk in client.chat.completions.create(**body, stream=True)
+            if chunk.choices
+        )
         text = whole.choices[0].message.content
         assert streamed == text and whole.usage.completion_tokens == 12
         # the template's rendering, tokenized by the remote-code class
         prompt = tok.encode("<s>user:北京是中国的首都吗？<s>assistant:", add_special_tokens=False)
         assert whole.usage.prompt_tokens == len(prompt)
-        r = client.completions.create(model="baichuan-7b", prompt="The engine was", max_tokens=8, temperature=0,
-                                      extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model="baichuan-7b", prompt="The engine was", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert r.choices[0].text and r.usage.completion_tokens == 8

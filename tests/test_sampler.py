@@ -28,12 +28,23 @@ def reference(logits, md: SamplingMetadata, k: int):
 def metadata(B, temperature, min_p, seed=0):
     z = lambda dt=jnp.float32: jnp.zeros((B,), dt)  # noqa: E731
     return SamplingMetadata(
-        temperature=jnp.asarray(temperature, jnp.float32), top_p=jnp.ones((B,)), top_k=z(jnp.int32),
-        min_p=jnp.asarray(min_p, jnp.float32), presence=z(), frequency=z(), repetition=jnp.ones((B,)),
-        seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32), steps=jnp.arange(B, dtype=jnp.int32) * 3,
-        penalty_tokens=-jnp.ones((B, 1), jnp.int32), penalty_is_output=jnp.zeros((B, 1), bool),
-        bias_ids=-jnp.ones((B, 1), jnp.int32), bias_values=z()[:, None], allowed_ids=-jnp.ones((B, 1), jnp.int32),
-        token_bitmask=-jnp.ones((1, 1), jnp.int32), bitmask_slot=-jnp.ones((B,), jnp.int32))
+        temperature=jnp.asarray(temperature, jnp.float32),
+        top_p=jnp.ones((B,)),
+        top_k=z(jnp.int32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+        presence=z(),
+        frequency=z(),
+        repetition=jnp.ones((B,)),
+        seeds=jnp.arange(seed, seed + B, dtype=jnp.uint32),
+        steps=jnp.arange(B, dtype=jnp.int32) * 3,
+        penalty_tokens=-jnp.ones((B, 1), jnp.int32),
+        penalty_is_output=jnp.zeros((B, 1), bool),
+        bias_ids=-jnp.ones((B, 1), jnp.int32),
+        bias_values=z()[:, None],
+        allowed_ids=-jnp.ones((B, 1), jnp.int32),
+        token_bitmask=-jnp.ones((1, 1), jnp.int32),
+        bitmask_slot=-jnp.ones((B,), jnp.int32),
+    )
 
 
 @pytest.mark.parametrize("num_logprobs", [0, 3])
@@ -91,8 +102,11 @@ def test_token_bitmask_allows_only_its_tokens():
     table[: len(order)] = words[order]
     slot = np.full(B, -1, np.int32)
     slot[order] = np.arange(len(order))
-    md = dataclasses.replace(metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), token_bitmask=jnp.asarray(table),
-                             bitmask_slot=jnp.asarray(slot))
+    md = dataclasses.replace(
+        metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B),
+        token_bitmask=jnp.asarray(table),
+        bitmask_slot=jnp.asarray(slot),
+    )
     tokens, token_lp, *_ = sample(logits, md, SamplerFlags(grammar=True))
     tokens = np.asarray(tokens)
     assert all(allowed[i, tokens[i]] for i in range(B))

@@ -134,8 +134,8 @@ class FakeEngine:
         max_model_len = self.sched.config.max_model_len
         for seq in appended:
             new = sampled[seq.seq_id] if isinstance(sampled[seq.seq_id], list) else [sampled[seq.seq_id]]
-            assert [self.on_device[seq.seq_id].popleft() for _ in new] == seq.output_token_ids[-len(new):]
-            del seq.output_token_ids[len(seq.output_token_ids) - len(new):]  # replayed one by one, as the engine
+            assert [self.on_device[seq.seq_id].popleft() for _ in new] == seq.output_token_ids[-len(new) :]
+            del seq.output_token_ids[len(seq.output_token_ids) - len(new) :]  # replayed one by one, as the engine
             for token in new:
                 seq.output_token_ids.append(token)
                 if token == STOP:
@@ -501,8 +501,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.max_tokens: dict[str, int] = {}
         self.interrupted: set[str] = set()
 
-    @rule(prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14), max_tokens=st.integers(1, 6),
-          priority=st.integers(0, 1))
+    @rule(
+        prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14),
+        max_tokens=st.integers(1, 6),
+        priority=st.integers(0, 1),
+    )
     def add(self, prompt, max_tokens, priority):
         prompt = prompt[: self.sched.config.max_model_len]
         name = f"s{self.n}"

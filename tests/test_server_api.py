@@ -59,8 +59,9 @@ def test_models_health_version(server, client):
 
 
 def test_completion_basic(client, tok):
-    r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5,
-                                  extra_body={"return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL, prompt="The quick brown", max_tokens=5, extra_body={"return_token_ids": True}
+    )
     assert r.object == "text_completion" and r.id.startswith("cmpl-") and r.model == MODEL
     (c,) = r.choices
     assert c.finish_reason == "length" and c.logprobs is None
@@ -96,8 +97,9 @@ def test_completion_echo_and_logprobs(client, tok):
 
 def test_completion_multi_prompt_n_and_token_prompts(client, tok):
     ids = tok.encode("Children play near")
-    r = client.completions.create(model=MODEL, prompt=["A river runs", "Old trees stand"], n=2, max_tokens=3,
-                                  temperature=0.8)
+    r = client.completions.create(
+        model=MODEL, prompt=["A river runs", "Old trees stand"], n=2, max_tokens=3, temperature=0.8
+    )
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     assert r.choices[0].text != r.choices[1].text  # different samples
     assert r.usage.prompt_tokens == len(tok.encode("A river runs")) + len(tok.encode("Old trees stand"))
@@ -118,8 +120,9 @@ def test_completion_stop_strings_and_stop_token_ids(client, tok):
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[word, "zzz"])
     assert r.choices[0].text == text[:cut] and r.choices[0].finish_reason == "stop"
     assert extra(r.choices[0], "stop_reason") == word
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=word,
-                                  extra_body={"include_stop_str_in_output": True})
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, stop=word, extra_body={"include_stop_str_in_output": True}
+    )
     assert r.choices[0].text == text[: cut + len(word)]
     # streaming holds back partial matches and ends at the same place
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[word], stream=True))
@@ -129,8 +132,9 @@ def test_completion_stop_strings_and_stop_token_ids(client, tok):
     ids = extra(base.choices[0], "token_ids")
     stop_id = ids[4]
     first = ids.index(stop_id)
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30,
-                                  extra_body={"stop_token_ids": [stop_id], "return_token_ids": True})
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=30, extra_body={"stop_token_ids": [stop_id], "return_token_ids": True}
+    )
     c = r.choices[0]
     assert c.finish_reason == "stop" and extra(c, "stop_reason") == stop_id
     assert extra(c, "token_ids") == ids[: first + 1] and c.text == tok.decode(ids[:first])
@@ -150,8 +154,9 @@ def test_completion_streaming_matches_and_usage(client):
     offsets = [o for c in body for o in c.choices[0].logprobs.text_offset]
     assert offsets == full.choices[0].logprobs.text_offset
     # n > 1 streaming: every choice finishes exactly once
-    chunks = list(client.completions.create(model=MODEL, prompt="Night comes", max_tokens=5, n=3,
-                                            temperature=1.0, stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt="Night comes", max_tokens=5, n=3, temperature=1.0, stream=True)
+    )
     finished = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
     assert finished == [0, 1, 2]
 
@@ -160,8 +165,11 @@ def test_completion_streaming_matches_and_usage(client):
 
 
 def _chat_prompt_len(tok, messages):
-    return len(tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                          add_special_tokens=False))
+    return len(
+        tok.encode(
+            tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        )
+    )
 
 
 def test_chat_basic_and_context_filling(client, tok):
@@ -185,8 +193,14 @@ def test_chat_basic_and_context_filling(client, tok):
 
 def test_chat_n_logprobs_and_content_parts(client):
     r = client.chat.completions.create(
-        model=MODEL, n=3, temperature=1.0, max_tokens=5, logprobs=True, top_logprobs=3,
-        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "you"}]}])
+        model=MODEL,
+        n=3,
+        temperature=1.0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "you"}]}],
+    )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert r.usage.completion_tokens == 15
     for c in r.choices:
@@ -196,8 +210,9 @@ def test_chat_n_logprobs_and_content_parts(client):
         for t in content:
             assert len(t.top_logprobs) == 3 and t.bytes == list(t.token.encode())
             assert t.top_logprobs[0].token == t.token  # the fake samples its top-ranked token
-    r = client.chat.completions.create(model=MODEL, max_tokens=2, logprobs=True,
-                                       messages=[{"role": "user", "content": "hi"}])
+    r = client.chat.completions.create(
+        model=MODEL, max_tokens=2, logprobs=True, messages=[{"role": "user", "content": "hi"}]
+    )
     assert r.choices[0].logprobs.content[0].top_logprobs == []
 
 
@@ -223,15 +238,21 @@ def test_chat_streaming(client):
 
 def test_chat_echo_and_continue_final_message(server, client, tok):
     messages = [{"role": "user", "content": "Go on"}, {"role": "assistant", "content": "The quick"}]
-    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3,
-                                       extra_body={"continue_final_message": True, "add_generation_prompt": False,
-                                                   "echo": True})
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
+    )
     assert r.choices[0].message.content.startswith("The quick")
     rendered = tok.apply_chat_template(messages, tokenize=False, continue_final_message=True)
     assert rendered.endswith("The quick") and r.usage.prompt_tokens == len(tok.encode(rendered))
     # both flags: vLLM's message
-    status, body = http("POST", server.base_url + "/v1/chat/completions",
-                        json={"model": MODEL, "messages": messages, "continue_final_message": True})
+    status, body = http(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, "continue_final_message": True},
+    )
     assert status == 400 and "Cannot set both `continue_final_message` and `add_generation_prompt`" in body
 
 
@@ -245,12 +266,19 @@ def test_tokenize_detokenize_and_templates(server, tok):
     assert status == 200 and json.loads(body) == {"prompt": "hello world"}
     # a request's chat_template and chat_template_kwargs
     template = "{% for m in messages %}[{{ greeting }}] {{ m['content'] }}{% endfor %}"
-    status, body = http("POST", url + "/tokenize", json={
-        "messages": [{"role": "user", "content": "hi"}], "chat_template": template,
-        "chat_template_kwargs": {"greeting": "hey"}})
+    status, body = http(
+        "POST",
+        url + "/tokenize",
+        json={
+            "messages": [{"role": "user", "content": "hi"}],
+            "chat_template": template,
+            "chat_template_kwargs": {"greeting": "hey"},
+        },
+    )
     assert status == 200 and json.loads(body)["tokens"] == tok.encode("[hey] hi", add_special_tokens=False)
-    status, body = http("POST", url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
-                                                         "chat_template": "{% if %}"})
+    status, body = http(
+        "POST", url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% if %}"}
+    )
     assert status == 400 and "Chat template error" in body
 
 
@@ -260,8 +288,9 @@ def test_generation_config_defaults_and_chat_template_flag(tok, tmp_path):
     engine = FakeEngine(tok, default_sampling_params={"max_tokens": 7, "temperature": 0.0})
     with ServerThread(engine, "--chat-template", str(path)) as srv:
         c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
-        r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                      extra_body={"ignore_eos": True})
+        r = c.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True}
+        )
         assert r.usage.completion_tokens == 7  # generation_config's max_new_tokens caps the output
         assert r.usage.prompt_tokens == len(tok.encode("user: hi\nassistant:"))
         # temperature defaults to the generation_config's 0.0 -> greedy -> n > 1 is refused
@@ -292,8 +321,9 @@ def test_cache_salt_reaches_the_engine(server, client):
     seen = server.engine.prompts_seen
     client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=2, extra_body={"cache_salt": "t1"})
     assert seen[-1]["cache_salt"] == "t1"
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                   extra_body={"cache_salt": "t2"})
+    client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_body={"cache_salt": "t2"}
+    )
     assert seen[-1]["cache_salt"] == "t2"
     client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=2)
     assert "cache_salt" not in seen[-1]
@@ -302,18 +332,31 @@ def test_cache_salt_reaches_the_engine(server, client):
 def test_metrics_move(server, client):
     before = _scrape(server.base_url)
     client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5)
-    list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                        stream=True))
+    list(
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4, stream=True
+        )
+    )
     after = _scrape(server.base_url)
-    for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
-                 "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-                 "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_sum",
-                 "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
-                 "vllm:iteration_tokens_total_count"):
+    for name in (
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:request_prompt_tokens_count",
+        "vllm:request_generation_tokens_sum",
+        "vllm:inter_token_latency_seconds_count",
+        "vllm:request_queue_time_seconds_count",
+        "vllm:iteration_tokens_total_count",
+    ):
         assert _value(after, name) > _value(before, name), name
     assert _value(after, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total") == 9
-    assert _value(after, "vllm:e2e_request_latency_seconds_count") - \
-        _value(before, "vllm:e2e_request_latency_seconds_count") == 2
+    assert (
+        _value(after, "vllm:e2e_request_latency_seconds_count")
+        - _value(before, "vllm:e2e_request_latency_seconds_count")
+        == 2
+    )
     assert _value(after, "vllm:request_success_total", finished_reason="length") >= 2
     for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert _value(after, gauge) == 0.0
@@ -334,8 +377,9 @@ def test_old_metric_names(server, client):
     assert _value(after, "vllm:num_requests_swapped") == 0 and _value(after, "vllm:cpu_cache_usage_perc") == 0
     for suffix in ("_count", "_sum", "_bucket"):  # the same observations as inter_token_latency_seconds
         labels = {"le": "0.1"} if suffix == "_bucket" else {}
-        assert delta("vllm:time_per_output_token_seconds" + suffix, **labels) == \
-            delta("vllm:inter_token_latency_seconds" + suffix, **labels)
+        assert delta("vllm:time_per_output_token_seconds" + suffix, **labels) == delta(
+            "vllm:inter_token_latency_seconds" + suffix, **labels
+        )
     assert delta("vllm:time_per_output_token_seconds_count") >= 3 + 2  # the gaps after each first token
     # one observation per request, of its n
     assert delta("vllm:request_params_n_count") == 2 and delta("vllm:request_params_n_sum") == 3
@@ -405,8 +449,23 @@ def test_ready_and_stats_log_lines(tok, caplog):
 def test_args():
     assert human_readable_int("32k") == 32000 and human_readable_int("32K") == 32768
     assert human_readable_int("1.5m") == 1_500_000 and human_readable_int("4096") == 4096
-    a = parse_args(["/m", "--max-model-len", "32k", "-tp", "2", "--no-enable-prefix-caching", "--dtype",
-                    "bfloat16", "--max-num-batched-tokens", "8K", "--served-model-name", "a", "b"])
+    a = parse_args(
+        [
+            "/m",
+            "--max-model-len",
+            "32k",
+            "-tp",
+            "2",
+            "--no-enable-prefix-caching",
+            "--dtype",
+            "bfloat16",
+            "--max-num-batched-tokens",
+            "8K",
+            "--served-model-name",
+            "a",
+            "b",
+        ]
+    )
     kw = engine_kwargs(a)
     assert kw["model"] == "/m" and kw["max_model_len"] == 32000 and kw["tensor_parallel_size"] == 2
     assert kw["enable_prefix_caching"] is False and kw["enable_chunked_prefill"] is True
@@ -422,17 +481,24 @@ def test_args():
 
 def test_cors_like_vllm(tok):
     """vLLM's default CORS (any origin, method and header): browser clients on another origin work."""
+
     async def go(base):
         async with aiohttp.ClientSession() as s:
-            pre = {"Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
-                   "Access-Control-Request-Headers": "authorization, content-type"}
+            pre = {
+                "Origin": "http://ui.example",
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type",
+            }
             async with s.options(base + "/v1/chat/completions", headers=pre) as r:
                 assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
                 assert "POST" in r.headers["Access-Control-Allow-Methods"]
                 assert r.headers["Access-Control-Allow-Headers"] == "authorization, content-type"
             body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": True}
-            async with s.post(base + "/v1/completions", json=body, headers={"Origin": "http://ui.example",
-                                                                           "Authorization": "Bearer k"}) as r:
+            async with s.post(
+                base + "/v1/completions",
+                json=body,
+                headers={"Origin": "http://ui.example", "Authorization": "Bearer k"},
+            ) as r:
                 assert r.status == 200 and r.headers["Access-Control-Allow-Origin"] == "*"
                 assert (await r.text()).endswith("data: [DONE]\n\n")
             async with s.get(base + "/v1/models", headers={"Origin": "http://ui.example"}) as r:
@@ -460,20 +526,48 @@ def test_explicit_nulls_mean_defaults(server):
     """Clients that send every field send null for the ones they leave unset; where vLLM declares the field
     Optional with a default, null means that default (no 400)."""
     msgs = [{"role": "user", "content": "Where do birds sing?"}]
-    nulls = {"n": None, "stream": None, "logprobs": None, "top_logprobs": None, "temperature": None, "stop": None,
-             "seed": None, "stream_options": None, "tools": None, "tool_choice": None, "response_format": None}
-    status, body = http("POST", server.base_url + "/v1/chat/completions",
-                        json={"model": MODEL, "messages": msgs, "max_tokens": 3, **nulls})
+    nulls = {
+        "n": None,
+        "stream": None,
+        "logprobs": None,
+        "top_logprobs": None,
+        "temperature": None,
+        "stop": None,
+        "seed": None,
+        "stream_options": None,
+        "tools": None,
+        "tool_choice": None,
+        "response_format": None,
+    }
+    status, body = http(
+        "POST",
+        server.base_url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": msgs, "max_tokens": 3, **nulls},
+    )
     assert status == 200, body
     r = json.loads(body)
     assert len(r["choices"]) == 1 and r["choices"][0]["logprobs"] is None and r["usage"]["completion_tokens"] == 3
-    status, body = http("POST", server.base_url + "/v1/completions",
-                        json={"model": MODEL, "prompt": "The quick", "max_tokens": 3, "stream": None, "echo": None,
-                              "logprobs": None, "suffix": None, "best_of": None})
+    status, body = http(
+        "POST",
+        server.base_url + "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": "The quick",
+            "max_tokens": 3,
+            "stream": None,
+            "echo": None,
+            "logprobs": None,
+            "suffix": None,
+            "best_of": None,
+        },
+    )
     assert status == 200, body
     assert json.loads(body)["choices"][0]["text"]
-    status, body = http("POST", server.base_url + "/v1/completions",  # vLLM's completions `n` is not Optional
-                        json={"model": MODEL, "prompt": "The quick", "n": None})
+    status, body = http(
+        "POST",
+        server.base_url + "/v1/completions",  # vLLM's completions `n` is not Optional
+        json={"model": MODEL, "prompt": "The quick", "n": None},
+    )
     assert status == 400 and "n: Input should be a valid integer" in body
 
 

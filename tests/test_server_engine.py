@@ -21,9 +21,27 @@ def served(tmp_path_factory):
     from tests.tiny_models import make_tiny_model_dir
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
-    args = parse_args([model_dir, "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
-                       "--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log"])
+    args = parse_args(
+        [
+            model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "96",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--block-size",
+            "8",
+            "--served-model-name",
+            "tiny",
+            "--disable-access-log",
+        ]
+    )
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
@@ -45,38 +63,74 @@ def wait_until(cond, timeout=10.0) -> bool:
 def test_real_engine_routes(served):
     srv, engine, client = served
     tok = engine.get_tokenizer()
-    r = client.completions.create(model="tiny", prompt=[5, 9, 2, 77], max_tokens=5, temperature=0, logprobs=2,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=[5, 9, 2, 77],
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     c = r.choices[0]
     assert c.finish_reason == "length" and r.usage.completion_tokens == 5
     assert len(c.logprobs.tokens) == 5 and all(len(t) <= 3 for t in c.logprobs.top_logprobs)
-    again = client.completions.create(model="tiny", prompt=[5, 9, 2, 77], max_tokens=5, temperature=0,
-                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+    again = client.completions.create(
+        model="tiny",
+        prompt=[5, 9, 2, 77],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     assert c.model_extra["token_ids"] == again.choices[0].model_extra["token_ids"]  # greedy is deterministic
 
     messages = [{"role": "user", "content": "hello there"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, n=2, temperature=1.0,
-                                       logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=6,
+        n=2,
+        temperature=1.0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     assert [ch.index for ch in r.choices] == [0, 1] and r.usage.completion_tokens == 12
     assert all(len(ch.logprobs.content) == 6 for ch in r.choices)
     prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert r.usage.prompt_tokens == len(tok.encode(prompt, add_special_tokens=False))
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage.completion_tokens == 6
     assert chunks[-2].choices[0].finish_reason == "length"
     # vLLM accepts prompt_logprobs=0 with stream (only > 0 or -1 is refused); nothing extra is streamed
-    streamed = list(client.completions.create(model="tiny", prompt=[5, 9, 2], max_tokens=3, stream=True,
-                                              temperature=0, extra_body={"ignore_eos": True, "prompt_logprobs": 0}))
-    whole = client.completions.create(model="tiny", prompt=[5, 9, 2], max_tokens=3, temperature=0,
-                                      extra_body={"ignore_eos": True})
+    streamed = list(
+        client.completions.create(
+            model="tiny",
+            prompt=[5, 9, 2],
+            max_tokens=3,
+            stream=True,
+            temperature=0,
+            extra_body={"ignore_eos": True, "prompt_logprobs": 0},
+        )
+    )
+    whole = client.completions.create(
+        model="tiny", prompt=[5, 9, 2], max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == whole.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "length"
 
-    with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, your "
-                                                     "request has 200 input tokens"):
+    with pytest.raises(
+        openai.BadRequestError, match="maximum context length is 128 tokens. However, your request has 200 input tokens"
+    ):
         client.completions.create(model="tiny", prompt=[5] * 200)
     with pytest.raises(openai.BadRequestError, match="Requested logprobs of 25, which is greater than max"):
         client.completions.create(model="tiny", prompt=[5], logprobs=25)
@@ -98,8 +152,10 @@ def test_real_engine_disconnect_frees_blocks(served):
 
     async def hang_up():
         async with aiohttp.ClientSession() as s:
-            async with s.post(srv.base_url + "/v1/completions", json={
-                    "prompt": [5, 9, 2, 77], "max_tokens": 120, "ignore_eos": True, "stream": True}) as r:
+            async with s.post(
+                srv.base_url + "/v1/completions",
+                json={"prompt": [5, 9, 2, 77], "max_tokens": 120, "ignore_eos": True, "stream": True},
+            ) as r:
                 assert r.status == 200
                 n = 0
                 async for line in r.content:
@@ -113,8 +169,12 @@ def test_real_engine_disconnect_frees_blocks(served):
         assert wait_until(lambda: bool(aborted)) and aborted[0].startswith("cmpl-")
     finally:
         engine.engine.abort_request = real_abort
-    assert client.completions.create(model="tiny", prompt=[7], max_tokens=2,
-                                     extra_body={"ignore_eos": True}).usage.completion_tokens == 2
+    assert (
+        client.completions.create(
+            model="tiny", prompt=[7], max_tokens=2, extra_body={"ignore_eos": True}
+        ).usage.completion_tokens
+        == 2
+    )
 
 
 def test_real_engine_metrics(served):

@@ -58,8 +58,10 @@ def test_slow_and_idle_clients_are_disconnected(server):
     partial = _connect(server)
     partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty")
     short = _connect(server)
-    short.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+    short.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 1000\r\n\r\n{"prompt": '
+    )
     idle = _connect(server)
     idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
 
@@ -76,11 +78,14 @@ def test_slow_and_idle_clients_are_disconnected(server):
         s.close()
 
 
-@pytest.mark.parametrize("raw", [
-    b"GARBAGE-SECRET-123 / HTTP/1.1\r\nHost: x\r\n\r\n",
-    b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header SECRET-123\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: SECRET-123\r\n\r\n",
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE-SECRET-123 / HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header SECRET-123\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: SECRET-123\r\n\r\n",
+    ],
+)
 def test_malformed_http_is_a_quiet_openai_400(server, raw, caplog):
     caplog.set_level(logging.DEBUG)
     s = _connect(server)
@@ -168,9 +173,15 @@ def test_shutdown_timeout_ends_requests_with_an_error(tok, caplog):
 
     async def main():
         async with aiohttp.ClientSession() as s:
-            chat = await s.post(srv.base_url + "/v1/chat/completions", json={
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3000, "ignore_eos": True,
-                "stream": True})
+            chat = await s.post(
+                srv.base_url + "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "max_tokens": 3000,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            )
             plain = asyncio.create_task(s.post(srv.base_url + "/v1/completions", json=body))
             await chat.content.readline()
             await asyncio.sleep(0.2)
@@ -209,15 +220,23 @@ print("exited cleanly", flush=True)
 def test_sigterm_drains_a_real_process():
     """SIGTERM with the default --shutdown-timeout: a 12 s stream finishes (it used to be cut after ~10 s without an
     error event or [DONE]), and the process exits cleanly."""
-    proc = subprocess.Popen([sys.executable, "-c", _SERVE], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERVE],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     try:
         port = int(proc.stdout.readline())
 
         async def main():
             async with aiohttp.ClientSession() as s:
-                r = await s.post(f"http://127.0.0.1:{port}/v1/completions", json={
-                    "prompt": "a", "max_tokens": 1200, "ignore_eos": True, "stream": True})
+                r = await s.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"prompt": "a", "max_tokens": 1200, "ignore_eos": True, "stream": True},
+                )
                 await r.content.readline()
                 proc.send_signal(signal.SIGTERM)
                 return (await r.read()).decode()

@@ -76,15 +76,18 @@ def test_huge_prompt_is_refused_before_tokenizing(server, counting, tok):
     bound = chars_per_token(tok)
     assert bound and bound == max(len(t) for t in tok.get_vocab())
     huge = "The quick brown fox jumps over the lazy dog. " * 200_000  # 9 MB: seconds to tokenize
-    for path, body, param in [("/v1/completions", {"prompt": huge, "max_tokens": 1}, "prompt"),
-                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
-                              ("/tokenize", {"prompt": huge}, "prompt")]:
+    for path, body, param in [
+        ("/v1/completions", {"prompt": huge, "max_tokens": 1}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}, "messages"),
+        ("/tokenize", {"prompt": huge}, "prompt"),
+    ]:
         counting.encoded.clear()
         t0 = time.monotonic()
         status, body, _ = post(server.base_url + path, body)
         assert status == 400, body
-        assert body["error"]["message"].startswith(f"This model's maximum context length is {MAX_LEN} tokens. "
-                                                   "However, your request has at least ")
+        assert body["error"]["message"].startswith(
+            f"This model's maximum context length is {MAX_LEN} tokens. However, your request has at least "
+        )
         assert body["error"]["param"] == param
         assert all(n < 10_000 for n in counting.encoded), counting.encoded  # the tokenizer never saw it
         assert time.monotonic() - t0 < 5
@@ -96,8 +99,10 @@ def test_huge_prompt_is_refused_before_tokenizing(server, counting, tok):
     assert status == 400 and "However, your request has " in body["error"]["message"]
     assert "at least" not in body["error"]["message"]  # counted by the tokenizer, not refused by length
     # truncation makes any length valid: it is tokenized, and the last tokens kept
-    status, body, _ = post(server.base_url + "/v1/completions",
-                           {"prompt": "The quick brown fox. " * 5000, "truncate_prompt_tokens": 8, "max_tokens": 2})
+    status, body, _ = post(
+        server.base_url + "/v1/completions",
+        {"prompt": "The quick brown fox. " * 5000, "truncate_prompt_tokens": 8, "max_tokens": 2},
+    )
     assert status == 200 and body["usage"]["prompt_tokens"] == 8
 
 
@@ -105,8 +110,13 @@ def test_event_loop_keeps_its_pace_during_a_huge_valid_request(tok):
     """300k messages (10 MB, valid: a request's own template renders them to "Hello") used to freeze /health
     and every other stream for ~8 s while they were validated and rendered on the event loop."""
     engine = FakeEngine(tok, max_model_len=4096, step_s=0.01)
-    huge = json.dumps({"messages": [{"role": "user", "content": "x"}] * 300_000, "max_tokens": 2,
-                       "chat_template": "{% for m in messages %}{% endfor %}Hello"}).encode()
+    huge = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "x"}] * 300_000,
+            "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{% endfor %}Hello",
+        }
+    ).encode()
     with ServerThread(engine, "--max-request-body-bytes", "64M") as srv:
 
         async def main():
@@ -159,26 +169,38 @@ def test_huge_logit_bias_is_refused_quickly(server, tok):
     assert time.monotonic() - t0 < 5
 
 
-@pytest.mark.parametrize("path,extra", [("/v1/completions", {"prompt": "a"}),
-                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})])
+@pytest.mark.parametrize(
+    "path,extra",
+    [("/v1/completions", {"prompt": "a"}), ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})],
+)
 def test_n_is_capped_as_openai_does(server, path, extra):
     status, body, _ = post(server.base_url + path, {**extra, "n": 10_000, "max_tokens": 1})
     assert status == 400, body
-    assert body["error"] == {"message": "Invalid 'n': integer above maximum value. Expected a value <= 128, but got "
-                                        "10000 instead.", "type": "BadRequestError", "param": "n", "code": 400}
+    assert body["error"] == {
+        "message": "Invalid 'n': integer above maximum value. Expected a value <= 128, but got 10000 instead.",
+        "type": "BadRequestError",
+        "param": "n",
+        "code": 400,
+    }
     assert server.call(server.engine.live_requests) == []
     status, body, _ = post(server.base_url + path, {**extra, "n": 128, "max_tokens": 1})
     assert status == 200 and len(body["choices"]) == 128
 
 
-@pytest.mark.parametrize("path,body,where", [
-    ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\udc00"}]},
-     "messages[1].content"),
-    ("/tokenize", {"prompt": "\ud800"}, "prompt"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
-    ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, "stop[0]"),
-])
+@pytest.mark.parametrize(
+    "path,body,where",
+    [
+        ("/v1/completions", {"prompt": "a\ud800b"}, "prompt"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\udc00"}]},
+            "messages[1].content",
+        ),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+        ("/v1/completions", {"prompt": "a", "stop": ["\ud800"]}, "stop[0]"),
+    ],
+)
 def test_lone_surrogates_are_a_400(server, path, body, where):
     raw = json.dumps(body).encode()  # ensure_ascii: "\ud800" travels as an escape, as JavaScript clients send it
     status, resp, _ = post(server.base_url + path, raw)
@@ -186,26 +208,37 @@ def test_lone_surrogates_are_a_400(server, path, body, where):
     assert resp["error"]["message"].startswith(f"Invalid text in `{where}`: it contains a lone surrogate")
     assert resp["error"]["param"] == where.split("[")[0]
     # a valid pair is one character, and fine
-    status, resp, _ = post(server.base_url + "/v1/completions", json.dumps({"prompt": "a\U0001f600", "max_tokens": 1})
-                           .encode())
+    status, resp, _ = post(
+        server.base_url + "/v1/completions", json.dumps({"prompt": "a\U0001f600", "max_tokens": 1}).encode()
+    )
     assert status == 200, resp
 
 
-@pytest.mark.parametrize("path,body,param,message", [
-    ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative"),
-    ("/v1/completions", {"prompt": "a", "top_p": 2}, "top_p", "top_p must be in (0, 1]"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": 2}, "min_p", "min_p must"),
-    ("/v1/completions", {"prompt": "a", "presence_penalty": 3}, "presence_penalty", "presence_penalty must"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": 3, "min_tokens": 5}, "min_tokens", "min_tokens must"),
-    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs", "Requested logprobs of 21, which is greater"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": -1},
-     "top_logprobs", "Requested logprobs of -1 (the whole vocabulary, 600 tokens), which is greater than max "
-                     "allowed: 20."),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
-     "max_completion_tokens", "max_tokens must be at least 1"),
-    ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids", "out-of-vocab"),
-    ("/v1/completions", {"prompt": "a", "max_tokens": MAX_LEN}, "max_tokens", "'max_tokens' or"),
-])
+@pytest.mark.parametrize(
+    "path,body,param,message",
+    [
+        ("/v1/completions", {"prompt": "a", "temperature": -1}, "temperature", "temperature must be non-negative"),
+        ("/v1/completions", {"prompt": "a", "top_p": 2}, "top_p", "top_p must be in (0, 1]"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "min_p": 2}, "min_p", "min_p must"),
+        ("/v1/completions", {"prompt": "a", "presence_penalty": 3}, "presence_penalty", "presence_penalty must"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": 3, "min_tokens": 5}, "min_tokens", "min_tokens must"),
+        ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs", "Requested logprobs of 21, which is greater"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": -1},
+            "top_logprobs",
+            "Requested logprobs of -1 (the whole vocabulary, 600 tokens), which is greater than max allowed: 20.",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 0},
+            "max_completion_tokens",
+            "max_tokens must be at least 1",
+        ),
+        ("/v1/completions", {"prompt": "a", "stop_token_ids": [10**6]}, "stop_token_ids", "out-of-vocab"),
+        ("/v1/completions", {"prompt": "a", "max_tokens": MAX_LEN}, "max_tokens", "'max_tokens' or"),
+    ],
+)
 def test_range_errors_name_their_param(server, path, body, param, message):
     status, resp, _ = post(server.base_url + path, body)
     assert status == 400, resp
@@ -251,8 +284,9 @@ def test_queue_bound_answers_503_and_abandoned_queued_requests_count_as_aborts(t
                     await asyncio.sleep(0.02)
                 async with s.get(srv.base_url + "/metrics") as r:
                     after = _metric(await r.text(), "vllm:request_success_total", finished_reason="abort")
-                status, _, _ = await _post(s, srv.base_url + "/v1/completions",
-                                           {**body, "stream": False, "max_tokens": 2})
+                status, _, _ = await _post(
+                    s, srv.base_url + "/v1/completions", {**body, "stream": False, "max_tokens": 2}
+                )
                 return before, after, status
 
         before, after, status = asyncio.run(main())
@@ -287,15 +321,20 @@ def test_chars_per_token_of_tokenizer_kinds(tok):
 
     # byte-level BPE (GPT-2, Llama 3, Qwen): its longest token; with NFC (Qwen), four times that
     assert chars_per_token(tok) == max(len(t) for t in tok.get_vocab()) == 13
-    nfc = _train(models.BPE(), trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                   show_progress=False),
-                 normalizers.NFC(), pre_tokenizers.ByteLevel(add_prefix_space=False))
+    nfc = _train(
+        models.BPE(),
+        trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+        normalizers.NFC(),
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+    )
     assert chars_per_token(_fast(nfc)) == 4 * max(len(t) for t in nfc.get_vocab())
     # SentencePiece-style BPE with byte fallback (Llama 2, Mistral, Gemma)
     byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    spm = _train(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True),
-                 trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", *byte_tokens], show_progress=False),
-                 normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]))
+    spm = _train(
+        models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True),
+        trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", *byte_tokens], show_progress=False),
+        normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]),
+    )
     assert chars_per_token(_fast(spm)) == max(len(t) for t in spm.get_vocab())
     # whitespace swallowed by an added token (lstrip/rstrip) or dropped by a pre-tokenizer is not counted, so
     # these keep their bound
@@ -304,19 +343,31 @@ def test_chars_per_token_of_tokenizer_kinds(tok):
     # tokenizers that can drop characters get no bound: WordPiece ([UNK] for a long word), Unigram without
     # byte fallback (unknown runs fused), byte-fallback-less SentencePiece BPE without an unknown token,
     # accent stripping
-    wp = _train(models.WordPiece(unk_token="[UNK]"), trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]"],
-                                                                              show_progress=False),
-                normalizers.BertNormalizer(), pre_tokenizers.BertPreTokenizer())
+    wp = _train(
+        models.WordPiece(unk_token="[UNK]"),
+        trainers.WordPieceTrainer(vocab_size=400, special_tokens=["[UNK]"], show_progress=False),
+        normalizers.BertNormalizer(),
+        pre_tokenizers.BertPreTokenizer(),
+    )
     assert chars_per_token(_fast(wp)) is None
-    uni = _train(models.Unigram(), trainers.UnigramTrainer(vocab_size=300, unk_token="<unk>", special_tokens=["<unk>"],
-                                                           show_progress=False), None, pre_tokenizers.Metaspace())
+    uni = _train(
+        models.Unigram(),
+        trainers.UnigramTrainer(vocab_size=300, unk_token="<unk>", special_tokens=["<unk>"], show_progress=False),
+        None,
+        pre_tokenizers.Metaspace(),
+    )
     assert chars_per_token(_fast(uni)) is None
-    plain = _train(models.BPE(), trainers.BpeTrainer(vocab_size=300, show_progress=False), None,
-                   pre_tokenizers.Metaspace())
+    plain = _train(
+        models.BPE(), trainers.BpeTrainer(vocab_size=300, show_progress=False), None, pre_tokenizers.Metaspace()
+    )
     assert chars_per_token(_fast(plain)) is None
     byte_level = pre_tokenizers.ByteLevel.alphabet()
-    strip = _train(models.BPE(), trainers.BpeTrainer(vocab_size=300, initial_alphabet=byte_level, show_progress=False),
-                   normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()]), pre_tokenizers.ByteLevel())
+    strip = _train(
+        models.BPE(),
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=byte_level, show_progress=False),
+        normalizers.Sequence([normalizers.NFD(), normalizers.StripAccents()]),
+        pre_tokenizers.ByteLevel(),
+    )
     assert chars_per_token(_fast(strip)) is None
     assert chars_per_token(object()) is None  # a slow (Python) tokenizer: nothing to read
 

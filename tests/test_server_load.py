@@ -39,9 +39,15 @@ def test_64_concurrent_streaming_clients(tok):
         async def one(client, i):
             if i % 2:
                 stream = await client.chat.completions.create(
-                    model=MODEL, messages=[{"role": "user", "content": f"Story number {i}"}], max_tokens=24,
-                    temperature=0.5, n=1 + i % 3, stream=True, stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True})
+                    model=MODEL,
+                    messages=[{"role": "user", "content": f"Story number {i}"}],
+                    max_tokens=24,
+                    temperature=0.5,
+                    n=1 + i % 3,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
                 text, finished, usage = {}, set(), None
                 async for chunk in stream:
                     if chunk.usage is not None:
@@ -52,8 +58,9 @@ def test_64_concurrent_streaming_clients(tok):
                             finished.add(c.index)
                 assert finished == set(range(1 + i % 3)) and usage.completion_tokens == 24 * (1 + i % 3)
                 return text
-            stream = await client.completions.create(model=MODEL, prompt=f"Line {i}: the river", max_tokens=24,
-                                                     stream=True, extra_body={"ignore_eos": True})
+            stream = await client.completions.create(
+                model=MODEL, prompt=f"Line {i}: the river", max_tokens=24, stream=True, extra_body={"ignore_eos": True}
+            )
             pieces, reason = [], None
             async for chunk in stream:
                 pieces.append(chunk.choices[0].text)
@@ -106,15 +113,17 @@ def test_disconnect_aborts_streaming_and_non_streaming(tok):
                 # leaving the block closes the connection mid-stream
 
         body = {"model": MODEL, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        asyncio.run(stream_then_hang_up("/v1/chat/completions", {**body, "messages": [{"role": "user",
-                                                                                        "content": "x"}]}))
+        asyncio.run(
+            stream_then_hang_up("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": "x"}]})
+        )
         asyncio.run(stream_then_hang_up("/v1/completions", {**body, "prompt": ["a", "b"], "n": 2}))
 
         async def post_and_give_up():
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as s:
                 with pytest.raises(asyncio.TimeoutError):
-                    async with s.post(srv.base_url + "/v1/completions",
-                                      json={"prompt": "c", "max_tokens": 400, "ignore_eos": True}) as r:
+                    async with s.post(
+                        srv.base_url + "/v1/completions", json={"prompt": "c", "max_tokens": 400, "ignore_eos": True}
+                    ) as r:
                         await r.read()
 
         asyncio.run(post_and_give_up())
@@ -136,8 +145,9 @@ def test_failing_request_leaves_others_running(tok):
             client = openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
 
             async def good(i):
-                r = await client.completions.create(model=MODEL, prompt=f"ok {i}", max_tokens=20,
-                                                    extra_body={"ignore_eos": True})
+                r = await client.completions.create(
+                    model=MODEL, prompt=f"ok {i}", max_tokens=20, extra_body={"ignore_eos": True}
+                )
                 return r.usage.completion_tokens
 
             async def bad_non_streaming():
@@ -146,9 +156,14 @@ def test_failing_request_leaves_others_running(tok):
 
             async def bad_streaming():
                 async with aiohttp.ClientSession() as s:
-                    async with s.post(srv.base_url + "/v1/chat/completions", json={
-                            "messages": [{"role": "user", "content": "FAIL_MID_STREAM"}], "max_tokens": 20,
-                            "stream": True}) as r:
+                    async with s.post(
+                        srv.base_url + "/v1/chat/completions",
+                        json={
+                            "messages": [{"role": "user", "content": "FAIL_MID_STREAM"}],
+                            "max_tokens": 20,
+                            "stream": True,
+                        },
+                    ) as r:
                         assert r.status == 200
                         events = [line[6:].strip() async for line in r.content if line.startswith(b"data: ")]
                 assert events[-1] == b"[DONE]"
@@ -172,8 +187,10 @@ def test_dead_engine(tok):
             async with aiohttp.ClientSession() as s:
                 async with s.get(srv.base_url + "/health") as r:
                     assert r.status == 200
-                async with s.post(srv.base_url + "/v1/completions",
-                                  json={"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+                async with s.post(
+                    srv.base_url + "/v1/completions",
+                    json={"prompt": "a", "max_tokens": 200, "ignore_eos": True, "stream": True},
+                ) as r:
                     assert r.status == 200
                     assert len(await _read_events(r, 2)) == 2
                     srv.call(engine.kill)

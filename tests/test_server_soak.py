@@ -70,19 +70,44 @@ class Checker:
 
 async def _request(s, url, check: Checker, rng: random.Random):
     """One random request, its response checked."""
-    kind = rng.choice(["completion", "chat", "stream_completion", "stream_chat", "invalid", "invalid", "abandon",
-                       "abandon_queued", "tokenize", "huge", "surrogate"])
+    kind = rng.choice(
+        [
+            "completion",
+            "chat",
+            "stream_completion",
+            "stream_chat",
+            "invalid",
+            "invalid",
+            "abandon",
+            "abandon_queued",
+            "tokenize",
+            "huge",
+            "surrogate",
+        ]
+    )
     check.count(kind)
-    body = {"max_tokens": rng.randint(1, 40), "ignore_eos": rng.random() < 0.5, "temperature": 0.7,
-            "n": rng.choice([1, 1, 2, 3])}
+    body = {
+        "max_tokens": rng.randint(1, 40),
+        "ignore_eos": rng.random() < 0.5,
+        "temperature": 0.7,
+        "n": rng.choice([1, 1, 2, 3]),
+    }
     if kind in ("completion", "stream_completion", "abandon", "abandon_queued"):
         path, body = "/v1/completions", {**body, "prompt": f"Line {rng.randint(0, 999)}: the river"}
     else:
         path, body = "/v1/chat/completions", {**body, "messages": USER}
     stream = kind.startswith("stream") or kind == "abandon"
     if kind == "invalid":
-        body = rng.choice([{**body, "temperature": -1}, {**body, "n": 1000}, {**body, "model": "nope"},
-                           {**body, "top_p": 0}, {"messages": "x"}, {**body, "logit_bias": {"x": 1}}])
+        body = rng.choice(
+            [
+                {**body, "temperature": -1},
+                {**body, "n": 1000},
+                {**body, "model": "nope"},
+                {**body, "top_p": 0},
+                {"messages": "x"},
+                {**body, "logit_bias": {"x": 1}},
+            ]
+        )
     elif kind == "huge":
         body = {"prompt": "The quick brown fox. " * 20_000}
     elif kind == "surrogate":
@@ -93,8 +118,9 @@ async def _request(s, url, check: Checker, rng: random.Random):
     headers = {"Content-Type": "application/json"}
     if kind == "abandon_queued":  # gives up after a moment, often while still waiting for a slot
         try:
-            async with s.post(url + path, data=data, headers=headers,
-                              timeout=aiohttp.ClientTimeout(total=rng.uniform(0.01, 0.3))) as r:
+            async with s.post(
+                url + path, data=data, headers=headers, timeout=aiohttp.ClientTimeout(total=rng.uniform(0.01, 0.3))
+            ) as r:
                 text = await r.text()
                 if r.status == 200:
                     check.completion(kind, text)
@@ -148,8 +174,17 @@ def test_soak(tok, caplog):
     caplog.set_level(logging.WARNING)
     engine = FakeEngine(tok, max_model_len=512, max_num_seqs=8, step_s=0.005)
     check = Checker()
-    with ServerThread(engine, "--max-num-queued-reqs", "24", "--timeout-keep-alive", "2",
-                      "--timeout-request-body", "2", "--max-request-body-bytes", "4M") as srv:
+    with ServerThread(
+        engine,
+        "--max-num-queued-reqs",
+        "24",
+        "--timeout-keep-alive",
+        "2",
+        "--timeout-request-body",
+        "2",
+        "--max-request-body-bytes",
+        "4M",
+    ) as srv:
 
         async def client(i: int):
             rng = random.Random(i)
@@ -161,9 +196,13 @@ def test_soak(tok, caplog):
                 while time.monotonic() < end:
                     try:
                         if rng.random() < 0.04:
-                            payload = rng.choice([b"GARBAGE / HTTP/1.1\r\n\r\n",
-                                                  b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n",
-                                                  b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-"])
+                            payload = rng.choice(
+                                [
+                                    b"GARBAGE / HTTP/1.1\r\n\r\n",
+                                    b"GET /health HTTP/1.1\r\nBad Header\r\n\r\n",
+                                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-",
+                                ]
+                            )
                             check.count("raw")
                             await asyncio.to_thread(_raw, srv.port, payload, check)
                         else:
@@ -197,4 +236,3 @@ def test_soak(tok, caplog):
     assert admission == (0, 0, 0)
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, errors[:5]
-

@@ -48,8 +48,13 @@ def test_tp_logits_equal_tp1(ckpt):
         # Each device holds exactly its shard (loading never placed a full copy on one device).
         layer = params["layers"][0]
         K = kv_heads_for(cfg.num_kv_heads, tp)
-        expect = {"w_qkv": (64, K // tp, cfg.num_heads // K + 2, 16), "wo": (cfg.num_heads // tp, 16, 64),
-                  "w_gate_up": (64, 2, 96 // tp), "w_down": (96 // tp, 64), "attn_norm": (64,)}
+        expect = {
+            "w_qkv": (64, K // tp, cfg.num_heads // K + 2, 16),
+            "wo": (cfg.num_heads // tp, 16, 64),
+            "w_gate_up": (64, 2, 96 // tp),
+            "w_down": (96 // tp, 64),
+            "attn_norm": (64,),
+        }
         for name, shape in expect.items():
             shards = layer[name].addressable_shards
             assert len(shards) == tp and {s.data.shape for s in shards} == {shape}, name
@@ -77,9 +82,18 @@ def test_kv_replicated_when_tp_exceeds_kv_heads(ckpt):
 def test_xla_partitions_as_declared():
     """tp=2: one all-reduce for the vocab-parallel embedding gather and one per row-parallel matmul (o,
     down) per layer; weights are never all-gathered; logits stay vocab-sharded."""
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-                               "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
-                               "num_key_value_heads": 2}, dtype="float32")
+    cfg = ModelConfig.from_hf(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 128,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        },
+        dtype="float32",
+    )
     mesh = ParallelConfig(2, 1).make_mesh()
     params = load_params("", cfg, mesh, load_format="dummy")
     kv = make_kv_caches(cfg, mesh, 16, 4)
@@ -113,20 +127,30 @@ def test_rules_collision_raises():
 
 
 def _cfg(**kw):
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128, "hidden_size": 64,
-            "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
     return ModelConfig.from_hf(base | kw, dtype="float32")
 
 
-@pytest.mark.parametrize("tp, pp, kw, match", [
-    (3, 1, {"num_attention_heads": 6, "num_key_value_heads": 6}, "vocab_size \\(128\\)"),
-    (4, 1, {"intermediate_size": 90}, "intermediate_size \\(90\\)"),
-    (8, 1, {}, "num_attention_heads \\(4\\) must be divisible by tensor_parallel_size \\(8\\)"),
-    (4, 1, {"num_attention_heads": 12, "num_key_value_heads": 3}, "num_key_value_heads \\(3\\)"),
-    (2, 4, {}, "pipeline_parallel_size \\(4\\) exceeds"),
-    (1, 1, {"vocab_size": 127}, None),
-    (2, 1, {"vocab_size": 127}, "vocab_size \\(127\\)"),
-])
+@pytest.mark.parametrize(
+    "tp, pp, kw, match",
+    [
+        (3, 1, {"num_attention_heads": 6, "num_key_value_heads": 6}, "vocab_size \\(128\\)"),
+        (4, 1, {"intermediate_size": 90}, "intermediate_size \\(90\\)"),
+        (8, 1, {}, "num_attention_heads \\(4\\) must be divisible by tensor_parallel_size \\(8\\)"),
+        (4, 1, {"num_attention_heads": 12, "num_key_value_heads": 3}, "num_key_value_heads \\(3\\)"),
+        (2, 4, {}, "pipeline_parallel_size \\(4\\) exceeds"),
+        (1, 1, {"vocab_size": 127}, None),
+        (2, 1, {"vocab_size": 127}, "vocab_size \\(127\\)"),
+    ],
+)
 def test_parallel_config_errors(tp, pp, kw, match):
     cfg = _cfg(**kw)
     if match is None:

@@ -19,19 +19,32 @@ def _free_port():
 
 
 def _env(devices):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(
+        os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+    )
     return env
 
 
 def test_two_processes_tp4_equal_single(tmp_path):
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(port), str(i), "2", str(tmp_path / f"p{i}.npy")],
-                              env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, str(port), str(i), "2", str(tmp_path / f"p{i}.npy")],
+            env=_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(2)
+    ]
     logs = [p.communicate(timeout=120)[0].decode() for p in procs]
     assert all(p.returncode == 0 for p in procs), logs
-    single = subprocess.run([sys.executable, WORKER, "0", "0", "1", str(tmp_path / "single.npy")], env=_env(1),
-                            capture_output=True, text=True, timeout=120)
+    single = subprocess.run(
+        [sys.executable, WORKER, "0", "0", "1", str(tmp_path / "single.npy")],
+        env=_env(1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert single.returncode == 0, single.stdout + single.stderr
     ref = np.load(tmp_path / "single.npy")
     for i in range(2):

@@ -15,10 +15,10 @@ def brute_force_ngram(tokens, min_n, max_n, k):
     last token), its earliest occurrence, and the up to k tokens after it."""
     total = len(tokens)
     for n in range(min(max_n, total - 1), min_n - 1, -1):
-        suffix = tokens[total - n:]
+        suffix = tokens[total - n :]
         for s in range(0, total - n):
-            if tokens[s:s + n] == suffix:
-                return tokens[s + n: s + n + k]
+            if tokens[s : s + n] == suffix:
+                return tokens[s + n : s + n + k]
     return []
 
 
@@ -64,19 +64,29 @@ def test_speculative_config_forms_and_defaults():
     assert SpeculativeConfig.from_value(None) is None
 
 
-@pytest.mark.parametrize("value, msg", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, r"Expected num_speculative_tokens to be greater than zero \(0\)"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
-     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0 must be > 0"),
-    ({"num_speculative_tokens": 2}, "num_speculative_tokens was provided without speculative model."),
-    ({"model": "/d"}, "num_speculative_tokens must be provided with speculative model"),
-    ({"method": "medusa", "model": "/d", "num_speculative_tokens": 2}, "method='medusa' is not supported"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, "unsupported keys"),
-    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
-     "Expect the batch size threshold of disabling speculative decoding is > 1"),
-    ("{not json", "speculative_config is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "value, msg",
+    [
+        (
+            {"method": "ngram", "num_speculative_tokens": 0},
+            r"Expected num_speculative_tokens to be greater than zero \(0\)",
+        ),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+            "prompt_lookup_min=4 must be <= prompt_lookup_max=2",
+        ),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min=0 must be > 0"),
+        ({"num_speculative_tokens": 2}, "num_speculative_tokens was provided without speculative model."),
+        ({"model": "/d"}, "num_speculative_tokens must be provided with speculative model"),
+        ({"method": "medusa", "model": "/d", "num_speculative_tokens": 2}, "method='medusa' is not supported"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, "unsupported keys"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},
+            "Expect the batch size threshold of disabling speculative decoding is > 1",
+        ),
+        ("{not json", "speculative_config is not valid JSON"),
+    ],
+)
 def test_speculative_config_errors(value, msg):
     with pytest.raises(ValueError, match=msg):
         SpeculativeConfig.from_value(value)
@@ -84,11 +94,14 @@ def test_speculative_config_errors(value, msg):
 
 def test_engine_args_validate_the_speculative_config_early():
     with pytest.raises(ValueError, match="cannot be other value than 1 or target model tensor_parallel_size"):
-        EngineArgs(speculative_config={"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 3},
-                   tensor_parallel_size=2).validate()
+        EngineArgs(
+            speculative_config={"model": "/d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 3},
+            tensor_parallel_size=2,
+        ).validate()
     with pytest.raises(ValueError, match="pipeline parallelism"):
-        EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2},
-                   pipeline_parallel_size=2).validate()
+        EngineArgs(
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2}, pipeline_parallel_size=2
+        ).validate()
 
 
 def test_serve_flag_is_a_usage_error_when_invalid(capsys):

@@ -18,8 +18,15 @@ K = 3
 
 
 def make_llm(model_dir, **kw):
-    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
-                block_size=8, enforce_eager=True, max_model_len=128)
+    base = dict(
+        dtype="float32",
+        num_gpu_blocks_override=96,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+    )
     return LLM(model_dir, **(base | kw))
 
 
@@ -55,10 +62,12 @@ def heads(tiny, tmp_path_factory):
     with open(os.path.join(tiny, "config.json")) as f:
         target = json.load(f)
     root = tmp_path_factory.mktemp("heads")
-    return {"draft": save_draft_model(str(root / "draft"), target["vocab_size"]),
-            "eagle": save_eagle_head(str(root / "eagle"), target, "eagle"),
-            # a 2-layer target: the feature layers come from the config (vLLM's default needs L >= 4)
-            "eagle3": save_eagle_head(str(root / "eagle3"), target, "eagle3", feature_layers=[0, 1, 1])}
+    return {
+        "draft": save_draft_model(str(root / "draft"), target["vocab_size"]),
+        "eagle": save_eagle_head(str(root / "eagle"), target, "eagle"),
+        # a 2-layer target: the feature layers come from the config (vLLM's default needs L >= 4)
+        "eagle3": save_eagle_head(str(root / "eagle3"), target, "eagle3", feature_layers=[0, 1, 1]),
+    }
 
 
 def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny, want):
@@ -77,8 +86,13 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny, want):
 def test_greedy_is_identical_with_a_random_drafter_batched_and_preempted(tiny, heads, want, method):
     """Random drafters propose mostly wrong tokens: the outputs are the target's anyway, batched, and under a KV
     cache small enough to preempt (chunked prefill, prefix hits on the second run); no page leaks."""
-    llm = make_llm(tiny, speculative_config=spec_cfg(heads[method]), num_gpu_blocks_override=16, max_model_len=64,
-                   max_num_batched_tokens=16)
+    llm = make_llm(
+        tiny,
+        speculative_config=spec_cfg(heads[method]),
+        num_gpu_blocks_override=16,
+        max_model_len=64,
+        max_num_batched_tokens=16,
+    )
     eng = llm.llm_engine
     assert eng.spec.method == {"draft": "draft_model"}.get(method, method)  # detected from the files
     assert run(llm) == want
@@ -92,8 +106,11 @@ def test_greedy_is_identical_with_a_random_drafter_batched_and_preempted(tiny, h
 
 def test_checks_before_anything_loads(tiny, heads, tmp_path):
     other = save_draft_model(str(tmp_path / "other"), 96)
-    with pytest.raises(ValueError, match="Target and draft model should have the same vocabulary size. Target "
-                                         "model vocab_size=128. Draft model vocab_size=96."):
+    with pytest.raises(
+        ValueError,
+        match="Target and draft model should have the same vocabulary size. Target "
+        "model vocab_size=128. Draft model vocab_size=96.",
+    ):
         make_llm(tiny, speculative_config=spec_cfg(other))
     with pytest.raises(ValueError, match="EAGLE-3 feature layers"):  # vLLM's default layers need 4+ target layers
         cfg = json.load(open(os.path.join(heads["eagle3"], "config.json")))
@@ -116,8 +133,17 @@ def test_greedy_is_identical_under_tensor_parallel(tiny, heads, want, method):
     """tp = 2 on simulated devices: the verify step's attention runs in shard_map over the heads, the drafter (a
     draft model, an EAGLE-3 head) is sharded as the target is, its KV pages too; outputs are those without
     speculation at tp = 1."""
-    cfg = ({"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-            "disable_by_batch_size": 64} if method == "ngram" else spec_cfg(heads[method]))
+    cfg = (
+        {
+            "method": "ngram",
+            "num_speculative_tokens": K,
+            "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1,
+            "disable_by_batch_size": 64,
+        }
+        if method == "ngram"
+        else spec_cfg(heads[method])
+    )
     llm = make_llm(tiny, tensor_parallel_size=2, speculative_config=cfg)
     assert run(llm) == want
     st = llm.llm_engine.scheduler.spec_stats

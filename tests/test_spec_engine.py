@@ -12,13 +12,25 @@ from tests.tiny_models import make_tiny_model_dir
 # Repetitive prompts, so the n-gram lookup finds matches (the tiny random model also loops on its own).
 PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35] * 3, [101, 7], [8] * 19, [3], [44, 55, 66, 77, 88, 99, 11, 22, 33] * 2]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
-         "disable_by_batch_size": 64}  # CPU's cost model would stop speculating at ~3 sequences
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 1,
+    "disable_by_batch_size": 64,
+}  # CPU's cost model would stop speculating at ~3 sequences
 
 
 def make_llm(model_dir, **kw):
-    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
-                block_size=8, enforce_eager=True, max_model_len=128)
+    base = dict(
+        dtype="float32",
+        num_gpu_blocks_override=96,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+    )
     return LLM(model_dir, **(base | kw))
 
 
@@ -67,8 +79,9 @@ def test_greedy_is_identical_batched_and_proposals_are_accepted(spec, want):
 
 
 def test_greedy_is_identical_with_preemption_chunked_prefill_and_prefix_hits(tiny, want):
-    llm = make_llm(tiny, num_gpu_blocks_override=14, max_model_len=64, max_num_batched_tokens=16,
-                   speculative_config=NGRAM)
+    llm = make_llm(
+        tiny, num_gpu_blocks_override=14, max_model_len=64, max_num_batched_tokens=16, speculative_config=NGRAM
+    )
     assert ids(run(llm)) == want
     assert ids(run(llm, PROMPTS[:2])) == want[:2]  # the prompts' pages are cached now
     eng = llm.llm_engine
@@ -99,8 +112,9 @@ def test_logprobs_are_those_without_speculation(spec, plain):
 
 
 def test_sampling_with_penalties_and_filters_runs_and_is_seeded(spec):
-    params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5, max_tokens=20, seed=7,
-                            ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.8, top_k=20, top_p=0.9, presence_penalty=0.5, max_tokens=20, seed=7, ignore_eos=True
+    )
     a, b = ids(run(spec, PROMPTS[:2], params)), ids(run(spec, PROMPTS[:2], params))
     assert a == b and all(len(t) == 20 for t in a)
     check_free(spec)

@@ -18,12 +18,19 @@ from jaxllm.engine.sequence import Sequence, SequenceStatus
 from tests.test_scheduler import FakeEngine, SchedulerMachine, chunks, model, reference, seq
 
 
-def make_spec_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, chunked=True,
-                        caching=True, lookahead=0) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                     max_model_len=max_model_len, enable_chunked_prefill=chunked),
-                     CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
-                     num_lookahead_tokens=lookahead)
+def make_spec_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=64, chunked=True, caching=True, lookahead=0
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=chunked,
+        ),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, enable_prefix_caching=caching),
+        num_lookahead_tokens=lookahead,
+    )
 
 
 class SpecEngine(FakeEngine):
@@ -62,7 +69,11 @@ def test_a_decode_verifies_its_proposals_and_rolls_back_the_rejected():
     assert a.num_computed_tokens == 8 and len(a.block_table) == 2  # position 8 (rejected) rolled back, its page freed
     st = sched.spec_stats
     assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.num_accepted_tokens_per_pos) == (
-        1, 3, 2, [1, 1, 0])
+        1,
+        3,
+        2,
+        [1, 1, 0],
+    )
     eng.run()
     assert (a.output_token_ids, a.status) == reference(a.prompt_token_ids, 20, 64)
 
@@ -104,12 +115,14 @@ class SpecSchedulerMachine(SchedulerMachine):
         k=st.integers(1, 4),
         seed=st.integers(0, 1000),
     )
-    def setup(self, block_size, max_model_len, extra_blocks, max_num_seqs, budget, chunked, caching, lookahead, k,
-              seed):
+    def setup(
+        self, block_size, max_model_len, extra_blocks, max_num_seqs, budget, chunked, caching, lookahead, k, seed
+    ):
         budget = max(budget, max_num_seqs, 0 if chunked else max_model_len)
         num_blocks = -(-max_model_len // block_size) + 1 + extra_blocks
-        self.sched = make_spec_scheduler(num_blocks, block_size, max_num_seqs, budget, max_model_len, chunked,
-                                         caching, lookahead)
+        self.sched = make_spec_scheduler(
+            num_blocks, block_size, max_num_seqs, budget, max_model_len, chunked, caching, lookahead
+        )
         self.eng = SpecEngine(self.sched, k=k, seed=seed)
         self.n = 0
         self.max_tokens: dict[str, int] = {}

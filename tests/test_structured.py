@@ -18,10 +18,16 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from tests.tiny_models import make_tiny_model_dir
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99},
-                                           "ok": {"type": "boolean"}},
-          "required": ["name", "age", "ok"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "age": {"type": "integer", "minimum": 0, "maximum": 99},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "ok"],
+    "additionalProperties": False,
+}
 CONSTRAINTS = {
     "json": StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True),
     "json_text_flexible": StructuredOutputsParams(json=json.dumps(SCHEMA)),
@@ -41,8 +47,15 @@ def tiny(tmp_path_factory):
 
 
 def make_llm(model_dir, **kw):
-    base = dict(dtype="float32", num_gpu_blocks_override=96, max_num_seqs=8, max_num_batched_tokens=64,
-                block_size=8, enforce_eager=True, max_model_len=128)
+    base = dict(
+        dtype="float32",
+        num_gpu_blocks_override=96,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+    )
     return LLM(model_dir, **(base | kw))
 
 
@@ -84,8 +97,14 @@ def follows(name, text):
         obj = json.loads(text)
         if name == "json_object":
             return isinstance(obj, dict)
-        return (set(obj) == {"name", "age", "ok"} and isinstance(obj["name"], str) and len(obj["name"]) <= 6
-                and type(obj["age"]) is int and 0 <= obj["age"] <= 99 and isinstance(obj["ok"], bool))
+        return (
+            set(obj) == {"name", "age", "ok"}
+            and isinstance(obj["name"], str)
+            and len(obj["name"]) <= 6
+            and type(obj["age"]) is int
+            and 0 <= obj["age"] <= 99
+            and isinstance(obj["ok"], bool)
+        )
     if name == "regex":
         return re.fullmatch(r"[a-z]{2,5} \d\d?", text) is not None
     if name == "choice":
@@ -99,8 +118,11 @@ def follows(name, text):
 def refs(tiny, llm):
     _, model = tiny
     tok = llm.get_tokenizer()
-    return {(name, p): hf_constrained_greedy(model, tok, llm, tok.encode(p), so, MAX_TOKENS)
-            for name, so in CONSTRAINTS.items() for p in PROMPTS[:2]}
+    return {
+        (name, p): hf_constrained_greedy(model, tok, llm, tok.encode(p), so, MAX_TOKENS)
+        for name, so in CONSTRAINTS.items()
+        for p in PROMPTS[:2]
+    }
 
 
 def run_all(llm, extra_plain=True):
@@ -117,11 +139,18 @@ def run_all(llm, extra_plain=True):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("engine_kw", [{}, {"max_num_batched_tokens": 16}, {"num_gpu_blocks_override": 12, "max_model_len": 64},
-                                       {"overlap": False}, {"overlap": False, "max_num_batched_tokens": 16},
-                                       {"tensor_parallel_size": 2}],
-                         ids=["batched", "chunked_prefill", "preemption", "not_overlapped", "not_overlapped_chunked",
-                              "tensor_parallel"])
+@pytest.mark.parametrize(
+    "engine_kw",
+    [
+        {},
+        {"max_num_batched_tokens": 16},
+        {"num_gpu_blocks_override": 12, "max_model_len": 64},
+        {"overlap": False},
+        {"overlap": False, "max_num_batched_tokens": 16},
+        {"tensor_parallel_size": 2},
+    ],
+    ids=["batched", "chunked_prefill", "preemption", "not_overlapped", "not_overlapped_chunked", "tensor_parallel"],
+)
 def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monkeypatch):
     """By default every step with a mask runs split, its masks written after the model part is dispatched
     (runner.overlap_min_masked = 1); not_overlapped: one whole step dispatched once the masks are written."""
@@ -133,8 +162,9 @@ def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monke
         monkeypatch.setattr(runner, "overlap_min_masked", 10**9)
     split_steps = []
     sampler_executable = runner.programs._sampler_executable
-    monkeypatch.setattr(runner.programs, "_sampler_executable",
-                        lambda *a: split_steps.append(1) or sampler_executable(*a))
+    monkeypatch.setattr(
+        runner.programs, "_sampler_executable", lambda *a: split_steps.append(1) or sampler_executable(*a)
+    )
     outs = run_all(engine)
     assert bool(split_steps) == overlap  # eager engines run split only to overlap
     i = 0
@@ -147,8 +177,9 @@ def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monke
                 assert follows(name, got.text), (name, got.text)
             i += 1
     # the unconstrained requests: the same tokens as when they run alone
-    alone = engine.generate(PROMPTS[2:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                            use_tqdm=False)
+    alone = engine.generate(
+        PROMPTS[2:], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in outs[i:]] == [o.outputs[0].token_ids for o in alone]
     if "num_gpu_blocks_override" in engine_kw:
         assert engine.llm_engine.scheduler.stats.num_preemptions > 0
@@ -157,8 +188,9 @@ def test_greedy_matches_hf_under_the_same_mask(tiny, llm, refs, engine_kw, monke
 
 def test_every_finished_output_follows_its_constraint_when_sampling(llm):
     for name, so in CONSTRAINTS.items():
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=48,
-                                                    structured_outputs=so), use_tqdm=False)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=1.0, seed=7, n=2, max_tokens=48, structured_outputs=so), use_tqdm=False
+        )
         finished = [c for o in outs for c in o.outputs if c.finish_reason == "stop"]
         assert finished, name  # bounded constraints: a random model still completes some
         for c in finished:
@@ -166,20 +198,27 @@ def test_every_finished_output_follows_its_constraint_when_sampling(llm):
     check_free(llm)
 
 
-@pytest.mark.parametrize("so,field", [
-    (dict(json={"type": "objectz"}), "structured_outputs.json"),
-    (dict(json="{not json"), "structured_outputs.json"),
-    (dict(regex="a(b"), "structured_outputs.regex"),
-    (dict(grammar="start: foo"), "structured_outputs.grammar"),
-    (dict(grammar="root ::= [0-9"), "structured_outputs.grammar"),
-])
+@pytest.mark.parametrize(
+    "so,field",
+    [
+        (dict(json={"type": "objectz"}), "structured_outputs.json"),
+        (dict(json="{not json"), "structured_outputs.json"),
+        (dict(regex="a(b"), "structured_outputs.regex"),
+        (dict(grammar="start: foo"), "structured_outputs.grammar"),
+        (dict(grammar="root ::= [0-9"), "structured_outputs.grammar"),
+    ],
+)
 def test_bad_constraints_are_refused_naming_the_field(llm, so, field):
     with pytest.raises(ValueError, match=re.escape(field)):
-        llm.generate("the engine", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**so)),
-                     use_tqdm=False)
+        llm.generate(
+            "the engine", SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**so)), use_tqdm=False
+        )
     check_free(llm)
-    ok = llm.generate("the engine", SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS[
-        "choice"]), use_tqdm=False)[0].outputs[0]
+    ok = llm.generate(
+        "the engine",
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=CONSTRAINTS["choice"]),
+        use_tqdm=False,
+    )[0].outputs[0]
     assert follows("choice", ok.text)
 
 
@@ -217,14 +256,21 @@ def test_grammar_tokenizer_is_built_on_first_use(tiny, monkeypatch):
     llm = make_llm(tiny[0])
     grammars = llm.llm_engine.grammars
     assert grammars._tokenizer is None
-    llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, structured_outputs=CONSTRAINTS["regex"]),
-                 use_tqdm=False)
+    llm.generate(
+        PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, structured_outputs=CONSTRAINTS["regex"]), use_tqdm=False
+    )
     assert grammars._tokenizer is not None
     from jaxllm.engine import structured
 
     builds = []
-    monkeypatch.setattr(structured.Grammars, "_build", lambda self: builds.append(1) or (_ for _ in ()).throw(
-        ValueError("Structured outputs are not available with this tokenizer: no")))
+    monkeypatch.setattr(
+        structured.Grammars,
+        "_build",
+        lambda self: (
+            builds.append(1)
+            or (_ for _ in ()).throw(ValueError("Structured outputs are not available with this tokenizer: no"))
+        ),
+    )
     broken = structured.Grammars(grammars._hf_tokenizer, grammars.vocab_size, [2])
     for _ in range(2):
         with pytest.raises(ValueError, match="not available with this tokenizer: no"):
@@ -263,11 +309,11 @@ def test_params_validation_and_legacy_name():
 
 
 def test_disable_additional_properties(llm):
-    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
-              "required": ["a"]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
     so = StructuredOutputsParams(json=schema, disable_additional_properties=True, disable_any_whitespace=True)
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=so),
-                        use_tqdm=False)
+    outs = llm.generate(
+        PROMPTS, SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=so), use_tqdm=False
+    )
     for o in outs:
         assert o.outputs[0].finish_reason == "stop" and list(json.loads(o.outputs[0].text)) == ["a"]
 
@@ -289,35 +335,81 @@ def test_server_structured_outputs(tiny, tmp_path):
     from server.serve import build_engine
     from server.testing import ServerThread
 
-    args = parse_args([tiny[0], "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
-                       "--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log"])
+    args = parse_args(
+        [
+            tiny[0],
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "128",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "96",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--block-size",
+            "8",
+            "--served-model-name",
+            "tiny",
+            "--disable-access-log",
+        ]
+    )
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
         messages = [{"role": "user", "content": "the engine"}]
         r = client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=60, temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})
+            model="tiny",
+            messages=messages,
+            max_tokens=60,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        )
         if r.choices[0].finish_reason == "stop":
             assert follows("json", r.choices[0].message.content)
-        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=60, temperature=0.7,
-                                           seed=1, n=3, extra_body={"guided_choice": ["Paris", "Berlin"]})
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=60,
+            temperature=0.7,
+            seed=1,
+            n=3,
+            extra_body={"guided_choice": ["Paris", "Berlin"]},
+        )
         assert {c.message.content for c in r.choices} <= {"Paris", "Berlin"}
-        r = client.completions.create(model="tiny", prompt="the engine", max_tokens=20, temperature=0,
-                                      extra_body={"structured_outputs": {"regex": r"[a-z]{2,5} \d\d?"}})
+        r = client.completions.create(
+            model="tiny",
+            prompt="the engine",
+            max_tokens=20,
+            temperature=0,
+            extra_body={"structured_outputs": {"regex": r"[a-z]{2,5} \d\d?"}},
+        )
         assert follows("regex", r.choices[0].text)
-        stream = client.completions.create(model="tiny", prompt="the engine", max_tokens=20, temperature=0,
-                                           stream=True, extra_body={"guided_regex": r"[a-z]{2,5} \d\d?"})
+        stream = client.completions.create(
+            model="tiny",
+            prompt="the engine",
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            extra_body={"guided_regex": r"[a-z]{2,5} \d\d?"},
+        )
         assert "".join(c.choices[0].text for c in stream if c.choices) == r.choices[0].text
         with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.regex is not valid")):
-            client.completions.create(model="tiny", prompt="a", max_tokens=4,
-                                      extra_body={"structured_outputs": {"regex": "a(b"}})
+            client.completions.create(
+                model="tiny", prompt="a", max_tokens=4, extra_body={"structured_outputs": {"regex": "a(b"}}
+            )
         with pytest.raises(openai.BadRequestError, match=re.escape("structured_outputs.json is not valid")):
-            client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, response_format={
-                "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectz"}}})
-        r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0,
-                                           response_format={"type": "json_object"})
+            client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=4,
+                response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectz"}}},
+            )
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=40, temperature=0, response_format={"type": "json_object"}
+        )
         if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(r.choices[0].message.content), dict)
     bm = engine.engine.scheduler.block_manager
@@ -333,7 +425,8 @@ def test_missing_mask_count_program_is_served_by_a_wider_one(tiny, refs, tmp_pat
     the storing call, so a program this test process had compiled before, in another test, is not stored and the
     second engine may borrow a wider one again: no assertion depends on which.)"""
     params = [SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured_outputs=CONSTRAINTS["regex"])] + [
-        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)] * 3
+        SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ] * 3
     prompts = [PROMPTS[0]] + PROMPTS[1:4]
     cache = str(tmp_path / "xla")
     for engine in ("empty cache", "filled cache"):
@@ -379,10 +472,12 @@ def test_compiled_steps_split_then_whole(tiny, refs):
 
 def test_whitespace_pattern(llm):
     """whitespace_pattern replaces JSON's flexible whitespace (which this random model fills with newlines)."""
+
     def texts(**kw):
         so = StructuredOutputsParams(json=SCHEMA, **kw)
-        outs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=48,
-                                                    structured_outputs=so), use_tqdm=False)
+        outs = llm.generate(
+            PROMPTS, SamplingParams(temperature=1.0, seed=5, n=2, max_tokens=48, structured_outputs=so), use_tqdm=False
+        )
         return [c.text for o in outs for c in o.outputs]
 
     assert any("\n" in t for t in texts())

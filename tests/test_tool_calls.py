@@ -16,40 +16,84 @@ from server.tool_calls import ToolChoice, ToolStream, tool_constraint
 from server.tool_parsers import TOOL_PARSERS
 from tests.tiny_models import make_tiny_model_dir
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-           "required": ["city"], "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
-             "required": ["zone"]}}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"zone": {"type": "string", "enum": ["utc", "cet"]}},
+                "required": ["zone"],
+            },
+        },
+    },
+]
 HERMES_CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 # (parser, model output, expected content, expected [(name, arguments)])
 CASES = [
-    ("hermes", "I will check.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Zürich\"}}\n"
-     "</tool_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"zone\": \"cet\"}}\n</tool_call>",
-     "I will check.\n", [("get_weather", '{"city": "Zürich"}'), ("get_time", '{"zone": "cet"}')]),
+    (
+        "hermes",
+        'I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "cet"}}\n</tool_call>',
+        "I will check.\n",
+        [("get_weather", '{"city": "Zürich"}'), ("get_time", '{"zone": "cet"}')],
+    ),
     ("hermes", HERMES_CALL, None, [("get_weather", '{"city": "Paris"}')]),
-    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}', None,
-     [("get_weather", '{"city": "Paris"}')]),  # unterminated at the end: vLLM takes it
+    (
+        "hermes",
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),  # unterminated at the end: vLLM takes it
     ("hermes", "No tools needed: a < b and <tool is not a tag.", "No tools needed: a < b and <tool is not a tag.", []),
     ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
-    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris"}}', None,
-     [("get_weather", '{"city": "Paris"}')]),
-    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
-     '{"name": "get_time", "arguments": {"zone": "utc"}}', None,
-     [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "utc"}')]),
+    (
+        "llama3_json",
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo"}}; '
+        '{"name": "get_time", "arguments": {"zone": "utc"}}',
+        None,
+        [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "utc"}')],
+    ),
     ("llama3_json", "The weather is {fine}.", "The weather is {fine}.", []),
     ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),
-    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
-     '{"name": "get_time", "arguments": {"zone": "cet"}}]', "Sure. ",
-     [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "cet"}')]),
+    (
+        "mistral",
+        'Sure. [TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+        '{"name": "get_time", "arguments": {"zone": "cet"}}]',
+        "Sure. ",
+        [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "cet"}')],
+    ),
     ("mistral", "[TOOL_CALLS] [{broken", "[TOOL_CALLS] [{broken", []),
-    ("pythonic", '[get_weather(city="Paris, [FR]"), get_time(zone=\'cet\')]', None,
-     [("get_weather", '{"city": "Paris, [FR]"}'), ("get_time", '{"zone": "cet"}')]),
-    ("pythonic", ' [get_weather(city="Oslo", days=[1, 2], opts={"metric": True, "x": None})]\n', None,
-     [("get_weather", '{"city": "Oslo", "days": [1, 2], "opts": {"metric": true, "x": null}}')]),
+    (
+        "pythonic",
+        "[get_weather(city=\"Paris, [FR]\"), get_time(zone='cet')]",
+        None,
+        [("get_weather", '{"city": "Paris, [FR]"}'), ("get_time", '{"zone": "cet"}')],
+    ),
+    (
+        "pythonic",
+        ' [get_weather(city="Oslo", days=[1, 2], opts={"metric": True, "x": None})]\n',
+        None,
+        [("get_weather", '{"city": "Oslo", "days": [1, 2], "opts": {"metric": true, "x": null}}')],
+    ),
     ("pythonic", "The answer is 4.", "The answer is 4.", []),
     ("pythonic", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
     ("pythonic", '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: not a pythonic call
@@ -96,15 +140,20 @@ def test_named_and_required_modes():
     args = '{"city": "Paris"}'
     assert named.message_fields(args)["content"] == ""
     assert [c["function"] for c in named.message_fields(args)["tool_calls"]] == [
-        {"name": "get_weather", "arguments": args}]
+        {"name": "get_weather", "arguments": args}
+    ]
     assert named.finish_reason(True, "stop") == "stop"  # vLLM keeps the engine's reason for a named call
     assert stream_all(named, args, 4) == ("", [("get_weather", args)])
 
     required = ToolChoice("required")
-    text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {"zone": "utc"}}]'
+    text = (
+        '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {"zone": "utc"}}]'
+    )
     msg = required.message_fields(text)
     assert msg["content"] == "" and [c["function"]["arguments"] for c in msg["tool_calls"]] == [
-        '{"city": "Oslo"}', '{"zone": "utc"}']
+        '{"city": "Oslo"}',
+        '{"zone": "utc"}',
+    ]
     assert required.finish_reason(True, "stop") == "tool_calls"
     assert required.finish_reason(True, "length") == "length"
     assert stream_all(required, text, 5) == ("", [("get_weather", '{"city": "Oslo"}'), ("get_time", '{"zone": "utc"}')])
@@ -118,13 +167,23 @@ def test_required_schema_and_defs():
     assert schema["type"] == "array" and schema["minItems"] == 1
     assert [s["properties"]["name"]["enum"] for s in schema["items"]["anyOf"]] == [["get_weather"], ["get_time"]]
     assert tool_constraint(ToolChoice("named", name="get_time"), tools).json == TOOLS[1]["function"]["parameters"]
-    with_defs = [ChatCompletionTool.model_validate({"type": "function", "function": {"name": f"f{i}", "parameters": {
-        "type": "object", "$defs": {"Unit": {"type": "string", "enum": units}}}}}) for i, units in enumerate(
-        (["c"], ["f"]))]
+    with_defs = [
+        ChatCompletionTool.model_validate(
+            {
+                "type": "function",
+                "function": {
+                    "name": f"f{i}",
+                    "parameters": {"type": "object", "$defs": {"Unit": {"type": "string", "enum": units}}},
+                },
+            }
+        )
+        for i, units in enumerate((["c"], ["f"]))
+    ]
     with pytest.raises(Exception, match="Tool definition 'Unit' has multiple schemas"):
         tool_constraint(ToolChoice("required"), with_defs)
     assert tool_constraint(ToolChoice("required"), with_defs[:1]).json["$defs"] == {
-        "Unit": {"type": "string", "enum": ["c"]}}
+        "Unit": {"type": "string", "enum": ["c"]}
+    }
 
 
 def test_tools_and_history_reach_a_real_chat_template():
@@ -138,16 +197,30 @@ def test_tools_and_history_reach_a_real_chat_template():
     from tests.test_server_api import http
 
     tok = AutoTokenizer.from_pretrained(os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files"))
-    messages = [{"role": "user", "content": "Weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-                    "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
     with ServerThread(FakeEngine(tok, max_model_len=1024)) as srv:
         status, body = http("POST", srv.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS})
         assert status == 200, body
         text = tok.decode(json.loads(body)["tokens"])
-        status, body = http("POST", srv.base_url + "/v1/chat/completions", json={
-            "messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
+        status, body = http(
+            "POST",
+            srv.base_url + "/v1/chat/completions",
+            json={"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
+        )
         assert status == 200, body
     assert '"name": "get_weather", "description": "Weather in a city"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
@@ -168,10 +241,30 @@ def served(tmp_path_factory):
     from server.testing import ServerThread
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_tools")), tool_text=True)
-    args = parse_args([model_dir, "--dtype", "float32", "--max-model-len", "192", "--enforce-eager",
-                       "--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
-                       "--block-size", "8", "--served-model-name", "tiny", "--disable-access-log",
-                       "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
+    args = parse_args(
+        [
+            model_dir,
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "192",
+            "--enforce-eager",
+            "--num-gpu-blocks-override",
+            "96",
+            "--max-num-seqs",
+            "8",
+            "--max-num-batched-tokens",
+            "64",
+            "--block-size",
+            "8",
+            "--served-model-name",
+            "tiny",
+            "--disable-access-log",
+            "--enable-auto-tool-choice",
+            "--tool-call-parser",
+            "hermes",
+        ]
+    )
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         yield openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120), engine
@@ -211,8 +304,13 @@ def test_named_tool_choice(served):
     client, engine = served
     tok = engine.get_tokenizer()
     no_space = {str(i): -100 for t, i in tok.get_vocab().items() if set(t) <= {"▁"}}
-    kw = dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}, temperature=0,
-              max_tokens=40, logit_bias=no_space)
+    kw = dict(
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        temperature=0,
+        max_tokens=40,
+        logit_bias=no_space,
+    )
     content, calls, finish, ids = whole(client, **kw)
     assert content == "" and [name for name, _ in calls] == ["get_weather"] and ids[0].startswith("chatcmpl-tool-")
     assert finish == "stop"
@@ -242,22 +340,32 @@ def test_required_tool_choice(served):
 def test_auto_tool_choice_parses_the_models_calls(served):
     """The model's output is forced to a hermes call (a regex constraint): the parser makes it a tool call."""
     served, _ = served
-    forced = {"structured_outputs": {"regex": "<tool_call>\\{\"name\": \"get_weather\", \"arguments\": "
-                                              "\\{\"city\": \"Paris\"\\}\\}</tool_call>"}}
+    forced = {
+        "structured_outputs": {
+            "regex": '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}</tool_call>'
+        }
+    }
     kw = dict(tools=TOOLS, temperature=0, max_tokens=80, extra_body=forced)
     content, calls, finish, _ = whole(served, **kw)
     assert (content, calls, finish) == (None, [("get_weather", '{"city": "Paris"}')], "tool_calls")
     s_content, s_calls, s_finish, _ = joined_stream(served, **kw)
     assert (s_content, s_calls, s_finish) == ("", calls, "tool_calls")
     # Two calls; with parallel_tool_calls=false only the first is kept.
-    two = kw | {"extra_body": {"structured_outputs": {"regex": "(" + forced["structured_outputs"]["regex"] + "){2}"}},
-                "max_tokens": 140}
+    two = kw | {
+        "extra_body": {"structured_outputs": {"regex": "(" + forced["structured_outputs"]["regex"] + "){2}"}},
+        "max_tokens": 140,
+    }
     assert whole(served, **two)[1:3] == (calls * 2, "tool_calls")
     assert joined_stream(served, **two)[1:3] == (calls * 2, "tool_calls")
     assert whole(served, **two, parallel_tool_calls=False)[1:3] == (calls, "tool_calls")
     # A plain answer stays content.
-    content, calls, finish, _ = whole(served, tools=TOOLS, temperature=0, max_tokens=20, extra_body={
-        "structured_outputs": {"regex": "the engine was [a-z]{1,3}"}})
+    content, calls, finish, _ = whole(
+        served,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=20,
+        extra_body={"structured_outputs": {"regex": "the engine was [a-z]{1,3}"}},
+    )
     assert calls == [] and content.startswith("the engine was") and finish == "stop"
 
 

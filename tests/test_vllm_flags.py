@@ -20,16 +20,26 @@ from server.vllm_flags import flags_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Flags that need a companion to parse (as in vLLM).
-COMPANIONS = {"--ssl-keyfile": ["--ssl-certfile", "c.pem"], "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
-              "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
-              "--enable-log-outputs": ["--enable-log-requests"], "--lora-modules": ["--enable-lora"],
-              "--headless": ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"],
-              "--data-parallel-size-local": ["--data-parallel-size", "2"],
-              "--speculative-model": ["--num-speculative-tokens", "3"],
-              "--num-speculative-tokens": ["--speculative-model", "[ngram]"],
-              **{f: ["--speculative-model", "d", "--num-speculative-tokens", "3"] for f in (
-                  "--ngram-prompt-lookup-max", "--ngram-prompt-lookup-min", "--speculative-draft-tensor-parallel-size",
-                  "--speculative-disable-by-batch-size")}}
+COMPANIONS = {
+    "--ssl-keyfile": ["--ssl-certfile", "c.pem"],
+    "--ssl-certfile": ["--ssl-keyfile", "k.pem"],
+    "--enable-auto-tool-choice": ["--tool-call-parser", "hermes"],
+    "--enable-log-outputs": ["--enable-log-requests"],
+    "--lora-modules": ["--enable-lora"],
+    "--headless": ["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "1"],
+    "--data-parallel-size-local": ["--data-parallel-size", "2"],
+    "--speculative-model": ["--num-speculative-tokens", "3"],
+    "--num-speculative-tokens": ["--speculative-model", "[ngram]"],
+    **{
+        f: ["--speculative-model", "d", "--num-speculative-tokens", "3"]
+        for f in (
+            "--ngram-prompt-lookup-max",
+            "--ngram-prompt-lookup-min",
+            "--speculative-draft-tensor-parallel-size",
+            "--speculative-disable-by-batch-size",
+        )
+    },
+}
 
 
 # `vllm serve --help`'s flags (without --) in vLLM 0.8.0, 0.8.5, 0.9.0, 0.9.2, 0.10.0, 0.10.2, 0.11.0 and 0.11.2,
@@ -107,8 +117,15 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
     if flag == "--speculative-config":
         return ['{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}']
     name = getattr(action.type, "__name__", "")
-    value = {"int": "2", "float": "0.5", "human_readable_int": "2k", "_max_model_len": "1k", "loads": '["*"]',
-             "json_object": "{}", "parse_lora_module": "a=/adapters/a"}.get(name, "x")
+    value = {
+        "int": "2",
+        "float": "0.5",
+        "human_readable_int": "2k",
+        "_max_model_len": "1k",
+        "loads": '["*"]',
+        "json_object": "{}",
+        "parse_lora_module": "a=/adapters/a",
+    }.get(name, "x")
     return [value] * (2 if action.nargs == "+" else 1)
 
 
@@ -144,43 +161,81 @@ def test_every_vllm_flag_parses_as_the_table_says(option, caplog, capsys, tmp_pa
             assert args is None and warnings == 2, (argv, err)  # argparse's exit status for a usage error
             assert f"error: {option.flag}" in err and option.message in err
         if option.arity == "bool" or isinstance(parser._option_string_actions[name], argparse._StoreTrueAction):
-            args, warnings, err = _parse(argv[:1] + ["--no-" + option.flag[2:]] + COMPANIONS.get(option.flag, []),
-                                         caplog, capsys)
+            args, warnings, err = _parse(
+                argv[:1] + ["--no-" + option.flag[2:]] + COMPANIONS.get(option.flag, []), caplog, capsys
+            )
             assert args is not None and warnings == [], (option.flag, err)
 
 
 def test_accepted_values_are_silent_and_the_tutorial_command_lines_run(caplog, capsys):
-    args, warnings, _ = _parse(["m", "--data-parallel-size", "1", "--cpu-offload-gb", "0", "--task", "generate",
-                                "--preemption-mode", "recompute", "--tokenizer-pool-size", "0", "--device", "cuda"],
-                               caplog, capsys)
+    args, warnings, _ = _parse(
+        [
+            "m",
+            "--data-parallel-size",
+            "1",
+            "--cpu-offload-gb",
+            "0",
+            "--task",
+            "generate",
+            "--preemption-mode",
+            "recompute",
+            "--tokenizer-pool-size",
+            "0",
+            "--device",
+            "cuda",
+        ],
+        caplog,
+        capsys,
+    )
     assert args is not None and warnings == []
     # the issue's tutorial: --num-scheduler-steps 8 --tokenizer-pool-size 2 (one warning each)
-    args, warnings, _ = _parse(["Qwen/Qwen2.5-7B-Instruct", "--num-scheduler-steps", "8", "--tokenizer-pool-size", "2",
-                                "--swap-space", "16", "--max-model-len", "4096"], caplog, capsys)
-    assert [w.split(" has no effect")[0] for w in warnings] == ["--num-scheduler-steps 8", "--swap-space 16",
-                                                                "--tokenizer-pool-size 2"]
+    args, warnings, _ = _parse(
+        [
+            "Qwen/Qwen2.5-7B-Instruct",
+            "--num-scheduler-steps",
+            "8",
+            "--tokenizer-pool-size",
+            "2",
+            "--swap-space",
+            "16",
+            "--max-model-len",
+            "4096",
+        ],
+        caplog,
+        capsys,
+    )
+    assert [w.split(" has no effect")[0] for w in warnings] == [
+        "--num-scheduler-steps 8",
+        "--swap-space 16",
+        "--tokenizer-pool-size 2",
+    ]
     assert args.max_model_len == 4096 and "swap_space" not in vars(args)
-    for argv, what in ((["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "replicas on other hosts"),
-                       (["-dp", "2", "--data-parallel-rank", "1"], "data parallelism across hosts"),
-                       (["--headless"], "--headless is for the processes other than 0"),
-                       (["--task", "embed"], "only text generation is supported"),
-                       (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes")):
+    for argv, what in (
+        (["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "replicas on other hosts"),
+        (["-dp", "2", "--data-parallel-rank", "1"], "data parallelism across hosts"),
+        (["--headless"], "--headless is for the processes other than 0"),
+        (["--task", "embed"], "only text generation is supported"),
+        (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes"),
+    ):
         args, code, err = _parse(["m", *argv], caplog, capsys)
         assert args is None and code == 2 and what in err, err
     # one host's data parallelism as vLLM users write it, and vLLM's multi-node names for a headless process
     args, warnings, _ = _parse(["m", "-dp", "2", "-dpl", "2", "--data-parallel-backend", "mp"], caplog, capsys)
     assert args is not None and warnings == [] and engine_kwargs(args)["data_parallel_size"] == 2
-    args, warnings, _ = _parse(["m", "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"],
-                               caplog, capsys)
+    args, warnings, _ = _parse(
+        ["m", "--headless", "--nnodes", "2", "--node-rank", "1", "--master-addr", "h"], caplog, capsys
+    )
     assert args is not None and warnings == [] and (args.num_processes, args.process_id) == (2, 1)
 
 
 def test_where_vllm_fails_before_loading_so_does_jaxllm(caplog, capsys, tmp_path):
     """vLLM's validate_parsed_serve_args: a --chat-template path that does not exist, --enable-log-outputs without
     --enable-log-requests, --enable-auto-tool-choice without --tool-call-parser: errors before the model loads."""
-    for argv, what in ((["--chat-template", str(tmp_path / "template_baichuan.jinja")], "looks like a file path"),
-                       (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),
-                       (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser")):
+    for argv, what in (
+        (["--chat-template", str(tmp_path / "template_baichuan.jinja")], "looks like a file path"),
+        (["--enable-log-outputs"], "--enable-log-outputs requires --enable-log-requests"),
+        (["--enable-auto-tool-choice"], "--enable-auto-tool-choice requires --tool-call-parser"),
+    ):
         args, code, err = _parse(["m", *argv], caplog, capsys)
         assert args is None and code == 2 and what in err, err
     args, warnings, _ = _parse(["m", "--enable-log-requests", "--enable-log-outputs"], caplog, capsys)
@@ -195,15 +250,29 @@ def test_table_and_parser_agree():
         assert option.flag in parser._option_string_actions, option.flag
         if option.kind == HONOURED:
             assert option.flag not in unimplemented
-            if option.scope == "engine" and option.dest not in ("disable_log_stats", "nnodes", "node_rank",
-                                                                 "master_addr", "master_port",
-                                                                 "data_parallel_size_local"):
+            if option.scope == "engine" and option.dest not in (
+                "disable_log_stats",
+                "nnodes",
+                "node_rank",
+                "master_addr",
+                "master_port",
+                "data_parallel_size_local",
+            ):
                 assert option.dest in fields, f"{option.flag} is honoured, so LLM({option.dest}=...) must be too"
         else:  # defined by add_vllm_flags, not by the parser itself (else this row is stale: it is honoured now)
             assert option.flag in unimplemented, f"{option.flag} is defined in server/args.py: mark it HONOURED"
-    for flag in ("--num-scheduler-steps", "--tokenizer-pool-size", "--override-generation-config", "--swap-space",
-                 "--enable-lora", "--speculative-config", "--trust-remote-code", "--download-dir", "--revision",
-                 "--tokenizer-revision"):
+    for flag in (
+        "--num-scheduler-steps",
+        "--tokenizer-pool-size",
+        "--override-generation-config",
+        "--swap-space",
+        "--enable-lora",
+        "--speculative-config",
+        "--trust-remote-code",
+        "--download-dir",
+        "--revision",
+        "--tokenizer-revision",
+    ):
         assert flag in BY_FLAG
 
 
@@ -216,8 +285,9 @@ def _keyword_sample(option):
     return {"bool": True, "values": ["a"]}.get(option.arity, 7)
 
 
-@pytest.mark.parametrize("option", [o for o in VLLM_OPTIONS if o.scope == "engine" and o.kind != HONOURED],
-                         ids=lambda o: o.dest)
+@pytest.mark.parametrize(
+    "option", [o for o in VLLM_OPTIONS if o.scope == "engine" and o.kind != HONOURED], ids=lambda o: o.dest
+)
 def test_llm_keywords(option, caplog):
     from jaxllm.engine import vllm_options
 
@@ -240,8 +310,16 @@ def test_llm_accepts_vllms_keywords(monkeypatch, caplog):
     from jaxllm.entrypoints import llm as llm_module
 
     monkeypatch.setattr(llm_module, "LLMEngine", lambda args: args)
-    llm = llm_module.LLM("m", swap_space=4, max_seq_len_to_capture=8192, disable_log_stats=True, revision="v1",
-                         download_dir="/d", tokenizer_mode="slow", data_parallel_size=1)
+    llm = llm_module.LLM(
+        "m",
+        swap_space=4,
+        max_seq_len_to_capture=8192,
+        disable_log_stats=True,
+        revision="v1",
+        download_dir="/d",
+        tokenizer_mode="slow",
+        data_parallel_size=1,
+    )
     assert llm.engine_args.revision == "v1" and llm.engine_args.tokenizer_mode == "slow"
     with pytest.raises(TypeError, match="unexpected keyword argument 'no_such_option'"):
         llm_module.LLM("m", no_such_option=1)
@@ -253,8 +331,10 @@ def test_llm_accepts_vllms_keywords(monkeypatch, caplog):
 
 def test_config_file_then_command_line(tmp_path, caplog, capsys):
     cfg = tmp_path / "serve.yaml"
-    cfg.write_text("model: org/tiny\nmax-model-len: 2048\nenable_prefix_caching: false\nserved-model-name: [a, b]\n"
-                   "hf-overrides: {rope_theta: 1000000.0}\nswap-space: 8\nport: 9000\n")
+    cfg.write_text(
+        "model: org/tiny\nmax-model-len: 2048\nenable_prefix_caching: false\nserved-model-name: [a, b]\n"
+        "hf-overrides: {rope_theta: 1000000.0}\nswap-space: 8\nport: 9000\n"
+    )
     args, warnings, _ = _parse(["--config", str(cfg), "--port", "9001"], caplog, capsys)
     assert args.model == "org/tiny" and args.max_model_len == 2048 and args.enable_prefix_caching is False
     assert args.served_model_name == ["a", "b"] and args.port == 9001  # the command line wins
@@ -265,19 +345,43 @@ def test_config_file_then_command_line(tmp_path, caplog, capsys):
 
 
 def test_model_source_flags_reach_the_engine(caplog, capsys):
-    args, _, _ = _parse(["org/m", "--revision", "v2", "--tokenizer", "org/t", "--tokenizer-revision", "t1",
-                         "--download-dir", "/dl", "--hf-token", "--ignore-patterns", "*.pt", "original/*",
-                         "--tokenizer-mode", "slow", "--override-generation-config", '{"temperature": 0.5}',
-                         "--rope-scaling", '{"rope_type": "linear", "factor": 2.0}', "--rope-theta", "5e5",
-                         "--code-revision", "c1", "--trust-remote-code"], caplog, capsys)
+    args, _, _ = _parse(
+        [
+            "org/m",
+            "--revision",
+            "v2",
+            "--tokenizer",
+            "org/t",
+            "--tokenizer-revision",
+            "t1",
+            "--download-dir",
+            "/dl",
+            "--hf-token",
+            "--ignore-patterns",
+            "*.pt",
+            "original/*",
+            "--tokenizer-mode",
+            "slow",
+            "--override-generation-config",
+            '{"temperature": 0.5}',
+            "--rope-scaling",
+            '{"rope_type": "linear", "factor": 2.0}',
+            "--rope-theta",
+            "5e5",
+            "--code-revision",
+            "c1",
+            "--trust-remote-code",
+        ],
+        caplog,
+        capsys,
+    )
     kw = engine_kwargs(args)
     engine_args = EngineArgs.from_kwargs(**kw)
     assert (engine_args.revision, engine_args.tokenizer_revision, engine_args.download_dir) == ("v2", "t1", "/dl")
     assert engine_args.hf_token is True and engine_args.ignore_patterns == ["*.pt", "original/*"]
     assert engine_args.tokenizer_mode == "slow" and engine_args.trust_remote_code and engine_args.code_revision == "c1"
     assert engine_args.override_generation_config == {"temperature": 0.5}
-    assert engine_args.config_overrides() == {"rope_scaling": {"rope_type": "linear", "factor": 2.0},
-                                              "rope_theta": 5e5}
+    assert engine_args.config_overrides() == {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_theta": 5e5}
     args, code, err = _parse(["m", "--hf-overrides", "[1]"], caplog, capsys)
     assert args is None and "expected a JSON object" in err
 
@@ -302,6 +406,7 @@ def test_override_generation_config_merges_as_vllm():
 def test_vllm_0_8_speculative_flags_give_the_speculative_config(caplog, capsys):
     """--speculative-model / --num-speculative-tokens / --ngram-prompt-lookup-* / -spec-draft-tp /
     --speculative-disable-by-batch-size (vLLM 0.8.0, "[ngram]" meaning n-gram lookup) are --speculative-config."""
+
     def spec(argv):
         args, warnings, err = _parse(["m", *argv], caplog, capsys)
         assert args is not None and warnings == [], err
@@ -310,21 +415,53 @@ def test_vllm_0_8_speculative_flags_give_the_speculative_config(caplog, capsys):
     def config(value):
         return EngineArgs(model="m", speculative_config=value).speculative()
 
-    old = spec(["--speculative-model", "[ngram]", "--num-speculative-tokens", "4", "--ngram-prompt-lookup-max", "4",
-                "--ngram-prompt-lookup-min", "2"])
-    assert old == config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-                          "prompt_lookup_min": 2})
+    old = spec(
+        [
+            "--speculative-model",
+            "[ngram]",
+            "--num-speculative-tokens",
+            "4",
+            "--ngram-prompt-lookup-max",
+            "4",
+            "--ngram-prompt-lookup-min",
+            "2",
+        ]
+    )
+    assert old == config(
+        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    )
     assert old.method == "ngram" and old.model is None
     assert spec(["--speculative-model", "[ngram]", "--num-speculative-tokens", "3"]) == config(
-        '{"method": "ngram", "num_speculative_tokens": 3}')
-    assert spec(["--speculative-model", "/draft", "--num-speculative-tokens", "3", "-spec-draft-tp", "1",
-                 "--speculative-disable-by-batch-size", "8"]) == config(
-        {"model": "/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1, "disable_by_batch_size": 8})
+        '{"method": "ngram", "num_speculative_tokens": 3}'
+    )
+    assert spec(
+        [
+            "--speculative-model",
+            "/draft",
+            "--num-speculative-tokens",
+            "3",
+            "-spec-draft-tp",
+            "1",
+            "--speculative-disable-by-batch-size",
+            "8",
+        ]
+    ) == config(
+        {"model": "/draft", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1, "disable_by_batch_size": 8}
+    )
     # --speculative-config wins, as in vLLM 0.8.0; the lookup flags alone configure nothing
-    assert spec(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--speculative-model",
-                 "/draft", "--num-speculative-tokens", "5"]) == config({"method": "ngram", "num_speculative_tokens": 2})
+    assert spec(
+        [
+            "--speculative-config",
+            '{"method": "ngram", "num_speculative_tokens": 2}',
+            "--speculative-model",
+            "/draft",
+            "--num-speculative-tokens",
+            "5",
+        ]
+    ) == config({"method": "ngram", "num_speculative_tokens": 2})
     assert spec(["--ngram-prompt-lookup-max", "4"]) is None
-    assert EngineArgs.from_kwargs(model="m", speculative_model="[ngram]", num_speculative_tokens=3).speculative() == \
-        config({"method": "ngram", "num_speculative_tokens": 3})
+    assert EngineArgs.from_kwargs(
+        model="m", speculative_model="[ngram]", num_speculative_tokens=3
+    ).speculative() == config({"method": "ngram", "num_speculative_tokens": 3})
     args, code, err = _parse(["m", "--num-speculative-tokens", "3"], caplog, capsys)
     assert args is None and code == 2 and "num_speculative_tokens was provided without speculative model" in err

@@ -14,9 +14,16 @@ ARCHS = ("llama", "llama31", "mistral", "qwen2", "baichuan7b", "baichuan13b")
 NEW_ARCHS = ("qwen3", "llama32", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
-_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-               rms_norm_eps=1e-5)
+_COMMON = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+)
 
 
 def hf_config(arch: str):
@@ -35,9 +42,17 @@ def hf_config(arch: str):
     if arch == "llama":
         return LlamaConfig(**_COMMON, rope_theta=10000.0)
     if arch == "llama31":
-        return LlamaConfig(**_COMMON, rope_theta=500000.0, rope_scaling=dict(
-            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=32))
+        return LlamaConfig(
+            **_COMMON,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=8.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        )
     if arch == "mistral":
         return MistralConfig(**_COMMON, sliding_window=7)
     if arch == "qwen2":
@@ -45,28 +60,64 @@ def hf_config(arch: str):
     if arch == "qwen3":  # head_dim 32 != hidden / heads, as Qwen3-0.6B's 128 != 1024 / 16
         return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
     if arch == "llama32":  # Llama-3.2-1B's layout: tied embeddings, llama3 RoPE scaling (factor 32)
-        return LlamaConfig(**_COMMON, head_dim=32, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling=dict(
-            rope_type="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=32))
+        return LlamaConfig(
+            **_COMMON,
+            head_dim=32,
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling=dict(
+                rope_type="llama3",
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=32,
+            ),
+        )
     if arch == "gemma2":  # layers: sliding, global, sliding
-        return Gemma2Config(**dict(_COMMON, num_hidden_layers=3), head_dim=32, query_pre_attn_scalar=24,
-                            sliding_window=5, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
-                            initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return Gemma2Config(
+            **dict(_COMMON, num_hidden_layers=3),
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0,
+            initializer_range=0.1,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     if arch == "gemma3":  # layers: sliding, sliding, global (Gemma 3 alternates 5 : 1)
-        return Gemma3TextConfig(**dict(_COMMON, num_hidden_layers=3), head_dim=32, query_pre_attn_scalar=24,
-                                sliding_window=5, sliding_window_pattern=3, initializer_range=0.2,
-                                rope_parameters={"full_attention": dict(rope_type="linear", factor=8.0,
-                                                                        rope_theta=1e6),
-                                                 "sliding_attention": dict(rope_type="default", rope_theta=1e4)},
-                                bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        return Gemma3TextConfig(
+            **dict(_COMMON, num_hidden_layers=3),
+            head_dim=32,
+            query_pre_attn_scalar=24,
+            sliding_window=5,
+            sliding_window_pattern=3,
+            initializer_range=0.2,
+            rope_parameters={
+                "full_attention": dict(rope_type="linear", factor=8.0, rope_theta=1e6),
+                "sliding_attention": dict(rope_type="default", rope_theta=1e4),
+            },
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        )
     if arch == "mixtral":
         return MixtralConfig(**dict(_COMMON, intermediate_size=32), num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen2_moe":  # layer 1 is a dense MLP (mlp_only_layers); a shared expert beside the routed ones
-        return Qwen2MoeConfig(**_COMMON, moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                              num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1])
+        return Qwen2MoeConfig(
+            **_COMMON,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=4,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        )
     if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**_COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                              norm_topk_prob=True)
+        return Qwen3MoeConfig(
+            **_COMMON, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True
+        )
     if arch in ("baichuan7b", "baichuan13b"):  # the equivalent Llama: MHA, no biases
         return LlamaConfig(**dict(_COMMON, num_key_value_heads=_COMMON["num_attention_heads"]))
     raise ValueError(arch)
@@ -106,12 +157,21 @@ def save_checkpoint(model, arch: str, out_dir: str, fmt: str = "safetensors") ->
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}.self_attn."
         state[p + "W_pack.weight"] = torch.cat(
-            [state.pop(p + "q_proj.weight"), state.pop(p + "k_proj.weight"), state.pop(p + "v_proj.weight")])
+            [state.pop(p + "q_proj.weight"), state.pop(p + "k_proj.weight"), state.pop(p + "v_proj.weight")]
+        )
     arch_name = "BaiChuanForCausalLM" if arch == "baichuan7b" else "BaichuanForCausalLM"
-    bc = dict(architectures=[arch_name], model_type="baichuan", vocab_size=cfg.vocab_size,
-              hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-              num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
-              rms_norm_eps=cfg.rms_norm_eps, hidden_act="silu", torch_dtype="float32")
+    bc = dict(
+        architectures=[arch_name],
+        model_type="baichuan",
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        rms_norm_eps=cfg.rms_norm_eps,
+        hidden_act="silu",
+        torch_dtype="float32",
+    )
     if arch == "baichuan7b":
         bc["max_position_embeddings"] = cfg.max_position_embeddings
     else:
@@ -183,8 +243,7 @@ _TOOL_TEXT = """<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"
 TOOL_ALPHABET = list("<>/|")
 
 
-def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = False,
-                        tool_text: bool = False) -> None:
+def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = False, tool_text: bool = False) -> None:
     """A small BPE tokenizer (ids < vocab_size) with bos/eos and a chat template, saved in HF layout; json_text:
     trained on JSON too, with JSON's punctuation and digits in its alphabet (for structured-output tests);
     tool_text: also on tool-call markup, with <>/| in its alphabet (for tool-calling tests)."""
@@ -199,13 +258,18 @@ def save_tiny_tokenizer(out_dir: str, vocab_size: int = 128, json_text: bool = F
         alphabet += [c for c in JSON_ALPHABET if c not in alphabet]
     if tool_text:
         alphabet += TOOL_ALPHABET
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
-                                  initial_alphabet=alphabet)
-    tok.train_from_iterator([_TEXT] * 4 + ([_JSON_TEXT] * 4 if json_text or tool_text else [])
-                            + ([_TOOL_TEXT] * 4 if tool_text else []), trainer)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], initial_alphabet=alphabet
+    )
+    tok.train_from_iterator(
+        [_TEXT] * 4 + ([_JSON_TEXT] * 4 if json_text or tool_text else []) + ([_TOOL_TEXT] * 4 if tool_text else []),
+        trainer,
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    fast.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
-                          "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    fast.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+    )
     fast.save_pretrained(out_dir)
 
 

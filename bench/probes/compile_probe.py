@@ -50,11 +50,17 @@ def parse(argv=None):
     common.add_model_args(p)
     p.add_argument("--sets", default="base,mixed_cublas", help=f"comma-separated, from {sorted(SETS)}")
     p.add_argument("--no-time-steps", action="store_true", help="skip the per-step timing")
-    p.add_argument("--trace-only", action="store_true",
-                   help="also one process that traces and lowers every step (no compiles alongside)")
-    p.add_argument("--ab-steps", default=None,
-                   help="instead: in one process, compile these steps (e.g. 512x2048,512x8192) once per set, one "
-                        "at a time, and time the sets' programs alternately")
+    p.add_argument(
+        "--trace-only",
+        action="store_true",
+        help="also one process that traces and lowers every step (no compiles alongside)",
+    )
+    p.add_argument(
+        "--ab-steps",
+        default=None,
+        help="instead: in one process, compile these steps (e.g. 512x2048,512x8192) once per set, one "
+        "at a time, and time the sets' programs alternately",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -78,7 +84,8 @@ def step_ms(runner, v, exe) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
             runner.kv_caches, runner.prev_tokens, outputs, _, _ = exe(
-                params, runner.kv_caches, ints, floats, runner.prev_tokens, layout)
+                params, runner.kv_caches, ints, floats, runner.prev_tokens, layout
+            )
         jax.block_until_ready(outputs)
         return time.perf_counter() - t0
 
@@ -160,7 +167,8 @@ def child(args) -> dict:
     if spec.get("workers"):
         warm_up = runner_mod.ModelRunner.warm_up
         runner_mod.ModelRunner.warm_up = lambda self, enforce_eager=False, workers=None: warm_up(
-            self, enforce_eager, spec["workers"])
+            self, enforce_eager, spec["workers"]
+        )
     messages = []
 
     class Keep(logging.Handler):
@@ -173,9 +181,15 @@ def child(args) -> dict:
     llm_init = time.perf_counter() - t0
     print(f"set {args.child}: LLM() {llm_init:.1f} s", flush=True)
     runner = llm.llm_engine.runner
-    return dict(set=args.child, options=spec, llm_init_s=llm_init, compile_s=seconds, jax=jax.__version__,
-                log=[m for m in messages if "variants" in m or "weights" in m],
-                steps=[] if args.no_time_steps else time_steps(runner))
+    return dict(
+        set=args.child,
+        options=spec,
+        llm_init_s=llm_init,
+        compile_s=seconds,
+        jax=jax.__version__,
+        log=[m for m in messages if "variants" in m or "weights" in m],
+        steps=[] if args.no_time_steps else time_steps(runner),
+    )
 
 
 def trace_only(args) -> dict:
@@ -212,8 +226,17 @@ def main(argv=None) -> dict:
     results = []
     with tempfile.TemporaryDirectory(prefix="jaxllm-compile-probe-") as work:
         for i, name in enumerate(names):
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--child", name, "--model", model,
-                   "--compilation-cache-dir", os.path.join(work, f"cache{i}")]
+            cmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                *argv,
+                "--child",
+                name,
+                "--model",
+                model,
+                "--compilation-cache-dir",
+                os.path.join(work, f"cache{i}"),
+            ]
             t0 = time.perf_counter()
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT)
             lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -221,11 +244,10 @@ def main(argv=None) -> dict:
                 sys.stderr.write(out.stdout[-3000:] + out.stderr[-3000:])
                 results.append(dict(set=name, failed=out.returncode, stderr=out.stderr[-2000:]))
                 continue
-            res = json.loads(lines[-1][len("RESULT "):]) | {"process_wall_s": time.perf_counter() - t0}
+            res = json.loads(lines[-1][len("RESULT ") :]) | {"process_wall_s": time.perf_counter() - t0}
             results.append(res)
             print(json.dumps({k: res.get(k) for k in ("set", "llm_init_s", "log", "total_s")}), flush=True)
-    result = dict(env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"},
-                  results=results)
+    result = dict(env=common.environment(), args={k: v for k, v in vars(args).items() if k != "child"}, results=results)
     common.write_result("compile_probe", result, args.out)
     return result
 

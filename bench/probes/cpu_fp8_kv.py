@@ -33,15 +33,25 @@ def main(argv=None) -> None:
     model = common.make_model_dir("tiny", tempfile.mkdtemp(prefix="fp8-probe-"))
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for kv in ("auto", "fp8"):
-        llm = LLM(model, load_format="dummy", kv_cache_dtype=kv, max_model_len=512, enforce_eager=True,
-                  kv_cache_memory_bytes=human_readable_int(args.kv_bytes), compilation_cache_dir=None)
+        llm = LLM(
+            model,
+            load_format="dummy",
+            kv_cache_dtype=kv,
+            max_model_len=512,
+            enforce_eager=True,
+            kv_cache_memory_bytes=human_readable_int(args.kv_bytes),
+            compilation_cache_dir=None,
+        )
         llm.generate({"prompt_token_ids": [5] * 8}, sp, use_tqdm=False)  # compiles the steps it uses
         t0 = time.perf_counter()
         out = llm.generate({"prompt_token_ids": [7] * 8}, sp, use_tqdm=False)[0]
         dt = time.perf_counter() - t0
         pages = llm.llm_engine.runner.kv_caches[0][0]
-        print(f"kv_cache_dtype={kv}: pages {pages.dtype}{list(pages.shape)}, {len(out.outputs[0].token_ids)} tokens "
-              f"in {dt:.3f} s, {1000 * dt / len(out.outputs[0].token_ids):.1f} ms per token", flush=True)
+        print(
+            f"kv_cache_dtype={kv}: pages {pages.dtype}{list(pages.shape)}, {len(out.outputs[0].token_ids)} tokens "
+            f"in {dt:.3f} s, {1000 * dt / len(out.outputs[0].token_ids):.1f} ms per token",
+            flush=True,
+        )
         del llm
 
 

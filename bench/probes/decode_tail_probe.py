@@ -47,9 +47,13 @@ def _stamp(x, register="%globaltimer_lo"):
         return jnp.zeros((STAMP,), jnp.int32) + x.astype(jnp.int32) * 0
     from jax.experimental.pallas import triton as plgpu
 
-    [t] = plgpu.elementwise_inline_asm(f"mov.u32 $0, {register};", args=[jnp.broadcast_to(x.astype(jnp.int32), (STAMP,))],
-                                       constraints="=r,r", pack=1,
-                                       result_shape_dtypes=[jax.ShapeDtypeStruct((STAMP,), jnp.int32)])
+    [t] = plgpu.elementwise_inline_asm(
+        f"mov.u32 $0, {register};",
+        args=[jnp.broadcast_to(x.astype(jnp.int32), (STAMP,))],
+        constraints="=r,r",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct((STAMP,), jnp.int32)],
+    )
     return t
 
 
@@ -73,11 +77,16 @@ def _specs(B, K, Gq, H, P, S, splits, bt_width):
     bt = pl.BlockSpec((None, bt_width), lambda b, h, s: (b, 0))
     ins = [full((B,)), bt, full((2,)), pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)), pages, pages]
     SP = next_pow2(splits)
-    shapes = [jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32), jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
-              jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32)]
-    outs = [pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0))]
+    shapes = [
+        jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
+        jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
+    ]
+    outs = [
+        pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
+        pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+        pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+    ]
     return ins, shapes, outs, bt
 
 
@@ -99,11 +108,27 @@ def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
         outs = [pl.BlockSpec((None, None, G, H), lambda b, h, s: (b, h, 0, 0))]
     shapes += [jax.ShapeDtypeStruct((B, K, splits, STAMP), jnp.int32)] * 3
     outs += [pl.BlockSpec((None, None, None, STAMP), lambda b, h, s: (b, h, s, 0))] * 3
-    kernel = functools.partial(_stamped_kernel, page_size=S, pages_per_block=ppb, sliding_window=None,
-                               has_alibi=False, final=final, prefetch=2, replicas=R, tail_mask=not INTERPRET)
-    res = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
-                         interpret=INTERPRET, compiler_params=triton_params(4, 1), name="paged_decode_stamped")(
-        lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
+    kernel = functools.partial(
+        _stamped_kernel,
+        page_size=S,
+        pages_per_block=ppb,
+        sliding_window=None,
+        has_alibi=False,
+        final=final,
+        prefetch=2,
+        replicas=R,
+        tail_mask=not INTERPRET,
+    )
+    res = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=ins,
+        out_specs=outs,
+        out_shape=shapes,
+        interpret=INTERPRET,
+        compiler_params=triton_params(4, 1),
+        name="paged_decode_stamped",
+    )(lens.astype(jnp.int32), bt, scalars(H**-0.5, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
     return tuple(x[..., 0] for x in res[-3:])
 
 
@@ -128,10 +153,17 @@ def spread(t0, t1, sm) -> dict:
             peak = max(peak, n)
     n_sm = len(np.unique(sm))
     fill = resident / (span * n_sm * peak) if span > 0 and peak else 0.0
-    return dict(programs=int(t0.size), sms=n_sm, peak_per_sm=peak, span_us=round(span, 2),
-                start_us_p0_10_50_90_100=pct(start), end_us_p0_10_50_90_100=pct(end),
-                mean_end_us=round(float(end.mean()), 2), mean_program_us=round(float((end - start).mean()), 2),
-                sm_fill=round(float(fill), 3))
+    return dict(
+        programs=int(t0.size),
+        sms=n_sm,
+        peak_per_sm=peak,
+        span_us=round(span, 2),
+        start_us_p0_10_50_90_100=pct(start),
+        end_us_p0_10_50_90_100=pct(end),
+        mean_end_us=round(float(end.mean()), 2),
+        mean_program_us=round(float((end - start).mean()), 2),
+        sm_fill=round(float(fill), 3),
+    )
 
 
 # ----------------------------------------------------------------------------------------- work stealing
@@ -148,8 +180,25 @@ def _next_block(ref, col):
     return plgpu.atomic_add(ref, (col,), jnp.int32(1))
 
 
-def _steal_kernel(lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, bt_out, *, page_size,
-                  pages_per_block, replicas, counter_col, mask_all, lookahead):
+def _steal_kernel(
+    lens_ref,
+    bt_ref,
+    scal_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    m_ref,
+    l_ref,
+    bt_out,
+    *,
+    page_size,
+    pages_per_block,
+    replicas,
+    counter_col,
+    mask_all,
+    lookahead,
+):
     b, h = pl.program_id(0), pl.program_id(1)
     S, ppb = page_size, pages_per_block
     BK = S * ppb
@@ -179,8 +228,10 @@ def _steal_kernel(lens_ref, bt_ref, scal_ref, q_ref, k_ref, v_ref, o_ref, m_ref,
 
         live = jnp.broadcast_to((pids >= 0)[:, None, None], (ppb, S, H))
         pids = jnp.maximum(pids, 0)
-        return (plgpu.load(k_ref.at[pids], mask=live).reshape(BK, H),
-                plgpu.load(v_ref.at[pids], mask=live).reshape(BK, H))
+        return (
+            plgpu.load(k_ref.at[pids], mask=live).reshape(BK, H),
+            plgpu.load(v_ref.at[pids], mask=live).reshape(BK, H),
+        )
 
     def step(c, state, k, v):
         k, v = k.astype(cdt), v.astype(cdt)
@@ -229,12 +280,26 @@ def steal_decode(q, k, v, lens, block_tables, *, scale, splits, block_k=32, mask
     ins, shapes, outs, bt_spec = _specs(B, K, G, H, P, S, splits, bt.shape[1])
     shapes.append(jax.ShapeDtypeStruct(bt.shape, jnp.int32))
     outs.append(bt_spec)
-    kernel = functools.partial(_steal_kernel, page_size=S, pages_per_block=ppb, replicas=max(1, 16 // G),
-                               counter_col=width, mask_all=mask_all, lookahead=lookahead)
-    o, m, l, _ = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=ins, out_specs=outs, out_shape=shapes,
-                                input_output_aliases={1: 3}, interpret=INTERPRET,
-                                compiler_params=triton_params(4, 1), name=f"paged_decode_steal_{splits=}")(
-        lens.astype(jnp.int32), bt, scalars(scale, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
+    kernel = functools.partial(
+        _steal_kernel,
+        page_size=S,
+        pages_per_block=ppb,
+        replicas=max(1, 16 // G),
+        counter_col=width,
+        mask_all=mask_all,
+        lookahead=lookahead,
+    )
+    o, m, l, _ = pl.pallas_call(
+        kernel,
+        grid=(B, K, splits),
+        in_specs=ins,
+        out_specs=outs,
+        out_shape=shapes,
+        input_output_aliases={1: 3},
+        interpret=INTERPRET,
+        compiler_params=triton_params(4, 1),
+        name=f"paged_decode_steal_{splits=}",
+    )(lens.astype(jnp.int32), bt, scalars(scale, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
     return D.combine_splits(o, m, l, splits, q.dtype, interpret=INTERPRET)[:, :, :G].reshape(B, N, H)
 
 
@@ -244,13 +309,25 @@ def main():
     ap.add_argument("--only", default="tail,steal")
     a = ap.parse_args()
     only = set(a.only.split(","))
-    info = dict(device=str(jax.devices()[0].device_kind), platform=platform.platform(), jax=jax.__version__,
-                git_commit=os.environ.get("GIT_COMMIT", "unknown"), command=" ".join(sys.argv))
+    info = dict(
+        device=str(jax.devices()[0].device_kind),
+        platform=platform.platform(),
+        jax=jax.__version__,
+        git_commit=os.environ.get("GIT_COMMIT", "unknown"),
+        command=" ".join(sys.argv),
+    )
     results = []
     if "tail" in only:
         # (B, ctx, splits, live): the last is the throughput run's decode batch (500 live of 512, 580-600 tokens)
-        cases = [(1, 32768, None, None), (1, 32768, 47, None), (1, 32768, 98, None), (1, 32768, 147, None),
-                 (16, 16384, None, None), (64, 2048, None, None), (512, 600, None, 500)]
+        cases = [
+            (1, 32768, None, None),
+            (1, 32768, 47, None),
+            (1, 32768, 98, None),
+            (1, 32768, 147, None),
+            (16, 16384, None, None),
+            (64, 2048, None, None),
+            (512, 600, None, 500),
+        ]
         for B, ctx, splits, live in cases if not INTERPRET else [(1, 1024, None, None), (8, 100, None, 6)]:
             q, k, v, lens, _, bt = make_case(B, ctx, max_len=1024 if live else None)
             if live is not None:
@@ -272,22 +349,40 @@ def main():
         for B, ctx, splits in cases if not INTERPRET else [(1, 1000, 5), (2, 333, 3)]:
             q, k, v, lens, _, bt = make_case(B, ctx)
             scale = q.shape[-1] ** -0.5
-            ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64) \
-                if ctx <= 32768 else None
+            ref = (
+                reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=scale, pages_per_step=64)
+                if ctx <= 32768
+                else None
+            )
             nbytes = B * ctx * k.shape[0] * k.shape[-1] * 2 * k.dtype.itemsize + 2 * q.size * q.dtype.itemsize
-            static = ("static (entry point defaults)", lambda q, k, v, lens, bt, scale=scale:
-                      D.paged_decode_attention_kernel(q, k, v, lens, bt, scale=scale, interpret=INTERPRET))
-            variants = [static] + [(f"steal {cfg}", lambda q, k, v, lens, bt, cfg=cfg, scale=scale, splits=splits:
-                                    steal_decode(q, k, v, lens, bt, scale=scale, splits=splits, **cfg))
-                                   for cfg in cfgs] + [static]
+            static = (
+                "static (entry point defaults)",
+                lambda q, k, v, lens, bt, scale=scale: D.paged_decode_attention_kernel(
+                    q, k, v, lens, bt, scale=scale, interpret=INTERPRET
+                ),
+            )
+            variants = (
+                [static]
+                + [
+                    (
+                        f"steal {cfg}",
+                        lambda q, k, v, lens, bt, cfg=cfg, scale=scale, splits=splits: steal_decode(
+                            q, k, v, lens, bt, scale=scale, splits=splits, **cfg
+                        ),
+                    )
+                    for cfg in cfgs
+                ]
+                + [static]
+            )
             for name, fn in variants:
                 row = dict(stage="steal", B=B, ctx=ctx, splits=splits, impl=name)
                 out = jax.block_until_ready(fn(q, k, v, lens, bt))
                 row["rel_err"] = rel_err(out, ref) if ref is not None else None
                 if not INTERPRET:
                     t, tmin, tmax, wall = per_call(runner(chained(fn), q, k, v, lens, bt))
-                    row.update(time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6,
-                               frac_copy=nbytes / t / copy)
+                    row.update(
+                        time_us=t * 1e6, time_min_us=tmin * 1e6, time_max_us=tmax * 1e6, frac_copy=nbytes / t / copy
+                    )
                 results.append(row)
                 print(json.dumps(row), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -72,10 +72,17 @@ def main(argv=None) -> dict:
                     rows.append((e.start_ns, e.duration_ns, plane.name[:14], line.name[:20], e.name[:70]))
     rows.sort()
     t0 = rows[0][0] if rows else 0
-    res = dict(env=common.environment(), smallest_seq_bucket=runner.SMALLEST_SEQ_BUCKET,
-               fused_decode=attention.FUSED_DECODE, ttft_ms_untraced=untraced, ttft_ms_traced=traced,
-               events=[dict(t_ms=round((s - t0) / 1e6, 3), dur_ms=round(n / 1e6, 3), plane=pl, line=ln, name=nm)
-                       for s, n, pl, ln, nm in rows[: args.max_events]])
+    res = dict(
+        env=common.environment(),
+        smallest_seq_bucket=runner.SMALLEST_SEQ_BUCKET,
+        fused_decode=attention.FUSED_DECODE,
+        ttft_ms_untraced=untraced,
+        ttft_ms_traced=traced,
+        events=[
+            dict(t_ms=round((s - t0) / 1e6, 3), dur_ms=round(n / 1e6, 3), plane=pl, line=ln, name=nm)
+            for s, n, pl, ln, nm in rows[: args.max_events]
+        ],
+    )
     keys = ("smallest_seq_bucket", "fused_decode", "ttft_ms_untraced", "ttft_ms_traced")
     print(json.dumps({k: res[k] for k in keys}))
     common.write_result("first_steps_trace", res, args.out)

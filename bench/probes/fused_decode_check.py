@@ -9,6 +9,7 @@ Reports the relative error of the live rows, that padding rows are zero and that
 
   python bench/probes/fused_decode_check.py --out OUT.json
 """
+
 import argparse
 import json
 import os
@@ -31,9 +32,9 @@ res = []
 cases = [  # K, G, H, S, lens, parts, dtype, kv_dtype, rope, extra
     (8, 4, 128, 16, [200, 0], 4, jnp.bfloat16, jnp.float8_e4m3fn, True, {}),
     (8, 4, 128, 16, [700, 33, 1, 0], 0, jnp.bfloat16, jnp.float8_e5m2, True, {}),
-    (8, 5, 128, 16, [300, 17, 0], 0, jnp.bfloat16, None, False, dict(alibi=True)),          # Baichuan-13B-like
+    (8, 5, 128, 16, [300, 17, 0], 0, jnp.bfloat16, None, False, dict(alibi=True)),  # Baichuan-13B-like
     (8, 4, 128, 16, [5000, 90, 0], 0, jnp.bfloat16, None, True, dict(sliding_window=4096)),  # Mistral-like
-    (4, 7, 128, 16, [31, 2000, 0], 0, jnp.float16, None, True, {}),                           # Qwen2.5-7B-like, fp16
+    (4, 7, 128, 16, [31, 2000, 0], 0, jnp.float16, None, True, {}),  # Qwen2.5-7B-like, fp16
     (2, 4, 64, 32, [129, 64, 0], 4, jnp.bfloat16, None, True, {}),
 ]
 for K, G, H, S, lens, parts, dt, kvdt, rope, extra in cases:
@@ -50,7 +51,7 @@ for K, G, H, S, lens, parts, dt, kvdt, rope, extra in cases:
     qkv = jnp.asarray(rng.standard_normal(shape), jnp.float32 if parts else dt)
     pos = jnp.asarray([max(n - 1, 0) for n in lens], jnp.int32)
     inv = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32) if rope else None
-    kw = dict(scale=H ** -0.5)
+    kw = dict(scale=H**-0.5)
     if kvdt is not None:
         kw.update(k_scale=0.5, v_scale=2.0)
     if extra.get("alibi"):
@@ -58,8 +59,18 @@ for K, G, H, S, lens, parts, dt, kvdt, rope, extra in cases:
     if "sliding_window" in extra:
         kw["sliding_window"] = extra["sliding_window"]
     lens_a, slots_a = jnp.asarray(lens, jnp.int32), jnp.asarray(slots)
-    row = dict(K=K, G=G, H=H, S=S, lens=lens, parts=parts, dtype=str(jnp.dtype(dt)), kv=str(jnp.dtype(kvd)), rope=rope,
-               extra={k_: str(v_) for k_, v_ in extra.items()})
+    row = dict(
+        K=K,
+        G=G,
+        H=H,
+        S=S,
+        lens=lens,
+        parts=parts,
+        dtype=str(jnp.dtype(dt)),
+        kv=str(jnp.dtype(kvd)),
+        rope=rope,
+        extra={k_: str(v_) for k_, v_ in extra.items()},
+    )
     try:
         scales = {k_: kw[k_] for k_ in ("k_scale", "v_scale") if k_ in kw}
         q, k1, v1 = kp.qkv_write_kv(qkv, pos, inv, k, v, slots_a, dtype=dt, **scales)
@@ -67,15 +78,28 @@ for K, G, H, S, lens, parts, dt, kvdt, rope, extra in cases:
         got, k2, v2 = kp.fused_decode_attention(qkv, pos, inv, k, v, slots_a, lens_a, bt, dtype=dt, **kw)
         w, g = np.asarray(want.astype(jnp.float32)), np.asarray(got.astype(jnp.float32))
         live = np.asarray(lens) > 0
-        row.update(finite=bool(np.isfinite(g[live]).all()),
-                   rel_err=float(np.linalg.norm(g[live] - w[live]) / np.linalg.norm(w[live])),
-                   pad_zero=not g[~live].any(),
-                   pages_equal=all(np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)),
-                                                  equal_nan=True) for a, b in ((k1, k2), (v1, v2))))
+        row.update(
+            finite=bool(np.isfinite(g[live]).all()),
+            rel_err=float(np.linalg.norm(g[live] - w[live]) / np.linalg.norm(w[live])),
+            pad_zero=not g[~live].any(),
+            pages_equal=all(
+                np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)), equal_nan=True)
+                for a, b in ((k1, k2), (v1, v2))
+            ),
+        )
     except Exception as e:  # noqa: BLE001
         row["error"] = f"{type(e).__name__}: {str(e)[:600]}"
     print(row, flush=True)
     res.append(row)
 with open(out_path, "w") as f:
-    json.dump(dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, commit=os.environ.get("GIT_COMMIT"),
-                   command=" ".join(sys.argv), rows=res), f, indent=1)
+    json.dump(
+        dict(
+            device=str(jax.devices()[0].device_kind),
+            jax=jax.__version__,
+            commit=os.environ.get("GIT_COMMIT"),
+            command=" ".join(sys.argv),
+            rows=res,
+        ),
+        f,
+        indent=1,
+    )

@@ -41,8 +41,12 @@ def parse(argv=None):
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--hopper", action="store_true", help="also take the Mosaic GPU prefill path")
-    p.add_argument("--quantization", choices=("gptq", "fp8"), default=None,
-                   help="dummy GPTQ int4 g128 (the quantized matmul kernel in every step) or fp8 weights")
+    p.add_argument(
+        "--quantization",
+        choices=("gptq", "fp8"),
+        default=None,
+        help="dummy GPTQ int4 g128 (the quantized matmul kernel in every step) or fp8 weights",
+    )
     p.add_argument("--top", type=int, default=25, help="functions kept from the profile")
     p.add_argument("--model-dir", default="/tmp/jaxllm_lowering_profile_model")
     p.add_argument("--out", default=None)
@@ -55,8 +59,12 @@ def pretend_gpu(hopper: bool):
     import kernels_pallas
     from kernels_pallas import _common, _decode, _prefill_mgpu, quant
 
-    saved = [(mod, name, getattr(mod, name)) for mod in (_common, kernels_pallas, _decode, _prefill_mgpu, quant)
-             for name in ("on_gpu", "on_hopper") if hasattr(mod, name)]
+    saved = [
+        (mod, name, getattr(mod, name))
+        for mod in (_common, kernels_pallas, _decode, _prefill_mgpu, quant)
+        for name in ("on_gpu", "on_hopper")
+        if hasattr(mod, name)
+    ]
     for mod, name, _ in saved:
         setattr(mod, name, (lambda: True) if name == "on_gpu" else (lambda: hopper))
     try:
@@ -103,10 +111,18 @@ def _profile(args) -> dict:
     if args.quantization == "gptq":
         shape["quantization_config"] = common.DUMMY_QUANT_CONFIGS["gptq"]
     model = common.make_model_dir(shape, args.model_dir)
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len,
-              quantization=args.quantization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              enforce_eager=True, compilation_cache_dir=None, num_gpu_blocks_override=512)
+    llm = LLM(
+        model,
+        load_format="dummy",
+        dtype="bfloat16",
+        max_model_len=args.max_model_len,
+        quantization=args.quantization,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=True,
+        compilation_cache_dir=None,
+        num_gpu_blocks_override=512,
+    )
     r = llm.llm_engine.runner
     r.attn = dataclasses.replace(r.attn, backend="pallas")
     rows, prof = [], cProfile.Profile()
@@ -126,18 +142,32 @@ def _profile(args) -> dict:
         hits = [(v[3], v[1]) for k, v in stats.stats.items() if f"{k[0]}:{k[2]}".endswith(suffix)]
         return dict(seconds=max((h[0] for h in hits), default=0.0), calls=max((h[1] for h in hits), default=0))
 
-    parts = {name: cumulative(suffix) for name, suffix in [
-        ("pallas_triton_lowering", "pallas/triton/pallas_call_registration.py:pallas_call_lowering"),
-        ("pallas_kernel_tracing", "pallas/pallas_call.py:_trace_kernel_to_jaxpr"),
-        ("model_trace", "jaxllm/engine/step_fns.py:packed_step_fn"),
-        ("lower_to_module", "interpreters/mlir.py:lower_jaxpr_to_module")]}
+    parts = {
+        name: cumulative(suffix)
+        for name, suffix in [
+            ("pallas_triton_lowering", "pallas/triton/pallas_call_registration.py:pallas_call_lowering"),
+            ("pallas_kernel_tracing", "pallas/pallas_call.py:_trace_kernel_to_jaxpr"),
+            ("model_trace", "jaxllm/engine/step_fns.py:packed_step_fn"),
+            ("lower_to_module", "interpreters/mlir.py:lower_jaxpr_to_module"),
+        ]
+    }
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(args.top)
-    result = dict(env=common.environment(), workload=vars(args), rows=rows, total_s=total,
-                  trace_s=sum(x["trace_s"] for x in rows), lower_s=sum(x["lower_s"] for x in rows), parts=parts,
-                  profile_top=text.getvalue().splitlines()[-args.top - 2:])
-    print(f"{len(rows)} variants: trace {result['trace_s']:.1f} s + lower {result['lower_s']:.1f} s; "
-          + ", ".join(f"{k} {p['seconds']:.1f} s ({p['calls']} calls)" for k, p in parts.items()), flush=True)
+    result = dict(
+        env=common.environment(),
+        workload=vars(args),
+        rows=rows,
+        total_s=total,
+        trace_s=sum(x["trace_s"] for x in rows),
+        lower_s=sum(x["lower_s"] for x in rows),
+        parts=parts,
+        profile_top=text.getvalue().splitlines()[-args.top - 2 :],
+    )
+    print(
+        f"{len(rows)} variants: trace {result['trace_s']:.1f} s + lower {result['lower_s']:.1f} s; "
+        + ", ".join(f"{k} {p['seconds']:.1f} s ({p['calls']} calls)" for k, p in parts.items()),
+        flush=True,
+    )
     return result
 
 

@@ -11,6 +11,7 @@ offsets (and through an elementwise op, which makes a buffer of its own), and re
 
     python bench/probes/mosaic_align_probe.py --out $OUT/mosaic_align_probe.json
 """
+
 import argparse
 import os
 import sys
@@ -50,7 +51,7 @@ def main():
                 bt = jax.lax.slice(ints, (off + B,), (off + B + B * M,)).reshape(B, M)
                 if how == "slice_then_max":
                     sl, bt = jnp.maximum(sl, 0), jnp.maximum(bt, 0)
-                return paged_decode_mgpu(q, kp, vp, sl, bt, scale=H ** -0.5)
+                return paged_decode_mgpu(q, kp, vp, sl, bt, scale=H**-0.5)
 
             row = dict(offset_ints=off, seq_lens_byte_offset=4 * off, table_byte_offset=4 * (off + B), how=how)
             try:

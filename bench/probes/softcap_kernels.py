@@ -36,7 +36,7 @@ def make_cache(rng, K, H, S, lens, dtype=jnp.bfloat16):
     perm, bt, at = rng.permutation(P), np.zeros((len(lens), M), np.int32), 0
     k, v = (np.full((K, P, S, H), np.nan, np.float32) for _ in range(2))
     for b, n in enumerate(lens):
-        bt[b, :need[b]] = perm[at:at + need[b]]
+        bt[b, : need[b]] = perm[at : at + need[b]]
         at += need[b]
         for j in range(n):
             k[:, bt[b, j // S], j % S] = rng.standard_normal((K, H))
@@ -64,19 +64,26 @@ def cases(small: bool, interpret: bool):
     for window in (7,) if small else (None, 64):
         kw = dict(scale=H**-0.5, soft_cap=1.5, sliding_window=window)
         args = _ragged_args(rng, N, K, H, 16, jnp.bfloat16, q_lens, seq_lens)
-        yield f"ragged window={window}", kp.ragged_paged_attention(*args, interpret=interpret, **kw), \
-            reference.ragged_paged_attention_ref(*args, **kw)
+        yield (
+            f"ragged window={window}",
+            kp.ragged_paged_attention(*args, interpret=interpret, **kw),
+            reference.ragged_paged_attention_ref(*args, **kw),
+        )
         k, v, bt = make_cache(rng, K, H, 16, dec)
         q = jnp.asarray(rng.standard_normal((len(dec), N, H)), jnp.bfloat16)
         lens = jnp.asarray(dec, jnp.int32)
-        yield f"decode window={window}", kp.paged_decode_attention(q, k, v, lens, bt, interpret=interpret, **kw), \
-            reference.paged_decode_attention_ref(q, k, v, lens, bt, **kw)
+        yield (
+            f"decode window={window}",
+            kp.paged_decode_attention(q, k, v, lens, bt, interpret=interpret, **kw),
+            reference.paged_decode_attention_ref(q, k, v, lens, bt, **kw),
+        )
         G = N // K
         qkv = jnp.asarray(rng.standard_normal((len(dec), K, G + 2, H)), jnp.bfloat16)
         slots = jnp.asarray([int(bt[b, (n - 1) // 16]) * 16 + (n - 1) % 16 for b, n in enumerate(dec)], jnp.int32)
         pos, inv_freq = lens - 1, jnp.asarray(1e4 ** -(np.arange(0, H, 2) / H), jnp.float32)
-        out, _, _ = kp.fused_decode_attention(qkv, pos, inv_freq, k, v, slots, lens, bt, dtype=jnp.bfloat16,
-                                              interpret=interpret, **kw)
+        out, _, _ = kp.fused_decode_attention(
+            qkv, pos, inv_freq, k, v, slots, lens, bt, dtype=jnp.bfloat16, interpret=interpret, **kw
+        )
         qr, kr, vr = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots, dtype=jnp.bfloat16)
         yield f"fused decode window={window}", out, reference.paged_decode_attention_ref(qr, kr, vr, lens, bt, **kw)
 

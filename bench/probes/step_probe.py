@@ -50,8 +50,9 @@ def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn, kind=None):
     h = decoder.rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps)
     qkv = jnp.einsum("TD,DKGH->TKGH", h, lp["w_qkv"])
     inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
-    out, kv_cache = decoder.paged_attention(qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq,
-                                            config=attn)
+    out, kv_cache = decoder.paged_attention(
+        qkv, kv_cache, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, config=attn
+    )
     x = x_in + jnp.einsum("TNH,NHD->TD", out, lp["wo"])
     h = decoder.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     g, u = jnp.einsum("TD,DF->TF", h, wg), jnp.einsum("TD,DF->TF", h, wu)
@@ -78,13 +79,21 @@ VARIANTS = {
     "split_gate_up": (split_gate_up_layer, {}, split_gate_up_params, NO_SPLIT),
 }
 for _q in (2, 4, 8):
-    VARIANTS[f"split_qkv_{_q}"] = (None, {}, None, {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": _q,
-                                                    "attention.FUSED_DECODE": False})
+    VARIANTS[f"split_qkv_{_q}"] = (
+        None,
+        {},
+        None,
+        {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": _q, "attention.FUSED_DECODE": False},
+    )
 _FUSED = {"QKV_SPLIT_MAX_TOKENS": 16, "QKV_SPLITS": 4, "attention.FUSED_DECODE": True}
 VARIANTS["fused"] = (None, {}, None, _FUSED)
 for _n in (1, 2):
-    VARIANTS[f"fused_{_n}split"] = (None, {}, None,
-                                    dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}))
+    VARIANTS[f"fused_{_n}split"] = (
+        None,
+        {},
+        None,
+        dict(_FUSED, **{"attention.FUSED_DECODE_TUNING": {"num_splits": _n}}),
+    )
 VARIANTS["fused_plain_qkv"] = (None, {}, None, dict(_FUSED, QKV_SPLIT_MAX_TOKENS=0))
 VARIANTS["fused_cublas"] = (None, {"xla_gpu_enable_triton_gemm": False}, None, _FUSED)
 
@@ -101,14 +110,16 @@ def build_inputs(cfg, ctx: int, rows: int = 8, max_len: int = 1024, S: int = 16,
     bt = np.zeros((rows, max_len // S), np.int32)
     perm = np.random.default_rng(0).permutation(live * used)
     for b in range(live):
-        bt[b, :used] = 1 + perm[b * used:(b + 1) * used]
+        bt[b, :used] = 1 + perm[b * used : (b + 1) * used]
     slot = [int(bt[b, (ctx - 1) // S]) * S + (ctx - 1) % S for b in range(live)]
     meta = AttentionMetadata(
         positions=jnp.asarray([ctx - 1] * live + [0] * (rows - live), jnp.int32),
         slot_mapping=jnp.asarray(slot + [-1] * (rows - live), jnp.int32),
         seq_lens=jnp.asarray([ctx] * live + [0] * (rows - live), jnp.int32),
         query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32),
-        block_tables=jnp.asarray(bt), decode_only=True)
+        block_tables=jnp.asarray(bt),
+        decode_only=True,
+    )
     return jnp.zeros((rows,), jnp.int32), meta, live * used + 1
 
 
@@ -130,9 +141,19 @@ def xprof(fn, n):
     s = summarize(d, top=60)
     dev = s["devices"][0] if s.get("devices") else {}
     ks = dev.get("top_kernels", [])
-    return dict(busy_ms_per_step=dev.get("busy_ms", 0) / n, span_ms_per_step=dev.get("span_ms", 0) / n,
-                kernels=[dict(name=k["name"][:80], us=round(k["us_per_run"], 2), per_step=round(k["runs"] / n, 2),
-                              us_per_step=round(k["ms"] * 1e3 / n, 2)) for k in ks])
+    return dict(
+        busy_ms_per_step=dev.get("busy_ms", 0) / n,
+        span_ms_per_step=dev.get("span_ms", 0) / n,
+        kernels=[
+            dict(
+                name=k["name"][:80],
+                us=round(k["us_per_run"], 2),
+                per_step=round(k["runs"] / n, 2),
+                us_per_step=round(k["ms"] * 1e3 / n, 2),
+            )
+            for k in ks
+        ],
+    )
 
 
 def main():
@@ -141,8 +162,12 @@ def main():
     p.add_argument("--hlo-dir", default=None)
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--ctx", type=int, default=200)
-    p.add_argument("--rows", type=int, default=8,
-                   help="padded batch rows: 8 as in the earlier probes; the engine pads batch 1 to 2 since stop 17")
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=8,
+        help="padded batch rows: 8 as in the earlier probes; the engine pads batch 1 to 2 since stop 17",
+    )
     p.add_argument("--live", type=int, default=1, help="rows holding a sequence of --ctx tokens (the rest pad)")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -169,8 +194,7 @@ def main():
         row = dict(variant=name, xla_options={k: str(v) for k, v in opts.items()}, decoder_settings=settings)
         try:
             t0 = time.perf_counter()
-            compiled = make_step(cfg, attn).lower(vparams, kv, tokens, meta).compile(
-                compiler_options=opts or None)
+            compiled = make_step(cfg, attn).lower(vparams, kv, tokens, meta).compile(compiler_options=opts or None)
             row["compile_s"] = time.perf_counter() - t0
             if a.hlo_dir:
                 os.makedirs(a.hlo_dir, exist_ok=True)
@@ -204,8 +228,11 @@ def main():
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
         for k in row.get("kernels", [])[:16]:
             print("   ", k, flush=True)
-    write_result("step_probe", dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, live=a.live, shape=a.shape,
-                                    rows=rows), a.out)
+    write_result(
+        "step_probe",
+        dict(env=environment(), ctx=a.ctx, batch_rows=a.rows, live=a.live, shape=a.shape, rows=rows),
+        a.out,
+    )
 
 
 if __name__ == "__main__":

@@ -11,11 +11,22 @@ from jaxllm.quantization import METHODS
 
 # vLLM 0.8.0's speculative options before --speculative-config (EngineArgs fields here too) and the
 # speculative_config keys they set.
-LEGACY_SPEC_ARG_NAMES = ("speculative_model", "num_speculative_tokens", "ngram_prompt_lookup_max",
-                         "ngram_prompt_lookup_min", "speculative_draft_tensor_parallel_size",
-                         "speculative_disable_by_batch_size")
-_LEGACY_SPEC_KEYS = ("model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-                     "draft_tensor_parallel_size", "disable_by_batch_size")
+LEGACY_SPEC_ARG_NAMES = (
+    "speculative_model",
+    "num_speculative_tokens",
+    "ngram_prompt_lookup_max",
+    "ngram_prompt_lookup_min",
+    "speculative_draft_tensor_parallel_size",
+    "speculative_disable_by_batch_size",
+)
+_LEGACY_SPEC_KEYS = (
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "draft_tensor_parallel_size",
+    "disable_by_batch_size",
+)
 
 
 def legacy_speculative_config(values: dict) -> dict | None:
@@ -23,8 +34,11 @@ def legacy_speculative_config(values: dict) -> dict | None:
     unless a speculative model or a number of tokens is given, as there."""
     if values.get("speculative_model") is None and values.get("num_speculative_tokens") is None:
         return None
-    return {key: values[name] for name, key in zip(LEGACY_SPEC_ARG_NAMES, _LEGACY_SPEC_KEYS, strict=True)
-            if values.get(name) is not None}
+    return {
+        key: values[name]
+        for name, key in zip(LEGACY_SPEC_ARG_NAMES, _LEGACY_SPEC_KEYS, strict=True)
+        if values.get(name) is not None
+    }
 
 
 @dataclass(frozen=True)
@@ -136,8 +150,10 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in METHODS:
             raise ValueError(f"Unknown quantization method: {self.quantization}. Must be one of {list(METHODS)}.")
         if self.tokenizer_mode not in ("auto", "slow"):
-            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' or 'slow' "
-                             "(jaxllm has no 'mistral' or 'custom' tokenizer modes).")
+            raise ValueError(
+                f"tokenizer_mode={self.tokenizer_mode!r} is not supported; use 'auto' or 'slow' "
+                "(jaxllm has no 'mistral' or 'custom' tokenizer modes)."
+            )
         for name in ("hf_overrides", "override_generation_config", "rope_scaling"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), dict):
                 raise ValueError(f"{name} must be a dict (JSON object), got {getattr(self, name)!r}.")
@@ -153,16 +169,24 @@ class EngineArgs:
         if spec is not None:
             spec.check_parallel(self.tensor_parallel_size)
             if self.pipeline_parallel_size > 1:
-                raise ValueError("Speculative decoding is not supported with pipeline parallelism yet "
-                                 "(pipeline_parallel_size > 1).")
+                raise ValueError(
+                    "Speculative decoding is not supported with pipeline parallelism yet (pipeline_parallel_size > 1)."
+                )
         if self.lora_config() is not None:
             if self.pipeline_parallel_size > 1:
-                raise ValueError("enable_lora is not supported with pipeline_parallel_size > 1 yet; use "
-                                 "tensor_parallel_size to split the model.")
+                raise ValueError(
+                    "enable_lora is not supported with pipeline_parallel_size > 1 yet; use "
+                    "tensor_parallel_size to split the model."
+                )
             if spec is not None:
                 raise ValueError("enable_lora is not supported with speculative decoding (speculative_config) yet.")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_gpu_blocks_override",
-                     "kv_cache_memory_bytes"):  # None: derived; anything else a positive int
+        for name in (
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "num_gpu_blocks_override",
+            "kv_cache_memory_bytes",
+        ):  # None: derived; anything else a positive int
             value = getattr(self, name)
             if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")

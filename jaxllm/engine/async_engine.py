@@ -72,8 +72,15 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._dead is not None
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request=None,
+    ) -> AsyncIterator[RequestOutput]:
         if self._dead is not None:
             raise EngineDeadError(f"The engine died: {self._dead!r}")
         loop = asyncio.get_running_loop()
@@ -82,8 +89,9 @@ class AsyncLLM:
         with self._close_lock:
             if self._closed is not None:
                 raise EngineDeadError(self._closed)
-            self._commands.put(("add", request_id, prompt, sampling_params, priority, loop, stream, added,
-                                lora_request))
+            self._commands.put(
+                ("add", request_id, prompt, sampling_params, priority, loop, stream, added, lora_request)
+            )
         try:
             await added  # raises the engine's ValueError for bad input
         except asyncio.CancelledError:

@@ -61,12 +61,26 @@ def cache_config_info(cache: CacheConfig, args) -> dict[str, str]:
     args: the EngineArgs. jaxllm has no swap, CPU offload, sliding-window override or mamba cache: those report
     what an engine without them has (0 / None / False / auto)."""
     values = dict(
-        block_size=cache.block_size, gpu_memory_utilization=args.gpu_memory_utilization, swap_space=0,
-        cache_dtype=args.kv_cache_dtype, is_attention_free=False, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        sliding_window=None, enable_prefix_caching=cache.enable_prefix_caching, prefix_caching_hash_algo="builtin",
-        cpu_offload_gb=0, calculate_kv_scales=False, cpu_kvcache_space_bytes=None, mamba_page_size_padded=None,
-        mamba_cache_dtype="auto", mamba_ssm_cache_dtype="auto", num_gpu_blocks=cache.num_blocks, num_cpu_blocks=0,
-        kv_sharing_fast_prefill=False, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+        block_size=cache.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        swap_space=0,
+        cache_dtype=args.kv_cache_dtype,
+        is_attention_free=False,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        sliding_window=None,
+        enable_prefix_caching=cache.enable_prefix_caching,
+        prefix_caching_hash_algo="builtin",
+        cpu_offload_gb=0,
+        calculate_kv_scales=False,
+        cpu_kvcache_space_bytes=None,
+        mamba_page_size_padded=None,
+        mamba_cache_dtype="auto",
+        mamba_ssm_cache_dtype="auto",
+        num_gpu_blocks=cache.num_blocks,
+        num_cpu_blocks=0,
+        kv_sharing_fast_prefill=False,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
     return {k: str(v) for k, v in values.items()}
 
 
@@ -78,8 +92,15 @@ def _check_int(name: str, value: object, minimum: int) -> None:
 SPEC_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # Keys of vLLM's speculative_config that jaxllm reads; others vLLM accepts are refused by name (a typo or an
 # option we do not implement must not be silently ignored).
-_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
-              "draft_tensor_parallel_size", "disable_by_batch_size")
+_SPEC_KEYS = (
+    "method",
+    "model",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "draft_tensor_parallel_size",
+    "disable_by_batch_size",
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,8 +124,10 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative_config method={self.method!r} is not supported; jaxllm supports "
-                             f"{', '.join(SPEC_METHODS)}.")
+            raise ValueError(
+                f"speculative_config method={self.method!r} is not supported; jaxllm supports "
+                f"{', '.join(SPEC_METHODS)}."
+            )
         n = self.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
             raise ValueError(f"Expected num_speculative_tokens to be greater than zero ({n}).")
@@ -114,15 +137,19 @@ class SpeculativeConfig:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ValueError(f"{name}={v} must be > 0")
             if self.prompt_lookup_min > self.prompt_lookup_max:
-                raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
-                                 f"prompt_lookup_max={self.prompt_lookup_max}")
+                raise ValueError(
+                    f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}"
+                )
         elif self.model is None:
-            raise ValueError(f"speculative_config method={self.method!r} needs a 'model' (the draft model or "
-                             "EAGLE head directory).")
+            raise ValueError(
+                f"speculative_config method={self.method!r} needs a 'model' (the draft model or EAGLE head directory)."
+            )
         b = self.disable_by_batch_size
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 2):
-            raise ValueError("Expect the batch size threshold of disabling speculative decoding is > 1, but got "
-                             f"self.disable_by_batch_size={b}")
+            raise ValueError(
+                "Expect the batch size threshold of disabling speculative decoding is > 1, but got "
+                f"self.disable_by_batch_size={b}"
+            )
 
     @classmethod
     def from_value(cls, value) -> SpeculativeConfig | None:
@@ -158,8 +185,10 @@ class SpeculativeConfig:
         elif model is None and kw.get("num_speculative_tokens") is not None:
             raise ValueError("num_speculative_tokens was provided without speculative model.")
         if kw.get("num_speculative_tokens") is None:
-            raise ValueError("num_speculative_tokens must be provided with speculative model unless the draft model "
-                             "config contains an n_predict parameter.")
+            raise ValueError(
+                "num_speculative_tokens must be provided with speculative model unless the draft model "
+                "config contains an n_predict parameter."
+            )
         kw.update(method=method, model=model)
         return cls(**kw)
 
@@ -167,8 +196,10 @@ class SpeculativeConfig:
         """vLLM's rule for draft_tensor_parallel_size: 1 or the target's."""
         d = self.draft_tensor_parallel_size
         if d is not None and d not in (1, tensor_parallel_size):
-            raise ValueError(f"speculative_draft_tensor_parallel_size={d} cannot be other value than 1 or target "
-                             "model tensor_parallel_size")
+            raise ValueError(
+                f"speculative_draft_tensor_parallel_size={d} cannot be other value than 1 or target "
+                "model tensor_parallel_size"
+            )
 
     @property
     def uses_model(self) -> bool:

@@ -107,10 +107,9 @@ def _rust_backend(tokenizer: Any) -> tokenizers.Tokenizer | None:
     the same text (cleanup off) without the Python layers, about 10x faster per call."""
     backend = getattr(tokenizer, "_tokenizer", None)
     cls = type(tokenizer)
-    stock = (
-        getattr(cls.decode, "__qualname__", "") == "PreTrainedTokenizerBase.decode"
-        and getattr(cls._decode, "__qualname__", "") in ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
-    )
+    stock = getattr(cls.decode, "__qualname__", "") == "PreTrainedTokenizerBase.decode" and getattr(
+        cls._decode, "__qualname__", ""
+    ) in ("TokenizersBackend._decode", "PreTrainedTokenizerFast._decode")
     return backend if stock and isinstance(backend, tokenizers.Tokenizer) else None
 
 

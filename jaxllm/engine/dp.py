@@ -44,7 +44,8 @@ def replica_devices(args: EngineArgs, replica: int) -> list:
         raise ValueError(
             f"data_parallel_size * tensor_parallel_size * pipeline_parallel_size = {args.data_parallel_size} * "
             f"{args.tensor_parallel_size} * {args.pipeline_parallel_size} exceeds the {len(devices)} devices of "
-            "this host.")
+            "this host."
+        )
     return devices[replica * width : (replica + 1) * width]
 
 
@@ -56,12 +57,17 @@ def build_replicas(args: EngineArgs) -> list:
     from jaxllm.engine.llm_engine import LLMEngine
 
     if jax.process_count() > 1:
-        raise ValueError("data_parallel_size > 1 runs replicas on the devices of one host; it cannot be combined "
-                         "with several processes (--num-processes).")
+        raise ValueError(
+            "data_parallel_size > 1 runs replicas on the devices of one host; it cannot be combined "
+            "with several processes (--num-processes)."
+        )
     groups = [replica_devices(args, r) for r in range(args.data_parallel_size)]
     engines = [LLMEngine(args, devices=g) for g in groups]
-    logger.info("%d data-parallel replicas ready, on devices %s", len(engines),
-                "; ".join(",".join(str(d.id) for d in g) for g in groups))
+    logger.info(
+        "%d data-parallel replicas ready, on devices %s",
+        len(engines),
+        "; ".join(",".join(str(d.id) for d in g) for g in groups),
+    )
     return engines
 
 
@@ -133,8 +139,14 @@ class Router:
             return []
         out, h = [], hash((salt, lora_id))
         for i in range(min(len(ids) // size, PREFIX_BLOCKS)):
-            h = hash((h, tuple(ids[i * size : (i + 1) * size]) if not isinstance(ids, str)
-                      else ids[i * size : (i + 1) * size]))
+            h = hash(
+                (
+                    h,
+                    tuple(ids[i * size : (i + 1) * size])
+                    if not isinstance(ids, str)
+                    else ids[i * size : (i + 1) * size],
+                )
+            )
             out.append(h)
         return out
 
@@ -148,7 +160,11 @@ class DPEngine:
         self.replicas = build_replicas(args)
         first = self.replicas[0]
         self.args, self.tokenizer, self.runner = args, first.tokenizer, first.runner
-        self.model_config, self.max_model_len, self.vocab_size = first.model_config, first.max_model_len, first.vocab_size
+        self.model_config, self.max_model_len, self.vocab_size = (
+            first.model_config,
+            first.max_model_len,
+            first.vocab_size,
+        )
         self.max_logprobs, self.eos_token_ids = first.max_logprobs, first.eos_token_ids
         self.generation_defaults, self.model_name = first.generation_defaults, first.model_name
         self.router = Router(len(self.replicas), args.block_size)
@@ -157,15 +173,21 @@ class DPEngine:
     def default_sampling_params(self) -> SamplingParams:
         return self.replicas[0].default_sampling_params()
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request=None,
+    ) -> None:
         if request_id in self._where:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         n = (params or self.default_sampling_params()).n
         r = self.router.route(request_id, prompt, n, lora_request)
         try:
-            self.replicas[r].add_request(request_id, prompt, params, arrival_time, priority,
-                                         lora_request=lora_request)
+            self.replicas[r].add_request(request_id, prompt, params, arrival_time, priority, lora_request=lora_request)
         except BaseException:
             self.router.done(r, n)
             raise
@@ -223,15 +245,27 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
     spec = None
     if specs:  # speculative decoding's counters, per draft position too
         width = max(len(sd.num_accepted_tokens_per_pos) for sd in specs)
-        spec = SpecDecodeStats(sum(sd.num_drafts for sd in specs), sum(sd.num_draft_tokens for sd in specs),
-                               sum(sd.num_accepted_tokens for sd in specs),
-                               [sum(sd.num_accepted_tokens_per_pos[i] for sd in specs
-                                    if i < len(sd.num_accepted_tokens_per_pos)) for i in range(width)])
-    return EngineStats(sum(s.num_running for s in stats), sum(s.num_waiting for s in stats),
-                       sum(s.kv_cache_usage for s in stats) / len(stats), sum(s.prefix_cache_queries for s in stats),
-                       sum(s.prefix_cache_hits for s in stats), sum(s.num_preemptions for s in stats),
-                       sum(s.prompt_tokens for s in stats), sum(s.generation_tokens for s in stats),
-                       [n for s in stats for n in s.iteration_tokens], spec_decode=spec)
+        spec = SpecDecodeStats(
+            sum(sd.num_drafts for sd in specs),
+            sum(sd.num_draft_tokens for sd in specs),
+            sum(sd.num_accepted_tokens for sd in specs),
+            [
+                sum(sd.num_accepted_tokens_per_pos[i] for sd in specs if i < len(sd.num_accepted_tokens_per_pos))
+                for i in range(width)
+            ],
+        )
+    return EngineStats(
+        sum(s.num_running for s in stats),
+        sum(s.num_waiting for s in stats),
+        sum(s.kv_cache_usage for s in stats) / len(stats),
+        sum(s.prefix_cache_queries for s in stats),
+        sum(s.prefix_cache_hits for s in stats),
+        sum(s.num_preemptions for s in stats),
+        sum(s.prompt_tokens for s in stats),
+        sum(s.generation_tokens for s in stats),
+        [n for s in stats for n in s.iteration_tokens],
+        spec_decode=spec,
+    )
 
 
 class DPAsyncLLM:
@@ -269,13 +303,21 @@ class DPAsyncLLM:
     def errored(self) -> bool:
         return any(r.errored for r in self.replicas)
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        lora_request=None,
+    ) -> AsyncIterator[RequestOutput]:
         n = sampling_params.n
         r = self.router.route(request_id, prompt, n, lora_request)
         try:
-            async for out in self.replicas[r].generate(prompt, sampling_params, request_id, priority=priority,
-                                                       lora_request=lora_request):
+            async for out in self.replicas[r].generate(
+                prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
+            ):
                 yield out
         finally:
             self.router.done(r, n)

@@ -58,9 +58,16 @@ _SUFFIX = ".jxe"
 JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # jax options that change what a traced step lowers to.
-_JAX_OPTIONS = ("jax_enable_x64", "jax_default_matmul_precision", "jax_numpy_rank_promotion",
-                "jax_numpy_dtype_promotion", "jax_default_prng_impl", "jax_threefry_partitionable",
-                "jax_use_shardy_partitioner", "jax_enable_custom_prng")
+_JAX_OPTIONS = (
+    "jax_enable_x64",
+    "jax_default_matmul_precision",
+    "jax_numpy_rank_promotion",
+    "jax_numpy_dtype_promotion",
+    "jax_default_prng_impl",
+    "jax_threefry_partitionable",
+    "jax_use_shardy_partitioner",
+    "jax_enable_custom_prng",
+)
 
 
 @functools.cache
@@ -92,11 +99,22 @@ def _environment(devices) -> str:
         except AttributeError:
             pass
     d0 = devices[0]
-    return json.dumps(dict(
-        format=FORMAT, jax=jax.__version__, jaxlib=jaxlib.__version__, platform=d0.platform,
-        platform_version=d0.client.platform_version, device_count=jax.device_count(),
-        process_count=jax.process_count(), devices=[(d.id, d.device_kind, d.process_index) for d in devices],
-        xla_flags=os.environ.get("XLA_FLAGS", ""), options=options, sources=source_digest()), sort_keys=True)
+    return json.dumps(
+        dict(
+            format=FORMAT,
+            jax=jax.__version__,
+            jaxlib=jaxlib.__version__,
+            platform=d0.platform,
+            platform_version=d0.client.platform_version,
+            device_count=jax.device_count(),
+            process_count=jax.process_count(),
+            devices=[(d.id, d.device_kind, d.process_index) for d in devices],
+            xla_flags=os.environ.get("XLA_FLAGS", ""),
+            options=options,
+            sources=source_digest(),
+        ),
+        sort_keys=True,
+    )
 
 
 _local = threading.local()
@@ -226,8 +244,13 @@ class ExecutableCache:
             raise ValueError(f"entry is for devices {entry['device_ids']}")
         if entry["in_tree"] != jax.tree.structure((tuple(args), {})):
             raise ValueError("argument structure differs")
-        exe = deserialize_and_load(entry["payload"], entry["in_tree"], entry["out_tree"],
-                                   backend=self.devices[0].client, execution_devices=list(self.devices))
+        exe = deserialize_and_load(
+            entry["payload"],
+            entry["in_tree"],
+            entry["out_tree"],
+            backend=self.devices[0].client,
+            execution_devices=list(self.devices),
+        )
         want = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(args)]
         got = [(tuple(a.shape), str(a.dtype)) for a in jax.tree.leaves(exe.args_info)]
         if want != got:
@@ -236,8 +259,9 @@ class ExecutableCache:
 
     def _unusable(self, path: str, err: Exception):
         self._count("errors")
-        logger.warning("Executable cache entry %s is unusable (%s: %s); compiling instead", path,
-                       type(err).__name__, err)
+        logger.warning(
+            "Executable cache entry %s is unusable (%s: %s); compiling instead", path, type(err).__name__, err
+        )
         return None
 
     def compile_and_store(self, key: str, compile_fn):
@@ -260,8 +284,10 @@ class ExecutableCache:
             if ids != [d.id for d in self.devices]:
                 raise ValueError(f"runs on devices {ids}, not the cache's {[d.id for d in self.devices]}")
             payload, in_tree, out_tree = serialize(compiled)
-            body = pickle.dumps(dict(key=key, device_ids=ids, payload=payload, in_tree=in_tree,
-                                     out_tree=out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+            body = pickle.dumps(
+                dict(key=key, device_ids=ids, payload=payload, in_tree=in_tree, out_tree=out_tree),
+                protocol=pickle.HIGHEST_PROTOCOL,
+            )
             os.makedirs(self.dir, exist_ok=True)
             tmp = os.path.join(self.dir, f".{key}.{uuid.uuid4().hex}.tmp")
             try:

@@ -14,8 +14,15 @@ from operator import attrgetter
 import numpy as np
 
 # Sampling settings stored per row, in this column order.
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty")
+SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
 PADDING_ROW = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0)  # a greedy, filter-free row
 
 # Bits of InputBatch.features: what a row's sampling params ask of the sampler (fixed for a request).
@@ -29,9 +36,15 @@ def feature_bits(sp) -> int:
     if sp is None:
         return 0
     penalties = sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
-    return (HAS_PARAMS | FILTERING * (sp.top_p < 1.0 or sp.top_k > 0) | PENALTIES * penalties
-            | ALLOWED_IDS * bool(sp.allowed_token_ids) | LOGPROBS * (sp.logprobs is not None)
-            | PROMPT_LOGPROBS * (sp.prompt_logprobs is not None) | STRUCTURED * (sp.structured_outputs is not None))
+    return (
+        HAS_PARAMS
+        | FILTERING * (sp.top_p < 1.0 or sp.top_k > 0)
+        | PENALTIES * penalties
+        | ALLOWED_IDS * bool(sp.allowed_token_ids)
+        | LOGPROBS * (sp.logprobs is not None)
+        | PROMPT_LOGPROBS * (sp.prompt_logprobs is not None)
+        | STRUCTURED * (sp.structured_outputs is not None)
+    )
 
 
 class InputBatch:
@@ -84,8 +97,10 @@ class InputBatch:
 
     def _assign(self, seq) -> int:
         if not self._free:
-            raise RuntimeError(f"InputBatch has no free row for {seq.seq_id!r}: more running sequences than "
-                               f"{self.tables.shape[0]} rows (a freed sequence was not released?).")
+            raise RuntimeError(
+                f"InputBatch has no free row for {seq.seq_id!r}: more running sequences than "
+                f"{self.tables.shape[0]} rows (a freed sequence was not released?)."
+            )
         row = self._free.pop()
         self._row[seq.seq_id] = row
         self.num_pages[row] = 0

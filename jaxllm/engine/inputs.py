@@ -42,8 +42,15 @@ def bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}.")
 
 
-def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: int, num_seqs_pad: int,
-                      max_pages_pad: int, pad_page: int = 0, tables: np.ndarray | None = None) -> StepInputs:
+def build_step_inputs(
+    chunks: list[SeqChunk],
+    block_size: int,
+    num_tokens_pad: int,
+    num_seqs_pad: int,
+    max_pages_pad: int,
+    pad_page: int = 0,
+    tables: np.ndarray | None = None,
+) -> StepInputs:
     """tables: the chunks' block tables already as rows [len(chunks), max_pages_pad] (an InputBatch gather;
     entries past a table's pages are ignored), instead of flattening the lists."""
     n = len(chunks)
@@ -54,8 +61,9 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, num_tokens_pad: i
     t_lens = np.fromiter((len(c.block_table) for c in chunks), np.int32, n)
     if tables is None:
         tables = _flatten_tables([c.block_table for c in chunks], t_lens, max_pages_pad, pad_page)
-    return step_inputs(token_ids, q_lens, starts, t_lens, tables, block_size, num_tokens_pad, num_seqs_pad,
-                       max_pages_pad, pad_page)
+    return step_inputs(
+        token_ids, q_lens, starts, t_lens, tables, block_size, num_tokens_pad, num_seqs_pad, max_pages_pad, pad_page
+    )
 
 
 def _flatten_tables(lists: list[list[int]], t_lens: np.ndarray, M: int, pad_page: int) -> np.ndarray:
@@ -72,9 +80,18 @@ def _flatten_tables(lists: list[list[int]], t_lens: np.ndarray, M: int, pad_page
     return out
 
 
-def step_inputs(token_ids: np.ndarray, q_lens: np.ndarray, starts: np.ndarray, t_lens: np.ndarray,
-                tables: np.ndarray, block_size: int, num_tokens_pad: int, num_seqs_pad: int, max_pages_pad: int,
-                pad_page: int = 0) -> StepInputs:
+def step_inputs(
+    token_ids: np.ndarray,
+    q_lens: np.ndarray,
+    starts: np.ndarray,
+    t_lens: np.ndarray,
+    tables: np.ndarray,
+    block_size: int,
+    num_tokens_pad: int,
+    num_seqs_pad: int,
+    max_pages_pad: int,
+    pad_page: int = 0,
+) -> StepInputs:
     """build_step_inputs from arrays: the new tokens of every chunk back to back ([sum(q_lens)]), each
     chunk's new-token count, first position and block-table length ([n] each), and its table rows [n, >= M]
     (only the first t_lens[i] entries of row i are read)."""
@@ -115,5 +132,15 @@ def step_inputs(token_ids: np.ndarray, q_lens: np.ndarray, starts: np.ndarray, t
     seq_lens[:n] = ends
     logits_indices = np.zeros(B, np.int32)
     logits_indices[:n] = query_start_loc[1 : n + 1] - 1
-    return StepInputs(padded_ids, positions, slot_mapping, seq_lens, query_start_loc, block_tables,
-                      logits_indices, n_tok, n, bool(n and (q_lens == 1).all()))
+    return StepInputs(
+        padded_ids,
+        positions,
+        slot_mapping,
+        seq_lens,
+        query_start_loc,
+        block_tables,
+        logits_indices,
+        n_tok,
+        n,
+        bool(n and (q_lens == 1).all()),
+    )

@@ -62,8 +62,11 @@ class LLMEngine(EngineLoRAMethods):
         self.speculation = None if parts.speculation is None else SpecDecoding(parts.speculation)
         self.spec = None if self.speculation is None else self.speculation.config
         self._prev_spec = False  # the step in flight verifies proposals: the next one waits for its tokens
-        self.scheduler = Scheduler(parts.scheduler_config, parts.cache_config,
-                                   **(self.speculation.scheduler_kwargs if self.speculation else {}))
+        self.scheduler = Scheduler(
+            parts.scheduler_config,
+            parts.cache_config,
+            **(self.speculation.scheduler_kwargs if self.speculation else {}),
+        )
         self.max_model_len = parts.scheduler_config.max_model_len
         self.vocab_size = self.model_config.vocab_size
         self.max_logprobs = args.max_logprobs
@@ -111,8 +114,15 @@ class LLMEngine(EngineLoRAMethods):
             return None, list(prompt)
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}.")
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0, lora_request=None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        lora_request=None,
+    ) -> None:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
         if priority != 0 and self.args.scheduling_policy != "priority":
@@ -139,14 +149,28 @@ class LLMEngine(EngineLoRAMethods):
         req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
-            seq = Sequence(seq_id, ids, priority=priority, max_tokens=max_tokens,
-                           skip_prefix_cache_read=params.prompt_logprobs is not None, cache_salt=salt,
-                           sampling_params=params, lora_id=lora_id, lora_key=lora_key)
+            seq = Sequence(
+                seq_id,
+                ids,
+                priority=priority,
+                max_tokens=max_tokens,
+                skip_prefix_cache_read=params.prompt_logprobs is not None,
+                cache_salt=salt,
+                sampling_params=params,
+                lora_id=lora_id,
+                lora_key=lora_key,
+            )
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens,
-                                           params.spaces_between_special_tokens)
-            state = _SeqState(seq, i, detok, StopChecker(params.stop, params.include_stop_str_in_output),
-                              logprobs=[] if params.logprobs is not None else None)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
+            state = _SeqState(
+                seq,
+                i,
+                detok,
+                StopChecker(params.stop, params.include_stop_str_in_output),
+                logprobs=[] if params.logprobs is not None else None,
+            )
             if grammar is not None:
                 state.matcher = self.grammars.matcher(grammar)
                 state.thinking = thinking
@@ -171,7 +195,8 @@ class LLMEngine(EngineLoRAMethods):
         if len(ids) > self.max_model_len:
             raise ValueError(
                 f"The decoder prompt (length {len(ids)}) is longer than the maximum model length of "
-                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text tokens.")
+                f"{self.max_model_len}. Make sure that `max_model_len` is no smaller than the number of text tokens."
+            )
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
@@ -219,11 +244,13 @@ class LLMEngine(EngineLoRAMethods):
             p = self.runner.prepare(sched)
             before_sample = None
             if prev is not None and p.masked:
+
                 def before_sample():
                     nonlocal result
                     result = self.runner.collect(prev)
                     self._advance_grammars(prev, result)
                     self.runner.refresh_masks(p)
+
             self._inflight = self.runner.launch(p, before_sample)
         if self._inflight is not None:
             now = time.time()
@@ -244,8 +271,13 @@ class LLMEngine(EngineLoRAMethods):
     def _needs_sync(self) -> bool:
         for seq in self.scheduler.running:
             sp = seq.sampling_params
-            if sp is not None and (sp.presence_penalty or sp.frequency_penalty or sp.repetition_penalty != 1
-                                   or sp.min_tokens or sp.bad_words):
+            if sp is not None and (
+                sp.presence_penalty
+                or sp.frequency_penalty
+                or sp.repetition_penalty != 1
+                or sp.min_tokens
+                or sp.bad_words
+            ):
                 return True
         return False
 
@@ -281,8 +313,10 @@ class LLMEngine(EngineLoRAMethods):
         accepted = self.grammars.consume([(state.matcher, token) for state, token in live])
         for (state, token), ok in zip(live, accepted):
             if not ok:
-                state.grammar_error = (f"Token {token} does not follow the request's structured-output grammar: "
-                                       f"{state.matcher.get_error()}")
+                state.grammar_error = (
+                    f"Token {token} does not follow the request's structured-output grammar: "
+                    f"{state.matcher.get_error()}"
+                )
 
     def _finish_stalled(self) -> list[RequestOutput]:
         outputs = []
@@ -299,8 +333,9 @@ class LLMEngine(EngineLoRAMethods):
         if result.num_emitted is None:
             sampled = {seq_id: int(result.tokens[row]) for seq_id, row in handle.rows.items()}
         else:  # a speculative step: each row's emitted tokens
-            sampled = {seq_id: result.tokens[row, : result.num_emitted[row]].tolist()
-                       for seq_id, row in handle.rows.items()}
+            sampled = {
+                seq_id: result.tokens[row, : result.num_emitted[row]].tolist() for seq_id, row in handle.rows.items()
+            }
             self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
         if self.speculation is not None:
@@ -333,12 +368,13 @@ class LLMEngine(EngineLoRAMethods):
                 outputs.append(out)
         return outputs
 
-    def _on_tokens(self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float,
-                   count: int) -> None:
+    def _on_tokens(
+        self, req: _Request, seq: Sequence, handle: StepHandle, result: StepResult, now: float, count: int
+    ) -> None:
         """The step's count new tokens of seq (more than one from a speculative step), one at a time: each is
         checked for stops and changes the biases as if it came alone; tokens after a stop are dropped."""
-        new = seq.output_token_ids[len(seq.output_token_ids) - count:]
-        del seq.output_token_ids[len(seq.output_token_ids) - count + 1:]
+        new = seq.output_token_ids[len(seq.output_token_ids) - count :]
+        del seq.output_token_ids[len(seq.output_token_ids) - count + 1 :]
         state = _state_of(req, seq)
         for j, token in enumerate(new):
             if j:
@@ -347,8 +383,17 @@ class LLMEngine(EngineLoRAMethods):
                 seq.output_token_ids.append(token)
             self._on_token(req, state, seq, handle.rows[seq.seq_id], result, now, token, j)
 
-    def _on_token(self, req: _Request, state: _SeqState, seq: Sequence, row: int, result: StepResult, now: float,
-                  token: int, j: int) -> None:
+    def _on_token(
+        self,
+        req: _Request,
+        state: _SeqState,
+        seq: Sequence,
+        row: int,
+        result: StepResult,
+        now: float,
+        token: int,
+        j: int,
+    ) -> None:
         """token: seq's newest output token, the step's j-th for this sequence (its row j of a speculative
         step's results)."""
         at = row if result.num_emitted is None else (row, j)
@@ -360,8 +405,18 @@ class LLMEngine(EngineLoRAMethods):
         lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
         if state.logprobs is not None:
-            state.logprobs.append(logprob_dict(self.tokenizer, self.vocab_size, token, lp, int(result.ranks[at]),
-                                               result.top_ids[at], result.top_logprobs[at], req.params.logprobs))
+            state.logprobs.append(
+                logprob_dict(
+                    self.tokenizer,
+                    self.vocab_size,
+                    token,
+                    lp,
+                    int(result.ranks[at]),
+                    result.top_ids[at],
+                    result.top_logprobs[at],
+                    req.params.logprobs,
+                )
+            )
         self._append_token(req, state, token)
         seq.bias_row = bias_row(seq, self.tokenizer)
         if state.matcher is not None:
@@ -411,9 +466,11 @@ class LLMEngine(EngineLoRAMethods):
             for state, mask, some in zip(states, masks, allows_some):
                 state.seq.token_bitmask = mask
                 if not some and state.grammar_error is None:  # the sampler would pick token 0
-                    state.grammar_error = (f"No token of the model's vocabulary (ids < {self.vocab_size}) can "
-                                           f"continue the request's structured-output grammar after "
-                                           f"{state.matched} tokens")
+                    state.grammar_error = (
+                        f"No token of the model's vocabulary (ids < {self.vocab_size}) can "
+                        f"continue the request's structured-output grammar after "
+                        f"{state.matched} tokens"
+                    )
 
     def _request_of(self, seq_id: str) -> _Request | None:
         return self._requests.get(self._seq_to_req.get(seq_id, ""))
@@ -438,6 +495,15 @@ class LLMEngine(EngineLoRAMethods):
             it = list(self._iteration_tokens)
             self._iteration_tokens.clear()
         spec = self.speculation.stats(st.spec_decode) if self.speculation is not None else None
-        return EngineStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_queries,
-                           st.prefix_cache_hits, st.num_preemptions, self.prompt_tokens_total,
-                           self.generation_tokens_total, it, spec)
+        return EngineStats(
+            st.num_running,
+            st.num_waiting,
+            st.kv_cache_usage,
+            st.prefix_cache_queries,
+            st.prefix_cache_hits,
+            st.num_preemptions,
+            self.prompt_tokens_total,
+            self.generation_tokens_total,
+            it,
+            spec,
+        )

@@ -24,8 +24,12 @@ logger = logging.getLogger("jaxllm")
 
 MODELSCOPE_ENV_VARS = ("JAXLLM_USE_MODELSCOPE", "VLLM_USE_MODELSCOPE")
 # Weight files per load format, in order of preference (vLLM's: safetensors first).
-WEIGHT_PATTERNS = {"auto": ["*.safetensors", "*.bin", "*.pt"], "safetensors": ["*.safetensors"],
-                   "pt": ["*.bin", "*.pt"], "dummy": []}
+WEIGHT_PATTERNS = {
+    "auto": ["*.safetensors", "*.bin", "*.pt"],
+    "safetensors": ["*.safetensors"],
+    "pt": ["*.bin", "*.pt"],
+    "dummy": [],
+}
 # Everything else the engine reads from the folder: config, generation config, tokenizer files (tokenizer.json,
 # sentencepiece / tiktoken models, vocab + merges), chat templates, remote code, and weight index files.
 SUPPORT_PATTERNS = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.py", "*.jinja", "tokenizer*"]
@@ -69,14 +73,23 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
 
 
-def _download(repo_id: str, revision: str | None, cache_dir: str | None, weight_patterns: list[str],
-              ignore_patterns: list[str], token: str | None, *, what: str) -> str:
+def _download(
+    repo_id: str,
+    revision: str | None,
+    cache_dir: str | None,
+    weight_patterns: list[str],
+    ignore_patterns: list[str],
+    token: str | None,
+    *,
+    what: str,
+) -> str:
     if _looks_like_path(repo_id):  # a path that does not exist: not an id to look up
-        raise ValueError(f"{what.capitalize()} directory {repo_id!r} does not exist. Pass a local folder in Hugging "
-                         "Face layout, or a model id such as Qwen/Qwen2.5-7B-Instruct to download it.")
+        raise ValueError(
+            f"{what.capitalize()} directory {repo_id!r} does not exist. Pass a local folder in Hugging "
+            "Face layout, or a model id such as Qwen/Qwen2.5-7B-Instruct to download it."
+        )
     if use_modelscope():
-        return _download_modelscope(repo_id, revision, cache_dir, weight_patterns + SUPPORT_PATTERNS,
-                                    ignore_patterns)
+        return _download_modelscope(repo_id, revision, cache_dir, weight_patterns + SUPPORT_PATTERNS, ignore_patterns)
     from huggingface_hub import constants, errors
 
     offline = constants.HF_HUB_OFFLINE
@@ -86,25 +99,39 @@ def _download(repo_id: str, revision: str | None, cache_dir: str | None, weight_
             weight_patterns = _weight_format(repo_id, revision, token, weight_patterns)
         folder = _snapshot(repo_id, revision, cache_dir, weight_patterns, ignore_patterns, token, offline)
     except errors.HFValidationError as e:
-        raise ValueError(f"{what.capitalize()} {repo_id!r} is neither a local folder nor a valid Hugging Face "
-                         f"Hub model id: {e}") from None
+        raise ValueError(
+            f"{what.capitalize()} {repo_id!r} is neither a local folder nor a valid Hugging Face Hub model id: {e}"
+        ) from None
     except errors.RevisionNotFoundError:
         raise ValueError(f"Revision {revision!r} of {repo_id!r} does not exist on the Hugging Face Hub.") from None
     except errors.GatedRepoError:
-        raise ValueError(f"{repo_id!r} is a gated model: accept its license on the Hugging Face Hub and pass a "
-                         "token (--hf-token, or HF_TOKEN).") from None
+        raise ValueError(
+            f"{repo_id!r} is a gated model: accept its license on the Hugging Face Hub and pass a "
+            "token (--hf-token, or HF_TOKEN)."
+        ) from None
     except errors.RepositoryNotFoundError:
-        raise ValueError(f"{what.capitalize()} {repo_id!r} is not a local folder and was not found on the Hugging "
-                         "Face Hub (private repos need a token: --hf-token, or HF_TOKEN).") from None
+        raise ValueError(
+            f"{what.capitalize()} {repo_id!r} is not a local folder and was not found on the Hugging "
+            "Face Hub (private repos need a token: --hf-token, or HF_TOKEN)."
+        ) from None
     except errors.LocalEntryNotFoundError as e:
         where = cache_dir or constants.HF_HUB_CACHE
         if offline:
-            raise ValueError(f"{what.capitalize()} {repo_id!r} (revision {revision or 'main'}) is not in the "
-                             f"Hugging Face cache at {where}, and HF_HUB_OFFLINE=1 forbids downloading it.") from None
-        raise ValueError(f"Could not download {repo_id!r} from the Hugging Face Hub and it is not in the cache at "
-                         f"{where}: {e}") from None
-    logger.info("%s %s (revision %s) at %s (%.1f s)", what.capitalize(), repo_id, revision or "main", folder,
-                time.perf_counter() - t0)
+            raise ValueError(
+                f"{what.capitalize()} {repo_id!r} (revision {revision or 'main'}) is not in the "
+                f"Hugging Face cache at {where}, and HF_HUB_OFFLINE=1 forbids downloading it."
+            ) from None
+        raise ValueError(
+            f"Could not download {repo_id!r} from the Hugging Face Hub and it is not in the cache at {where}: {e}"
+        ) from None
+    logger.info(
+        "%s %s (revision %s) at %s (%.1f s)",
+        what.capitalize(),
+        repo_id,
+        revision or "main",
+        folder,
+        time.perf_counter() - t0,
+    )
     return folder
 
 
@@ -117,9 +144,14 @@ def _snapshot(repo_id, revision, cache_dir, weight_patterns, ignore_patterns, to
     for i, pattern in enumerate(weight_patterns or [None]):
         try:
             folder = huggingface_hub.snapshot_download(
-                repo_id, revision=revision, cache_dir=cache_dir,
+                repo_id,
+                revision=revision,
+                cache_dir=cache_dir,
                 allow_patterns=([pattern] if pattern else []) + SUPPORT_PATTERNS,
-                ignore_patterns=ignore_patterns or None, token=token, local_files_only=offline)
+                ignore_patterns=ignore_patterns or None,
+                token=token,
+                local_files_only=offline,
+            )
         except errors.LocalEntryNotFoundError:  # this format is not (all) in the cache: the next one may be
             if i == len(weight_patterns) - 1 or not offline:
                 raise
@@ -146,15 +178,23 @@ def _weight_format(repo_id: str, revision: str | None, token: str | None, patter
     return patterns
 
 
-def _download_modelscope(model_id: str, revision: str | None, cache_dir: str | None, allow: list[str],
-                         ignore: list[str]) -> str:
+def _download_modelscope(
+    model_id: str, revision: str | None, cache_dir: str | None, allow: list[str], ignore: list[str]
+) -> str:
     from huggingface_hub import constants
 
     try:
         from modelscope.hub.snapshot_download import snapshot_download
     except ImportError:
-        raise ImportError(f"VLLM_USE_MODELSCOPE is set, so {model_id!r} is a ModelScope model id, which needs the "
-                          "modelscope package: pip install modelscope") from None
-    return snapshot_download(model_id=model_id, cache_dir=cache_dir, revision=revision,
-                             local_files_only=constants.HF_HUB_OFFLINE, allow_patterns=allow,
-                             ignore_file_pattern=ignore or None)
+        raise ImportError(
+            f"VLLM_USE_MODELSCOPE is set, so {model_id!r} is a ModelScope model id, which needs the "
+            "modelscope package: pip install modelscope"
+        ) from None
+    return snapshot_download(
+        model_id=model_id,
+        cache_dir=cache_dir,
+        revision=revision,
+        local_files_only=constants.HF_HUB_OFFLINE,
+        allow_patterns=allow,
+        ignore_file_pattern=ignore or None,
+    )

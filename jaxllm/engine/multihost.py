@@ -92,8 +92,12 @@ class StepChannel:
         header = b"" if msg.header is None else pickle.dumps(msg.header)
         ints = np.zeros(0, np.int32) if msg.ints is None else msg.ints
         floats = np.zeros(0, np.float32) if msg.floats is None else msg.floats
-        parts = [np.array([msg.kind, len(header), ints.size, floats.size], np.int32),
-                 np.frombuffer(header + b"\0" * (-len(header) % 4), np.int32), ints, floats.view(np.int32)]
+        parts = [
+            np.array([msg.kind, len(header), ints.size, floats.size], np.int32),
+            np.frombuffer(header + b"\0" * (-len(header) % 4), np.int32),
+            ints,
+            floats.view(np.int32),
+        ]
         words = np.concatenate(parts)
         with self.lock:
             first = np.zeros(FIRST_WORDS, np.int32)
@@ -154,7 +158,8 @@ class MultiHost:
                 f"The (pp, tp) mesh of {mesh.devices.size} devices has no device of process(es) {idle}: every "
                 f"process must hold part of the model. Use tensor_parallel_size * pipeline_parallel_size of at "
                 f"least {self.num_processes} (one stage per process: --pipeline-parallel-size "
-                f"{self.num_processes}), or fewer processes.")
+                f"{self.num_processes}), or fewer processes."
+            )
         self.is_driver = self.process_id == 0
         # XLA's CPU client runs each device's part of a program on a thread pool, and a program with collectives
         # in flight while the next one starts on the same devices deadlocked gloo (2 processes x 4 devices, tp 8,
@@ -175,25 +180,47 @@ class MultiHost:
         """What the processes cannot run together yet (ValueError naming it, before anything loads): the step
         message carries neither a speculative step and its drafter's program nor LoRA adapters' weights, which
         process 0 alone would load."""
-        for name, given in (("speculative_config", args.speculative() is not None),
-                            ("enable_lora", args.enable_lora)):
+        for name, given in (("speculative_config", args.speculative() is not None), ("enable_lora", args.enable_lora)):
             if given:
-                raise ValueError(f"{name} is not supported on an engine over several processes (jax.process_count() "
-                                 f"= {jax.process_count()}) yet: run it on one host.")
+                raise ValueError(
+                    f"{name} is not supported on an engine over several processes (jax.process_count() "
+                    f"= {jax.process_count()}) yet: run it on one host."
+                )
 
-    def agree_engine(self, cfg, args, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int,
-                     max_model_len: int) -> int:
+    def agree_engine(
+        self, cfg, args, num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ) -> int:
         """The KV blocks every process can hold (the fewest), once the processes are found to run the same model
         with the same flags that shape the compiled programs (a hash of them), and the same step limits."""
         import hashlib
 
-        what = repr((cfg, args.tensor_parallel_size, args.pipeline_parallel_size, args.block_size, args.kv_cache_dtype,
-                     args.enable_prefix_caching, args.enable_chunked_prefill, args.max_logprobs, args.enforce_eager,
-                     args.attention_backend, args.load_format, args.seed))
+        what = repr(
+            (
+                cfg,
+                args.tensor_parallel_size,
+                args.pipeline_parallel_size,
+                args.block_size,
+                args.kv_cache_dtype,
+                args.enable_prefix_caching,
+                args.enable_chunked_prefill,
+                args.max_logprobs,
+                args.enforce_eager,
+                args.attention_backend,
+                args.load_format,
+                args.seed,
+            )
+        )
         fingerprint = int.from_bytes(hashlib.sha256(what.encode()).digest()[:8], "little") >> 1  # 63 bits
-        return self.agree({"num_blocks": num_blocks, "max_num_seqs": max_num_seqs,
-                           "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len,
-                           "model_config": fingerprint}, take_min=("num_blocks",))["num_blocks"]
+        return self.agree(
+            {
+                "num_blocks": num_blocks,
+                "max_num_seqs": max_num_seqs,
+                "max_num_batched_tokens": max_num_batched_tokens,
+                "max_model_len": max_model_len,
+                "model_config": fingerprint,
+            },
+            take_min=("num_blocks",),
+        )["num_blocks"]
 
     def agree(self, values: dict[str, int], take_min: tuple[str, ...] = ()) -> dict[str, int]:
         """The values every process computed for itself (they size the KV cache and name the compiled programs,
@@ -211,8 +238,10 @@ class MultiHost:
                 out[name] = int(min(column))
             elif len(set(column)) > 1:
                 other = next(p for p, v in enumerate(column) if v != column[0])
-                raise ValueError(f"Process {other} has {name}={column[other]} where process 0 has {column[0]}: every "
-                                 "process must run the same model with the same flags (and the same kind of device).")
+                raise ValueError(
+                    f"Process {other} has {name}={column[other]} where process 0 has {column[0]}: every "
+                    "process must run the same model with the same flags (and the same kind of device)."
+                )
         return out
 
     # ---- steps ----
@@ -271,8 +300,11 @@ class MultiHost:
                 continue
             owners = {d.process_index for d in src} | {d.process_index for d in dst_devices}
             if len(owners) == 1:  # both sides on one process: a local copy there, nothing elsewhere
-                out[i] = (jax.device_put(x, dst) if self.process_id in owners
-                          else jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype))
+                out[i] = (
+                    jax.device_put(x, dst)
+                    if self.process_id in owners
+                    else jax.make_array_from_single_device_arrays(x.shape, dst, [], dtype=x.dtype)
+                )
                 continue
             if len(src) != len(dst_devices):
                 raise ValueError(f"Cannot move an array between {len(src)} and {len(dst_devices)} devices.")
@@ -284,8 +316,11 @@ class MultiHost:
             for i, y in zip(idx, self._hop([leaves[i] for i in idx], src, dst_devices), strict=True):
                 x = leaves[i]
                 y = jax.make_array_from_single_device_arrays(
-                    x.shape, replicas, [s.data for s in y.addressable_shards if s.device in dst.device_set],
-                    dtype=x.dtype)
+                    x.shape,
+                    replicas,
+                    [s.data for s in y.addressable_shards if s.device in dst.device_set],
+                    dtype=x.dtype,
+                )
                 out[i] = y if dst.is_fully_replicated else self._resharded(y, dst)
         return jax.tree.unflatten(treedef, out)
 
@@ -302,7 +337,8 @@ class MultiHost:
         fn = self._replicate.get(key)
         if fn is None:
             fn = self._replicate[key] = jax.jit(
-                lambda a: a, out_shardings=NamedSharding(Mesh(np.array(devices), ("d",)), P()))
+                lambda a: a, out_shardings=NamedSharding(Mesh(np.array(devices), ("d",)), P())
+            )
         return fn(x)
 
     def _hop(self, xs: list, src: tuple, dst: tuple) -> list:
@@ -313,8 +349,12 @@ class MultiHost:
         rows = NamedSharding(union, P("hop"))
         fn = self._hops.get((src, dst))
         if fn is None:
-            send = jax.shard_map(lambda *a: tuple(jax.lax.ppermute(t, "hop", [(0, 1)]) for t in a), mesh=union,
-                                 in_specs=P("hop"), out_specs=P("hop"))
+            send = jax.shard_map(
+                lambda *a: tuple(jax.lax.ppermute(t, "hop", [(0, 1)]) for t in a),
+                mesh=union,
+                in_specs=P("hop"),
+                out_specs=P("hop"),
+            )
             fn = self._hops[(src, dst)] = jax.jit(send, out_shardings=rows)
         mine_src = [d for d in src if d.process_index == self.process_id]
         mine_dst = [d for d in dst if d.process_index == self.process_id]
@@ -324,8 +364,9 @@ class MultiHost:
                 raise ValueError("Scalars cannot be moved between processes' devices here.")
             by_device = {s.device: s.data for s in x.addressable_shards}
             local = [by_device[d] for d in mine_src] + [self._placeholder(d, x.shape, x.dtype) for d in mine_dst]
-            glob.append(jax.make_array_from_single_device_arrays((2 * x.shape[0],) + x.shape[1:], rows, local,
-                                                                 dtype=x.dtype))
+            glob.append(
+                jax.make_array_from_single_device_arrays((2 * x.shape[0],) + x.shape[1:], rows, local, dtype=x.dtype)
+            )
         return list(fn(*glob))
 
     def _placeholder(self, device, shape, dtype) -> jax.Array:
@@ -340,8 +381,9 @@ class MultiHost:
         """Every process: the step's outputs where process 0 can read them (a replicated array with a shard on
         process 0 stays as it is; the last pipeline stage's are moved to the first row)."""
         leaves = jax.tree.leaves(tree)
-        if all(x.sharding.is_fully_replicated and any(d.process_index == 0 for d in x.sharding.device_set)
-               for x in leaves):
+        if all(
+            x.sharding.is_fully_replicated and any(d.process_index == 0 for d in x.sharding.device_set) for x in leaves
+        ):
             return tree
         return self.move(tree, self.driver_sharding)
 

@@ -32,12 +32,18 @@ from jaxllm.engine.input_batch import (
 from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, pad_rows
 
 _bias_row, _output_token_ids, _num_pending, _token_bitmask = map(
-    attrgetter, ("bias_row", "output_token_ids", "num_pending", "token_bitmask"))
+    attrgetter, ("bias_row", "output_token_ids", "num_pending", "token_bitmask")
+)
 
 # SamplingMetadata's ragged per-row fields, padded with (fill, dtype); a StepVariant's sampler_widths are their
 # widths in this order, all 1 (one column of fill) unless the step's flags need them.
-ROW_FIELDS = (("penalty_tokens", -1, np.int32), ("penalty_is_output", False, bool), ("bias_ids", -1, np.int32),
-              ("bias_values", 0.0, np.float32), ("allowed_ids", -1, np.int32))
+ROW_FIELDS = (
+    ("penalty_tokens", -1, np.int32),
+    ("penalty_is_output", False, bool),
+    ("bias_ids", -1, np.int32),
+    ("bias_values", 0.0, np.float32),
+    ("allowed_ids", -1, np.int32),
+)
 
 
 def sampler_flags(seqs, features: np.ndarray, max_logprobs: int) -> SamplerFlags:
@@ -48,13 +54,22 @@ def sampler_flags(seqs, features: np.ndarray, max_logprobs: int) -> SamplerFlags
     has_params = (features & HAS_PARAMS).tolist()
     bias = bool(bits & ALLOWED_IDS) or any(map(_bias_row, itertools.compress(seqs, has_params)))
     grammar = bool(bits & STRUCTURED) and any(
-        m is not None for m in map(_token_bitmask, itertools.compress(seqs, has_params)))
-    return SamplerFlags(bool(bits & FILTERING), bool(bits & PENALTIES), bias,
-                        max_logprobs if bits & LOGPROBS else 0, grammar)
+        m is not None for m in map(_token_bitmask, itertools.compress(seqs, has_params))
+    )
+    return SamplerFlags(
+        bool(bits & FILTERING), bool(bits & PENALTIES), bias, max_logprobs if bits & LOGPROBS else 0, grammar
+    )
 
 
-def sampling_arrays(batch: InputBatch, vocab_size: int, B: int, flags: SamplerFlags, seqs=(),
-                    rows: np.ndarray | None = None, live: np.ndarray | None = None) -> SamplingMetadata:
+def sampling_arrays(
+    batch: InputBatch,
+    vocab_size: int,
+    B: int,
+    flags: SamplerFlags,
+    seqs=(),
+    rows: np.ndarray | None = None,
+    live: np.ndarray | None = None,
+) -> SamplingMetadata:
     """B rows: seqs[i] for i in live (an index array: sampled, with sampling params) take the settings of
     their InputBatch row rows[i]; every other row is padding."""
     table = np.tile(np.asarray(PADDING_ROW, np.float32), (B, 1))
@@ -98,9 +113,22 @@ def sampling_arrays(batch: InputBatch, vocab_size: int, B: int, flags: SamplerFl
         slot[rows_c] = np.arange(len(rows_c))
     ragged = (pen_rows, pen_out, bias_ids, bias_vals, allowed)  # in ROW_FIELDS' order
     return SamplingMetadata(
-        temp, top_p, top_k, min_p, pres, freq, rep, seeds, steps,
-        *(np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
-          for r, (_, fill, dtype) in zip(ragged, ROW_FIELDS)), bitmask, slot)
+        temp,
+        top_p,
+        top_k,
+        min_p,
+        pres,
+        freq,
+        rep,
+        seeds,
+        steps,
+        *(
+            np.full((B, 1), fill, dtype) if r is empty else pad_rows(r, 1, fill, dtype)
+            for r, (_, fill, dtype) in zip(ragged, ROW_FIELDS)
+        ),
+        bitmask,
+        slot,
+    )
 
 
 def row_widths(smd: SamplingMetadata) -> tuple:
@@ -113,8 +141,12 @@ def plain(smd: SamplingMetadata) -> SamplingMetadata:
     """smd with the default flags' one-column ragged rows (the start-up programs' shapes); the start-up
     program's own sampling is discarded when the flags are not the default."""
     B = smd.temperature.shape[0]
-    return dataclasses.replace(smd, **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in ROW_FIELDS},
-                               token_bitmask=np.full((1, 1), -1, np.int32), bitmask_slot=np.full(B, -1, np.int32))
+    return dataclasses.replace(
+        smd,
+        **{name: np.full((B, 1), fill, dtype) for name, fill, dtype in ROW_FIELDS},
+        token_bitmask=np.full((1, 1), -1, np.int32),
+        bitmask_slot=np.full(B, -1, np.int32),
+    )
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=[], meta_fields=["treedef", "leaves"])
@@ -181,4 +213,3 @@ def unpack_host_args(ints, floats, layout: PackedLayout):
             x = x != 0
         out.append(x)
     return jax.tree.unflatten(layout.treedef, out)
-

@@ -24,7 +24,7 @@ def bias_row(seq: Sequence, tokenizer) -> dict[int, float] | None:
             row[t] = float("-inf")
     for word_ids in bad_word_ids(p, tokenizer):
         prefix = word_ids[:-1]
-        if not prefix or seq.output_token_ids[-len(prefix):] == prefix:
+        if not prefix or seq.output_token_ids[-len(prefix) :] == prefix:
             row[word_ids[-1]] = float("-inf")
     return row
 
@@ -74,6 +74,15 @@ def collect_prompt_logprobs(handle, result, request_of: Callable, tokenizer, voc
                 break
             if pos < len(req.prompt_logprobs):  # recomputed after a preemption: kept from the first pass
                 continue
-            req.prompt_logprobs.append(logprob_dict(
-                tokenizer, vocab_size, req.prompt_token_ids[pos], float(t_lp[lo + j]), int(t_rank[lo + j]),
-                top_ids[lo + j], top_lps[lo + j], k))
+            req.prompt_logprobs.append(
+                logprob_dict(
+                    tokenizer,
+                    vocab_size,
+                    req.prompt_token_ids[pos],
+                    float(t_lp[lo + j]),
+                    int(t_rank[lo + j]),
+                    top_ids[lo + j],
+                    top_lps[lo + j],
+                    k,
+                )
+            )

@@ -34,8 +34,7 @@ from jaxllm.models.decoder import forward
 from jaxllm.sharding import mesh_pp, stage_layers, stage_mesh
 
 
-def _stage_fn(params, kv, x, src_rows, prev_tokens, meta, *, cfg: ModelConfig, attn: AttentionConfig,
-              layers: range):
+def _stage_fn(params, kv, x, src_rows, prev_tokens, meta, *, cfg: ModelConfig, attn: AttentionConfig, layers: range):
     """One stage over one micro-batch. Stage 0 gets token ids (and swaps in tokens still on the device),
     the others the previous stage's hidden states."""
     lo, hi, L = layers.start, layers.stop, cfg.num_layers
@@ -87,9 +86,21 @@ def split_chunks(chunks: list[SeqChunk], n: int) -> list[list[SeqChunk]]:
 
 
 class PipelineExecutor:
-    def __init__(self, cfg: ModelConfig, params, mesh, attn: AttentionConfig, *, block_size: int, max_pages: int,
-                 token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...], pad_page: int = 0,
-                 num_microbatches: int | None = None, move=jax.device_put):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        mesh,
+        attn: AttentionConfig,
+        *,
+        block_size: int,
+        max_pages: int,
+        token_buckets: tuple[int, ...],
+        seq_buckets: tuple[int, ...],
+        pad_page: int = 0,
+        num_microbatches: int | None = None,
+        move=jax.device_put,
+    ):
         self.cfg, self.pp = cfg, mesh_pp(mesh)
         # jax.device_put(x, sharding) between the stages' devices (MultiHost.move when they are other processes')
         self.move = move
@@ -118,8 +129,7 @@ class PipelineExecutor:
             for m, r in zip(self.meshes, self.stages, strict=True)
         ]
 
-    def forward(self, kv_caches, token_ids: np.ndarray, src_rows: np.ndarray, meta: AttentionMetadata,
-                prev_tokens):
+    def forward(self, kv_caches, token_ids: np.ndarray, src_rows: np.ndarray, meta: AttentionMetadata, prev_tokens):
         """All layers over one step's flat padded batch (host arrays, as build_step_inputs makes them), in
         micro-batches. src_rows [T]: row of prev_tokens (a last-stage device array) that feeds each token,
         -1 for host tokens. Returns the per-layer KV caches and hidden [T, D] on the last stage, in the
@@ -134,8 +144,9 @@ class PipelineExecutor:
             mb, n = self._micro_batch(group)
             src = np.full(mb.token_ids.shape[0], -1, np.int32)
             src[:n] = src_of[tok : tok + n]
-            mb_meta = AttentionMetadata(mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc,
-                                        mb.block_tables, mb.decode_only)
+            mb_meta = AttentionMetadata(
+                mb.positions, mb.slot_mapping, mb.seq_lens, mb.query_start_loc, mb.block_tables, mb.decode_only
+            )
             outs.append(self._run_stages(stage_kv, mb.token_ids, src, prev0, mb_meta))
             index[tok : tok + n] = offset + np.arange(n)
             offset += mb.token_ids.shape[0]
@@ -177,8 +188,14 @@ class PipelineExecutor:
         hiddens = {}
         z = lambda *shape: np.zeros(shape, np.int32)  # noqa: E731
         for T, B, decode_only in shapes:
-            meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1),
-                                     np.full((B, self.max_pages), self.pad_page, np.int32), decode_only)
+            meta = AttentionMetadata(
+                z(T),
+                np.full(T, -1, np.int32),
+                z(B),
+                z(B + 1),
+                np.full((B, self.max_pages), self.pad_page, np.int32),
+                decode_only,
+            )
             x = self._run_stages(stage_kv, z(T), np.full(T, -1, np.int32), prev0, meta)
             hiddens[T] = _gather_rows([x], self.move(np.arange(T, dtype=np.int32), self.replicated[-1]))
         return [kv for stage in stage_kv for kv in stage], hiddens

@@ -90,11 +90,26 @@ class StepPrograms:
     logits_indices, smd, prompt_targets, token_slots); lora_specs: the LoRA slot arrays' specs (None without
     LoRA). All come from the runner, which owns the memory and the inputs."""
 
-    def __init__(self, cfg: ModelConfig, attn: AttentionConfig, devices, *, seq_buckets: tuple[int, ...],
-                 token_buckets: tuple[int, ...], kv_specs, dummy_host: Callable[[StepVariant], tuple],
-                 max_penalty_width: int, pipeline: bool = False, executable_cache_dir: str | None = None,
-                 num_spec: int = 0, spec_max_seqs: int = 0, drafter=None, draft_state=None, block_size: int = 16,
-                 lora_specs=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        attn: AttentionConfig,
+        devices,
+        *,
+        seq_buckets: tuple[int, ...],
+        token_buckets: tuple[int, ...],
+        kv_specs,
+        dummy_host: Callable[[StepVariant], tuple],
+        max_penalty_width: int,
+        pipeline: bool = False,
+        executable_cache_dir: str | None = None,
+        num_spec: int = 0,
+        spec_max_seqs: int = 0,
+        drafter=None,
+        draft_state=None,
+        block_size: int = 16,
+        lora_specs=None,
+    ):
         """drafter: a spec_decode.drafter.Drafter (a draft model or EAGLE head) or None; draft_state: its (params,
         KV cache specs) the draft programs are compiled for."""
         self.cfg, self.attn = cfg, attn
@@ -104,19 +119,23 @@ class StepPrograms:
         self.seq_buckets, self.token_buckets = seq_buckets, token_buckets
         self.kv_specs, self.dummy_host, self.lora_specs = kv_specs, dummy_host, lora_specs
         self.max_penalty_width = max_penalty_width  # penalty rows never get wider (2 x the longest sequence)
-        self._jit = jax.jit(packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k", "drafter"),
-                            donate_argnums=(1,))
-        self._spec_jit = jax.jit(packed_spec_step_fn, static_argnames=("cfg", "attn", "flags", "num_spec", "drafter"),
-                                 donate_argnums=(1,))
+        self._jit = jax.jit(
+            packed_step_fn, static_argnames=("cfg", "attn", "flags", "prompt_k", "drafter"), donate_argnums=(1,)
+        )
+        self._spec_jit = jax.jit(
+            packed_spec_step_fn, static_argnames=("cfg", "attn", "flags", "num_spec", "drafter"), donate_argnums=(1,)
+        )
         self._draft_jit = None
         if drafter is not None:
             from jaxllm.spec_decode.drafter import draft_step_fn
 
-            self._draft_jit = jax.jit(draft_step_fn, static_argnames=("drafter", "attn", "block_size"),
-                                      donate_argnums=(2,))
+            self._draft_jit = jax.jit(
+                draft_step_fn, static_argnames=("drafter", "attn", "block_size"), donate_argnums=(2,)
+            )
         # pp > 1: the last stage's logits and sampling (the stages are pipeline.py's jits)
-        self.pipeline_head = (jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k"))
-                              if pipeline else None)
+        self.pipeline_head = (
+            jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k")) if pipeline else None
+        )
         self.compiled: dict[StepVariant, object] = {}
         # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
         self._sampler_jit = jax.jit(packed_sample_rows_fn, static_argnames=("cfg", "flags"))
@@ -148,8 +167,7 @@ class StepPrograms:
         """The shape buckets compiled at start-up (default sampler flags)."""
         out = [StepVariant(b, b, True, SamplerFlags(), 0) for b in self.seq_buckets]
         for t in self.token_buckets:
-            out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False,
-                                   SamplerFlags(), 0))
+            out.append(StepVariant(t, bucket(min(t, self.seq_buckets[-1]), self.seq_buckets), False, SamplerFlags(), 0))
         if self.num_spec and not self.pipeline_head:
             top = bucket(min(self.spec_max_seqs, self.seq_buckets[-1]), self.seq_buckets)
             out += [self.spec_variant(b, SamplerFlags()) for b in self.seq_buckets if b <= top]
@@ -175,8 +193,10 @@ class StepPrograms:
         if self.drafter.uses_features:
             feats = jax.ShapeDtypeStruct((T, self.drafter.feature_dim), self.cfg.dtype, sharding=rep)
         if K:
-            emitted = (jax.ShapeDtypeStruct((B, K + 1), np.int32, sharding=rep),
-                       jax.ShapeDtypeStruct((B,), np.int32, sharding=rep))
+            emitted = (
+                jax.ShapeDtypeStruct((B, K + 1), np.int32, sharding=rep),
+                jax.ShapeDtypeStruct((B,), np.int32, sharding=rep),
+            )
         extras = (np.full(B, -1, np.int32), np.zeros(B, np.int32))
         return draft_args(host, params, self.draft_state, prev_tokens, prev_tokens, feats, emitted, extras)
 
@@ -184,10 +204,12 @@ class StepPrograms:
         if v.draft:
             return self._draft_jit.lower(*args, drafter=self.drafter, attn=self.attn, block_size=self.block_size)
         if v.num_spec:
-            return self._spec_jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, num_spec=v.num_spec,
-                                        drafter=self.drafter)
-        return self._jit.lower(*args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs,
-                               drafter=self.drafter)
+            return self._spec_jit.lower(
+                *args, cfg=self.cfg, attn=self.attn, flags=v.flags, num_spec=v.num_spec, drafter=self.drafter
+            )
+        return self._jit.lower(
+            *args, cfg=self.cfg, attn=self.attn, flags=v.flags, prompt_k=v.prompt_logprobs, drafter=self.drafter
+        )
 
     def _cache_key(self, v: StepVariant, args) -> str:
         static = (self.cfg, self.attn, v.flags, v.prompt_logprobs) + ((("spec", v.num_spec),) if v.num_spec else ())
@@ -204,8 +226,11 @@ class StepPrograms:
         """Compiles (and stores in the executable cache); with oom_none, None when XLA's autotuner ran out
         of device memory (see _compile_or_none)."""
         options = compile_options(v)
-        compile_fn = functools.partial(_compile_or_none, lowered, options) if oom_none else functools.partial(
-            lowered.compile, compiler_options=options)
+        compile_fn = (
+            functools.partial(_compile_or_none, lowered, options)
+            if oom_none
+            else functools.partial(lowered.compile, compiler_options=options)
+        )
         if self.exec_cache is None:
             return compile_fn()
         return self.exec_cache.compile_and_store(self._cache_key(v, args), compile_fn)
@@ -263,15 +288,27 @@ class StepPrograms:
             for v in variants:
                 _, _, _, logits_indices, smd, prompt_targets, _ = self.dummy_host(v)
                 prev_tokens, outputs, _ = self.pipeline_head(
-                    head_params, hiddens[v.num_tokens], prev_tokens, logits_indices, smd, prompt_targets,
-                    cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
+                    head_params,
+                    hiddens[v.num_tokens],
+                    prev_tokens,
+                    logits_indices,
+                    smd,
+                    prompt_targets,
+                    cfg=self.cfg,
+                    flags=v.flags,
+                    prompt_k=v.prompt_logprobs,
+                )
         jax.block_until_ready((kv_caches, outputs))
-        logger.info("Pipeline stages and sampling head compiled for %d step shapes in %.1f s", len(shapes),
-                    time.perf_counter() - t0)
+        logger.info(
+            "Pipeline stages and sampling head compiled for %d step shapes in %.1f s",
+            len(shapes),
+            time.perf_counter() - t0,
+        )
         return kv_caches, prev_tokens
 
-    def compile_variants(self, params, prev_tokens, workers: int | None = None, weights=None,
-                         variants: list[StepVariant] | None = None) -> None:
+    def compile_variants(
+        self, params, prev_tokens, workers: int | None = None, weights=None, variants: list[StepVariant] | None = None
+    ) -> None:
         """Loads or compiles every start-up variant not compiled yet. Buckets in the executable cache are
         loaded, untraced. The others are traced one after another (Python) and compiled in a thread pool (XLA
         releases the GIL). When the pool leaves a core free, each bucket is compiled as soon as it is traced,
@@ -317,15 +354,24 @@ class StepPrograms:
                 exe, retried = self._compile(v, args[v], low), retried + 1
             self.compiled[v] = exe
         if retried:
-            logger.warning("%d step variants ran out of device memory compiling in parallel; compiled them "
-                           "one at a time", retried)
+            logger.warning(
+                "%d step variants ran out of device memory compiling in parallel; compiled them one at a time", retried
+            )
         if self.exec_cache is not None:
             self.exec_cache.prune()
         slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:3]
-        logger.info("Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
-                    "compiled (%d threads; longest: %s)", time.perf_counter() - t0, n_loaded,
-                    self.exec_cache.dir if self.exec_cache else "-", t1 - t0, len(jobs), t2 - t1, workers,
-                    ", ".join(f"{v.shape_name} {s:.1f} s" for v, s in slowest) or "-")
+        logger.info(
+            "Step variants ready in %.1f s: %d loaded from %s in %.1f s, %d traced in %.1f s and "
+            "compiled (%d threads; longest: %s)",
+            time.perf_counter() - t0,
+            n_loaded,
+            self.exec_cache.dir if self.exec_cache else "-",
+            t1 - t0,
+            len(jobs),
+            t2 - t1,
+            workers,
+            ", ".join(f"{v.shape_name} {s:.1f} s" for v, s in slowest) or "-",
+        )
 
     # ---- whole step programs for other sampler flags, compiled in the background ----
     def runs_whole(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
@@ -371,8 +417,9 @@ class StepPrograms:
         t0 = time.perf_counter()
         exe = self._compile(v, args, self._lower(v, args))
         self.num_compiles_after_warmup += 1
-        logger.info("Compiled step %s in %.1f s in the background (its steps ran split until then)", v,
-                    time.perf_counter() - t0)
+        logger.info(
+            "Compiled step %s in %.1f s in the background (its steps ran split until then)", v, time.perf_counter() - t0
+        )
         return exe
 
     def wait_for_background_compile(self, v: StepVariant) -> None:
@@ -408,8 +455,9 @@ class StepPrograms:
         exe = self._load_sampler(v, args)
         if exe is not None:
             return exe, args
-        wider = sorted(k[2][-1] for k in self.samplers if k[:2] == key[:2] and k[2][:-1] == key[2][:-1]
-                       and k[2][-1] > n_masks)
+        wider = sorted(
+            k[2][-1] for k in self.samplers if k[:2] == key[:2] and k[2][:-1] == key[2][:-1] and k[2][-1] > n_masks
+        )
         wide_v = dataclasses.replace(v, sampler_widths=v.sampler_widths[:-1] + (wider[0] if wider else B,))
         bitmask = np.full((wide_v.sampler_widths[-1], smd.token_bitmask.shape[1]), -1, np.int32)
         bitmask[:n_masks] = smd.token_bitmask
@@ -428,14 +476,16 @@ class StepPrograms:
         widths = (2 * v.sampler_widths[0], 2 * v.sampler_widths[1]) + tuple(v.sampler_widths[2:])
         key = (v.num_seqs, v.flags, widths)
         rows = self._rows_spec.get(v.num_seqs)  # None until a split step of this B ran (so never when eager)
-        if (rows is None or key in self.samplers or key in self._sampler_jobs
-                or widths[0] > self.max_penalty_width):
+        if rows is None or key in self.samplers or key in self._sampler_jobs or widths[0] > self.max_penalty_width:
             return
         wider = lambda a: np.zeros((a.shape[0], 2 * a.shape[1]), a.dtype)  # noqa: E731
-        smd = dataclasses.replace(smd, penalty_tokens=wider(smd.penalty_tokens),
-                                  penalty_is_output=wider(smd.penalty_is_output))
-        self._sampler_in_background(dataclasses.replace(v, sampler_widths=widths),
-                                    (jax.tree.map(_spec, head), rows, _spec(prev_tokens), *pack_host_args(smd)))
+        smd = dataclasses.replace(
+            smd, penalty_tokens=wider(smd.penalty_tokens), penalty_is_output=wider(smd.penalty_is_output)
+        )
+        self._sampler_in_background(
+            dataclasses.replace(v, sampler_widths=widths),
+            (jax.tree.map(_spec, head), rows, _spec(prev_tokens), *pack_host_args(smd)),
+        )
 
     def _sampler_in_background(self, v: StepVariant, specs) -> None:
         """Compiles v's sampler program in the background for arguments like specs (stored in the executable
@@ -446,8 +496,12 @@ class StepPrograms:
             try:
                 self._compile_sampler(v, specs)
             except Exception:  # noqa: BLE001 - only an optimisation (see above)
-                logger.exception("Compiling the sampler for B=%d %s %s in the background failed", v.num_seqs,
-                                 v.flags, v.sampler_widths)
+                logger.exception(
+                    "Compiling the sampler for B=%d %s %s in the background failed",
+                    v.num_seqs,
+                    v.flags,
+                    v.sampler_widths,
+                )
 
         self._sampler_jobs[(v.num_seqs, v.flags, v.sampler_widths)] = self._background.submit(compile_sampler)
 
@@ -467,12 +521,14 @@ class StepPrograms:
         if self.exec_cache is None:
             exe = compile_fn()
         else:
-            exe = self.exec_cache.compile_and_store(self.exec_cache.key("sample", args, (self.cfg, v.flags)),
-                                                    compile_fn)
+            exe = self.exec_cache.compile_and_store(
+                self.exec_cache.key("sample", args, (self.cfg, v.flags)), compile_fn
+            )
         self.num_compiles_after_warmup += 1
         self.samplers.setdefault((v.num_seqs, v.flags, v.sampler_widths), exe)
-        logger.info("Sampler for B=%d %s %s compiled in %.2f s", v.num_seqs, v.flags, v.sampler_widths,
-                    time.perf_counter() - t0)
+        logger.info(
+            "Sampler for B=%d %s %s compiled in %.2f s", v.num_seqs, v.flags, v.sampler_widths, time.perf_counter() - t0
+        )
         return exe
 
     def _sampler_executable(self, v: StepVariant, args):

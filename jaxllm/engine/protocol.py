@@ -70,7 +70,12 @@ class EngineClient(Protocol):
     def errored(self) -> bool: ...
 
     def generate(
-        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str, *, priority: int = 0,
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
         lora_request=None,
     ) -> AsyncIterator[RequestOutput]:
         """Adds the request and yields cumulative RequestOutputs (text/token_ids so far); the last has

@@ -87,5 +87,11 @@ def rejection_sample(logits, drafts, num_drafts, md: SamplingMetadata, flags: Sa
     tokens = jnp.where(pos < num_accepted[:, None], nxt, jnp.where(pos == num_accepted[:, None], last, -1))
     tokens = tokens.astype(jnp.int32)
     lp, ranks, top_ids, top_lp = token_logprobs(rows, jnp.maximum(tokens, 0).reshape(-1), raw_max, lse, flags)
-    return (tokens, num_accepted + 1, lp.reshape(B, K1), ranks.reshape(B, K1),
-            top_ids.reshape(B, K1, -1), top_lp.reshape(B, K1, -1))
+    return (
+        tokens,
+        num_accepted + 1,
+        lp.reshape(B, K1),
+        ranks.reshape(B, K1),
+        top_ids.reshape(B, K1, -1),
+        top_lp.reshape(B, K1, -1),
+    )

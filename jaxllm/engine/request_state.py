@@ -72,9 +72,17 @@ def build_output(req: Request) -> RequestOutput | None:
             s.sent_text, s.sent_tokens, s.sent_finish = len(text), len(tokens), done
             text, tokens = text[t0:], tokens[n0:]
             logprobs = None if logprobs is None else logprobs[n0:]
-        outs.append(CompletionOutput(s.index, text, list(tokens),
-                                     s.cumulative_logprob if s.logprobs is not None else None,
-                                     logprobs, s.finish_reason, s.stop_reason))
+        outs.append(
+            CompletionOutput(
+                s.index,
+                text,
+                list(tokens),
+                s.cumulative_logprob if s.logprobs is not None else None,
+                logprobs,
+                s.finish_reason,
+                s.stop_reason,
+            )
+        )
     prompt_logprobs = req.prompt_logprobs
     if kind is RequestOutputKind.DELTA:  # all of the prompt's logprobs, once, when its prefill is done
         complete = prompt_logprobs is not None and len(prompt_logprobs) >= len(req.prompt_token_ids)
@@ -86,5 +94,13 @@ def build_output(req: Request) -> RequestOutput | None:
             return None  # nothing new
     if finished:
         req.metrics.finished_time = time.time()
-    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, prompt_logprobs, outs,
-                         finished, req.metrics, num_cached_tokens=req.seqs[0].seq.num_cached_tokens)
+    return RequestOutput(
+        req.request_id,
+        req.prompt,
+        req.prompt_token_ids,
+        prompt_logprobs,
+        outs,
+        finished,
+        req.metrics,
+        num_cached_tokens=req.seqs[0].seq.num_cached_tokens,
+    )

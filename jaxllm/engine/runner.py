@@ -100,16 +100,35 @@ def step_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[
     """(sequence buckets, token buckets) of the compiled steps: powers of two from SMALLEST_SEQ_BUCKET sequences
     and 16 tokens up to the limits. The one place the lists are made (bench/padding_waste.py replays workloads
     on other lists; bench/bucket_ab.py times them)."""
-    return (pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs),
-            pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens))
+    return (
+        pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs),
+        pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens),
+    )
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, mesh, *, num_blocks: int, block_size: int,
-                 kv_cache_dtype: str = "auto", attn_config: AttentionConfig | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
-                 max_logprobs: int = 20, executable_cache_dir: str | None = None, multihost=None,
-                 num_spec_tokens: int = 0, spec_max_seqs: int = 0, drafter=None, draft_params=None, lora=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        params,
+        mesh,
+        *,
+        num_blocks: int,
+        block_size: int,
+        kv_cache_dtype: str = "auto",
+        attn_config: AttentionConfig | None = None,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 2048,
+        max_logprobs: int = 20,
+        executable_cache_dir: str | None = None,
+        multihost=None,
+        num_spec_tokens: int = 0,
+        spec_max_seqs: int = 0,
+        drafter=None,
+        draft_params=None,
+        lora=None,
+    ):
         """multihost: an engine over several processes (multihost.py), else None. num_spec_tokens: speculative
         decoding's K (0: off); spec_max_seqs: the largest batch that speculates (its verify steps are compiled at
         start-up for the batch buckets up to it); drafter / draft_params: a draft model or EAGLE head
@@ -146,21 +165,42 @@ class ModelRunner:
             if not self.has_weights:
                 raise ValueError("Pipeline stages are warmed up by running them: they need the loaded weights.")
 
-            self.pipeline = PipelineExecutor(cfg, params, mesh, self.attn, block_size=block_size,
-                                             max_pages=self.max_pages, token_buckets=self.token_buckets,
-                                             seq_buckets=self.seq_buckets, pad_page=PAD_PAGE,
-                                             move=multihost.move if multihost is not None else jax.device_put)
-        self.programs = StepPrograms(cfg, self.attn, mesh.devices.flat, seq_buckets=self.seq_buckets,
-                                     token_buckets=self.token_buckets, kv_specs=self._kv_specs(),
-                                     dummy_host=functools.partial(dummy_host_inputs, max_pages=self.max_pages,
-                                                                  batch=self.batch, vocab_size=cfg.vocab_size,
-                                                                  lora=lora is not None),
-                                     max_penalty_width=2 * self.max_pages * block_size,
-                                     pipeline=self.pipeline is not None, executable_cache_dir=executable_cache_dir,
-                                     num_spec=num_spec_tokens, spec_max_seqs=spec_max_seqs, drafter=drafter,
-                                     draft_state=(draft_params, self._draft_kv(allocate=False)),
-                                     block_size=block_size,
-                                     lora_specs=None if lora is None else lora.abstract())
+            self.pipeline = PipelineExecutor(
+                cfg,
+                params,
+                mesh,
+                self.attn,
+                block_size=block_size,
+                max_pages=self.max_pages,
+                token_buckets=self.token_buckets,
+                seq_buckets=self.seq_buckets,
+                pad_page=PAD_PAGE,
+                move=multihost.move if multihost is not None else jax.device_put,
+            )
+        self.programs = StepPrograms(
+            cfg,
+            self.attn,
+            mesh.devices.flat,
+            seq_buckets=self.seq_buckets,
+            token_buckets=self.token_buckets,
+            kv_specs=self._kv_specs(),
+            dummy_host=functools.partial(
+                dummy_host_inputs,
+                max_pages=self.max_pages,
+                batch=self.batch,
+                vocab_size=cfg.vocab_size,
+                lora=lora is not None,
+            ),
+            max_penalty_width=2 * self.max_pages * block_size,
+            pipeline=self.pipeline is not None,
+            executable_cache_dir=executable_cache_dir,
+            num_spec=num_spec_tokens,
+            spec_max_seqs=spec_max_seqs,
+            drafter=drafter,
+            draft_state=(draft_params, self._draft_kv(allocate=False)),
+            block_size=block_size,
+            lora_specs=None if lora is None else lora.abstract(),
+        )
         # Which sampler program a step runs must not depend on one process's compile state (multihost.py).
         self.programs.exact_samplers = multihost is not None
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
@@ -205,16 +245,20 @@ class ModelRunner:
         old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
         same = jax.tree.structure(params) == jax.tree.structure(self.params) and all(
             a.shape == b.shape and a.dtype == b.dtype and b.sharding.is_equivalent_to(a.sharding, len(a.shape))
-            for a, b in zip(old, new))
+            for a, b in zip(old, new)
+        )
         if not same:
-            raise ValueError("The loaded weights' tree, shapes, dtypes or shardings differ from those the step "
-                             "programs were compiled for.")
+            raise ValueError(
+                "The loaded weights' tree, shapes, dtypes or shardings differ from those the step "
+                "programs were compiled for."
+            )
         self.params = params
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
 
     @staticmethod
-    def kv_bytes_per_block(cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1,
-                           pp: int = 1) -> int:
+    def kv_bytes_per_block(
+        cfg: ModelConfig, block_size: int, kv_cache_dtype: str = "auto", tp: int = 1, pp: int = 1
+    ) -> int:
         """KV bytes one block costs on one device: its stage's layers and its share of the stored kv heads
         (kv heads are repeated when tp > K)."""
         from jaxllm.sharding import kv_heads_for, stage_layers
@@ -236,7 +280,8 @@ class ModelRunner:
         try:
             if not enforce_eager and self.pipeline is not None:
                 self.kv_caches, self.prev_tokens = programs.warm_up_pipeline(
-                    self.pipeline, self.kv_caches, self.prev_tokens, self.pipeline.head_params)
+                    self.pipeline, self.kv_caches, self.prev_tokens, self.pipeline.head_params
+                )
             elif not enforce_eager:
                 # XLA's GEMM autotuner measures on its own copies of each GEMM's operands, in device memory, and
                 # the compiles run in parallel: compile against the KV cache's shapes while its memory is free
@@ -256,8 +301,9 @@ class ModelRunner:
 
     def _step_args(self, host_args) -> tuple:
         """The step program's arguments for these host inputs (packed: pack_host_args)."""
-        return step_args(host_args, self.params, self.kv_caches, self.prev_tokens,
-                         None if self.lora is None else self.lora.arrays)
+        return step_args(
+            host_args, self.params, self.kv_caches, self.prev_tokens, None if self.lora is None else self.lora.arrays
+        )
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
@@ -304,8 +350,18 @@ class ModelRunner:
         if len(dev):
             dev_ids = ids if len(dev) == n else [ids[i] for i in dev.tolist()]
             src_rows[first_tok[dev]] = list(map(self._prev_rows.__getitem__, dev_ids))
-        inp = step_inputs(token_ids, q_lens, starts, batch.num_pages[rows], batch.tables[rows], self.block_size, T,
-                          B, self.max_pages, PAD_PAGE)
+        inp = step_inputs(
+            token_ids,
+            q_lens,
+            starts,
+            batch.num_pages[rows],
+            batch.tables[rows],
+            self.block_size,
+            T,
+            B,
+            self.max_pages,
+            PAD_PAGE,
+        )
         sample_idx = list(itertools.compress(range(n), sample))
         sample_rows = dict(zip(itertools.compress(ids, sample), sample_idx))
         features = batch.features[rows]
@@ -323,8 +379,9 @@ class ModelRunner:
         if not features.all():  # some sequences have no sampling params: they take padding rows
             live = live[(features[live] & HAS_PARAMS) != 0]
         smd = sampling_arrays(batch, self.cfg.vocab_size, B, flags, seqs, rows, live)
-        meta = AttentionMetadata(inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc,
-                                 inp.block_tables, decode_only)
+        meta = AttentionMetadata(
+            inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, decode_only
+        )
         v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), self.programs.num_spec if spec else 0)
         logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
         token_slots, loads = None, []
@@ -369,10 +426,13 @@ class ModelRunner:
     def _launch_unverified(self, p: PreparedStep, before_sample) -> StepHandle:
         """A verify step whose program is not ready (non-default sampler flags compiling in the background)
         runs as plain decodes of each sequence's last token: the scheduler then rolls every proposal back."""
-        plain_seqs = [dataclasses.replace(s, num_tokens=1, token_ids=s.token_ids[:1], spec_token_ids=[])
-                      for s in p.sched.scheduled]
-        stripped = dataclasses.replace(p.sched, scheduled=plain_seqs, freed=[], trimmed={},
-                                       num_batched_tokens=len(plain_seqs), verify=False)
+        plain_seqs = [
+            dataclasses.replace(s, num_tokens=1, token_ids=s.token_ids[:1], spec_token_ids=[])
+            for s in p.sched.scheduled
+        ]
+        stripped = dataclasses.replace(
+            p.sched, scheduled=plain_seqs, freed=[], trimmed={}, num_batched_tokens=len(plain_seqs), verify=False
+        )
         handle = self.launch(self.prepare(stripped), before_sample)
         handle.sched = p.sched
         return handle
@@ -398,8 +458,12 @@ class ModelRunner:
             self.lora.write(p.lora_loads)
         if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
             return self._launch_unverified(p, before_sample)
-        overlap = (self.multihost is None and len(p.masked) >= self.overlap_min_masked and not v.prompt_logprobs
-                   and not v.num_spec)
+        overlap = (
+            self.multihost is None
+            and len(p.masked) >= self.overlap_min_masked
+            and not v.prompt_logprobs
+            and not v.num_spec
+        )
         prev_in = self.prev_tokens
         if self.pipeline is not None:
             mode = "pipeline"
@@ -432,8 +496,16 @@ class ModelRunner:
             self.kv_caches, hidden = self.pipeline.forward(self.kv_caches, token_ids, src_rows, meta, self.prev_tokens)
             before_sample()
             self.prev_tokens, outputs, prompt = programs.pipeline_head(
-                self.pipeline.head_params, hidden, self.prev_tokens, logits_indices, smd, prompt_targets,
-                cfg=self.cfg, flags=v.flags, prompt_k=v.prompt_logprobs)
+                self.pipeline.head_params,
+                hidden,
+                self.prev_tokens,
+                logits_indices,
+                smd,
+                prompt_targets,
+                cfg=self.cfg,
+                flags=v.flags,
+                prompt_k=v.prompt_logprobs,
+            )
         elif mode == "whole":
             before_sample()
             args = self._step_args(host_args)
@@ -445,8 +517,7 @@ class ModelRunner:
             # flags. For non-default flags whose step program is still compiling in the background, and for
             # overlap.
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
-            args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets,
-                                    token_slots))
+            args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets, token_slots))
             self.kv_caches, _, _, _, rows, *feats = programs.executable(base, args)(*args)
             before_sample()
             exe, sargs = programs.sampler_call(v, head, rows, self.prev_tokens, smd)
@@ -466,8 +537,16 @@ class ModelRunner:
         token_ids, src_rows, meta, logits_slot, smd, prompt_targets, _ = p.host_args
         host = (token_ids, src_rows, meta, logits_slot, plain(smd), prompt_targets)
         emitted = (outputs[0], outputs[5]) if v.num_spec else None
-        args = draft_args(host, self.params, (self.draft_params, self.draft_kv), prev_in, self.prev_tokens, feats,
-                          emitted, p.draft_extras)
+        args = draft_args(
+            host,
+            self.params,
+            (self.draft_params, self.draft_kv),
+            prev_in,
+            self.prev_tokens,
+            feats,
+            emitted,
+            p.draft_extras,
+        )
         self.draft_kv, drafts = self.programs.executable(dv, args)(*args)
         return drafts
 

@@ -27,9 +27,25 @@ class SamplerFlags:
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["temperature", "top_p", "top_k", "min_p", "presence", "frequency", "repetition",
-                 "seeds", "steps", "penalty_tokens", "penalty_is_output", "bias_ids", "bias_values",
-                 "allowed_ids", "token_bitmask", "bitmask_slot", "lora_slots"],
+    data_fields=[
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence",
+        "frequency",
+        "repetition",
+        "seeds",
+        "steps",
+        "penalty_tokens",
+        "penalty_is_output",
+        "bias_ids",
+        "bias_values",
+        "allowed_ids",
+        "token_bitmask",
+        "bitmask_slot",
+        "lora_slots",
+    ],
     meta_fields=[],
 )
 @dataclass(frozen=True)
@@ -68,8 +84,7 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     random_tokens = jnp.argmax(y + gumbel_noise(md, logits.shape[1]), axis=-1).astype(jnp.int32)
     tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
-    return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags,
-                                    greedy_tokens if x is logits else None))
+    return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags, greedy_tokens if x is logits else None))
 
 
 def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=None):
@@ -84,8 +99,9 @@ def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=No
     if flags.bias:
         rows = jnp.arange(B)[:, None]
         x = x.at[rows, jnp.where(md.bias_ids < 0, V, md.bias_ids)].add(md.bias_values, mode="drop")
-        allowed = jnp.zeros((B, V), bool).at[rows, jnp.where(md.allowed_ids < 0, V, md.allowed_ids)].set(
-            True, mode="drop")
+        allowed = (
+            jnp.zeros((B, V), bool).at[rows, jnp.where(md.allowed_ids < 0, V, md.allowed_ids)].set(True, mode="drop")
+        )
         any_allowed = (md.allowed_ids >= 0).any(-1, keepdims=True)
         x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
     if flags.grammar:  # after the biases, which must not bring a token the grammar forbids back
@@ -137,8 +153,7 @@ def _apply_penalties(x, md: SamplingMetadata):
     B, V = x.shape
     rows = jnp.arange(B)[:, None]
     ids = jnp.where(md.penalty_tokens < 0, V, md.penalty_tokens)
-    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, ids].add(md.penalty_is_output.astype(jnp.float32),
-                                                                  mode="drop")
+    out_counts = jnp.zeros((B, V), jnp.float32).at[rows, ids].add(md.penalty_is_output.astype(jnp.float32), mode="drop")
     seen = jnp.zeros((B, V), bool).at[rows, ids].set(True, mode="drop")
     rep = md.repetition[:, None]
     x = jnp.where(seen, jnp.where(x > 0, x / rep, x * rep), x)  # HF/vLLM: prompt and output tokens

@@ -119,8 +119,14 @@ def _queue_key(seq: Sequence) -> tuple:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
-                 num_lookahead_tokens: int = 0, verify_every_decode: bool = False) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        *,
+        num_lookahead_tokens: int = 0,
+        verify_every_decode: bool = False,
+    ) -> None:
         """num_lookahead_tokens: KV slots a speculating decode needs past its verified tokens (a draft model or
         EAGLE head writes its own KV for the proposals of the next step there; 0 for n-gram lookup).
         verify_every_decode: every speculating decode-only step is a verify step, with proposals or not (a

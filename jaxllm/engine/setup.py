@@ -50,7 +50,8 @@ def default_limits(args: EngineArgs, gpu: bool, device: tuple[int, str] | None =
         big = total >= 70 * 2**30 and "a100" not in name.lower()
         seqs = args.max_num_seqs or (1024 if big else 256)
         tokens = args.max_num_batched_tokens or (
-            (8192 if args.server_mode else 16384) if big else (2048 if args.server_mode else 8192))
+            (8192 if args.server_mode else 16384) if big else (2048 if args.server_mode else 8192)
+        )
     else:
         seqs = args.max_num_seqs or 8
         tokens = args.max_num_batched_tokens or 256
@@ -62,8 +63,9 @@ _JAX_DEFAULT_FRACTION = 0.75
 _ALLOCATOR_VAR = "XLA_PYTHON_CLIENT_ALLOCATOR"
 
 
-def request_device_memory(gpu_memory_utilization: float, pipeline_parallel_size: int = 1,
-                          tensor_parallel_size: int = 1) -> None:
+def request_device_memory(
+    gpu_memory_utilization: float, pipeline_parallel_size: int = 1, tensor_parallel_size: int = 1
+) -> None:
     """JAX's GPU allocator may use XLA_CLIENT_MEM_FRACTION of each GPU's memory, read when the backend
     starts: 0.75 unless set. vLLM's gpu_memory_utilization is a fraction of the whole device (weights,
     activations and KV cache), so, before the backend starts and unless the user set the variable, ask for that
@@ -106,8 +108,13 @@ def check_free_device_memory(fraction: float, num_devices: int) -> None:
     yet)."""
     global _free_memory_checked
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
-    if (_free_memory_checked or platforms and not any(p in platforms for p in ("cuda", "gpu"))
-            or os.environ.get("JAX_NUM_PROCESSES", "1") != "1" or num_devices < 1):
+    if (
+        _free_memory_checked
+        or platforms
+        and not any(p in platforms for p in ("cuda", "gpu"))
+        or os.environ.get("JAX_NUM_PROCESSES", "1") != "1"
+        or num_devices < 1
+    ):
         return
     _free_memory_checked = True
     for free, total in _cuda_free_memory(num_devices) or []:
@@ -116,7 +123,8 @@ def check_free_device_memory(fraction: float, num_devices: int) -> None:
             raise ValueError(
                 f"Free memory on device ({gib(free)}/{gib(total)} GiB) on startup is less than desired GPU memory "
                 f"utilization ({round(fraction, 4)}, {gib(fraction * total)} GiB). Decrease GPU memory utilization "
-                f"or reduce GPU memory used by other processes.")
+                f"or reduce GPU memory used by other processes."
+            )
 
 
 def _libcuda():
@@ -139,8 +147,11 @@ def _gpu_device() -> tuple[int, str] | None:
 
     cuda = _libcuda()
     dev, total = ctypes.c_int(), ctypes.c_size_t()
-    if (cuda is None or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
-            or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0):
+    if (
+        cuda is None
+        or cuda.cuDeviceGet(ctypes.byref(dev), 0) != 0
+        or cuda.cuDeviceTotalMem_v2(ctypes.byref(total), dev) != 0
+    ):
         return None
     return total.value, jax.local_devices()[0].device_kind
 
@@ -240,8 +251,9 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     if args.enable_expert_parallel:
         if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
-            logger.warning("enable_expert_parallel has no effect: %s has no mixture-of-experts layers.",
-                           cfg.architecture)
+            logger.warning(
+                "enable_expert_parallel has no effect: %s has no mixture-of-experts layers.", cfg.architecture
+            )
         else:
             cfg = replace(cfg, expert_parallel=True)
     derived = cfg.max_position_embeddings
@@ -249,7 +261,8 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     if max_model_len > derived:
         raise ValueError(
             f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
-            f"(max_position_embeddings={derived} in model's config.json).")
+            f"(max_position_embeddings={derived} in model's config.json)."
+        )
     gpu = _is_gpu()
     max_num_seqs, max_num_batched_tokens = default_limits(args, gpu, _gpu_device() if gpu else None)
     if not args.enable_chunked_prefill:
@@ -276,8 +289,9 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
 
         lora = LoRASlots(lora_cfg, cfg, mesh)
         lora.warm_up()
-    per_block = ModelRunner.kv_bytes_per_block(cfg, args.block_size, args.kv_cache_dtype,
-                                               args.tensor_parallel_size, args.pipeline_parallel_size)
+    per_block = ModelRunner.kv_bytes_per_block(
+        cfg, args.block_size, args.kv_cache_dtype, args.tensor_parallel_size, args.pipeline_parallel_size
+    )
     tokenizer, eos, defaults, grammars = tokenizer_future.result()  # before any weight loads or step compiles
     if speculation is not None:  # the drafter's weights (on the device before the KV cache is sized) and pages
         speculation.load(mesh, args.load_format, args.seed)
@@ -295,15 +309,27 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
 
     if overlap:
         params = abstract_weights(cfg, mesh)
-        weight_bytes = sum(math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize
-                           for p in jax.tree.leaves(params)) + (speculation.weight_bytes if speculation else 0)
+        weight_bytes = sum(
+            math.prod(p.sharding.shard_shape(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params)
+        ) + (speculation.weight_bytes if speculation else 0)
     else:
         params, weight_bytes = load(), 0
     # ... or one MoE layer's routed experts, dequantized together for its grouped matmul (models/moe_quant.py)
-    dequantized = max(_dequantized_bytes(params, cfg),
-                      experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens))
-    num_blocks = _num_blocks(args, per_block, max_num_batched_tokens, max_num_seqs, cfg, gpu, weight_bytes,
-                             dequantized, device=_first_local(mesh))
+    dequantized = max(
+        _dequantized_bytes(params, cfg),
+        experts_dequantized_bytes(cfg, args.tensor_parallel_size, max_num_batched_tokens),
+    )
+    num_blocks = _num_blocks(
+        args,
+        per_block,
+        max_num_batched_tokens,
+        max_num_seqs,
+        cfg,
+        gpu,
+        weight_bytes,
+        dequantized,
+        device=_first_local(mesh),
+    )
     if multihost is not None:  # the KV cache's shape and the compiled buckets must be the same everywhere
         num_blocks = multihost.agree_engine(cfg, args, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len)
     _check_one_sequence_fits(num_blocks, args.block_size, max_model_len)
@@ -315,13 +341,23 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     spec_kw = speculation.runner_kwargs() if speculation is not None else {}
 
     def warmed_up_runner(num_blocks, params, weights):
-        runner = ModelRunner(cfg, params, mesh, num_blocks=num_blocks, block_size=args.block_size,
-                             kv_cache_dtype=args.kv_cache_dtype, attn_config=AttentionConfig(backend=backend),
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_model_len=max_model_len,
-                             max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
-                             executable_cache_dir=_executable_cache_dir(args), multihost=multihost, lora=lora,
-                             **spec_kw)
+        runner = ModelRunner(
+            cfg,
+            params,
+            mesh,
+            num_blocks=num_blocks,
+            block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
+            attn_config=AttentionConfig(backend=backend),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_logprobs=cfg.vocab_size if args.max_logprobs == -1 else max(args.max_logprobs, 1),
+            executable_cache_dir=_executable_cache_dir(args),
+            multihost=multihost,
+            lora=lora,
+            **spec_kw,
+        )
         runner.warm_up(enforce_eager=args.enforce_eager, weights=weights)
         return runner
 
@@ -341,13 +377,20 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
         fewer = _blocks_for_step_temps(num_blocks, per_block, reserve, temp)
         if multihost is not None:  # every process's cache keeps the same shape
             fewer = multihost.agree({"fewer": fewer}, take_min=("fewer",))["fewer"]
-        logger.info("The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
-                    temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30)
+        logger.info(
+            "The compiled steps' largest temporary buffer: %.2f GiB (%.2f GiB kept beside the KV cache)",
+            temp / 2**30,
+            (reserve - _STEP_SLACK_BYTES) / 2**30,
+        )
         if fewer < num_blocks:
             logger.warning(
                 "The compiled steps need %.2f GiB of temporary device memory, more than the %.2f GiB kept beside "
                 "the KV cache: the KV cache shrinks from %d to %d blocks and the steps are compiled again for it.",
-                temp / 2**30, (reserve - _STEP_SLACK_BYTES) / 2**30, num_blocks, fewer)
+                temp / 2**30,
+                (reserve - _STEP_SLACK_BYTES) / 2**30,
+                num_blocks,
+                fewer,
+            )
             params = runner.params
             for a in jax.tree.leaves((runner.kv_caches, runner.draft_kv)):  # (and the drafter's pages, if any)
                 a.delete()
@@ -355,19 +398,25 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
             _check_one_sequence_fits(fewer, args.block_size, max_model_len)
             num_blocks = fewer
             runner = warmed_up_runner(num_blocks, params, None)
-    cache_cfg = CacheConfig(block_size=args.block_size, num_blocks=num_blocks,
-                            enable_prefix_caching=args.enable_prefix_caching)
-    sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-                                max_loras=lora_cfg.max_loras if lora_cfg else None)
+    cache_cfg = CacheConfig(
+        block_size=args.block_size, num_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching
+    )
+    sched_cfg = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        max_loras=lora_cfg.max_loras if lora_cfg else None,
+    )
     tokens = (num_blocks - 1) * args.block_size
     logger.info("KV cache size: %d tokens", tokens)
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", max_model_len, tokens / max_model_len)
     if not args.enforce_eager:
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
-    return EngineParts(cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars,
-                       speculation=speculation, lora=lora)
+    return EngineParts(
+        cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation=speculation, lora=lora
+    )
 
 
 def _executable_cache_dir(args: EngineArgs) -> str | None:
@@ -389,7 +438,8 @@ def _check_one_sequence_fits(num_blocks: int, block_size: int, max_model_len: in
             f"The KV cache fits {num_blocks - 1} blocks of {block_size} tokens "
             f"({(num_blocks - 1) * block_size} tokens), fewer than one sequence of max_model_len="
             f"{max_model_len} needs. Increase gpu_memory_utilization (or kv_cache_memory_bytes / "
-            f"num_gpu_blocks_override), or decrease max_model_len.")
+            f"num_gpu_blocks_override), or decrease max_model_len."
+        )
 
 
 def _dequantized_bytes(params, cfg) -> int:
@@ -446,8 +496,9 @@ def _first_local(mesh):
     return next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
 
 
-def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0,
-                dequantized_bytes: int = 0, device=None) -> int:
+def _num_blocks(
+    args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: int = 0, dequantized_bytes: int = 0, device=None
+) -> int:
     """KV blocks that fit on device (default jax.devices()[0]); weight_bytes: this device's weights when they are
     not loaded yet; dequantized_bytes: see _dequantized_bytes."""
     if args.num_gpu_blocks_override:
@@ -470,5 +521,6 @@ def _num_blocks(args, per_block, max_tokens, max_seqs, cfg, gpu, weight_bytes: i
         raise ValueError(
             f"No memory left for the KV cache: device limit {limit / 2**30:.1f} GiB, weights "
             f"{in_use / 2**30:.1f} GiB, activations ~{act / 2**30:.1f} GiB. Increase gpu_memory_utilization, "
-            f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism.")
+            f"lower max_num_batched_tokens / max_num_seqs, or use more tensor parallelism."
+        )
     return max(free // per_block, 2)  # per_block is per device, like free

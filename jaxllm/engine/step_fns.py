@@ -46,9 +46,24 @@ def _replicated(attn: AttentionConfig):
     return jax.sharding.NamedSharding(attn.mesh, jax.sharding.PartitionSpec())
 
 
-def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-             lora: LoRAInputs | None = None, *, cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags,
-             prompt_k: int, drafter=None):
+def _step_fn(
+    params,
+    kv_caches,
+    token_ids,
+    src_rows,
+    prev_tokens,
+    meta,
+    logits_indices,
+    smd,
+    prompt_targets,
+    lora: LoRAInputs | None = None,
+    *,
+    cfg: ModelConfig,
+    attn: AttentionConfig,
+    flags: SamplerFlags,
+    prompt_k: int,
+    drafter=None,
+):
     # Inputs that are still on the device: the previous step's sampled token of that sequence.
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter, lora)
@@ -58,24 +73,68 @@ def _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_i
     # default can run this program and a sampler-only program on them (ModelRunner.launch).
     lora_head = None if lora is None else lora.weights["lm_head"]
     logits = compute_logits(params, rows, cfg, lora_head, smd.lora_slots)
-    out = (kv_caches, *_sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg,
-                                  flags=flags, prompt_k=prompt_k, lora=lora), rows)
+    out = (
+        kv_caches,
+        *_sample_fn(
+            params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k, lora=lora
+        ),
+        rows,
+    )
     return out if drafter is None else out + (feats,)
 
 
-def packed_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, lora_weights=None, *,
-                   cfg: ModelConfig, attn: AttentionConfig, flags: SamplerFlags, prompt_k: int, drafter=None):
+def packed_step_fn(
+    params,
+    kv_caches,
+    ints,
+    floats,
+    prev_tokens,
+    layout: PackedLayout,
+    lora_weights=None,
+    *,
+    cfg: ModelConfig,
+    attn: AttentionConfig,
+    flags: SamplerFlags,
+    prompt_k: int,
+    drafter=None,
+):
     """_step_fn on the host inputs as pack_host_args made them; with LoRA, lora_weights are the slot arrays
     (jaxllm/lora/slots.py) and the host inputs' last item each token's slot (None without LoRA)."""
-    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats,
-                                                                                                   layout)
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats, layout)
     lora = None if lora_weights is None else LoRAInputs(lora_weights, token_slots)
-    return _step_fn(params, kv_caches, token_ids, src_rows, prev_tokens, meta, logits_indices, smd, prompt_targets,
-                    lora, cfg=cfg, attn=attn, flags=flags, prompt_k=prompt_k, drafter=drafter)
+    return _step_fn(
+        params,
+        kv_caches,
+        token_ids,
+        src_rows,
+        prev_tokens,
+        meta,
+        logits_indices,
+        smd,
+        prompt_targets,
+        lora,
+        cfg=cfg,
+        attn=attn,
+        flags=flags,
+        prompt_k=prompt_k,
+        drafter=drafter,
+    )
 
 
-def packed_spec_step_fn(params, kv_caches, ints, floats, prev_tokens, layout: PackedLayout, *, cfg: ModelConfig,
-                        attn: AttentionConfig, flags: SamplerFlags, num_spec: int, drafter=None):
+def packed_spec_step_fn(
+    params,
+    kv_caches,
+    ints,
+    floats,
+    prev_tokens,
+    layout: PackedLayout,
+    *,
+    cfg: ModelConfig,
+    attn: AttentionConfig,
+    flags: SamplerFlags,
+    num_spec: int,
+    drafter=None,
+):
     """A speculative decode step: the model over each sequence's last token and its proposals, logits at every
     proposed position ([B * (K + 1)] rows, logits_indices), and the rejection sampler. Its host inputs are a plain
     step's with (logits_indices [B * (K + 1)], drafts [B, K], num_drafts [B]) in the logits_indices slot.
@@ -110,15 +169,27 @@ def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: Sa
     return _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
 
 
-def packed_sample_rows_fn(head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig,
-                          flags: SamplerFlags):
+def packed_sample_rows_fn(
+    head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig, flags: SamplerFlags
+):
     """_sample_rows_fn on sampling arrays packed as pack_host_args packs a step's: two host-to-device transfers
     per call instead of one per array (~20)."""
     return _sample_rows_fn(head, rows, prev_tokens, unpack_host_args(ints, floats, layout), cfg=cfg, flags=flags)
 
 
-def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg: ModelConfig,
-               flags: SamplerFlags, prompt_k: int, lora: LoRAInputs | None = None):
+def _sample_fn(
+    params,
+    hidden,
+    prev_tokens,
+    logits,
+    smd,
+    prompt_targets,
+    *,
+    cfg: ModelConfig,
+    flags: SamplerFlags,
+    prompt_k: int,
+    lora: LoRAInputs | None = None,
+):
     """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
     the pipeline's tail)."""
     next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
@@ -134,10 +205,18 @@ def _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, *, cfg:
     return next_prev, outputs, prompt
 
 
-def pipeline_head_fn(params, hidden, prev_tokens, logits_indices, smd, prompt_targets, *, cfg: ModelConfig,
-                     flags: SamplerFlags, prompt_k: int):
+def pipeline_head_fn(
+    params,
+    hidden,
+    prev_tokens,
+    logits_indices,
+    smd,
+    prompt_targets,
+    *,
+    cfg: ModelConfig,
+    flags: SamplerFlags,
+    prompt_k: int,
+):
     """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage)."""
     logits = compute_logits(params, hidden[logits_indices], cfg)
-    return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags,
-                      prompt_k=prompt_k)
-
+    return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k)

@@ -51,8 +51,9 @@ def draft_args(host_args, params, draft, prev_in, prev_out, feats, emitted, extr
     return (params, *draft, ints, floats, prev_in, prev_out, feats, emitted, *extras, layout)
 
 
-def dummy_host_inputs(v: StepVariant, *, max_pages: int, batch: InputBatch, vocab_size: int,
-                      lora: bool = False) -> tuple:
+def dummy_host_inputs(
+    v: StepVariant, *, max_pages: int, batch: InputBatch, vocab_size: int, lora: bool = False
+) -> tuple:
     """Host inputs of v's shapes that write no KV slot: (token_ids, src_rows, meta, logits_indices, smd,
     prompt_targets, token_slots), token_slots (and smd.lora_slots) None without LoRA, else no adapter anywhere.
     What the start-up compiles trace (StepPrograms' dummy_host)."""

@@ -51,8 +51,9 @@ def _llguidance():
     installed = version("llguidance")
     if tuple(int(x) for x in installed.split(".")[:2] if x.isdigit()) < (1, 8):
         # 1.6 takes one EOS token only (a TypeError on start-up); 1.7 lets whitespace_pattern's whitespace repeat
-        raise ValueError(f"Structured outputs need llguidance >= 1.8 (installed: {installed}); "
-                         f"pip install -U llguidance.")
+        raise ValueError(
+            f"Structured outputs need llguidance >= 1.8 (installed: {installed}); pip install -U llguidance."
+        )
     return llguidance
 
 
@@ -129,8 +130,10 @@ class Grammars:
                 schema = _no_additional_properties(schema)
             field, grammar = "json", llg.LLMatcher.grammar_from_json_schema(schema, defaults=flexible)
         elif so.json_object:
-            field, grammar = "json_object", llg.LLMatcher.grammar_from_json_schema({"type": "object"},
-                                                                                   defaults=flexible)
+            field, grammar = (
+                "json_object",
+                llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=flexible),
+            )
         elif so.regex is not None:
             field, grammar = "regex", llg.grammar_from("regex", so.regex)
         elif so.choice is not None:
@@ -147,8 +150,9 @@ class Grammars:
 
     def waits_for_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether a constrained request with this prompt reasons first (its grammar starts after reasoning_end)."""
-        return self.reasoning_end is not None and not self.reasoning.prompt_closes_reasoning(self._hf_tokenizer,
-                                                                                           prompt_ids)
+        return self.reasoning_end is not None and not self.reasoning.prompt_closes_reasoning(
+            self._hf_tokenizer, prompt_ids
+        )
 
     def allow_all(self) -> np.ndarray:
         """The mask of a sequence that is still reasoning: every token."""

@@ -23,11 +23,13 @@ TOKENIZER_MODES = ("auto", "slow")
 _TOKENIZER_CODE_MESSAGE = (
     "Failed to load the tokenizer. If the tokenizer is a custom tokenizer not yet available in the HuggingFace "
     "transformers library, consider setting `trust_remote_code=True` in LLM or using the `--trust-remote-code` flag "
-    "in the CLI.")
+    "in the CLI."
+)
 _CONFIG_CODE_MESSAGE = (
     "Failed to load the model config. If the model is a custom model not yet available in the HuggingFace "
     "transformers library, consider setting `trust_remote_code=True` in LLM or using the `--trust-remote-code` flag "
-    "in the CLI.")
+    "in the CLI."
+)
 
 
 class RemoteCodeError(ValueError, RuntimeError):
@@ -47,8 +49,9 @@ def check_config_code(path: str, hf: dict, trust_remote_code: bool) -> None:
     if hf.get("model_type") in CONFIG_MAPPING_NAMES:
         return  # transformers' own class serves; the folder's code is not needed
     if not trust_remote_code:
-        raise RemoteCodeError(f"{_CONFIG_CODE_MESSAGE} ({path}/config.json names its configuration class "
-                              f"{auto_config!r} in auto_map.)")
+        raise RemoteCodeError(
+            f"{_CONFIG_CODE_MESSAGE} ({path}/config.json names its configuration class {auto_config!r} in auto_map.)"
+        )
     from transformers import AutoConfig
 
     AutoConfig.from_pretrained(path, trust_remote_code=True)
@@ -70,11 +73,15 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, tokenizer_mode
     except ValueError as e:
         if trust_remote_code or "trust_remote_code" not in str(e):
             raise
-        raise RemoteCodeError(f"{_TOKENIZER_CODE_MESSAGE} ({path}/tokenizer_config.json names "
-                              f"{_tokenizer_auto_map(path)!r} in auto_map.)") from e
+        raise RemoteCodeError(
+            f"{_TOKENIZER_CODE_MESSAGE} ({path}/tokenizer_config.json names {_tokenizer_auto_map(path)!r} in auto_map.)"
+        ) from e
     if not getattr(tokenizer, "is_fast", True):
-        logger.warning("Using a slow tokenizer (%s). This might cause a significant slowdown. Consider using a fast "
-                       "tokenizer instead.", type(tokenizer).__name__)
+        logger.warning(
+            "Using a slow tokenizer (%s). This might cause a significant slowdown. Consider using a fast "
+            "tokenizer instead.",
+            type(tokenizer).__name__,
+        )
     return tokenizer
 
 
@@ -112,11 +119,15 @@ def _load_generic_tokenizer(path: str):
             model_cfg = json.load(f)
     except (OSError, ValueError):  # a Hub id, a folder without these files, or broken JSON: AutoTokenizer decides
         return None
-    if not (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict)
-            and tok_cfg.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
-            and model_cfg.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
-            and "auto_map" not in tok_cfg and "auto_map" not in model_cfg
-            and os.path.isfile(os.path.join(path, "tokenizer.json"))):
+    if not (
+        isinstance(tok_cfg, dict)
+        and isinstance(model_cfg, dict)
+        and tok_cfg.get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES
+        and model_cfg.get("model_type") in _GENERIC_TOKENIZER_MODEL_TYPES
+        and "auto_map" not in tok_cfg
+        and "auto_map" not in model_cfg
+        and os.path.isfile(os.path.join(path, "tokenizer.json"))
+    ):
         return None
     import transformers
 

@@ -25,19 +25,21 @@ def tokenizer_parts(args: EngineArgs, path: str, hf: dict):
     from jaxllm.reasoning import reasoning_parser
 
     check_config_code(path, hf, args.trust_remote_code)
-    tokenizer = load_tokenizer(resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code,
-                               tokenizer_mode=args.tokenizer_mode)
+    tokenizer = load_tokenizer(
+        resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code, tokenizer_mode=args.tokenizer_mode
+    )
     vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
     if len(tokenizer) > vocab_size:
-        logger.warning("The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the "
-                       "others are refused.", len(tokenizer), vocab_size)
+        logger.warning(
+            "The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the others are refused.",
+            len(tokenizer),
+            vocab_size,
+        )
     eos, defaults = generation_config(args.generation_config, path, tokenizer, args.override_generation_config)
     # --reasoning-parser: its tags must be tokens of this vocabulary (a ValueError before any weights load)
     reasoning = reasoning_parser(args.reasoning_parser, tokenizer)
     grammars = Grammars(tokenizer, vocab_size, eos, reasoning)
     return tokenizer, eos, defaults, grammars
-
-
 
 
 def generation_config(mode: str, path: str, tokenizer, overrides: dict | None = None) -> tuple[set[int], dict]:
@@ -48,8 +50,11 @@ def generation_config(mode: str, path: str, tokenizer, overrides: dict | None = 
         eos.add(int(tokenizer.eos_token_id))
     eos, defaults = _generation_config_file(mode, path, eos)
     if overrides:
-        defaults = {**defaults, **({"max_tokens": overrides["max_new_tokens"]} if "max_new_tokens" in overrides
-                                   else {}), **{k: v for k, v in overrides.items() if k != "max_new_tokens"}}
+        defaults = {
+            **defaults,
+            **({"max_tokens": overrides["max_new_tokens"]} if "max_new_tokens" in overrides else {}),
+            **{k: v for k, v in overrides.items() if k != "max_new_tokens"},
+        }
         logger.info("Default sampling parameters with override_generation_config: %s", defaults)
     return eos, defaults
 

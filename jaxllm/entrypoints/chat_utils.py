@@ -15,13 +15,13 @@ def flatten_content(content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"Message content must be a string or a list of content parts, got "
-                         f"{type(content).__name__}.")
+        raise ValueError(f"Message content must be a string or a list of content parts, got {type(content).__name__}.")
     texts = []
     for part in content:
         ptype = part.get("type") if isinstance(part, dict) else type(part).__name__
         if ptype not in TEXT_PART_TYPES or not isinstance(part.get("text"), str):
-            raise ValueError(f"Content part type '{ptype}' is not supported by jaxllm (text-only models); "
-                             "send text parts only.")
+            raise ValueError(
+                f"Content part type '{ptype}' is not supported by jaxllm (text-only models); send text parts only."
+            )
         texts.append(part["text"])
     return "\n".join(texts)

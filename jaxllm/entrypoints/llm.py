@@ -33,9 +33,15 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool | Callable[..., Any] = True, lora_request=None,
-                 priority: list[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request=None,
+        priority: list[int] | None = None,
+    ) -> list[RequestOutput]:
         """use_tqdm: show a progress bar, or (vLLM's) a callable that makes it, e.g. partial(tqdm, leave=False).
         lora_request: a LoRARequest for every prompt, or a list of them (None entries: the base model).
 
@@ -57,18 +63,32 @@ class LLM:
         with OfflineCall(mh):
             return self._run(self._add(prompts, params, priority, loras), use_tqdm)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool | Callable[..., Any] = True,
-             chat_template: str | None = None, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None, tools=None, lora_request=None) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages,
+        sampling_params=None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
+        tools=None,
+        lora_request=None,
+    ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
             conv = [{**m, "content": flatten_content(m.get("content"))} for m in conv]
             ids = tok.apply_chat_template(
-                conv, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tools=tools, tokenize=True,
-                **(chat_template_kwargs or {}))
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                tokenize=True,
+                **(chat_template_kwargs or {}),
+            )
             if isinstance(ids, dict) or hasattr(ids, "input_ids"):
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
@@ -81,18 +101,22 @@ class LLM:
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(p, SamplingParams) for p in sampling_params):
-            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got "
-                             f"{type(sampling_params).__name__}.")
+            isinstance(p, SamplingParams) for p in sampling_params
+        ):
+            raise ValueError(
+                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
+            )
         if len(sampling_params) != n:
-            raise ValueError(f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be "
-                             "the same.")
+            raise ValueError(
+                f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be the same."
+            )
         return list(sampling_params)
 
     def _add(self, prompts, params, priority, loras=None) -> list[str]:
         if priority is not None and len(priority) != len(prompts):
-            raise ValueError(f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the "
-                             "same.")
+            raise ValueError(
+                f"The lengths of prompts ({len(prompts)}) and priority ({len(priority)}) must be the same."
+            )
         ids, engine = [], self.llm_engine
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
@@ -103,8 +127,13 @@ class LLM:
                     # caller's params as they were.
                     sp = copy.copy(sp)
                     sp.output_kind = RequestOutputKind.FINAL_ONLY
-                engine.add_request(request_id, prompt, sp, priority=priority[i] if priority else 0,
-                                   lora_request=loras[i] if loras else None)
+                engine.add_request(
+                    request_id,
+                    prompt,
+                    sp,
+                    priority=priority[i] if priority else 0,
+                    lora_request=loras[i] if loras else None,
+                )
                 ids.append(request_id)
         except Exception:
             for request_id in ids:  # a bad prompt in the list leaves nothing behind
@@ -159,8 +188,9 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, (str, dict)):
         return [prompts]
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a dict, a list of token ids or a list of these, got "
-                         f"{type(prompts).__name__}.")
+        raise ValueError(
+            f"prompts must be a string, a dict, a list of token ids or a list of these, got {type(prompts).__name__}."
+        )
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids

@@ -27,8 +27,9 @@ class LoRAConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
         if self.max_lora_rank not in MAX_LORA_RANKS:
-            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, "
-                             f"got {self.max_lora_rank}.")
+            raise ValueError(
+                f"max_lora_rank must be one of {', '.join(map(str, MAX_LORA_RANKS))}, got {self.max_lora_rank}."
+            )
         cpu = self.max_cpu_loras
         if cpu is None:
             object.__setattr__(self, "max_cpu_loras", self.max_loras)
@@ -48,11 +49,18 @@ class LoRAConfig:
         if not args.enable_lora:
             return None
         if args.lora_extra_vocab_size != 256:
-            logger.warning("lora_extra_vocab_size is deprecated (as in vLLM): adapters that add tokens to the "
-                           "vocabulary are refused whatever its value.")
-        return cls(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
-                   lora_dtype=args.lora_dtype, fully_sharded_loras=args.fully_sharded_loras,
-                   lora_extra_vocab_size=args.lora_extra_vocab_size)
+            logger.warning(
+                "lora_extra_vocab_size is deprecated (as in vLLM): adapters that add tokens to the "
+                "vocabulary are refused whatever its value."
+            )
+        return cls(
+            max_loras=args.max_loras,
+            max_lora_rank=args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            lora_dtype=args.lora_dtype,
+            fully_sharded_loras=args.fully_sharded_loras,
+            lora_extra_vocab_size=args.lora_extra_vocab_size,
+        )
 
     def dtype(self, model_dtype: str) -> str:
         return model_dtype if self.lora_dtype == "auto" else self.lora_dtype

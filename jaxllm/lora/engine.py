@@ -13,8 +13,10 @@ class EngineLoRAMethods:
     def add_lora(self, lora_request) -> bool:
         """Registers an adapter (read and checked now: ValueError naming the field); False if its id is known."""
         if self.lora is None:
-            raise ValueError(f"Got lora_request {lora_request} but LoRA is not enabled! Start the engine with "
-                             "enable_lora=True (--enable-lora).")
+            raise ValueError(
+                f"Got lora_request {lora_request} but LoRA is not enabled! Start the engine with "
+                "enable_lora=True (--enable-lora)."
+            )
         return self.lora.add(lora_request)
 
     def remove_lora(self, lora_id: int) -> bool:

@@ -84,7 +84,6 @@ def add(y, kind: str, x, lora, w):
     return (y.astype(F32) + delta(kind, x, *lora, w)).astype(y.dtype)
 
 
-
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["weights", "token_slots"], meta_fields=[])
 @dataclass(frozen=True)
 class LoRAInputs:

@@ -29,9 +29,16 @@ from jaxllm.config import ModelConfig
 
 # PEFT module names -> (our module, parts of it: None for a fused one)
 _LAYER_MODULES = {
-    "q_proj": ("qkv", 0), "k_proj": ("qkv", 1), "v_proj": ("qkv", 2), "qkv_proj": ("qkv", None),
-    "W_pack": ("qkv", None), "o_proj": ("o", 0), "gate_proj": ("gate_up", 0), "up_proj": ("gate_up", 1),
-    "gate_up_proj": ("gate_up", None), "down_proj": ("down", 0),
+    "q_proj": ("qkv", 0),
+    "k_proj": ("qkv", 1),
+    "v_proj": ("qkv", 2),
+    "qkv_proj": ("qkv", None),
+    "W_pack": ("qkv", None),
+    "o_proj": ("o", 0),
+    "gate_proj": ("gate_up", 0),
+    "up_proj": ("gate_up", 1),
+    "gate_up_proj": ("gate_up", None),
+    "down_proj": ("down", 0),
 }
 SUPPORTED_MODULES = tuple(_LAYER_MODULES) + ("embed_tokens", "lm_head")
 LAYER_KEYS = ("qkv", "o", "gate_up", "down")
@@ -73,8 +80,10 @@ class LoRAAdapter:
 def read_adapter_config(path: str) -> dict:
     cfg_path = os.path.join(path, "adapter_config.json")
     if not os.path.isdir(path):
-        raise ValueError(f"No adapter found at {path}: lora_path must be a local folder holding a PEFT adapter "
-                         "(adapter_config.json and adapter_model.safetensors).")
+        raise ValueError(
+            f"No adapter found at {path}: lora_path must be a local folder holding a PEFT adapter "
+            "(adapter_config.json and adapter_model.safetensors)."
+        )
     if not os.path.isfile(cfg_path):
         raise ValueError(f"No adapter found at {path}: it has no adapter_config.json.")
     try:
@@ -101,16 +110,22 @@ def check_adapter_config(cfg: dict, path: str, max_lora_rank: int) -> None:
         if cfg.get(name):
             raise ValueError(f"{name}: {where} sets {name}={cfg[name]!r}; {why}.")
     if cfg.get("bias", "none") != "none":
-        raise ValueError(f"bias: {where} sets bias={cfg['bias']!r}; adapters with bias terms are not supported "
-                         "(vLLM: 'Adapter bias cannot be used without bias_enabled').")
+        raise ValueError(
+            f"bias: {where} sets bias={cfg['bias']!r}; adapters with bias terms are not supported "
+            "(vLLM: 'Adapter bias cannot be used without bias_enabled')."
+        )
     for extra in ("new_embeddings.safetensors", "new_embeddings.bin"):  # tokens trained into the adapter
         if os.path.isfile(os.path.join(path, extra)):
-            raise ValueError(f"{extra}: {path} adds tokens to the vocabulary; adapters with added tokens are not "
-                             "supported (the base model's tokenizer and vocabulary are served).")
+            raise ValueError(
+                f"{extra}: {path} adds tokens to the vocabulary; adapters with added tokens are not "
+                "supported (the base model's tokenizer and vocabulary are served)."
+            )
     ranks = [cfg["r"], *(cfg.get("rank_pattern") or {}).values()]
     if max(ranks) > max_lora_rank:
-        raise ValueError(f"r: LoRA rank {max(ranks)} is greater than max_lora_rank {max_lora_rank} ({where}); "
-                         f"start the engine with a larger max_lora_rank (--max-lora-rank).")
+        raise ValueError(
+            f"r: LoRA rank {max(ranks)} is greater than max_lora_rank {max_lora_rank} ({where}); "
+            f"start the engine with a larger max_lora_rank (--max-lora-rank)."
+        )
 
 
 def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
@@ -132,10 +147,13 @@ def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapt
         else:
             unknown.append(name)
     if unknown:
-        shown = sorted({re.sub(r"\.(lora_\w+|weight|bias)$", "", re.sub(r"\.lora_\w+\.weight$", "", n))
-                        for n in unknown})
-        raise ValueError(f"target_modules: while loading {path}, expected target modules in {list(SUPPORTED_MODULES)} "
-                         f"but received {shown[:8]}. Please verify that the loaded LoRA module is correct.")
+        shown = sorted(
+            {re.sub(r"\.(lora_\w+|weight|bias)$", "", re.sub(r"\.lora_\w+\.weight$", "", n)) for n in unknown}
+        )
+        raise ValueError(
+            f"target_modules: while loading {path}, expected target modules in {list(SUPPORTED_MODULES)} "
+            f"but received {shown[:8]}. Please verify that the loaded LoRA module is correct."
+        )
     if not parsed:
         raise ValueError(f"target_modules: {path} holds no LoRA weights.")
     # (module key, peft module name) -> {"A": x, "B": x}
@@ -147,16 +165,22 @@ def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapt
     builders: dict[tuple, _Builder] = {}
     for (key, module_name), ab in sorted(pairs.items(), key=lambda kv: str(kv[0])):
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"target_modules: {path} has lora_{'B' if 'A' in ab else 'A'} but no "
-                             f"lora_{'A' if 'A' in ab else 'B'} for {module_name}.")
+            raise ValueError(
+                f"target_modules: {path} has lora_{'B' if 'A' in ab else 'A'} but no "
+                f"lora_{'A' if 'A' in ab else 'B'} for {module_name}."
+            )
         a, b = ab["A"], ab["B"]  # [r, in], [out, r] (lora_embedding_A [r, V] reads the token's column)
         r = a.shape[0]
         if a.ndim != 2 or b.ndim != 2 or b.shape[1] != r:
-            raise ValueError(f"base_model_name_or_path: {module_name}'s lora_A {a.shape} and lora_B {b.shape} "
-                             f"do not form a LoRA pair ({path}).")
+            raise ValueError(
+                f"base_model_name_or_path: {module_name}'s lora_A {a.shape} and lora_B {b.shape} "
+                f"do not form a LoRA pair ({path})."
+            )
         if r > max_lora_rank:
-            raise ValueError(f"r: LoRA rank {r} is greater than max_lora_rank {max_lora_rank} ({module_name} in "
-                             f"{path}); start the engine with a larger max_lora_rank (--max-lora-rank).")
+            raise ValueError(
+                f"r: LoRA rank {r} is greater than max_lora_rank {max_lora_rank} ({module_name} in "
+                f"{path}); start the engine with a larger max_lora_rank (--max-lora-rank)."
+            )
         scale = _scaling(cfg, module_name, r)
         if key[0] == "layers":
             i, peft_name = key[1], key[2]
@@ -164,8 +188,10 @@ def load_adapter(path: str, model: ModelConfig, max_lora_rank: int) -> LoRAAdapt
                 raise _mismatch(cfg, path, f"it adapts layer {i}, but the model has {model.num_layers} layers")
             ours, part = _LAYER_MODULES[peft_name]
             if ours in ("gate_up", "down") and model.layer_kind(i).moe:
-                raise ValueError(f"target_modules: {module_name} in {path}: layer {i} of this model is a mixture of "
-                                 "experts, whose MLP takes no LoRA adapter in jaxllm (attention modules can).")
+                raise ValueError(
+                    f"target_modules: {module_name} in {path}: layer {i} of this model is a mixture of "
+                    "experts, whose MLP takes no LoRA adapter in jaxllm (attention modules can)."
+                )
             b_key = ("layers", i, ours)
             builders.setdefault(b_key, _Builder(ours, model)).add(part, a, b * scale, module_name, cfg, path)
         else:
@@ -210,11 +236,17 @@ class _Builder:
         want_out = sum(outs) if part is None else outs[part]
         if a.shape[1] != ins or b.shape[0] != want_out:
             if self.key == "embed":
-                what = (f"The embedding LoRA size({a.shape[1]}) must be consistent with the base model's vocabulary "
-                        f"size({V})" if a.shape[1] != V else f"its embedding B has {b.shape[0]} rows, not {D}")
+                what = (
+                    f"The embedding LoRA size({a.shape[1]}) must be consistent with the base model's vocabulary "
+                    f"size({V})"
+                    if a.shape[1] != V
+                    else f"its embedding B has {b.shape[0]} rows, not {D}"
+                )
             else:
-                what = (f"{module_name} maps {a.shape[1]} -> {b.shape[0]} features, but the model's takes {ins} -> "
-                        f"{want_out}")
+                what = (
+                    f"{module_name} maps {a.shape[1]} -> {b.shape[0]} features, but the model's takes {ins} -> "
+                    f"{want_out}"
+                )
             raise _mismatch(adapter_cfg, path, what)
         if part is None:  # fused: one A for every part, B's rows split between them
             splits = np.cumsum(outs)[:-1]

@@ -23,8 +23,12 @@ class LoRARequest:
         if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
             raise ValueError(f"id must be > 0, got {self.lora_int_id}")
         if self.lora_local_path:
-            warnings.warn("The 'lora_local_path' attribute is deprecated and will be removed in a future version. "
-                          "Please use 'lora_path' instead.", DeprecationWarning, stacklevel=2)
+            warnings.warn(
+                "The 'lora_local_path' attribute is deprecated and will be removed in a future version. "
+                "Please use 'lora_path' instead.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
             if not self.lora_path:
                 self.lora_path = self.lora_local_path
         if not self.lora_path:

@@ -40,22 +40,37 @@ def slot_specs(model: ModelConfig, lora: LoRAConfig, tp: int) -> dict:
     G = N // K
     a_rank = "lora_a_rank"
     layer = {
-        "qkv": (ParamSpec((S, D, 3, R), ("lora_slots", "embed", None, a_rank)),
-                ParamSpec((S, R, K, G + 2, H), ("lora_slots", None, "kv_heads", "qkv", "head_dim"),
-                          kv_repeat=K // model.num_kv_heads)),
-        "o": (ParamSpec((S, N, H, R), ("lora_slots", "heads", "head_dim", None)),
-              ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out"))),
-        "gate_up": (ParamSpec((S, D, 2, R), ("lora_slots", "embed", None, a_rank)),
-                    ParamSpec((S, R, 2, F), ("lora_slots", None, None, "ffn"))),
-        "down": (ParamSpec((S, F, R), ("lora_slots", "ffn", None)),
-                 ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out"))),
+        "qkv": (
+            ParamSpec((S, D, 3, R), ("lora_slots", "embed", None, a_rank)),
+            ParamSpec(
+                (S, R, K, G + 2, H),
+                ("lora_slots", None, "kv_heads", "qkv", "head_dim"),
+                kv_repeat=K // model.num_kv_heads,
+            ),
+        ),
+        "o": (
+            ParamSpec((S, N, H, R), ("lora_slots", "heads", "head_dim", None)),
+            ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
+        ),
+        "gate_up": (
+            ParamSpec((S, D, 2, R), ("lora_slots", "embed", None, a_rank)),
+            ParamSpec((S, R, 2, F), ("lora_slots", None, None, "ffn")),
+        ),
+        "down": (
+            ParamSpec((S, F, R), ("lora_slots", "ffn", None)),
+            ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
+        ),
     }
     return {
         "layers": [dict(layer) for _ in range(model.num_layers)],
-        "embed": (ParamSpec((S, V, R), ("lora_slots", "vocab", None)),
-                  ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out"))),
-        "lm_head": (ParamSpec((S, D, R), ("lora_slots", "embed", a_rank)),
-                    ParamSpec((S, R, V), ("lora_slots", None, "vocab"))),
+        "embed": (
+            ParamSpec((S, V, R), ("lora_slots", "vocab", None)),
+            ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
+        ),
+        "lm_head": (
+            ParamSpec((S, D, R), ("lora_slots", "embed", a_rank)),
+            ParamSpec((S, R, V), ("lora_slots", None, "vocab")),
+        ),
     }
 
 
@@ -73,19 +88,25 @@ class LoRASlots:
     def __init__(self, lora: LoRAConfig, model: ModelConfig, mesh):
         tp = mesh_tp(mesh)
         if lora.fully_sharded_loras and (lora.max_lora_rank % tp or model.hidden_size % tp):
-            raise ValueError(f"fully_sharded_loras splits max_lora_rank ({lora.max_lora_rank}) and hidden_size "
-                             f"({model.hidden_size}) over tensor_parallel_size ({tp}): both must be divisible by it.")
+            raise ValueError(
+                f"fully_sharded_loras splits max_lora_rank ({lora.max_lora_rank}) and hidden_size "
+                f"({model.hidden_size}) over tensor_parallel_size ({tp}): both must be divisible by it."
+            )
         self.config, self.model, self.mesh = lora, model, mesh
         self.dtype = jnp.dtype(lora.dtype(model.dtype))
         rules = lora_rules(lora)
         self.specs = slot_specs(model, lora, tp)
         self.shardings = jax.tree.map(lambda s: named_sharding(mesh, s.axes, rules), self.specs, is_leaf=_is_spec)
         # one slot's arrays (the write's input): the same axes without the slot axis
-        self._slot_shardings = jax.tree.map(lambda s: named_sharding(mesh, s.axes[1:], rules), self.specs,
-                                            is_leaf=_is_spec)
+        self._slot_shardings = jax.tree.map(
+            lambda s: named_sharding(mesh, s.axes[1:], rules), self.specs, is_leaf=_is_spec
+        )
         self.arrays = jax.tree.map(
             lambda s, sh: jax.jit(lambda: jnp.zeros(s.shape, self.dtype), out_shardings=sh)(),
-            self.specs, self.shardings, is_leaf=_is_spec)
+            self.specs,
+            self.shardings,
+            is_leaf=_is_spec,
+        )
         self._write = jax.jit(_write_slot, donate_argnums=(0,))
         self.requests: dict[int, LoRARequest] = {}  # every adapter added (by lora_int_id)
         self._keys: dict[int, str] = {}  # lora_int_id -> prefix-cache key (one per registration)
@@ -114,9 +135,11 @@ class LoRASlots:
         known = self.requests.get(request.lora_int_id)
         if known is not None:
             if known.lora_path != request.lora_path:
-                raise ValueError(f"lora_int_id {request.lora_int_id} is already used by adapter {known.lora_name!r} "
-                                 f"({known.lora_path}); give {request.lora_name!r} ({request.lora_path}) another id, "
-                                 "or remove the other adapter first.")
+                raise ValueError(
+                    f"lora_int_id {request.lora_int_id} is already used by adapter {known.lora_name!r} "
+                    f"({known.lora_path}); give {request.lora_name!r} ({request.lora_path}) another id, "
+                    "or remove the other adapter first."
+                )
             return False
         adapter = load_adapter(request.lora_path, self.model, self.config.max_lora_rank)
         self.requests[request.lora_int_id] = request
@@ -124,8 +147,14 @@ class LoRASlots:
         # no request's cache_salt can hash like it (block_manager._salt_hash)
         self._keys[request.lora_int_id] = f"lora:{request.lora_int_id}:{os.urandom(16).hex()}"
         self._cache(request.lora_int_id, adapter)
-        logger.info("Loaded LoRA adapter %r (id %d, rank %d, %.1f MB) from %s", request.lora_name,
-                    request.lora_int_id, adapter.rank, adapter.nbytes / 2**20, request.lora_path)
+        logger.info(
+            "Loaded LoRA adapter %r (id %d, rank %d, %.1f MB) from %s",
+            request.lora_name,
+            request.lora_int_id,
+            adapter.rank,
+            adapter.nbytes / 2**20,
+            request.lora_path,
+        )
         return True
 
     def remove(self, lora_id: int) -> bool:
@@ -235,8 +264,10 @@ class LoRASlots:
             return a.astype(self.dtype), b.astype(self.dtype)
 
         return {
-            "layers": [{k: values(("layers", i, k), *layer[k]) for k in LAYER_KEYS}
-                       for i, layer in enumerate(self.specs["layers"])],
+            "layers": [
+                {k: values(("layers", i, k), *layer[k]) for k in LAYER_KEYS}
+                for i, layer in enumerate(self.specs["layers"])
+            ],
             "embed": values(("embed",), *self.specs["embed"]),
             "lm_head": values(("lm_head",), *self.specs["lm_head"]),
         }

@@ -60,9 +60,21 @@ class AttentionConfig:
     kv_dtype: str | None = None
 
 
-def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_freq=None, alibi_slopes=None,
-                    sliding_window=None, soft_cap=None, k_scale=1.0, v_scale=1.0, config=AttentionConfig(),
-                    dtype=None):
+def paged_attention(
+    qkv,
+    kv_cache,
+    meta: AttentionMetadata,
+    *,
+    scale,
+    rope_inv_freq=None,
+    alibi_slopes=None,
+    sliding_window=None,
+    soft_cap=None,
+    k_scale=1.0,
+    v_scale=1.0,
+    config=AttentionConfig(),
+    dtype=None,
+):
     """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
     [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
     the same kernel that writes k and v on GPU. qkv may be the projection's split-K partials [S, T, K, G + 2,
@@ -77,54 +89,143 @@ def paged_attention(qkv, kv_cache, meta: AttentionMetadata, *, scale, rope_inv_f
 
         heads = P(None, "tp", None)
         pages = P("tp", None, None, None)
-        local = functools.partial(_paged_attention, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                                  k_scale=k_scale, v_scale=v_scale, config=config)
+        local = functools.partial(
+            _paged_attention,
+            scale=scale,
+            sliding_window=sliding_window,
+            soft_cap=soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            config=config,
+        )
         slopes = None if alibi_slopes is None else jnp.asarray(alibi_slopes, jnp.float32)
         # check_vma=False: the Pallas kernels do not declare how their outputs vary over mesh axes.
         return jax.shard_map(
-            local, mesh=mesh, check_vma=False,
-            in_specs=(P(None, "tp", None, None), (pages, pages), P(), None if rope_inv_freq is None else P(),
-                      None if slopes is None else P("tp")),
+            local,
+            mesh=mesh,
+            check_vma=False,
+            in_specs=(
+                P(None, "tp", None, None),
+                (pages, pages),
+                P(),
+                None if rope_inv_freq is None else P(),
+                None if slopes is None else P("tp"),
+            ),
             out_specs=(heads, (pages, pages)),
         )(qkv, kv_cache, meta, rope_inv_freq, slopes)
-    return _paged_attention(qkv, kv_cache, meta, rope_inv_freq, alibi_slopes, scale=scale,
-                            sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale,
-                            config=config, dtype=dtype)
+    return _paged_attention(
+        qkv,
+        kv_cache,
+        meta,
+        rope_inv_freq,
+        alibi_slopes,
+        scale=scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        config=config,
+        dtype=dtype,
+    )
 
 
-def _paged_attention(qkv, kv_cache, meta, inv_freq, alibi_slopes, *, scale, sliding_window, k_scale, v_scale,
-                     config, soft_cap=None, dtype=None):
+def _paged_attention(
+    qkv,
+    kv_cache,
+    meta,
+    inv_freq,
+    alibi_slopes,
+    *,
+    scale,
+    sliding_window,
+    k_scale,
+    v_scale,
+    config,
+    soft_cap=None,
+    dtype=None,
+):
     k_pages, v_pages = kv_cache
     if config.kv_dtype is not None and config.backend != "reference":
-        raise ValueError(f"KV pages stored as bit patterns of {config.kv_dtype} are read by the reference backend "
-                         "only.")
-    kwargs = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-                  sliding_window=sliding_window, soft_cap=soft_cap)
+        raise ValueError(
+            f"KV pages stored as bit patterns of {config.kv_dtype} are read by the reference backend only."
+        )
+    kwargs = dict(
+        scale=scale,
+        k_scale=k_scale,
+        v_scale=v_scale,
+        alibi_slopes=alibi_slopes,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
     if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
         import kernels_pallas
 
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
-            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, meta.seq_lens, meta.block_tables,
-            dtype=dtype, interpret=config.interpret, **kwargs, **FUSED_DECODE_TUNING)
+            qkv,
+            meta.positions,
+            inv_freq,
+            k_pages,
+            v_pages,
+            meta.slot_mapping,
+            meta.seq_lens,
+            meta.block_tables,
+            dtype=dtype,
+            interpret=config.interpret,
+            **kwargs,
+            **FUSED_DECODE_TUNING,
+        )
     elif config.backend == "pallas":
         import kernels_pallas
 
         q, k_pages, v_pages = kernels_pallas.qkv_write_kv(
-            qkv, meta.positions, inv_freq, k_pages, v_pages, meta.slot_mapping, k_scale=k_scale,
-            v_scale=v_scale, dtype=dtype, interpret=config.interpret)
+            qkv,
+            meta.positions,
+            inv_freq,
+            k_pages,
+            v_pages,
+            meta.slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            dtype=dtype,
+            interpret=config.interpret,
+        )
         out = kernels_pallas.ragged_paged_attention(
-            q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
-            decode_only=meta.decode_only, interpret=config.interpret, **kwargs)
+            q,
+            k_pages,
+            v_pages,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.block_tables,
+            decode_only=meta.decode_only,
+            interpret=config.interpret,
+            **kwargs,
+        )
     elif config.backend == "reference":
-        q, k_pages, v_pages = reference.qkv_write_kv(qkv, meta.positions, inv_freq, k_pages, v_pages,
-                                                     meta.slot_mapping, k_scale=k_scale, v_scale=v_scale,
-                                                     dtype=dtype, kv_dtype=config.kv_dtype)
+        q, k_pages, v_pages = reference.qkv_write_kv(
+            qkv,
+            meta.positions,
+            inv_freq,
+            k_pages,
+            v_pages,
+            meta.slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            dtype=dtype,
+            kv_dtype=config.kv_dtype,
+        )
         K, _, S, H = k_pages.shape
         per_page = q.shape[0] * S * K * H * 4 * 2
         out = reference.ragged_paged_attention_ref(
-            q, k_pages, v_pages, meta.seq_lens, meta.query_start_loc, meta.block_tables,
+            q,
+            k_pages,
+            v_pages,
+            meta.seq_lens,
+            meta.query_start_loc,
+            meta.block_tables,
             pages_per_step=max(1, min(_REFERENCE_STEP_BYTES // per_page, _REFERENCE_STEP_TOKENS // S)),
-            kv_dtype=config.kv_dtype, **kwargs)
+            kv_dtype=config.kv_dtype,
+            **kwargs,
+        )
     else:
         raise ValueError(f"attention backend={config.backend!r} is not one of 'reference', 'pallas'.")
     return out, (k_pages, v_pages)

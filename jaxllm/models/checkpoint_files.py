@@ -91,9 +91,20 @@ class CheckpointReader:
 
 class _SafetensorsFile:
     # safetensors' header dtype names -> numpy's (ml_dtypes' for bfloat16 and fp8)
-    _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn",
-               "F8_E5M2": "float8_e5m2", "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
-               "U8": "uint8", "BOOL": "bool"}
+    _DTYPES = {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "BOOL": "bool",
+    }
 
     def __init__(self, path: str):
         from safetensors import safe_open
@@ -168,8 +179,9 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
     patterns = {"safetensors": ["*.safetensors"], "pt": ["*.bin", "*.pt"]}
     order = ["safetensors", "pt"] if load_format == "auto" else [load_format]
     for fmt in order:
-        index = os.path.join(model_dir, "model.safetensors.index.json" if fmt == "safetensors"
-                             else "pytorch_model.bin.index.json")
+        index = os.path.join(
+            model_dir, "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
+        )
         if os.path.exists(index):
             with open(index) as f:
                 weight_map = json.load(f).get("weight_map")
@@ -180,11 +192,17 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
             if missing:
                 raise ValueError(f"{index} lists shard files that are missing: {missing}.")
             return [os.path.join(model_dir, n) for n in names]
-        files = sorted(f for p in patterns[fmt] for f in glob.glob(os.path.join(model_dir, p))
-                       if not os.path.basename(f).startswith("training_args"))
+        files = sorted(
+            f
+            for p in patterns[fmt]
+            for f in glob.glob(os.path.join(model_dir, p))
+            if not os.path.basename(f).startswith("training_args")
+        )
         if files:
             return files
     if is_jaxllm_checkpoint(model_dir):  # converted by `python -m jaxllm.convert`: Orbax, read by "auto" only
-        raise ValueError(f"{model_dir} is a jaxllm (Orbax) checkpoint, not {load_format} weights; load it with "
-                         "load_format='auto' (--load-format auto, the default).")
+        raise ValueError(
+            f"{model_dir} is a jaxllm (Orbax) checkpoint, not {load_format} weights; load it with "
+            "load_format='auto' (--load-format auto, the default)."
+        )
     raise ValueError(f"No weights (load_format={load_format!r}) found in {model_dir}.")

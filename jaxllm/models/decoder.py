@@ -66,8 +66,9 @@ def activation(x, name: str):
 def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
         # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
-        y = qmatmul(x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret,
-                    mesh=attn.mesh)
+        y = qmatmul(
+            x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh
+        )
     else:
         y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -86,8 +87,13 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     QKV_SPLIT_MAX_TOKENS on the Pallas backend the decoder makes the partials itself (one batched GEMM) and
     the qkv/RoPE/write kernel sums them, which saves that launch. Not with a qkv bias (added after the sum)
     or tp > 1 (the partials would cross shard_map's specs)."""
-    if (attn.backend != "pallas" or num_tokens > QKV_SPLIT_MAX_TOKENS or "b_qkv" in lp or "q_norm" in lp
-            or isinstance(lp["w_qkv"], QuantizedWeight)):
+    if (
+        attn.backend != "pallas"
+        or num_tokens > QKV_SPLIT_MAX_TOKENS
+        or "b_qkv" in lp
+        or "q_norm" in lp
+        or isinstance(lp["w_qkv"], QuantizedWeight)
+    ):
         return 0  # a bias or q/k norms apply to the summed projection; quantized weights are not split
     if attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1:
         return 0
@@ -119,8 +125,9 @@ def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
     return out
 
 
-def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig,
-                  kind: LayerKind, ll=None, lw=None):
+def decoder_layer(
+    lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig, kind: LayerKind, ll=None, lw=None
+):
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
     h = _norm(x, lp["attn_norm"], cfg)
@@ -140,8 +147,17 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     else:
         slopes = jnp.asarray(alibi_slopes(cfg.num_heads))
     out, kv_cache = paged_attention(  # out [T, N, H]: q head n sits in kv head n // G
-        qkv, kv_cache, meta, scale=cfg.attn_scale, rope_inv_freq=inv_freq, alibi_slopes=slopes,
-        sliding_window=kind.sliding_window, soft_cap=cfg.attn_softcap, config=attn, dtype=x.dtype)
+        qkv,
+        kv_cache,
+        meta,
+        scale=cfg.attn_scale,
+        rope_inv_freq=inv_freq,
+        alibi_slopes=slopes,
+        sliding_window=kind.sliding_window,
+        soft_cap=cfg.attn_softcap,
+        config=attn,
+        dtype=x.dtype,
+    )
     out = lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn), "o", out, ll.get("o"), lw)
     if "post_attn_norm" in lp:  # Gemma 2/3
         out = _norm(out, lp["post_attn_norm"], cfg)
@@ -150,8 +166,7 @@ def decoder_layer(lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, at
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
-        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"),
-                  ll, lw)
+        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"), ll, lw)
     if "post_mlp_norm" in lp:
         out = _norm(out, lp["post_mlp_norm"], cfg)
     return x + out, kv_cache
@@ -172,9 +187,18 @@ def _traced_once(layer_fn):
     return jax.jit(layer_fn, static_argnums=(4, 5, 6))
 
 
-def forward(params, kv_caches, token_ids, meta: AttentionMetadata, cfg: ModelConfig,
-            attn: AttentionConfig = _ATTENTION, layers: range | None = None, hidden=None,
-            capture: tuple[int, ...] = (), lora: lora_ops.LoRAInputs | None = None):
+def forward(
+    params,
+    kv_caches,
+    token_ids,
+    meta: AttentionMetadata,
+    cfg: ModelConfig,
+    attn: AttentionConfig = _ATTENTION,
+    layers: range | None = None,
+    hidden=None,
+    capture: tuple[int, ...] = (),
+    lora: lora_ops.LoRAInputs | None = None,
+):
     """Runs layers (all by default) over the flat token batch. With pipeline stages, a stage passes its
     layer range and the previous stage's hidden states; the first stage embeds token_ids. capture: layers whose
     input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value

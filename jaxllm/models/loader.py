@@ -122,13 +122,17 @@ def moe_table(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], Callable]]:
     p, (gate, up, down) = expert_linear_names(cfg)
     table = {
         "router": ((f"{p}gate.weight",), _transpose),
-        "w_experts_gate_up": (tuple(f"{p}experts.{e}.{n}.weight" for n in (gate, up) for e in E),
-                              _stack_experts_gate_up),
+        "w_experts_gate_up": (
+            tuple(f"{p}experts.{e}.{n}.weight" for n in (gate, up) for e in E),
+            _stack_experts_gate_up,
+        ),
         "w_experts_down": (tuple(f"{p}experts.{e}.{down}.weight" for e in E), _stack_experts_down),
     }
     if cfg.moe.shared_intermediate_size:
-        table["w_shared_gate_up"] = ((f"{p}shared_expert.gate_proj.weight", f"{p}shared_expert.up_proj.weight"),
-                                     _fuse_gate_up)
+        table["w_shared_gate_up"] = (
+            (f"{p}shared_expert.gate_proj.weight", f"{p}shared_expert.up_proj.weight"),
+            _fuse_gate_up,
+        )
         table["w_shared_down"] = ((f"{p}shared_expert.down_proj.weight",), _transpose)
         table["w_shared_expert_gate"] = ((f"{p}shared_expert_gate.weight",), _flatten)
     return table
@@ -185,33 +189,41 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
     if quant is not None:  # the quantized linears' tensors replace their dense names
         table = {k: v for k, v in table.items() if not (k[0] == "layers" and (k[1], k[2]) in quant.keys)}
     used = {n for names, _ in table.values() for n in names} | (quant.tensor_names() if quant else set())
-    unused = [n for n in reader.keys() if n not in used and not _IGNORED.search(n)
-              and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    unused = [
+        n
+        for n in reader.keys()
+        if n not in used and not _IGNORED.search(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    ]
     if unused:  # the config and the checkpoint disagree (layer count, biases): loading would run another model
-        raise ValueError(f"Checkpoint has {len(unused)} tensor(s) the model config does not use, e.g. "
-                         f"{', '.join(map(repr, unused[:3]))}; check that config.json belongs to these weights.")
+        raise ValueError(
+            f"Checkpoint has {len(unused)} tensor(s) the model config does not use, e.g. "
+            f"{', '.join(map(repr, unused[:3]))}; check that config.json belongs to these weights."
+        )
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key = _path_key(path)
         if quant is not None and quant.owns(key):
             x = quant.get(key)
             if tuple(x.shape) != spec.checkpoint_shape:
-                raise ValueError(f"{'/'.join(map(str, key))}: the quantized tensors give shape {tuple(x.shape)}; "
-                                 f"expected {spec.checkpoint_shape}.")
+                raise ValueError(
+                    f"{'/'.join(map(str, key))}: the quantized tensors give shape {tuple(x.shape)}; "
+                    f"expected {spec.checkpoint_shape}."
+                )
             yield key, x
             continue
         hf_names, hook = table[key]
         for hf_name in hf_names:
             if hf_name not in reader:
-                raise ValueError(
-                    f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
+                raise ValueError(f"Checkpoint is missing tensor {hf_name!r} (needed for {'/'.join(map(str, key))}).")
         raw = [reader.get(n) for n in hf_names]
         got = ("Tensors " if len(raw) > 1 else "Tensor ") + ", ".join(
-            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw, strict=True))
+            f"{n!r} has shape {tuple(r.shape)}" for n, r in zip(hf_names, raw, strict=True)
+        )
         try:
             x = hook(*raw, cfg)
         except ValueError as e:
-            raise ValueError(f"{got}, which does not fit the expected shape "
-                             f"{spec.shape} for {'/'.join(map(str, key))}: {e}") from None
+            raise ValueError(
+                f"{got}, which does not fit the expected shape {spec.shape} for {'/'.join(map(str, key))}: {e}"
+            ) from None
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"{got} -> {tuple(x.shape)}; expected {spec.shape}.")
         yield key, x
@@ -268,7 +280,8 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     flat_sh = dict(
         (_path_key(p), s)
         for p, s in jax.tree_util.tree_flatten_with_path(
-            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))[0]
+            shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+        )[0]
     )
     loaded = {}
     for key, x in iter_host_weights(reader, cfg):
@@ -276,8 +289,9 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
         spec = flat_spec[key]
         host = spec.expand(np.asarray(x).astype(spec.dtype or dtype))
         # dtype: a process holding none of its shards (a pipeline stage of another host) still makes the array
-        loaded[key] = jax.make_array_from_callback(host.shape, flat_sh[key], lambda idx, h=host: h[idx],
-                                                   dtype=host.dtype)
+        loaded[key] = jax.make_array_from_callback(
+            host.shape, flat_sh[key], lambda idx, h=host: h[idx], dtype=host.dtype
+        )
     treedef = jax.tree.structure(specs, is_leaf=is_spec)
     paths = [_path_key(p) for p, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
     return jax.tree.unflatten(treedef, [loaded[k] for k in paths])
@@ -302,20 +316,24 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         raise ValueError(
             f"{model_dir} is a jaxllm checkpoint of format {fmt[0]!r} version {fmt[1]}, but this jaxllm reads "
             f"{FORMAT!r} version {FORMAT_VERSION} (fused qkv and gate_up weights). Convert the HF checkpoint "
-            f"again: python -m jaxllm.convert --model HF_DIR --out DIR.")
+            f"again: python -m jaxllm.convert --model HF_DIR --out DIR."
+        )
     saved = manifest.get("params", {})
     want = None if cfg.quantization is None else json.loads(json.dumps(dataclasses.asdict(cfg.quantization)))
     if manifest.get("quantization") != want:
-        raise ValueError(f"{model_dir} was converted with quantization {manifest.get('quantization')}, but its "
-                         f"config.json (and the quantization argument) give {want}; convert it again.")
+        raise ValueError(
+            f"{model_dir} was converted with quantization {manifest.get('quantization')}, but its "
+            f"config.json (and the quantization argument) give {want}; convert it again."
+        )
 
     def target(spec, sh):
         dt = spec.dtype or dtype
         if spec.kv_repeat == 1 and spec.relayout is None:
             return jax.ShapeDtypeStruct(spec.shape, dt, sharding=sh)
         if spec.kv_repeat == 1:  # a quantized leaf: its checkpoint layout, laid out for the kernels in finish
-            return jax.ShapeDtypeStruct(spec.checkpoint_shape, dt,
-                                        sharding=named_sharding(sh.mesh, spec.checkpoint_axes))
+            return jax.ShapeDtypeStruct(
+                spec.checkpoint_shape, dt, sharding=named_sharding(sh.mesh, spec.checkpoint_axes)
+            )
         # tp > K: tp shard t = k * r + j reads checkpoint kv head k whole, then keeps its copy j (finish).
         ckpt_axes = spec.checkpoint_axes
         K, r = spec.checkpoint_shape[ckpt_axes.index("kv_heads")], spec.kv_repeat
@@ -328,13 +346,17 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     for (path, a), spec in zip(jax.tree_util.tree_flatten_with_path(abstract)[0], flat_specs, strict=True):
         name = "/".join(map(str, _path_key(path)))
         if name in saved and tuple(saved[name]["shape"]) != a.shape:
-            raise ValueError(f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
-                             f"the config expects {a.shape}.")
+            raise ValueError(
+                f"Checkpoint {model_dir} stores {name} with shape {tuple(saved[name]['shape'])}; "
+                f"the config expects {a.shape}."
+            )
         # quantized leaves of an older layout: act-order g_idx (now perm), integer zeros (now the scales' dtype)
         stored = saved.get(name, {}).get("dtype")
         if stored is None or spec.relayout is not None and _is_int(stored) != _is_int(a.dtype):
-            raise ValueError(f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
-                             f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR.")
+            raise ValueError(
+                f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
+                f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR."
+            )
     with ocp.StandardCheckpointer() as ckptr:
         params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
@@ -342,8 +364,10 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         if spec.kv_repeat == 1:
             return x if spec.relayout is None else jax.jit(spec.expand, out_shardings=sh)(x)
         i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
-        local = [jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
-                 for s in x.addressable_shards]  # on each device, from its own data: no communication
+        local = [
+            jax.lax.index_in_dim(spec.expand(s.data), index[s.device][i].start % spec.kv_repeat, i)
+            for s in x.addressable_shards
+        ]  # on each device, from its own data: no communication
         return jax.make_array_from_single_device_arrays(spec.shape, sh, local, dtype=x.dtype)
 
     return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)

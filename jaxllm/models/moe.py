@@ -85,10 +85,12 @@ def expert_linear_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
 # quantizers of transformers 5 write mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj (gptqmodel) or
 # block_sparse_moe.experts.{e}.gate_proj / up_proj / down_proj (llm-compressor).
 CHECKPOINT_ALIASES: dict[str, tuple[tuple[re.Pattern, str], ...]] = {
-    "mixtral": ((re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.|gate\.)"), r"\1.block_sparse_moe.\2"),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.gate_proj\."), r"\1.w1."),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.up_proj\."), r"\1.w3."),
-                (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.down_proj\."), r"\1.w2.")),
+    "mixtral": (
+        (re.compile(r"^(model\.layers\.\d+)\.mlp\.(experts\.\d+\.|gate\.)"), r"\1.block_sparse_moe.\2"),
+        (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.gate_proj\."), r"\1.w1."),
+        (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.up_proj\."), r"\1.w3."),
+        (re.compile(r"(\.block_sparse_moe\.experts\.\d+)\.down_proj\."), r"\1.w2."),
+    ),
 }
 
 
@@ -160,8 +162,9 @@ def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0):
         ids, w_gate_up, w_down, quantize_inputs = routed_experts(ids, w_gate_up, w_down, first_expert, h.dtype)
         first_expert = 0
     few = ids.size <= GATHERED_MAX_PAIRS  # static: the step's token count
-    return (expert_mlp_gathered if few else expert_mlp)(h, weights, ids, w_gate_up, w_down, first_expert,
-                                                        quantize_inputs)
+    return (expert_mlp_gathered if few else expert_mlp)(
+        h, weights, ids, w_gate_up, w_down, first_expert, quantize_inputs
+    )
 
 
 def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
@@ -184,7 +187,8 @@ def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
         specs = (P("tp", None, None, None), P("tp", None, None))
     else:
         specs = (P(None, None, None, "tp"), P(None, "tp", None))
-    specs = tuple(shard_specs(w) if isinstance(w, QuantizedExperts) else spec for w, spec in zip(args[2:], specs,
-                                                                                                  strict=True))
+    specs = tuple(
+        shard_specs(w) if isinstance(w, QuantizedExperts) else spec for w, spec in zip(args[2:], specs, strict=True)
+    )
     # check_vma=False: the psum makes the output the same on every rank, which out_specs P() states.
     return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *specs), out_specs=P(), check_vma=False)(*args)

@@ -73,8 +73,9 @@ class QuantizedExperts:
         return self.packed.shape[0]
 
 
-jax.tree_util.register_dataclass(QuantizedExperts, data_fields=["packed", "scales", "zeros", "g_idx", "act_scale"],
-                                 meta_fields=["scheme", "layout"])
+jax.tree_util.register_dataclass(
+    QuantizedExperts, data_fields=["packed", "scales", "zeros", "g_idx", "act_scale"], meta_fields=["scheme", "layout"]
+)
 
 
 def num_experts(w) -> int:
@@ -94,8 +95,11 @@ def dequantized_bytes(cfg, tp: int, max_tokens: int) -> int:
         return 0
     if not any(k in EXPERT_LINEARS for i in range(cfg.num_layers) for k in quantized_keys(cfg, i)):
         return 0
-    E, F = (m.num_experts // tp, m.intermediate_size) if cfg.expert_parallel else (m.num_experts,
-                                                                                   m.intermediate_size // tp)
+    E, F = (
+        (m.num_experts // tp, m.intermediate_size)
+        if cfg.expert_parallel
+        else (m.num_experts, m.intermediate_size // tp)
+    )
     return min(E, max_tokens * m.top_k) * 3 * cfg.hidden_size * F * jnp.dtype(cfg.dtype).itemsize
 
 
@@ -114,19 +118,24 @@ def quantized_experts_spec(dense, q: QuantConfig, dtype: str, tp: int, name: str
             packed=ParamSpec(dense.shape, dense.axes, "fp8", dtype="float8_e4m3fn"),
             scales=ParamSpec((E, 1, *O), lay.group_axes, f"scale:{0.02 / 64}", dtype="float32"),
             act_scale=ParamSpec((), (), "ones", dtype="float32") if q.activations == "static" else None,
-            scheme=scheme, layout=lay)
+            scheme=scheme,
+            layout=lay,
+        )
     pf, g = q.pack_factor, I if q.group_size == -1 else q.group_size
     if I % g or I % pf:
-        raise ValueError(f"{name}: input size {I} is not a multiple of quantization_config group_size {g} "
-                         f"({q.source}).")
+        raise ValueError(
+            f"{name}: input size {I} is not a multiple of quantization_config group_size {g} ({q.source})."
+        )
     k = I // split
     # Each rank's rows must be whole packed words, and whole groups unless their scales stay whole (act-order,
     # per channel) -- vLLM's MoE methods refuse the same splits.
     if split > 1 and k % (pf if q.act_order or q.group_size == -1 else g):
-        raise ValueError(f"The input size is not aligned with the quantized weight shape: {name} has {I} input rows "
-                         f"per expert, {k} per shard at tensor_parallel_size={tp}, not a multiple of group_size {g}. "
-                         "This can be caused by too large tensor parallel size; --enable-expert-parallel keeps "
-                         "experts whole.")
+        raise ValueError(
+            f"The input size is not aligned with the quantized weight shape: {name} has {I} input rows "
+            f"per expert, {k} per shard at tensor_parallel_size={tp}, not a multiple of group_size {g}. "
+            "This can be caused by too large tensor parallel size; --enable-expert-parallel keeps "
+            "experts whole."
+        )
     group_axis = in_axis if not q.act_order and q.group_size != -1 else None
     lay = ExpertsLayout(dense.axes, (e_axis, group_axis, *out_axes), (e_axis, in_axis, *out_axes[:-1]))
     spread = 2 ** (q.bits - 1) / math.sqrt(3)  # as quant.quantized_spec: dequantized dummies spread ~0.02
@@ -136,7 +145,9 @@ def quantized_experts_spec(dense, q: QuantConfig, dtype: str, tp: int, name: str
         scales=ParamSpec((E, ng, *O), lay.group_axes, f"scale:{0.02 / spread}", dtype=dtype),
         zeros=None if q.symmetric else ParamSpec((E, ng, *O), lay.group_axes, f"zp{q.bits}", dtype=dtype),
         g_idx=ParamSpec((E, I, *O[:-1]), lay.g_idx_axes, f"gidx:{g}", dtype="int32") if q.act_order else None,
-        scheme=scheme, layout=lay)
+        scheme=scheme,
+        layout=lay,
+    )
 
 
 def shard_specs(w: QuantizedExperts) -> QuantizedExperts:
@@ -144,9 +155,14 @@ def shard_specs(w: QuantizedExperts) -> QuantizedExperts:
     lay = w.layout
     group = logical_to_spec(lay.group_axes)
     return QuantizedExperts(
-        packed=logical_to_spec(lay.packed_axes), scales=group, zeros=None if w.zeros is None else group,
+        packed=logical_to_spec(lay.packed_axes),
+        scales=group,
+        zeros=None if w.zeros is None else group,
         g_idx=None if w.g_idx is None else logical_to_spec(lay.g_idx_axes),
-        act_scale=None if w.act_scale is None else logical_to_spec(()), scheme=w.scheme, layout=lay)
+        act_scale=None if w.act_scale is None else logical_to_spec(()),
+        scheme=w.scheme,
+        layout=lay,
+    )
 
 
 # --- compute --------------------------------------------------------------------------------------------------------
@@ -172,6 +188,7 @@ def dequantize_experts(w: QuantizedExperts, idx, dtype):
 
         def expand(a):
             return jnp.repeat(a, group, axis=1) if a.shape[1] > 1 else a
+
     z = float(1 << (s.bits - 1)) if zeros is None else expand(zeros)
     return ((q - z) * expand(scales)).astype(dtype)
 
@@ -213,6 +230,8 @@ def routed_experts(ids, w_gate_up, w_down, first_expert: int, dtype):
 
     quantizers = None
     if any(isinstance(w, QuantizedExperts) and w.scheme.activations for w in (w_gate_up, w_down)):
-        quantizers = tuple((lambda x, w=w: _fake_quantize_rows(x, w)) if isinstance(w, QuantizedExperts)
-                           else (lambda x: x) for w in (w_gate_up, w_down))
+        quantizers = tuple(
+            (lambda x, w=w: _fake_quantize_rows(x, w)) if isinstance(w, QuantizedExperts) else (lambda x: x)
+            for w in (w_gate_up, w_down)
+        )
     return slots.astype(jnp.int32), dense(w_gate_up), dense(w_down), quantizers

@@ -135,8 +135,10 @@ def param_shardings(specs, mesh, rules=LOGICAL_RULES):
     out = {}
     for name, sub in specs.items():
         if name == "layers":
-            out[name] = [jax.tree.map(lambda s, m=rows[stage_of[i]]: named_sharding(m, s.axes, rules), layer,
-                                      is_leaf=is_spec) for i, layer in enumerate(sub)]
+            out[name] = [
+                jax.tree.map(lambda s, m=rows[stage_of[i]]: named_sharding(m, s.axes, rules), layer, is_leaf=is_spec)
+                for i, layer in enumerate(sub)
+            ]
         else:
             out[name] = named_sharding(rows[0] if name == "embed" else rows[-1], sub.axes, rules)
     return out

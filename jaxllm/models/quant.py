@@ -117,8 +117,9 @@ class QuantizedWeight:
     layout: QuantLayout = None
 
 
-jax.tree_util.register_dataclass(QuantizedWeight, data_fields=["packed", "scales", "zeros", "perm", "act_scale"],
-                                 meta_fields=["scheme", "layout"])
+jax.tree_util.register_dataclass(
+    QuantizedWeight, data_fields=["packed", "scales", "zeros", "perm", "act_scale"], meta_fields=["scheme", "layout"]
+)
 
 
 def is_quantized(w) -> bool:
@@ -194,7 +195,8 @@ class Relayout:
         if s.group_size != lay.group_size:  # act-order shards holding parts of groups: smaller groups, same scales
             x = xp.repeat(x, s.group_size // lay.group_size, axis=0)
         return _shard_rows(x, lay.shards, lay.k // lay.group_size, num_groups(kp, lay.group_size)).reshape(
-            -1, *x.shape[1:])
+            -1, *x.shape[1:]
+        )
 
 
 # --- specs ----------------------------------------------------------------------------------------------------------
@@ -214,20 +216,26 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     if q.weight_type == "float":
         lay = QuantLayout(in_axis, out_axes, I // shards, shards)
         return QuantizedWeight(
-            packed=leaf("packed", (*O, I), (*out_axes, in_axis), "fp8", "float8_e4m3fn", lay, (I, *ckpt_O),
-                        (in_axis, *out_axes)),
+            packed=leaf(
+                "packed", (*O, I), (*out_axes, in_axis), "fp8", "float8_e4m3fn", lay, (I, *ckpt_O), (in_axis, *out_axes)
+            ),
             scales=ParamSpec((1, *O), (None, *out_axes), f"scale:{0.02 / 64}", r, "float32"),
             act_scale=ParamSpec((), (), "ones", 1, "float32") if q.activations == "static" else None,
-            scheme=scheme, layout=lay)
+            scheme=scheme,
+            layout=lay,
+        )
     pf, g = q.pack_factor, I if q.group_size == -1 else q.group_size
     if I % g or I % pf:
-        raise ValueError(f"{name}: input size {I} is not a multiple of quantization_config group_size {g} "
-                         f"({q.source}).")
+        raise ValueError(
+            f"{name}: input size {I} is not a multiple of quantization_config group_size {g} ({q.source})."
+        )
     k = I // shards
     if row_parallel and k % (pf if q.act_order or q.group_size == -1 else g):
-        raise ValueError(f"The input size is not aligned with the quantized weight shape: {name} has {I} input rows, "
-                         f"{k} per shard at tensor_parallel_size={tp}, not a multiple of group_size {g}. This "
-                         f"can be caused by too large tensor parallel size.")
+        raise ValueError(
+            f"The input size is not aligned with the quantized weight shape: {name} has {I} input rows, "
+            f"{k} per shard at tensor_parallel_size={tp}, not a multiple of group_size {g}. This "
+            f"can be caused by too large tensor parallel size."
+        )
     group = -1 if q.group_size == -1 else math.gcd(g, k)  # == g unless act-order shards split groups
     # No plane divides the group: the kernel declines the weight. Shards smaller than the kernel's smallest tile
     # (tiny test models) are one exact tile of k / P-row planes instead of a mostly padded one; the kernel declines
@@ -243,13 +251,24 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     scale_init = f"scale:{0.02 / spread}"
     group_axes, ckpt_group_axes = (lay.group_axis, *out_axes), (ckpt_group_axis, *out_axes)
     return QuantizedWeight(
-        packed=leaf("packed", (shards * kp // P, *O), (in_axis, *out_axes), f"int{q.bits}", "int32",
-                    lay, (I // pf, *ckpt_O), (in_axis, *out_axes)),
+        packed=leaf(
+            "packed",
+            (shards * kp // P, *O),
+            (in_axis, *out_axes),
+            f"int{q.bits}",
+            "int32",
+            lay,
+            (I // pf, *ckpt_O),
+            (in_axis, *out_axes),
+        ),
         scales=leaf("scales", (ng_dev, *O), group_axes, scale_init, dtype, lay, (I // g, *ckpt_O), ckpt_group_axes),
-        zeros=None if q.symmetric else leaf("zeros", (ng_dev, *O), group_axes, f"zp{q.bits}", dtype, lay,
-                                            (I // g, *ckpt_O), ckpt_group_axes),
+        zeros=None
+        if q.symmetric
+        else leaf("zeros", (ng_dev, *O), group_axes, f"zp{q.bits}", dtype, lay, (I // g, *ckpt_O), ckpt_group_axes),
         perm=ParamSpec((I,), (in_axis,), "arange", 1, "int32") if q.act_order else None,
-        scheme=scheme, layout=lay)
+        scheme=scheme,
+        layout=lay,
+    )
 
 
 def hf_modules(cfg, key: str) -> tuple[str, ...]:
@@ -263,10 +282,13 @@ def hf_modules(cfg, key: str) -> tuple[str, ...]:
         p, (gate, up, down) = expert_linear_names(cfg)
         names = (gate, up) if key == "w_experts_gate_up" else (down,)
         return tuple(f"{p}experts.{e}.{n}" for n in names for e in range(cfg.moe.num_experts))
-    return {"wo": ("self_attn.o_proj",), "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-            "w_down": ("mlp.down_proj",), "w_shared_gate_up": ("mlp.shared_expert.gate_proj",
-                                                               "mlp.shared_expert.up_proj"),
-            "w_shared_down": ("mlp.shared_expert.down_proj",)}[key]
+    return {
+        "wo": ("self_attn.o_proj",),
+        "w_gate_up": ("mlp.gate_proj", "mlp.up_proj"),
+        "w_down": ("mlp.down_proj",),
+        "w_shared_gate_up": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+        "w_shared_down": ("mlp.shared_expert.down_proj",),
+    }[key]
 
 
 def layer_linears(cfg, layer: int) -> tuple[str, ...]:
@@ -288,8 +310,10 @@ def quantized_keys(cfg, layer: int) -> tuple[str, ...]:
         if any(ignored) and not all(ignored):
             kept = [m for m, i in zip(modules, ignored, strict=True) if i]
             quantized = [m for m, i in zip(modules, ignored, strict=True) if not i]
-            raise ValueError(f"{q.source} keeps {_some(kept)} unquantized but quantizes {_some(quantized)}; jaxllm "
-                             "fuses them into one weight, so they must be quantized alike.")
+            raise ValueError(
+                f"{q.source} keeps {_some(kept)} unquantized but quantizes {_some(quantized)}; jaxllm "
+                "fuses them into one weight, so they must be quantized alike."
+            )
         if not any(ignored):
             out.append(key)
     return tuple(out)

@@ -43,9 +43,19 @@ def linear_shape(cfg, module: str) -> tuple[int, int]:
     elif ".shared_expert." in module:
         F = cfg.moe.shared_intermediate_size
     leaf = module.rsplit(".", 1)[-1]
-    return {"q_proj": (D, NH), "k_proj": (D, KH), "v_proj": (D, KH), "W_pack": (D, 3 * NH), "o_proj": (NH, D),
-            "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D), "w1": (D, F), "w3": (D, F),
-            "w2": (F, D)}[leaf]
+    return {
+        "q_proj": (D, NH),
+        "k_proj": (D, KH),
+        "v_proj": (D, KH),
+        "W_pack": (D, 3 * NH),
+        "o_proj": (NH, D),
+        "gate_proj": (D, F),
+        "up_proj": (D, F),
+        "down_proj": (F, D),
+        "w1": (D, F),
+        "w3": (D, F),
+        "w2": (F, D),
+    }[leaf]
 
 
 def _unpack(x: np.ndarray, bits: int, axis: int) -> np.ndarray:
@@ -74,20 +84,30 @@ class QuantLoader:
         if not q.serialized:
             return {"weight": ((O, I), scale_dtypes)}
         if q.method == "gptq":
-            t = {"qweight": ((I // pf, O), ("int32",)), "scales": ((ng, O), scale_dtypes),
-                 "qzeros": ((ng, O // pf), ("int32",)), "g_idx" + ("" if q.act_order else "?"): ((I,), ("int32",))}
+            t = {
+                "qweight": ((I // pf, O), ("int32",)),
+                "scales": ((ng, O), scale_dtypes),
+                "qzeros": ((ng, O // pf), ("int32",)),
+                "g_idx" + ("" if q.act_order else "?"): ((I,), ("int32",)),
+            }
             return t
         if q.method == "awq":
-            return {"qweight": ((I, O // pf), ("int32",)), "scales": ((ng, O), scale_dtypes),
-                    "qzeros" + ("?" if q.symmetric else ""): ((ng, O // pf), ("int32",))}
+            return {
+                "qweight": ((I, O // pf), ("int32",)),
+                "scales": ((ng, O), scale_dtypes),
+                "qzeros" + ("?" if q.symmetric else ""): ((ng, O // pf), ("int32",)),
+            }
         if q.weight_type == "float":
             t = {"weight": ((O, I), ("float8_e4m3fn",)), "weight_scale": (None, ("float32", *scale_dtypes))}
             if q.activations == "static":
                 t["input_scale"] = (None, ("float32", *scale_dtypes))
             return t
         if q.method == "compressed-tensors" and q.activations is None:  # pack-quantized W4A16 / W8A16
-            t = {"weight_packed": ((O, I // pf), ("int32",)), "weight_scale": ((O, ng), scale_dtypes),
-                 "weight_shape?": ((2,), ("int64", "int32"))}
+            t = {
+                "weight_packed": ((O, I // pf), ("int32",)),
+                "weight_scale": ((O, ng), scale_dtypes),
+                "weight_shape?": ((2,), ("int64", "int32")),
+            }
             if not q.symmetric:
                 t["weight_zero_point"] = ((O // pf, ng), ("int32",))
             if q.act_order:
@@ -117,20 +137,34 @@ class QuantLoader:
                     dense = f"{module}.weight" in r and full != f"{module}.weight"
                     raise ValueError(
                         f"Checkpoint is missing tensor {full!r}, which {q.describe()} ({q.source} in "
-                        f"{self._config_file()}) needs" + (f"; {module}.weight is there unquantized, so the "
-                                                           "config does not belong to these weights." if dense else "."))
+                        f"{self._config_file()}) needs"
+                        + (
+                            f"; {module}.weight is there unquantized, so the config does not belong to these weights."
+                            if dense
+                            else "."
+                        )
+                    )
                 got, dtype = tuple(r.shape(full)), r.dtype(full)
                 if shape is not None and got != shape:
-                    raise ValueError(f"Tensor {full!r} in {r.file_of(full)} has shape {got}, but {q.source} in "
-                                     f"{self._config_file()} ({self._fields()}) implies {shape}; the config does not "
-                                     "describe these weights.")
+                    raise ValueError(
+                        f"Tensor {full!r} in {r.file_of(full)} has shape {got}, but {q.source} in "
+                        f"{self._config_file()} ({self._fields()}) implies {shape}; the config does not "
+                        "describe these weights."
+                    )
                 if dtype not in dtypes:
-                    raise ValueError(f"Tensor {full!r} in {r.file_of(full)} has dtype {dtype}, but {q.describe()} "
-                                     f"({q.source}) stores it as {' or '.join(dtypes)}.")
-                if name.startswith("weight_scale") and q.weight_type == "float" and math.prod(got) not in (
-                        1, linear_shape(self.cfg, module)[1]):
-                    raise ValueError(f"Tensor {full!r} in {r.file_of(full)} has shape {got}: fp8 weight scales must be "
-                                     "per tensor or per output channel.")
+                    raise ValueError(
+                        f"Tensor {full!r} in {r.file_of(full)} has dtype {dtype}, but {q.describe()} "
+                        f"({q.source}) stores it as {' or '.join(dtypes)}."
+                    )
+                if (
+                    name.startswith("weight_scale")
+                    and q.weight_type == "float"
+                    and math.prod(got) not in (1, linear_shape(self.cfg, module)[1])
+                ):
+                    raise ValueError(
+                        f"Tensor {full!r} in {r.file_of(full)} has shape {got}: fp8 weight scales must be "
+                        "per tensor or per output channel."
+                    )
 
     def _config_file(self) -> str:
         folder = os.path.dirname(self.reader.files[0]) if self.reader.files else "."
@@ -214,8 +248,10 @@ class QuantLoader:
         if q.act_order:
             g = [p["g_idx"] for p in parts]
             if any(not np.array_equal(g[0], x) for x in g[1:]):
-                raise ValueError(f"{', '.join(modules)} have different g_idx; jaxllm fuses them into one weight and "
-                                 "needs one act-order permutation for them.")
+                raise ValueError(
+                    f"{', '.join(modules)} have different g_idx; jaxllm fuses them into one weight and "
+                    "needs one act-order permutation for them."
+                )
             values, out["perm"] = _sort_by_group(values, g[0], q.group_size, modules)
         out["packed"] = pack_int(values, q.bits)
         return out
@@ -227,8 +263,10 @@ class QuantLoader:
         if not q.serialized:  # vLLM's dynamic fp8: one scale per tensor
             w = get("weight").astype(np.float32)
             scale = max(float(np.abs(w).max()), 1e-12) / FP8_MAX
-            return {"q": np.clip(w.T / scale, -FP8_MAX, FP8_MAX).astype(_FP8),
-                    "scales": np.full((1, O), scale, np.float32)}
+            return {
+                "q": np.clip(w.T / scale, -FP8_MAX, FP8_MAX).astype(_FP8),
+                "scales": np.full((1, O), scale, np.float32),
+            }
         if q.weight_type == "float":
             s = get("weight_scale").astype(np.float32).reshape(-1)
             out = {"q": get("weight").T, "scales": np.broadcast_to(s.reshape(1, -1), (1, O)).copy()}
@@ -244,12 +282,16 @@ class QuantLoader:
             if q.act_order:
                 out["g_idx"] = get("g_idx")
             elif g_name in self.reader and not np.array_equal(self.reader.get(g_name), np.arange(I) // (I // ng)):
-                raise ValueError(f"Tensor {g_name!r} in {self.reader.file_of(g_name)} orders the input rows "
-                                 f"(act-order), but {q.source} has desc_act=false.")
+                raise ValueError(
+                    f"Tensor {g_name!r} in {self.reader.file_of(g_name)} orders the input rows "
+                    f"(act-order), but {q.source} has desc_act=false."
+                )
             return out
         if q.method == "awq":
-            out = {"q": _unpack(get("qweight"), 4, 1).reshape(I, O // 8, 8)[..., np.argsort(AWQ_ORDER)].reshape(I, O),
-                   "scales": get("scales").astype(np.float32)}
+            out = {
+                "q": _unpack(get("qweight"), 4, 1).reshape(I, O // 8, 8)[..., np.argsort(AWQ_ORDER)].reshape(I, O),
+                "scales": get("scales").astype(np.float32),
+            }
             if not q.symmetric:
                 z = _unpack(get("qzeros"), 4, 1).reshape(ng, O // 8, 8)[..., np.argsort(AWQ_ORDER)]
                 out["zeros"] = z.reshape(ng, O)
@@ -259,8 +301,9 @@ class QuantLoader:
             if not q.symmetric:  # packed the same way, along the output dim
                 out["zeros"] = _unpack(get("weight_zero_point"), q.bits, 0).T
             if q.act_order:
-                out["g_idx"] = (get("weight_g_idx") if f"{module}.weight_g_idx" in self.reader
-                                else np.arange(I) // (I // ng))
+                out["g_idx"] = (
+                    get("weight_g_idx") if f"{module}.weight_g_idx" in self.reader else np.arange(I) // (I // ng)
+                )
             return out
         # compressed-tensors int-quantized (INT8 W8A8): signed int8, zero 0 -> unsigned with zero 128
         return {"q": get("weight").astype(np.int32).T + half, "scales": get("weight_scale").astype(np.float32).T}

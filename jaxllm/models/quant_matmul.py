@@ -46,17 +46,26 @@ def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = F
         return local(x, w)
     lay = w.layout
     row_parallel = lay.shards > 1
-    packed_axes = ((*lay.out_axes, lay.in_axis) if w.scheme.weight_type == "float"
-                   else (lay.in_axis, *lay.out_axes))
+    packed_axes = (*lay.out_axes, lay.in_axis) if w.scheme.weight_type == "float" else (lay.in_axis, *lay.out_axes)
     group = logical_to_spec((lay.group_axis, *lay.out_axes))
     specs = QuantizedWeight(
-        packed=logical_to_spec(packed_axes), scales=group, zeros=None if w.zeros is None else group,
+        packed=logical_to_spec(packed_axes),
+        scales=group,
+        zeros=None if w.zeros is None else group,
         perm=None if w.perm is None else logical_to_spec((lay.in_axis,)),
-        act_scale=None if w.act_scale is None else P(), scheme=w.scheme, layout=lay)
+        act_scale=None if w.act_scale is None else P(),
+        scheme=w.scheme,
+        layout=lay,
+    )
     x_spec = P(None, "tp") if row_parallel and w.perm is None else P()
     out_spec = P() if row_parallel else logical_to_spec((None, *lay.out_axes))
-    return jax.shard_map(functools.partial(local, psum=row_parallel), mesh=mesh, in_specs=(x_spec, specs),
-                         out_specs=out_spec, check_vma=False)(x, w)
+    return jax.shard_map(
+        functools.partial(local, psum=row_parallel),
+        mesh=mesh,
+        in_specs=(x_spec, specs),
+        out_specs=out_spec,
+        check_vma=False,
+    )(x, w)
 
 
 def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False):
@@ -72,8 +81,16 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
         if s.activations is not None:  # INT8 W8A8
             x = quantize_activations(x, w)
         flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
-        qw = qlayout.QuantizedWeight(qweight=flat(w.packed), scales=flat(w.scales), zeros=flat(w.zeros), perm=None,
-                                     bits=s.bits, group_size=lay.group_size, k=lay.k, plane=lay.plane)
+        qw = qlayout.QuantizedWeight(
+            qweight=flat(w.packed),
+            scales=flat(w.scales),
+            zeros=flat(w.zeros),
+            perm=None,
+            bits=s.bits,
+            group_size=lay.group_size,
+            k=lay.k,
+            plane=lay.plane,
+        )
         if kernels:
             y = quantized_matmul(x, qw, interpret=interpret)
         else:
@@ -98,5 +115,6 @@ def _fp8(x, w: QuantizedWeight, kernels: bool):
 def _dot_f32(x, dense):
     """x [T, K] @ dense [K, N] (the weight already rounded to x's dtype) with both widened to float32: the
     reference's float32 accumulation, which XLA's CPU dot does not take from 16-bit operands directly."""
-    return jnp.dot(x.astype(jnp.float32), dense.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST).astype(x.dtype)
+    return jnp.dot(x.astype(jnp.float32), dense.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST).astype(
+        x.dtype
+    )

@@ -88,13 +88,13 @@ def _eagle_layer(lp, attn_in, residual, kv, meta, cfg: ModelConfig, attn: Attent
     stream after it (the head's hidden state before any final norm)."""
     qkv = _proj(attn_in, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)
     inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
-    out, kv = paged_attention(qkv, kv, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, config=attn,
-                              dtype=residual.dtype)
+    out, kv = paged_attention(
+        qkv, kv, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, config=attn, dtype=residual.dtype
+    )
     x = residual + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _proj(h, lp["w_gate_up"], lp.get("b_gate_up"), "TD,DCF->TCF", attn)
-    return x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD",
-                     attn), kv
+    return x + _proj(jax.nn.silu(gate_up[:, 0]) * gate_up[:, 1], lp["w_down"], lp.get("b_down"), "TF,FD->TD", attn), kv
 
 
 def _head_forward(params, dparams, dkv, token_ids, feats, meta, drafter: Drafter, attn, from_target: bool):
@@ -103,15 +103,25 @@ def _head_forward(params, dparams, dkv, token_ids, feats, meta, drafter: Drafter
     cfg, lp = drafter.cfg, dparams["layer"]
     embeds = params["embed"][token_ids].astype(cfg.dtype)
     if drafter.method == "eagle":
-        x = _proj(jnp.concatenate([embeds, feats.astype(cfg.dtype)], -1), dparams["fc"], dparams.get("fc_bias"),
-                  "TE,ED->TD", attn)
+        x = _proj(
+            jnp.concatenate([embeds, feats.astype(cfg.dtype)], -1),
+            dparams["fc"],
+            dparams.get("fc_bias"),
+            "TE,ED->TD",
+            attn,
+        )
         attn_in = x
     else:
         x = feats.astype(cfg.dtype)
         if from_target:
             x = _proj(x, dparams["fc"], None, "TE,ED->TD", attn)
-        attn_in = jnp.concatenate([rms_norm(embeds, lp["attn_norm"], cfg.rms_norm_eps),
-                                   rms_norm(x, dparams["hidden_norm"], cfg.rms_norm_eps)], -1)
+        attn_in = jnp.concatenate(
+            [
+                rms_norm(embeds, lp["attn_norm"], cfg.rms_norm_eps),
+                rms_norm(x, dparams["hidden_norm"], cfg.rms_norm_eps),
+            ],
+            -1,
+        )
     h, kv = _eagle_layer(lp, attn_in, x, dkv[0], meta, cfg, attn)
     return [kv], h
 
@@ -123,8 +133,12 @@ def _head_tokens(params, dparams, h, drafter: Drafter):
         head = params["embed"] if "lm_head" not in params else params["lm_head"]
         logits = jnp.einsum("BD,VD->BV", h.astype(head.dtype), head, preferred_element_type=jnp.float32)
         return jnp.argmax(logits, -1).astype(jnp.int32)
-    logits = jnp.einsum("BD,VD->BV", rms_norm(h, dparams["final_norm"], cfg.rms_norm_eps), dparams["lm_head"],
-                        preferred_element_type=jnp.float32)
+    logits = jnp.einsum(
+        "BD,VD->BV",
+        rms_norm(h, dparams["final_norm"], cfg.rms_norm_eps),
+        dparams["lm_head"],
+        preferred_element_type=jnp.float32,
+    )
     ids = jnp.argmax(logits, -1).astype(jnp.int32)  # in the draft vocabulary: d2t maps it (offsets)
     return ids + dparams["d2t"][ids] if "d2t" in dparams else ids
 
@@ -142,8 +156,24 @@ def _propose_from(params, dparams, h, drafter: Drafter):
     return _head_tokens(params, dparams, h, drafter)
 
 
-def draft_step_fn(params, dparams, dkv, ints, floats, prev_in, prev_out, feats, emitted, next_ids, num_pages,
-                  layout: PackedLayout, *, drafter: Drafter, attn: AttentionConfig, block_size: int):
+def draft_step_fn(
+    params,
+    dparams,
+    dkv,
+    ints,
+    floats,
+    prev_in,
+    prev_out,
+    feats,
+    emitted,
+    next_ids,
+    num_pages,
+    layout: PackedLayout,
+    *,
+    drafter: Drafter,
+    attn: AttentionConfig,
+    block_size: int,
+):
     """The draft program of one target step (see the module docstring). params: the target's (embedding and
     output head, shared by EAGLE heads); dparams / dkv: the drafter's weights and KV (donated); ints, floats,
     layout: the step's packed host inputs; prev_in / prev_out: prev_tokens before / after the step (tokens fed
@@ -175,14 +205,19 @@ def draft_step_fn(params, dparams, dkv, ints, floats, prev_in, prev_out, feats, 
         chunk_ids = jnp.maximum(tokens, 0)
         chunk_feats = feats[logits_slot[0]]  # the verify rows, [B * (K + 1), F] (repeated past a row's drafts)
     else:  # [the last known token, the emitted ones]
-        chunk_ids = jnp.concatenate([token_ids[jnp.minimum(qsl[:B], token_ids.shape[0] - 1)][:, None],
-                                     jnp.maximum(tokens, 0)], axis=1)
+        chunk_ids = jnp.concatenate(
+            [token_ids[jnp.minimum(qsl[:B], token_ids.shape[0] - 1)][:, None], jnp.maximum(tokens, 0)], axis=1
+        )
         chunk_feats = None
     n_live = live.sum()
     chunk_meta = AttentionMetadata(
-        pos.reshape(-1), _slots(meta.block_tables, pos, num_pages, live, S).reshape(-1),
+        pos.reshape(-1),
+        _slots(meta.block_tables, pos, num_pages, live, S).reshape(-1),
         jnp.where(live, start + R, 0).astype(jnp.int32),
-        (R * jnp.minimum(jnp.arange(B + 1), n_live)).astype(jnp.int32), meta.block_tables, False)
+        (R * jnp.minimum(jnp.arange(B + 1), n_live)).astype(jnp.int32),
+        meta.block_tables,
+        False,
+    )
     dkv, h = _pass(params, dparams, dkv, chunk_ids.reshape(-1), chunk_feats, chunk_meta, drafter, attn, True)
     # The row of the last emitted token: e - 1 for the draft model's [known, emitted...], e - 1 for EAGLE's
     # pairs (feature j, token j + 1) whose token is the last emitted one.
@@ -196,8 +231,14 @@ def draft_step_fn(params, dparams, dkv, ints, floats, prev_in, prev_out, feats, 
     def step(i, carry):
         dkv, h, tok, out = carry
         p = p0 + i
-        m = AttentionMetadata(p, _slots(meta.block_tables, p, num_pages, live, S), jnp.where(live, p + 1, 0),
-                              jnp.arange(B + 1, dtype=jnp.int32), meta.block_tables, True)
+        m = AttentionMetadata(
+            p,
+            _slots(meta.block_tables, p, num_pages, live, S),
+            jnp.where(live, p + 1, 0),
+            jnp.arange(B + 1, dtype=jnp.int32),
+            meta.block_tables,
+            True,
+        )
         dkv, h = _pass(params, dparams, dkv, tok, h, m, drafter, attn, False)
         tok = _propose_from(params, dparams, h, drafter)
         return dkv, h, tok, out.at[:, i].set(tok)

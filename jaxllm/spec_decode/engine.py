@@ -15,8 +15,9 @@ class SpecDecoding:
         if self.drafter is None:
             from jaxllm.spec_decode.ngram import NgramProposer
 
-            self.proposer = NgramProposer(self.config.prompt_lookup_min, self.config.prompt_lookup_max,
-                                          self.config.num_speculative_tokens)
+            self.proposer = NgramProposer(
+                self.config.prompt_lookup_min, self.config.prompt_lookup_max, self.config.num_speculative_tokens
+            )
 
     @property
     def scheduler_kwargs(self) -> dict:
@@ -34,9 +35,12 @@ class SpecDecoding:
         device."""
         for seq in running:
             sp = seq.sampling_params
-            if (seq.num_pending or seq.num_computed_tokens != seq.num_known_tokens - 1
-                    or sp is not None and (sp.structured_outputs is not None or sp.bad_words
-                                           or len(seq.output_token_ids) < sp.min_tokens)):
+            if (
+                seq.num_pending
+                or seq.num_computed_tokens != seq.num_known_tokens - 1
+                or sp is not None
+                and (sp.structured_outputs is not None or sp.bad_words or len(seq.output_token_ids) < sp.min_tokens)
+            ):
                 seq.spec_token_ids = []
             elif self.proposer is not None:
                 seq.spec_token_ids = self.proposer.propose(seq)
@@ -59,5 +63,9 @@ class SpecDecoding:
 
     def stats(self, sd) -> SpecDecodeStats:
         """EngineStats' copy of the scheduler's counters."""
-        return SpecDecodeStats(sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens,
-                               list(sd.num_accepted_tokens_per_pos) or [0] * self.config.num_speculative_tokens)
+        return SpecDecodeStats(
+            sd.num_drafts,
+            sd.num_draft_tokens,
+            sd.num_accepted_tokens,
+            list(sd.num_accepted_tokens_per_pos) or [0] * self.config.num_speculative_tokens,
+        )

@@ -63,7 +63,7 @@ def _tensor_names(model_dir: str) -> set[str]:
 
 
 def _strip(name: str) -> str:
-    return name[len("model."):] if name.startswith("model.") else name
+    return name[len("model.") :] if name.startswith("model.") else name
 
 
 def head_config(model_dir: str, method: str, dtype: str) -> tuple[ModelConfig, dict]:
@@ -78,11 +78,14 @@ def head_config(model_dir: str, method: str, dtype: str) -> tuple[ModelConfig, d
 def feature_layers(hf: dict, target_layers: int) -> tuple[int, ...]:
     """EAGLE-3's feature layers: the config's, else vLLM's default (2, L // 2, L - 3)."""
     ids = hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids")
+        "eagle_aux_hidden_state_layer_ids"
+    )
     layers = tuple(ids) if ids else (2, target_layers // 2, target_layers - 3)
     if not layers or not all(0 <= i < target_layers for i in layers):
-        raise ValueError(f"EAGLE-3 feature layers {layers} do not fit a target of {target_layers} layers "
-                         "(eagle_aux_hidden_state_layer_ids, or a target with at least 4 layers).")
+        raise ValueError(
+            f"EAGLE-3 feature layers {layers} do not fit a target of {target_layers} layers "
+            "(eagle_aux_hidden_state_layer_ids, or a target with at least 4 layers)."
+        )
     return layers
 
 
@@ -99,8 +102,11 @@ def head_specs(method: str, cfg: ModelConfig, hf: dict, target_hidden: int, tp: 
     else:
         qkv = layer["w_qkv"]
         layer["w_qkv"] = ParamSpec((2 * D,) + qkv.shape[1:], qkv.axes, kv_repeat=qkv.kv_repeat)
-        n = len(hf.get("eagle_aux_hidden_state_layer_ids") or (hf.get("eagle_config") or {}).get(
-            "eagle_aux_hidden_state_layer_ids") or (0, 0, 0))
+        n = len(
+            hf.get("eagle_aux_hidden_state_layer_ids")
+            or (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            or (0, 0, 0)
+        )
         specs["fc"] = ParamSpec((n * hf.get("target_hidden_size", target_hidden), D), (None, "embed"))
         specs["hidden_norm"] = ParamSpec((D,), ("embed",), "ones")
         specs["final_norm"] = ParamSpec((D,), ("embed",), "ones")
@@ -136,8 +142,16 @@ def _host_weights(reader: CheckpointReader, method: str, cfg: ModelConfig, specs
     return out
 
 
-def load_head(model_dir: str, method: str, cfg: ModelConfig, hf: dict, target_hidden: int, mesh,
-              load_format: str = "auto", seed: int = 0):
+def load_head(
+    model_dir: str,
+    method: str,
+    cfg: ModelConfig,
+    hf: dict,
+    target_hidden: int,
+    mesh,
+    load_format: str = "auto",
+    seed: int = 0,
+):
     """The head's params, created sharded over mesh (load_format="dummy": random weights, d2t zero)."""
     import jax.numpy as jnp
 
@@ -159,7 +173,8 @@ def load_head(model_dir: str, method: str, cfg: ModelConfig, hf: dict, target_hi
         key = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
         x = spec.expand(np.asarray(host[key]).astype(spec.dtype or dtype))
         if x.shape != spec.shape:
-            raise ValueError(f"The {method} head's {'/'.join(map(str, key))} has shape {x.shape}; its config "
-                             f"gives {spec.shape}.")
+            raise ValueError(
+                f"The {method} head's {'/'.join(map(str, key))} has shape {x.shape}; its config gives {spec.shape}."
+            )
         leaves.append(jax.make_array_from_callback(x.shape, sharding, lambda idx, h=x: h[idx]))
     return jax.tree.unflatten(jax.tree.structure(specs, is_leaf=is_spec), leaves)

@@ -61,7 +61,7 @@ class NgramProposer:
             buf[n : len(prompt)] = prompt[n:]
             n = len(prompt)
         if n < total:
-            buf[n:total] = output[n - len(prompt):]
+            buf[n:total] = output[n - len(prompt) :]
         self._buffers[seq] = (buf, total)
         return buf[:total]
 

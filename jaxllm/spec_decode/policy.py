@@ -69,7 +69,11 @@ class SpecPolicy:
             self._idle_steps = 0
             return True
         self._idle_steps += 1
-        if self.disable_by_batch_size is None and self._idle_steps >= PROBE_EVERY and self.pays(batch, 1 + self.num_spec):
+        if (
+            self.disable_by_batch_size is None
+            and self._idle_steps >= PROBE_EVERY
+            and self.pays(batch, 1 + self.num_spec)
+        ):
             self._idle_steps = 0
             return True
         return False

@@ -41,8 +41,16 @@ class Speculation:
         else:
             from jaxllm.spec_decode.heads import load_head
 
-            self.draft_params = load_head(self.config.model, d.method, d.cfg, self.draft_hf, d.target_hidden, mesh,
-                                          load_format=load_format, seed=seed)
+            self.draft_params = load_head(
+                self.config.model,
+                d.method,
+                d.cfg,
+                self.draft_hf,
+                d.target_hidden,
+                mesh,
+                load_format=load_format,
+                seed=seed,
+            )
         jax.block_until_ready(self.draft_params)
 
     @property
@@ -58,8 +66,12 @@ class Speculation:
         return ModelRunner.kv_bytes_per_block(self.drafter.cfg, block_size, "auto", tp)
 
     def runner_kwargs(self) -> dict:
-        return dict(num_spec_tokens=self.config.num_speculative_tokens, spec_max_seqs=self.policy.max_seqs,
-                    drafter=self.drafter, draft_params=self.draft_params)
+        return dict(
+            num_spec_tokens=self.config.num_speculative_tokens,
+            spec_max_seqs=self.policy.max_seqs,
+            drafter=self.drafter,
+            draft_params=self.draft_params,
+        )
 
 
 def plan(spec: SpeculativeConfig, target: ModelConfig, *, gpu: bool, max_num_seqs: int) -> Speculation:
@@ -78,7 +90,8 @@ def plan(spec: SpeculativeConfig, target: ModelConfig, *, gpu: bool, max_num_seq
             raise ValueError(
                 f"Target and draft model should have the same vocabulary size. Target model vocab_size="
                 f"{target.vocab_size}. Draft model vocab_size={dcfg.vocab_size}. Using models with different "
-                "tokenizers can cause out-of-bounds errors during speculative decoding.")
+                "tokenizers can cause out-of-bounds errors during speculative decoding."
+            )
         if dcfg.quantization is not None:
             raise ValueError("speculative_config: quantized draft models are not supported yet.")
         drafter = Drafter("draft_model", dcfg, K, target.hidden_size)
@@ -89,11 +102,15 @@ def plan(spec: SpeculativeConfig, target: ModelConfig, *, gpu: bool, max_num_seq
             raise ValueError(f"{method} heads are supported for Llama-family targets; got {target.architecture}.")
         dcfg, hf = head_config(spec.model, method, target.dtype)
         if hf["vocab_size"] != target.vocab_size:
-            raise ValueError(f"The {method} head's vocab_size={hf['vocab_size']} differs from the target model's "
-                             f"vocab_size={target.vocab_size}: the head was trained for another model.")
+            raise ValueError(
+                f"The {method} head's vocab_size={hf['vocab_size']} differs from the target model's "
+                f"vocab_size={target.vocab_size}: the head was trained for another model."
+            )
         if dcfg.hidden_size != target.hidden_size and (method == "eagle" or "target_hidden_size" not in hf):
-            raise ValueError(f"The {method} head's hidden_size={dcfg.hidden_size} differs from the target model's "
-                             f"hidden_size={target.hidden_size}.")
+            raise ValueError(
+                f"The {method} head's hidden_size={dcfg.hidden_size} differs from the target model's "
+                f"hidden_size={target.hidden_size}."
+            )
         layers = feature_layers(hf, target.num_layers) if method == "eagle3" else ()
         drafter = Drafter(method, dcfg, K, hf.get("target_hidden_size", target.hidden_size), layers)
     policy = SpecPolicy(K, TOKENS_PER_WEIGHT_READ["gpu" if gpu else "cpu"], spec.disable_by_batch_size)
