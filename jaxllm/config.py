@@ -11,9 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from jaxllm.quantization import QuantConfig, resolve_quantization
+from jaxllm.rope import RopeConfig, rope_config
 
 # HF architectures name -> our family. Baichuan's two spellings: 7B "BaiChuan", 13B / Baichuan2 "Baichuan".
 ARCHITECTURES = {
@@ -47,35 +46,6 @@ DTYPES = {
     "float": "float32",
 }
 
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic")
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-    def inv_freq(self, head_dim: int) -> np.ndarray:
-        """[H/2] float64 inverse frequencies, with Llama-3.1's frequency-dependent scaling if configured."""
-        inv = 1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
-        if self.rope_type == "linear":
-            return inv / self.factor
-        if self.rope_type != "llama3":
-            return inv
-        low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
-        high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
-        wavelen = 2 * np.pi / inv
-        smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
-            self.high_freq_factor - self.low_freq_factor
-        )
-        scaled = np.where(wavelen > low_wavelen, inv / self.factor, inv)
-        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-        return np.where(mid, (1 - smooth) * scaled / self.factor + smooth * scaled, scaled)
-
 
 @dataclass(frozen=True)
 class MoeConfig:
@@ -95,8 +65,10 @@ class MoeConfig:
 @dataclass(frozen=True)
 class LayerKind:
     """What can differ between the layers of one model (a static argument of the layer's trace: layers of the
-    same kind share it). sliding_window None: global attention."""
+    same kind share it). sliding_window None: global attention. attn_scale: what q.k is multiplied by, RoPE's
+    attention factor included (YaRN scales cos and sin, so q and k, by it; the kernels take it as this scale)."""
 
+    attn_scale: float
     sliding_window: int | None = None
     rope: RopeConfig = field(default_factory=RopeConfig)
     moe: bool = False
@@ -146,16 +118,32 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
+        """The score scale before RoPE's attention factor (LayerKind.attn_scale is the one a layer runs)."""
         return self.head_dim**-0.5 if self.query_scale is None else self.query_scale
 
     def layer_kind(self, i: int) -> LayerKind:
         sliding = self.layer_types is None or self.layer_types[i] == "sliding_attention"
         rope = self.rope_local if sliding and self.rope_local is not None else self.rope
+        rope_factor = rope.attention_factor if self.position_embedding == "rope" else 1.0
         return LayerKind(
+            attn_scale=self.attn_scale * rope_factor * rope_factor,
             sliding_window=self.sliding_window if sliding else None,
             rope=rope,
             moe=self.moe is not None and i not in self.moe.dense_layers,
         )
+
+    def derived_max_model_len(self) -> tuple[int, str]:
+        """vLLM's _get_and_verify_max_len: max_position_embeddings times rope_scaling's factor (yarn:
+        original_max_position_embeddings times it), except for llama3 scaling and Gemma 3, whose
+        max_position_embeddings already counts it. Returns the length and what it was derived from."""
+        rope, length, key = self.rope, self.max_position_embeddings, "max_position_embeddings"
+        if self.architecture == "gemma3" or rope.rope_type == "llama3":
+            return length, f"{key}={length}"
+        if rope.rope_type == "yarn":
+            length, key = rope.original_max_position_embeddings, "original_max_position_embeddings"
+        elif rope.factor == 1.0:
+            return length, f"{key}={length}"
+        return int(length * rope.factor), f"{key}={length} times rope_scaling factor {rope.factor}"
 
     @classmethod
     def from_hf(
@@ -205,14 +193,14 @@ class ModelConfig:
         )
         if family in ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe"):
             kw["qkv_bias"] = kw["o_bias"] = bool(hf.get("attention_bias", False))
-            kw["rope"] = _rope_config(hf)
+            kw["rope"] = rope_config(hf)
         if family in ("llama", "mistral"):
             kw["mlp_bias"] = bool(hf.get("mlp_bias", False))
         if family in ("mistral", "mixtral"):
             kw["sliding_window"] = hf.get("sliding_window")
         if family in ("qwen2", "qwen2_moe"):
             kw["qkv_bias"] = True
-            kw["rope"] = _rope_config(hf)
+            kw["rope"] = rope_config(hf)
         if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True (Qwen per-layer sliding windows) is not supported.")
         if family in ("qwen3", "qwen3_moe"):
@@ -228,7 +216,7 @@ class ModelConfig:
             # 125696) normalises lm_head rows.
             kw["fused_qkv"] = True
             kw["position_embedding"] = "alibi" if D == 5120 or hf.get("position_embedding") == "alibi" else "rope"
-            kw["rope"] = _rope_config(hf)
+            kw["rope"] = rope_config(hf)
             kw["normalize_lm_head"] = kw["vocab_size"] == 125696
         return cls(**kw)
 
@@ -290,16 +278,19 @@ def _gemma_fields(hf: dict[str, Any], family: str, num_layers: int) -> dict[str,
         raise ValueError("use_bidirectional_attention=True (an embedding model) is not supported.")
     if family == "gemma2":
         out["attn_softcap"] = hf.get("attn_logit_softcapping")
-        out["rope"] = _rope_config(hf)
+        out["rope"] = rope_config(hf)
         return out
     # Gemma 3: HF's attention takes no soft-capping (attn_logit_softcapping is unused there, as in vLLM).
     out["qk_norm"] = True
     params = hf.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:  # transformers 5: one entry per layer type
-        out["rope"] = _rope_config({"rope_parameters": params.get("full_attention") or {}, "rope_theta": 1e6})
-        out["rope_local"] = _rope_config({"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4})
+        ctx = {"max_position_embeddings": hf.get("max_position_embeddings")}
+        out["rope"] = rope_config(ctx | {"rope_parameters": params.get("full_attention") or {}, "rope_theta": 1e6})
+        out["rope_local"] = rope_config(
+            ctx | {"rope_parameters": params.get("sliding_attention") or {}, "rope_theta": 1e4}
+        )
     else:  # rope_theta + rope_scaling for global layers, rope_local_base_freq (unscaled) for sliding ones
-        out["rope"] = _rope_config(dict(hf, rope_theta=hf.get("rope_theta", 1e6)))
+        out["rope"] = rope_config(dict(hf, rope_theta=hf.get("rope_theta", 1e6)))
         out["rope_local"] = RopeConfig(theta=float(hf.get("rope_local_base_freq", 1e4)))
     return out
 
@@ -318,29 +309,6 @@ def stored_dtype(hf: dict[str, Any]) -> str:
     """The dtype config.json says the weights are stored in (bfloat16 when it says nothing usable)."""
     stored = str(hf.get("torch_dtype") or hf.get("dtype") or "bfloat16").replace("torch.", "")
     return DTYPES.get(stored, "bfloat16")
-
-
-def _rope_config(hf: dict[str, Any]) -> RopeConfig:
-    # transformers < 5 writes rope_theta + rope_scaling; transformers 5 writes rope_parameters.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    params.update(scaling)
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; use one of {ROPE_TYPES}.")
-    if rope_type == "dynamic":
-        # Dynamic NTK changes frequencies with the sequence length; within the original context it is
-        # plain RoPE, which is what we run. Longer contexts are refused by max_model_len.
-        rope_type = "default"
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
-    )
 
 
 def read_hf_config(config: str | os.PathLike | dict[str, Any]) -> dict[str, Any]:

@@ -89,10 +89,10 @@ def test_hf_baseline_budget_skips_modes(tmp_path):
 
 
 def test_llama31_shape_has_its_rope_scaling():
-    from jaxllm.config import _rope_config
+    from jaxllm.rope import rope_config
 
     cfg = common.SHAPES["llama3.1-8b"]
-    rope = _rope_config(cfg)
+    rope = rope_config(cfg)
     assert cfg["max_position_embeddings"] == 131072 and rope.rope_type == "llama3" and rope.factor == 8.0
     assert common.ModelMath.from_config(cfg) == common.ModelMath.from_config(common.SHAPES["llama3-8b"])
 

@@ -38,7 +38,7 @@ def test_llama31_rope_scaling_and_dtypes():
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "architectures"),
         ({"hidden_act": "gelu"}, "hidden_act"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type"),
+        ({"rope_scaling": {"rope_type": "su", "short_factor": [1.0], "long_factor": [1.0]}}, "rope_type"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
         ({"vocab_size": None}, "vocab_size"),
     ],

@@ -59,6 +59,21 @@ def hf_config(arch: str):
         return Qwen2Config(**_COMMON, tie_word_embeddings=True)
     if arch == "qwen3":  # head_dim 32 != hidden / heads, as Qwen3-0.6B's 128 != 1024 / 16
         return Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True)
+    if arch in ("qwen2_yarn", "qwen3_yarn"):  # Qwen's long-context recipe, its original context shrunk to 64
+        # Larger weights than HF's init: peaked attention, which YaRN's attention factor changes visibly.
+        config = Qwen2Config if arch == "qwen2_yarn" else Qwen3Config
+        extra = dict(tie_word_embeddings=True) if arch == "qwen2_yarn" else dict(head_dim=32)
+        return config(
+            **dict(_COMMON, max_position_embeddings=64),
+            **extra,
+            initializer_range=0.1,
+            rope_theta=10000.0,
+            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64),
+        )
+    if arch == "qwen2_dynamic":  # dynamic NTK: HF's base at 64 tokens is vLLM's (and jaxllm's) at every length
+        return Qwen2Config(
+            **dict(_COMMON, max_position_embeddings=32), rope_scaling=dict(rope_type="dynamic", factor=2.0)
+        )
     if arch == "llama32":  # Llama-3.2-1B's layout: tied embeddings, llama3 RoPE scaling (factor 32)
         return LlamaConfig(
             **_COMMON,

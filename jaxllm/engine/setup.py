@@ -256,12 +256,12 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
             )
         else:
             cfg = replace(cfg, expert_parallel=True)
-    derived = cfg.max_position_embeddings
+    derived, derived_from = cfg.derived_max_model_len()
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
         raise ValueError(
             f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
-            f"(max_position_embeddings={derived} in model's config.json)."
+            f"({derived}: {derived_from} in model's config.json)."
         )
     gpu = _is_gpu()
     max_num_seqs, max_num_batched_tokens = default_limits(args, gpu, _gpu_device() if gpu else None)

@@ -150,7 +150,7 @@ def decoder_layer(
         qkv,
         kv_cache,
         meta,
-        scale=cfg.attn_scale,
+        scale=kind.attn_scale,
         rope_inv_freq=inv_freq,
         alibi_slopes=slopes,
         sliding_window=kind.sliding_window,

@@ -87,9 +87,10 @@ def _eagle_layer(lp, attn_in, residual, kv, meta, cfg: ModelConfig, attn: Attent
     normed embedding and feature side by side, [T, 2D]) added to residual, then the MLP. Returns the residual
     stream after it (the head's hidden state before any final norm)."""
     qkv = _proj(attn_in, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)
-    inv_freq = jnp.asarray(cfg.rope.inv_freq(cfg.head_dim), jnp.float32)
+    kind = cfg.layer_kind(0)  # a Llama layer: its RoPE (a head's rope_scaling included) and score scale
+    inv_freq = jnp.asarray(kind.rope.inv_freq(cfg.head_dim), jnp.float32)
     out, kv = paged_attention(
-        qkv, kv, meta, scale=cfg.head_dim**-0.5, rope_inv_freq=inv_freq, config=attn, dtype=residual.dtype
+        qkv, kv, meta, scale=kind.attn_scale, rope_inv_freq=inv_freq, config=attn, dtype=residual.dtype
     )
     x = residual + _proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
