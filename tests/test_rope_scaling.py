@@ -200,3 +200,21 @@ def test_yarn_greedy_through_engine_with_hf_overrides(tmp_path):
     assert second.num_cached_tokens == 80
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks, "KV blocks leaked"
+
+
+@pytest.mark.parametrize("layout", ["rope_parameters", "rope_theta"])
+def test_rope_theta_override_reaches_either_config_layout(layout):
+    """--rope-theta / hf_overrides={"rope_theta": ...} set the base whether config.json keeps it at the top level
+    (transformers < 5) or inside rope_parameters (transformers 5, whose value rope_config reads first)."""
+    from jaxllm.engine.args import EngineArgs
+    from jaxllm.rope import rope_config
+
+    hf = {"max_position_embeddings": 64}
+    hf |= (
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+        if layout == "rope_parameters"
+        else {"rope_theta": 1e4}
+    )
+    for args in (EngineArgs(model="m", rope_theta=5e5), EngineArgs(model="m", hf_overrides={"rope_theta": 5e5})):
+        assert rope_config(args.overridden_config(hf)).theta == 5e5
+    assert rope_config(EngineArgs(model="m").overridden_config(hf)).theta == 1e4

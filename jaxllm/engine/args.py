@@ -132,6 +132,16 @@ class EngineArgs:
             overrides["rope_theta"] = self.rope_theta
         return overrides
 
+    def overridden_config(self, hf: dict) -> dict:
+        """config.json's dict with config_overrides() set over it. A rope_theta override also reaches a
+        transformers 5 config's rope_parameters, whose own rope_theta would otherwise win (jaxllm/rope.py)."""
+        overrides = self.config_overrides()
+        out = {**hf, **overrides}
+        rope = out.get("rope_parameters")
+        if "rope_theta" in overrides and isinstance(rope, dict) and "rope_theta" in rope:
+            out["rope_parameters"] = {**rope, "rope_theta": overrides["rope_theta"]}
+        return out
+
     def speculative(self) -> SpeculativeConfig | None:
         """speculative_config as the frozen SpeculativeConfig (ValueError in vLLM's words when it is invalid)."""
         if self.speculative_config is None:

@@ -220,8 +220,7 @@ def _build_engine_parts(args: EngineArgs, devices) -> EngineParts:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     path = resolve_model_dir(args)  # a model id downloads here
     hf = read_hf_config(path)
-    if args.config_overrides():  # vLLM's hf_overrides: attributes set over the config's
-        hf = {**hf, **args.config_overrides()}
+    hf = args.overridden_config(hf)  # vLLM's hf_overrides (and --rope-scaling / --rope-theta) over config.json
     # The tokenizer (and the transformers import) loads on a thread while jax starts its backend and the
     # engine's shapes are worked out; it must load before the weights and the compiles (_build_parts waits for
     # it there), so that a bad tokenizer fails in seconds, as in vLLM, not after minutes of loading.
