@@ -120,7 +120,7 @@ class _StubEngine:
         self.requests: set[str] = set()
         self.in_step, self.release = threading.Event(), threading.Event()
 
-    def add_request(self, request_id, prompt, params, priority=0):
+    def add_request(self, request_id, prompt, params, priority=0, lora_request=None):
         self.requests.add(request_id)
 
     def abort_request(self, request_id):

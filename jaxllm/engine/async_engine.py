@@ -44,7 +44,8 @@ class AsyncLLM:
         self._close_lock = threading.Lock()  # orders "check closed + queue an add" against closing
         self._profiling = False
         self.fatal_error: str | None = None  # the engine cannot go on (a process of a multi-process engine is lost)
-        self._multihost = engine.runner.multihost
+        # a multi-process engine's link to the other processes (jaxllm/engine/multihost.py), or None
+        self._multihost = getattr(getattr(engine, "runner", None), "multihost", None)
         if self._multihost is not None:
             self._multihost.watchdog.on_lost = self._lost
             self._multihost.watchdog.arm()
