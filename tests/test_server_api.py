@@ -11,7 +11,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.args import engine_kwargs, human_readable_int, parse_args
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 MODEL = "fake-model"
 
