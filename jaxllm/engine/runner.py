@@ -5,7 +5,7 @@ The runner prepares, launches and collects steps; it never compiles. Per step:
     has max_model_len / S columns), the padded attention inputs (inputs.py), the sampling arrays (packing.py)
     and the StepVariant that names the program to run;
   - launch: asks StepPrograms (programs.py, which owns every compiled program, its compiles and the executable
-    cache) for v's executable and calls it on the packed host inputs (packing.py); the KV cache is donated to
+    cache; its sampler-only programs in sampler_programs.py) for v's executable and calls it on the packed host inputs (packing.py); the KV cache is donated to
     every step. A step with non-default sampler flags whose whole program is not ready yet runs "split": the
     bucket's start-up program, then a sampler-only program;
   - collect: reads the sampled tokens back.
