@@ -83,7 +83,7 @@ def main(argv=None) -> dict:
     # Prefill every sequence (one big step), deliver its tokens: from here on every step is a decode.
     out = sched.schedule()
     p = runner.prepare(out)
-    runner._prev_rows = dict(p.sample_rows)
+    runner.host.prev_rows = dict(p.sample_rows)
     sched.update(out, {sid: 1 for sid in p.sample_rows})
     t_sched, t_prep, t_upd = [], [], []
     prev, prev_rows = None, None
@@ -93,7 +93,7 @@ def main(argv=None) -> dict:
         t1 = time.perf_counter()
         p = runner.prepare(out)
         pack_host_args(p.host_args)
-        runner._prev_rows = dict(p.sample_rows)
+        runner.host.prev_rows = dict(p.sample_rows)
         t2 = time.perf_counter()
         if prev is not None:
             sched.update(prev, {sid: 7 for sid in prev_rows})

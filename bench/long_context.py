@@ -119,7 +119,7 @@ def rooflines(math: common.ModelMath, batch: int, input_len: int, output_len: in
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
-    from jaxllm.engine.setup import request_device_memory
+    from jaxllm.engine.device_memory import request_device_memory
 
     # The engine's memory settings before the backend starts (LLM() would make the same call, too late once the
     # ceilings below have started it).

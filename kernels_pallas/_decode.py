@@ -12,20 +12,15 @@ each block's loads wait on the last block's math and on their own block-table lo
 227 us with the KV prefetch, -> 222 with the ids prefetch on an H100, bench/KERNELS_NOTES.md).
 
 With one split the kernel normalizes and writes [B, K, G, H] in q's dtype. With several it writes each
-split's normalized f32 output and its (max, sum) in the log2 domain, and one small Pallas kernel
-(grid (B, K, G, H / 32): single-warp programs) combines them into q's dtype; the partials are B * N * H * 4
-bytes per split, tiny next to the KV they summarize. (XLA made three kernels of the same combine: ~4.7 us
-per call at B1 x 32k on an H100, where the attention kernel itself takes ~52 us; the combine folded into
-the attention kernel's last program per group was slower, bench/KERNELS_NOTES.md.)
+split's normalized f32 output and its (max, sum) in the log2 domain for _splitk.combine_splits, which also
+plans the splits (choose_splits) and the block size (default_block_k).
+
 The fused entry point (fused_decode_attention_kernel, the engine's decode-only steps) takes the qkv projection
 instead of q: each program reads its kv head's q rows and the new token's k / v ([T, K, G + 2, H], or split-K
-partials summed here), applies RoPE, reads the cache only below q_pos (another program may be writing that
+partials summed here; _fused_qkv), applies RoPE, reads the cache only below q_pos (another program may be writing that
 slot) and starts its online softmax from the new token's score; the program whose pages hold q_pos writes the
 new k / v into their slot at the end. One launch instead of the qkv/RoPE/write kernel and this one: 6.2 vs 8.0 us
 for the engine's batch-1 bucket, equal at 512 x 600 (bench/KERNELS_NOTES.md, stop 17).
-Splits are chosen statically from (B, K, pages per sequence) so that one wave of programs fills the chip:
-~2 per SM, or 3 where the split-K tiles fit 3 per SM (choose_splits; measured: at B64 x 2k one split beats
-two, bench/results/kernels_h100_2749f1e_prefetch_write_backend.json).
 """
 
 from __future__ import annotations
@@ -45,57 +40,12 @@ from ._common import (
     pad_block_tables,
     scalars,
     softmax_step,
-    sum_partials,
     triton_params,
     whole_blocks_table,
 )
+from ._fused_qkv import fused_qkv
+from ._splitk import choose_splits, combine_splits, default_block_k
 from .reference import quantize
-
-NUM_SMS = 132  # H100/H200; only used to size split-K statically.
-
-
-def _fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
-    """The fused path's inputs of program (b, h): the G query rows of kv head h ([Gq, H], rows past G repeat
-    the last one) and the new token's k and v ([H]) from the projection's output qkv [T, K, G + 2, H] (or its
-    split-K partials [S, T, K, G + 2, H], f32, summed and rounded to dt), RoPE applied to q and k with the
-    same roundings as reference.apply_rope. Rotate-half reads each row twice, the second time with its
-    halves swapped (a gather load), so no register tile has to be split or joined.
-
-    Issues the loads now and returns finish() -> (q, k, v), the math: the kernel calls it once its first
-    KV loads are issued, so these L2 reads overlap the block-table -> KV round trips instead of preceding
-    them."""
-    H = qkv_ref.shape[-1]
-    half = H // 2
-    cols = jnp.arange(H, dtype=jnp.int32)
-    swapped = jnp.where(cols < half, cols + half, cols - half)
-
-    def load(rows, cols):  # the partials, each loaded (summed in finish)
-        if len(qkv_ref.shape) == 4:
-            return [qkv_ref[b, h, rows, cols]]
-        return [qkv_ref[s, b, h, rows, cols] for s in range(qkv_ref.shape[0])]  # static: a handful of splits
-
-    rows = jnp.broadcast_to(jnp.minimum(jnp.arange(Gq, dtype=jnp.int32), group - 1)[:, None], (Gq, H))
-    q_cols, q_swapped = jnp.broadcast_to(cols[None, :], (Gq, H)), jnp.broadcast_to(swapped[None, :], (Gq, H))
-    raw = dict(q=load(rows, q_cols), k=load(group, cols), v=load(group + 1, cols))
-    if rope:
-        raw.update(q_sw=load(rows, q_swapped), k_sw=load(group, swapped), pos=pos_ref[b], freq=freq_ref[...])
-
-    def finish():
-        summed = functools.partial(sum_partials, dtype=dt)
-
-        def rotated(name):  # x1 cos - x2 sin | x2 cos + x1 sin, each product rounded to dt
-            x = summed(raw[name])
-            if not rope:
-                return x
-            return (x * cos).astype(dt) + (summed(raw[name + "_sw"]) * sign * sin).astype(dt)
-
-        if rope:
-            freqs = raw["pos"].astype(jnp.float32) * raw["freq"]  # [H]: inv_freq twice
-            cos, sin = jnp.cos(freqs).astype(dt), jnp.sin(freqs).astype(dt)
-            sign = jnp.where(cols < half, -1.0, 1.0).astype(dt)
-        return rotated("q"), rotated("k"), summed(raw["v"])
-
-    return finish
 
 
 def _decode_kernel(
@@ -158,7 +108,7 @@ def _decode_kernel(
         return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
 
     if fused:
-        finish = _fused_qkv(
+        finish = fused_qkv(
             q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt
         )
         # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
@@ -243,73 +193,6 @@ def _decode_kernel(
         o_ref[...] = out * v_scale
         m_ref[...] = m
         l_ref[...] = l
-
-
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, splits):
-    """One (sequence, q head): the splits' partial outputs o [SP, H] with their m / l [SP] -> [H]. Slots >=
-    splits (SP is splits rounded up to a power of two) were never written and are masked out."""
-    SP = m_ref.shape[0]
-    live = jnp.arange(SP, dtype=jnp.int32) < splits
-    l = jnp.where(live, l_ref[...], 0.0)
-    m = jnp.where(live & (l > 0), m_ref[...], -jnp.inf)
-    m_max = m.max()
-    w = jnp.where(l > 0, jnp.exp2(m - jnp.where(m_max == -jnp.inf, 0.0, m_max)) * l, 0.0)
-    denom = w.sum()
-    o = jnp.where(live[:, None], o_ref[...], 0.0)
-    out = (w[:, None] * o).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)
-    out_ref[...] = out.astype(out_ref.dtype)
-
-
-def combine_splits(o, m, l, splits, dtype, *, interpret=False, block_h=32, num_warps=1):
-    """o [B, K, SP, Gq, H], m / l [B, K, SP, Gq] (f32, log2 domain) -> [B, K, Gq, H] in dtype. One single-warp
-    program per (sequence, q head, 32 columns): the call is latency-bound, so the more and smaller the
-    programs the sooner it ends (B1 x 32k on an H100, XProf: 3.39 us with one 4-warp program per q head,
-    2.53 with 64 columns, 2.29 with 32; kernels_h100_ce5d5f4.json)."""
-    B, K, SP, Gq, H = o.shape
-    HB = min(block_h, H)
-    return pl.pallas_call(
-        functools.partial(_combine_kernel, splits=splits),
-        grid=(B, K, Gq, H // HB),
-        in_specs=[
-            pl.BlockSpec((None, None, SP, None, HB), lambda b, h, g, c: (b, h, 0, g, c)),
-            pl.BlockSpec((None, None, SP, None), lambda b, h, g, c: (b, h, 0, g)),
-            pl.BlockSpec((None, None, SP, None), lambda b, h, g, c: (b, h, 0, g)),
-        ],
-        out_specs=pl.BlockSpec((None, None, None, HB), lambda b, h, g, c: (b, h, g, c)),
-        out_shape=jax.ShapeDtypeStruct((B, K, Gq, H), dtype),
-        interpret=interpret,
-        compiler_params=triton_params(num_warps, 1),
-        name=f"paged_decode_combine_{splits=}",
-    )(o, m, l)
-
-
-def default_block_k(B, K):
-    """Tokens per KV block, by measurement on an H100. When split-K has to make the parallelism (few
-    sequences, long contexts): 32 (B16 x 16k: 409 vs 529 us; B1 x 32k: 75 vs 84 us,
-    bench/results/kernels_h100_f69dc4a_tune.json). With enough (sequence, kv head) programs for one or two
-    waves unsplit: 64 (B64 x 2k: 227 us vs 287 at 32). With many waves (the throughput workload's ~500
-    sequences of ~600 tokens): 32 again (B512 x 600: 463 vs 507 us; B256 x 700: 280 vs 285 us,
-    bench/results/kernels_h100_0e2d6f7_tune.json)."""
-    return 64 if 2 * NUM_SMS <= B * K < 2048 else 32
-
-
-def choose_splits(B, K, M, pages_per_block, page_size, num_splits=None, min_split_tokens=128):
-    """Static split-K plan: (num_splits, pages_per_split) for a table of M pages; the kernel divides each
-    sequence's live pages by num_splits, so no split gets more than pages_per_split."""
-    if num_splits is None:
-        # Programs for one wave: ~2 per SM, or 3 where the split-K tiles (block_k 32, 167 registers per
-        # thread for D128 bf16) fit 3 per SM and that gives more (ncu, bench/results/kernels_h100_0b6c0b6_ncu.txt:
-        # B1 x 32k had 256 CTAs where 396 fit). Measured (kernels_h100_ea7ffd5_tune.json): B1 x 32k 57.1 ->
-        # 54.0-55.6 us, B2 x 128k 451 -> 381 us, B4 x 8k 62.2 -> 55.1 us; one CTA past the wave (B2 x 128k
-        # with 25 splits: 516 us) costs a second wave.
-        want = max(1, -(-2 * NUM_SMS // (B * K)), 3 * NUM_SMS // (B * K))
-        # >= 128 tokens per split: batch 1 at 700 tokens in a 1024-token table 32.6 -> 20.2 us per call
-        # (1024 before; 64 and 256 were slower, bench/results/kernels_h100_38a111a_tune.json)
-        min_pages = max(pages_per_block, min_split_tokens // page_size)
-        num_splits = max(1, min(want, -(-M // min_pages)))
-    pps = -(-M // num_splits)
-    pps = -(-pps // pages_per_block) * pages_per_block
-    return -(-M // pps), pps
 
 
 _STATIC = (

@@ -1,7 +1,7 @@
 """Paged decode attention as a Mosaic GPU kernel (Hopper: TMA, wgmma, warp specialization).
 
 The same contract as _decode.paged_decode_attention_kernel (one query token per sequence, split-K over the
-context, the splits combined by _decode.combine_splits) for bf16 / fp16 pages, head dim 64 / 128, G = N / K
+context, the splits combined by _splitk.combine_splits) for bf16 / fp16 pages, head dim 64 / 128, G = N / K
 query heads per kv head in 1..16, blocks of 64 or 128 keys (the wgmma tile's rows for the V mask), pages of
 8..block_kv tokens; no ALiBi, window or fp8 (the Triton kernel
 serves those). It exists to choose the decode backend by measurement (bench/kernels.py, `mgpu_decode` stage).
@@ -16,7 +16,7 @@ the stored rows, and only those rows are stored. The memory warpgroup copies eac
 TMA each) of the split's blocks into a ring of `slots` shared-memory slots; table entries past the split are
 clipped into the cache, their keys masked and their V rows zeroed in shared memory before the P.V wgmma (stale
 pages may hold NaN). With one split the kernel writes the output in q's dtype; with several each split writes
-its normalized float32 output and its (max, sum) in the log2 domain for _decode.combine_splits.
+its normalized float32 output and its (max, sum) in the log2 domain for _splitk.combine_splits.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from ._common import next_pow2, whole_blocks_table
-from ._decode import NUM_SMS, combine_splits
+from ._splitk import NUM_SMS, combine_splits
 
 BQ = 64  # wgmma rows
 

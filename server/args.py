@@ -3,6 +3,7 @@ defaults.
 
     parse_args(argv) -> Namespace     server + engine flags, env fallbacks applied
     engine_kwargs(args) -> dict       the LLM(...) keyword arguments for AsyncLLM.from_engine_args
+The flags' value types are in arg_types.py, the "limits and timeouts" group in limit_args.py.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 
 from jaxllm.engine.args import LEGACY_SPEC_ARG_NAMES, legacy_speculative_config
-from jaxllm.reasoning import REASONING_PARSERS, UNSUPPORTED
+from jaxllm.reasoning import REASONING_PARSERS
+from server import arg_types
+from server.limit_args import add_limit_args
 from server.lora import parse_lora_module, runtime_updating_allowed
 from server.tool_parsers import TOOL_PARSERS
 from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
@@ -66,47 +68,6 @@ OPTIONAL_ENGINE_ARG_NAMES = (
     "speculative_config",
     *LEGACY_SPEC_ARG_NAMES,
 )
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def human_readable_int(value: str) -> int:
-    """'32k' -> 32000, '32K' -> 32768, '1.5m' -> 1500000, '4096' -> 4096 (vLLM's convention)."""
-    value = value.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
-    if m:
-        number, suffix = m.groups()
-        if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
-        try:
-            return int(number) * _BINARY[suffix]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"decimals are not allowed with binary suffixes like {suffix}; did you mean {number}{suffix.lower()}?"
-            ) from None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {value!r}") from None
-
-
-def _max_model_len(value: str) -> int | None:
-    if value.strip().lower() in ("auto", "-1"):
-        return None
-    return human_readable_int(value)
-
-
-def _speculative_config(value: str) -> dict:
-    """--speculative-config: JSON, checked here so a bad value is a usage error before anything loads."""
-    from jaxllm.engine.configs import SpeculativeConfig
-
-    try:
-        parsed = json.loads(value)
-        SpeculativeConfig.from_value(parsed)
-    except (ValueError, TypeError) as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return parsed
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -189,7 +150,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--max-request-body-bytes",
-        type=human_readable_int,
+        type=arg_types.human_readable_int,
         default=64 * 2**20,
         help="Requests with a larger body get 413 (accepts 64M, 1G, ...).",
     )
@@ -210,7 +171,7 @@ def make_parser() -> argparse.ArgumentParser:
         help="Do not log one line per HTTP request.",
     )
 
-    _add_limit_args(p)
+    add_limit_args(p)
 
     e = p.add_argument_group("engine")
     e.add_argument("--tokenizer", default=None, help="Tokenizer directory (default: the model's).")
@@ -231,7 +192,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument(
         "--max-model-len",
-        type=_max_model_len,
+        type=arg_types.max_model_len,
         default=None,
         help="Context length (prompt + output); accepts 32k (32000), 32K (32768). Default: config.",
     )
@@ -267,7 +228,7 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-seqs", type=int, default=None, help="Max sequences per step (default: by device).")
     e.add_argument(
         "--max-num-batched-tokens",
-        type=human_readable_int,
+        type=arg_types.human_readable_int,
         default=None,
         help="Max tokens per step (default: by device).",
     )
@@ -296,7 +257,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--speculative-config",
-        type=_speculative_config,
+        type=arg_types.speculative_config,
         default=None,
         help='Speculative decoding, as JSON (vLLM\'s keys): {"method": "ngram", "num_speculative_tokens": '
         '4, "prompt_lookup_max": 4}, {"model": DRAFT_DIR, "num_speculative_tokens": 4}, '
@@ -306,7 +267,7 @@ def make_parser() -> argparse.ArgumentParser:
     _add_speculative_args(e)
     e.add_argument(
         "--reasoning-parser",
-        type=_reasoning_parser_name,
+        type=arg_types.reasoning_parser_name,
         default=None,
         choices=list(REASONING_PARSERS),
         help="How the model marks its reasoning: chat responses put it in `reasoning` / "
@@ -365,7 +326,7 @@ def make_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--kv-cache-memory-bytes",
-        type=human_readable_int,
+        type=arg_types.human_readable_int,
         default=None,
         help="KV cache size in bytes (accepts 4G), instead of --gpu-memory-utilization's sizing.",
     )
@@ -382,15 +343,6 @@ def make_parser() -> argparse.ArgumentParser:
     )
     add_vllm_flags(p)  # vLLM's other flags: honoured, accepted without effect, or refused (server/vllm_flags.py)
     return p
-
-
-def _reasoning_parser_name(value: str) -> str:
-    if value in UNSUPPORTED:
-        raise argparse.ArgumentTypeError(
-            f"{value!r} is one of vLLM's reasoning parsers that jaxllm does not "
-            f"implement (choose from {', '.join(REASONING_PARSERS)})"
-        )
-    return value
 
 
 def _add_speculative_args(e) -> None:
@@ -430,69 +382,6 @@ def _add_speculative_args(e) -> None:
         type=int,
         default=None,
         help='No speculation in steps with at least this many sequences ("disable_by_batch_size").',
-    )
-
-
-def _count(value: str) -> int:
-    n = human_readable_int(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected a count of at least 1, got {value!r}")
-    return n
-
-
-def _seconds(value: str) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        s = -1.0
-    if not s >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"expected seconds (>= 0), got {value!r}")
-    return s
-
-
-def _add_limit_args(p: argparse.ArgumentParser) -> None:
-    """What one client may cost the server, and how it stops (server.admission, server.http_server)."""
-    g = p.add_argument_group(
-        "limits and timeouts",
-        "Bounds on what one client can make the server hold. Requests past a queue limit get 503 with "
-        "Retry-After; a request body too large gets 413 (--max-request-body-bytes), one too slow 408.",
-    )
-    g.add_argument(
-        "--max-num-queued-reqs",
-        type=_count,
-        default=None,
-        help="Most sequences in flight (waiting or running; a request with n choices counts n), as "
-        "vLLM's flag (none: no limit).",
-    )
-    g.add_argument(
-        "--max-num-queued-tokens",
-        type=_count,
-        default=None,
-        help="No new request while this many prompt tokens wait to be prefilled (bounds the time to "
-        "first token), as vLLM's flag; accepts 32k (none: no limit).",
-    )
-    g.add_argument(
-        "--timeout-keep-alive",
-        type=_seconds,
-        default=5.0,
-        help="Close a connection that stays idle, or has not sent a complete request head, this long "
-        "(uvicorn's flag and vLLM's default; 0: never).",
-    )
-    g.add_argument(
-        "--timeout-request-body",
-        type=_seconds,
-        default=60.0,
-        help="A request body must arrive within this many seconds of its headers, else 408 and the "
-        "connection closes. 0: no limit.",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=_seconds,
-        default=25.0,
-        help="On SIGTERM/SIGINT, new requests are refused and running ones may finish for this long; "
-        "then streams end with an error event and [DONE] and the rest get 503. vLLM's default is "
-        "0 (abort at once); 25 fits Kubernetes' default 30 s grace period. A second signal ends "
-        "the drain at once.",
     )
 
 

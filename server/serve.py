@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
 
         check_lora_modules(args.lora_modules, args.max_lora_rank)
     from jaxllm.distributed import maybe_initialize
-    from jaxllm.engine.setup import request_device_memory
+    from jaxllm.engine.device_memory import request_device_memory
 
     # before jax.distributed starts the backend
     # (several processes: which GPUs are whose is known only later, so no free-memory check)

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from jaxllm.entrypoints.chat_utils import flatten_content
 from server.errors import APIError, parse_json, parse_model, read_body
+from server.fan_in import EngineRequest, EngineRunner, RequestState, output_size, usage_of
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from server.protocol import (
     ChatChoice,
@@ -27,19 +28,14 @@ from server.reasoning import ReasoningChoice, ReasoningStream, reasoning_fields
 from server.serving_common import (
     SSE,
     STATE,
-    EngineRequest,
-    EngineRunner,
-    RequestState,
     ServerState,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    output_size,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,
-    usage_of,
 )
 from server.tool_calls import (
     ToolChoice,

@@ -10,6 +10,7 @@ import time
 from aiohttp import web
 
 from server.errors import APIError, parse_json, parse_model, read_body
+from server.fan_in import EngineRequest, EngineRunner, RequestState, output_size, usage_of
 from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs_json
 from server.protocol import (
     CompletionChoice,
@@ -21,20 +22,15 @@ from server.protocol import (
 from server.serving_common import (
     SSE,
     STATE,
-    EngineRequest,
-    EngineRunner,
-    RequestState,
     ServerState,
     check_token_ids,
     encode,
     log_ignored_fields,
     log_request,
     make_sampling_params,
-    output_size,
     reject_unsupported,
     resolve_max_tokens,
     truncate_prompt,
-    usage_of,
 )
 
 

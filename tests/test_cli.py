@@ -68,7 +68,7 @@ def test_console_scripts_point_above_the_library():
 
 
 def test_jaxllm_serve_runs_the_server_with_python_m_jaxllm_serve_flags(monkeypatch):
-    import jaxllm.engine.setup
+    import jaxllm.engine.device_memory
     import server.serve
 
     seen = []
@@ -77,7 +77,7 @@ def test_jaxllm_serve_runs_the_server_with_python_m_jaxllm_serve_flags(monkeypat
         seen.append(vars(args))
 
     monkeypatch.setattr(server.serve, "run_server", run_server)
-    monkeypatch.setattr(jaxllm.engine.setup, "request_device_memory", lambda *a: None)
+    monkeypatch.setattr(jaxllm.engine.device_memory, "request_device_memory", lambda *a: None)
     argv = ["some/model", "--port", "0", "--max-model-len", "1k", "--api-key", "k", "--served-model-name", "m"]
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", *argv])

@@ -13,7 +13,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.engine.dp import Router
 from server.args import parse_args
-from server.testing import ServerThread
+from server.server_thread import ServerThread
 from tests.test_engine import PROMPTS, SHARED
 from tests.tiny_models import make_tiny_model_dir
 

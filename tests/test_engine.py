@@ -654,18 +654,18 @@ def test_start_up_objects_are_moved_out_of_the_collector(tiny):
 def test_startup_fails_clearly_when_the_gpu_memory_is_not_free(monkeypatch):
     """As vLLM: if another process holds so much of a GPU the engine will use that gpu_memory_utilization of it
     is not free, startup fails naming both figures (before the backend starts; the driver is asked directly)."""
-    from jaxllm.engine import setup
+    from jaxllm.engine import device_memory
 
     GiB = 2**30
     asked = []
     free = {0: (75 * GiB, 80 * GiB), 1: (20.5 * GiB, 80 * GiB)}
-    monkeypatch.setattr(setup, "_cuda_free_memory", lambda n: asked.append(n) or [free[i] for i in range(n)])
+    monkeypatch.setattr(device_memory, "_cuda_free_memory", lambda n: asked.append(n) or [free[i] for i in range(n)])
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.delenv("JAX_NUM_PROCESSES", raising=False)
 
     def check(fraction, n):
-        monkeypatch.setattr(setup, "_free_memory_checked", False)
-        setup.check_free_device_memory(fraction, n)
+        monkeypatch.setattr(device_memory, "_free_memory_checked", False)
+        device_memory.check_free_device_memory(fraction, n)
 
     check(0.9, 1)  # 75 of 80 GiB free: enough
     with pytest.raises(
@@ -676,7 +676,7 @@ def test_startup_fails_clearly_when_the_gpu_memory_is_not_free(monkeypatch):
         ),
     ):
         check(0.9, 2)  # tp 2: the second GPU is mostly taken
-    setup.check_free_device_memory(0.9, 2)  # once per process
+    device_memory.check_free_device_memory(0.9, 2)  # once per process
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     check(0.9, 2)
     monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
@@ -691,7 +691,7 @@ def test_gpu_memory_utilization_is_a_fraction_of_the_whole_device(monkeypatch):
     (not when the user set the variable), and sizes the cache from the whole device. An engine without
     pipeline stages also asks for the stream-ordered allocator (cuda_async), unless the user chose one."""
     code = (
-        "import os, sys; from jaxllm.engine.setup import request_device_memory; "
+        "import os, sys; from jaxllm.engine.device_memory import request_device_memory; "
         "request_device_memory(0.85, int(sys.argv[1])); "
         "print(os.environ.get('XLA_CLIENT_MEM_FRACTION'), os.environ.get('XLA_PYTHON_CLIENT_ALLOCATOR'))"
     )

@@ -14,8 +14,9 @@ import pytest
 
 import kernels_pallas as kp
 from kernels_pallas import reference
-from kernels_pallas._decode import choose_splits, combine_splits, paged_decode_attention_kernel
+from kernels_pallas._decode import paged_decode_attention_kernel
 from kernels_pallas._ragged import ragged_paged_attention_kernel, tile_plan
+from kernels_pallas._splitk import choose_splits, combine_splits
 from kernels_pallas._write import write_kv_kernel
 
 TOL = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 4e-3, jnp.dtype(jnp.float32): 1e-4}

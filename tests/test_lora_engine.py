@@ -157,7 +157,7 @@ def test_tp2_mixed_batch_and_server_routes(setup, monkeypatch):
     from jaxllm.engine.async_engine import AsyncLLM
     from jaxllm.engine.llm_engine import LLMEngine
     from jaxllm.sampling_params import SamplingParams
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
 
     base, paths, refs = setup
     engine = LLMEngine(EngineArgs(model=base, **ENGINE, max_loras=2, tensor_parallel_size=2, server_mode=True))

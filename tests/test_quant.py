@@ -310,7 +310,7 @@ def test_kv_cache_shrinks_for_steps_that_need_more_memory(ckpts, tmp_path_factor
     per_block = ModelRunner.kv_bytes_per_block(ModelConfig.from_hf(path, dtype="float32"), 8)
     reserve, slack = 1 << 30, setup._STEP_SLACK_BYTES
     monkeypatch.setattr(setup, "_is_gpu", lambda: True)
-    monkeypatch.setattr(setup, "_gpu_device", lambda: None)
+    monkeypatch.setattr(setup, "gpu_device", lambda: None)
     monkeypatch.setattr(setup, "_num_blocks", lambda *a, **k: 48)
     monkeypatch.setattr(setup, "_step_reserve", lambda *a, **k: reserve)
     temps, warm_ups = [], []

@@ -165,7 +165,7 @@ def _scripted_engine(tok):
 
 @pytest.fixture(scope="module")
 def servers(tok):
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
 
     r1, qwen3 = _scripted_engine(tok), _scripted_engine(tok)
     with (
@@ -276,7 +276,8 @@ def test_tool_calls_come_from_the_content_only(servers):
 
 
 def test_server_refuses_a_vocabulary_without_the_tags():
-    from server.testing import FakeEngine, ServerThread, build_tokenizer
+    from server.server_thread import ServerThread
+    from server.testing import FakeEngine, build_tokenizer
 
     with pytest.raises(ValueError, match="--reasoning-parser deepseek_r1: the tokenizer has no <think>"):
         with ServerThread(FakeEngine(build_tokenizer()), "--reasoning-parser", "deepseek_r1"):
@@ -293,7 +294,7 @@ def tiny(tmp_path_factory):
 
     from server.args import parse_args
     from server.serve import build_engine
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
     from tests.tiny_models import make_tiny_model_dir, save_tiny_tokenizer
 
     model_dir, model = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_think")))

@@ -107,7 +107,7 @@ def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
     --trust-remote-code`, with streaming through the slow tokenizer's incremental detokenization."""
     from server.args import parse_args
     from server.serve import build_engine
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
 
     template = tmp_path / "template_baichuan.jinja"
     template.write_text(CHAT_TEMPLATE)

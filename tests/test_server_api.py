@@ -10,8 +10,10 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from server.args import engine_kwargs, human_readable_int, parse_args
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.arg_types import human_readable_int
+from server.args import engine_kwargs, parse_args
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 MODEL = "fake-model"
 

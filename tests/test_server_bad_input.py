@@ -6,7 +6,8 @@ import json
 import aiohttp
 import pytest
 
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 MODEL = "fake-model"
 MAX_LEN = 64

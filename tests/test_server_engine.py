@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from server.args import parse_args
-from server.testing import ServerThread
+from server.server_thread import ServerThread
 
 
 @pytest.fixture(scope="module")

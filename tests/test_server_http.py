@@ -15,7 +15,8 @@ import time
 import aiohttp
 import pytest
 
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

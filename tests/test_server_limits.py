@@ -13,7 +13,8 @@ import aiohttp
 import pytest
 
 from server.prompt_bound import chars_per_token
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 MODEL = "fake-model"
 MAX_LEN = 64

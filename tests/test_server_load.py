@@ -8,7 +8,8 @@ import aiohttp
 import openai
 import pytest
 
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.server_thread import ServerThread
+from server.testing import FakeEngine, build_tokenizer
 
 MODEL = "fake-model"
 

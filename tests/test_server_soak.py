@@ -13,8 +13,9 @@ import time
 import aiohttp
 import pytest
 
+from server.server_thread import ServerThread
 from server.serving_common import STATE
-from server.testing import FakeEngine, ServerThread, build_tokenizer
+from server.testing import FakeEngine, build_tokenizer
 
 DURATION_S = 30
 CLIENTS = 12

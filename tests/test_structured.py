@@ -333,7 +333,7 @@ def test_tokenizer_without_a_decoder_llguidance_reads(llm):
 def test_server_structured_outputs(tiny, tmp_path):
     from server.args import parse_args
     from server.serve import build_engine
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
 
     args = parse_args(
         [

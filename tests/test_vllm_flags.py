@@ -121,7 +121,7 @@ def _sample(parser: argparse.ArgumentParser, flag: str, option) -> list[str]:
         "int": "2",
         "float": "0.5",
         "human_readable_int": "2k",
-        "_max_model_len": "1k",
+        "max_model_len": "1k",
         "loads": '["*"]',
         "json_object": "{}",
         "parse_lora_module": "a=/adapters/a",

@@ -28,7 +28,7 @@ def main(argv=None) -> None:
     p.add_argument("--output-len", type=int, default=16)
     args = p.parse_args(argv)
     from jaxllm import LLM, SamplingParams
-    from server.args import human_readable_int
+    from server.arg_types import human_readable_int
 
     model = common.make_model_dir("tiny", tempfile.mkdtemp(prefix="fp8-probe-"))
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

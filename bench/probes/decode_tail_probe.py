@@ -34,7 +34,10 @@ from jax.experimental import pallas as pl  # noqa: E402
 
 from bench.kernels import chained, copy_bw, make_case, per_call, rel_err, runner  # noqa: E402
 from kernels_pallas import _decode as D  # noqa: E402
-from kernels_pallas import reference  # noqa: E402
+from kernels_pallas import (
+    _splitk,  # noqa: E402
+    reference,  # noqa: E402
+)
 from kernels_pallas._common import mma, next_pow2, pad_block_tables, scalars, softmax_step, triton_params  # noqa: E402
 
 INTERPRET = jax.default_backend() != "gpu"
@@ -98,8 +101,8 @@ def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
     K, P, S, _ = k.shape
     G = N // K
     R = max(1, 16 // G)
-    ppb = max(1, D.default_block_k(B, K) // S)
-    splits, pps = D.choose_splits(B, K, block_tables.shape[1], ppb, S, num_splits)
+    ppb = max(1, _splitk.default_block_k(B, K) // S)
+    splits, pps = _splitk.choose_splits(B, K, block_tables.shape[1], ppb, S, num_splits)
     final = splits == 1
     bt = pad_block_tables(block_tables, pps + ppb)
     ins, shapes, outs, _ = _specs(B, K, G, H, P, S, splits, bt.shape[1])
@@ -300,7 +303,7 @@ def steal_decode(q, k, v, lens, block_tables, *, scale, splits, block_k=32, mask
         compiler_params=triton_params(4, 1),
         name=f"paged_decode_steal_{splits=}",
     )(lens.astype(jnp.int32), bt, scalars(scale, 1.0, 1.0), q.reshape(B, K, G, H), k, v)
-    return D.combine_splits(o, m, l, splits, q.dtype, interpret=INTERPRET)[:, :, :G].reshape(B, N, H)
+    return _splitk.combine_splits(o, m, l, splits, q.dtype, interpret=INTERPRET)[:, :, :G].reshape(B, N, H)
 
 
 def main():

@@ -1,11 +1,11 @@
 """ModelRunner: SchedulerOutput -> StepInputs (padded numpy) -> one compiled step on the device.
 
 The runner prepares, launches and collects steps; it never compiles. Per step:
-  - prepare (host only): the bucket (T tokens, B sequences; the block table always has max_model_len / S
-    columns), the padded attention inputs (inputs.py), the sampling arrays (packing.py) and the StepVariant
-    that names the program to run;
+  - prepare (host only, StepPreparer in prepare.py): the bucket (T tokens, B sequences; the block table always
+    has max_model_len / S columns), the padded attention inputs (inputs.py), the sampling arrays (packing.py)
+    and the StepVariant that names the program to run;
   - launch: asks StepPrograms (programs.py, which owns every compiled program, its compiles and the executable
-    cache) for v's executable and calls it on the packed host inputs (packing.py); the KV cache is donated to
+    cache; its sampler-only programs in sampler_programs.py) for v's executable and calls it on the packed host inputs (packing.py); the KV cache is donated to
     every step. A step with non-default sampler flags whose whole program is not ready yet runs "split": the
     bucket's start-up program, then a sampler-only program;
   - collect: reads the sampled tokens back.
@@ -24,19 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
 import logging
 from collections.abc import Callable
-from operator import attrgetter
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.engine.input_batch import HAS_PARAMS, PROMPT_LOGPROBS, InputBatch
-from jaxllm.engine.inputs import bucket, step_inputs
-from jaxllm.engine.packing import plain, row_widths, sampler_flags, sampling_arrays
+from jaxllm.engine.input_batch import InputBatch
+from jaxllm.engine.packing import plain
+from jaxllm.engine.prepare import PAD_PAGE, StepPreparer
 from jaxllm.engine.programs import StepPrograms
 from jaxllm.engine.sampler import SamplerFlags
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -49,18 +47,13 @@ from jaxllm.engine.step_io import (
     dummy_host_inputs,
     step_args,
 )
-from jaxllm.models.attention import AttentionConfig, AttentionMetadata
+from jaxllm.models.attention import AttentionConfig
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
 from kernels_pallas.reference import FP8_MAX
 
 logger = logging.getLogger(__name__)
 
 KV_DTYPES = {"auto": None, "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
-PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to point at
-# Field readers for map() over a step's sequences in prepare(): a C-level loop, several times cheaper than a
-# Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
-_seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
-_seq_id, _spec_token_ids, _lora_id = attrgetter("seq_id"), attrgetter("spec_token_ids"), attrgetter("lora_id")
 
 
 def kv_storage_dtype(dtype):
@@ -156,7 +149,6 @@ class ModelRunner:
         self.draft_kv = self._draft_kv(allocate=self.has_weights)
         shape = (self.seq_buckets[-1],)
         self.prev_tokens = jnp.zeros(shape, jnp.int32) if multihost is None else multihost.sampled_zeros(shape)
-        self._prev_rows: dict[str, int] = {}
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
         self.pipeline = None
         if mesh_pp(mesh) > 1:  # stages on their own devices, one jit each (compiled by warm_up)
@@ -200,6 +192,18 @@ class ModelRunner:
             draft_state=(draft_params, self._draft_kv(allocate=False)),
             block_size=block_size,
             lora_specs=None if lora is None else lora.abstract(),
+        )
+        self.host = StepPreparer(
+            self.batch,
+            self.programs,
+            seq_buckets=self.seq_buckets,
+            token_buckets=self.token_buckets,
+            block_size=block_size,
+            max_pages=self.max_pages,
+            max_logprobs=max_logprobs,
+            vocab_size=cfg.vocab_size,
+            lora=lora,
+            drafter=drafter is not None,
         )
         # Which sampler program a step runs must not depend on one process's compile state (multihost.py).
         self.programs.exact_samplers = multihost is not None
@@ -307,121 +311,8 @@ class ModelRunner:
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
-        """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
-        bench/host_overhead.py)."""
-        # The host budget is ~1 ms at 256 sequences (issue 7), so per-sequence work is C-level map()s over
-        # the scheduled list plus numpy; Python loops only visit the rare chunks that need more (prompt
-        # logprobs, penalties, biases).
-        batch = self.batch
-        batch.release(sched.freed)
-        batch.truncate(sched.trimmed)
-        scheduled = sched.scheduled
-        n = len(scheduled)
-        seqs = list(map(_seq, scheduled))
-        rows = batch.rows(seqs)
-        q_lens = np.fromiter(map(_num_tokens, scheduled), np.int32, n)
-        starts = np.fromiter(map(_start, scheduled), np.int32, n)
-        sample = list(map(_sample, scheduled))
-        known = list(map(_token_ids, scheduled))  # [] for a decode of a token still on the device
-        from_device = np.fromiter(map(len, known), np.int32, n) < q_lens
-        n_tok = int(q_lens.sum())
-        decode_only = n_tok == n  # every chunk is one token
-        spec = self.programs.num_spec and (sched.verify or any(map(_spec_token_ids, scheduled)))  # (scheduler)
-        if spec:  # (a drafter's verify step may have no proposals yet: still the verify program)
-            decode_only = False
-            v_spec = self.programs.spec_variant(bucket(n, self.seq_buckets), SamplerFlags())
-            B, T = v_spec.num_seqs, v_spec.num_tokens
-        elif decode_only:
-            B = T = bucket(n, self.seq_buckets)
-        else:
-            # Mixed steps: B follows T (B <= n_tok <= T), so there is one mixed variant per token bucket.
-            T = bucket(max(n_tok, n), self.token_buckets)
-            B = bucket(min(T, self.seq_buckets[-1]), self.seq_buckets)
-        # Flat token ids: the known ones, and a 0 placeholder where the device feeds the previous step's token
-        # for this sequence (src_rows: its row in prev_tokens).
-        token_ids = np.zeros(n_tok, np.int32)
-        src_rows = np.full(T, -1, np.int32)
-        first_tok = np.cumsum(q_lens) - q_lens
-        dev = np.flatnonzero(from_device)
-        if len(dev) < n:
-            host_tok = ~np.repeat(from_device, q_lens)
-            token_ids[host_tok] = np.fromiter(itertools.chain.from_iterable(known), np.int32, n_tok - len(dev))
-        ids = list(map(_seq_id, seqs))
-        if len(dev):
-            dev_ids = ids if len(dev) == n else [ids[i] for i in dev.tolist()]
-            src_rows[first_tok[dev]] = list(map(self._prev_rows.__getitem__, dev_ids))
-        inp = step_inputs(
-            token_ids,
-            q_lens,
-            starts,
-            batch.num_pages[rows],
-            batch.tables[rows],
-            self.block_size,
-            T,
-            B,
-            self.max_pages,
-            PAD_PAGE,
-        )
-        sample_idx = list(itertools.compress(range(n), sample))
-        sample_rows = dict(zip(itertools.compress(ids, sample), sample_idx))
-        features = batch.features[rows]
-        flags = sampler_flags(seqs, features, self.max_logprobs)
-        prompt_rows = {}
-        prompt_targets = np.full(T, -1, np.int32)
-        for i in np.flatnonzero(features & PROMPT_LOGPROBS).tolist():
-            s, lo = scheduled[i], int(first_tok[i])
-            if s.start < s.seq.num_prompt_tokens:  # token j's target: the prompt token after it, if any
-                prompt_rows[ids[i]] = (lo, s.num_tokens, s.start)
-                targets = s.seq.prompt_token_ids[s.start + 1 : s.start + s.num_tokens + 1]
-                prompt_targets[lo : lo + len(targets)] = targets
-        prompt_k = self.max_logprobs if prompt_rows else 0
-        live = np.asarray(sample_idx, np.int64)
-        if not features.all():  # some sequences have no sampling params: they take padding rows
-            live = live[(features[live] & HAS_PARAMS) != 0]
-        smd = sampling_arrays(batch, self.cfg.vocab_size, B, flags, seqs, rows, live)
-        meta = AttentionMetadata(
-            inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, decode_only
-        )
-        v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), self.programs.num_spec if spec else 0)
-        logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
-        token_slots, loads = None, []
-        if self.lora is not None:  # each token's adapter slot (-1: the base model, padding); the sampled rows' too
-            slot_of, loads = self.lora.assign(map(_lora_id, seqs))
-            seq_slots = np.fromiter((slot_of.get(i, -1) for i in map(_lora_id, seqs)), np.int32, n)
-            token_slots = np.full(T, -1, np.int32)
-            token_slots[:n_tok] = np.repeat(seq_slots, q_lens)
-            smd = dataclasses.replace(smd, lora_slots=token_slots[inp.logits_indices])
-        host_args = (inp.token_ids, src_rows, meta, logits_slot, smd, prompt_targets, token_slots)
-        slot = smd.bitmask_slot
-        masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
-        extras = self._draft_extras(scheduled, rows, B) if self.drafter is not None else None
-        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras, loads)
-
-    def _draft_extras(self, scheduled, rows: np.ndarray, B: int) -> tuple:
-        """The draft program's host inputs: (next_ids [B]: the known token after a chunk that samples none, a
-        partial prefill's, else -1; num_pages [B]: each sequence's pages, 0 for padding)."""
-        n = len(scheduled)
-        next_ids = np.full(B, -1, np.int32)
-        for i in itertools.compress(range(n), [not s.sample for s in scheduled]):
-            s = scheduled[i]
-            if s.start + s.num_tokens < s.seq.num_known_tokens:
-                next_ids[i] = s.seq.token_at(s.start + s.num_tokens)
-        num_pages = np.zeros(B, np.int32)
-        num_pages[:n] = self.batch.num_pages[rows]
-        return next_ids, num_pages
-
-    def _spec_rows(self, scheduled, query_start_loc: np.ndarray, B: int):
-        """A verify step's (logits_indices [B * (K + 1)]: each sequence's last-token row and its proposals'
-        rows, repeated past them; drafts [B, K]; num_drafts [B])."""
-        K, n = self.programs.num_spec, len(scheduled)
-        num_drafts = np.zeros(B, np.int32)
-        num_drafts[:n] = np.fromiter(map(len, map(_spec_token_ids, scheduled)), np.int32, n)
-        drafts = np.zeros((B, K), np.int32)
-        for i in np.flatnonzero(num_drafts).tolist():
-            drafts[i, : num_drafts[i]] = scheduled[i].spec_token_ids
-        first = query_start_loc[:B] - np.where(np.arange(B) < n, 0, query_start_loc[:B])  # padding rows: 0
-        rows = first[:, None] + np.minimum(np.arange(K + 1)[None, :], num_drafts[:, None])
-        return rows.reshape(-1).astype(np.int32), drafts, num_drafts
+        """The host half of a step (StepPreparer.prepare, prepare.py): padded numpy inputs and the bucket."""
+        return self.host.prepare(sched)
 
     def _launch_unverified(self, p: PreparedStep, before_sample) -> StepHandle:
         """A verify step whose program is not ready (non-default sampler flags compiling in the background)
@@ -479,7 +370,7 @@ class ModelRunner:
         drafts = None
         if self.drafter is not None:
             drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
-        self._prev_rows = dict(p.sample_rows)
+        self.host.prev_rows = dict(p.sample_rows)
         return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
 
     def run_step(self, v: StepVariant, mode: str, host_args, before_sample: Callable[[], None] | None = None):
