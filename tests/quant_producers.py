@@ -62,25 +62,10 @@ def _calibration(n=16, length=32, seed=0):
     return [torch.randint(3, 128, (length,), generator=g) for _ in range(n)]
 
 
-def _import_gptqmodel():
-    """gptqmodel, imported without its import-time environment changes outliving it: it sets HF_HUB_CACHE /
-    TRANSFORMERS_CACHE / HF_MODULES_CACHE (and more) from HF_HOME, which then wins over the HF_HOME that later
-    tests in this process give their subprocesses (tests/test_model_download.py)."""
-    before = dict(os.environ)
-    try:
-        import gptqmodel
-    finally:
-        os.environ.clear()
-        os.environ.update(before)
-    return gptqmodel
-
-
 def _gptqmodel(src: str, out: str, job: dict, calib: list | None = None) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its default on 2 cores (1) is below its loader's 2
     import torch
-
-    gptqmodel = _import_gptqmodel()
-    AWQConfig, GPTQModel, QuantizeConfig = gptqmodel.AWQConfig, gptqmodel.GPTQModel, gptqmodel.QuantizeConfig
+    from gptqmodel import AWQConfig, GPTQModel, QuantizeConfig
 
     if job.get("method") == "awq":
         qc = AWQConfig(
@@ -221,7 +206,6 @@ def _dense_reference(out: str, job: dict, src_model):
         plain = {k: v.float() for k, v in stored.items() if k in src_model.state_dict()}
         src_model.load_state_dict(plain, strict=False)
         if job.get("method") == "awq":
-            _import_gptqmodel()
             from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
 
             for name in {k.rsplit(".", 1)[0] for k in stored if k.endswith(".qweight")}:

@@ -154,6 +154,15 @@ def test_llm_serves_a_model_id(online, tmp_path):
     assert len(out.outputs[0].token_ids) == 3
 
 
+# Set from HF_HOME by libraries other tests import in this process (gptqmodel, also through transformers' GPTQ
+# integration, sets them on import); each would win over the HF_HOME these tests give their subprocesses.
+_CACHE_OVERRIDES = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE", "HF_MODULES_CACHE")
+
+
+def _without_cache_overrides(environ) -> dict:
+    return {k: v for k, v in environ.items() if k not in _CACHE_OVERRIDES}
+
+
 def _resolve_in_subprocess(env: dict, **args) -> subprocess.CompletedProcess:
     code = (
         "import json, sys; from jaxllm.engine.args import EngineArgs; "
@@ -165,7 +174,7 @@ def _resolve_in_subprocess(env: dict, **args) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, **env},
+        env={**_without_cache_overrides(os.environ), "PYTHONPATH": ROOT, **env},
         timeout=120,
     )
 
