@@ -23,7 +23,8 @@ import tempfile
 
 import numpy as np
 
-from jaxllm.models.loader import FORMAT, FORMAT_VERSION, MANIFEST, ORBAX_SUBDIR
+from jaxllm.models.checkpoint_files import MANIFEST
+from jaxllm.models.loader import FORMAT, FORMAT_VERSION, ORBAX_SUBDIR
 
 COPIED_FILES = (
     "generation_config.json",
@@ -59,7 +60,8 @@ def convert_checkpoint(
 
     import jaxllm
     from jaxllm.config import ModelConfig, read_hf_config, stored_dtype
-    from jaxllm.models.loader import CheckpointReader, is_jaxllm_checkpoint, iter_host_weights
+    from jaxllm.models.checkpoint_files import CheckpointReader, is_jaxllm_checkpoint
+    from jaxllm.models.loader import iter_host_weights
     from jaxllm.models.params import is_spec, param_specs
     from jaxllm.sharding import ParallelConfig
 

@@ -12,7 +12,8 @@ from convert import ConversionError, convert_checkpoint
 from convert.cli import main as convert_main
 from jaxllm.config import ModelConfig
 from jaxllm.models.attention import AttentionConfig
-from jaxllm.models.loader import MANIFEST, load_params
+from jaxllm.models.checkpoint_files import MANIFEST
+from jaxllm.models.loader import load_params
 from jaxllm.sharding import ParallelConfig, kv_heads_for
 from tests.model_harness import ragged_logits
 from tests.tiny_models import make_hf_model, save_checkpoint, save_tiny_tokenizer

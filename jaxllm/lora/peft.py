@@ -307,7 +307,7 @@ def _pad_rank(x: np.ndarray, r: int, axis: int) -> np.ndarray:
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
     """adapter_model.safetensors, else adapter_model.bin / .pt (torch), as float32 numpy (vLLM's file order)."""
-    from jaxllm.models.loader import CheckpointReader
+    from jaxllm.models.checkpoint_files import CheckpointReader
 
     for name in ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt"):
         file = os.path.join(path, name)

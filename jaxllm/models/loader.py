@@ -19,12 +19,7 @@ import jax
 import numpy as np
 
 from jaxllm.config import ModelConfig
-from jaxllm.models.checkpoint_files import (  # noqa: F401  (also loader's names)
-    LOAD_FORMATS,
-    MANIFEST,
-    CheckpointReader,
-    is_jaxllm_checkpoint,
-)
+from jaxllm.models.checkpoint_files import MANIFEST, CheckpointReader, is_jaxllm_checkpoint
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
 from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding
 

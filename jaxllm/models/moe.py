@@ -80,7 +80,7 @@ def expert_linear_names(cfg: ModelConfig) -> tuple[str, tuple[str, str, str]]:
     return "mlp.", ("gate_proj", "up_proj", "down_proj")
 
 
-# Other spellings of an architecture's tensor names -> the ones the weight tables use (loader.CheckpointReader). Mixtral:
+# Other spellings of an architecture's tensor names -> the ones the weight tables use (checkpoint_files.CheckpointReader). Mixtral:
 # the Hub's checkpoints (and vLLM) name block_sparse_moe.gate and block_sparse_moe.experts.{e}.w1 / w3 / w2; the
 # quantizers of transformers 5 write mlp.gate and mlp.experts.{e}.gate_proj / up_proj / down_proj (gptqmodel) or
 # block_sparse_moe.experts.{e}.gate_proj / up_proj / down_proj (llm-compressor).

@@ -67,7 +67,7 @@ def _unpack(x: np.ndarray, bits: int, axis: int) -> np.ndarray:
 
 
 class QuantLoader:
-    """Reads the quantized linears of a checkpoint (a loader.CheckpointReader) for cfg (a ModelConfig)."""
+    """Reads the quantized linears of a checkpoint (a checkpoint_files.CheckpointReader) for cfg (a ModelConfig)."""
 
     def __init__(self, reader, cfg, dense_table: dict):
         self.reader, self.cfg, self.q = reader, cfg, cfg.quantization

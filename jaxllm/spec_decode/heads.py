@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from jaxllm.config import ModelConfig, read_hf_config
+from jaxllm.models.checkpoint_files import CheckpointReader
 from jaxllm.models.loader import (
-    CheckpointReader,
     _fuse_gate_up,
     _fuse_qkv,
     _out_heads,
