@@ -2,6 +2,7 @@
 
 import asyncio
 import time
+import types
 
 import pytest
 
@@ -112,6 +113,7 @@ class _StubEngine:
     outputs."""
 
     model_name, max_model_len, vocab_size, max_logprobs, tokenizer, generation_defaults = "x", 64, 10, 20, None, {}
+    runner = types.SimpleNamespace(multihost=None)  # one process
 
     def __init__(self, die: bool):
         import threading

@@ -18,7 +18,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from typing import Any
 
 from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
@@ -45,8 +44,7 @@ class AsyncLLM:
         self._close_lock = threading.Lock()  # orders "check closed + queue an add" against closing
         self._profiling = False
         self.fatal_error: str | None = None  # the engine cannot go on (a process of a multi-process engine is lost)
-        # a multi-process engine's link to the other processes (jaxllm/engine/multihost.py), or None
-        self._multihost: Any = getattr(getattr(engine, "runner", None), "multihost", None)
+        self._multihost = engine.runner.multihost
         if self._multihost is not None:
             self._multihost.watchdog.on_lost = self._lost
             self._multihost.watchdog.arm()
