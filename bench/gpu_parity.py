@@ -35,6 +35,13 @@ reference are reported beside them as what the fp8 pages cost. 16-bit compute ne
 moves some keys and values across a rounding boundary (an fp8 step is 2^-3 relative, bf16's 2^-8), which
 HF's own bf16 run shows as well (H100, 8B widths: gap max 0.30 against the rounded reference, the engine
 0.23; gpu_parity_h100_9da7efd_fp8.json), hence --gap-tol-fp8.
+
+The fp8 (W8A8) configuration rounds every linear's input per token to fp8 as well: an input that bf16 compute
+moves across an fp8 rounding boundary (a step of 2^-3 relative) changes the product by far more than bf16
+rounding does, so HF's own bf16 run of the same rounded math lands far from the float32 reference (H200, 8B
+widths: gap max 0.50, tokens equal 0.73; gpu_parity_quant_h200_3eb41d6_fp8_abs_tol.json). There the gap
+tolerance is the larger of --gap-tol and --gap-ratio-act times HF bf16's own gap max, with the mean logprob
+error within --lp-err-ratio of HF bf16's: a wrong scale or layout gives errors of whole nats at most positions.
 """
 
 from __future__ import annotations
@@ -108,6 +115,12 @@ def parse(argv=None):
         type=float,
         default=2.0,
         help="quantized configurations: mean logprob error against HF bf16's on the same weights",
+    )
+    p.add_argument(
+        "--gap-ratio-act",
+        type=float,
+        default=1.25,
+        help="fp8 (activations rounded to fp8): gap max at most this times HF bf16's own",
     )
     p.add_argument("--gptq-group-size", type=int, default=128, help="gptq_int4's group (the tiny CPU check: 32)")
     p.add_argument("--enforce-eager", action="store_true")
@@ -414,10 +427,13 @@ def hf_models(model_dir: str, device: str, fp8_format: str | None = None):
     return models
 
 
-def compare(seqs, ref, base=None, tol: float = 0.1, lp_err_ratio: float | None = None) -> dict:
+def compare(
+    seqs, ref, base=None, tol: float = 0.1, lp_err_ratio: float | None = None, gap_ratio: float | None = None
+) -> dict:
     """The engine's tokens and logprobs against the reference's logprobs (ref: teacher_forced), and a baseline
     model's (base) own argmax and logprobs against the same reference; lp_err_ratio: the engine's mean logprob
-    error must also be at most that times the baseline's."""
+    error must also be at most that times the baseline's; gap_ratio: the gap tolerance is at least that times
+    the baseline's gap max."""
     rows = [np.arange(len(s["tokens"])) for s in seqs]
     tokens = [np.asarray(s["tokens"]) for s in seqs]
     gaps = np.concatenate([r.max(-1) - r[i, t] for r, i, t in zip(ref, rows, tokens, strict=True)])
@@ -448,6 +464,10 @@ def compare(seqs, ref, base=None, tol: float = 0.1, lp_err_ratio: float | None =
             lp_err_max=float(berr.max()),
             lp_err_mean=float(berr.mean()),
         )
+        if gap_ratio is not None:
+            res["gap_tol"] = tol = max(tol, gap_ratio * float(bgap.max()))
+            res["positions_over_tol"] = int((gaps > tol).sum())
+            res["passed"] = bool(gaps.max() <= tol)
         if lp_err_ratio is not None:
             res["lp_err_ratio_tol"] = lp_err_ratio
             res["passed"] = res["passed"] and res["lp_err_mean"] <= lp_err_ratio * float(berr.mean())
@@ -494,7 +514,9 @@ def main(argv=None):
             ref = teacher_forced(fp8_ref, run["seqs"], device)
             base = teacher_forced(fp8_base, run["seqs"], device)
             del fp8_ref, fp8_base
-        res = compare(run["seqs"], ref, base, tol, args.lp_err_ratio if name in QUANTIZED else None)
+        gap_ratio = args.gap_ratio_act if name == "fp8" else None  # rounded activations: module docstring
+        res = compare(run["seqs"], ref, base, tol, args.lp_err_ratio if name in QUANTIZED else None, gap_ratio)
+        tol = res["gap_tol"]
         if fp8:
             res["against_plain_reference"] = {
                 k: cost[k] for k in ("tokens_equal_frac", "gap_max", "gap_p99", "lp_err_max", "lp_err_mean")
