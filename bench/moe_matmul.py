@@ -115,7 +115,7 @@ def mgpu_grouped_gemms(rows, sizes, w_gate_up, w_down):
     return ragged_dot_mgpu.ragged_dot((jax.nn.silu(gate) * up).astype(rows.dtype), w_down, **kw)
 
 
-def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25):
+def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25, skip=()):
     D, F, E, k = SHAPES[name]
     gathered = T * k * 3 * D * F * jnp.dtype(dtype).itemsize <= gathered_max_gib * 2**30
     h, weights, ids, w_gate_up, w_down = make_inputs(T, D, F, E, k, dtype)
@@ -137,7 +137,10 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
     def measure(key, fn, args, flops):
         """fn(*args) -> like args[0]: chained timing, or one call's wall time where one call takes longer than
         max_call_s (XLA's dense expansion of ragged_dot at large T: E times the FLOPs). An error (a missing
-        kernel, out of memory) is recorded and the other variants go on."""
+        kernel, out of memory) is recorded and the other variants go on; a --skip variant is not run."""
+        if key in skip:
+            row[key] = dict(error="skipped (--skip)")
+            return
         try:
             f = jax.jit(fn)
             jax.block_until_ready(f(*args))
@@ -239,6 +242,7 @@ def main(argv=None):
         default=0.25,
         help="a variant whose single call takes longer is timed by that one call, not chained",
     )
+    p.add_argument("--skip", default="", help="comma list of variants not to time (e.g. grouped_gemms_mgpu)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -246,7 +250,9 @@ def main(argv=None):
     for name in a.shapes.split(","):
         for T in map(int, a.tokens.split(",")):
             try:
-                row = bench_shape(name, T, dtype, a.runs, a.check_max_tokens, a.gathered_max_gib, a.max_call_s)
+                row = bench_shape(
+                    name, T, dtype, a.runs, a.check_max_tokens, a.gathered_max_gib, a.max_call_s, a.skip.split(",")
+                )
             except Exception as e:  # noqa: BLE001 - an OOM at one size keeps the others
                 traceback.print_exc()
                 failures.append(dict(shape=name, T=T, error=f"{type(e).__name__}: {e}"))
