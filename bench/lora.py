@@ -44,6 +44,7 @@ def parse(argv=None):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--engines", default=",".join(e[0] for e in ENGINES), help="which of base, lora8, lora32")
     p.add_argument("--max-loras-scale", type=int, default=1, help="divide max_loras / adapter counts (CPU smoke)")
+    p.add_argument("--profile-dir", default=None, help="trace batch-N decode steps per engine and sum the trace up")
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child: one engine, JSON to --out
     return p.parse_args(argv)
 
@@ -120,6 +121,18 @@ def _run(llm, prompts, loras, max_tokens: int) -> dict:
     )
 
 
+def _profile(llm, prompts, loras, log_dir: str) -> dict:
+    """A traced batch decode (16 tokens each), summed up by bench/profile_summary.py: where LoRA's time goes."""
+    import jax
+
+    from bench.profile_summary import summarize
+    from bench.throughput import _trace_options
+
+    with jax.profiler.trace(log_dir, profiler_options=_trace_options()):
+        _run(llm, prompts, loras, 16)
+    return summarize(log_dir, top=25)
+
+
 def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dict:
     from jaxllm import LLM
 
@@ -145,6 +158,8 @@ def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dic
         batch = common.random_token_prompts(args.batch, 32, vocab, 2)
         _run(llm, batch, loras[: args.batch], 8)
         row[f"batch{args.batch}"] = _run(llm, batch, loras[: args.batch], args.decode_len)
+        if args.profile_dir:
+            row["profile"] = _profile(llm, batch, loras[: args.batch], os.path.join(args.profile_dir, f"{name}_{n}"))
         prompts = common.random_token_prompts(args.num_prompts, args.input_len, vocab, 3)
         row["offline"] = _run(llm, prompts, loras[: args.num_prompts], args.output_len)
         row["slot_swaps"] = llm.llm_engine.lora.num_swaps if llm.llm_engine.lora else 0

@@ -78,6 +78,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         result["cases"][case] = run_case(args, argv, model, case)
         print(f"{case}: {summary_line(result['cases'][case])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        write_result("multihost", result, args.out)  # each case as it ends: a later case's time-out keeps it
     result["comparison"] = compare(result["cases"])
     for case in result["cases"].values():
         if "env" in case:
