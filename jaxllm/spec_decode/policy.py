@@ -2,16 +2,20 @@
 
 A decode step's time is t(n) = a + b * n for n tokens: a reads the weights (the same for any batch while the
 step is weight-bound), b is each token's share of the compute. Speculating with K proposals per sequence runs
-B * (K + 1) tokens instead of B and emits E tokens per sequence instead of 1, so it pays when
+B * (K + 1) tokens instead of B, plus a cost per sequence of its own, and emits E tokens per sequence instead of
+1, so it pays when
 
-    E * t(B) > (1 + overhead) * t(B * (K + 1))   <=>   E * (R + B) > (1 + overhead) * (R + B * (K + 1))
+    E * (R + B) > (1 + overhead) * (R + B * (K + 1) + C * B)
 
-with R = a / b, the number of tokens whose compute equals one weight read, and overhead the verify step's fixed
-extra cost (the K + 1 output-head rows, the rejection sampler, the ragged attention path instead of the fused
-decode kernel). R is a property of the device more than of the model (weight bytes / bandwidth against 2 *
-params / FLOP/s): the Llama-3-8B shape on an H100 ran batch 1 at 5.45 ms and batch 64 at 6.76 ms per step (README,
-run 35), b = 0.0208 ms, R ~ 260; bench/spec_decode.py measures the verify step's cost at each (B, K) to check it.
-So, for E = 2 at K = 4 speculation pays below B ~ 80, for E = 1.3 below ~20, for E = 1 never.
+with R = a / b, the number of tokens whose compute equals one weight read, C the verify step's extra cost per
+sequence in tokens (the ragged attention path over K + 1 queries per sequence instead of the fused decode
+kernel, K + 1 output-head rows, the rejection sampler) and overhead its fixed extra cost. The constants are fitted
+to bench/spec_decode.py's verify table on an H200 (8B shape, 512-token context, k 1..8, B 1..64:
+bench/results/spec_decode_h200_dca975d.json) so that the model's cost is never more than 5% under a measured one
+(R 310, C 3, overhead 0.2; it is up to 22% over, at B = 1, where speculation pays anyway). The measured verify
+step costs 1.06x a plain step at B 1, 1.47x at B 16 (K 1) and 1.99x / 3.23x at B 64 (K 1 / 8): a workload
+emitting E = 1.3 tokens per step therefore stops speculating at B ~ 6, one with E = 4 at K 4 at B ~ 150
+(tests/test_spec_policy.py checks the model against every measured point).
 
 E is measured: the mean tokens emitted per sequence in the speculative steps so far (an exponential average, so
 it follows the workload), starting from a prior of K / 2 accepted tokens. A step that does not speculate
@@ -24,10 +28,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Tokens per weight read (R above): the H100 measurement; on CPU every token costs compute (no weight-read floor
-# worth speaking of), which a small R says.
-TOKENS_PER_WEIGHT_READ = {"gpu": 260.0, "cpu": 4.0}
-VERIFY_OVERHEAD = 0.05
+
+@dataclass(frozen=True)
+class VerifyCost:
+    """The cost model's constants (module docstring): R, C and the fixed overhead."""
+
+    tokens_per_weight_read: float
+    tokens_per_seq: float
+    overhead: float
+
+
+# GPU: fitted on the H200 (module docstring). CPU: every token costs compute (no weight-read floor worth speaking
+# of), which a small R says; the tests' tiny models speculate at small batches there.
+VERIFY_COSTS = {"gpu": VerifyCost(310.0, 3.0, 0.2), "cpu": VerifyCost(4.0, 0.0, 0.05)}
 PROBE_EVERY = 64
 _EMA = 0.05
 
@@ -35,9 +48,8 @@ _EMA = 0.05
 @dataclass
 class SpecPolicy:
     num_spec: int
-    tokens_per_weight_read: float = TOKENS_PER_WEIGHT_READ["gpu"]
+    cost: VerifyCost = VERIFY_COSTS["gpu"]
     disable_by_batch_size: int | None = None
-    overhead: float = VERIFY_OVERHEAD
     max_seqs: int = 1 << 16  # the largest batch whose speculative step is compiled (the runner's spec_max_seqs)
 
     def __post_init__(self) -> None:
@@ -51,8 +63,9 @@ class SpecPolicy:
         if self.disable_by_batch_size is not None:
             return batch < self.disable_by_batch_size
         e = self.expected_emitted if expected_emitted is None else expected_emitted
-        r = self.tokens_per_weight_read
-        return e * (r + batch) > (1 + self.overhead) * (r + batch * (self.num_spec + 1))
+        c = self.cost
+        r = c.tokens_per_weight_read
+        return e * (r + batch) > (1 + c.overhead) * (r + batch * (self.num_spec + 1 + c.tokens_per_seq))
 
     def max_batch(self, expected_emitted: float | None = None) -> int:
         """The largest batch that speculates at this E (0: none)."""

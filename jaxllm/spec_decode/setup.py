@@ -15,7 +15,7 @@ import jax
 from jaxllm.config import ModelConfig
 from jaxllm.engine.configs import SpeculativeConfig
 from jaxllm.spec_decode.drafter import Drafter
-from jaxllm.spec_decode.policy import TOKENS_PER_WEIGHT_READ, SpecPolicy
+from jaxllm.spec_decode.policy import VERIFY_COSTS, SpecPolicy
 
 # The largest batch whose verify steps are compiled at start-up (the policy never speculates above it).
 MAX_SPEC_SEQS = 64
@@ -113,7 +113,7 @@ def plan(spec: SpeculativeConfig, target: ModelConfig, *, gpu: bool, max_num_seq
             )
         layers = feature_layers(hf, target.num_layers) if method == "eagle3" else ()
         drafter = Drafter(method, dcfg, K, hf.get("target_hidden_size", target.hidden_size), layers)
-    policy = SpecPolicy(K, TOKENS_PER_WEIGHT_READ["gpu" if gpu else "cpu"], spec.disable_by_batch_size)
+    policy = SpecPolicy(K, VERIFY_COSTS["gpu" if gpu else "cpu"], spec.disable_by_batch_size)
     # Verify steps are compiled at start-up for the batches that may speculate: below the fixed threshold, or up
     # to where the cost model says it pays with every proposal accepted (at most MAX_SPEC_SEQS sequences).
     policy.max_seqs = min(policy.max_batch(1.0 + K), MAX_SPEC_SEQS, max_num_seqs)
