@@ -9,8 +9,8 @@ weights: about T * k / E tokens per expert, as a trained router spreads them):
   grouped_gemms  the two ragged_dots alone (gate/up [T*k, D] x [E, D, 2F], down [T*k, F] x [E, F, D]) on rows
                  already sorted by expert: the grouped GEMM itself
   grouped_gemms_pallas   the same two GEMMs by kernels_pallas.grouped_matmul (the Pallas kernel the engine runs on
-                 GPU; interpret mode on CPU), and grouped_gemms_pallas_bm{B} for each --pallas-block-m B (the
-                 kernel's row tile forced, for choosing _grouped.plan's heuristic)
+                 GPU; interpret mode on CPU), and grouped_gemms_pallas_{BM}x{BN} for each --pallas-tiles BMxBN (the
+                 kernel's row and column tiles forced, for choosing _grouped.plan's heuristic)
   dense_gemms    the same two GEMMs as plain matmuls of the same sizes ([T*k, D] x [D, 2F], [T*k, F] x [F, D]):
                  the same FLOPs with one weight matrix, the grouped GEMM's ceiling
   expert_mlp     moe.expert_mlp(impl="ragged_dot"): sort by expert, gather rows, both ragged_dots, unsort, weighted
@@ -130,7 +130,7 @@ def mgpu_grouped_gemms(rows, sizes, w_gate_up, w_down):
     return ragged_dot_mgpu.ragged_dot((jax.nn.silu(gate) * up).astype(rows.dtype), w_down, **kw)
 
 
-def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25, skip=(), pallas_block_m=()):
+def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25, skip=(), pallas_tiles=()):
     D, F, E, k = SHAPES[name]
     gathered = T * k * 3 * D * F * jnp.dtype(dtype).itemsize <= gathered_max_gib * 2**30
     h, weights, ids, w_gate_up, w_down = make_inputs(T, D, F, E, k, dtype)
@@ -190,10 +190,10 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
         grouped_args,
         gemm_flops,
     )
-    for bm in pallas_block_m:
+    for bm, bn in pallas_tiles:
         measure(
-            f"grouped_gemms_pallas_bm{bm}",
-            lambda r, s, a, b, bm=bm: pallas_grouped_gemms(r, s, a, b, block_m=bm).astype(r.dtype),
+            f"grouped_gemms_pallas_{bm}x{bn}",
+            lambda r, s, a, b, t=dict(block_m=bm, block_n=bn): pallas_grouped_gemms(r, s, a, b, **t).astype(r.dtype),
             grouped_args,
             gemm_flops,
         )
@@ -292,9 +292,10 @@ def main(argv=None):
     )
     p.add_argument("--skip", default="", help="comma list of variants not to time (e.g. grouped_gemms_mgpu)")
     p.add_argument(
-        "--pallas-block-m",
+        "--pallas-tiles",
         default="",
-        help="comma list of row tiles (16, 32, 64, 128) to also time the Pallas kernel with (its plan's choice aside)",
+        help="comma list of BMxBN tiles (e.g. 16x64,16x128,64x128) to also time the Pallas kernel with (beside the "
+        "plan's choice)",
     )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -312,7 +313,7 @@ def main(argv=None):
                     a.gathered_max_gib,
                     a.max_call_s,
                     a.skip.split(","),
-                    [int(b) for b in a.pallas_block_m.split(",") if b],
+                    [tuple(map(int, t.split("x"))) for t in a.pallas_tiles.split(",") if t],
                 )
             except Exception as e:  # noqa: BLE001 - an OOM at one size keeps the others
                 traceback.print_exc()

@@ -732,10 +732,10 @@ def test_moe_matmul_smoke(tmp_path):
 
     out = tmp_path / "moe.json"
     argv = ["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32", "--out", str(out)]
-    res = moe_matmul.main(argv + ["--pallas-block-m", "32", "--skip", "expert_mlp_gathered"])
+    res = moe_matmul.main(argv + ["--pallas-tiles", "32x32", "--skip", "expert_mlp_gathered"])
     (row,) = json.loads(out.read_text())["rows"]
     assert not res["failures"] and row["T"] == 6 and row["check_ok"] and row["max_rel_err_vs_all_experts"] < 1e-4
-    timed = {"grouped_gemms", "grouped_gemms_pallas", "grouped_gemms_pallas_bm32", "dense_gemms", "expert_mlp"}
+    timed = {"grouped_gemms", "grouped_gemms_pallas", "grouped_gemms_pallas_32x32", "dense_gemms", "expert_mlp"}
     assert all("us" in row[key] for key in timed | {"expert_mlp_pallas", "all_experts"}), row
     assert row["expert_mlp_gathered"]["error"].startswith("skipped")
     assert row["rel_err_expert_mlp_pallas_vs_all_experts"] < 1e-4 and row["max_rel_err_pallas_vs_ragged_dot"] < 1e-4
