@@ -8,10 +8,14 @@ Per (model shape, T tokens), with random routing of T tokens to top_k of E exper
 weights: about T * k / E tokens per expert, as a trained router spreads them):
   grouped_gemms  the two ragged_dots alone (gate/up [T*k, D] x [E, D, 2F], down [T*k, F] x [E, F, D]) on rows
                  already sorted by expert: the grouped GEMM itself
+  grouped_gemms_pallas   the same two GEMMs by kernels_pallas.grouped_matmul (the Pallas kernel the engine runs on
+                 GPU; interpret mode on CPU), and grouped_gemms_pallas_{BM}x{BN} for each --pallas-tiles BMxBN (the
+                 kernel's row and column tiles forced, for choosing _grouped.plan's heuristic)
   dense_gemms    the same two GEMMs as plain matmuls of the same sizes ([T*k, D] x [D, 2F], [T*k, F] x [F, D]):
                  the same FLOPs with one weight matrix, the grouped GEMM's ceiling
-  expert_mlp     moe.expert_mlp: sort by expert, gather rows, both ragged_dots, unsort, weighted sum (the layer
-                 less the router)
+  expert_mlp     moe.expert_mlp(impl="ragged_dot"): sort by expert, gather rows, both ragged_dots, unsort, weighted
+                 sum (the layer less the router)
+  expert_mlp_pallas      moe.expert_mlp(impl="pallas"): the same with the Pallas grouped GEMM (the engine's GPU path)
   expert_mlp_gathered    moe.expert_mlp_gathered: each pair's expert weights gathered, batched matrix-vector
                  products (reads only the chosen experts; where the T * k copies fit --gathered-max-gib): where
                  this beats expert_mlp sets moe.GATHERED_MAX_PAIRS
@@ -29,13 +33,15 @@ Each figure is bench/kernels.py's chained-call difference (t(3 REPS) - t(REPS)) 
 cancels), with TFLOP/s and, for the grouped rows, the ratio to dense_gemms. The weights are read once per call:
 at small T the grouped GEMM reads every expert that got a token (all E at T * k >= E), the dense one a single
 [D, 2F] matrix, so the ratio there is a memory-traffic ratio, not a kernel-quality one (rows say both).
-Correctness: expert_mlp against expert_mlp_dense at every shape with T <= --check-max-tokens (max relative
-error in the JSON; > 2e-2 in bf16 is reported as a failure).
+Correctness: expert_mlp, expert_mlp_pallas (and expert_mlp_gathered where timed) against expert_mlp_dense at every
+shape with T <= --check-max-tokens, and grouped_gemms_pallas against grouped_gemms (max relative errors in the JSON;
+> 2e-2 in bf16 is reported as a failure).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -52,6 +58,7 @@ from bench.common import environment, write_result  # noqa: E402
 from bench.kernels import chained, timeit  # noqa: E402
 from jaxllm.config import MoeConfig  # noqa: E402
 from jaxllm.models.moe import expert_mlp, expert_mlp_dense, expert_mlp_gathered, route  # noqa: E402
+from kernels_pallas import grouped_matmul  # noqa: E402
 
 # name -> (D hidden, F expert width, E experts, k experts per token)
 SHAPES = {
@@ -100,6 +107,14 @@ def grouped_gemms(rows, sizes, w_gate_up, w_down):
     return jax.lax.ragged_dot(jax.nn.silu(gate) * up, w_down, sizes)
 
 
+def pallas_grouped_gemms(rows, sizes, w_gate_up, w_down, **tuning):
+    """grouped_gemms by the Pallas kernel (interpret mode off GPU)."""
+    E, D = w_gate_up.shape[:2]
+    kw = dict(backend="kernel", interpret=jax.default_backend() != "gpu", **tuning)
+    gate, up = jnp.split(grouped_matmul(rows, sizes, w_gate_up.reshape(E, D, -1), **kw), 2, axis=-1)
+    return grouped_matmul(jax.nn.silu(gate) * up, sizes, w_down, **kw)
+
+
 def dense_gemms(rows, w_gate_up, w_down):
     gate, up = jnp.split(rows @ w_gate_up, 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ w_down
@@ -115,7 +130,7 @@ def mgpu_grouped_gemms(rows, sizes, w_gate_up, w_down):
     return ragged_dot_mgpu.ragged_dot((jax.nn.silu(gate) * up).astype(rows.dtype), w_down, **kw)
 
 
-def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25, skip=()):
+def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_call_s=0.25, skip=(), pallas_tiles=()):
     D, F, E, k = SHAPES[name]
     gathered = T * k * 3 * D * F * jnp.dtype(dtype).itemsize <= gathered_max_gib * 2**30
     h, weights, ids, w_gate_up, w_down = make_inputs(T, D, F, E, k, dtype)
@@ -168,8 +183,28 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
         (rows, sizes, w_gate_up, w_down),
         gemm_flops,
     )
+    grouped_args = (rows, sizes, w_gate_up, w_down)
+    measure(
+        "grouped_gemms_pallas",
+        lambda r, s, a, b: pallas_grouped_gemms(r, s, a, b).astype(r.dtype),
+        grouped_args,
+        gemm_flops,
+    )
+    for bm, bn in pallas_tiles:
+        measure(
+            f"grouped_gemms_pallas_{bm}x{bn}",
+            lambda r, s, a, b, t=dict(block_m=bm, block_n=bn): pallas_grouped_gemms(r, s, a, b, **t).astype(r.dtype),
+            grouped_args,
+            gemm_flops,
+        )
     measure("dense_gemms", lambda r, a, b: dense_gemms(r, a, b).astype(r.dtype), (rows, *dense_w), gemm_flops)
-    measure("expert_mlp", lambda x, w, i, a, b: expert_mlp(x, w, i, a, b).astype(x.dtype), layer, gemm_flops)
+    for key, impl in (("expert_mlp", "ragged_dot"), ("expert_mlp_pallas", "pallas")):
+        measure(
+            key,
+            lambda x, w, i, a, b, impl=impl: expert_mlp(x, w, i, a, b, impl=impl).astype(x.dtype),
+            layer,
+            gemm_flops,
+        )
     if gathered:
         measure(
             "expert_mlp_gathered",
@@ -202,20 +237,33 @@ def bench_shape(name, T, dtype, runs, check_max_tokens, gathered_max_gib, max_ca
             layer,
             gemm_flops * E // k,
         )
-        got = np.asarray(jax.jit(expert_mlp)(h, weights, ids, w_gate_up, w_down), np.float32)
         want = np.asarray(jax.jit(expert_mlp_dense)(h, weights, ids, w_gate_up, w_down), np.float32)
-        row["max_rel_err_vs_all_experts"] = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+        fns = {"expert_mlp": expert_mlp, "expert_mlp_pallas": functools.partial(expert_mlp, impl="pallas")}
         if gathered:
-            got = np.asarray(jax.jit(expert_mlp_gathered)(h, weights, ids, w_gate_up, w_down), np.float32)
-            row["max_rel_err_vs_all_experts"] = max(
-                row["max_rel_err_vs_all_experts"], float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-            )
-        row["check_ok"] = row["max_rel_err_vs_all_experts"] <= (1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2)
+            fns["expert_mlp_gathered"] = expert_mlp_gathered
+        errs = []
+        for key, fn in fns.items():
+            if key in skip:
+                continue
+            got = np.asarray(jax.jit(fn)(h, weights, ids, w_gate_up, w_down), np.float32)
+            row[f"rel_err_{key}_vs_all_experts"] = _rel_err(got, want)
+            errs.append(row[f"rel_err_{key}_vs_all_experts"])
+        row["max_rel_err_vs_all_experts"] = max(errs, default=0.0)
+        if "grouped_gemms_pallas" not in skip and "grouped_gemms" not in skip:
+            got = jax.jit(pallas_grouped_gemms)(rows, sizes, w_gate_up, w_down)
+            ref = jax.jit(grouped_gemms)(rows, sizes, w_gate_up, w_down)
+            row["max_rel_err_pallas_vs_ragged_dot"] = _rel_err(np.asarray(got, np.float32), np.asarray(ref, np.float32))
+        worst = max(row["max_rel_err_vs_all_experts"], row.get("max_rel_err_pallas_vs_ragged_dot", 0.0))
+        row["check_ok"] = worst <= (1e-4 if jnp.dtype(dtype) == jnp.float32 else 2e-2)
     dense_us = row["dense_gemms"].get("us", 0)
-    for key in ("grouped_gemms", "expert_mlp", "expert_mlp_gathered", "grouped_gemms_mgpu", "grouped_gemms_triton"):
+    for key in [k for k, v in row.items() if isinstance(v, dict) and k != "dense_gemms"]:
         if "us" in row.get(key, {}):
             row[f"{key}_over_dense"] = row[key]["us"] / dense_us if dense_us > 0 else None
     return row
+
+
+def _rel_err(got, want):
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def main(argv=None):
@@ -243,6 +291,12 @@ def main(argv=None):
         help="a variant whose single call takes longer is timed by that one call, not chained",
     )
     p.add_argument("--skip", default="", help="comma list of variants not to time (e.g. grouped_gemms_mgpu)")
+    p.add_argument(
+        "--pallas-tiles",
+        default="",
+        help="comma list of BMxBN tiles (e.g. 16x64,16x128,64x128) to also time the Pallas kernel with (beside the "
+        "plan's choice)",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     dtype = jnp.dtype(a.dtype)
@@ -251,7 +305,15 @@ def main(argv=None):
         for T in map(int, a.tokens.split(",")):
             try:
                 row = bench_shape(
-                    name, T, dtype, a.runs, a.check_max_tokens, a.gathered_max_gib, a.max_call_s, a.skip.split(",")
+                    name,
+                    T,
+                    dtype,
+                    a.runs,
+                    a.check_max_tokens,
+                    a.gathered_max_gib,
+                    a.max_call_s,
+                    a.skip.split(","),
+                    [tuple(map(int, t.split("x"))) for t in a.pallas_tiles.split(",") if t],
                 )
             except Exception as e:  # noqa: BLE001 - an OOM at one size keeps the others
                 traceback.print_exc()

@@ -45,6 +45,11 @@ Quantized linear layers (quant.py; layout and load-time helpers in qlayout.py):
       dequantize + XLA's GEMM above them. quantized_matmul_ref beside it.
   fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale, *, x_scale=None, act_scale="token") -> [..., N]: FP8
       W8A8 through XLA's fp8 dot, activation scales computed in the call. fp8_matmul_ref beside it.
+
+Mixture-of-experts grouped GEMM (grouped.py; the kernel in _grouped.py):
+  grouped_matmul(rows [M, K] sorted by expert, sizes [E] int32, w [E, K, N], *, out_dtype=None, backend="auto",
+                 interpret=False, **tuning) -> [M, N]: each expert's rows times its weights, rows past sum(sizes)
+      zero; the Pallas kernel on GPU reads only the experts that have rows. grouped_matmul_ref beside it.
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from ._common import kernel_supported, on_gpu, on_hopper
 from ._decode import fused_decode_attention_kernel, paged_decode_attention_kernel
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
+from .grouped import grouped_matmul, grouped_matmul_ref
 from .quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
 
@@ -75,6 +81,8 @@ __all__ = [
     "quantized_matmul_ref",
     "fp8_matmul",
     "fp8_matmul_ref",
+    "grouped_matmul",
+    "grouped_matmul_ref",
 ]
 
 

@@ -726,14 +726,19 @@ def test_quant_kernels_smoke(tmp_path):
 
 
 def test_moe_matmul_smoke(tmp_path):
-    """bench/moe_matmul.py: grouped vs dense GEMM rows, and expert_mlp checked against the all-experts einsum."""
+    """bench/moe_matmul.py: grouped vs dense GEMM rows, the Pallas grouped GEMM (interpret mode here) timed and
+    checked against ragged_dot, and expert_mlp (both impls) checked against the all-experts einsum."""
     from bench import moe_matmul
 
     out = tmp_path / "moe.json"
-    res = moe_matmul.main(["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32", "--out", str(out)])
+    argv = ["--shapes", "tiny", "--tokens", "6", "--runs", "1", "--dtype", "float32", "--out", str(out)]
+    res = moe_matmul.main(argv + ["--pallas-tiles", "32x32", "--skip", "expert_mlp_gathered"])
     (row,) = json.loads(out.read_text())["rows"]
     assert not res["failures"] and row["T"] == 6 and row["check_ok"] and row["max_rel_err_vs_all_experts"] < 1e-4
-    assert {"grouped_gemms", "dense_gemms", "expert_mlp", "expert_mlp_gathered", "all_experts"} <= set(row)
+    timed = {"grouped_gemms", "grouped_gemms_pallas", "grouped_gemms_pallas_32x32", "dense_gemms", "expert_mlp"}
+    assert all("us" in row[key] for key in timed | {"expert_mlp_pallas", "all_experts"}), row
+    assert row["expert_mlp_gathered"]["error"].startswith("skipped")
+    assert row["rel_err_expert_mlp_pallas_vs_all_experts"] < 1e-4 and row["max_rel_err_pallas_vs_ragged_dot"] < 1e-4
 
 
 def test_throughput_smoke_moe_expert_parallel(tmp_path):

@@ -7,8 +7,10 @@ Routing (as HF and vLLM): router logits [T, E] in the model dtype, softmax over 
 top_k of them per token; Mixtral, and Qwen with norm_topk_prob, rescale those k weights to sum to 1.
 
 Compute: the T * k (token, expert) pairs are sorted by expert, their tokens' rows gathered [T * k, D], and each
-expert's rows multiplied by that expert's weights by jax.lax.ragged_dot, one grouped GEMM over all experts with
-the group sizes from the routing: no capacity, no dropped tokens, no padding per expert. The rows go back to
+expert's rows multiplied by that expert's weights by one grouped GEMM over all experts with the group sizes from
+the routing: no capacity, no dropped tokens. On GPU (the decoder's "pallas" backend) the grouped GEMM is
+kernels_pallas.grouped_matmul (Pallas, Triton lowering: tiles of one expert's rows, only the chosen experts'
+weights read); elsewhere (CPU) jax.lax.ragged_dot. The rows go back to
 their tokens by the inverse permutation and are summed with the routing weights (float32). expert_mlp_dense is
 the reference: every token through every expert (an einsum over E), weighted 0 where not routed. Steps with at
 most GATHERED_MAX_PAIRS pairs (decode of small batches) can instead gather each pair's expert weights and run
@@ -18,11 +20,11 @@ Quantized experts (GPTQ / AWQ / compressed-tensors checkpoints, jaxllm/models/mo
 tokens chose are dequantized to the model dtype inside the step, layer by layer, and run through the same grouped
 matmul (a fused int4 / fp8 grouped GEMM is not written yet).
 
-On NVIDIA GPUs XLA lowers ragged_dot by its RaggedDotRewriter, unless XLA_FLAGS has
---xla_gpu_experimental_use_ragged_dot_fusion=true (a cuDNN grouped GEMM, Ampere / Hopper, 16-bit): the rewriter
-masks the rows into one [E, rows, D] operand and runs one dense dot contracting over E and D, E times the grouped
-FLOPs. That is correct but not a grouped GEMM; bench/moe_matmul.py measures it against the cuDNN fusion, JAX's
-Mosaic GPU ragged_dot kernel and plain GEMMs of the same FLOPs (GPU figures pending).
+Why not ragged_dot on GPUs: XLA lowers it by its RaggedDotRewriter into one dense dot over all E experts (E times
+the grouped FLOPs), and --xla_gpu_experimental_use_ragged_dot_fusion=true did not change that (H200, jax 0.11.2,
+Qwen3-30B-A3B shape, both GEMMs of a layer: 261 us at T = 1 and 6522 us at T = 512, against 5.1 and 72 us for a
+dense GEMM of the same FLOPs; JAX's Mosaic GPU ragged_dot did not compile within ~100 s). bench/moe_matmul.py
+times the Pallas kernel (grouped_gemms_pallas, expert_mlp_pallas) against those.
 
 Tensor parallelism (a mesh with tp > 1) runs the experts inside shard_map over "tp". Attention is tensor
 parallel, so every tp rank holds every token of the step; routing is recomputed on each rank (a [T, D] x
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 from jaxllm.config import ModelConfig, MoeConfig
 from jaxllm.models.moe_quant import QuantizedExperts, num_experts, routed_experts, shard_specs
 from jaxllm.models.params import ParamSpec
+from kernels_pallas.grouped import grouped_matmul
 
 # Steps of at most this many (token, expert) pairs use expert_mlp_gathered (0: never; see the module docstring).
 GATHERED_MAX_PAIRS = 0
@@ -103,11 +106,18 @@ def route(h, router, m: MoeConfig):
     return weights, ids.astype(jnp.int32)
 
 
-def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0, quantize_inputs=None):
+def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0, quantize_inputs=None, impl="auto"):
     """The routed pairs of experts first_expert .. first_expert + E' - 1 (w_gate_up [E', D, 2, F'], w_down
     [E', F', D]: all experts, or one rank's), summed per token with their weights: [T, D] float32. Pairs of
-    other experts contribute nothing. One ragged_dot per projection over the pairs sorted by expert.
-    quantize_inputs: W8A8 experts' (gate_up's, down's) activation rounding (moe_quant.py), or None."""
+    other experts contribute nothing. One grouped GEMM per projection over the pairs sorted by expert.
+    quantize_inputs: W8A8 experts' (gate_up's, down's) activation rounding (moe_quant.py), or None.
+    impl: the grouped GEMM, "pallas" (kernels_pallas.grouped_matmul; interpret mode off GPU), "ragged_dot", or
+    "auto": the Pallas kernel on GPU, ragged_dot elsewhere (see the module docstring)."""
+    if impl not in ("auto", "pallas", "ragged_dot"):
+        raise ValueError(f"impl={impl!r} is not one of 'auto', 'pallas', 'ragged_dot'.")
+    if impl == "auto":
+        impl = "pallas" if jax.default_backend() == "gpu" else "ragged_dot"
+    gemm = _pallas_gemm if impl == "pallas" else jax.lax.ragged_dot
     T, k = ids.shape
     E, D = w_gate_up.shape[:2]
     q_gate_up, q_down = quantize_inputs or (_same, _same)
@@ -116,10 +126,10 @@ def expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert=0, quantize_inpu
     order = jnp.argsort(local, stable=True)  # [T * k] pair indices (t * k + slot) by expert
     sizes = jnp.bincount(local, length=E).astype(jnp.int32)  # pairs per expert; E (not ours) is not counted
     rows = q_gate_up(h)[order // k]  # [T * k, D]: each pair's token
-    gate_up = jax.lax.ragged_dot(rows, w_gate_up.reshape(E, D, -1), sizes)  # [T * k, 2 F']: gate | up
+    gate_up = gemm(rows, w_gate_up.reshape(E, D, -1), sizes)  # [T * k, 2 F']: gate | up
     gate, up = jnp.split(gate_up, 2, axis=-1)
-    out = jax.lax.ragged_dot(q_down(jax.nn.silu(gate) * up), w_down, sizes)  # [T * k, D]
-    # Rows past the groups (other ranks' experts) are not computed; ragged_dot leaves them unspecified.
+    out = gemm(q_down(jax.nn.silu(gate) * up), w_down, sizes)  # [T * k, D]
+    # Rows past the groups (other ranks' experts) are zeros from the kernel; ragged_dot leaves them unspecified.
     out = jnp.where((local[order] < E)[:, None], out.astype(jnp.float32), 0.0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(T * k, dtype=order.dtype))
     return jnp.einsum("TKD,TK->TD", out[inverse].reshape(T, k, D), weights)
@@ -155,33 +165,40 @@ def _same(x):
     return x
 
 
-def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0):
+def _pallas_gemm(rows, w, sizes):
+    """ragged_dot's signature over the Pallas grouped GEMM (interpret mode off GPU, for tests; the reference
+    for shapes the kernel does not take, see kernels_pallas._grouped.supported)."""
+    return grouped_matmul(rows, sizes, w, interpret=jax.default_backend() != "gpu")
+
+
+def _experts(h, weights, ids, w_gate_up, w_down, first_expert=0, impl="auto"):
     quantize_inputs = None
     if isinstance(w_gate_up, QuantizedExperts) or isinstance(w_down, QuantizedExperts):
         # the step's routed experts, dequantized; ids become their indices among them (moe_quant.py)
         ids, w_gate_up, w_down, quantize_inputs = routed_experts(ids, w_gate_up, w_down, first_expert, h.dtype)
         first_expert = 0
-    few = ids.size <= GATHERED_MAX_PAIRS  # static: the step's token count
-    return (expert_mlp_gathered if few else expert_mlp)(
-        h, weights, ids, w_gate_up, w_down, first_expert, quantize_inputs
-    )
+    if ids.size <= GATHERED_MAX_PAIRS:  # static: the step's token count
+        return expert_mlp_gathered(h, weights, ids, w_gate_up, w_down, first_expert, quantize_inputs)
+    return expert_mlp(h, weights, ids, w_gate_up, w_down, first_expert, quantize_inputs, impl)
 
 
-def moe_mlp(lp, h, cfg: ModelConfig, mesh=None):
-    """The routed experts' output [T, D] (h.dtype) of one MoE layer (lp: its weights, moe_param_specs)."""
+def moe_mlp(lp, h, cfg: ModelConfig, mesh=None, impl="auto"):
+    """The routed experts' output [T, D] (h.dtype) of one MoE layer (lp: its weights, moe_param_specs).
+    impl: expert_mlp's grouped GEMM ("auto" | "pallas" | "ragged_dot"; the decoder follows its attention backend)."""
     m = cfg.moe
     tp = 1 if mesh is None else int(mesh.shape.get("tp", 1))
     args = (h, lp["router"], lp["w_experts_gate_up"], lp["w_experts_down"])
     if tp == 1:
         weights, ids = route(h, lp["router"], m)
-        return _experts(h, weights, ids, *args[2:]).astype(h.dtype)
+        return _experts(h, weights, ids, *args[2:], impl=impl).astype(h.dtype)
     from jax.sharding import PartitionSpec as P
 
     def local(h, router, w_gate_up, w_down):
         weights, ids = route(h, router, m)
         first = jax.lax.axis_index("tp") * num_experts(w_gate_up) if cfg.expert_parallel else 0
         # Summed in the model dtype, as the dense MLP's all-reduce is.
-        return jax.lax.psum(_experts(h, weights, ids, w_gate_up, w_down, first).astype(h.dtype), "tp")
+        out = _experts(h, weights, ids, w_gate_up, w_down, first, impl)
+        return jax.lax.psum(out.astype(h.dtype), "tp")
 
     if cfg.expert_parallel:
         specs = (P("tp", None, None, None), P("tp", None, None))
