@@ -105,7 +105,11 @@ def tile_plan(sizes, m: int, block_m: int):
     tile_end = jnp.cumsum(per_group)
     nt = num_tiles(m, E, block_m)
     i = jnp.arange(nt, dtype=jnp.int32)
-    g = jnp.clip(jnp.searchsorted(tile_end, i, side="right"), 0, E).astype(jnp.int32)
+    # compare_all: one fused [tiles, E + 1] comparison. The default ("scan") is a while loop of log2(E) steps,
+    # each a few tiny kernels and copies: on an H100 that made the Qwen3-30B-A3B decode step launch-bound
+    # (16 D2D copies and 16 select/add kernels per layer: latency_qwen3-30b-a3b_h100_5b65d4d_profile.json).
+    g = jnp.searchsorted(tile_end, i, side="right", method="compare_all")
+    g = jnp.clip(g, 0, E).astype(jnp.int32)
     j = i - (tile_end[g] - per_group[g])
     first = starts[g] + j * block_m
     live = i < tile_end[-1]
