@@ -143,8 +143,8 @@ def test_delta_reads_the_slot_arrays_in_place(T):
         assert not moved, f"{kind}: {moved}\n{hlo}"
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(base, adapters, tp):
+@pytest.mark.parametrize("tp, fully_sharded", [(1, False), (2, False), (4, True)])  # tp 4 > K 2: kv heads repeated
+def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(base, adapters, tp, fully_sharded):
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
     from jaxllm.models.loader import load_params
@@ -153,7 +153,7 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(ba
     cfg = ModelConfig.from_hf(base, dtype="float32")
     mesh = ParallelConfig(tp).make_mesh()
     params = load_params(base, cfg, mesh)
-    slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8), cfg, mesh)
+    slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded), cfg, mesh)
     for i, name in enumerate(("a1", "a2"), 1):
         slots.add(LoRARequest(name, i, adapters[name][0]))
     slot_of = slots.activate([2, 1])
