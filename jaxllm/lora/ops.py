@@ -22,7 +22,7 @@ its leading axes and keeps (S, [P,] R) together; B contracts on (S, R) and keeps
 lead with their part as a GEMM batch axis (qkv's q columns read part 0 of the shrink, k part 1, v part 2), so the
 expand is one batched GEMM whose output is transposed into the projection's layout (activations: small).
 tests/test_lora.py checks the compiled delta() holds no copy of a slot array. The dot_generals below list the
-contracted axes in memory order (jnp.einsum may order them by a set's iteration, so XLA could transpose anyway).
+contracted axes in memory order: jnp.einsum contracted the old B [S, R, D] over (R, S), which XLA copied too.
 
 Why every slot: the shrink x @ A for all S slots is one GEMM ([T, D] x [D, S * 3R]) that reads each slot's A once,
 and masking its output to the token's own slot before the expand makes the expand one GEMM over (S, R) as well.
@@ -71,7 +71,7 @@ def delta(kind: str, x, A, B, w):
     """The LoRA term of projection `kind` for tokens x with slot weights w [T, S] (see the module docstring)."""
     dt = B.dtype
     if kind == "embed":  # x: token ids [T]; A's rows [S, R] are looked up, not multiplied
-        u = jnp.take(A, x, axis=0).astype(F32) * w[:, :, None]  # [T, S, R]
+        u = A[x].astype(F32) * w[:, :, None]  # [T, S, R]
         return _dot(u.astype(dt), B, 2)
     x = x.astype(dt)
     if kind in ("qkv", "gate_up"):
