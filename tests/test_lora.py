@@ -9,6 +9,7 @@ import argparse
 import functools
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jaxllm.lora import ops
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import load_adapter
 from jaxllm.lora.request import LoRARequest
-from jaxllm.lora.slots import LoRASlots
+from jaxllm.lora.slots import LoRASlots, slot_specs
 from jaxllm.sharding import ParallelConfig
 from tests.tiny_models import make_hf_model, make_tiny_model_dir
 
@@ -75,13 +76,13 @@ def adapters(tmp_path_factory):
 def test_batched_delta_matches_per_token_reference(kind):
     S, R, T, D, N, K, H, F, V = 3, 4, 11, 16, 4, 2, 4, 24, 32
     G = N // K
-    shapes = {
-        "qkv": ((S, D, 3, R), (S, R, K, G + 2, H), (T, D)),
-        "o": ((S, N, H, R), (S, R, D), (T, N, H)),
-        "gate_up": ((S, D, 2, R), (S, R, 2, F), (T, D)),
-        "down": ((S, F, R), (S, R, D), (T, F)),
-        "embed": ((S, V, R), (S, R, D), None),
-        "lm_head": ((S, D, R), (S, R, V), (T, D)),
+    shapes = {  # ops.py's slot layouts
+        "qkv": ((D, S, 3, R), (G + 2, S, R, K, H), (T, D)),
+        "o": ((N, H, S, R), (S, R, D), (T, N, H)),
+        "gate_up": ((D, S, 2, R), (2, S, R, F), (T, D)),
+        "down": ((F, S, R), (S, R, D), (T, F)),
+        "embed": ((V, S, R), (S, R, D), None),
+        "lm_head": ((D, S, R), (S, R, V), (T, D)),
     }
     sa, sb, sx = shapes[kind]
     rng = np.random.default_rng(0)
@@ -108,8 +109,42 @@ def _logits(params, kv, token_ids, meta, weights, token_slots, cfg, attn):
     return compute_logits(params, hidden, cfg, weights["lm_head"], token_slots)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(base, adapters, tp):
+_HLO_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", re.M)
+
+
+@pytest.mark.parametrize("T", [1, 5])
+def test_delta_reads_the_slot_arrays_in_place(T):
+    """ops.py's layouts: the compiled delta() never transposes / copies a slot array (XLA does when a GEMM's
+    operand has its contracted or kept axes apart, or a batch axis in the middle: the slot-leading layouts copied
+    every A and B each step). Checked in XLA:CPU's optimized HLO, slot arrays as slots.py lays them out."""
+    cfg = ModelConfig(
+        "llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+    )
+    specs = slot_specs(cfg, LoRAConfig(max_loras=3, max_lora_rank=8), tp=1)
+    pairs = dict(specs["layers"][0], embed=specs["embed"], lm_head=specs["lm_head"])
+    x_shapes = {"qkv": (T, 32), "o": (T, 4, 8), "gate_up": (T, 32), "down": (T, 48), "lm_head": (T, 32)}
+    for kind, (sa, sb) in pairs.items():
+        A, B = (jax.ShapeDtypeStruct(s.shape, jnp.float32) for s in (sa, sb))
+        x = jax.ShapeDtypeStruct(x_shapes.get(kind, (T,)), jnp.int32 if kind == "embed" else jnp.float32)
+        fn = jax.jit(lambda x, A, B, s, kind=kind: ops.delta(kind, x, A, B, ops.select(s, 3)))
+        hlo = fn.lower(x, A, B, jax.ShapeDtypeStruct((T,), jnp.int32)).compile().as_text()
+        slot_sizes = {int(np.prod(sa.shape)), int(np.prod(sb.shape))}
+        ops_seen = [(op, int(np.prod([int(d) for d in dims.split(",") if d]))) for dims, op in _HLO_OP.findall(hlo)]
+        assert {n for op, n in ops_seen if op == "parameter"} >= slot_sizes, hlo  # the parse sees the arrays
+        moved = [(op, n) for op, n in ops_seen if op in ("transpose", "copy") and n in slot_sizes]
+        assert not moved, f"{kind}: {moved}\n{hlo}"
+
+
+@pytest.mark.parametrize("tp, fully_sharded", [(1, False), (2, False), (4, True)])  # tp 4 > K 2: kv heads repeated
+def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(base, adapters, tp, fully_sharded):
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
     from jaxllm.models.loader import load_params
@@ -118,7 +153,7 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(ba
     cfg = ModelConfig.from_hf(base, dtype="float32")
     mesh = ParallelConfig(tp).make_mesh()
     params = load_params(base, cfg, mesh)
-    slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8), cfg, mesh)
+    slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded), cfg, mesh)
     for i, name in enumerate(("a1", "a2"), 1):
         slots.add(LoRARequest(name, i, adapters[name][0]))
     slot_of = slots.activate([2, 1])
@@ -248,10 +283,10 @@ def test_slots_lru_and_host_cache(base, adapters):
         slots.add(LoRARequest("other", 1, adapters["a2"][0]))
     assert list(slots._host) == [2]  # max_cpu_loras 1: a1 was evicted from host memory
     assert slots.activate([1]) == {1: 0}  # a1 read from its folder again, into the one slot
-    a_q = np.asarray(slots.arrays["layers"][0]["qkv"][0][0])
+    a_q = np.asarray(slots.arrays["layers"][0]["qkv"][0][:, 0])  # A [D, S, 3, R]: slot 0
     assert slots.activate([1]) == {1: 0} and slots.num_swaps == 1  # already there
     assert slots.activate([2]) == {2: 0} and slots.num_swaps == 2  # swapped: same program, new values
-    assert not np.array_equal(a_q, np.asarray(slots.arrays["layers"][0]["qkv"][0][0]))
+    assert not np.array_equal(a_q, np.asarray(slots.arrays["layers"][0]["qkv"][0][:, 0]))
     with pytest.raises(RuntimeError, match="more than max_loras"):
         slots.activate([1, 2])
     assert slots.remove(2) and not slots.remove(2)

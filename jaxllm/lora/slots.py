@@ -3,7 +3,8 @@ re-read from their folder when evicted) and max_loras device slots that the comp
 
 The slot arrays (jaxllm/lora/ops.py's layouts) are arguments of the step, never constants: writing an adapter into
 a slot is one small jitted update (the slot index is data, the arrays donated), so swapping adapters or changing a
-batch's mix never recompiles. Writes are dispatched after the steps already in flight, and the device runs them in
+batch's mix never recompiles. The slot axis is not the leading one (ops.py: so that the step's GEMMs read the arrays
+in place), so a write fills a strided region of each array: a rare write pays that, not every step. Writes are dispatched after the steps already in flight, and the device runs them in
 order, so a step still reading a slot's old adapter finishes before it is overwritten.
 
 Tensor parallelism as in vLLM: column-parallel projections (qkv, gate_up) keep A replicated and split B on its
@@ -14,6 +15,7 @@ rank (column-parallel) and B's output (row-parallel) over tp. All of it through 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections import OrderedDict
@@ -33,7 +35,8 @@ logger = logging.getLogger(__name__)
 
 
 def slot_specs(model: ModelConfig, lora: LoRAConfig, tp: int) -> dict:
-    """The slot arrays as ParamSpecs (leading axis: the max_loras slots; kv heads stored as the base weights are)."""
+    """The slot arrays as ParamSpecs, in jaxllm/lora/ops.py's layouts (the max_loras slots on the "lora_slots" axis;
+    kv heads stored as the base weights are)."""
     S, R = lora.max_loras, lora.max_lora_rank
     D, N, H, F, V = model.hidden_size, model.num_heads, model.head_dim, model.intermediate_size, model.vocab_size
     K = kv_heads_for(model.num_kv_heads, tp)
@@ -41,37 +44,48 @@ def slot_specs(model: ModelConfig, lora: LoRAConfig, tp: int) -> dict:
     a_rank = "lora_a_rank"
     layer = {
         "qkv": (
-            ParamSpec((S, D, 3, R), ("lora_slots", "embed", None, a_rank)),
-            ParamSpec(
-                (S, R, K, G + 2, H),
-                ("lora_slots", None, "kv_heads", "qkv", "head_dim"),
-                kv_repeat=K // model.num_kv_heads,
-            ),
+            ParamSpec((D, S, 3, R), ("embed", "lora_slots", None, a_rank)),
+            ParamSpec((G + 2, S, R, K, H), ("qkv", "lora_slots", None, "kv_heads", "head_dim")),
         ),
         "o": (
-            ParamSpec((S, N, H, R), ("lora_slots", "heads", "head_dim", None)),
+            ParamSpec((N, H, S, R), ("heads", "head_dim", "lora_slots", None)),
             ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
         ),
         "gate_up": (
-            ParamSpec((S, D, 2, R), ("lora_slots", "embed", None, a_rank)),
-            ParamSpec((S, R, 2, F), ("lora_slots", None, None, "ffn")),
+            ParamSpec((D, S, 2, R), ("embed", "lora_slots", None, a_rank)),
+            ParamSpec((2, S, R, F), (None, "lora_slots", None, "ffn")),
         ),
         "down": (
-            ParamSpec((S, F, R), ("lora_slots", "ffn", None)),
+            ParamSpec((F, S, R), ("ffn", "lora_slots", None)),
             ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
         ),
     }
     return {
         "layers": [dict(layer) for _ in range(model.num_layers)],
         "embed": (
-            ParamSpec((S, V, R), ("lora_slots", "vocab", None)),
+            ParamSpec((V, S, R), ("vocab", "lora_slots", None)),
             ParamSpec((S, R, D), ("lora_slots", None, "lora_b_out")),
         ),
         "lm_head": (
-            ParamSpec((S, D, R), ("lora_slots", "embed", a_rank)),
+            ParamSpec((D, S, R), ("embed", "lora_slots", a_rank)),
             ParamSpec((S, R, V), ("lora_slots", None, "vocab")),
         ),
     }
+
+
+def _slot_axis(spec: ParamSpec) -> int:
+    return spec.axes.index("lora_slots")
+
+
+def _without_slot(spec: ParamSpec) -> tuple:
+    """One slot's axes (the write's input)."""
+    i = _slot_axis(spec)
+    return spec.axes[:i] + spec.axes[i + 1 :]
+
+
+def _without_slot_shape(spec: ParamSpec) -> tuple:
+    i = _slot_axis(spec)
+    return spec.shape[:i] + spec.shape[i + 1 :]
 
 
 def lora_rules(lora: LoRAConfig) -> dict:
@@ -97,17 +111,17 @@ class LoRASlots:
         rules = lora_rules(lora)
         self.specs = slot_specs(model, lora, tp)
         self.shardings = jax.tree.map(lambda s: named_sharding(mesh, s.axes, rules), self.specs, is_leaf=_is_spec)
-        # one slot's arrays (the write's input): the same axes without the slot axis
         self._slot_shardings = jax.tree.map(
-            lambda s: named_sharding(mesh, s.axes[1:], rules), self.specs, is_leaf=_is_spec
+            lambda s: named_sharding(mesh, _without_slot(s), rules), self.specs, is_leaf=_is_spec
         )
+        self._slot_axes = jax.tree.map(_slot_axis, self.specs, is_leaf=_is_spec)
         self.arrays = jax.tree.map(
             lambda s, sh: jax.jit(lambda: jnp.zeros(s.shape, self.dtype), out_shardings=sh)(),
             self.specs,
             self.shardings,
             is_leaf=_is_spec,
         )
-        self._write = jax.jit(_write_slot, donate_argnums=(0,))
+        self._write = jax.jit(functools.partial(_write_slot, axes=self._slot_axes), donate_argnums=(0,))
         self.requests: dict[int, LoRARequest] = {}  # every adapter added (by lora_int_id)
         self._keys: dict[int, str] = {}  # lora_int_id -> prefix-cache key (one per registration)
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: oldest first
@@ -248,20 +262,25 @@ class LoRASlots:
         self.num_swaps += 1
 
     def _slot_values(self, adapter: LoRAAdapter):
-        """One slot's arrays on the host, in the slot dtype: the adapter's modules rank-padded, zeros elsewhere."""
+        """One slot's arrays on the host, in the slot dtype and ops.py's layouts without the slot axis: the adapter's
+        modules (peft.py's layouts) rank-padded, zeros elsewhere."""
         R = self.config.max_lora_rank
+        kv_repeat = kv_heads_for(self.model.num_kv_heads, mesh_tp(self.mesh)) // self.model.num_kv_heads
 
         def values(key, spec_a, spec_b):
             ab = adapter.modules.get(key)
             if ab is None:
-                return (np.zeros(spec_a.shape[1:], self.dtype), np.zeros(spec_b.shape[1:], self.dtype))
+                return tuple(np.zeros(_without_slot_shape(s), self.dtype) for s in (spec_a, spec_b))
             a, b = ab
             r = a.shape[-1]
             a = np.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, R - r)])
             b = np.pad(b, [(0, R - r)] + [(0, 0)] * (b.ndim - 1))
-            # tp > K: kv heads stored repeated, as the base weights (B's axes without the slot axis)
-            b = ParamSpec(spec_b.shape[1:], spec_b.axes[1:], kv_repeat=spec_b.kv_repeat).expand(b)
-            return a.astype(self.dtype), b.astype(self.dtype)
+            if key[-1] == "qkv":  # [R, K, G + 2, H]: kv heads stored repeated when tp > K, as the base weights
+                b = ParamSpec(b.shape, (None, "kv_heads", "qkv", "head_dim"), kv_repeat=kv_repeat).expand(b)
+                b = np.moveaxis(b, 2, 0)  # the column of a kv head leads: [G + 2, R, K, H]
+            elif key[-1] == "gate_up":
+                b = np.moveaxis(b, 1, 0)  # [2, R, F]
+            return a.astype(self.dtype), np.ascontiguousarray(b, self.dtype)
 
         return {
             "layers": [
@@ -278,5 +297,7 @@ class LoRASlots:
         self.num_swaps = 0
 
 
-def _write_slot(arrays, slot, new):
-    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), slot, 0), arrays, new)
+def _write_slot(arrays, slot, new, axes):
+    return jax.tree.map(
+        lambda a, n, axis: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), slot, axis), arrays, new, axes
+    )

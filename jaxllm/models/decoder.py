@@ -231,7 +231,8 @@ def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=N
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
     if lora_head is not None:
-        logits = logits + lora_ops.delta("lm_head", x, *lora_head, lora_ops.select(row_slots, lora_head[0].shape[0]))
+        w = lora_ops.select(row_slots, lora_ops.num_slots(lora_head))
+        logits = logits + lora_ops.delta("lm_head", x, *lora_head, w)
     if cfg.final_softcap is not None:  # Gemma 2
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits
