@@ -168,7 +168,7 @@ def test_replica_startup_error_is_raised_here(tiny, tmp_path):
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("jaxllm-dp")]
 
 
-def test_server_two_replicas(tiny, ref):
+def test_server_two_replicas(tiny, ref, tmp_path):
     from server.serve import build_engine
 
     args = parse_args(
@@ -190,6 +190,8 @@ def test_server_two_replicas(tiny, ref):
             "--served-model-name",
             "tiny",
             "--disable-access-log",
+            "--profile-dir",
+            str(tmp_path / "prof"),
             "--data-parallel-size",
             "2",
             # each replica speculates (greedy outputs stay the engine's)
@@ -211,8 +213,12 @@ def test_server_two_replicas(tiny, ref):
             )
             return r.choices[0].model_extra["token_ids"]
 
+        post = lambda path: urllib.request.urlopen(urllib.request.Request(srv.base_url + path, method="POST"))  # noqa: E731
+        assert post("/start_profile").status == 200  # each replica process traces itself
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             assert list(pool.map(complete, ALL)) == ref
+        assert post("/stop_profile").status == 200
+        assert all(any((tmp_path / "prof" / f"dp{r}").rglob("*.xplane.pb")) for r in (0, 1))
         with urllib.request.urlopen(srv.base_url + "/metrics") as resp:
             text = resp.read().decode()
         assert sum(engine.router.counts) == len(ALL) and min(engine.router.counts) > 0

@@ -21,6 +21,7 @@ requests with an error naming it, and the engine stops taking requests (the serv
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import queue
@@ -230,7 +231,7 @@ class DPEngine:
         where = self._where.pop(request_id, None)
         if where is not None:
             self.router.done(*where)
-            if self.replicas[where[0]].dead is None:
+            with contextlib.suppress(EngineDeadError):  # a dead replica has nothing to abort
                 self.replicas[where[0]].send("abort", request_id)
 
     def has_unfinished_requests(self) -> bool:

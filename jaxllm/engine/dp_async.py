@@ -10,6 +10,8 @@ lost process of a multi-process engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import threading
 from collections.abc import AsyncIterator
 
@@ -19,8 +21,6 @@ from jaxllm.engine.dp_process import ReplicaProcess
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
-
-PROFILE_CALL_TIMEOUT_S = 60.0
 
 
 class AsyncReplica:
@@ -67,13 +67,14 @@ class AsyncReplica:
         finally:
             with self._lock:
                 self._streams.pop(request_id, None)
-            if not finished and self.process.dead is None:
-                self.process.send("abort", request_id)
+            if not finished:
+                with contextlib.suppress(EngineDeadError):  # a dead replica has nothing to abort
+                    self.process.send("abort", request_id)
 
     async def abort(self, request_id: str) -> None:
         with self._lock:
             self._streams.pop(request_id, None)
-        if self.process.dead is None:
+        with contextlib.suppress(EngineDeadError):
             self.process.send("abort", request_id)
 
     async def call(self, method: str, *args):
@@ -207,25 +208,24 @@ class DPAsyncLLM:
         """vllm:cache_config_info's labels per replica (each sized its own KV cache)."""
         return [r.cache_config_info() for r in self.replicas]
 
-    def start_profile(self, log_dir: str) -> None:
+    async def start_profile(self, log_dir: str) -> None:
         """Each replica process traces itself (jax's profiler), into log_dir/dp<r>."""
-        import os
-
         if self._profiling:
             raise RuntimeError("A profile is already running.")
-        futures = [
-            r.process.call("start_profile", os.path.join(log_dir, f"dp{i}")) for i, r in enumerate(self.replicas)
-        ]
-        for f in futures:
-            f.result(PROFILE_CALL_TIMEOUT_S)
         self._profiling = True
+        try:
+            await asyncio.gather(
+                *(r.call("start_profile", os.path.join(log_dir, f"dp{i}")) for i, r in enumerate(self.replicas))
+            )
+        except BaseException:
+            self._profiling = False
+            raise
 
-    def stop_profile(self) -> None:
+    async def stop_profile(self) -> None:
         if not self._profiling:
             raise RuntimeError("No profile is running.")
         self._profiling = False
-        for f in [r.process.call("stop_profile") for r in self.replicas]:
-            f.result(PROFILE_CALL_TIMEOUT_S)
+        await asyncio.gather(*(r.call("stop_profile") for r in self.replicas))
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(r.shutdown() for r in self.replicas))
