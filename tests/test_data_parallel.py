@@ -104,6 +104,10 @@ def test_bad_input_fails_only_its_request(dp_llm, ref):
     with pytest.raises(ValueError, match="out of vocabulary|vocab"):
         dp_llm.generate([{"prompt_token_ids": ALL[0]}, {"prompt_token_ids": [10**6]}], GREEDY, use_tqdm=False)
     assert not dp_llm.llm_engine.has_unfinished_requests()
+    # a prompt that cannot be pickled to its replica process: that request fails, nothing hangs
+    with pytest.raises(ValueError, match="Cannot send this add to a data-parallel replica"):
+        dp_llm.generate([{"prompt_token_ids": ALL[1], "extra": threading.Lock()}], GREEDY, use_tqdm=False)
+    assert not dp_llm.llm_engine.has_unfinished_requests()
     outs = dp_llm.generate([{"prompt_token_ids": p} for p in ALL[:2]], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == ref[:2]
 

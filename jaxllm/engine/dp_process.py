@@ -227,9 +227,22 @@ class ReplicaProcess:
             if command is None:
                 return
             try:
-                self.conn.send(command)
+                data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as e:  # noqa: BLE001 - this command cannot cross; the others go on
+                self._refuse(command, ValueError(f"Cannot send this {command[0]} to a data-parallel replica: {e}"))
+                continue
+            try:
+                self.conn.send_bytes(data)
             except (OSError, ValueError):  # the child is gone: the reader says so
                 return
+
+    def _refuse(self, command, error: Exception) -> None:
+        if command[0] == "add":
+            self._sink("step", ([], {command[1]: error}))
+        elif command[0] == "call":
+            fut = self._calls.pop(command[1], None)
+            if fut is not None:
+                fut.set_exception(error)
 
     def _read(self) -> None:
         while True:
@@ -301,6 +314,10 @@ def replica_main(conn, args: EngineArgs, index: int, log_level: int) -> None:
 
 
 def _build(args: EngineArgs):
+    from jaxllm.engine.device_memory import request_device_memory
+
+    # before jax starts its backend below (the allocator and its memory fraction are read then)
+    request_device_memory(args.gpu_memory_utilization, args.pipeline_parallel_size, args.tensor_parallel_size)
     import jax
 
     from jaxllm.engine.llm_engine import LLMEngine
