@@ -60,12 +60,19 @@ def start_replicas(args: EngineArgs) -> tuple[list[ReplicaProcess], FrontEnd]:
     """Starts the D replica processes (they build their engines at once, side by side), loads the tokenizer here
     meanwhile, and waits until every replica is ready. A replica's start-up error is raised here, and the others
     are stopped."""
+    from jax._src import xla_bridge
+
     from jaxllm.config import read_hf_config
     from jaxllm.engine.model_files import resolve_model_dir
     from jaxllm.engine.tokenizer_setup import tokenizer_parts
 
     args.validate()
     check_single_process()
+    if xla_bridge.backends_are_initialized() and xla_bridge.get_backend().platform != "cpu":
+        logger.warning(
+            "jax already runs on this process's GPUs: the memory it holds there is not free for the data-parallel "
+            "replicas (start them before any jax computation)"
+        )
     path = resolve_model_dir(args)  # a model id downloads here, once, before the replicas look for it
     replicas: list[ReplicaProcess] = []
     try:
