@@ -42,7 +42,7 @@ ROUTES_KEPT = 1 << 16  # request id -> replica, for the metrics' engine label
 STEP_WAIT_S = 0.5  # DPEngine.step() waits this long at most for a replica's message
 
 
-@dataclass
+@dataclass(frozen=True)
 class FrontEnd:
     """What this process's front end needs of the model: its tokenizer and generation_config.json's EOS ids and
     sampling defaults (loaded here, as each replica does), and the replicas' engine limits (from replica 0)."""
