@@ -8,7 +8,8 @@ Cases (--cases; each runs in fresh processes, so no case inherits another's devi
   multi_tp2, multi_pp2     two processes joined by jaxllm.distributed on localhost, one GPU each
                            (CUDA_VISIBLE_DEVICES=0 / 1), the same tp 2 / pp 2: process 0 schedules and sends each
                            step to process 1 (jaxllm/engine/multihost.py)
-  single_tp1, dp2          one GPU, and two data-parallel replicas on the two GPUs (jaxllm/engine/dp.py)
+  single_tp1, dp2          one GPU, and two data-parallel replicas on the two GPUs (jaxllm/engine/dp.py: a process
+                           per replica, CUDA_VISIBLE_DEVICES=0 / 1, behind this process's front end)
 Each tp / pp case reports greedy tokens (--greedy-dtype, float32 by default: a near tie flips less often; the
 multi-process tokens are compared with the same layout's single-process ones), offline throughput
 (--num-prompts x --input-len / --output-len, bf16) and batch-1 inter-token latency (--itl-output-len tokens of
@@ -154,7 +155,8 @@ def run_role(args) -> None:
     from jaxllm.config import ModelConfig
 
     vocab = ModelConfig.from_hf(args.model).vocab_size
-    entry = dict(env=environment(), layout=dict(zip(("tp", "pp", "dp"), layout, strict=True)))
+    # data parallel: jax must not start on the GPUs here (the replica processes own them); their info fills env
+    entry = dict(env=environment(with_jax=layout[2] == 1), layout=dict(zip(("tp", "pp", "dp"), layout, strict=True)))
     if not args.skip_greedy and layout[2] == 1 and case != "single_tp1":
         prompts = random_token_prompts(args.num_greedy, 64, vocab, seed=1)
         entry["greedy"] = run(args, layout, args.greedy_dtype, prompts, args.greedy_len)
@@ -167,6 +169,15 @@ def run_role(args) -> None:
         args.output_len,
         itl=case not in ("dp2", "single_tp1"),
     )
+    replicas = entry["throughput"].get("replicas")
+    if replicas:
+        first = replicas[0]
+        entry["env"].update(
+            jax=first["jax"],
+            backend=first["backend"],
+            device=first["device_kind"],
+            num_devices=sum(len(r["devices"]) for r in replicas),
+        )
     if process_id == 0:
         with open(out, "w") as f:
             json.dump(entry, f, default=str)
@@ -211,6 +222,12 @@ def run(args, layout, dtype, prompts, output_len, itl: bool = False) -> dict:
         r["batch1_itl_ms"] = min(gaps) if gaps else None
     if dp == 1:
         r["engine"] = engine_summary(llm)
+    else:  # each replica in its own process, on its own devices; this process never started jax's backend
+        from jax._src import xla_bridge
+
+        r["replicas"] = [p.info for p in llm.llm_engine.replicas]
+        r["front_end_backend_started"] = xla_bridge.backends_are_initialized()
+        llm.llm_engine.shutdown()
     del llm
     gc.collect()
     return r

@@ -7,7 +7,7 @@ only here, lazily, so the rest of the server package and its tests never need it
 Several hosts: the same command on each, with --coordinator-address --num-processes --process-id. Process 0
 serves HTTP; the others run headless (vLLM's --headless): they build the same engine and run the steps process
 0 sends until it shuts down (jaxllm/engine/multihost.py). --data-parallel-size D serves D engine replicas
-(jaxllm/engine/dp.py).
+(jaxllm/engine/dp.py), each in its own process.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def build_engine(args: argparse.Namespace):
     from server.args import engine_kwargs
 
     if getattr(args, "data_parallel_size", 1) > 1:
-        from jaxllm.engine.dp import DPAsyncLLM
+        from jaxllm.engine.dp_async import DPAsyncLLM
 
         return DPAsyncLLM.from_engine_args(**engine_kwargs(args))
     from jaxllm.engine.async_engine import AsyncLLM

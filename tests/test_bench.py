@@ -896,6 +896,10 @@ def test_multihost_smoke(tmp_path):
     mh = saved["cases"]["multi_pp2"]["throughput"]
     assert mh["output_tok_s"] > 0 and mh["batch1_itl_ms"] > 0 and len(mh["tokens"]) == 4
     assert len(saved["cases"]["dp2"]["throughput"]["tokens"]) == 4 and saved["env"]["command"] and res["cases"]
+    dp = saved["cases"]["dp2"]
+    assert [len(r["devices"]) for r in dp["throughput"]["replicas"]] == [1, 1] and dp["env"]["num_devices"] == 2
+    assert len({r["pid"] for r in dp["throughput"]["replicas"]}) == 2
+    assert dp["throughput"]["front_end_backend_started"] is False  # the replicas' devices are theirs alone
 
 
 def test_lora_bench_smoke(tmp_path):

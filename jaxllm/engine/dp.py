@@ -2,28 +2,35 @@
 behind one front end.
 
 Replica r is a whole LLMEngine on devices [r * W, (r + 1) * W) of this host (W = tp * pp): its own weights, KV
-cache, scheduler and compiled programs. All replicas live in this one process. jax dispatches a step and
-returns, so one host thread keeps several devices busy (a replica's step runs on its devices while the host
-prepares another's); a process per replica would add an IPC layer of our own for nothing jax needs. Offline,
-DPEngine steps the replicas in turn from the caller's thread; the server's DPAsyncLLM gives each its own
-AsyncLLM (engine thread).
+cache, scheduler and compiled programs, in its own process (jaxllm/engine/dp_process.py), as vLLM runs an engine
+core process per DP rank. In one process the replicas' host work (scheduling, input preparation, output
+processing, detokenization: Python, under the GIL, 0.5-0.7x of the device time per step at these batch sizes)
+ran one replica at a time: two H200s gave 22,885 output tok/s against one GPU's 16,954 (1.35x; bench/multihost.py,
+8B shape, 1000 prompts x 128/128, at 0a10660). This process keeps the front end: the tokenizer, the router and
+the requests' bookkeeping; it never starts jax on the replicas' devices. Offline, DPEngine collects the steps'
+outputs the replicas send; the server's DPAsyncLLM (dp_async.py) streams them to each request.
 
 Requests go to the replica with the least load: the sequences it was given that have not finished (its waiting
 plus running, and those on their way in), as vLLM's DP load balancer counts them. Where cheap it follows the
 prefix cache: among replicas within LOAD_SLACK of the least loaded one, the one that served the longest
 prefix of this prompt's first PREFIX_BLOCKS blocks (chained block hashes, as the block manager keys its cache)
-gets it. Metrics carry vLLM's `engine` label, the replica's index.
+gets it. Metrics carry vLLM's `engine` label, the replica's index. A replica process that dies fails its
+requests with an error naming it, and the engine stops taking requests (the server then exits non-zero).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+import queue
+import weakref
+from dataclasses import dataclass
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.protocol import EngineStats, PromptType, SpecDecodeStats
+from jaxllm.engine.dp_process import ReplicaProcess, check_single_process
+from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType, SpecDecodeStats
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -32,43 +39,66 @@ logger = logging.getLogger(__name__)
 PREFIX_BLOCKS = 32  # prompt blocks hashed for routing (512 tokens at block size 16)
 PREFIXES_KEPT = 1 << 16  # block hashes remembered per replica (least recently used go first)
 ROUTES_KEPT = 1 << 16  # request id -> replica, for the metrics' engine label
+STEP_WAIT_S = 0.5  # DPEngine.step() waits this long at most for a replica's message
 
 
-def replica_devices(args: EngineArgs, replica: int) -> list:
-    """Replica r's devices: the r-th group of tp * pp of this host's devices."""
-    import jax
+@dataclass(frozen=True)
+class FrontEnd:
+    """What this process's front end needs of the model: its tokenizer and generation_config.json's EOS ids and
+    sampling defaults (loaded here, as each replica does), and the replicas' engine limits (from replica 0)."""
 
-    width = args.tensor_parallel_size * args.pipeline_parallel_size
-    devices = jax.local_devices()
-    if args.data_parallel_size * width > len(devices):
-        raise ValueError(
-            f"data_parallel_size * tensor_parallel_size * pipeline_parallel_size = {args.data_parallel_size} * "
-            f"{args.tensor_parallel_size} * {args.pipeline_parallel_size} exceeds the {len(devices)} devices of "
-            "this host."
+    tokenizer: object
+    eos_token_ids: set[int]
+    generation_defaults: dict
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+
+
+def start_replicas(args: EngineArgs) -> tuple[list[ReplicaProcess], FrontEnd]:
+    """Starts the D replica processes (they build their engines at once, side by side), loads the tokenizer here
+    meanwhile, and waits until every replica is ready. A replica's start-up error is raised here, and the others
+    are stopped."""
+    from jax._src import xla_bridge
+
+    from jaxllm.config import read_hf_config
+    from jaxllm.engine.model_files import resolve_model_dir
+    from jaxllm.engine.tokenizer_setup import tokenizer_parts
+
+    args.validate()
+    check_single_process()
+    if xla_bridge.backends_are_initialized() and xla_bridge.get_backend().platform != "cpu":
+        logger.warning(
+            "jax already runs on this process's GPUs: the memory it holds there is not free for the data-parallel "
+            "replicas (start them before any jax computation)"
         )
-    return devices[replica * width : (replica + 1) * width]
-
-
-def build_replicas(args: EngineArgs) -> list:
-    """The D LLMEngines, one after another. (Built side by side in threads, two tokenizer threads imported
-    transformers at once and one found it half imported: AttributeError on PreTrainedTokenizerFast.)"""
-    import jax
-
-    from jaxllm.engine.llm_engine import LLMEngine
-
-    if jax.process_count() > 1:
-        raise ValueError(
-            "data_parallel_size > 1 runs replicas on the devices of one host; it cannot be combined "
-            "with several processes (--num-processes)."
-        )
-    groups = [replica_devices(args, r) for r in range(args.data_parallel_size)]
-    engines = [LLMEngine(args, devices=g) for g in groups]
+    path = resolve_model_dir(args)  # a model id downloads here, once, before the replicas look for it
+    replicas: list[ReplicaProcess] = []
+    try:
+        for r in range(args.data_parallel_size):
+            replicas.append(ReplicaProcess(args, r))
+        tokenizer, eos, defaults, _ = tokenizer_parts(args, path, args.overridden_config(read_hf_config(path)))
+        infos = [p.wait_ready() for p in replicas]
+    except BaseException:
+        for p in replicas:
+            p.close(timeout=1.0)
+        raise
     logger.info(
-        "%d data-parallel replicas ready, on devices %s",
-        len(engines),
-        "; ".join(",".join(str(d.id) for d in g) for g in groups),
+        "%d data-parallel replicas ready, processes %s, devices %s",
+        len(replicas),
+        ", ".join(str(i["pid"]) for i in infos),
+        "; ".join(",".join(i["devices"]) + (f" (CUDA {i['visible']})" if i["visible"] else "") for i in infos),
     )
-    return engines
+    first = infos[0]
+    return replicas, FrontEnd(
+        tokenizer, eos, defaults, args.model, first["max_model_len"], first["vocab_size"], first["max_logprobs"]
+    )
+
+
+def _close_all(replicas: list[ReplicaProcess]) -> None:
+    for p in replicas:
+        p.close()
 
 
 class Router:
@@ -152,26 +182,33 @@ class Router:
 
 
 class DPEngine:
-    """LLM's engine for data_parallel_size > 1: the LLMEngine surface LLM uses, over D replicas. step() steps
-    every replica with work, in turn: each dispatches its next step before it waits for its previous one, so
-    the replicas' devices run at once."""
+    """LLM's engine for data_parallel_size > 1: the LLMEngine surface LLM uses, over D replica processes. Each
+    replica steps on its own while it has work and sends its outputs; step() returns what arrived (waiting up to
+    STEP_WAIT_S for something, without spinning)."""
+
+    runner = None  # the models run in the replica processes (LLM checks runner for a multi-process engine)
 
     def __init__(self, args: EngineArgs):
-        self.replicas = build_replicas(args)
-        first = self.replicas[0]
-        self.args, self.tokenizer, self.runner = args, first.tokenizer, first.runner
-        self.model_config, self.max_model_len, self.vocab_size = (
-            first.model_config,
-            first.max_model_len,
-            first.vocab_size,
+        self.replicas, front = start_replicas(args)
+        self._finalizer = weakref.finalize(self, _close_all, self.replicas)  # no replica outlives its engine
+        self.args, self.tokenizer = args, front.tokenizer
+        self.max_model_len, self.vocab_size, self.max_logprobs = (
+            front.max_model_len,
+            front.vocab_size,
+            front.max_logprobs,
         )
-        self.max_logprobs, self.eos_token_ids = first.max_logprobs, first.eos_token_ids
-        self.generation_defaults, self.model_name = first.generation_defaults, first.model_name
+        self.eos_token_ids, self.generation_defaults = front.eos_token_ids, front.generation_defaults
+        self.model_name = front.model_name
         self.router = Router(len(self.replicas), args.block_size)
         self._where: dict[str, tuple[int, int]] = {}  # request id -> (replica, sequences)
+        self._events: queue.Queue = queue.Queue()  # (replica, kind, payload) from the replicas' reader threads
+        self._failed: dict[str, Exception] = {}
+        self._dead: str | None = None
+        for r, p in enumerate(self.replicas):
+            p.start_io(lambda kind, payload, r=r, q=self._events: q.put((r, kind, payload)))
 
     def default_sampling_params(self) -> SamplingParams:
-        return self.replicas[0].default_sampling_params()
+        return SamplingParams(**self.generation_defaults)
 
     def add_request(
         self,
@@ -182,52 +219,78 @@ class DPEngine:
         priority: int = 0,
         lora_request=None,
     ) -> None:
+        """Queues the request for its replica. Bad input (the replica's ValueError) fails it at a later step:
+        pop_failures(), as any request that fails in flight."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
         if request_id in self._where:
             raise ValueError(f"Request id {request_id!r} is already in use.")
-        n = (params or self.default_sampling_params()).n
-        r = self.router.route(request_id, prompt, n, lora_request)
+        params = params or self.default_sampling_params()
+        r = self.router.route(request_id, prompt, params.n, lora_request)
         try:
-            self.replicas[r].add_request(request_id, prompt, params, arrival_time, priority, lora_request=lora_request)
+            self.replicas[r].send("add", request_id, prompt, params, arrival_time, priority, lora_request)
         except BaseException:
-            self.router.done(r, n)
+            self.router.done(r, params.n)
             raise
-        self._where[request_id] = (r, n)
+        self._where[request_id] = (r, params.n)
 
     def abort_request(self, request_id: str) -> None:
         where = self._where.pop(request_id, None)
         if where is not None:
-            self.replicas[where[0]].abort_request(request_id)
             self.router.done(*where)
+            with contextlib.suppress(EngineDeadError):  # a dead replica has nothing to abort
+                self.replicas[where[0]].send("abort", request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return any(e.has_unfinished_requests() for e in self.replicas)
+        return bool(self._where)
 
     # LoRA adapters: every replica serves every adapter (vLLM's DP engines all get add_lora)
     def add_lora(self, lora_request) -> bool:
-        return all([e.add_lora(lora_request) for e in self.replicas])
+        return all([f.result() for f in [p.call("add_lora", lora_request) for p in self.replicas]])
 
     def remove_lora(self, lora_id: int) -> bool:
-        return all([e.remove_lora(lora_id) for e in self.replicas])
+        return all([f.result() for f in [p.call("remove_lora", lora_id) for p in self.replicas]])
 
     def list_loras(self) -> set[int]:
-        return self.replicas[0].list_loras()
+        return self.replicas[0].call_sync("list_loras")
 
     def step(self) -> list[RequestOutput]:
+        try:
+            events = [self._events.get(timeout=STEP_WAIT_S)]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
         outputs = []
-        for e in self.replicas:
-            if e.has_unfinished_requests():
-                outputs += e.step()
-        for out in outputs:
-            if out.finished:
-                self._finished(out.request_id)
+        for r, kind, payload in events:
+            if kind == "dead":
+                self._replica_died(r, payload)
+                continue
+            outs, failures = payload
+            for out in outs:
+                if self._where.get(out.request_id, (None,))[0] == r:  # not aborted meanwhile
+                    outputs.append(out)
+                    if out.finished:
+                        self._finished(out.request_id)
+            for request_id, error in failures.items():
+                if self._where.get(request_id, (None,))[0] == r:
+                    self._failed[request_id] = error
+                    self._finished(request_id)
         return outputs
 
+    def _replica_died(self, replica: int, message: str) -> None:
+        """Its requests fail with the error naming it; the engine takes no more requests."""
+        self._dead = self._dead or message
+        for request_id, (r, _) in list(self._where.items()):
+            if r == replica:
+                self._failed[request_id] = EngineDeadError(message)
+                self._finished(request_id)
+
     def pop_failures(self) -> dict[str, Exception]:
-        failed = {}
-        for e in self.replicas:
-            failed.update(e.pop_failures())
-        for request_id in failed:
-            self._finished(request_id)
+        failed, self._failed = self._failed, {}
         return failed
 
     def _finished(self, request_id: str) -> None:
@@ -236,7 +299,14 @@ class DPEngine:
             self.router.done(*where)
 
     def stats(self) -> EngineStats:
-        return merge_stats([e.stats() for e in self.replicas])
+        return merge_stats([p.stats() for p in self.replicas])
+
+    def cache_config_info(self) -> dict[str, str]:
+        return self.replicas[0].info["cache_config_info"]
+
+    def shutdown(self) -> None:
+        """Stops the replica processes (also when this engine is collected, and at exit)."""
+        self._finalizer()
 
 
 def merge_stats(stats: list[EngineStats]) -> EngineStats:
@@ -266,97 +336,3 @@ def merge_stats(stats: list[EngineStats]) -> EngineStats:
         [n for s in stats for n in s.iteration_tokens],
         spec_decode=spec,
     )
-
-
-class DPAsyncLLM:
-    """The server's EngineClient over D replicas, each an AsyncLLM (its own engine thread)."""
-
-    def __init__(self, replicas: list):
-        self.replicas = replicas
-        first = replicas[0]
-        self.model_name, self.max_model_len = first.model_name, first.max_model_len
-        self.vocab_size, self.max_logprobs = first.vocab_size, first.max_logprobs
-        self.router = Router(len(replicas), first.engine.args.block_size)
-
-    @classmethod
-    def from_engine_args(cls, **kwargs) -> DPAsyncLLM:
-        from jaxllm.engine.async_engine import AsyncLLM
-
-        kwargs.setdefault("server_mode", True)
-        return cls([AsyncLLM(e) for e in build_replicas(EngineArgs.from_kwargs(**kwargs))])
-
-    @property
-    def num_engines(self) -> int:
-        return len(self.replicas)
-
-    def get_tokenizer(self):
-        return self.replicas[0].get_tokenizer()
-
-    def default_sampling_params(self) -> dict:
-        return self.replicas[0].default_sampling_params()
-
-    @property
-    def is_running(self) -> bool:
-        return all(r.is_running for r in self.replicas)
-
-    @property
-    def errored(self) -> bool:
-        return any(r.errored for r in self.replicas)
-
-    async def generate(
-        self,
-        prompt: PromptType,
-        sampling_params: SamplingParams,
-        request_id: str,
-        *,
-        priority: int = 0,
-        lora_request=None,
-    ) -> AsyncIterator[RequestOutput]:
-        n = sampling_params.n
-        r = self.router.route(request_id, prompt, n, lora_request)
-        try:
-            async for out in self.replicas[r].generate(
-                prompt, sampling_params, request_id, priority=priority, lora_request=lora_request
-            ):
-                yield out
-        finally:
-            self.router.done(r, n)
-
-    async def abort(self, request_id: str) -> None:
-        await self.replicas[self.router.replica_of(request_id)].abort(request_id)
-
-    async def add_lora(self, lora_request) -> bool:
-        return all([await r.add_lora(lora_request) for r in self.replicas])
-
-    async def remove_lora(self, lora_id: int) -> bool:
-        return all([await r.remove_lora(lora_id) for r in self.replicas])
-
-    async def list_loras(self) -> set[int]:
-        return await self.replicas[0].list_loras()
-
-    def engine_index(self, request_id: str) -> int:
-        """The replica that serves (or served) request_id: the metrics' engine label."""
-        return self.router.replica_of(request_id)
-
-    def stats(self) -> EngineStats:
-        return merge_stats(self.stats_per_engine())
-
-    def stats_per_engine(self) -> list[EngineStats]:
-        return [r.stats() for r in self.replicas]
-
-    def cache_config_info(self) -> dict[str, str]:
-        return self.replicas[0].cache_config_info()
-
-    def cache_config_info_per_engine(self) -> list[dict[str, str]]:
-        """vllm:cache_config_info's labels per replica (each sized its own KV cache)."""
-        return [r.cache_config_info() for r in self.replicas]
-
-    def start_profile(self, log_dir: str) -> None:
-        self.replicas[0].start_profile(log_dir)  # jax's profiler traces the whole process: every replica
-
-    def stop_profile(self) -> None:
-        self.replicas[0].stop_profile()
-
-    async def shutdown(self) -> None:
-        for r in self.replicas:
-            await r.shutdown()

@@ -47,7 +47,8 @@ class LLM:
 
         Over several processes (jaxllm.distributed) every process calls it, as in vLLM's external_launcher mode:
         process 0 runs the engine and returns the outputs; the others run the steps it sends and return []."""
-        mh = self.llm_engine.runner.multihost
+        runner = self.llm_engine.runner  # None: data-parallel replicas, each in its own process
+        mh = runner.multihost if runner is not None else None
         if mh is not None and not mh.is_driver:
             from jaxllm.engine.multihost import follow
 
