@@ -108,9 +108,9 @@ def grouped_gemms(rows, sizes, w_gate_up, w_down):
 
 
 def pallas_grouped_gemms(rows, sizes, w_gate_up, w_down, **tuning):
-    """grouped_gemms by the Pallas kernel (interpret mode off GPU)."""
+    """grouped_gemms by the Pallas kernel (grouped_matmul runs it in interpret mode off GPU)."""
     E, D = w_gate_up.shape[:2]
-    kw = dict(backend="kernel", interpret=jax.default_backend() != "gpu", **tuning)
+    kw = dict(backend="kernel", **tuning)
     gate, up = jnp.split(grouped_matmul(rows, sizes, w_gate_up.reshape(E, D, -1), **kw), 2, axis=-1)
     return grouped_matmul(jax.nn.silu(gate) * up, sizes, w_down, **kw)
 

@@ -117,7 +117,8 @@ def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
-    # the experts' grouped GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
+    # the experts' grouped GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's grouped
+    # GEMM, the reference backend (CPU) jax.lax.ragged_dot
     out = moe_mlp(lp, h, cfg, attn.mesh, impl="pallas" if attn.backend == "pallas" else "ragged_dot")
     if "w_shared_gate_up" in lp:  # Qwen2-MoE: a shared expert every token runs, gated by sigmoid(h . w)
         shared = mlp(h, lp["w_shared_gate_up"], lp["w_shared_down"], cfg.hidden_act, attn)
