@@ -440,6 +440,25 @@ def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_pat
     assert parity["lp_err_mean"] < 0.75 * parity["against_plain_reference"]["lp_err_mean"]
 
 
+def test_gpu_parity_gap_ratio_scales_the_tolerance_by_the_baseline():
+    """compare(gap_ratio=): the fp8 W8A8 configuration's gap tolerance is the larger of tol and gap_ratio times
+    the baseline's own gap max; without gap_ratio the same gaps fail the absolute tolerance."""
+    import numpy as np
+
+    from bench import gpu_parity
+
+    ref = [np.log(np.array([[0.5, 0.3, 0.2], [0.4, 0.35, 0.25]]))]  # reference logprobs of 2 positions
+    seqs = [dict(tokens=[1, 0], logprobs=[float(ref[0][0, 1]), float(ref[0][1, 0])])]  # gap 0.51 at position 0
+    base = [np.log(np.array([[0.3, 0.5, 0.2], [0.4, 0.35, 0.25]]))]  # the baseline's argmax: token 1 too
+    plain = gpu_parity.compare(seqs, ref, base, tol=0.1)
+    assert not plain["passed"] and plain["gap_tol"] == 0.1
+    scaled = gpu_parity.compare(seqs, ref, base, tol=0.1, gap_ratio=1.25)
+    assert scaled["passed"] and scaled["positions_over_tol"] == 0
+    assert abs(scaled["gap_tol"] - 1.25 * scaled["hf_baseline"]["gap_max"]) < 1e-12
+    tight = gpu_parity.compare(seqs, ref, base, tol=0.1, gap_ratio=0.9)  # below the baseline's own gap: fails
+    assert not tight["passed"] and tight["positions_over_tol"] == 1
+
+
 def test_gpu_parity_quantized_configs(tmp_path):
     """The GPTQ int4 and fp8 configurations of bench/gpu_parity.py pass on CPU against HF on the dequantized
     weights."""
