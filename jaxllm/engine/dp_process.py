@@ -213,9 +213,9 @@ class ReplicaProcess:
         if self.process.is_alive():
             self.process.terminate()
             self.process.join(5)
-        if self.process.is_alive():
+        if self.process.is_alive():  # SIGKILL cannot be refused: wait for it, so no replica outlives close()
             self.process.kill()
-            self.process.join(5)
+            self.process.join()
         self._outbox.put(None)
         with contextlib.suppress(OSError):
             self.conn.close()
