@@ -216,6 +216,13 @@ def kv_cache_specs(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None) 
     return [(jax.ShapeDtypeStruct(shape, dtype, sharding=sh),) * 2 for sh in kv_cache_shardings(cfg, mesh)]
 
 
+def remote_array(shape, sharding, dtype):
+    """The global array for a sharding with no device in this process (another host's pipeline stage): it
+    holds no local data. Made directly, not by a jit: a jit placed only on other processes' devices fails on
+    GPUs ("executable expects 0 computations")."""
+    return jax.make_array_from_single_device_arrays(tuple(shape), sharding, [], dtype=dtype)
+
+
 def make_kv_caches(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None, fill=0.0):
     """Per layer (k_pages, v_pages) [K', P, S, H], created sharded (each device allocates its own shard)."""
     import jax.numpy as jnp
@@ -223,6 +230,9 @@ def make_kv_caches(cfg, mesh: Mesh, num_pages: int, page_size: int, dtype=None, 
     caches, fns = [], {}
     for spec, _ in kv_cache_specs(cfg, mesh, num_pages, page_size, dtype):
         sh = spec.sharding
+        if not sh.addressable_devices:  # another process's pipeline stage (see remote_array)
+            caches.append((remote_array(spec.shape, sh, spec.dtype), remote_array(spec.shape, sh, spec.dtype)))
+            continue
         if sh not in fns:
             full = functools.partial(jnp.full, spec.shape, fill, spec.dtype)
             fns[sh] = jax.jit(lambda full=full: (full(), full()), out_shardings=(sh, sh))

@@ -9,7 +9,15 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.config import ModelConfig
-from jaxllm.sharding import LOGICAL_RULES, kv_heads_for, mesh_pp, named_sharding, stage_layers, stage_mesh
+from jaxllm.sharding import (
+    LOGICAL_RULES,
+    kv_heads_for,
+    mesh_pp,
+    named_sharding,
+    remote_array,
+    stage_layers,
+    stage_mesh,
+)
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,10 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
     out = []
     cache = {}
     for spec, sharding, key in zip(leaves, sh_leaves, keys, strict=True):
+        if not sharding.addressable_devices:
+            aval = jax.eval_shape(_init_fn(spec, dtype, std), key)  # another process's pipeline stage
+            out.append(remote_array(aval.shape, sharding, aval.dtype))
+            continue
         sig = (spec, sharding)
         if sig not in cache:
             cache[sig] = jax.jit(_init_fn(spec, dtype, std), out_shardings=sharding)
