@@ -1,5 +1,6 @@
 """Multi-host: 2 local CPU processes (2 devices each) joined by jax.distributed (gloo collectives) run a
-tp=4 forward whose logits equal one process at tp=1."""
+tp=4 forward whose logits equal one process at tp=1; the workers also check pp 2 dummy weights over the two
+processes (tests/_multihost_worker.py: check_remote_stage)."""
 
 import os
 import socket
