@@ -77,7 +77,7 @@ def test_batched_delta_matches_per_token_reference(kind):
     S, R, T, D, N, K, H, F, V = 3, 4, 11, 16, 4, 2, 4, 24, 32
     G = N // K
     shapes = {  # ops.py's slot layouts
-        "qkv": ((D, S, 3, R), (G + 2, S, R, K, H), (T, D)),
+        "qkv": ((D, S, 3, R), (S, 3, R, K, G + 2, H), (T, D)),
         "o": ((N, H, S, R), (S, R, D), (T, N, H)),
         "gate_up": ((D, S, 2, R), (2, S, R, F), (T, D)),
         "down": ((F, S, R), (S, R, D), (T, F)),

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.lora import ops
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import LAYER_KEYS, LoRAAdapter, load_adapter
 from jaxllm.lora.request import LoRARequest
@@ -45,7 +46,7 @@ def slot_specs(model: ModelConfig, lora: LoRAConfig, tp: int) -> dict:
     layer = {
         "qkv": (
             ParamSpec((D, S, 3, R), ("embed", "lora_slots", None, a_rank)),
-            ParamSpec((G + 2, S, R, K, H), ("qkv", "lora_slots", None, "kv_heads", "head_dim")),
+            ParamSpec((S, 3, R, K, G + 2, H), ("lora_slots", None, None, "kv_heads", "qkv", "head_dim")),
         ),
         "o": (
             ParamSpec((N, H, S, R), ("heads", "head_dim", "lora_slots", None)),
@@ -277,7 +278,8 @@ class LoRASlots:
             b = np.pad(b, [(0, R - r)] + [(0, 0)] * (b.ndim - 1))
             if key[-1] == "qkv":  # [R, K, G + 2, H]: kv heads stored repeated when tp > K, as the base weights
                 b = ParamSpec(b.shape, (None, "kv_heads", "qkv", "head_dim"), kv_repeat=kv_repeat).expand(b)
-                b = np.moveaxis(b, 2, 0)  # the column of a kv head leads: [G + 2, R, K, H]
+                parts = np.asarray(ops.qkv_parts(b.shape[2] - 2))  # block-diagonal [3, R, K, G + 2, H]: part p's
+                b = b[None] * (parts == np.arange(3)[:, None])[:, None, None, :, None]  # rows, its columns only
             elif key[-1] == "gate_up":
                 b = np.moveaxis(b, 1, 0)  # [2, R, F]
             return a.astype(self.dtype), np.ascontiguousarray(b, self.dtype)
