@@ -2,7 +2,7 @@
 slots. A pure function of arrays, so the mix of adapters in a batch is data, never a new program.
 
     select(slots [T], S, dtype) -> w [T, S]                one-hot of each token's slot (-1, the base model: zeros)
-    delta(kind, x, A, B, w) -> [T, *out] (the slots' dtype; lm_head: float32)
+    delta(kind, x, A, B, w) -> [T, *out] (the slots' dtype; lm_head: float32; gate_up: [2, T, F])
                                                            every slot's shrink, masked to the token's own, expanded
 
 Slot arrays (jaxllm/lora/peft.py's per-adapter layouts with a slot axis S, ranks zero-padded to R = max_lora_rank;
@@ -29,7 +29,8 @@ is one GEMM x @ A [D, S * 3R]; their expand is one GEMM over (S, 3, R) into the 
 (3x the parts' bytes: 4.7 MB a layer instead of 1.6 at the 8B shape, S 8, rank 16). Its output needs no transpose, so
 XLA adds it to the base projection in the GEMM's epilogue (cuBLAS's beta = 1). gate_up's parts are as wide as
 the MLP (a block-diagonal B would read twice its bytes, 7 MB a layer more): its expand is a GEMM batched over the
-two parts, whose [2, T, F] output is transposed where it is added (activations: small).
+two parts, whose output [2, T, F] the decoder adds where the activation reads gate and up (one elementwise fusion,
+no transpose).
 
 Everything runs in the slots' dtype (the model's by default): the GEMMs accumulate in float32 inside cuBLAS and
 round once, as PEFT's bf16 modules do (lora_B(lora_A(x)) rounded, then added to the rounded base output). A
@@ -91,7 +92,7 @@ def delta(kind: str, x, A, B, w):
         return _dot(_dot(x, A, 1) * w[:, :, None, None], B, 3)  # [T, S, 3, R] . [S, 3, R, K, G + 2, H]
     if kind == "gate_up":
         u = jnp.moveaxis(_dot(x, A, 1) * w[:, :, None, None], 2, 0)  # the part leads: the expand's batch axis
-        return jnp.moveaxis(_dot(u, B, 2, batch=1), 0, 1)  # [2, T, F] -> [T, 2, F]
+        return _dot(u, B, 2, batch=1)  # [2, T, F]
     u = _dot(x, A, 2 if kind == "o" else 1) * w[:, :, None]  # [T, S, R]
     return _dot(u, B, 2, out=F32 if kind == "lm_head" else None)  # logits are float32
 
@@ -117,7 +118,8 @@ def delta_reference(kind: str, x, A, B, slots):
     elif kind == "qkv":
         out = jnp.einsum("TpR,TpRKgH->TKgH", jnp.einsum("TD,TDpR->TpR", x.astype(F32), At), Bt)
     elif kind == "gate_up":
-        out = jnp.einsum("TcR,TcRF->TcF", jnp.einsum("TD,TDcR->TcR", x.astype(F32), At), Bt)
+        out = jnp.einsum("TcR,TcRF->cTF", jnp.einsum("TD,TDcR->TcR", x.astype(F32), At), Bt)
+        return out * live[None, :, None]
     else:
         eq = {"o": "TNH,TNHR->TR", "down": "TF,TFR->TR", "lm_head": "TD,TDR->TR"}[kind]
         out = jnp.einsum("TR,TR...->T...", jnp.einsum(eq, x.astype(F32), At), Bt)
@@ -130,7 +132,8 @@ def add(y, kind: str, x, lora, w):
     in y ((residual + base) + delta) to keep the base GEMM's own residual add fused too."""
     if lora is None:
         return y
-    return y + delta(kind, x, *lora, w).astype(y.dtype)
+    d = delta(kind, x, *lora, w).astype(y.dtype)
+    return y + (jnp.moveaxis(d, 0, 1) if kind == "gate_up" else d)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["weights", "token_slots"], meta_fields=[])

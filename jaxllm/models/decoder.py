@@ -114,8 +114,11 @@ def mlp(
     residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
     gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
-    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
-    a = activation(gate_up[:, 0], act) * gate_up[:, 1]
+    gate, up = gate_up[:, 0], gate_up[:, 1]
+    if "gate_up" in ll:  # its parts [2, T, F], added where the activation reads them: one fusion, no transpose
+        d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
+        gate, up = gate + d[0], up + d[1]
+    a = activation(gate, act) * up
     out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
     return lora_ops.add(out if residual is None else residual + out, "down", a, ll.get("down"), lw)
 
