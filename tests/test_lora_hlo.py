@@ -11,8 +11,10 @@ import re
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from jaxllm.config import ModelConfig
+from jaxllm.lora import ops as lora_ops
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.slots import slot_specs
 from jaxllm.models import decoder
@@ -81,7 +83,10 @@ def _count(ops, op):
     return sum(o[0] == op for o in ops.values())
 
 
-def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epilogues():
+@pytest.mark.parametrize("qkv_block_diagonal", [True, False])
+def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epilogues(qkv_block_diagonal, monkeypatch):
+    if not qkv_block_diagonal:  # more slots / a larger rank: qkv's B per column of a kv head
+        monkeypatch.setattr(lora_ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
     base, _ = _lowered_layer(False)
     ops, slot_args = _lowered_layer(True)
     users = collections.defaultdict(list)
@@ -101,17 +106,20 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
     # no float32 round trips: no convert beyond the base layer's, every LoRA GEMM's result in bf16
     assert _count(ops, "stablehlo.convert") == _count(base, "stablehlo.convert")
     assert all(ops[n][2].endswith("bf16>") for n in lora_dots), [ops[n][2] for n in lora_dots]
-    # only gate_up's shrink output [T, S, 2, R] is transposed (its part leads the batched expand); no expand output
-    assert _count(ops, "stablehlo.transpose") == _count(base, "stablehlo.transpose") + 1
+    # gate_up's shrink output [T, S, 2, R] is transposed (its part leads the batched expand), no expand's output;
+    # with qkv's B per column its shrink output and its expand's output are too
+    extra = 1 if qkv_block_diagonal else 3
+    assert _count(ops, "stablehlo.transpose") == _count(base, "stablehlo.transpose") + extra
     expands = [n for n, k in lora_dots.items() if k == "B"]
     epilogue = []
     for n in expands:
         user = users[n][0]
         if ops[user][0] != "stablehlo.add":
-            continue  # gate_up's parts, sliced where the activation reads them
+            continue  # gate_up's parts, sliced where the activation reads them; qkv's transposed columns
         (other,) = [o for o in ops[user][1] if o != n]
         epilogue.append(ops[other][0])
         if ops[other][0] == "stablehlo.add":  # o / down: (residual + base GEMM) + delta
             assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[other][1] if o in ops), ops[other]
     # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream plus the base GEMM
-    assert sorted(epilogue) == ["stablehlo.add", "stablehlo.add", "stablehlo.dot_general"], epilogue
+    qkv = ["stablehlo.dot_general"] if qkv_block_diagonal else []
+    assert sorted(epilogue) == ["stablehlo.add", "stablehlo.add"] + qkv, epilogue

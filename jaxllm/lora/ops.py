@@ -9,6 +9,7 @@ Slot arrays (jaxllm/lora/peft.py's per-adapter layouts with a slot axis S, ranks
 P: the parts q, k, v of qkv / gate, up of gate_up):
 
     qkv      A [D, S, 3, R]      B [S, 3, R, K, G + 2, H]   (block-diagonal: part p's rows feed only its columns)
+                                 or [G + 2, S, R, K, H]     (per column of a kv head; when the zeros would be large)
     o        A [N, H, S, R]      B [S, R, D]
     gate_up  A [D, S, 2, R]      B [2, S, R, F]
     down     A [F, S, R]         B [S, R, D]
@@ -27,7 +28,11 @@ One shrink and one expand GEMM per projection group, as vLLM's packed modules: q
 is one GEMM x @ A [D, S * 3R]; their expand is one GEMM over (S, 3, R) into the fused qkv output's own layout
 [T, K, G + 2, H] (each kv head's G q heads, then k, v), B holding zeros where a part's rank does not feed a column
 (3x the parts' bytes: 4.7 MB a layer instead of 1.6 at the 8B shape, S 8, rank 16). Its output needs no transpose, so
-XLA adds it to the base projection in the GEMM's epilogue (cuBLAS's beta = 1). gate_up's parts are as wide as
+XLA adds it to the base projection in the GEMM's epilogue (cuBLAS's beta = 1). Where those zeros would pass
+QKV_BLOCK_DIAGONAL_MAX_ZEROS (more slots or a larger rank: reading them costs more than the kernel they save, and
+they take device memory) B is stored per column of a kv head instead, the expand a GEMM batched over the G + 2
+columns (q's shrink read G times) whose [G + 2, T, K, H] output is transposed where it is added. gate_up's parts
+are as wide as
 the MLP (a block-diagonal B would read twice its bytes, 7 MB a layer more): its expand is a GEMM batched over the
 two parts, whose output [2, T, F] the decoder adds where the activation reads gate and up (one elementwise fusion,
 no transpose).
@@ -72,6 +77,16 @@ def qkv_parts(G: int) -> list[int]:
     return [0] * G + [1, 2]
 
 
+# The bytes of zeros a layer's block-diagonal qkv B may hold (2 of its 3 parts' worth): ~1 us of an H100's memory
+# time, about what the transposed add it saves costs. The 8B shape at max_loras 8, rank 16 holds 3.1 MB.
+QKV_BLOCK_DIAGONAL_MAX_ZEROS = 4 * 2**20
+
+
+def qkv_block_diagonal(S: int, R: int, K: int, G: int, H: int, itemsize: int) -> bool:
+    """Static: whether qkv's slot B is block-diagonal [S, 3, R, K, G + 2, H] (else [G + 2, S, R, K, H])."""
+    return 2 * S * R * K * (G + 2) * H * itemsize <= QKV_BLOCK_DIAGONAL_MAX_ZEROS
+
+
 def _dot(x, w, contract: int, batch: int = 0, out=None):
     """x [*batch, T.., *c] . w [*batch, *c, out..] over the last `contract` axes of x and the `contract` axes after
     w's batch axes, in memory order on both (result in out, by default the operands' dtype)."""
@@ -89,7 +104,12 @@ def delta(kind: str, x, A, B, w):
         return _dot(A[x] * w[:, :, None], B, 2)
     x = x.astype(dt)
     if kind == "qkv":
-        return _dot(_dot(x, A, 1) * w[:, :, None, None], B, 3)  # [T, S, 3, R] . [S, 3, R, K, G + 2, H]
+        u = _dot(x, A, 1) * w[:, :, None, None]  # [T, S, 3, R]
+        if B.ndim == 6:  # block-diagonal [S, 3, R, K, G + 2, H]
+            return _dot(u, B, 3)
+        # per column [G + 2, S, R, K, H]: the columns lead u (each reads its part's shrink) and the expand's output
+        u = jnp.moveaxis(jnp.take(u, jnp.asarray(qkv_parts(B.shape[0] - 2)), axis=2), 2, 0)
+        return jnp.moveaxis(_dot(u, B, 2, batch=1), 0, 2)  # [G + 2, T, K, H] -> [T, K, G + 2, H]
     if kind == "gate_up":
         u = jnp.moveaxis(_dot(x, A, 1) * w[:, :, None, None], 2, 0)  # the part leads: the expand's batch axis
         return _dot(u, B, 2, batch=1)  # [2, T, F]
@@ -99,10 +119,12 @@ def delta(kind: str, x, A, B, w):
 
 def slot_major(kind: str, A, B):
     """The slot arrays of kind with the slot axis leading: A [S, in.., (P,) R], B [S, (P,) R, out..] (gate_up's B
-    [S, 2, R, F])."""
+    [S, 2, R, F]; qkv's per-column B [S, R, K, G + 2, H])."""
     A = jnp.moveaxis(A, 2 if kind == "o" else 1, 0)
     if kind == "gate_up":
         B = jnp.transpose(B, (1, 0, 2, 3))
+    elif kind == "qkv" and B.ndim == 5:
+        B = jnp.transpose(B, (1, 2, 3, 0, 4))
     return A, B
 
 
@@ -116,7 +138,12 @@ def delta_reference(kind: str, x, A, B, slots):
         u = jnp.take_along_axis(At, x[:, None, None], axis=1)[:, 0]  # [T, R]
         out = jnp.einsum("TR,TRD->TD", u, Bt)
     elif kind == "qkv":
-        out = jnp.einsum("TpR,TpRKgH->TKgH", jnp.einsum("TD,TDpR->TpR", x.astype(F32), At), Bt)
+        u = jnp.einsum("TD,TDpR->TpR", x.astype(F32), At)
+        if Bt.ndim == 6:
+            out = jnp.einsum("TpR,TpRKgH->TKgH", u, Bt)
+        else:
+            u = jnp.take(u, jnp.asarray(qkv_parts(Bt.shape[3] - 2)), axis=1)
+            out = jnp.einsum("TgR,TRKgH->TKgH", u, Bt)
     elif kind == "gate_up":
         out = jnp.einsum("TcR,TcRF->cTF", jnp.einsum("TD,TDcR->TcR", x.astype(F32), At), Bt)
         return out * live[None, :, None]
