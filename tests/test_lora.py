@@ -72,12 +72,13 @@ def adapters(tmp_path_factory):
 
 
 # ---- the math --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down", "embed", "lm_head"])
+@pytest.mark.parametrize("kind", ["qkv", "qkv_columns", "o", "gate_up", "down", "embed", "lm_head"])
 def test_batched_delta_matches_per_token_reference(kind):
     S, R, T, D, N, K, H, F, V = 3, 4, 11, 16, 4, 2, 4, 24, 32
     G = N // K
     shapes = {  # ops.py's slot layouts
-        "qkv": ((D, S, 3, R), (G + 2, S, R, K, H), (T, D)),
+        "qkv": ((D, S, 3, R), (S, 3, R, K, G + 2, H), (T, D)),  # block-diagonal B
+        "qkv_columns": ((D, S, 3, R), (G + 2, S, R, K, H), (T, D)),  # B per column of a kv head
         "o": ((N, H, S, R), (S, R, D), (T, N, H)),
         "gate_up": ((D, S, 2, R), (2, S, R, F), (T, D)),
         "down": ((F, S, R), (S, R, D), (T, F)),
@@ -93,8 +94,11 @@ def test_batched_delta_matches_per_token_reference(kind):
         else jnp.asarray(rng.standard_normal(sx), jnp.float32)
     )
     slots = jnp.asarray([-1, 0, 1, 2, 2, -1, 0, 1, 1, 2, 0], jnp.int32)
+    kind = kind.removesuffix("_columns")
     got = ops.delta(kind, x, A, B, ops.select(slots, S))
     want = ops.delta_reference(kind, x, A, B, slots)
+    if kind == "gate_up":  # its parts lead: [2, T, F]
+        got, want = (jnp.moveaxis(a, 0, 1) for a in (got, want))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(got)[np.asarray(slots) < 0] == 0)  # the base model's tokens get nothing
     assert np.abs(np.asarray(got)).max() > 1  # not vacuous
@@ -112,8 +116,8 @@ def _logits(params, kv, token_ids, meta, weights, token_slots, cfg, attn):
 _HLO_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", re.M)
 
 
-@pytest.mark.parametrize("T", [1, 5])
-def test_delta_reads_the_slot_arrays_in_place(T):
+@pytest.mark.parametrize("T, qkv_block_diagonal", [(1, True), (5, True), (5, False)])
+def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, monkeypatch):
     """ops.py's layouts: the compiled delta() never transposes / copies a slot array (XLA does when a GEMM's
     operand has its contracted or kept axes apart, or a batch axis in the middle: the slot-leading layouts copied
     every A and B each step). Checked in XLA:CPU's optimized HLO, slot arrays as slots.py lays them out."""
@@ -128,7 +132,10 @@ def test_delta_reads_the_slot_arrays_in_place(T):
         head_dim=8,
         dtype="float32",
     )
+    if not qkv_block_diagonal:
+        monkeypatch.setattr(ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
     specs = slot_specs(cfg, LoRAConfig(max_loras=3, max_lora_rank=8), tp=1)
+    assert len(specs["layers"][0]["qkv"][1].shape) == (6 if qkv_block_diagonal else 5)
     pairs = dict(specs["layers"][0], embed=specs["embed"], lm_head=specs["lm_head"])
     x_shapes = {"qkv": (T, 32), "o": (T, 4, 8), "gate_up": (T, 32), "down": (T, 48), "lm_head": (T, 32)}
     for kind, (sa, sb) in pairs.items():
@@ -143,8 +150,13 @@ def test_delta_reads_the_slot_arrays_in_place(T):
         assert not moved, f"{kind}: {moved}\n{hlo}"
 
 
-@pytest.mark.parametrize("tp, fully_sharded", [(1, False), (2, False), (4, True)])  # tp 4 > K 2: kv heads repeated
-def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(base, adapters, tp, fully_sharded):
+# tp 4 > K 2: kv heads repeated; qkv's B per column of a kv head (ops.qkv_block_diagonal False) at tp 2
+@pytest.mark.parametrize(
+    "tp, fully_sharded, qkv_columns", [(1, False, False), (2, False, False), (4, True, False), (2, False, True)]
+)
+def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
+    base, adapters, tp, fully_sharded, qkv_columns, monkeypatch
+):
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
     from jaxllm.models.loader import load_params
@@ -153,7 +165,10 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(ba
     cfg = ModelConfig.from_hf(base, dtype="float32")
     mesh = ParallelConfig(tp).make_mesh()
     params = load_params(base, cfg, mesh)
+    if qkv_columns:
+        monkeypatch.setattr(ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
     slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded), cfg, mesh)
+    assert slots.arrays["layers"][0]["qkv"][1].ndim == (5 if qkv_columns else 6)
     for i, name in enumerate(("a1", "a2"), 1):
         slots.add(LoRARequest(name, i, adapters[name][0]))
     slot_of = slots.activate([2, 1])

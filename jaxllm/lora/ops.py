@@ -1,34 +1,53 @@
 """The batched LoRA matmul: every token adds its own adapter's (x @ A) @ B to a projection, adapters held in S device
 slots. A pure function of arrays, so the mix of adapters in a batch is data, never a new program.
 
-    select(slots [T], S) -> w [T, S]                        one-hot of each token's slot (-1, the base model: zeros)
-    delta(kind, x, A, B, w) -> [T, *out] float32            every slot's shrink, masked to the token's own, expanded
+    select(slots [T], S, dtype) -> w [T, S]                one-hot of each token's slot (-1, the base model: zeros)
+    delta(kind, x, A, B, w) -> [T, *out] (the slots' dtype; lm_head: float32; gate_up: [2, T, F])
+                                                           every slot's shrink, masked to the token's own, expanded
 
 Slot arrays (jaxllm/lora/peft.py's per-adapter layouts with a slot axis S, ranks zero-padded to R = max_lora_rank;
 P: the parts q, k, v of qkv / gate, up of gate_up):
 
-    qkv      A [D, S, 3, R]      B [G + 2, S, R, K, H]   (B's leading axis: the column of a kv head, as in the base)
+    qkv      A [D, S, 3, R]      B [S, 3, R, K, G + 2, H]   (block-diagonal: part p's rows feed only its columns)
+                                 or [G + 2, S, R, K, H]     (per column of a kv head; when the zeros would be large)
     o        A [N, H, S, R]      B [S, R, D]
     gate_up  A [D, S, 2, R]      B [2, S, R, F]
     down     A [F, S, R]         B [S, R, D]
-    embed    A [V, S, R]         B [S, R, D]             (A's rows are looked up by token id)
+    embed    A [V, S, R]         B [S, R, D]                (A's rows are looked up by token id)
     lm_head  A [D, S, R]         B [S, R, V]
 
 Why these layouts: every GEMM reads its weights in place. A GEMM (cuBLAS, XLA:CPU's) needs each operand as
 [batch, rows, cols] with the batch axes leading and the contracted and the kept axes each contiguous; an axis order
 that is not is copied (transposed) by XLA before the GEMM, every step: with the slot axis leading, that copy of
 every slot array (read + write + the GEMM's read: ~3x the bytes) was most of LoRA's decode cost. So A contracts on
-its leading axes and keeps (S, [P,] R) together; B contracts on (S, R) and keeps the output; qkv's and gate_up's B
-lead with their part as a GEMM batch axis (qkv's q columns read part 0 of the shrink, k part 1, v part 2), so the
-expand is one batched GEMM whose output is transposed into the projection's layout (activations: small).
+its leading axes and keeps (S, [P,] R) together; B contracts on its leading axes and keeps the output.
 tests/test_lora.py checks the compiled delta() holds no copy of a slot array. The dot_generals below list the
 contracted axes in memory order: jnp.einsum contracted the old B [S, R, D] over (R, S), which XLA copied too.
 
-Why every slot: the shrink x @ A for all S slots is one GEMM ([T, D] x [D, S * 3R]) that reads each slot's A once,
-and masking its output to the token's own slot before the expand makes the expand one GEMM over (S, R) as well.
-In a decode step (memory-bound) that reads every slot's A and B once per step, as BGMV kernels do; gathering A / B
-per token (the reference below) would copy them T times. The cost grows with max_loras, not with the adapters a
-step uses: prefill FLOPs are T * D * S * 3R for the qkv shrink (at S * 3R = 384, 6% of an 8B qkv GEMM).
+One shrink and one expand GEMM per projection group, as vLLM's packed modules: q, k and v share x, so their shrink
+is one GEMM x @ A [D, S * 3R]; their expand is one GEMM over (S, 3, R) into the fused qkv output's own layout
+[T, K, G + 2, H] (each kv head's G q heads, then k, v), B holding zeros where a part's rank does not feed a column
+(3x the parts' bytes: 4.7 MB a layer instead of 1.6 at the 8B shape, S 8, rank 16). Its output needs no transpose, so
+XLA adds it to the base projection in the GEMM's epilogue (cuBLAS's beta = 1). Where those zeros would pass
+QKV_BLOCK_DIAGONAL_MAX_ZEROS (more slots or a larger rank: reading them costs more than the kernel they save, and
+they take device memory) B is stored per column of a kv head instead, the expand a GEMM batched over the G + 2
+columns (q's shrink read G times) whose [G + 2, T, K, H] output is transposed where it is added. gate_up's parts
+are as wide as
+the MLP (a block-diagonal B would read twice its bytes, 7 MB a layer more): its expand is a GEMM batched over the
+two parts, whose output [2, T, F] the decoder adds where the activation reads gate and up (one elementwise fusion,
+no transpose).
+
+Everything runs in the slots' dtype (the model's by default): the GEMMs accumulate in float32 inside cuBLAS and
+round once, as PEFT's bf16 modules do (lora_B(lora_A(x)) rounded, then added to the rounded base output). A
+float32 result (preferred_element_type) made XLA's GPU backend convert operands and outputs around every LoRA GEMM
+(H100 trace, bench/results/lora_profile_h100_22a07c6.json: ~10 us of converts a layer) and kept the base GEMMs from
+fusing the residual add into their epilogue. The per-token mask is one multiply of the shrink's output [T, S, P, R].
+
+Why every slot: the shrink x @ A for all S slots is one GEMM that reads each slot's A once, and masking its output
+to the token's own slot before the expand makes the expand one GEMM over (S, R) as well. In a decode step
+(memory-bound) that reads every slot's A and B once per step, as BGMV kernels do; gathering A / B per token (the
+reference below) would copy them T times. The cost grows with max_loras, not with the adapters a step uses: prefill
+FLOPs are T * D * S * 3R for the qkv shrink (at S * 3R = 384, 6% of an 8B qkv GEMM).
 The reference gathers per token: obviously right, and the tests compare the two.
 """
 
@@ -53,47 +72,59 @@ def num_slots(ab) -> int:
     return ab[1].shape[0]
 
 
-def _qkv_parts(G: int):
-    """Which shrink part (q 0, k 1, v 2) each of the G + 2 columns of a kv head reads."""
-    return jnp.asarray([0] * G + [1, 2], jnp.int32)
+def qkv_parts(G: int) -> list[int]:
+    """Which part (q 0, k 1, v 2) each of the G + 2 columns of a kv head belongs to."""
+    return [0] * G + [1, 2]
 
 
-def _dot(x, w, contract: int, batch: int = 0):
+# The bytes of zeros a layer's block-diagonal qkv B may hold (2 of its 3 parts' worth): ~1 us of an H100's memory
+# time, about what the transposed add it saves costs. The 8B shape at max_loras 8, rank 16 holds 3.1 MB.
+QKV_BLOCK_DIAGONAL_MAX_ZEROS = 4 * 2**20
+
+
+def qkv_block_diagonal(S: int, R: int, K: int, G: int, H: int, itemsize: int) -> bool:
+    """Static: whether qkv's slot B is block-diagonal [S, 3, R, K, G + 2, H] (else [G + 2, S, R, K, H])."""
+    return 2 * S * R * K * (G + 2) * H * itemsize <= QKV_BLOCK_DIAGONAL_MAX_ZEROS
+
+
+def _dot(x, w, contract: int, batch: int = 0, out=None):
     """x [*batch, T.., *c] . w [*batch, *c, out..] over the last `contract` axes of x and the `contract` axes after
-    w's batch axes, in memory order on both (float32 result)."""
+    w's batch axes, in memory order on both (result in out, by default the operands' dtype)."""
     cx = tuple(range(x.ndim - contract, x.ndim))
     cw = tuple(range(batch, batch + contract))
     b = tuple(range(batch))
-    return jax.lax.dot_general(x, w, ((cx, cw), (b, b)), preferred_element_type=F32)
+    return jax.lax.dot_general(x, w, ((cx, cw), (b, b)), preferred_element_type=out)
 
 
 def delta(kind: str, x, A, B, w):
     """The LoRA term of projection `kind` for tokens x with slot weights w [T, S] (see the module docstring)."""
     dt = B.dtype
+    w = w.astype(dt)  # one-hot: exact in any dtype
     if kind == "embed":  # x: token ids [T]; A's rows [S, R] are looked up, not multiplied
-        u = A[x].astype(F32) * w[:, :, None]  # [T, S, R]
-        return _dot(u.astype(dt), B, 2)
+        return _dot(A[x] * w[:, :, None], B, 2)
     x = x.astype(dt)
-    if kind in ("qkv", "gate_up"):
-        u = _dot(x, A, 1) * w[:, :, None, None]  # [T, S, P, R]
-        if kind == "qkv":
-            u = jnp.take(u, _qkv_parts(B.shape[0] - 2), axis=2)  # [T, S, G + 2, R]
-        u = jnp.moveaxis(u, 2, 0).astype(dt)  # the part leads: the expand's batch axis
-        out = _dot(u, B, 2, batch=1)  # [P, T, *out]
-        return jnp.moveaxis(out, 0, 2 if kind == "qkv" else 1)  # qkv [T, K, G + 2, H], gate_up [T, 2, F]
+    if kind == "qkv":
+        u = _dot(x, A, 1) * w[:, :, None, None]  # [T, S, 3, R]
+        if B.ndim == 6:  # block-diagonal [S, 3, R, K, G + 2, H]
+            return _dot(u, B, 3)
+        # per column [G + 2, S, R, K, H]: the columns lead u (each reads its part's shrink) and the expand's output
+        u = jnp.moveaxis(jnp.take(u, jnp.asarray(qkv_parts(B.shape[0] - 2)), axis=2), 2, 0)
+        return jnp.moveaxis(_dot(u, B, 2, batch=1), 0, 2)  # [G + 2, T, K, H] -> [T, K, G + 2, H]
+    if kind == "gate_up":
+        u = jnp.moveaxis(_dot(x, A, 1) * w[:, :, None, None], 2, 0)  # the part leads: the expand's batch axis
+        return _dot(u, B, 2, batch=1)  # [2, T, F]
     u = _dot(x, A, 2 if kind == "o" else 1) * w[:, :, None]  # [T, S, R]
-    return _dot(u.astype(dt), B, 2)
+    return _dot(u, B, 2, out=F32 if kind == "lm_head" else None)  # logits are float32
 
 
 def slot_major(kind: str, A, B):
-    """The slot arrays of kind with the slot axis leading and qkv's / gate_up's part beside B's output, as
-    peft.py's per-adapter layouts with a leading S: qkv A [S, D, 3, R] B [S, R, K, G + 2, H], gate_up B
-    [S, R, 2, F], the others A [S, in.., R] B [S, R, out]."""
+    """The slot arrays of kind with the slot axis leading: A [S, in.., (P,) R], B [S, (P,) R, out..] (gate_up's B
+    [S, 2, R, F]; qkv's per-column B [S, R, K, G + 2, H])."""
     A = jnp.moveaxis(A, 2 if kind == "o" else 1, 0)
-    if kind == "qkv":
+    if kind == "gate_up":
+        B = jnp.transpose(B, (1, 0, 2, 3))
+    elif kind == "qkv" and B.ndim == 5:
         B = jnp.transpose(B, (1, 2, 3, 0, 4))
-    elif kind == "gate_up":
-        B = jnp.transpose(B, (1, 2, 0, 3))
     return A, B
 
 
@@ -107,12 +138,15 @@ def delta_reference(kind: str, x, A, B, slots):
         u = jnp.take_along_axis(At, x[:, None, None], axis=1)[:, 0]  # [T, R]
         out = jnp.einsum("TR,TRD->TD", u, Bt)
     elif kind == "qkv":
-        G = B.shape[3] - 2
-        u = jnp.einsum("TD,TDjR->TjR", x.astype(F32), At)
-        u = jnp.take(u, _qkv_parts(G), axis=1)
-        out = jnp.einsum("TgR,TRKgH->TKgH", u, Bt)
+        u = jnp.einsum("TD,TDpR->TpR", x.astype(F32), At)
+        if Bt.ndim == 6:
+            out = jnp.einsum("TpR,TpRKgH->TKgH", u, Bt)
+        else:
+            u = jnp.take(u, jnp.asarray(qkv_parts(Bt.shape[3] - 2)), axis=1)
+            out = jnp.einsum("TgR,TRKgH->TKgH", u, Bt)
     elif kind == "gate_up":
-        out = jnp.einsum("TcR,TRcF->TcF", jnp.einsum("TD,TDcR->TcR", x.astype(F32), At), Bt)
+        out = jnp.einsum("TcR,TcRF->cTF", jnp.einsum("TD,TDcR->TcR", x.astype(F32), At), Bt)
+        return out * live[None, :, None]
     else:
         eq = {"o": "TNH,TNHR->TR", "down": "TF,TFR->TR", "lm_head": "TD,TDR->TR"}[kind]
         out = jnp.einsum("TR,TR...->T...", jnp.einsum(eq, x.astype(F32), At), Bt)
@@ -120,10 +154,13 @@ def delta_reference(kind: str, x, A, B, slots):
 
 
 def add(y, kind: str, x, lora, w):
-    """y + the LoRA term (y's dtype); lora: the layer's (A, B) of kind, or None (y unchanged)."""
+    """y + the LoRA term, in y's dtype; lora: the layer's (A, B) of kind, or None (y unchanged). The sum is the
+    last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue: pass a residual stream
+    in y ((residual + base) + delta) to keep the base GEMM's own residual add fused too."""
     if lora is None:
         return y
-    return (y.astype(F32) + delta(kind, x, *lora, w)).astype(y.dtype)
+    d = delta(kind, x, *lora, w).astype(y.dtype)
+    return y + (jnp.moveaxis(d, 0, 1) if kind == "gate_up" else d)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["weights", "token_slots"], meta_fields=[])
@@ -137,3 +174,7 @@ class LoRAInputs:
     @property
     def num_slots(self) -> int:
         return num_slots(self.weights["embed"])
+
+    @property
+    def dtype(self):
+        return self.weights["embed"][1].dtype

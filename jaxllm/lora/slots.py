@@ -3,9 +3,10 @@ re-read from their folder when evicted) and max_loras device slots that the comp
 
 The slot arrays (jaxllm/lora/ops.py's layouts) are arguments of the step, never constants: writing an adapter into
 a slot is one small jitted update (the slot index is data, the arrays donated), so swapping adapters or changing a
-batch's mix never recompiles. The slot axis is not the leading one (ops.py: so that the step's GEMMs read the arrays
-in place), so a write fills a strided region of each array: a rare write pays that, not every step. Writes are dispatched after the steps already in flight, and the device runs them in
-order, so a step still reading a slot's old adapter finishes before it is overwritten.
+batch's mix never recompiles. The slot axis is mostly not the leading one (ops.py: so that the step's GEMMs read
+the arrays in place), so a write fills a strided region of each array: a rare write pays that, not every step.
+Writes are dispatched after the steps already in flight, and the device runs them in order, so a step still reading
+a slot's old adapter finishes before it is overwritten.
 
 Tensor parallelism as in vLLM: column-parallel projections (qkv, gate_up) keep A replicated and split B on its
 output (kv heads, ffn); row-parallel ones (o, down) split A on its input (heads, ffn) and keep B replicated, so the
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.lora import ops
 from jaxllm.lora.config import LoRAConfig
 from jaxllm.lora.peft import LAYER_KEYS, LoRAAdapter, load_adapter
 from jaxllm.lora.request import LoRARequest
@@ -42,10 +44,14 @@ def slot_specs(model: ModelConfig, lora: LoRAConfig, tp: int) -> dict:
     K = kv_heads_for(model.num_kv_heads, tp)
     G = N // K
     a_rank = "lora_a_rank"
+    if ops.qkv_block_diagonal(S, R, K, G, H, jnp.dtype(lora.dtype(model.dtype)).itemsize):
+        qkv_b = ParamSpec((S, 3, R, K, G + 2, H), ("lora_slots", None, None, "kv_heads", "qkv", "head_dim"))
+    else:
+        qkv_b = ParamSpec((G + 2, S, R, K, H), ("qkv", "lora_slots", None, "kv_heads", "head_dim"))
     layer = {
         "qkv": (
             ParamSpec((D, S, 3, R), ("embed", "lora_slots", None, a_rank)),
-            ParamSpec((G + 2, S, R, K, H), ("qkv", "lora_slots", None, "kv_heads", "head_dim")),
+            qkv_b,
         ),
         "o": (
             ParamSpec((N, H, S, R), ("heads", "head_dim", "lora_slots", None)),
@@ -277,7 +283,11 @@ class LoRASlots:
             b = np.pad(b, [(0, R - r)] + [(0, 0)] * (b.ndim - 1))
             if key[-1] == "qkv":  # [R, K, G + 2, H]: kv heads stored repeated when tp > K, as the base weights
                 b = ParamSpec(b.shape, (None, "kv_heads", "qkv", "head_dim"), kv_repeat=kv_repeat).expand(b)
-                b = np.moveaxis(b, 2, 0)  # the column of a kv head leads: [G + 2, R, K, H]
+                if len(spec_b.shape) == 6:  # block-diagonal [3, R, K, G + 2, H]: part p's rows, its columns only
+                    parts = np.asarray(ops.qkv_parts(b.shape[2] - 2))
+                    b = b[None] * (parts == np.arange(3)[:, None])[:, None, None, :, None]
+                else:  # per column: the column of a kv head leads, [G + 2, R, K, H]
+                    b = np.moveaxis(b, 2, 0)
             elif key[-1] == "gate_up":
                 b = np.moveaxis(b, 1, 0)  # [2, R, F]
             return a.astype(self.dtype), np.ascontiguousarray(b, self.dtype)

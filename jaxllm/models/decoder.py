@@ -107,13 +107,20 @@ def _split_k_qkv(h, w, splits):
     return jnp.einsum("TSd,SdKGH->STKGH", hs, ws, preferred_element_type=jnp.float32)
 
 
-def mlp(h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None):
-    """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None."""
+def mlp(
+    h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None, residual=None
+):
+    """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
+    residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
     gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
-    gate_up = lora_ops.add(gate_up, "gate_up", h, ll.get("gate_up"), lw)
-    a = activation(gate_up[:, 0], act) * gate_up[:, 1]
-    return lora_ops.add(_proj(a, w_down, b_down, "TF,FD->TD", attn), "down", a, ll.get("down"), lw)
+    gate, up = gate_up[:, 0], gate_up[:, 1]
+    if "gate_up" in ll:  # its parts [2, T, F], added where the activation reads them: one fusion, no transpose
+        d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
+        gate, up = gate + d[0], up + d[1]
+    a = activation(gate, act) * up
+    out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
+    return lora_ops.add(out if residual is None else residual + out, "down", a, ll.get("down"), lw)
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
@@ -160,15 +167,24 @@ def decoder_layer(
         config=attn,
         dtype=x.dtype,
     )
-    out = lora_ops.add(_proj(out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn), "o", out, ll.get("o"), lw)
+    # Without a post-norm the LoRA term is added after the residual, (x + o(out)) + delta, rather than as PEFT
+    # does, x + (o(out) + delta) (the same sum, rounded in another order): both adds then run in GEMM epilogues
+    # (the base GEMM's and the expand's) instead of a kernel of their own on the GPU.
+    attn_out = out
+    out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     if "post_attn_norm" in lp:  # Gemma 2/3
-        out = _norm(out, lp["post_attn_norm"], cfg)
-    x = x + out
+        x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
+    else:
+        x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
     h = _norm(x, lp["mlp_norm"], cfg)
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
-        out = mlp(h, lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"), ll, lw)
+        residual = None if "post_mlp_norm" in lp else x
+        args = (lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"), ll, lw)
+        out = mlp(h, *args, residual=residual)
+        if residual is not None:
+            return out, kv_cache
     if "post_mlp_norm" in lp:
         out = _norm(out, lp["post_mlp_norm"], cfg)
     return x + out, kv_cache
@@ -206,7 +222,7 @@ def forward(
     input hidden states (the residual stream entering them, [T, D] each) are returned too, as a third value
     (EAGLE-3 heads read them). lora: the step's adapters (jaxllm/lora/ops.py), or None."""
     layers = range(cfg.num_layers) if layers is None else layers
-    lw = None if lora is None else lora_ops.select(lora.token_slots, lora.num_slots)
+    lw = None if lora is None else lora_ops.select(lora.token_slots, lora.num_slots, lora.dtype)
     if hidden is None:
         x = params["embed"][token_ids]
         if lora is not None:

@@ -1,0 +1,125 @@
+"""The structure of a decoder layer's LoRA math as the step lowers it (jaxllm/lora/ops.py): two GEMMs per projection
+group (q/k/v share one shrink and one expand, as do gate/up), all in the model dtype with no convert, and each
+expand's output added straight to the base projection (the residual stream first for o / down) so that XLA's GPU
+backend can run the adds in the GEMMs' epilogues. Speed is measured by bench/lora.py on a GPU; this pins the shape
+of the program that bench measured."""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxllm.config import ModelConfig
+from jaxllm.lora import ops as lora_ops
+from jaxllm.lora.config import LoRAConfig
+from jaxllm.lora.slots import slot_specs
+from jaxllm.models import decoder
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata
+from jaxllm.models.params import abstract_params, param_specs
+from jaxllm.sharding import ParallelConfig, kv_cache_specs
+
+T, S, R = 8, 4, 8  # tokens, max_loras, max_lora_rank
+CFG = ModelConfig(
+    "llama",
+    vocab_size=64,
+    hidden_size=48,
+    intermediate_size=80,
+    num_layers=1,
+    num_heads=6,
+    num_kv_heads=2,
+    head_dim=16,
+    dtype="bfloat16",
+)
+_LINE = re.compile(r"^\s*(%[\w#]+)(?::\d+)? = \"?([\w.]+)\"?(.*)$")
+
+
+def _main_ops(text: str) -> dict:
+    """SSA name -> (op, operands, result type) of the lowered module's @main (nested regions included)."""
+    body = text[text.index("func.func public @main") :]
+    body = body[: body.index("\n  }\n")]
+    ops = {}
+    for line in body.splitlines()[1:]:
+        m = _LINE.match(line)
+        if m:
+            name, op, rest = m.groups()
+            head, _, typ = rest.partition(" : ")
+            ops[name] = (op, re.findall(r"%[\w#]+", head), typ.rsplit("-> ", 1)[-1])
+    return ops
+
+
+def _lowered_layer(with_lora: bool):
+    """@main's ops and the SSA names of the LoRA slot arrays (name -> "A" / "B") of one layer's decode step."""
+    mesh = ParallelConfig(1).make_mesh()
+    lp = abstract_params(param_specs(CFG), jnp.bfloat16)["layers"][0]
+    kv = kv_cache_specs(CFG, mesh, 16, 4)[0]
+    i32 = jnp.int32
+    meta = AttentionMetadata(
+        *(jax.ShapeDtypeStruct(s, i32) for s in ((T,), (T,), (T,), (T + 1,), (T, 4))), decode_only=True
+    )
+    sds = lambda s: jax.ShapeDtypeStruct(s.shape, jnp.bfloat16)  # noqa: E731
+    ll = jax.tree.map(sds, slot_specs(CFG, LoRAConfig(max_loras=S, max_lora_rank=R), 1)["layers"][0])
+    lw = jax.ShapeDtypeStruct((T, S), jnp.bfloat16)  # forward's lora_ops.select, in the slots' dtype
+    x = jax.ShapeDtypeStruct((T, CFG.hidden_size), jnp.bfloat16)
+
+    def layer(lp, x, kv, meta, ll, lw):
+        ll, lw = (ll, lw) if with_lora else (None, None)
+        return decoder.decoder_layer(lp, x, kv, meta, CFG, AttentionConfig(), CFG.layer_kind(0), ll, lw)
+
+    args = (lp, x, kv, meta, ll, lw)
+    text = jax.jit(layer, keep_unused=True).lower(*args).as_text()
+    leaves = jax.tree_util.tree_flatten_with_path(args)[0]
+    slot_args = {}
+    for i, (path, _) in enumerate(leaves):
+        if path[0].idx == 4:  # ll: {kind: (A, B)}
+            slot_args[f"%arg{i}"] = "AB"[path[-1].idx]
+    return _main_ops(text), slot_args
+
+
+def _count(ops, op):
+    return sum(o[0] == op for o in ops.values())
+
+
+@pytest.mark.parametrize("qkv_block_diagonal", [True, False])
+def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epilogues(qkv_block_diagonal, monkeypatch):
+    if not qkv_block_diagonal:  # more slots / a larger rank: qkv's B per column of a kv head
+        monkeypatch.setattr(lora_ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
+    base, _ = _lowered_layer(False)
+    ops, slot_args = _lowered_layer(True)
+    users = collections.defaultdict(list)
+    for name, (_, operands, _) in ops.items():
+        for o in operands:
+            users[o].append(name)
+    lora_dots = {
+        n: slot_args[o]
+        for n, (op, args, _) in ops.items()
+        if op.endswith("dot_general")
+        for o in args
+        if o in slot_args
+    }
+    # q/k/v: one shrink and one expand, as gate/up, o and down: 8 GEMMs a layer (14 with a GEMM per slice)
+    assert sorted(lora_dots.values()) == ["A"] * 4 + ["B"] * 4, lora_dots
+    assert _count(ops, "stablehlo.dot_general") == _count(base, "stablehlo.dot_general") + 8
+    # no float32 round trips: no convert beyond the base layer's, every LoRA GEMM's result in bf16
+    assert _count(ops, "stablehlo.convert") == _count(base, "stablehlo.convert")
+    assert all(ops[n][2].endswith("bf16>") for n in lora_dots), [ops[n][2] for n in lora_dots]
+    # gate_up's shrink output [T, S, 2, R] is transposed (its part leads the batched expand), no expand's output;
+    # with qkv's B per column its shrink output and its expand's output are too
+    extra = 1 if qkv_block_diagonal else 3
+    assert _count(ops, "stablehlo.transpose") == _count(base, "stablehlo.transpose") + extra
+    expands = [n for n, k in lora_dots.items() if k == "B"]
+    epilogue = []
+    for n in expands:
+        user = users[n][0]
+        if ops[user][0] != "stablehlo.add":
+            continue  # gate_up's parts, sliced where the activation reads them; qkv's transposed columns
+        (other,) = [o for o in ops[user][1] if o != n]
+        epilogue.append(ops[other][0])
+        if ops[other][0] == "stablehlo.add":  # o / down: (residual + base GEMM) + delta
+            assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[other][1] if o in ops), ops[other]
+    # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream plus the base GEMM
+    qkv = ["stablehlo.dot_general"] if qkv_block_diagonal else []
+    assert sorted(epilogue) == ["stablehlo.add", "stablehlo.add"] + qkv, epilogue
