@@ -602,7 +602,8 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
 
 
 def test_mosaic_prefill_matches_reference():
-    """Chunks over cached prefixes (one ends mid-page: NaN in the page's tail), padding tokens: zeros."""
+    """Chunks over cached prefixes (one ends mid-page: NaN in the page's tail), padding tokens: zeros; G = 2 over
+    K = 2 kv heads (the only Mosaic prefill case where head // G differs from head % K)."""
     from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
 
     rng = np.random.default_rng(5)
@@ -614,11 +615,12 @@ def test_mosaic_prefill_matches_reference():
 
 
 def test_mosaic_prefill_through_the_entry_point_mixed_batch():
-    """One-token sequences to the decode kernel, the rest to Mosaic tiles (skip_single), fp16, G = 4 (one kv
-    head: the interpreter's time grows with the grid)."""
+    """One-token sequences to the decode kernel, the rest to Mosaic tiles (skip_single), fp16, G = 2, the default
+    128-key blocks. Two q heads on one kv head: the interpreter's time grows with the grid (N = 4 took ~80 s on
+    CPU, N = 2 ~30 s); the head -> kv head mapping with K > 1 is the test above's."""
     rng = np.random.default_rng(8)
     q_lens, seq_lens = [1, 30, 1, 0], [50, 45, 17, 0]
-    q, k, v, lens, qsl, bt = _ragged_args(rng, 4, 1, 64, 16, jnp.float16, q_lens, seq_lens)
+    q, k, v, lens, qsl, bt = _ragged_args(rng, 2, 1, 64, 16, jnp.float16, q_lens, seq_lens)
     out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, scale=0.125, prefill_backend="mosaic", interpret=True)
     check(out, reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=0.125), jnp.float16)
     assert not np.asarray(out[int(qsl[-1]) :], np.float32).any()
@@ -630,11 +632,12 @@ def test_mosaic_prefill_through_the_entry_point_mixed_batch():
 @pytest.mark.parametrize(
     "N,K,dtype,lens,table_pages,splits,slots",
     [
-        # split-K: empty / one-token / page-boundary / padding sequences, NaN in unused pages and page tails
-        (8, 2, jnp.bfloat16, [100, 1, 17, 0], None, 2, 4),
-        # one split (the output written in q's dtype, no combine); G = 8; 4 blocks through a 2-slot ring; a table
-        # exactly as wide as the longest sequence and not a whole number of 4-page blocks (13 pages)
-        (8, 1, jnp.float16, [200, 16, 33], 13, 1, 2),
+        # split-K: empty / one-token / page-boundary / padding sequences, NaN in unused pages and page tails; one
+        # kv head (the interpreter's time grows with the grid: B x K x splits CTAs)
+        (4, 1, jnp.bfloat16, [100, 1, 17, 0], None, 2, 4),
+        # one split (the output written in q's dtype, no combine); G = 8 over K = 2 kv heads; 4 blocks through a
+        # 2-slot ring; a table exactly as wide as the longest sequence and not a whole number of 4-page blocks
+        (16, 2, jnp.float16, [200, 16, 33], 13, 1, 2),
     ],
 )
 def test_mosaic_decode_matches_reference(N, K, dtype, lens, table_pages, splits, slots):
