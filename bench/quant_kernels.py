@@ -53,6 +53,9 @@ SWEEP = [
         (128, None, False, False, 8, 3),
         (32, None, True, False, 8, 3),
     )
+] + [  # larger row blocks for M >= 128 (--sweep-m 256): each weight tile dequantized once per block_m rows
+    dict(block_m=bm, block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=st)
+    for bm, bn, w, st in ((128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 2))
 ]
 ROTATE_BYTES = 256 << 20
 
@@ -203,7 +206,10 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
             want = reference(name, x, w0)
             for cfg in configs:
                 if cfg and (
-                    M not in sweep_m or shape not in args.sweep_shapes.split(",") or (cfg.get("fma") and M > 4)
+                    M not in sweep_m
+                    or shape not in args.sweep_shapes.split(",")
+                    or (cfg.get("fma") and M > 4)
+                    or M % cfg.get("block_m", 1)
                 ):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)

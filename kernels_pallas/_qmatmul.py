@@ -37,7 +37,8 @@ from ._common import mma, triton_params
 from .qlayout import MAGIC, PLANES, per_word
 
 NUM_SMS = 132  # H100 / H200: sizes split-K statically
-MAX_BLOCK_M = 64
+MAX_BLOCK_M = 64  # the default row block; block_m may take up to LARGEST_BLOCK_M (a measurement option)
+LARGEST_BLOCK_M = 256
 FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
 # The MMA variant runs at least this many rows (the entry point pads x): 2 or 4 rows stacked 8 or 4 times in
 # registers measured slower than 8 rows stacked twice (H100, gate_up M 2 / 4 / 8: 59.5 / 72.2 / 52.5 us)
@@ -60,13 +61,13 @@ def default_block_n(n: int, fma: bool) -> int:
     return next(b for b in ((64, 32, 16) if fma else (32, 16)) if n % b == 0)
 
 
-def plan(m: int, kp: int, n: int, bits: int, plane: int, *, fma: bool, block_n=None, splits=None):
+def plan(m: int, kp: int, n: int, bits: int, plane: int, *, fma: bool, block_n=None, splits=None, block_m=None):
     """Static launch plan (block_n, splits, tiles_per_split, tiles): splits over K so that ~2 programs per SM exist
     (a decode GEMM has few column blocks: o / down at BN 64 have 64), each split a whole number of tiles."""
     bn = block_n or default_block_n(n, fma)
     tiles = kp // (plane * per_word(bits))
     col_blocks = n // bn
-    m_blocks = -(-m // MAX_BLOCK_M)
+    m_blocks = -(-m // (block_m or MAX_BLOCK_M))
     if splits is None:
         splits = max(1, min(tiles, -(-2 * NUM_SMS // (col_blocks * m_blocks))))
     per_split = -(-tiles // splits)
@@ -164,6 +165,7 @@ _STATIC = (
     "group_size",
     "plane",
     "block_n",
+    "block_m",
     "splits",
     "plane_loop",
     "fma",
@@ -184,6 +186,7 @@ def qmatmul_kernel(
     group_size,
     plane,
     block_n=None,
+    block_m=None,
     splits=None,
     plane_loop=None,
     fma=None,
@@ -194,8 +197,9 @@ def qmatmul_kernel(
     """x [M, Kp] (M a power of two up to 64, or a multiple of 64; Kp the layout's padded K, x's columns already in
     the layout's row order) times the packed weight -> [M, N] in x's dtype, or, when the plan splits K, float32
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
-    kernel). Tuning (static): block_n, splits, plane_loop (planes as a loop instead of unrolled), num_warps,
-    num_stages."""
+    kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
+    dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
+    loop instead of unrolled), num_warps, num_stages."""
     M, Kp = x.shape
     N = qweight.shape[1]
     if not supported(x.dtype, N, bits, group_size, plane):
@@ -205,13 +209,16 @@ def qmatmul_kernel(
         )
     if Kp != qweight.shape[0] * per_word(bits):
         raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
-    BM = min(M, MAX_BLOCK_M)
-    if M % BM or BM & (BM - 1):
-        raise ValueError(f"M={M} must be a power of two <= {MAX_BLOCK_M} or a multiple of {MAX_BLOCK_M}")
+    BM = block_m or min(M, MAX_BLOCK_M)
+    if M % BM or BM & (BM - 1) or BM > LARGEST_BLOCK_M:
+        raise ValueError(
+            f"M={M} must be a multiple of block_m={BM}, a power of two <= {LARGEST_BLOCK_M} "
+            f"(by default M a power of two <= {MAX_BLOCK_M} or a multiple of {MAX_BLOCK_M})"
+        )
     fma = M <= FMA_MAX_M if fma is None else fma
     if fma and M > 4:
         raise ValueError(f"fma=True takes at most 4 rows (one [L, BN] accumulator each), got M={M}")
-    BN, S, per_split, tiles = plan(M, Kp, N, bits, plane, fma=fma, block_n=block_n, splits=splits)
+    BN, S, per_split, tiles = plan(M, Kp, N, bits, plane, fma=fma, block_n=block_n, splits=splits, block_m=BM)
     # defaults by measurement (H100, bench/results/quant_kernels_h100_*.json): the FMA variant unrolled over
     # planes with 8 warps; the MMA variant with the planes as a loop (fewer live registers), 4 warps, BN 32
     plane_loop = not fma if plane_loop is None else plane_loop
@@ -255,5 +262,7 @@ def qmatmul_kernel(
         out_shape=out_shape,
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}" + ("_fma" if fma else ""),
+        name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}"
+        + ("_fma" if fma else "")
+        + (f"_{BM=}" if block_m else ""),
     )(*args)

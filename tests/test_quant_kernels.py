@@ -136,6 +136,7 @@ KERNEL_CASES = [
     (512, 32, 64, 8, 128, False, dict(block_n=16)),
     (256, 32, 8, 8, 32, True, dict(splits=3)),
     (256, 16, 70, 4, 64, False, {}),  # two M blocks of 64
+    (256, 32, 256, 4, 128, True, dict(block_m=128)),  # the large-M option: two M blocks of 128
 ]
 
 
@@ -210,7 +211,7 @@ def test_kernel_lowers_for_cuda():
     bench's --check stage)."""
     from kernels_pallas._qmatmul import qmatmul_kernel
 
-    for M, fma in ((1, True), (16, False)):
+    for M, fma, block_m in ((1, True, None), (16, False, None), (256, False, 128)):
         args = (
             jax.ShapeDtypeStruct((M, 1024), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 256), jnp.int32),
@@ -218,10 +219,12 @@ def test_kernel_lowers_for_cuda():
             jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
         )
         f = jax.jit(
-            lambda x, qw, s, z, fma=fma: qmatmul_kernel(x, qw, s, z, bits=4, group_size=128, plane=128, fma=fma)
+            lambda x, qw, s, z, fma=fma, bm=block_m: qmatmul_kernel(
+                x, qw, s, z, bits=4, group_size=128, plane=128, fma=fma, block_m=bm
+            )
         )
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "qmatmul_int4_g128_L128" in text
+        assert "qmatmul_int4_g128_L128" in text and ("BM_128" in text) == (block_m == 128)
 
 
 # ---- FP8 W8A8 ----------------------------------------------------------------------------------------------------
