@@ -28,6 +28,7 @@ import pickle
 import queue
 import re
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -66,7 +67,7 @@ def replica_env(args: EngineArgs, replica: int) -> dict[str, str]:
 
 def _cpu_platform() -> bool:
     platforms = os.environ.get("JAX_PLATFORMS", "")
-    jax = __import__("sys").modules.get("jax")
+    jax = sys.modules.get("jax")
     if not platforms and jax is not None:  # jax.config.update("jax_platforms", ...) before the engine
         platforms = jax.config.jax_platforms or ""
     names = {p.strip().lower() for p in platforms.split(",") if p.strip()}
@@ -105,7 +106,7 @@ def _environ(env: dict[str, str]):
 
 def check_single_process() -> None:
     """Replicas are processes of this host; a multi-process (jax.distributed) engine is another layout."""
-    jax = __import__("sys").modules.get("jax")
+    jax = sys.modules.get("jax")
     joined = jax is not None and jax.distributed.is_initialized()
     if joined or int(os.environ.get("JAX_NUM_PROCESSES") or 1) > 1:
         raise ValueError(

@@ -32,10 +32,9 @@ XLA adds it to the base projection in the GEMM's epilogue (cuBLAS's beta = 1). W
 QKV_BLOCK_DIAGONAL_MAX_ZEROS (more slots or a larger rank: reading them costs more than the kernel they save, and
 they take device memory) B is stored per column of a kv head instead, the expand a GEMM batched over the G + 2
 columns (q's shrink read G times) whose [G + 2, T, K, H] output is transposed where it is added. gate_up's parts
-are as wide as
-the MLP (a block-diagonal B would read twice its bytes, 7 MB a layer more): its expand is a GEMM batched over the
-two parts, whose output [2, T, F] the decoder adds where the activation reads gate and up (one elementwise fusion,
-no transpose).
+are as wide as the MLP (a block-diagonal B would read twice its bytes, 7 MB a layer more): its expand is a GEMM
+batched over the two parts, whose output [2, T, F] the decoder adds where the activation reads gate and up (one
+elementwise fusion, no transpose).
 
 Everything runs in the slots' dtype (the model's by default): the GEMMs accumulate in float32 inside cuBLAS and
 round once, as PEFT's bf16 modules do (lora_B(lora_A(x)) rounded, then added to the rounded base output). A

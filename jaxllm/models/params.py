@@ -171,8 +171,7 @@ def dummy_params(specs, dtype, shardings, seed: int = 0, std: float = 0.02):
     cache = {}
     for spec, sharding, key in zip(leaves, sh_leaves, keys, strict=True):
         if not sharding.addressable_devices:
-            aval = jax.eval_shape(_init_fn(spec, dtype, std), key)  # another process's pipeline stage
-            out.append(remote_array(aval.shape, sharding, aval.dtype))
+            out.append(remote_array(spec.shape, sharding, spec.dtype or dtype))  # another process's stage
             continue
         sig = (spec, sharding)
         if sig not in cache:
