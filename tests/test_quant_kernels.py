@@ -196,6 +196,10 @@ def test_entry_point_paths_and_errors():
         quantized_matmul(x.astype(jnp.float32), w, backend="kernel", interpret=True)
     with pytest.raises(ValueError, match="split=True"):
         quantized_matmul(x, w, split=True)
+    for m, bad in ((96, 48), (512, 512)):  # block_m not a power of two; over LARGEST_BLOCK_M (both divide M)
+        xm = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        with pytest.raises(ValueError, match="block_m"):
+            quantized_matmul(xm, w, backend="kernel", interpret=True, block_m=bad)
     with pytest.raises(ValueError, match="unsigned"):
         pack_quantized(q - 9, s, z, bits=4, group_size=64)
     with pytest.raises(ValueError, match="divide"):
