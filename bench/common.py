@@ -365,6 +365,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--compilation-cache-dir", default=default_compilation_cache_dir())
     p.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto (the model dtype) or fp8 / fp8_e4m3 / fp8_e5m2")
     p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -402,6 +403,7 @@ def engine_kwargs(args, model: str | None) -> dict:
         seed=args.seed,
         compilation_cache_dir=args.compilation_cache_dir or None,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         enable_prefix_caching=args.enable_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
@@ -431,6 +433,7 @@ def engine_summary(llm) -> dict:
         attention_backend=r.attn.backend,
         step_temp_bytes=r.programs.temp_bytes(),  # the compiled steps' largest temporary buffer (per device)
         dtype=str(eng.model_config.dtype),
+        kv_cache_dtype=str(r.kv_values_dtype),
         enforce_eager=llm.engine_args.enforce_eager,
         quantization=None if eng.model_config.quantization is None else eng.model_config.quantization.describe(),
     )

@@ -103,6 +103,13 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
     # q/k/v: one shrink and one expand, as gate/up, o and down: 8 GEMMs a layer (14 with a GEMM per slice)
     assert sorted(lora_dots.values()) == ["A"] * 4 + ["B"] * 4, lora_dots
     assert _count(ops, "stablehlo.dot_general") == _count(base, "stablehlo.dot_general") + 8
+    # no shrink shares its activation with a base GEMM: XLA's GPU DotMerger would merge the two by concatenating
+    # the base weight with the slots' A, a copy of the base weight every step
+    base_lhs = {
+        o for n, (op, args, _) in ops.items() if op.endswith("dot_general") and n not in lora_dots for o in args
+    }
+    shrink_lhs = {o for n, k in lora_dots.items() if k == "A" for o in ops[n][1] if o not in slot_args}
+    assert shrink_lhs and not shrink_lhs & base_lhs, (shrink_lhs, base_lhs)
     # no float32 round trips: no convert beyond the base layer's, every LoRA GEMM's result in bf16
     assert _count(ops, "stablehlo.convert") == _count(base, "stablehlo.convert")
     assert all(ops[n][2].endswith("bf16>") for n in lora_dots), [ops[n][2] for n in lora_dots]
