@@ -7,9 +7,9 @@
       which streams the packed weight once and dequantizes in registers; larger batches (prefill) dequantize
       the weight to x's dtype in one XLA fusion and multiply with XLA's GEMM (cuBLAS / Triton). Off GPU (and not
       interpret), and for inputs the kernel does not take (_qmatmul.supported), the dequantize + dot path runs.
-      max_kernel_m (default MAX_KERNEL_M = 64) by measurement on an H100 (bench/quant_kernels.py): the kernel
-      is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256 the two are
-      within 10 % of each other (kernel faster on gate_up, slower on down), and both ~3x slower than bf16.
+      max_kernel_m (default MAX_KERNEL_M = 256) by measurement on an H100 (bench/quant_kernels.py): the kernel
+      is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256, with 128-row blocks
+      (LARGE_M_TILING), 10-23 % faster, and both 1.6-2.9x slower than bf16.
       backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one).
       Fused projections (qkv, gate / up): pack the concatenated [K, N1 + N2 + ...] weight once with
       parts=(N1, N2, ...) and call once; split=True returns the parts (slices of one output).
@@ -32,7 +32,12 @@ from . import _qmatmul, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
-MAX_KERNEL_M = 64  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
+MAX_KERNEL_M = 256  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
+# The kernel's tiling for more than _qmatmul.MAX_BLOCK_M rows (a multiple of 128): 128-row blocks dequantize each
+# weight tile once per 128 rows. H100, M = 256 (bench/results/quant_kernels_h100_16d6b33_block_m.json): qkv 54.5,
+# o 34.5, gate_up 288.4, down 120.1 us against dequantize + dot's 63.9 / 43.2 / 332.6 / 134.4 and 64-row blocks'
+# 67.9 / 44.6 / 292.5 / 148.9 (bf16: 30.9 / 21.8 / 98.2 / 52.4).
+LARGE_M_TILING = dict(block_m=128, block_n=64, num_warps=8)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an all-zero row stays finite)
@@ -119,6 +124,8 @@ def quantized_matmul(
     fma = tuning.pop("fma", None)
     fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
     Mp, Kp = kernel_m(M, fma), padded_k(w.k, w.bits, w.plane)
+    if not tuning and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
+        tuning = dict(LARGE_M_TILING)
     if (Mp, Kp) != (M, w.k):  # rows up to the kernel's block, K's zero padding (the layout's padded rows)
         x2 = jnp.pad(x2, ((0, Mp - M), (0, Kp - w.k)))
     y = _qmatmul.qmatmul_kernel(

@@ -267,3 +267,24 @@ def test_fp8_dynamic_scales_and_errors():
         fp8_matmul(x, wq, jnp.ones((3,)))
     with pytest.raises(ValueError, match="act_scale"):
         fp8_matmul(x, wq, ws, act_scale="row")
+
+
+def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
+    """Above 64 rows (up to MAX_KERNEL_M) the entry point pads M to a multiple of 64 and, where that is a multiple
+    of 128, runs the kernel with LARGE_M_TILING's 128-row blocks; the result matches the reference."""
+    from kernels_pallas import _qmatmul, quant
+
+    seen = []
+    kernel = _qmatmul.qmatmul_kernel
+
+    def spy(*args, **kw):
+        seen.append((args[0].shape[0], kw.get("block_m"), kw.get("block_n")))
+        return kernel(*args, **kw)
+
+    monkeypatch.setattr(_qmatmul, "qmatmul_kernel", spy)
+    rng = np.random.default_rng(11)
+    _, q, s, z, w = packed(rng, 256, 64, 4, 64, False)
+    for m in (200, 150):  # padded to 256 (128-row blocks) and to 192 (64-row blocks)
+        x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        assert rel(quant.quantized_matmul(x, w, interpret=True), quantized_matmul_ref(x, w)) < 1e-2
+    assert seen == [(256, 128, 64), (192, None, None)], seen
