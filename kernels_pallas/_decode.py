@@ -47,6 +47,9 @@ from ._fused_qkv import fused_qkv
 from ._splitk import choose_splits, combine_splits, default_block_k
 from .reference import quantize
 
+FP8_PAGES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+F16_MAX = 65504.0
+
 
 def _decode_kernel(
     lens_ref,
@@ -95,7 +98,10 @@ def _decode_kernel(
     num_blocks = jnp.maximum(pl.cdiv(hi_page - lo_page, ppb), 0)
     qk_mult, v_scale = scal_ref[0], scal_ref[1]
 
-    cdt = fused["dt"] if fused else q_ref.dtype  # fp8 pages are widened to q's dtype before the MMA
+    cdt = fused["dt"] if fused else q_ref.dtype
+    # fp8 pages with a bfloat16 model: the MMAs run in float16 (q and the probabilities converted once), since
+    # e4m3 / e5m2 widen to float16 in one instruction per two values on sm_89+, to bfloat16 only through float32
+    mdt = jnp.float16 if jnp.dtype(k_ref.dtype) in FP8_PAGES and jnp.dtype(cdt) == jnp.bfloat16 else cdt
     slopes = slope_ref[...] if has_alibi else None
     Gp = R * Gq
     init = (
@@ -103,6 +109,9 @@ def _decode_kernel(
         jnp.zeros((Gp,), jnp.float32),
         jnp.zeros((Gp, H), jnp.float32),
     )
+
+    def to_mma(q):  # q in the MMAs' dtype; float16 saturates where bfloat16 would not (|q| > 65504)
+        return q if mdt == cdt else jnp.clip(q.astype(jnp.float32), -F16_MAX, F16_MAX).astype(mdt)
 
     def stacked(q):  # the MMA needs >= 16 rows: stack R copies of the group (row r is head r % Gq)
         return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
@@ -120,7 +129,7 @@ def _decode_kernel(
         def start(state):  # after the first KV loads are issued: q, the new token's k / v, and its score
             nonlocal q
             q, k_new, v_new = finish()
-            q = stacked(q)
+            q = to_mma(stacked(q))
             new_kv[:] = [quantize(k_new, scal_ref[2], k_out.dtype), quantize(v_new, v_scale, v_out.dtype)]
             kn, vn = (x.astype(cdt).astype(jnp.float32) for x in new_kv)
             # the new token first: its score is the running max, its weight exp2(0) = 1 (ALiBi bias 0)
@@ -131,7 +140,7 @@ def _decode_kernel(
                 jnp.where(own, jnp.broadcast_to(vn[None, :], (Gp, H)), state[2]),
             )
     else:
-        q, start = stacked(q_ref[...]), None
+        q, start = to_mma(stacked(q_ref[...])), None
 
     def ids(i):  # page ids of block i; -1 for pages past this split's last one
         first = lo_page + i * ppb
@@ -156,7 +165,7 @@ def _decode_kernel(
         return k.reshape(BK, H), v.reshape(BK, H)
 
     def step(i, state, k, v, masked):
-        k, v = k.astype(cdt), v.astype(cdt)
+        k, v = k.astype(mdt), v.astype(mdt)
         p0 = lo_page + i * ppb
         kv_pos = p0 * S + jnp.arange(BK, dtype=jnp.int32)
         s = cap_scores(mma(q, k, trans_b=True) * qk_mult, soft_cap)  # [Gp, BK]
@@ -166,7 +175,7 @@ def _decode_kernel(
             valid = (kv_pos < hi_pos) & (kv_pos >= lo_pos)
             s = jnp.where(valid[None, :], s, -jnp.inf)
             v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # pages past the end may hold NaN
-        return softmax_step(state, s, v, cdt)
+        return softmax_step(state, s, v, mdt)
 
     # Blocks wholly inside [lo_pos, hi_pos) skip the mask; only the last (and, with a window, all) pay it.
     if sliding_window is None:
