@@ -1,7 +1,7 @@
 """The structure of a decoder layer's LoRA math as the step lowers it (jaxllm/lora/ops.py): two GEMMs per projection
 group (q/k/v share one shrink and one expand, as do gate/up), all in the model dtype with no convert, and each
-expand's output added straight to the base projection (the residual stream first for o / down) so that XLA's GPU
-backend can run the adds in the GEMMs' epilogues. Speed is measured by bench/lora.py on a GPU; this pins the shape
+expand's output added straight to the base projection (o / down: to the residual stream, which the base projection
+is added to next) so that XLA's GPU backend can run the adds in the GEMMs' epilogues. Speed is measured by bench/lora.py on a GPU; this pins the shape
 of the program that bench measured."""
 
 from __future__ import annotations
@@ -124,9 +124,14 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
         if ops[user][0] != "stablehlo.add":
             continue  # gate_up's parts, sliced where the activation reads them; qkv's transposed columns
         (other,) = [o for o in ops[user][1] if o != n]
-        epilogue.append(ops[other][0])
-        if ops[other][0] == "stablehlo.add":  # o / down: (residual + base GEMM) + delta
-            assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[other][1] if o in ops), ops[other]
-    # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream plus the base GEMM
-    qkv = ["stablehlo.dot_general"] if qkv_block_diagonal else []
-    assert sorted(epilogue) == ["stablehlo.add", "stablehlo.add"] + qkv, epilogue
+        if other in ops and ops[other][0] == "stablehlo.dot_general":
+            epilogue.append("base")  # qkv: base GEMM + delta
+            continue
+        # o / down: (residual + delta) + base GEMM, each add with a GEMM of its own to run it
+        (nxt,) = users[user]
+        assert ops[nxt][0] == "stablehlo.add", ops[nxt]
+        assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[nxt][1] if o in ops and o != user), ops[nxt]
+        epilogue.append("residual")
+    # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream, then the base GEMM
+    qkv = ["base"] if qkv_block_diagonal else []
+    assert sorted(epilogue) == qkv + ["residual", "residual"], epilogue

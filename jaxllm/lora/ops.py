@@ -157,8 +157,9 @@ def delta_reference(kind: str, x, A, B, slots):
 
 def add(y, kind: str, x, lora, w):
     """y + the LoRA term, in y's dtype; lora: the layer's (A, B) of kind, or None (y unchanged). The sum is the
-    last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue: pass a residual stream
-    in y ((residual + base) + delta) to keep the base GEMM's own residual add fused too."""
+    last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue: for o / down the decoder
+    passes the residual stream as y and adds the base GEMM's output to the result ((residual + delta) + base), so
+    that add can run in the base GEMM's epilogue too."""
     if lora is None:
         return y
     d = delta(kind, x, *lora, w).astype(y.dtype)
