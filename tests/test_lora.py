@@ -72,8 +72,17 @@ def adapters(tmp_path_factory):
 
 
 # ---- the math --------------------------------------------------------------------------------------------------
+def split_shrinks(monkeypatch):
+    """Tiny widths take ops._shrink's split-K path (decode-sized batches on the 8B shape do): 2 slices of >= 4."""
+    monkeypatch.setattr(ops, "SHRINK_SPLITS", 2)
+    monkeypatch.setattr(ops, "SHRINK_SPLIT_MIN_INPUTS", 4)
+
+
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["qkv", "qkv_columns", "o", "gate_up", "down", "embed", "lm_head"])
-def test_batched_delta_matches_per_token_reference(kind):
+def test_batched_delta_matches_per_token_reference(kind, split, monkeypatch):
+    if split:
+        split_shrinks(monkeypatch)
     S, R, T, D, N, K, H, F, V = 3, 4, 11, 16, 4, 2, 4, 24, 32
     G = N // K
     shapes = {  # ops.py's slot layouts
@@ -97,6 +106,9 @@ def test_batched_delta_matches_per_token_reference(kind):
     kind = kind.removesuffix("_columns")
     got = ops.delta(kind, x, A, B, ops.select(slots, S))
     want = ops.delta_reference(kind, x, A, B, slots)
+    jaxpr = jax.make_jaxpr(lambda x, A, B, w: ops.delta(kind, x, A, B, w))(x, A, B, ops.select(slots, S))
+    batched = "(([2], [1]), ([1], [0]))" in str(jaxpr)
+    assert batched == (split and kind != "embed")  # the split shrink: one GEMM batched over the input's slices
     if kind == "gate_up":  # its parts lead: [2, T, F]
         got, want = (jnp.moveaxis(a, 0, 1) for a in (got, want))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
@@ -116,8 +128,8 @@ def _logits(params, kv, token_ids, meta, weights, token_slots, cfg, attn):
 _HLO_OP = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = \w+\[([\d,]*)\]\S* ([\w\-]+)\(", re.M)
 
 
-@pytest.mark.parametrize("T, qkv_block_diagonal", [(1, True), (5, True), (5, False)])
-def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, monkeypatch):
+@pytest.mark.parametrize("T, qkv_block_diagonal, split", [(1, True, False), (5, True, True), (5, False, False)])
+def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, split, monkeypatch):
     """ops.py's layouts: the compiled delta() never transposes / copies a slot array (XLA does when a GEMM's
     operand has its contracted or kept axes apart, or a batch axis in the middle: the slot-leading layouts copied
     every A and B each step). Checked in XLA:CPU's optimized HLO, slot arrays as slots.py lays them out."""
@@ -134,6 +146,8 @@ def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, monkeypatch
     )
     if not qkv_block_diagonal:
         monkeypatch.setattr(ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
+    if split:
+        split_shrinks(monkeypatch)
     specs = slot_specs(cfg, LoRAConfig(max_loras=3, max_lora_rank=8), tp=1)
     assert len(specs["layers"][0]["qkv"][1].shape) == (6 if qkv_block_diagonal else 5)
     pairs = dict(specs["layers"][0], embed=specs["embed"], lm_head=specs["lm_head"])

@@ -83,16 +83,24 @@ def _count(ops, op):
     return sum(o[0] == op for o in ops.values())
 
 
-@pytest.mark.parametrize("qkv_block_diagonal", [True, False])
-def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epilogues(qkv_block_diagonal, monkeypatch):
+@pytest.mark.parametrize("qkv_block_diagonal, split", [(True, False), (False, False), (True, True)])
+def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epilogues(
+    qkv_block_diagonal, split, monkeypatch
+):
     if not qkv_block_diagonal:  # more slots / a larger rank: qkv's B per column of a kv head
         monkeypatch.setattr(lora_ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
+    # the tiny widths take the decode-sized split-K shrinks (ops._shrink) when slices of 8 are allowed
+    monkeypatch.setattr(lora_ops, "SHRINK_SPLITS", 2)
+    monkeypatch.setattr(lora_ops, "SHRINK_SPLIT_MIN_INPUTS", 8 if split else 10**6)
     base, _ = _lowered_layer(False)
     ops, slot_args = _lowered_layer(True)
     users = collections.defaultdict(list)
     for name, (_, operands, _) in ops.items():
         for o in operands:
             users[o].append(name)
+    for name, (op, operands, _) in ops.items():  # the split shrinks read A through a reshape (a bitcast)
+        if op == "stablehlo.reshape" and operands[0] in slot_args:
+            slot_args[name] = slot_args[operands[0]]
     lora_dots = {
         n: slot_args[o]
         for n, (op, args, _) in ops.items()
@@ -110,14 +118,17 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
     }
     shrink_lhs = {o for n, k in lora_dots.items() if k == "A" for o in ops[n][1] if o not in slot_args}
     assert shrink_lhs and not shrink_lhs & base_lhs, (shrink_lhs, base_lhs)
-    # no float32 round trips: no convert beyond the base layer's, every LoRA GEMM's result in bf16
-    assert _count(ops, "stablehlo.convert") == _count(base, "stablehlo.convert")
-    assert all(ops[n][2].endswith("bf16>") for n in lora_dots), [ops[n][2] for n in lora_dots]
+    # no float32 round trips: every expand's result in bf16; the shrinks' too, or with split-K their float32
+    # partials, summed and masked in float32 and converted once (the mask's convert and the sum's per shrink)
+    shrinks = [n for n, k in lora_dots.items() if k == "A"]
+    expands = [n for n, k in lora_dots.items() if k == "B"]
+    assert all(ops[n][2].endswith("bf16>") for n in expands), [ops[n][2] for n in expands]
+    assert all(ops[n][2].endswith("f32>" if split else "bf16>") for n in shrinks), [ops[n][2] for n in shrinks]
+    assert _count(ops, "stablehlo.convert") == _count(base, "stablehlo.convert") + (8 if split else 0)
     # gate_up's shrink output [T, S, 2, R] is transposed (its part leads the batched expand), no expand's output;
     # with qkv's B per column its shrink output and its expand's output are too
     extra = 1 if qkv_block_diagonal else 3
     assert _count(ops, "stablehlo.transpose") == _count(base, "stablehlo.transpose") + extra
-    expands = [n for n, k in lora_dots.items() if k == "B"]
     epilogue = []
     for n in expands:
         user = users[n][0]
