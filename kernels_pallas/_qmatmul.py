@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._common import mma, triton_params
+from ._qdequant import asm_kernel
 from .qlayout import MAGIC, PLANES, per_word
 
 NUM_SMS = 132  # H100 / H200: sizes split-K statically
@@ -43,6 +44,7 @@ FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
 # The MMA variant runs at least this many rows (the entry point pads x): 2 or 4 rows stacked 8 or 4 times in
 # registers measured slower than 8 rows stacked twice (H100, gate_up M 2 / 4 / 8: 59.5 / 72.2 / 52.5 us)
 MMA_MIN_ROWS = 8
+DEQUANT = ("float", "asm")  # the dequantization: float32 magic (the default) or PTX LOP3 / PRMT (_qdequant.py)
 
 
 def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
@@ -88,7 +90,26 @@ def _kernel(
     replicas,
     plane_loop,
     fma,
+    dequant,
+    interpret,
 ):
+    if dequant == "asm":
+        return asm_kernel(
+            x_ref,
+            qw_ref,
+            s_ref,
+            *rest,
+            bits=bits,
+            plane=plane,
+            group_size=group_size,
+            has_zeros=has_zeros,
+            tiles_per_split=tiles_per_split,
+            num_tiles=num_tiles,
+            replicas=replicas,
+            plane_loop=plane_loop,
+            fma=fma,
+            interpret=interpret,
+        )
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
     P, L = per_word(bits), plane
@@ -169,6 +190,7 @@ _STATIC = (
     "splits",
     "plane_loop",
     "fma",
+    "dequant",
     "num_warps",
     "num_stages",
     "interpret",
@@ -190,6 +212,7 @@ def qmatmul_kernel(
     splits=None,
     plane_loop=None,
     fma=None,
+    dequant="float",
     num_warps=None,
     num_stages=3,
     interpret=False,
@@ -209,6 +232,8 @@ def qmatmul_kernel(
         )
     if Kp != qweight.shape[0] * per_word(bits):
         raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant={dequant!r} is not one of {DEQUANT}")
     BM = block_m or min(M, MAX_BLOCK_M)
     if M % BM or BM & (BM - 1) or BM > LARGEST_BLOCK_M:
         raise ValueError(
@@ -253,6 +278,8 @@ def qmatmul_kernel(
         replicas=max(1, 16 // BM),
         plane_loop=plane_loop,
         fma=fma,
+        dequant=dequant,
+        interpret=bool(interpret),
     )
     return pl.pallas_call(
         kernel,
@@ -264,5 +291,6 @@ def qmatmul_kernel(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}"
         + ("_fma" if fma else "")
+        + ("_asm" if dequant == "asm" else "")
         + (f"_{BM=}" if block_m else ""),
     )(*args)
