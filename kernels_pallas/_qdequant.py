@@ -14,9 +14,10 @@ MMA operand (int4, 16-bit activations), two columns per instruction: one PRMT pu
 of field 2i, a shift and another LOP3 those of field 2i + 1 (float16: the shift is the low nibble's): 4
 instructions per 4 weights, against ~7 per weight for the float path (shift, and, or, float32 subtraction,
 conversion, and the shuffles of unpacked values). The zero point is not subtracted per weight: the MMA multiplies
-M + q exactly, and the kernel subtracts (M + z) * rowsum(x) per plane and column in float32 (_qmatmul.py).
-FMA operand (float32) and int8 (whose 8-bit fields do not fit a 16-bit mantissa with room for M): one LOP3 per
-weight on the word shifted so the field sits at bits 8..19 (shifts shared by several fields).
+M + q exactly, and asm_kernel subtracts (M + z) * rowsum(x) per plane and column in float32.
+FMA operand (float32), int4: one LOP3 per weight on the word shifted so the field sits at bits 8..19 (two shifts
+per word, shared by its fields). int8, whose 8-bit fields leave a 16-bit mantissa no room for M: one PRMT per
+weight moves the byte under the float32 magic 2^23, then q - z = (2^23 + q) - (2^23 + z) exactly, as the float path.
 
 Triton hands an asm instance `pack` elements of each argument (pack=2: two int32 words) and packs 16-bit results
 two per register, the first element in the low half; which elements share an instance is unspecified, so every

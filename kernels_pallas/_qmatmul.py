@@ -13,6 +13,12 @@ result, once per plane and column, not to every weight: sum_k x_k (q_k - z) s = 
 group (per channel: once at the end). So the kernel's product is more exact than dequantizing to bfloat16 first
 (the reference's rounding of each weight to the model's dtype is the only difference: ~2^-9 relative).
 
+dequant="asm" (kernels_pallas/_qdequant.py; a static option, not measured on a GPU yet, so "float" stays the
+default): the int4 MMA operand as 16-bit M + q straight from Triton inline PTX (PRMT + LOP3 with the bfloat16 /
+float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
+sm_90 SASS from the PyPI Triton compiler), the zero point folded out of the MMA through x's row sums in float32;
+the FMA variant's float32 operand and int8 by one LOP3 / PRMT per weight (the module docstring there).
+
 MMA rows: the tensor-core MMA needs >= 16 rows; batches of fewer rows are stacked R times in registers (as the
 decode attention kernel stacks its query group); the entry point pads x to at least MMA_MIN_ROWS rows first.
 One row (M = 1, FMA_MAX_M) takes the FMA variant instead: the plane times x's column on the CUDA cores into an
@@ -222,7 +228,8 @@ def qmatmul_kernel(
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
     kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
     dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
-    loop instead of unrolled), num_warps, num_stages."""
+    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant ("float" | "asm", DEQUANT),
+    num_warps, num_stages."""
     M, Kp = x.shape
     N = qweight.shape[1]
     if not supported(x.dtype, N, bits, group_size, plane):

@@ -10,7 +10,8 @@
       max_kernel_m (default MAX_KERNEL_M = 64) by measurement on an H100 (bench/quant_kernels.py): the kernel
       is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256 the two are
       within 10 % of each other (kernel faster on gate_up, slower on down), and both ~3x slower than bf16.
-      backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one).
+      backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one). tuning: the kernel's static options,
+      among them dequant="asm" (inline-PTX dequantization, _qdequant.py; "float" by default until measured).
       Fused projections (qkv, gate / up): pack the concatenated [K, N1 + N2 + ...] weight once with
       parts=(N1, N2, ...) and call once; split=True returns the parts (slices of one output).
   fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale (scalar or [N]), *, x_scale=None, act_scale="token",

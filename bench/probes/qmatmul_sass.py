@@ -9,8 +9,10 @@ the instruction mix and instructions per weight (weights a thread dequantizes in
 
 Indicative only: XLA's GPU compiler runs its own Triton build (jax 0.11.2's on the H100), whose layouts and
 register allocation may differ; the GPU's figures are bench/quant_kernels.py's.
-Finding (stop 43, triton 3.9.0, o projection 4096 x 4096, int4 g128 sym, bf16): see bench/KERNELS_NOTES.md
-"Quantized matmuls".
+Finding (stop 43, triton 3.9.0, int4 g128 sym bf16, o 4096 x 4096): the MMA variant's main loop takes 6.47
+instructions per weight on the float path and 3.30 with dequant="asm" (M = 16; 3.32 at M = 1 with 16 row copies);
+the FMA variant 6.49 / 4.25 (down 14336 x 4096, M = 1); table and breakdown in bench/KERNELS_NOTES.md "Quantized
+matmuls". Every PTX of the asm variants assembled with ptxas 12.9 and 13.0 for sm_90a.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from jax._src.pallas.triton import lowering as triton_lowering  # noqa: E402
 from jax._src.pallas.triton import pallas_call_registration as registration  # noqa: E402
 
 from kernels_pallas import _qmatmul  # noqa: E402
+from kernels_pallas.qlayout import choose_plane  # noqa: E402
 
 
 def triton_ir(fn, *args) -> list[str]:
@@ -108,7 +111,8 @@ def main(argv=None):
     tuning = json.loads(args.tuning)
     shapes = [(args.m, args.k), (args.k // P, args.n), (ng, args.n)] + ([(ng, args.n)] if args.asym else [])
     avals = [jax.ShapeDtypeStruct(s, jnp.int32 if i == 1 else dt) for i, s in enumerate(shapes)]
-    kw = dict(bits=args.bits, group_size=args.group_size, plane=128, fma=args.fma, dequant=args.dequant, **tuning)
+    plane = choose_plane(args.k, args.bits, args.group_size)
+    kw = dict(bits=args.bits, group_size=args.group_size, plane=plane, fma=args.fma, dequant=args.dequant, **tuning)
     [ttir] = triton_ir(lambda x, qw, s, *z: _qmatmul.qmatmul_kernel(x, qw, s, z[0] if z else None, **kw), *avals)
     num_warps = tuning.get("num_warps") or (8 if args.fma else 4)
     bn = tuning.get("block_n") or _qmatmul.default_block_n(args.n, args.fma)
@@ -129,7 +133,7 @@ def main(argv=None):
         f.write(sass)
     res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
     regs = re.search(r"REG:(\d+)", res)
-    per_plane = 128 * bn // (32 * num_warps)  # weights of one plane per thread
+    per_plane = plane * bn // (32 * num_warps)  # weights of one plane per thread
     print(
         f"{args.dequant} {'fma' if args.fma else 'mma'} M={args.m} int{args.bits} g{args.group_size} "
         f"{'asym' if args.asym else 'sym'} {dt.name} BN={bn} warps={num_warps} {tuning}: "
@@ -138,7 +142,7 @@ def main(argv=None):
     # planes per loop iteration: MMA from its HMMA count (m16n8k16: L / 16 per dot and warp's 8 columns, two dots
     # per plane on the int4 asm path); FMA: the innermost loop is one plane with plane_loop, else a tile
     dots = 2 if args.dequant == "asm" and args.bits == 4 else 1
-    hmma_per_plane = 128 // 16 * dots * max(1, bn // (8 * num_warps))
+    hmma_per_plane = plane // 16 * dots * max(1, bn // (8 * num_warps))
     plane_loop = tuning.get("plane_loop", not args.fma)
     for i, (start, end, n, ops) in enumerate(sass_loops(sass)):
         inner = i == 0
