@@ -10,8 +10,8 @@ the kernel forced (backend="kernel", also above its default batch limit, to find
 int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
 call); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
---sweep adds kernel tilings of int4_sym (both dequant paths, --sweep-dequant picks) at --sweep-m.
---check runs every CHECK_CASES kernel variant against the reference with both dequant paths first.
+--sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
+--sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
 Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB
 together, so the weights come from HBM and not the 50 MB L2; distinct inputs, so XLA merges no two calls); the
 time per call is the summed kernel time of an XProf trace of that chain (every kernel the call launches: the
@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.common import environment, write_result  # noqa: E402
+from kernels_pallas._qmatmul import DEQUANT  # noqa: E402
 from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
 from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref  # noqa: E402
 
@@ -70,6 +71,9 @@ SWEEP += [
         (64, True, False, 4, 3),
         (64, True, False, 8, 3),
     )
+] + [  # the zero point subtracted in x's dtype instead of folded (fewer instructions from M ~ 32 on, by SASS counts)
+    dict(dequant="asm_sub", block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=3)
+    for bn, w in ((32, 4), (64, 8))
 ]
 ROTATE_BYTES = 256 << 20
 
@@ -278,7 +282,7 @@ def check(rows, tiny):
 
     rng = np.random.default_rng(0)
     cases = CHECK_CASES[:3] if tiny else CHECK_CASES
-    for (K, N, M, bits, G, sym, act), dequant in [(c, d) for d in ("float", "asm") for c in cases]:
+    for (K, N, M, bits, G, sym, act), dequant in [(c, d) for d in DEQUANT for c in cases]:
         row = dict(stage="check", K=K, N=N, M=M, bits=bits, group_size=G, sym=sym, act_order=act, dequant=dequant)
         try:
             wf = rng.standard_normal((K, N)).astype(np.float32) * 0.02
@@ -327,7 +331,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="int4_sym kernel tilings at --sweep-m")
     p.add_argument("--sweep-m", default="1,16,64")
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
-    p.add_argument("--sweep-dequant", default="float,asm", help="the sweep's entries with these dequant paths")
+    p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
     p.add_argument("--check", action="store_true", help="first, every kernel variant against the reference")
     p.add_argument("--no-bench", action="store_true", help="only the --check stage")
     p.add_argument("--reps", type=int, default=10, help="calls per timed chain")

@@ -180,18 +180,23 @@ def asm_kernel(
     plane_loop,
     fma,
     interpret,
+    fold=True,
 ):
-    """_qmatmul._kernel's body for dequant="asm" (same grid, blocks and outputs). Per plane j of a tile, with s, z
-    the plane's group scale and zero point and M_j the magic's offset:
-      MMA, int4: d = x @ (M_j + q) and r = x @ ones (x's row sums, from a second MMA on the same x operand: the
-        tensor cores are idle in this kernel, a reduction over x's columns would need shuffles), then
-        acc += (d - (M_j + z) r) * s in float32 (per channel: s once at the end).
+    """_qmatmul._kernel's body for dequant="asm" / "asm_sub" (same grid, blocks and outputs). Per plane j of a
+    tile, with s, z the plane's group scale and zero point and M_j the magic's offset:
+      MMA, int4, fold (dequant="asm"): d = x @ (M_j + q) and r = x @ ones (x's row sums, from a second MMA on the
+        same x operand: the tensor cores are idle in this kernel, a reduction over x's columns would need
+        shuffles), then acc += (d - (M_j + z) r) * s in float32 (per channel: s once at the end).
+      MMA, int4, no fold (dequant="asm_sub"): (M_j + q) - (M_j + z) in x's dtype (exact; bf16x2 / f16x2 adds,
+        half an instruction per weight), one MMA, acc += d * s: no row sums and no fold epilogue, which grow with
+        the rows (sm_90 SASS, triton 3.9: at M = 64 5.4 instructions per weight against the fold's 7.4 and the
+        float path's 8.5; at M = 16 the fold's 3.3 beat its 3.6).
       MMA, int8: the field as float32 M + q, minus (M + z) (exact), rounded to x's dtype (exact: |q - z| < 256),
         one MMA, the scale on its result, as the float path.
       FMA (CUDA cores, one [L, BN] float32 accumulator per row): w = s (q - z) from M + q in float32, exact (bfloat16
         scales: s (M + q) - s (M + z) with both products exact, two instructions, fused or not; other scale dtypes
         subtract first), then acc += w x.
-    Accuracy: the FMA variant and int8 compute exactly what the float path does (s (q - z) exact, or q - z exact).
+    Accuracy: the FMA variant, int8 and asm_sub compute exactly what the float path does (s (q - z) or q - z exact).
     The int4 MMA's fold subtracts two float32 terms of size ~(M + z) |x| per row: exact MMA operands, an error of
     a few float32 ulps of (M + 15) sum|x| per plane (tensor-core accumulation truncates), ~1e-5 of the product's
     size for bfloat16 (M = 128) and ~1e-4 for float16 (M = 1024), under the output's own rounding (2^-9 / 2^-11)."""
@@ -270,8 +275,12 @@ def asm_kernel(
 
         def folded(k0, v, m, acc):
             xs = x_slice(k0)
-            d = mma(xs, v) - (m + scale_zero(k0)[1]) * mma(xs, ones)
-            return acc + d if per_channel else acc + d * scale_zero(k0)[0]
+            s, z = scale_zero(k0)
+            if fold:
+                d = mma(xs, v) - (m + z) * mma(xs, ones)
+            else:  # "asm_sub": (M + q) - (M + z) in x's dtype, exact (small integers), one HADD2 per 2 weights
+                d = mma(xs, v - jnp.asarray(m + z, jnp.float32).astype(cdt))
+            return acc + d if per_channel else acc + d * s
 
         def mma_tile(words, t, acc):
             def step(i, acc):

@@ -18,6 +18,8 @@ default): the int4 MMA operand as 16-bit M + q straight from Triton inline PTX (
 float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
 sm_90 SASS from the PyPI Triton compiler), the zero point folded out of the MMA through x's row sums in float32;
 the FMA variant's float32 operand and int8 by one LOP3 / PRMT per weight (the module docstring there).
+dequant="asm_sub": the same operand with the zero point subtracted in x's dtype instead (exact, +0.5 instruction
+per weight, no row-sum MMA or fold epilogue: fewer instructions from M ~ 32 on).
 
 MMA rows: the tensor-core MMA needs >= 16 rows; batches of fewer rows are stacked R times in registers (as the
 decode attention kernel stacks its query group); the entry point pads x to at least MMA_MIN_ROWS rows first.
@@ -50,7 +52,9 @@ FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
 # The MMA variant runs at least this many rows (the entry point pads x): 2 or 4 rows stacked 8 or 4 times in
 # registers measured slower than 8 rows stacked twice (H100, gate_up M 2 / 4 / 8: 59.5 / 72.2 / 52.5 us)
 MMA_MIN_ROWS = 8
-DEQUANT = ("float", "asm")  # the dequantization: float32 magic (the default) or PTX LOP3 / PRMT (_qdequant.py)
+# the dequantization: float32 magic (the default), or PTX LOP3 / PRMT (_qdequant.py) with the int4 MMA's zero point
+# folded out through x's row sums ("asm") or subtracted in x's dtype ("asm_sub")
+DEQUANT = ("float", "asm", "asm_sub")
 
 
 def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
@@ -99,7 +103,7 @@ def _kernel(
     dequant,
     interpret,
 ):
-    if dequant == "asm":
+    if dequant != "float":
         return asm_kernel(
             x_ref,
             qw_ref,
@@ -115,6 +119,7 @@ def _kernel(
             plane_loop=plane_loop,
             fma=fma,
             interpret=interpret,
+            fold=dequant == "asm",
         )
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
@@ -228,7 +233,7 @@ def qmatmul_kernel(
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
     kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
     dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
-    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant ("float" | "asm", DEQUANT),
+    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant (DEQUANT),
     num_warps, num_stages."""
     M, Kp = x.shape
     N = qweight.shape[1]
@@ -298,6 +303,6 @@ def qmatmul_kernel(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}"
         + ("_fma" if fma else "")
-        + ("_asm" if dequant == "asm" else "")
+        + ("" if dequant == "float" else f"_{dequant}")
         + (f"_{BM=}" if block_m else ""),
     )(*args)

@@ -89,7 +89,7 @@ def kernel_m(m: int, fma: bool, dequant: str = "float") -> int:
     variant, which stacks copies of x's rows in registers; the asm path loads its copies by row index and takes
     any power of two), else a multiple of 64."""
     if m <= _qmatmul.MAX_BLOCK_M:
-        least = 1 if fma or dequant == "asm" else _qmatmul.MMA_MIN_ROWS
+        least = 1 if fma or dequant != "float" else _qmatmul.MMA_MIN_ROWS
         return max(1 << max(0, (m - 1).bit_length()), least)
     return -(-m // _qmatmul.MAX_BLOCK_M) * _qmatmul.MAX_BLOCK_M
 

@@ -736,8 +736,8 @@ def test_quant_kernels_smoke(tmp_path):
     )
     saved = json.loads(out.read_text())
     checks = [r for r in saved["rows"] if r.get("stage") == "check"]
-    assert len(checks) == 6 and all(r["ok"] for r in checks)  # 3 cases, float and asm dequantization
-    assert {r["dequant"] for r in checks} == {"float", "asm"}
+    assert len(checks) == 9 and all(r["ok"] for r in checks)  # 3 cases, each dequantization path
+    assert {r["dequant"] for r in checks} == {"float", "asm", "asm_sub"}
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
     assert set(rows) == {"bf16", "int4_sym", "fp8", "int4_sym_asm"} and all(
         r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values()

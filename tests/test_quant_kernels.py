@@ -169,6 +169,10 @@ ASM_CASES = [
     (512, 64, 8, 8, -1, True, jnp.bfloat16, dict(plane_loop=False)),  # int8: PRMT under the 2^23 magic
     (512, 32, 1, 8, 128, False, jnp.float16, {}),
     (256, 32, 4, 8, 32, False, jnp.bfloat16, dict(fma=True, plane_loop=True)),
+    # dequant="asm_sub": the int4 MMA's zero point subtracted in x's dtype, no row sums
+    (1024, 64, 1, 4, 128, False, jnp.bfloat16, dict(fma=False, dequant="asm_sub")),
+    (576, 48, 16, 4, 64, True, jnp.float16, dict(dequant="asm_sub", plane_loop=False)),
+    (1024, 32, 64, 4, -1, False, jnp.bfloat16, dict(dequant="asm_sub")),
 ]
 
 
@@ -177,16 +181,26 @@ def test_asm_dequant_matches_reference(K, N, M, bits, G, sym, dtype, tuning):
     rng = np.random.default_rng(K + N + M + bits)
     wf, q, s, z, w = packed(rng, K, N, bits, G, sym, dtype=dtype)
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
-    got = quantized_matmul(x, w, backend="kernel", interpret=True, dequant="asm", **tuning)
+    tuning = {"dequant": "asm", **tuning}
+    got = quantized_matmul(x, w, backend="kernel", interpret=True, **tuning)
     assert got.shape == (M, N) and got.dtype == dtype
     assert rel(got, quantized_matmul_ref(x, w)) < 1e-2
     exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32)[: s.shape[0]], z, bits, G)
     assert rel(got, exact) < (4e-3 if dtype == jnp.bfloat16 else 1e-3)  # the output's rounding only
-    assert rel(got, quantized_matmul(x, w, backend="kernel", interpret=True, **tuning)) < 4e-3  # = the float path
+    float_path = quantized_matmul(x, w, backend="kernel", interpret=True, **{**tuning, "dequant": "float"})
+    assert rel(got, float_path) < 4e-3
 
 
-@pytest.mark.parametrize("fma,dtype", [(False, jnp.bfloat16), (False, jnp.float16), (True, jnp.bfloat16)])
-def test_asm_dequant_float32_partials_are_exact(fma, dtype):
+@pytest.mark.parametrize(
+    "fma,dtype,dequant",
+    [
+        (False, jnp.bfloat16, "asm"),
+        (False, jnp.float16, "asm"),
+        (True, jnp.bfloat16, "asm"),
+        (False, jnp.bfloat16, "asm_sub"),
+    ],
+)
+def test_asm_dequant_float32_partials_are_exact(fma, dtype, dequant):
     """Split-K partials (float32, before any rounding to x's dtype) of the asm path against the float64 product:
     the zero point folded out of the MMA through x's row sums, (M + z) * rowsum subtracted per plane, costs only
     float32 rounding (~1e-6 here, the float path ~1e-7); a fold that used another plane's row sums or group's zero
@@ -197,7 +211,7 @@ def test_asm_dequant_float32_partials_are_exact(fma, dtype):
     K, N, M, G = 2048, 32, 4, 64
     _, q, s, z, w = packed(rng, K, N, 4, G, False, dtype=dtype)
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
-    kw = dict(bits=4, group_size=G, plane=w.plane, splits=2, fma=fma, dequant="asm", interpret=True)
+    kw = dict(bits=4, group_size=G, plane=w.plane, splits=2, fma=fma, dequant=dequant, interpret=True)
     parts = qmatmul_kernel(x, w.qweight, w.scales, w.zeros, **kw)
     assert parts.shape == (2, M, N) and parts.dtype == jnp.float32
     exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32), z, 4, G)
@@ -389,6 +403,7 @@ def test_kernel_lowers_for_cuda():
         (16, 8, -1, jnp.bfloat16, {}, ["prmt.b32 $0, $1, $2, $3;"]),
         (4, 8, 128, jnp.bfloat16, dict(plane_loop=False, fma=True), ["prmt.b32 $0, $1, $2, 0x7543;"]),
         (64, 4, 128, jnp.bfloat16, {}, ["0x43004300"]),
+        (16, 4, 128, jnp.bfloat16, dict(dequant="asm_sub"), ["prmt.b32 $0, $1, $2, $3;"]),
     ],
 )
 def test_asm_dequant_lowers_for_cuda(M, bits, G, dtype, tuning, asm):
@@ -396,6 +411,7 @@ def test_asm_dequant_lowers_for_cuda(M, bits, G, dtype, tuning, asm):
     is checked by bench/probes/qmatmul_sass.py (needs the triton wheel) and the GPU's --check stage."""
     from kernels_pallas._qmatmul import qmatmul_kernel
 
+    tuning = {"dequant": "asm", **tuning}
     K, N, P, plane = 1024, 256, 32 // bits, 128 if G in (-1, 128) else G
     ng = 1 if G == -1 else K // G
     args = (
@@ -404,11 +420,9 @@ def test_asm_dequant_lowers_for_cuda(M, bits, G, dtype, tuning, asm):
         jax.ShapeDtypeStruct((ng, N), dtype),
         jax.ShapeDtypeStruct((ng, N), dtype),
     )
-    f = jax.jit(
-        lambda x, qw, s, z: qmatmul_kernel(x, qw, s, z, bits=bits, group_size=G, plane=plane, dequant="asm", **tuning)
-    )
+    f = jax.jit(lambda x, qw, s, z: qmatmul_kernel(x, qw, s, z, bits=bits, group_size=G, plane=plane, **tuning))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"qmatmul_int{bits}_g{G}_L{plane}" in text and "_asm" in text
+    assert f"qmatmul_int{bits}_g{G}_L{plane}" in text and "_" + tuning["dequant"] in text
     for a in asm:
         assert a in text, a
 

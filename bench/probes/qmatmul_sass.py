@@ -11,8 +11,9 @@ Indicative only: XLA's GPU compiler runs its own Triton build (jax 0.11.2's on t
 register allocation may differ; the GPU's figures are bench/quant_kernels.py's.
 Finding (stop 43, triton 3.9.0, int4 g128 sym bf16, o 4096 x 4096): the MMA variant's main loop takes 6.47
 instructions per weight on the float path and 3.30 with dequant="asm" (M = 16; 3.32 at M = 1 with 16 row copies);
-the FMA variant 6.49 / 4.25 (down 14336 x 4096, M = 1); table and breakdown in bench/KERNELS_NOTES.md "Quantized
-matmuls". Every PTX of the asm variants assembled with ptxas 12.9 and 13.0 for sm_90a.
+the FMA variant 6.49 / 4.25 (down 14336 x 4096, M = 1); at M = 64 (wgmma) 8.47 / 7.44, and 5.42 with
+dequant="asm_sub"; table and breakdown in bench/KERNELS_NOTES.md "Quantized matmuls". Every PTX of the asm
+variants assembled with ptxas 12.9 and 13.0 for sm_90a.
 """
 
 from __future__ import annotations
@@ -139,14 +140,17 @@ def main(argv=None):
         f"{'asym' if args.asym else 'sym'} {dt.name} BN={bn} warps={num_warps} {tuning}: "
         f"registers {regs.group(1) if regs else '?'}, shared {k.metadata.shared} B, files in {out}"
     )
-    # planes per loop iteration: MMA from its HMMA count (m16n8k16: L / 16 per dot and warp's 8 columns, two dots
-    # per plane on the int4 asm path); FMA: the innermost loop is one plane with plane_loop, else a tile
+    # planes per loop iteration: MMA from its HMMA / HGMMA count (m16n8k16: L / 16 per dot and warp's 8 columns;
+    # wgmma: L / 16 per dot; two dots per plane on the int4 asm path); FMA: the innermost loop is one plane with
+    # plane_loop, else a tile
     dots = 2 if args.dequant == "asm" and args.bits == 4 else 1
     hmma_per_plane = plane // 16 * dots * max(1, bn // (8 * num_warps))
+    hgmma_per_plane = plane // 16 * dots  # M = 64: Hopper's warpgroup MMA, one per K step of 16 and dot
     plane_loop = tuning.get("plane_loop", not args.fma)
     for i, (start, end, n, ops) in enumerate(sass_loops(sass)):
         inner = i == 0
-        planes = ops["HMMA"] / hmma_per_plane if not args.fma else (1 if plane_loop and inner else P)
+        mmas = ops["HMMA"] / hmma_per_plane + ops["HGMMA"] / hgmma_per_plane
+        planes = mmas if not args.fma else (1 if plane_loop and inner else P)
         rate = f", {n / (planes * per_plane):.2f} per weight ({planes:g} planes)" if planes else ""
         print(f"  loop {start:#x}..{end:#x}: {n} instructions{rate}; {dict(ops.most_common(16))}")
     return k
