@@ -224,9 +224,6 @@ def asm_kernel(
     def x_slice(k0):
         if R == 1:
             return x_ref[:, pl.ds(k0, L)]
-        if interpret:
-            xs = x_ref[:, pl.ds(k0, L)]
-            return jnp.broadcast_to(xs[None], (R,) + xs.shape).reshape(R * BM, L)
         # the copies loaded by row index (row r of the MMA reads x's row r % BM): no register shuffles
         return x_ref[jax.lax.rem(jax.lax.iota(jnp.int32, R * BM), BM), pl.ds(k0, L)]
 

@@ -173,6 +173,7 @@ ASM_CASES = [
     (1024, 64, 1, 4, 128, False, jnp.bfloat16, dict(fma=False, dequant="asm_sub")),
     (576, 48, 16, 4, 64, True, jnp.float16, dict(dequant="asm_sub", plane_loop=False)),
     (1024, 32, 64, 4, -1, False, jnp.bfloat16, dict(dequant="asm_sub")),
+    (256, 32, 256, 4, 128, False, jnp.bfloat16, dict(block_m=128)),  # two row blocks of 128
 ]
 
 
