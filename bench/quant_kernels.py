@@ -68,6 +68,7 @@ SWEEP += [
         (64, False, True, 8, 3),
         (32, True, False, 4, 3),
         (32, False, False, 4, 3),
+        (32, False, False, 4, 2),  # unrolled planes: the asm writes the MMA's registers (no shared-memory trip)
         (64, True, False, 4, 3),
         (64, True, False, 8, 3),
     )
