@@ -193,9 +193,9 @@ def asm_kernel(
         float path's 8.5; at M = 16 the fold's 3.3 beat its 3.6).
       MMA, int8: the field as float32 M + q, minus (M + z) (exact), rounded to x's dtype (exact: |q - z| < 256),
         one MMA, the scale on its result, as the float path.
-      FMA (CUDA cores, one [L, BN] float32 accumulator per row): w = s (q - z) from M + q in float32, exact (bfloat16
-        scales: s (M + q) - s (M + z) with both products exact, two instructions, fused or not; other scale dtypes
-        subtract first), then acc += w x.
+      FMA (CUDA cores, one [L, BN] float32 accumulator per row): per group w = s (q - z) from M + q in float32,
+        exact (int4 with bfloat16 scales: s (M + q) - s (M + z) with both products exact, one FFMA fused or not;
+        else the exact q - z times s), per channel w = q - z and s once at the end; then acc += w x.
     Accuracy: the FMA variant, int8 and asm_sub compute exactly what the float path does (s (q - z) or q - z exact).
     The int4 MMA's fold subtracts two float32 terms of size ~(M + z) |x| per row: exact MMA operands, an error of
     a few float32 ulps of (M + 15) sum|x| per plane (tensor-core accumulation truncates), ~1e-5 of the product's

@@ -98,7 +98,7 @@ def quantized_matmul(
     x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto", interpret=False, **tuning
 ):
     """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, block_m, splits, plane_loop, fma,
-    dequant ("float" | "asm"), num_warps, num_stages."""
+    dequant (_qmatmul.DEQUANT: "float", "asm", "asm_sub"), num_warps, num_stages."""
     if backend not in ("auto", "kernel", "dequant"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
     if x.shape[-1] != w.k:
