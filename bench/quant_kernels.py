@@ -91,7 +91,14 @@ def copy_bw(nbytes, reps):
 
         return jax.jit(f)
 
-    return 2 * x.size * 2 / per_call(runner(build, x), reps)[0]
+    run = runner(build, x)
+    t = per_call(run, reps)[0]
+    for _ in range(3):  # a chain difference that noise made non-positive (a loaded CPU): longer chains
+        if t > 0:
+            break
+        reps *= 4
+        t = per_call(run, reps)[0]
+    return 2 * x.size * 2 / t
 
 
 def runner(build, *args):
