@@ -160,7 +160,7 @@ ASM_CASES = [
     (1024, 64, 1, 4, 128, True, jnp.bfloat16, dict(fma=False)),  # one row, 16 copies loaded by row index
     (1024, 64, 1, 4, 128, False, jnp.bfloat16, {}),  # the FMA variant (M = 1's default)
     (576, 48, 3, 4, 64, False, jnp.bfloat16, {}),  # K padded to whole tiles, 3 rows run as 4
-    (512, 32, 2, 4, 32, True, jnp.float16, dict(plane_loop=False, splits=2)),  # float16's second magic (64 + q)
+    (512, 32, 2, 4, 32, True, jnp.float16, dict(plane_loop=False, splits=2)),  # float16: 64 + q, static PRMT
     (1024, 32, 5, 4, -1, False, jnp.bfloat16, {}),  # per channel
     (1024, 32, 2, 4, -1, True, jnp.float16, dict(fma=True, plane_loop=True)),
     (512, 64, 16, 4, 128, False, jnp.float16, dict(plane_loop=True)),  # the pair loop's traced PRMT control
@@ -180,7 +180,7 @@ ASM_CASES = [
 @pytest.mark.parametrize("K,N,M,bits,G,sym,dtype,tuning", ASM_CASES)
 def test_asm_dequant_matches_reference(K, N, M, bits, G, sym, dtype, tuning):
     rng = np.random.default_rng(K + N + M + bits)
-    wf, q, s, z, w = packed(rng, K, N, bits, G, sym, dtype=dtype)
+    _, q, s, z, w = packed(rng, K, N, bits, G, sym, dtype=dtype)
     x = jnp.asarray(rng.standard_normal((M, K)), dtype)
     tuning = {"dequant": "asm", **tuning}
     got = quantized_matmul(x, w, backend="kernel", interpret=True, **tuning)
