@@ -10,7 +10,7 @@ the instruction mix and instructions per weight (weights a thread dequantizes in
 Indicative only: XLA's GPU compiler runs its own Triton build (jax 0.11.2's on the H100), whose layouts and
 register allocation may differ; the GPU's figures are bench/quant_kernels.py's.
 Finding (triton 3.9.0 from PyPI, int4 g128 sym bf16, o 4096 x 4096): the MMA variant's main loop takes 6.47
-instructions per weight on the float path and 3.30 with dequant="asm" (M = 16; 3.32 at M = 1 with 16 row copies);
+instructions per weight on the float path and 3.36 with dequant="asm" (M = 16; 3.24 at M = 1 with 16 row copies);
 the FMA variant 6.49 / 4.25 (down 14336 x 4096, M = 1); at M = 64 (wgmma) 8.47 / 7.44, and 5.42 with
 dequant="asm_sub"; table and breakdown in bench/KERNELS_NOTES.md "Quantized matmuls". Every PTX of the asm
 variants assembled with ptxas 12.9 and 13.0 for sm_90a.
