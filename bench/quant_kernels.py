@@ -9,7 +9,9 @@ impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kerne
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
 int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
-call). --sweep adds kernel tilings of int4_sym at M 1 / 16 / 64.
+call); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
+--sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
+--sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
 Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB
 together, so the weights come from HBM and not the 50 MB L2; distinct inputs, so XLA merges no two calls); the
 time per call is the summed kernel time of an XProf trace of that chain (every kernel the call launches: the
@@ -37,12 +39,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.common import environment, write_result  # noqa: E402
+from kernels_pallas._qmatmul import DEQUANT  # noqa: E402
 from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
 from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref  # noqa: E402
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TINY_SHAPES = {"qkv": (512, 384), "o": (256, 256), "gate_up": (256, 512), "down": (768, 256)}
-IMPLS = ("bf16", "int4_sym", "int4_asym", "int8", "int4_dequant", "fp8")
+IMPLS = ("bf16", "int4_sym", "int4_asym", "int8", "int4_dequant", "fp8", "int4_sym_asm", "int4_asym_asm", "int8_asm")
 SWEEP = [
     dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
     for bn, sp, loop, fma, w, st in (
@@ -56,6 +59,22 @@ SWEEP = [
 ] + [  # larger row blocks for M >= 128 (--sweep-m 256): each weight tile dequantized once per block_m rows
     dict(block_m=bm, block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=st)
     for bm, bn, w, st in ((128, 32, 4, 3), (128, 64, 8, 3), (256, 32, 8, 2))
+]
+# dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py; not measured yet): the FMA variant at M <= 4, the
+# MMA variant at every M (with x's row copies loaded by row index it needs no padding to 8 rows)
+SWEEP += [
+    dict(dequant="asm", block_n=bn, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
+    for bn, loop, fma, w, st in (
+        (64, False, True, 8, 3),
+        (32, True, False, 4, 3),
+        (32, False, False, 4, 3),
+        (32, False, False, 4, 2),  # unrolled planes: the asm writes the MMA's registers (no shared-memory trip)
+        (64, True, False, 4, 3),
+        (64, True, False, 8, 3),
+    )
+] + [  # the zero point subtracted in x's dtype instead of folded (fewer instructions from M ~ 32 on, by SASS counts)
+    dict(dequant="asm_sub", block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=3)
+    for bn, w in ((32, 4), (64, 8))
 ]
 ROTATE_BYTES = 256 << 20
 
@@ -72,7 +91,14 @@ def copy_bw(nbytes, reps):
 
         return jax.jit(f)
 
-    return 2 * x.size * 2 / per_call(runner(build, x), reps)[0]
+    run = runner(build, x)
+    t = per_call(run, reps)[0]
+    for _ in range(3):  # a chain difference that noise made non-positive (a loaded CPU): longer chains
+        if t > 0:
+            break
+        reps *= 4
+        t = per_call(run, reps)[0]
+    return 2 * x.size * 2 / t
 
 
 def runner(build, *args):
@@ -146,7 +172,7 @@ def make_impl(name, K, N, key):
         return (lambda x, w: fp8_matmul(x, *w)), (w, s), N * K + N * 4
     bits, group, sym = dict(
         int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True), int4_dequant=(4, 128, True)
-    )[name]
+    )[name.removesuffix("_asm")]
     w = int_weight(key, K, N, bits, group, sym)
     return None, w, w.nbytes
 
@@ -210,6 +236,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     or shape not in args.sweep_shapes.split(",")
                     or (cfg.get("fma") and M > 4)
                     or M % cfg.get("block_m", 1)
+                    or cfg.get("dequant", "float") not in args.sweep_dequant.split(",")
                 ):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
@@ -217,7 +244,8 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     fn = call
                     if fn is None:
                         backend = "dequant" if name == "int4_dequant" else "kernel"
-                        fn = functools.partial(quantized_matmul, backend=backend, interpret=args.tiny, **cfg)
+                        kw = dict(dequant="asm") if name.endswith("_asm") else {}
+                        fn = functools.partial(quantized_matmul, backend=backend, interpret=args.tiny, **kw, **cfg)
                     got = jax.jit(fn)(x, w0)
                     row["rel_err"] = rel_err(got, want)
                     row["finite"] = bool(np.isfinite(np.asarray(got, np.float32)).all())
@@ -261,8 +289,9 @@ def check(rows, tiny):
     from kernels_pallas.qlayout import pack_quantized, quantize_weight
 
     rng = np.random.default_rng(0)
-    for K, N, M, bits, G, sym, act in CHECK_CASES[:3] if tiny else CHECK_CASES:
-        row = dict(stage="check", K=K, N=N, M=M, bits=bits, group_size=G, sym=sym, act_order=act)
+    cases = CHECK_CASES[:3] if tiny else CHECK_CASES
+    for (K, N, M, bits, G, sym, act), dequant in [(c, d) for d in DEQUANT for c in cases]:
+        row = dict(stage="check", K=K, N=N, M=M, bits=bits, group_size=G, sym=sym, act_order=act, dequant=dequant)
         try:
             wf = rng.standard_normal((K, N)).astype(np.float32) * 0.02
             q, s, z = quantize_weight(wf, bits=bits, group_size=G, sym=sym)
@@ -273,7 +302,7 @@ def check(rows, tiny):
                 q, s, z = q[inv], s2, z2
             w = pack_quantized(q, s, z, bits=bits, group_size=G, g_idx=g_idx, dtype=jnp.bfloat16)
             x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
-            got = jax.jit(functools.partial(quantized_matmul, backend="kernel", interpret=tiny))(x, w)
+            got = jax.jit(functools.partial(quantized_matmul, backend="kernel", interpret=tiny, dequant=dequant))(x, w)
             ref = quantized_matmul_ref(x, w)
             dense = jnp.dot(x.astype(jnp.float32), jnp.asarray(wf))
             row.update(
@@ -310,6 +339,7 @@ def main(argv=None):
     p.add_argument("--sweep", action="store_true", help="int4_sym kernel tilings at --sweep-m")
     p.add_argument("--sweep-m", default="1,16,64")
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
+    p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
     p.add_argument("--check", action="store_true", help="first, every kernel variant against the reference")
     p.add_argument("--no-bench", action="store_true", help="only the --check stage")
     p.add_argument("--reps", type=int, default=10, help="calls per timed chain")

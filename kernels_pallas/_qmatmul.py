@@ -13,6 +13,14 @@ result, once per plane and column, not to every weight: sum_k x_k (q_k - z) s = 
 group (per channel: once at the end). So the kernel's product is more exact than dequantizing to bfloat16 first
 (the reference's rounding of each weight to the model's dtype is the only difference: ~2^-9 relative).
 
+dequant="asm" (kernels_pallas/_qdequant.py; a static option, not measured on a GPU yet, so "float" stays the
+default): the int4 MMA operand as 16-bit M + q straight from Triton inline PTX (PRMT + LOP3 with the bfloat16 /
+float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
+sm_90 SASS from the PyPI Triton compiler), the zero point folded out of the MMA through x's row sums in float32;
+the FMA variant's float32 operand and int8 by one LOP3 / PRMT per weight (the module docstring there).
+dequant="asm_sub": the same operand with the zero point subtracted in x's dtype instead (exact, +0.5 instruction
+per weight, no row-sum MMA or fold epilogue: fewer instructions from M ~ 32 on).
+
 MMA rows: the tensor-core MMA needs >= 16 rows; batches of fewer rows are stacked R times in registers (as the
 decode attention kernel stacks its query group); the entry point pads x to at least MMA_MIN_ROWS rows first.
 One row (M = 1, FMA_MAX_M) takes the FMA variant instead: the plane times x's column on the CUDA cores into an
@@ -34,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._common import mma, triton_params
+from ._qdequant import asm_kernel
 from .qlayout import MAGIC, PLANES, per_word
 
 NUM_SMS = 132  # H100 / H200: sizes split-K statically
@@ -43,6 +52,9 @@ FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
 # The MMA variant runs at least this many rows (the entry point pads x): 2 or 4 rows stacked 8 or 4 times in
 # registers measured slower than 8 rows stacked twice (H100, gate_up M 2 / 4 / 8: 59.5 / 72.2 / 52.5 us)
 MMA_MIN_ROWS = 8
+# the dequantization: float32 magic (the default), or PTX LOP3 / PRMT (_qdequant.py) with the int4 MMA's zero point
+# folded out through x's row sums ("asm") or subtracted in x's dtype ("asm_sub")
+DEQUANT = ("float", "asm", "asm_sub")
 
 
 def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
@@ -88,7 +100,27 @@ def _kernel(
     replicas,
     plane_loop,
     fma,
+    dequant,
+    interpret,
 ):
+    if dequant != "float":
+        return asm_kernel(
+            x_ref,
+            qw_ref,
+            s_ref,
+            *rest,
+            bits=bits,
+            plane=plane,
+            group_size=group_size,
+            has_zeros=has_zeros,
+            tiles_per_split=tiles_per_split,
+            num_tiles=num_tiles,
+            replicas=replicas,
+            plane_loop=plane_loop,
+            fma=fma,
+            interpret=interpret,
+            fold=dequant == "asm",
+        )
     z_ref = rest[0] if has_zeros else None
     o_ref = rest[-1]
     P, L = per_word(bits), plane
@@ -169,6 +201,7 @@ _STATIC = (
     "splits",
     "plane_loop",
     "fma",
+    "dequant",
     "num_warps",
     "num_stages",
     "interpret",
@@ -190,6 +223,7 @@ def qmatmul_kernel(
     splits=None,
     plane_loop=None,
     fma=None,
+    dequant="float",
     num_warps=None,
     num_stages=3,
     interpret=False,
@@ -199,7 +233,8 @@ def qmatmul_kernel(
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
     kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
     dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
-    loop instead of unrolled), num_warps, num_stages."""
+    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant (DEQUANT),
+    num_warps, num_stages."""
     M, Kp = x.shape
     N = qweight.shape[1]
     if not supported(x.dtype, N, bits, group_size, plane):
@@ -209,6 +244,8 @@ def qmatmul_kernel(
         )
     if Kp != qweight.shape[0] * per_word(bits):
         raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
+    if dequant not in DEQUANT:
+        raise ValueError(f"dequant={dequant!r} is not one of {DEQUANT}")
     BM = block_m or min(M, MAX_BLOCK_M)
     if M % BM or BM & (BM - 1) or BM > LARGEST_BLOCK_M:
         raise ValueError(
@@ -253,6 +290,8 @@ def qmatmul_kernel(
         replicas=max(1, 16 // BM),
         plane_loop=plane_loop,
         fma=fma,
+        dequant=dequant,
+        interpret=bool(interpret),
     )
     return pl.pallas_call(
         kernel,
@@ -264,5 +303,6 @@ def qmatmul_kernel(
         compiler_params=triton_params(num_warps, num_stages),
         name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}"
         + ("_fma" if fma else "")
+        + ("" if dequant == "float" else f"_{dequant}")
         + (f"_{BM=}" if block_m else ""),
     )(*args)

@@ -10,7 +10,8 @@
       max_kernel_m (default MAX_KERNEL_M = 256) by measurement on an H100 (bench/quant_kernels.py): the kernel
       is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256, with 128-row blocks
       (LARGE_M_TILING), 10-23 % faster, and both 1.6-2.9x slower than bf16.
-      backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one).
+      backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one). tuning: the kernel's static options,
+      among them dequant="asm" (inline-PTX dequantization, _qdequant.py; "float" by default until measured).
       Fused projections (qkv, gate / up): pack the concatenated [K, N1 + N2 + ...] weight once with
       parts=(N1, N2, ...) and call once; split=True returns the parts (slices of one output).
   fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale (scalar or [N]), *, x_scale=None, act_scale="token",
@@ -88,19 +89,21 @@ def _dequant_matmul(x, w):
     return jnp.einsum("...k,kn->...n", x, qlayout.dequantize(w, x.dtype))
 
 
-def kernel_m(m: int, fma: bool) -> int:
-    """Rows the kernel runs for m rows: a power of two up to 64 (at least MMA_MIN_ROWS for the MMA variant), else a
-    multiple of 64."""
+def kernel_m(m: int, fma: bool, dequant: str = "float") -> int:
+    """Rows the kernel runs for m rows: a power of two up to 64 (at least MMA_MIN_ROWS for the float path's MMA
+    variant, which stacks copies of x's rows in registers; the asm path loads its copies by row index and takes
+    any power of two), else a multiple of 64."""
     if m <= _qmatmul.MAX_BLOCK_M:
-        return max(1 << max(0, (m - 1).bit_length()), 1 if fma else _qmatmul.MMA_MIN_ROWS)
+        least = 1 if fma or dequant != "float" else _qmatmul.MMA_MIN_ROWS
+        return max(1 << max(0, (m - 1).bit_length()), least)
     return -(-m // _qmatmul.MAX_BLOCK_M) * _qmatmul.MAX_BLOCK_M
 
 
 def quantized_matmul(
     x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto", interpret=False, **tuning
 ):
-    """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, splits, plane_loop, num_warps,
-    num_stages."""
+    """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, block_m, splits, plane_loop, fma,
+    dequant (_qmatmul.DEQUANT: "float", "asm", "asm_sub"), num_warps, num_stages."""
     if backend not in ("auto", "kernel", "dequant"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
     if x.shape[-1] != w.k:
@@ -123,9 +126,9 @@ def quantized_matmul(
         x2 = jnp.take(x2, w.perm, axis=1)
     fma = tuning.pop("fma", None)
     fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
-    Mp, Kp = kernel_m(M, fma), padded_k(w.k, w.bits, w.plane)
-    if not tuning and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
-        tuning = dict(LARGE_M_TILING)
+    Mp, Kp = kernel_m(M, fma, tuning.get("dequant", "float")), padded_k(w.k, w.bits, w.plane)
+    if not tuning.keys() - {"dequant"} and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
+        tuning = dict(LARGE_M_TILING, **tuning)
     if (Mp, Kp) != (M, w.k):  # rows up to the kernel's block, K's zero padding (the layout's padded rows)
         x2 = jnp.pad(x2, ((0, Mp - M), (0, Kp - w.k)))
     y = _qmatmul.qmatmul_kernel(

@@ -154,6 +154,170 @@ def test_kernel_matches_reference(K, N, M, bits, G, sym, tuning):
     assert rel(got, numpy_product(np.asarray(x, np.float32), q, s, z, bits, G)) < 1e-2
 
 
+# dequant="asm" (kernels_pallas/_qdequant.py), interpret mode: the jnp twins of the PTX, the same M + q values and the
+# zero point folded out of the MMA through x's row sums. (K, N, M, bits, group_size, sym, x dtype, tuning)
+ASM_CASES = [
+    (1024, 64, 1, 4, 128, True, jnp.bfloat16, dict(fma=False)),  # one row, 16 copies loaded by row index
+    (1024, 64, 1, 4, 128, False, jnp.bfloat16, {}),  # the FMA variant (M = 1's default)
+    (576, 48, 3, 4, 64, False, jnp.bfloat16, {}),  # K padded to whole tiles, 3 rows run as 4
+    (512, 32, 2, 4, 32, True, jnp.float16, dict(plane_loop=False, splits=2)),  # float16: 64 + q, static PRMT
+    (1024, 32, 5, 4, -1, False, jnp.bfloat16, {}),  # per channel
+    (1024, 32, 2, 4, -1, True, jnp.float16, dict(fma=True, plane_loop=True)),
+    (512, 64, 16, 4, 128, False, jnp.float16, dict(plane_loop=True)),  # the pair loop's traced PRMT control
+    (256, 16, 33, 4, 64, True, jnp.bfloat16, {}),
+    (256, 32, 64, 4, 128, False, jnp.bfloat16, dict(block_n=16)),
+    (512, 64, 8, 8, -1, True, jnp.bfloat16, dict(plane_loop=False)),  # int8: PRMT under the 2^23 magic
+    (512, 32, 1, 8, 128, False, jnp.float16, {}),
+    (256, 32, 4, 8, 32, False, jnp.bfloat16, dict(fma=True, plane_loop=True)),
+    # dequant="asm_sub": the int4 MMA's zero point subtracted in x's dtype, no row sums
+    (1024, 64, 1, 4, 128, False, jnp.bfloat16, dict(fma=False, dequant="asm_sub")),
+    (576, 48, 16, 4, 64, True, jnp.float16, dict(dequant="asm_sub", plane_loop=False)),
+    (1024, 32, 64, 4, -1, False, jnp.bfloat16, dict(dequant="asm_sub")),
+    (256, 32, 256, 4, 128, False, jnp.bfloat16, dict(block_m=128)),  # two row blocks of 128
+]
+
+
+@pytest.mark.parametrize("K,N,M,bits,G,sym,dtype,tuning", ASM_CASES)
+def test_asm_dequant_matches_reference(K, N, M, bits, G, sym, dtype, tuning):
+    rng = np.random.default_rng(K + N + M + bits)
+    _, q, s, z, w = packed(rng, K, N, bits, G, sym, dtype=dtype)
+    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    tuning = {"dequant": "asm", **tuning}
+    got = quantized_matmul(x, w, backend="kernel", interpret=True, **tuning)
+    assert got.shape == (M, N) and got.dtype == dtype
+    assert rel(got, quantized_matmul_ref(x, w)) < 1e-2
+    exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32)[: s.shape[0]], z, bits, G)
+    assert rel(got, exact) < (4e-3 if dtype == jnp.bfloat16 else 1e-3)  # the output's rounding only
+    float_path = quantized_matmul(x, w, backend="kernel", interpret=True, **{**tuning, "dequant": "float"})
+    assert rel(got, float_path) < 4e-3
+
+
+@pytest.mark.parametrize(
+    "fma,dtype,dequant",
+    [
+        (False, jnp.bfloat16, "asm"),
+        (False, jnp.float16, "asm"),
+        (True, jnp.bfloat16, "asm"),
+        (False, jnp.bfloat16, "asm_sub"),
+    ],
+)
+def test_asm_dequant_float32_partials_are_exact(fma, dtype, dequant):
+    """Split-K partials (float32, before any rounding to x's dtype) of the asm path against the float64 product:
+    the zero point folded out of the MMA through x's row sums, (M + z) * rowsum subtracted per plane, costs only
+    float32 rounding (~1e-6 here, the float path ~1e-7); a fold that used another plane's row sums or group's zero
+    would be off by ~1."""
+    from kernels_pallas._qmatmul import qmatmul_kernel
+
+    rng = np.random.default_rng(12)
+    K, N, M, G = 2048, 32, 4, 64
+    _, q, s, z, w = packed(rng, K, N, 4, G, False, dtype=dtype)
+    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    kw = dict(bits=4, group_size=G, plane=w.plane, splits=2, fma=fma, dequant=dequant, interpret=True)
+    parts = qmatmul_kernel(x, w.qweight, w.scales, w.zeros, **kw)
+    assert parts.shape == (2, M, N) and parts.dtype == jnp.float32
+    exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32), z, 4, G)
+    assert rel(np.asarray(parts, np.float64).sum(0), exact) < 5e-6
+
+
+def test_asm_dequant_detects_a_wrong_zero_fold(monkeypatch):
+    """The tests above fail when the zero point is folded wrongly: offsets one too large for the MMA's M + q (as
+    if z were z + 1) move the product far past their bounds."""
+    from kernels_pallas import _qdequant
+
+    rng = np.random.default_rng(13)
+    _, q, s, z, w = packed(rng, 768, 48, 4, 64, False)
+    x = jnp.asarray(rng.standard_normal((2, 768)), jnp.bfloat16)
+    right = quantized_matmul(x, w, backend="kernel", interpret=True, dequant="asm", fma=False)
+    exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32)[: s.shape[0]], z, 4, 64)
+    assert rel(right, exact) < 4e-3
+    jax.clear_caches()
+    monkeypatch.setattr(_qdequant, "pair_offsets", lambda dtype: (129.0, 129.0))
+    wrong = quantized_matmul(x, w, backend="kernel", interpret=True, dequant="asm", fma=False)
+    assert rel(wrong, exact) > 0.1
+    jax.clear_caches()
+
+
+def run_ptx(asm, *operands):
+    """The few PTX instructions of kernels_pallas/_qdequant.py's asm on numpy uint32 registers, as the PTX ISA
+    defines them (prmt.b32's generic form, lop3.b32's truth table, logical shifts): operands[k] binds $(k + 1), the
+    result is $0. Checks the asm's text (controls, masks, magics, operand numbers), not the hardware."""
+    regs = {f"${k + 1}": np.asarray(v, np.uint32) for k, v in enumerate(operands)}
+
+    def val(tok):
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    for stmt in asm.replace("{", ";").replace("}", ";").replace("\n", ";").split(";"):
+        stmt = stmt.strip()
+        if not stmt or stmt.startswith(".reg"):
+            continue
+        op, args = stmt.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, c = (val(x).astype(np.uint64) for x in src)
+            both = (b << np.uint64(32)) | a
+            out = np.zeros(np.broadcast(a, c).shape, np.uint64)
+            for k in range(4):
+                ctl = (c >> np.uint64(4 * k)) & np.uint64(0xF)
+                byte = (both >> ((ctl & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+                sign = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out |= np.where(ctl & np.uint64(8), sign, byte) << np.uint64(8 * k)
+            regs[d] = out.astype(np.uint32)
+        elif op == "lop3.b32":
+            a, b, c, lut = (val(x) for x in src)
+            out = np.zeros(np.broadcast(a, b, c).shape, np.uint32)
+            for k in range(8):  # bit of the truth table at index (a, b, c) = (k >> 2, k >> 1, k) & 1
+                if int(lut) >> k & 1:
+                    sel = [x if k >> (2 - n) & 1 else ~x for n, x in enumerate((a, b, c))]
+                    out |= sel[0] & sel[1] & sel[2]
+            regs[d] = out
+        elif op in ("shr.u32", "shl.b32"):
+            a, n = val(src[0]), int(src[1])
+            regs[d] = (a >> np.uint32(n)) if op == "shr.u32" else (a << np.uint32(n))
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_asm_text_computes_the_interpret_twins_bits(dtype):
+    """Each PTX statement of the asm path, run by run_ptx on random words, gives the bits of its jnp twin (what
+    interpret mode and the tests above compute): the pair dequantization for bytes 0..3 with a static and a register
+    PRMT control (two words -> two 16-bit halves, the first word's in the low half), the float32 fields of int4 and
+    int8, and the values are M + q exactly."""
+    from kernels_pallas import _qdequant as dq
+
+    rng = np.random.default_rng(14)
+    words = rng.integers(0, 1 << 32, (64, 2), dtype=np.uint64).astype(np.uint32)
+    w0, w1 = words[:, 0], words[:, 1]
+    jw = jnp.asarray(words.view(np.int32))
+    for i in range(4):
+        twins = [np.asarray(v).view(np.uint16) for v in dq.dequant_pair(jw, i, dtype, interpret=True)]
+        for t in (
+            run_ptx(dq.prmt_asm(dq.pair_selector(i)), w0, w1),
+            run_ptx(dq.prmt_asm(), w0, w1, dq.pair_selector(i)),
+        ):
+            for (magic, _, shift, mask), twin in zip(dq.PAIR_MAGIC[jnp.dtype(dtype)], twins, strict=True):
+                got = run_ptx(dq.half_asm(magic, shift, mask), t)
+                assert (got & 0xFFFF == twin[:, 0]).all() and (got >> 16 == twin[:, 1]).all()
+        for half, twin in enumerate(twins):
+            q = (words >> np.uint32(8 * i + 4 * half)) & np.uint32(0xF)
+            m = dq.pair_offsets(dtype)[half]
+            assert (twin.view(jnp.dtype(dtype)).astype(np.float32) == m + q).all()
+    for bits in (4, 8):
+        by_shift = {0: jw}
+        for j in range(32 // bits):
+            w, m = dq.f32_field(by_shift, j, bits, interpret=True)
+            q = (words >> np.uint32(bits * j)) & np.uint32((1 << bits) - 1)
+            assert (np.asarray(w) == m + q).all()
+            if bits == 4:
+                shift, p = dq.F32_FIELDS[j]
+                src = np.asarray(dq.shifted(jw, shift)).view(np.uint32)
+                got = run_ptx(dq.lop3_asm(0xF << p, dq.f32_magic(p)), src)
+            else:
+                got = run_ptx(dq.prmt_asm(dq.byte_selector(j)), words, dq.F32_BYTE_MAGIC)
+            assert (got == np.asarray(w).view(np.uint32)).all()
+
+
 def test_kernel_detects_a_wrong_plane_mapping():
     """The tests above fail when the kernel reads a plane from the wrong rows of x: rotate each word's fields by
     one (plane j's values read as plane j + 1's)."""
@@ -229,6 +393,39 @@ def test_kernel_lowers_for_cuda():
         )
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_int4_g128_L128" in text and ("BM_128" in text) == (block_m == 128)
+
+
+@pytest.mark.parametrize(
+    "M,bits,G,dtype,tuning,asm",
+    [  # asm: PTX statements the Triton IR must carry (the plane loop's PRMT control is a register, $3)
+        (1, 4, 128, jnp.bfloat16, dict(fma=False), ["prmt.b32 $0, $1, $2, $3;", "0x43004300", "shr.u32 t, $1, 4;"]),
+        (4, 4, 64, jnp.float16, dict(plane_loop=False), ["prmt.b32 $0, $1, $2, 0x6622;", "0x00f000f0, 0x54005400"]),
+        (1, 4, -1, jnp.bfloat16, dict(fma=True), ["lop3.b32 $0, $1, 0x000f0000, 0x43000000, 0xea;"]),
+        (16, 8, -1, jnp.bfloat16, {}, ["prmt.b32 $0, $1, $2, $3;"]),
+        (4, 8, 128, jnp.bfloat16, dict(plane_loop=False, fma=True), ["prmt.b32 $0, $1, $2, 0x7543;"]),
+        (64, 4, 128, jnp.bfloat16, {}, ["0x43004300"]),
+        (16, 4, 128, jnp.bfloat16, dict(dequant="asm_sub"), ["prmt.b32 $0, $1, $2, $3;"]),
+    ],
+)
+def test_asm_dequant_lowers_for_cuda(M, bits, G, dtype, tuning, asm):
+    """dequant="asm" lowers to Triton IR for CUDA (on CPU) with its inline PTX in it. Whether ptxas takes that PTX
+    is checked by bench/probes/qmatmul_sass.py (needs the triton wheel) and the GPU's --check stage."""
+    from kernels_pallas._qmatmul import qmatmul_kernel
+
+    tuning = {"dequant": "asm", **tuning}
+    K, N, P, plane = 1024, 256, 32 // bits, 128 if G in (-1, 128) else G
+    ng = 1 if G == -1 else K // G
+    args = (
+        jax.ShapeDtypeStruct((M, K), dtype),
+        jax.ShapeDtypeStruct((K // P, N), jnp.int32),
+        jax.ShapeDtypeStruct((ng, N), dtype),
+        jax.ShapeDtypeStruct((ng, N), dtype),
+    )
+    f = jax.jit(lambda x, qw, s, z: qmatmul_kernel(x, qw, s, z, bits=bits, group_size=G, plane=plane, **tuning))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"qmatmul_int{bits}_g{G}_L{plane}" in text and "_" + tuning["dequant"] in text
+    for a in asm:
+        assert a in text, a
 
 
 # ---- FP8 W8A8 ----------------------------------------------------------------------------------------------------
