@@ -349,8 +349,8 @@ def _decode(
     M = block_tables.shape[1]
     Gq = next_pow2(G)  # q rows per program in HBM (== G unless G is not a power of two)
     R = max(1, 16 // Gq)  # copies stacked in-kernel for the MMA: no padded q or output in HBM
-    if block_k is None:  # fp8 pages: twice the tokens, the same bytes per block as 16-bit pages
-        block_k = default_block_k(B, K) * (2 if jnp.dtype(k_pages.dtype) in FP8_PAGES else 1)
+    if block_k is None:
+        block_k = default_block_k(B, K)
     ppb = max(1, block_k // S)
     splits, pps = choose_splits(B, K, M, ppb, S, num_splits, min_split_tokens)
     final = splits == 1
