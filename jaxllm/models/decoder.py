@@ -172,8 +172,9 @@ def decoder_layer(
     # Without a post-norm the LoRA term is added to the residual first, (x + delta) + o(out), rather than as PEFT
     # does, x + (o(out) + delta) (the same sum, rounded in another order): each add then has a GEMM whose epilogue
     # can run it (the expand's, then the base GEMM's, each adding a buffer it alone reads) instead of a kernel of
-    # its own on the GPU. With (x + o(out)) + delta (44de14e) an H100 trace shows two adds a layer as kernels of
-    # their own (`wrapped_add`, 2.8 us each, lora_h100_44de14e.json), the o / down expands without an add epilogue.
+    # its own on the GPU. With (x + o(out)) + delta (44de14e) an H100 trace showed two adds a layer as kernels of
+    # their own (`wrapped_add`, 2.8 us each) and the o / down expands without an add epilogue; with this order
+    # (4ba746a, lora_h100_4ba746a.json) three GEMMs a layer run with an add epilogue, but two such adds remain.
     attn_out = out
     out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     if "post_attn_norm" in lp:  # Gemma 2/3
