@@ -21,7 +21,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models.checkpoint_files import MANIFEST, CheckpointReader, is_jaxllm_checkpoint
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
-from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding
+from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding, remote_array
 
 ORBAX_SUBDIR = "params"
 FORMAT = "jaxllm-orbax"
@@ -299,8 +299,9 @@ def _is_int(dtype) -> bool:
 
 
 def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
-    """Orbax restore with the target shardings: each device reads only its own slices from disk. Weights
-    whose kv heads are repeated (tp > K) are restored one checkpoint kv head per device, then expanded there."""
+    """Orbax restore with the target shardings: each device reads only its own slices from disk, and a process
+    nothing of other processes' pipeline stages. Weights whose kv heads are repeated (tp > K) are restored one
+    checkpoint kv head per device, then expanded there."""
     import orbax.checkpoint as ocp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -352,10 +353,27 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
                 f"Checkpoint {model_dir} was written by an older jaxllm ({name}: {stored or 'missing'}, "
                 f"expected {a.dtype}); convert it again: python -m jaxllm.convert --model HF_DIR --out DIR."
             )
-    with ocp.StandardCheckpointer() as ckptr:
-        params = ckptr.restore(os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR), abstract)
 
-    def finish(spec, sh, x):
+    # Another process's pipeline stage (no device here) is not read: this process needs none of its data, and Orbax
+    # cannot make an array with no local shard (it leaves out the dtype). A PyTreeCheckpointer, as the
+    # StandardCheckpointer that wrote it refuses placeholders.
+    def read_here(a):
+        if not a.sharding.addressable_devices:
+            return ocp.PLACEHOLDER
+        return ocp.ArrayRestoreArgs(sharding=a.sharding, global_shape=a.shape, dtype=a.dtype)
+
+    args = jax.tree.map(read_here, abstract)
+    local = jax.tree.map(lambda a, r: r if r is ocp.PLACEHOLDER else a, abstract, args)
+    with ocp.PyTreeCheckpointer() as ckptr:
+        params = ckptr.restore(
+            os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR),
+            args=ocp.args.PyTreeRestore(item=local, restore_args=args),
+        )
+
+    def finish(spec, sh, a, x):
+        if not sh.addressable_devices:  # its global array, holding no data; no jit placed only there (remote_array)
+            out = jax.eval_shape(spec.expand, a)
+            return remote_array(out.shape, sh, out.dtype)
         if spec.kv_repeat == 1:
             return x if spec.relayout is None else jax.jit(spec.expand, out_shardings=sh)(x)
         i, index = spec.axes.index("kv_heads"), sh.devices_indices_map(spec.shape)
@@ -365,7 +383,7 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         ]  # on each device, from its own data: no communication
         return jax.make_array_from_single_device_arrays(spec.shape, sh, local, dtype=x.dtype)
 
-    return jax.tree.map(finish, specs, shardings, params, is_leaf=is_spec)
+    return jax.tree.map(finish, specs, shardings, abstract, params, is_leaf=is_spec)
 
 
 __all__ = ["CheckpointReader", "load_params", "abstract_weights", "weight_table", "abstract_params", "ParamSpec"]
