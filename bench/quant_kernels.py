@@ -76,6 +76,22 @@ SWEEP += [
     dict(dequant="asm_sub", block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=3)
     for bn, w in ((32, 4), (64, 8))
 ]
+# prefetch (float path): tile t + 1's weight words loaded into registers before tile t is dequantized. SASS (PyPI
+# Triton 3.9, sm_90): neither variant's weight load is pipelined by Triton (no cp.async for it; only the MMA's x
+# slice is), so each program waits a full DRAM latency per tile. With the FMA planes unrolled ptxas sinks the
+# prefetch to the loop's end (128 registers, no overlap); with plane_loop the loads stay ahead of the plane loop
+# (~156 registers: 3 programs of 4 warps per SM at BN 32, 16 KB each in flight during the dequantization)
+SWEEP += [
+    dict(prefetch=True, block_n=bn, plane_loop=loop, fma=fma, num_warps=w, num_stages=3)
+    for bn, loop, fma, w in (
+        (32, True, True, 4),
+        (64, True, True, 8),
+        (32, True, True, 8),
+        (64, False, True, 8),
+        (32, True, False, 4),
+        (64, True, False, 4),
+    )
+]
 ROTATE_BYTES = 256 << 20
 
 
