@@ -55,6 +55,11 @@ SWEEP = [
         (32, None, True, False, 4, 2),
         (128, None, False, False, 8, 3),
         (32, None, True, False, 8, 3),
+        # more programs than plan()'s 2 an SM: at M = 16 four 123-register programs of 4 warps fit an SM, and
+        # o / down / qkv launch only 0.5-0.7 of that (no program overlaps its own tiles' loads with its math)
+        (64, 4, False, True, 8, 3),
+        (32, 4, True, False, 4, 3),
+        (32, 8, True, False, 4, 3),
     )
 ] + [  # larger row blocks for M >= 128 (--sweep-m 256): each weight tile dequantized once per block_m rows
     dict(block_m=bm, block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=st)
