@@ -1,7 +1,7 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,goal,b1,decode,prefill,mgpu,write,qkv,fused,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,goal,b1,decode,prefill,mgpu,write,qkv,fused,fp8_decode,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
@@ -308,6 +308,20 @@ def bench_decode(
         _measure(results, row, call, (q, k, v, lens, bt), ref, bandwidth)
 
 
+# the fp8_decode stage's configs for fp8 pages (the default first). Per the SASS of PyPI Triton 3.9 (sm_90):
+# default (block_k 32, 4 warps) 163 registers -> 3 programs an SM, 8 KB of K + V a block; num_warps 8: 116
+# registers, 2 programs of 8 warps; block_k 16: 116 registers, 4 KB a block; block_k 64: 222 registers (2 programs)
+FP8_DECODE_CONFIGS = [
+    dict(),
+    dict(num_warps=8),
+    dict(block_k=64, num_warps=8),
+    dict(block_k=16),
+    dict(block_k=64),
+    dict(prefetch=1),
+    dict(prefetch=3),
+]
+
+
 def bench_engine_like(
     results,
     copy,
@@ -322,16 +336,17 @@ def bench_engine_like(
     H=128,
     configs=({},),
     fn=paged_decode_attention_kernel,
+    kv_dtype=None,
 ):
     """Decode over a batch like the engine's: `live` sequences with lengths ctx - jitter .. ctx, the rest
-    padding (length 0); one row per kernel config."""
-    q, k, v, lens, _, bt = make_case(B, ctx, K=K, H=H, max_len=max_len, total_pages=total_pages)
+    padding (length 0); one row per kernel config. kv_dtype: the pages' (default the model's bfloat16)."""
+    q, k, v, lens, _, bt = make_case(B, ctx, K=K, H=H, max_len=max_len, total_pages=total_pages, kv_dtype=kv_dtype)
     live = B if live is None else live
     rng = np.random.default_rng(4)
     lens = np.zeros(B, np.int32)
     lens[:live] = ctx - rng.integers(0, jitter + 1, live)
     lens = jnp.asarray(lens)
-    nbytes = int(lens.sum()) * K * H * 2 * 2 + 2 * live * q.shape[1] * H * 2
+    nbytes = int(lens.sum()) * K * H * 2 * k.dtype.itemsize + 2 * live * q.shape[1] * H * 2
     ref = reference.paged_decode_attention_ref(q, k, v, lens, bt, scale=H**-0.5, pages_per_step=64)[:live]
     for cfg in configs:
         row = dict(
@@ -342,6 +357,7 @@ def bench_engine_like(
             live=live,
             jitter=jitter,
             table_pages=int(bt.shape[1]),
+            kv_dtype=str(k.dtype),
             total_pages=int(k.shape[1]),
             impl="pallas_triton" if fn is paged_decode_attention_kernel else fn.__name__,
             cfg=cfg,
@@ -952,6 +968,26 @@ def main():
             # engine's size): 0.91 of copy alone (7276253) where the engine's step saw ~0.87
             bench_engine_like(
                 results, copy, "engine_shape_cache21k", live=500, jitter=20, max_len=1024, total_pages=21189
+            )
+    if "fp8_decode" in only:
+        # fp8 (e4m3) pages at the throughput run's decode shape beside bf16 pages, same run: fp8 reads half the
+        # bytes but measured 388 vs 458 us a layer (stop 43). SASS (bench/probes/decode_sass.py): its loads are
+        # 128-bit, but Triton widens fp8 byte by byte (~2.9x the instructions per KV byte of bf16) and the block's
+        # math, not its 8 KB of loads, sets the pace; these configs trade bytes per block against occupancy
+        for kv_dtype, label, cfgs in (
+            (jnp.bfloat16, "bf16_pages", [dict()]),
+            (jnp.float8_e4m3fn, "fp8_pages", FP8_DECODE_CONFIGS),
+        ):
+            bench_engine_like(
+                results,
+                copy,
+                label,
+                live=500,
+                jitter=20,
+                max_len=1024,
+                total_pages=21189,
+                kv_dtype=kv_dtype,
+                configs=cfgs,
             )
     if "mgpu" in only:  # the Mosaic GPU prefill kernel against the Triton one, same inputs and run
         for chunk, prefix, label in (

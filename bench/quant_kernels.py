@@ -55,6 +55,11 @@ SWEEP = [
         (32, None, True, False, 4, 2),
         (128, None, False, False, 8, 3),
         (32, None, True, False, 8, 3),
+        # more programs than plan()'s 2 an SM: at M = 16 four 123-register programs of 4 warps fit an SM, and
+        # o / down / qkv launch only 0.5-0.7 of that (no program overlaps its own tiles' loads with its math)
+        (64, 4, False, True, 8, 3),
+        (32, 4, True, False, 4, 3),
+        (32, 8, True, False, 4, 3),
     )
 ] + [  # larger row blocks for M >= 128 (--sweep-m 256): each weight tile dequantized once per block_m rows
     dict(block_m=bm, block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=st)
@@ -75,6 +80,22 @@ SWEEP += [
 ] + [  # the zero point subtracted in x's dtype instead of folded (fewer instructions from M ~ 32 on, by SASS counts)
     dict(dequant="asm_sub", block_n=bn, plane_loop=True, fma=False, num_warps=w, num_stages=3)
     for bn, w in ((32, 4), (64, 8))
+]
+# prefetch (float path): tile t + 1's weight words loaded into registers before tile t is dequantized. SASS (PyPI
+# Triton 3.9, sm_90): neither variant's weight load is pipelined by Triton (no cp.async for it; only the MMA's x
+# slice is), so each program waits a full DRAM latency per tile. With the FMA planes unrolled ptxas sinks the
+# prefetch to the loop's end (128 registers, no overlap); with plane_loop the loads stay ahead of the plane loop
+# (~156 registers: 3 programs of 4 warps per SM at BN 32, 16 KB each in flight during the dequantization)
+SWEEP += [
+    dict(prefetch=True, block_n=bn, plane_loop=loop, fma=fma, num_warps=w, num_stages=3)
+    for bn, loop, fma, w in (
+        (32, True, True, 4),
+        (64, True, True, 8),
+        (32, True, True, 8),
+        (64, False, True, 8),
+        (32, True, False, 4),
+        (64, True, False, 4),
+    )
 ]
 ROTATE_BYTES = 256 << 20
 

@@ -101,6 +101,7 @@ def _kernel(
     plane_loop,
     fma,
     dequant,
+    prefetch,
     interpret,
 ):
     if dequant != "float":
@@ -168,23 +169,40 @@ def _kernel(
         d = mma(stacked(x_ref[:, pl.ds(k0, L)]), w.astype(cdt))
         return acc + d if per_channel else acc + d * scale
 
-    def tile(t, acc):
-        words = qw_ref[pl.ds(t * L, L), :]
+    def words_at(t):
+        return qw_ref[pl.ds(t * L, L), :]
+
+    def tile(t, acc, words=None):
+        words = words_at(t) if words is None else words
         if plane_loop:  # planes as a loop: one plane's registers live at a time
             return jax.lax.fori_loop(0, P, lambda j, a: plane_step(words, t, j, a, False), acc)
         for j in range(P):
             acc = plane_step(words, t, j, acc, True)
         return acc
 
+    def run(acc):
+        if not prefetch:
+            return jax.lax.fori_loop(lo, hi, tile, acc)
+
+        # the next tile's words are loaded before this tile's planes are computed, so the weight stream's DRAM
+        # latency overlaps the dequantization (Triton's pipeliner leaves this load synchronous: it feeds no dot
+        # directly); the last iteration reloads its own tile (an L2 hit) instead of branching
+        def step(t, carry):
+            acc, words = carry
+            nxt = words_at(jnp.minimum(t + 1, hi - 1))
+            return tile(t, acc, words), nxt
+
+        return jax.lax.fori_loop(lo, hi, step, (acc, words_at(lo)))[0]
+
     if fma:
-        acc = jax.lax.fori_loop(lo, hi, tile, tuple(jnp.zeros((L, BN), jnp.float32) for _ in range(BM)))
+        acc = run(tuple(jnp.zeros((L, BN), jnp.float32) for _ in range(BM)))
         for m in range(BM):
             row = acc[m].sum(axis=0)
             if per_channel:
                 row = row * s_ref[0, :].astype(jnp.float32)
             o_ref[m, :] = row.astype(o_ref.dtype)
         return
-    acc = jax.lax.fori_loop(lo, hi, tile, jnp.zeros((R * BM, BN), jnp.float32))
+    acc = run(jnp.zeros((R * BM, BN), jnp.float32))
     if R > 1:  # the copies are bitwise equal; max (not sum) keeps them exact
         acc = acc.reshape(R, BM, BN).max(0)
     if per_channel:
@@ -202,6 +220,7 @@ _STATIC = (
     "plane_loop",
     "fma",
     "dequant",
+    "prefetch",
     "num_warps",
     "num_stages",
     "interpret",
@@ -224,6 +243,7 @@ def qmatmul_kernel(
     plane_loop=None,
     fma=None,
     dequant="float",
+    prefetch=False,
     num_warps=None,
     num_stages=3,
     interpret=False,
@@ -233,7 +253,8 @@ def qmatmul_kernel(
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
     kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
     dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
-    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant (DEQUANT),
+    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant (DEQUANT), prefetch (float
+    path: load tile t + 1's weight words into registers before dequantizing tile t; not measured yet),
     num_warps, num_stages."""
     M, Kp = x.shape
     N = qweight.shape[1]
@@ -246,6 +267,8 @@ def qmatmul_kernel(
         raise ValueError(f"x has {Kp} columns; the packed weight has {qweight.shape[0] * per_word(bits)} rows")
     if dequant not in DEQUANT:
         raise ValueError(f"dequant={dequant!r} is not one of {DEQUANT}")
+    if prefetch and dequant != "float":
+        raise ValueError(f"prefetch=True is implemented for dequant='float' only, got dequant={dequant!r}")
     BM = block_m or min(M, MAX_BLOCK_M)
     if M % BM or BM & (BM - 1) or BM > LARGEST_BLOCK_M:
         raise ValueError(
@@ -291,6 +314,7 @@ def qmatmul_kernel(
         plane_loop=plane_loop,
         fma=fma,
         dequant=dequant,
+        prefetch=bool(prefetch),
         interpret=bool(interpret),
     )
     return pl.pallas_call(
@@ -304,5 +328,6 @@ def qmatmul_kernel(
         name=f"qmatmul_int{bits}_g{group_size}_L{plane}_{BN=}_{S=}"
         + ("_fma" if fma else "")
         + ("" if dequant == "float" else f"_{dequant}")
+        + ("_pf" if prefetch else "")
         + (f"_{BM=}" if block_m else ""),
     )(*args)

@@ -219,6 +219,28 @@ def test_asm_dequant_float32_partials_are_exact(fma, dtype, dequant):
     assert rel(np.asarray(parts, np.float64).sum(0), exact) < 5e-6
 
 
+@pytest.mark.parametrize("fma,plane_loop", [(True, False), (True, True), (False, True)])
+def test_prefetch_partials_equal_the_plain_loop(fma, plane_loop):
+    """prefetch=True (tile t + 1's words loaded before tile t is dequantized) gives bitwise the plain loop's float32
+    split-K partials: 5 tiles in splits of 3 and 2, so the carried words cross tiles and each split's last tile
+    reloads itself; a carry off by one tile would change every partial."""
+    from kernels_pallas._qmatmul import qmatmul_kernel
+
+    rng = np.random.default_rng(14)
+    K, N, M, G = 2560, 32, 1 if fma else 4, 64
+    _, q, s, z, w = packed(rng, K, N, 4, G, False)
+    x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+    kw = dict(bits=4, group_size=G, plane=w.plane, splits=2, fma=fma, plane_loop=plane_loop, interpret=True)
+    plain = qmatmul_kernel(x, w.qweight, w.scales, w.zeros, **kw)
+    got = qmatmul_kernel(x, w.qweight, w.scales, w.zeros, prefetch=True, **kw)
+    assert got.shape == (2, M, N) and got.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(plain))
+    exact = numpy_product(np.asarray(x, np.float32), q, np.asarray(w.scales, np.float32)[: s.shape[0]], z, 4, G)
+    assert rel(np.asarray(got, np.float64).sum(0), exact) < 5e-6
+    with pytest.raises(ValueError, match="prefetch"):
+        qmatmul_kernel(x, w.qweight, w.scales, w.zeros, prefetch=True, dequant="asm", **kw)
+
+
 def test_asm_dequant_detects_a_wrong_zero_fold(monkeypatch):
     """The tests above fail when the zero point is folded wrongly: offsets one too large for the MMA's M + q (as
     if z were z + 1) move the product far past their bounds."""
@@ -379,7 +401,13 @@ def test_kernel_lowers_for_cuda():
     bench's --check stage)."""
     from kernels_pallas._qmatmul import qmatmul_kernel
 
-    for M, fma, block_m in ((1, True, None), (16, False, None), (256, False, 128)):
+    for M, fma, block_m, prefetch in (
+        (1, True, None, False),
+        (16, False, None, False),
+        (256, False, 128, False),
+        (1, True, None, True),
+        (16, False, None, True),
+    ):
         args = (
             jax.ShapeDtypeStruct((M, 1024), jnp.bfloat16),
             jax.ShapeDtypeStruct((128, 256), jnp.int32),
@@ -387,12 +415,13 @@ def test_kernel_lowers_for_cuda():
             jax.ShapeDtypeStruct((8, 256), jnp.bfloat16),
         )
         f = jax.jit(
-            lambda x, qw, s, z, fma=fma, bm=block_m: qmatmul_kernel(
-                x, qw, s, z, bits=4, group_size=128, plane=128, fma=fma, block_m=bm
+            lambda x, qw, s, z, fma=fma, bm=block_m, pf=prefetch: qmatmul_kernel(
+                x, qw, s, z, bits=4, group_size=128, plane=128, fma=fma, block_m=bm, prefetch=pf
             )
         )
         text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_int4_g128_L128" in text and ("BM_128" in text) == (block_m == 128)
+        assert ("_pf" in text) == prefetch
 
 
 @pytest.mark.parametrize(
