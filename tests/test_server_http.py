@@ -159,7 +159,8 @@ def test_shutdown_drains_running_requests(tok, caplog):
             return refused, text, plain_resp.status, plain_body
 
     refused, text, plain_status, plain_body = asyncio.run(main())
-    assert isinstance(refused.os_error, ConnectionRefusedError)
+    # refused, or reset when the connect raced the listener's close (seen once in CI): not served either way
+    assert isinstance(refused.os_error, (ConnectionRefusedError, ConnectionResetError)), refused
     events = _events(text)
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert plain_status == 200 and plain_body["usage"]["completion_tokens"] == 150
