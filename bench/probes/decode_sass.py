@@ -17,7 +17,6 @@ import collections
 import json
 import os
 import re
-import subprocess
 import sys
 import tempfile
 
@@ -26,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from qmatmul_sass import compile_ttir, sass_loops, tool, triton_ir  # noqa: E402
+from qmatmul_sass import compile_to_sass, sass_loops, triton_ir  # noqa: E402
 
 from kernels_pallas import _decode  # noqa: E402
 
@@ -67,29 +66,14 @@ def main(argv=None):
 
     irs = triton_ir(f, *avals)
     ttir = irs[0]  # the attention kernel (a split-K plan adds the combine kernel after it)
-    out = args.keep or tempfile.mkdtemp()
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "decode.ttir")
-    with open(path, "w") as fh:
-        fh.write(ttir)
     warps = tuning.get("num_warps", 4)
-    k = compile_ttir(path, warps, tuning.get("num_stages", 1))
-    for key in ("ttgir", "ptx"):
-        with open(os.path.join(out, f"decode.{key}"), "w") as fh:
-            fh.write(k.asm[key])
-    cubin = os.path.join(out, "decode.cubin")
-    with open(cubin, "wb") as fh:
-        fh.write(k.asm["cubin"])
-    sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    with open(os.path.join(out, "decode.sass"), "w") as fh:
-        fh.write(sass)
-    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
+    out = args.keep or tempfile.mkdtemp()
+    k, sass, regs = compile_to_sass(ttir, out, "decode", warps, tuning.get("num_stages", 1))
     bk = tuning.get("block_k") or _decode.default_block_k(B, K)
     kv_bytes = 2 * bk * H * kdt.itemsize
     print(
         f"decode {kdt.name} pages, {dt.name} q, B={B} ctx={args.ctx} {tuning}: block_k {bk} ({kv_bytes} KV bytes a "
-        f"block), registers {regs.group(1) if regs else '?'}, shared {k.metadata.shared} B, {len(irs)} kernel(s), "
+        f"block), registers {regs}, shared {k.metadata.shared} B, {len(irs)} kernel(s), "
         f"files in {out}"
     )
     loads = collections.Counter(re.findall(r"\b(LDG(?:STS)?\.E[.A-Z0-9_]*|LDS[.A-Z0-9_]*|LDSM[.A-Z0-9_]*)", sass))

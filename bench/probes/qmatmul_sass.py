@@ -93,6 +93,28 @@ def sass_loops(sass: str):
     return loops
 
 
+def compile_to_sass(ttir: str, out: str, name: str, num_warps: int, num_stages: int):
+    """Writes ttir to out/name.ttir, compiles it for sm_90 and writes the .ttgir / .ptx / .cubin / .sass beside it
+    -> (compiled kernel, SASS text, registers per thread as a string, "?" if cuobjdump does not say)."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"{name}.ttir")
+    with open(path, "w") as f:
+        f.write(ttir)
+    k = compile_ttir(path, num_warps, num_stages)
+    for key in ("ttgir", "ptx"):
+        with open(os.path.join(out, f"{name}.{key}"), "w") as f:
+            f.write(k.asm[key])
+    cubin = os.path.join(out, f"{name}.cubin")
+    with open(cubin, "wb") as f:
+        f.write(k.asm["cubin"])
+    sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    with open(os.path.join(out, f"{name}.sass"), "w") as f:
+        f.write(sass)
+    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
+    regs = re.search(r"REG:(\d+)", res)
+    return k, sass, regs.group(1) if regs else "?"
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--m", type=int, default=16)
@@ -118,27 +140,15 @@ def main(argv=None):
     num_warps = tuning.get("num_warps") or (8 if args.fma else 4)
     bn = tuning.get("block_n") or _qmatmul.default_block_n(args.n, args.fma)
     out = args.keep or tempfile.mkdtemp()
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "qmatmul.ttir")
-    with open(path, "w") as f:  # the PyPI build refuses "-" in symbol names (per channel: "_g-1_")
-        f.write(ttir.replace("_g-1_", "_gm1_"))
-    k = compile_ttir(path, num_warps, tuning.get("num_stages", 3))
-    for key in ("ttgir", "ptx"):
-        with open(os.path.join(out, f"qmatmul.{key}"), "w") as f:
-            f.write(k.asm[key])
-    cubin = os.path.join(out, "qmatmul.cubin")
-    with open(cubin, "wb") as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True, check=True).stdout
-    with open(os.path.join(out, "qmatmul.sass"), "w") as f:
-        f.write(sass)
-    res = subprocess.run([tool("cuobjdump"), "-res-usage", cubin], capture_output=True, text=True).stdout
-    regs = re.search(r"REG:(\d+)", res)
+    # the PyPI build refuses "-" in symbol names (per channel: "_g-1_")
+    k, sass, regs = compile_to_sass(
+        ttir.replace("_g-1_", "_gm1_"), out, "qmatmul", num_warps, tuning.get("num_stages", 3)
+    )
     per_plane = plane * bn // (32 * num_warps)  # weights of one plane per thread
     print(
         f"{args.dequant} {'fma' if args.fma else 'mma'} M={args.m} int{args.bits} g{args.group_size} "
         f"{'asym' if args.asym else 'sym'} {dt.name} BN={bn} warps={num_warps} {tuning}: "
-        f"registers {regs.group(1) if regs else '?'}, shared {k.metadata.shared} B, files in {out}"
+        f"registers {regs}, shared {k.metadata.shared} B, files in {out}"
     )
     # planes per loop iteration: MMA from its HMMA / HGMMA count (m16n8k16: L / 16 per dot and warp's 8 columns;
     # wgmma: L / 16 per dot; two dots per plane on the int4 asm path); FMA: the innermost loop is one plane with
