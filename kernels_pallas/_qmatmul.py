@@ -13,9 +13,9 @@ result, once per plane and column, not to every weight: sum_k x_k (q_k - z) s = 
 group (per channel: once at the end). So the kernel's product is more exact than dequantizing to bfloat16 first
 (the reference's rounding of each weight to the model's dtype is the only difference: ~2^-9 relative).
 
-dequant="asm" (kernels_pallas/_qdequant.py; a static option, not measured on a GPU yet, so "float" stays the
-default): the int4 MMA operand as 16-bit M + q straight from Triton inline PTX (PRMT + LOP3 with the bfloat16 /
-float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
+dequant="asm" (kernels_pallas/_qdequant.py; a static option, measured on an H100 at 07f2cec: correct, not faster at
+M = 1, so "float" stays the default; bench/KERNELS_NOTES.md): the int4 MMA operand as 16-bit M + q straight from
+Triton inline PTX (PRMT + LOP3 with the bfloat16 / float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
 sm_90 SASS from the PyPI Triton compiler), the zero point folded out of the MMA through x's row sums in float32;
 the FMA variant's float32 operand and int8 by one LOP3 / PRMT per weight (the module docstring there).
 dequant="asm_sub": the same operand with the zero point subtracted in x's dtype instead (exact, +0.5 instruction
@@ -252,8 +252,9 @@ def qmatmul_kernel(
     the layout's row order) times the packed weight -> [M, N] in x's dtype, or, when the plan splits K, float32
     partials [splits, M, N] whose sum is the product (the caller sums them, in a fusion of its own or the next
     kernel). Tuning (static): block_n, block_m (rows per program, default min(M, MAX_BLOCK_M): a larger one
-    dequantizes each weight tile for more rows, the large-M case; not measured yet), splits, plane_loop (planes as a
-    loop instead of unrolled; on the asm path's int4 MMA, pairs of planes), dequant (DEQUANT), prefetch (float
+    dequantizes each weight tile for more rows, the large-M case; 128 measured best at M = 256,
+    quant.LARGE_M_TILING), splits, plane_loop (planes as a loop instead of unrolled; on the asm path's int4 MMA,
+    pairs of planes), dequant (DEQUANT), prefetch (float
     path: load tile t + 1's weight words into registers before dequantizing tile t; not measured yet),
     num_warps, num_stages."""
     M, Kp = x.shape
