@@ -15,8 +15,9 @@ group (per channel: once at the end). So the kernel's product is more exact than
 
 dequant="asm" (kernels_pallas/_qdequant.py; a static option, measured on an H100 at 07f2cec: correct, not faster at
 M = 1, so "float" stays the default; bench/KERNELS_NOTES.md): the int4 MMA operand as 16-bit M + q straight from
-Triton inline PTX (PRMT + LOP3 with the bfloat16 / float16 magic, ~1 instruction per weight; ~3.3 per weight for the whole loop against ~6.5 on the float path in
-sm_90 SASS from the PyPI Triton compiler), the zero point folded out of the MMA through x's row sums in float32;
+Triton inline PTX (PRMT + LOP3 with the bfloat16 / float16 magic, ~1 instruction per weight; ~3.3 per weight for
+the whole loop against ~6.5 on the float path in sm_90 SASS from the PyPI Triton compiler), the zero point folded
+out of the MMA through x's row sums in float32;
 the FMA variant's float32 operand and int8 by one LOP3 / PRMT per weight (the module docstring there).
 dequant="asm_sub": the same operand with the zero point subtracted in x's dtype instead (exact, +0.5 instruction
 per weight, no row-sum MMA or fold epilogue: fewer instructions from M ~ 32 on).
