@@ -130,7 +130,7 @@ def _profile(llm, prompts, loras, log_dir: str) -> dict:
 
     with jax.profiler.trace(log_dir, profiler_options=_trace_options()):
         _run(llm, prompts, loras, 16)
-    return summarize(log_dir, top=25)
+    return summarize(log_dir, top=25, sequence=120)
 
 
 def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dict:

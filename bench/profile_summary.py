@@ -1,6 +1,8 @@
 """Reads an XProf trace (*.xplane.pb from jax.profiler.trace) and sums up what a miss needs explained:
 GPU busy time vs the traced wall time (host gaps), the kernels that take the time, the XLA module runs
-(one per engine step) and any compilation inside the trace (recompiles).
+(one per engine step) and any compilation inside the trace (recompiles). With sequence=N, also N consecutive kernels
+from the middle of the trace in launch order (name, microseconds, the HLO op XProf names): which kernels one
+layer runs, for telling apart kernels of the same name.
 
   python bench/profile_summary.py TRACE_DIR_OR_FILE   -> prints the JSON summary
 """
@@ -58,7 +60,7 @@ def kernel_category(name: str) -> str:
 _GAP_SIZES = (("under_2us", 0, 2e3), ("2_10us", 2e3, 1e4), ("10_100us", 1e4, 1e5), ("over_100us", 1e5, float("inf")))
 
 
-def summarize(path: str, top: int = 40) -> dict:
+def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
     from jax.profiler import ProfileData
 
     f = find_xplane(path)
@@ -72,6 +74,7 @@ def summarize(path: str, top: int = 40) -> dict:
         if plane.name.startswith("/device:"):
             dev = {"plane": plane.name}
             kernels, kernel_time, kernel_runs = [], collections.Counter(), collections.Counter()
+            events = []  # (start, name, duration, hlo op) of every kernel, for the sequence
             modules = collections.Counter()
             module_time = collections.Counter()
             for line in plane.lines:
@@ -83,6 +86,8 @@ def summarize(path: str, top: int = 40) -> dict:
                 elif line.name.startswith("Stream") or "stream" in line.name.lower():
                     for e in evs:
                         kernels.append((e.start_ns, e.start_ns + e.duration_ns))
+                        if sequence:
+                            events.append((e.start_ns, e.name, e.duration_ns, _stat(e, "hlo_op")))
                         kernel_time[e.name] += e.duration_ns
                         kernel_runs[e.name] += 1
             if kernels:
@@ -110,6 +115,10 @@ def summarize(path: str, top: int = 40) -> dict:
                         for k, v in kernel_time.most_common(top)
                     ],
                 )
+            if sequence and events:
+                events.sort()
+                mid = max(0, len(events) // 2 - sequence // 2)
+                dev["sequence"] = [[n[:80], d / 1e3, op] for _, n, d, op in events[mid : mid + sequence]]
             if modules:
                 dev["xla_modules"] = [
                     {"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}
@@ -127,6 +136,14 @@ def summarize(path: str, top: int = 40) -> dict:
         {"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6} for k, c in compiles.most_common(top)
     ]
     return out
+
+
+def _stat(event, name: str):
+    """An event's stat `name` (XProf's GPU kernels carry hlo_op, hlo_module, ...), or None."""
+    for k, v in event.stats:
+        if k == name:
+            return v if isinstance(v, (int, float, str)) else str(v)
+    return None
 
 
 def _by_category(kernel_time) -> dict:
