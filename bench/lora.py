@@ -45,6 +45,13 @@ def parse(argv=None):
     p.add_argument("--engines", default=",".join(e[0] for e in ENGINES), help="which of base, lora8, lora32")
     p.add_argument("--max-loras-scale", type=int, default=1, help="divide max_loras / adapter counts (CPU smoke)")
     p.add_argument("--profile-dir", default=None, help="trace batch-N decode steps per engine and sum the trace up")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="MODULE.NAME=VALUE",
+        help="override a module constant in the engine processes (A/B runs), e.g. jaxllm.lora.ops.SHRINK_SPLITS=16",
+    )
     p.add_argument("--only", default=None, help=argparse.SUPPRESS)  # child: one engine, JSON to --out
     return p.parse_args(argv)
 
@@ -133,8 +140,27 @@ def _profile(llm, prompts, loras, log_dir: str) -> dict:
     return summarize(log_dir, top=25, sequence=120)
 
 
+def _apply_overrides(settings) -> dict:
+    """--set MODULE.NAME=VALUE: each module constant replaced by the literal VALUE before the engine is built."""
+    import ast
+    import importlib
+
+    done = {}
+    for item in settings:
+        target, _, value = item.partition("=")
+        module, _, name = target.rpartition(".")
+        mod = importlib.import_module(module)
+        if not hasattr(mod, name):
+            raise ValueError(f"--set {item}: {module} has no {name}")
+        setattr(mod, name, ast.literal_eval(value))
+        done[target] = getattr(mod, name)
+    return done
+
+
 def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dict:
     from jaxllm import LLM
+
+    overrides = _apply_overrides(args.set)
 
     model = common.resolve_model(args)
     kw = common.engine_kwargs(args, model)
@@ -166,7 +192,8 @@ def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dic
         row["compiles_after_warmup"] = llm.llm_engine.runner.programs.num_compiles_after_warmup
         rows.append(row)
         print(json.dumps(row), flush=True)
-    return dict(env=common.environment(), engine=common.engine_summary(llm), time_to_ready_s=ready, rows=rows)
+    summary = common.engine_summary(llm)
+    return dict(env=common.environment(), engine=summary, overrides=overrides, time_to_ready_s=ready, rows=rows)
 
 
 def main(argv=None) -> dict:
@@ -218,7 +245,10 @@ def main(argv=None) -> dict:
             res = json.load(f)
         out["env"].update({k: res["env"][k] for k in ("jax", "backend", "device", "num_devices")})
         out["engines"][name] = dict(
-            engine=res["engine"], time_to_ready_s=res["time_to_ready_s"], wall_s=time.perf_counter() - t0
+            engine=res["engine"],
+            overrides=res["overrides"],
+            time_to_ready_s=res["time_to_ready_s"],
+            wall_s=time.perf_counter() - t0,
         )
         out["rows"] += res["rows"]
         _ratios(out["rows"], args.batch)

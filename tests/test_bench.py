@@ -925,7 +925,7 @@ def test_multihost_smoke(tmp_path):
 def test_lora_bench_smoke(tmp_path):
     """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
     (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
-    adapters it writes itself, ratios to the base engine in the JSON."""
+    adapters it writes itself, ratios to the base engine in the JSON; --set's override reaches the engines."""
     from bench import lora
 
     out = tmp_path / "lora.json"
@@ -962,12 +962,15 @@ def test_lora_bench_smoke(tmp_path):
             "base,lora8",
             "--max-loras-scale",
             "4",
+            "--set",
+            "jaxllm.lora.ops.SHRINK_SPLITS=2",
             "--out",
             str(out),
         ]
     )
     saved = json.loads(out.read_text())
     assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
+    assert saved["engines"]["lora8"]["overrides"] == {"jaxllm.lora.ops.SHRINK_SPLITS": 2}  # in the engine process
     rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}
     assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
     assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0

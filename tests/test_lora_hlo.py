@@ -139,10 +139,13 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
         if other in ops and ops[other][0] == "stablehlo.dot_general":
             epilogue.append("base")  # qkv: base GEMM + delta
             continue
-        # o / down: (residual + delta) + base GEMM, each add with a GEMM of its own to run it
+        # o / down: base GEMM + (residual + delta), each add with a GEMM of its own to run it; the base GEMM as
+        # the outer add's first operand (XLA's GemmRewriter tries operand 0 as the GEMM first and stops at the
+        # expand, whose epilogue already adds)
         (nxt,) = users[user]
         assert ops[nxt][0] == "stablehlo.add", ops[nxt]
-        assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[nxt][1] if o in ops and o != user), ops[nxt]
+        first, second = ops[nxt][1]
+        assert second == user and ops[first][0] == "stablehlo.dot_general", ops[nxt]
         epilogue.append("residual")
     # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream, then the base GEMM
     qkv = ["base"] if qkv_block_diagonal else []

@@ -89,9 +89,10 @@ def main(argv=None):
                 att = _norm(x, g).reshape(att.shape)  # the next "attention output" reads the norm
             return x
 
-        jf = jax.jit(chain)
-        compiled = jf.lower(x0, att, layers, lw).compile()
-        kernels = _kernels(compiled.as_text())
+        # as the engine compiles decode steps of >= 32 sequences (jaxllm/engine/xla_options.py): cuBLAS GEMMs
+        opts = {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" else {}
+        jf = jax.jit(chain).lower(x0, att, layers, lw).compile(compiler_options=opts)
+        kernels = _kernels(jf.as_text())
         jf(x0, att, layers, lw).block_until_ready()
         ts = []
         for _ in range(a.iters):

@@ -179,7 +179,7 @@ def delta_reference(kind: str, x, A, B, slots):
 def add(y, kind: str, x, lora, w):
     """y + the LoRA term, in y's dtype; lora: the layer's (A, B) of kind, or None (y unchanged). The sum is the
     last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue: for o / down the decoder
-    passes the residual stream as y and adds the base GEMM's output to the result ((residual + delta) + base), so
+    passes the residual stream as y and adds the result to the base GEMM's output (base + (residual + delta)), so
     that add can run in the base GEMM's epilogue too."""
     if lora is None:
         return y

@@ -122,7 +122,7 @@ def mlp(
     out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
     if residual is None:
         return lora_ops.add(out, "down", a, ll.get("down"), lw)
-    return lora_ops.add(residual, "down", a, ll.get("down"), lw) + out  # see decoder_layer's o
+    return out + lora_ops.add(residual, "down", a, ll.get("down"), lw)  # see decoder_layer's o
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
@@ -169,18 +169,19 @@ def decoder_layer(
         config=attn,
         dtype=x.dtype,
     )
-    # Without a post-norm the LoRA term is added to the residual first, (x + delta) + o(out), rather than as PEFT
+    # Without a post-norm the LoRA term is added to the residual first, o(out) + (x + delta), rather than as PEFT
     # does, x + (o(out) + delta) (the same sum, rounded in another order): each add then has a GEMM whose epilogue
     # can run it (the expand's, then the base GEMM's, each adding a buffer it alone reads) instead of a kernel of
-    # its own on the GPU. With (x + o(out)) + delta (44de14e) an H100 trace showed two adds a layer as kernels of
-    # their own (`wrapped_add`, 2.8 us each) and the o / down expands without an add epilogue; with this order
-    # (4ba746a, lora_h100_4ba746a.json) three GEMMs a layer run with an add epilogue, but two such adds remain.
+    # its own on the GPU. The base GEMM must be the outer add's first operand: XLA's GemmRewriter matches
+    # add(gemm, bias) trying operand 0 as the GEMM first and gives up when that GEMM already has an add epilogue
+    # (beta 1), as the expand does. With (x + delta) + o(out) (4ba746a) an H100 trace showed the o / down adds as
+    # kernels of their own (`wrapped_add`, 2.1-2.5 us each, lora_h100_797b2f2.json).
     attn_out = out
     out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     if "post_attn_norm" in lp:  # Gemma 2/3
         x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
     else:
-        x = lora_ops.add(x, "o", attn_out, ll.get("o"), lw) + out
+        x = out + lora_ops.add(x, "o", attn_out, ll.get("o"), lw)
     h = _norm(x, lp["mlp_norm"], cfg)
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
