@@ -78,6 +78,13 @@ def split_shrinks(monkeypatch):
     monkeypatch.setattr(ops, "SHRINK_SPLIT_MIN_INPUTS", 4)
 
 
+def test_shrink_splits_divide_the_input_into_the_most_slices_of_at_least_the_minimum():
+    assert ops.SHRINK_SPLITS == 16 and ops.SHRINK_SPLIT_MIN_INPUTS == 128
+    # Llama 8B's hidden / MLP widths, Qwen2.5-7B's (3584 = 7 x 512), a width 16 slices would cut under 128, tiny
+    got = {k: ops.shrink_splits(k) for k in (4096, 14336, 3584, 1000, 1536, 200, 96)}
+    assert got == {4096: 16, 14336: 16, 3584: 16, 1000: 4, 1536: 8, 200: 1, 96: 1}
+
+
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("kind", ["qkv", "qkv_columns", "o", "gate_up", "down", "embed", "lm_head"])
 def test_batched_delta_matches_per_token_reference(kind, split, monkeypatch):

@@ -135,18 +135,16 @@ def test_lora_layer_is_two_gemms_per_group_in_the_model_dtype_added_in_gemm_epil
         user = users[n][0]
         if ops[user][0] != "stablehlo.add":
             continue  # gate_up's parts, sliced where the activation reads them; qkv's transposed columns
-        (other,) = [o for o in ops[user][1] if o != n]
-        if other in ops and ops[other][0] == "stablehlo.dot_general":
-            epilogue.append("base")  # qkv: base GEMM + delta
+        # the delta first: XLA's GemmRewriter tries operand 0 as the GEMM first and stops at one that already adds
+        first, other = ops[user][1]
+        assert first == n, ops[user]
+        if ops[other][0] == "stablehlo.dot_general":
+            epilogue.append("base")  # qkv: delta + base GEMM
             continue
-        # o / down: base GEMM + (residual + delta), each add with a GEMM of its own to run it; the base GEMM as
-        # the outer add's first operand (XLA's GemmRewriter tries operand 0 as the GEMM first and stops at the
-        # expand, whose epilogue already adds)
-        (nxt,) = users[user]
-        assert ops[nxt][0] == "stablehlo.add", ops[nxt]
-        first, second = ops[nxt][1]
-        assert second == user and ops[first][0] == "stablehlo.dot_general", ops[nxt]
+        # o / down: delta + (residual + base GEMM), the inner add the base model's, each with a GEMM to run it
+        assert ops[other][0] == "stablehlo.add", ops[other]
+        assert any(ops[o][0] == "stablehlo.dot_general" for o in ops[other][1] if o in ops), ops[other]
         epilogue.append("residual")
-    # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream, then the base GEMM
+    # qkv's expand added to the base qkv GEMM; o's and down's to the residual stream plus the base GEMM
     qkv = ["base"] if qkv_block_diagonal else []
     assert sorted(epilogue) == qkv + ["residual", "residual"], epilogue

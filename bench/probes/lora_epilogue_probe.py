@@ -36,12 +36,17 @@ def _proj(a, w):
     return jnp.einsum("TNH,NHD->TD", a, w)
 
 
+def _d(a, lo, lw):
+    return lora_ops.delta("o", a, *lo, lw).astype(BF)
+
+
+# each: (x, attention output a, base weight w, slot arrays lo, slot weights lw) -> the residual stream after o
 VARIANTS = {
-    "current (x + d) + o": lambda x, a, w, lo, lw: lora_ops.add(x, "o", a, lo, lw) + _proj(a, w),
-    "o + (x + d)": lambda x, a, w, lo, lw: _proj(a, w) + lora_ops.add(x, "o", a, lo, lw),
-    "x + (o + d) (PEFT)": lambda x, a, w, lo, lw: x + lora_ops.add(_proj(a, w), "o", a, lo, lw),
-    "(x + o) + d": lambda x, a, w, lo, lw: lora_ops.add(x + _proj(a, w), "o", a, lo, lw),
-    "(o + d) + x": lambda x, a, w, lo, lw: lora_ops.add(_proj(a, w), "o", a, lo, lw) + x,
+    "(x + d) + o (4ba746a)": lambda x, a, w, lo, lw: (x + _d(a, lo, lw)) + _proj(a, w),
+    "o + (x + d) (7efd0bb)": lambda x, a, w, lo, lw: _proj(a, w) + (x + _d(a, lo, lw)),
+    "d + (x + o)": lambda x, a, w, lo, lw: _d(a, lo, lw) + (x + _proj(a, w)),
+    "(x + o) + d (44de14e)": lambda x, a, w, lo, lw: (x + _proj(a, w)) + _d(a, lo, lw),
+    "x + (o + d) (PEFT)": lambda x, a, w, lo, lw: x + (_proj(a, w) + _d(a, lo, lw)),
     "base (no LoRA)": lambda x, a, w, lo, lw: x + _proj(a, w),
 }
 

@@ -79,8 +79,9 @@ def qkv_parts(G: int) -> list[int]:
 # The bytes of zeros a layer's block-diagonal qkv B may hold (2 of its 3 parts' worth): ~1 us of an H100's memory
 # time, about what the transposed add it saves costs. The 8B shape at max_loras 8, rank 16 holds 3.1 MB.
 QKV_BLOCK_DIAGONAL_MAX_ZEROS = 4 * 2**20
-# Shrinks of up to this many tokens run as SHRINK_SPLITS float32 partials over the input (see _shrink).
-SHRINK_SPLITS = 8
+# Shrinks of up to this many tokens run as up to SHRINK_SPLITS float32 partials over the input (see _shrink).
+# H100, 8 adapters, batch 64: 16 slices 7.75-7.79 ms ITL vs 8 slices 7.88 (one call, lora_h100_7efd0bb*.json).
+SHRINK_SPLITS = 16
 SHRINK_SPLIT_MAX_TOKENS = 512
 SHRINK_SPLIT_MIN_INPUTS = 128  # input features per slice, at least
 
@@ -99,19 +100,29 @@ def _dot(x, w, contract: int, batch: int = 0, out=None):
     return jax.lax.dot_general(x, w, ((cx, cw), (b, b)), preferred_element_type=out)
 
 
+def shrink_splits(k: int) -> int:
+    """Slices of a decode-sized shrink over k inputs: the most, up to SHRINK_SPLITS (a power of two), that divide
+    k into slices of >= SHRINK_SPLIT_MIN_INPUTS (1: no split)."""
+    s = SHRINK_SPLITS
+    while s > 1 and (k % s or k // s < SHRINK_SPLIT_MIN_INPUTS):
+        s //= 2
+    return s
+
+
 def _shrink(x, A, contract: int, w):
     """x [T, in..] . A [in.., S, (P,) R] over the `contract` input axes, masked to each token's slot (w [T, S], A's
     dtype) -> [T, S, (P,) R] in A's dtype. Decode-sized batches (T <= SHRINK_SPLIT_MAX_TOKENS) split the input into
-    SHRINK_SPLITS slices as one batched GEMM of float32 partials, summed where the mask is applied (one fusion):
+    shrink_splits(k) slices as one batched GEMM of float32 partials, summed where the mask is applied (one fusion):
     cuBLAS split such a tall, narrow GEMM itself and ran a splitKreduce kernel and the mask's multiply after it
     (H100, batch 64: 4.8-5.7 us + 2.1 us + 1.5-1.9 us a shrink, lora_h100_44de14e.json)."""
     T, out = x.shape[0], A.shape[contract:]
     k = x.size // T
     mask = w.reshape(w.shape + (1,) * (len(out) - 1))
-    if T > SHRINK_SPLIT_MAX_TOKENS or k % (SHRINK_SPLITS * SHRINK_SPLIT_MIN_INPUTS):
+    splits = shrink_splits(k)
+    if T > SHRINK_SPLIT_MAX_TOKENS or splits < 2:
         return _dot(x, A, contract) * mask
-    xs = x.reshape(T, SHRINK_SPLITS, k // SHRINK_SPLITS)
-    As = A.reshape((SHRINK_SPLITS, k // SHRINK_SPLITS) + out)
+    xs = x.reshape(T, splits, k // splits)
+    As = A.reshape((splits, k // splits) + out)
     parts = jax.lax.dot_general(xs, As, (((2,), (1,)), ((1,), (0,))), preferred_element_type=F32)  # [splits, T, ..]
     return (parts.sum(0) * mask).astype(A.dtype)
 
@@ -178,13 +189,15 @@ def delta_reference(kind: str, x, A, B, slots):
 
 def add(y, kind: str, x, lora, w):
     """y + the LoRA term, in y's dtype; lora: the layer's (A, B) of kind, or None (y unchanged). The sum is the
-    last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue: for o / down the decoder
-    passes the residual stream as y and adds the result to the base GEMM's output (base + (residual + delta)), so
-    that add can run in the base GEMM's epilogue too."""
+    last operation on the expand GEMM's output, so XLA can run it in that GEMM's epilogue, and the delta is its
+    first operand: XLA's GemmRewriter matches add(GEMM, bias) trying operand 0 as the GEMM first and gives up when
+    that GEMM already adds a bias. For o / down the decoder passes y = residual + base output (the base model's
+    add, in the base GEMM's epilogue), whose GEMM has run that add: with y first, neither add ran in an epilogue
+    (two `wrapped_add` kernels a layer in an H100 trace, lora_h100_797b2f2.json)."""
     if lora is None:
         return y
     d = delta(kind, x, *lora, w).astype(y.dtype)
-    return y + (jnp.moveaxis(d, 0, 1) if kind == "gate_up" else d)
+    return (jnp.moveaxis(d, 0, 1) if kind == "gate_up" else d) + y
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["weights", "token_slots"], meta_fields=[])

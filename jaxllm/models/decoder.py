@@ -122,7 +122,7 @@ def mlp(
     out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
     if residual is None:
         return lora_ops.add(out, "down", a, ll.get("down"), lw)
-    return out + lora_ops.add(residual, "down", a, ll.get("down"), lw)  # see decoder_layer's o
+    return lora_ops.add(residual + out, "down", a, ll.get("down"), lw)  # see decoder_layer's o
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
@@ -169,19 +169,17 @@ def decoder_layer(
         config=attn,
         dtype=x.dtype,
     )
-    # Without a post-norm the LoRA term is added to the residual first, o(out) + (x + delta), rather than as PEFT
-    # does, x + (o(out) + delta) (the same sum, rounded in another order): each add then has a GEMM whose epilogue
-    # can run it (the expand's, then the base GEMM's, each adding a buffer it alone reads) instead of a kernel of
-    # its own on the GPU. The base GEMM must be the outer add's first operand: XLA's GemmRewriter matches
-    # add(gemm, bias) trying operand 0 as the GEMM first and gives up when that GEMM already has an add epilogue
-    # (beta 1), as the expand does. With (x + delta) + o(out) (4ba746a) an H100 trace showed the o / down adds as
-    # kernels of their own (`wrapped_add`, 2.1-2.5 us each, lora_h100_797b2f2.json).
+    # Without a post-norm the LoRA term is added last, (x + o(out)) + delta, rather than as PEFT does,
+    # x + (o(out) + delta) (the same sum, rounded in another order): the base GEMM then adds the residual in its
+    # epilogue as in the base model, and the expand adds that sum in its own (lora_ops.add puts the delta first for
+    # XLA's GemmRewriter). H100, 8 adapters, batch 64: x + delta first left the o / down adds as kernels of their own
+    # (4ba746a), or made cuBLAS pick a split-K o GEMM with a reduce kernel after it (7efd0bb).
     attn_out = out
     out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
     if "post_attn_norm" in lp:  # Gemma 2/3
         x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
     else:
-        x = out + lora_ops.add(x, "o", attn_out, ll.get("o"), lw)
+        x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
     h = _norm(x, lp["mlp_norm"], cfg)
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
