@@ -468,6 +468,10 @@ def environment(with_jax: bool = True) -> dict:
         command=" ".join([os.path.basename(sys.executable)] + sys.argv),
         time=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
+    # settings a run can take from its environment rather than its command line (A/B knobs, XLA flags)
+    settings = {k: v for k, v in os.environ.items() if k.startswith("JAXLLM_") or k == "XLA_FLAGS"}
+    if settings:
+        env["env_vars"] = settings
     if with_jax:
         import jax
 

@@ -16,7 +16,10 @@ Rooflines (FLOP and byte counts: bench/common.py ModelMath; L layers, N q / K kv
   ITL roofline = (weight bytes + KV bytes read per decode step) / copy bandwidth. Weight bytes: every layer's
     matmuls and the lm_head; KV bytes: sum over the batch of context x L x 2 x K x H x KV itemsize, averaged over
     the decode steps (contexts input_len + 1 .. input_len + output_len - 1). itl_roofline_frac = roofline / ITL
-    p50 (1.0 = at the roofline; the decode kernels only read, so above 1.0 is possible: a copy also writes).
+    p50 (1.0 = at the roofline; the decode kernels only read, so above 1.0 is possible: a copy also writes). The
+    ITL is each request's mean: in a batch whose prompts take several prefill steps, the requests that start
+    decoding first also wait for the others' prefill chunks. itl_last_started_s: the ITL of the request whose
+    first token came last (decode steps only), itl_last_started_roofline_frac its fraction.
   TTFT: prefill FLOPs per prompt of n tokens = 2 x matmul params x n + 2 D V (the sampled row) + causal attention
     2 L N H n (n + 1) (QK^T and PV, each query against itself and the positions before it); achieved rate =
     batch x prefill FLOPs / TTFT (batch 1: p50; a batch: the last request's first token, its prompts arriving
@@ -151,6 +154,9 @@ def main(argv=None) -> dict:
     ttft = [t for r in runs for t in r["ttft_s"]]
     itl = [t for r in runs for t in r["itl_s"]]
     last_ttft = [max(r["ttft_s"]) for r in runs]
+    # the request whose first token came last decodes only after every prompt is in: its ITL has no prefill
+    # chunk of another request in it (the other requests' ITLs do when a batch's prompts take several steps)
+    last_itl = [r["itl_s"][r["ttft_s"].index(max(r["ttft_s"]))] for r in runs]
     roof = rooflines(math, B, n_in, n_out, ceil)
     itl_p50 = common.pct(itl)["p50"]
     ttft_batch = common.pct(last_ttft)["p50"]  # batch 1: the p50 TTFT
@@ -178,6 +184,8 @@ def main(argv=None) -> dict:
         e2e_s=common.pct([r["e2e_s"] for r in runs]),
         decode_tok_per_s_per_seq=1.0 / itl_p50,
         itl_roofline_frac=roof["itl_roofline_s"] / itl_p50,
+        itl_last_started_s=common.pct(last_itl),
+        itl_last_started_roofline_frac=roof["itl_roofline_s"] / common.pct(last_itl)["p50"],
         prefill_flops_per_s=rate,
         ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
         compiles_after_warmup=eng.runner.programs.num_compiles_after_warmup,

@@ -584,6 +584,8 @@ def summarize(r: dict, runs: dict, skipped: dict, a, wall_s: float) -> dict:
             s[f"{st}_itl_ms"] = x["itl_s"]["p50"] * 1e3
             s[f"{st}_itl_roofline_ms"] = x["roofline"]["itl_roofline_s"] * 1e3
             s[f"{st}_itl_over_roofline"] = 1 / x["itl_roofline_frac"]
+            if "itl_last_started_s" in x:  # decode steps only (bench/long_context.py)
+                s[f"{st}_itl_last_started_ms"] = x["itl_last_started_s"]["p50"] * 1e3
             s[f"{st}_ttft_matmul_frac"] = x["ttft_matmul_frac"]
             s[f"{st}_ceilings"] = dict(
                 copy_tb_s=x["ceilings"]["copy_bytes_per_s"] / 1e12,

@@ -161,6 +161,10 @@ def test_long_context_smoke(tmp_path):
     kv_step = 2 * m.kv_bytes_per_token * (301 + 302) / 2  # decode contexts 301 and 302, two sequences
     assert roof["itl_roofline_s"] == pytest.approx((m.weight_bytes + kv_step) / ceil["copy_bytes_per_s"])
     assert res["itl_roofline_frac"] == pytest.approx(roof["itl_roofline_s"] / res["itl_s"]["p50"])
+    # the request that started decoding last: the other one's ITL has its 300-token prefill (three 128-token steps)
+    last = res["itl_last_started_s"]["p50"]
+    assert 0 < last < res["itl_s"]["p50"]
+    assert res["itl_last_started_roofline_frac"] == pytest.approx(roof["itl_roofline_s"] / last)
     assert res["ttft_matmul_frac"] == pytest.approx(
         2 * per_prompt / res["ttft_last_in_batch_s"]["p50"] / ceil["matmul_flops_per_s"]
     )

@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench import common  # noqa: E402
 from jaxllm.lora import ops as lora_ops  # noqa: E402
 
 BF = jnp.bfloat16
@@ -113,7 +114,7 @@ def main(argv=None):
         )
         rows.append(row)
         print(json.dumps(row), flush=True)
-    out = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, args=vars(a), rows=rows)
+    out = dict(env=common.environment(), args=vars(a), rows=rows)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
