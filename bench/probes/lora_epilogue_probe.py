@@ -1,4 +1,9 @@
-"""Which order of the o / down LoRA adds lets XLA's GPU backend run every add in a GEMM epilogue (issue 34).
+"""Finding (H100, lora_epilogue_h100_{7efd0bb,e3a7cfd}.json): XLA's GemmRewriter runs an add in a GEMM's epilogue
+only when the add's first operand is a GEMM that adds nothing yet (it tries operand 0 first and gives up on a GEMM
+that already adds a bias). (x + d) + o and (x + o) + d each leave one add as a kernel of its own (5.9 kernels a
+layer here); o + (x + d) and d + (x + o) run both adds in epilogues (4.9), the second also keeping the base model's
+o GEMM (in the engine, the first made cuBLAS pick a split-K o GEMM with a reduce kernel: lora_h100_7efd0bb.json).
+jaxllm/lora/ops.add and the decoder use d + (x + o) (issue 34).
 
     python bench/probes/lora_epilogue_probe.py --out $OUT/lora_epilogue.json
 
