@@ -1,8 +1,8 @@
 """The structure of a decoder layer's LoRA math as the step lowers it (jaxllm/lora/ops.py): two GEMMs per projection
 group (q/k/v share one shrink and one expand, as do gate/up), in the model dtype with no convert (split-K shrinks:
 float32 partials, converted once), and each expand's output added straight to the base projection (o / down: to
-the residual stream, which the base projection is added to next) so that XLA's GPU backend can run the adds in the
-GEMMs' epilogues. Speed is measured by bench/lora.py on a GPU; this pins the shape of the program that bench
+the residual stream plus the base projection, the base model's add), as the add's first operand, so that XLA's GPU
+backend can run the adds in the GEMMs' epilogues. Speed is measured by bench/lora.py on a GPU; this pins the shape of the program that bench
 measured."""
 
 from __future__ import annotations
