@@ -243,7 +243,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         # >= reps copies: no two calls of a chain share a weight (XLA would merge their dots into one GEMM)
         copies = 2 if args.tiny else max(args.reps, -(-ROTATE_BYTES // wbytes))
         ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
-        configs = [{}] + (SWEEP if sweep and name == "int4_sym" else [])
+        configs = [{}] + (sweep if sweep and name == "int4_sym" else [])
         for M in ms:
             xs = [
                 jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -361,6 +361,11 @@ def main(argv=None):
     p.add_argument("--sweep-m", default="1,16,64")
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
     p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="the sweep's entries as a JSON list of qmatmul tunings instead of SWEEP, e.g. '[{\"splits\": 4}]'",
+    )
     p.add_argument("--check", action="store_true", help="first, every kernel variant against the reference")
     p.add_argument("--no-bench", action="store_true", help="only the --check stage")
     p.add_argument("--reps", type=int, default=10, help="calls per timed chain")
@@ -383,7 +388,8 @@ def main(argv=None):
         print(f"copy {copy / 1e12:.3f} TB/s", flush=True)
         for shape in args.shapes.split(","):
             K, N = shapes[shape]
-            bench_shape(shape, K, N, ms, impls, copy, args, rows, args.sweep)
+            sweep = (json.loads(args.configs) if args.configs else SWEEP) if args.sweep else []
+            bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep)
     result = dict(env=environment(), copy_bytes_per_s=copy, rows=rows, summary=summary(rows))
     for k, v in result["summary"].items():
         print(k, v, flush=True)

@@ -714,7 +714,7 @@ def test_spec_decode_smoke(tmp_path):
 
 def test_quant_kernels_smoke(tmp_path):
     """bench/quant_kernels.py on CPU (interpret mode, tiny shapes): the check stage's kernel cases pass and every
-    impl row is timed with its rate beside the copy ceiling."""
+    impl row is timed with its rate beside the copy ceiling; --configs gives the int4 sweep's entries."""
     from bench import quant_kernels
 
     out = tmp_path / "q.json"
@@ -730,15 +730,22 @@ def test_quant_kernels_smoke(tmp_path):
             "bf16,int4_sym,fp8,int4_sym_asm",
             "--reps",
             "1",
+            "--sweep",
+            "--sweep-m",
+            "1",
+            "--configs",
+            '[{"splits": 2}]',
             "--out",
             str(out),
         ]
     )
     saved = json.loads(out.read_text())
+    swept = [r["cfg"] for r in saved["rows"] if r.get("impl") == "int4_sym"]  # --configs replaces SWEEP
+    assert swept == [{}, {"splits": 2}]
     checks = [r for r in saved["rows"] if r.get("stage") == "check"]
     assert len(checks) == 9 and all(r["ok"] for r in checks)  # 3 cases, each dequantization path
     assert {r["dequant"] for r in checks} == {"float", "asm", "asm_sub"}
-    rows = {r["impl"]: r for r in saved["rows"] if "impl" in r}
+    rows = {r["impl"]: r for r in saved["rows"] if "impl" in r and not r["cfg"]}
     assert set(rows) == {"bf16", "int4_sym", "fp8", "int4_sym_asm"} and all(
         r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values()
     )
