@@ -156,7 +156,7 @@ def main(argv=None) -> dict:
     last_ttft = [max(r["ttft_s"]) for r in runs]
     # the request whose first token came last decodes only after every prompt is in: its ITL has no prefill
     # chunk of another request in it (the other requests' ITLs do when a batch's prompts take several steps)
-    last_itl = [r["itl_s"][r["ttft_s"].index(max(r["ttft_s"]))] for r in runs]
+    last_itl = common.pct([r["itl_s"][r["ttft_s"].index(max(r["ttft_s"]))] for r in runs])
     roof = rooflines(math, B, n_in, n_out, ceil)
     itl_p50 = common.pct(itl)["p50"]
     ttft_batch = common.pct(last_ttft)["p50"]  # batch 1: the p50 TTFT
@@ -184,8 +184,8 @@ def main(argv=None) -> dict:
         e2e_s=common.pct([r["e2e_s"] for r in runs]),
         decode_tok_per_s_per_seq=1.0 / itl_p50,
         itl_roofline_frac=roof["itl_roofline_s"] / itl_p50,
-        itl_last_started_s=common.pct(last_itl),
-        itl_last_started_roofline_frac=roof["itl_roofline_s"] / common.pct(last_itl)["p50"],
+        itl_last_started_s=last_itl,
+        itl_last_started_roofline_frac=roof["itl_roofline_s"] / last_itl["p50"],
         prefill_flops_per_s=rate,
         ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
         compiles_after_warmup=eng.runner.programs.num_compiles_after_warmup,
