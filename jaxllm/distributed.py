@@ -73,8 +73,8 @@ def initialize(
     coordinator_address = coordinator_address or os.environ.get(ENV["coordinator_address"])
     if not coordinator_address:
         return False
-    num_processes = num_processes if num_processes is not None else _env_int("num_processes")
-    process_id = process_id if process_id is not None else _env_int("process_id")
+    num_processes = num_processes if num_processes is not None else env_int(ENV["num_processes"])
+    process_id = process_id if process_id is not None else env_int(ENV["process_id"])
     if num_processes is None or process_id is None:
         raise ValueError(
             "--coordinator-address needs --num-processes and --process-id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID)."
@@ -149,14 +149,15 @@ def maybe_initialize(args: argparse.Namespace) -> bool:
     )
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(ENV[name])
+def env_int(var: str) -> int | None:
+    """The integer in environment variable var, None when unset or empty; ValueError naming var otherwise."""
+    v = os.environ.get(var)
     if v is None or v == "":
         return None
     try:
         return int(v)
     except ValueError:
-        raise ValueError(f"{ENV[name]}={v!r} is not an integer.") from None
+        raise ValueError(f"{var}={v!r} is not an integer.") from None
 
 
 def _cpu_only() -> bool:

@@ -319,3 +319,18 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
     for opts in options:
         exe = jax.jit(lambda x: x * 2).lower(jnp.ones(4)).compile(compiler_options=opts)
         assert float(exe(jnp.ones(4))[0]) == 2.0
+
+
+def test_cublas_cutoff_override_from_the_environment():
+    """JAXLLM_CUBLAS_MIN_DECODE_SEQS (bench A/B runs) replaces the cutoff when the module loads; a value that is
+    not an integer stops the import with an error naming the variable."""
+    code = "from jaxllm.engine import xla_options; print(xla_options.CUBLAS_MIN_DECODE_SEQS)"
+
+    def run(value):
+        env = dict(os.environ, JAXLLM_CUBLAS_MIN_DECODE_SEQS=value)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+    assert run("100000").stdout.split() == ["100000"]
+    assert run("").stdout.split() == [str(programs_mod.CUBLAS_MIN_DECODE_SEQS)] == ["32"]  # unset or empty: default
+    bad = run("many")
+    assert bad.returncode != 0 and "JAXLLM_CUBLAS_MIN_DECODE_SEQS='many' is not an integer." in bad.stderr

@@ -3,13 +3,14 @@ programs.py to its life cycle). compile_options reads a StepVariant's shape fiel
 
 from __future__ import annotations
 
-import os
-
 import jax
+
+from jaxllm.distributed import env_int
 
 # decode-only steps of at least this many sequences (bucket) are compiled with XLA's Triton GEMMs off (cuBLAS);
 # JAXLLM_CUBLAS_MIN_DECODE_SEQS overrides it (bench A/B runs: a large value keeps Triton GEMMs at every batch)
-CUBLAS_MIN_DECODE_SEQS = int(os.environ.get("JAXLLM_CUBLAS_MIN_DECODE_SEQS", "32"))
+_override = env_int("JAXLLM_CUBLAS_MIN_DECODE_SEQS")
+CUBLAS_MIN_DECODE_SEQS = 32 if _override is None else _override
 
 
 def compile_options(v) -> dict:
