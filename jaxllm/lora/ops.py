@@ -53,6 +53,7 @@ The reference gathers per token: obviously right, and the tests compare the two.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import jax
@@ -138,17 +139,94 @@ def delta(kind: str, x, A, B, w):
     # weight every step (H100, 8 adapters, batch 64: a 34.7 us concatenate a layer, lora_profile_h100_16d6b33.json).
     x = jax.lax.optimization_barrier(x.astype(dt))
     if kind == "qkv":
-        u = _shrink(x, A, 1, w)  # [T, S, 3, R]
-        if B.ndim == 6:  # block-diagonal [S, 3, R, K, G + 2, H]
-            return _dot(u, B, 3)
-        # per column [G + 2, S, R, K, H]: the columns lead u (each reads its part's shrink) and the expand's output
-        u = jnp.moveaxis(jnp.take(u, jnp.asarray(qkv_parts(B.shape[0] - 2)), axis=2), 2, 0)
-        return jnp.moveaxis(_dot(u, B, 2, batch=1), 0, 2)  # [G + 2, T, K, H] -> [T, K, G + 2, H]
+        return _expand_qkv(_shrink(x, A, 1, w), B)
     if kind == "gate_up":
-        u = jnp.moveaxis(_shrink(x, A, 1, w), 2, 0)  # the part leads: the expand's batch axis
-        return _dot(u, B, 2, batch=1)  # [2, T, F]
+        return _expand_gate_up(_shrink(x, A, 1, w), B)
     u = _shrink(x, A, 2 if kind == "o" else 1, w)  # [T, S, R]
     return _dot(u, B, 2, out=F32 if kind == "lm_head" else None)  # logits are float32
+
+
+def _expand_qkv(u, B):
+    """Masked shrink u [T, S, 3, R] . qkv's B -> [T, K, G + 2, H]."""
+    if B.ndim == 6:  # block-diagonal [S, 3, R, K, G + 2, H]
+        return _dot(u, B, 3)
+    # per column [G + 2, S, R, K, H]: the columns lead u (each reads its part's shrink) and the expand's output
+    u = jnp.moveaxis(jnp.take(u, jnp.asarray(qkv_parts(B.shape[0] - 2)), axis=2), 2, 0)
+    return jnp.moveaxis(_dot(u, B, 2, batch=1), 0, 2)  # [G + 2, T, K, H] -> [T, K, G + 2, H]
+
+
+def _expand_gate_up(u, B):
+    """Masked shrink u [T, S, 2, R] . gate_up's B [2, S, R, F] -> [2, T, F] (the part leads: a batch axis)."""
+    return _dot(jnp.moveaxis(u, 2, 0), B, 2, batch=1)
+
+
+# ---- LoRA fused into the base projections (one device, 16-bit base weights: slots.py's fused layouts) ----
+# The column-parallel projections (qkv, gate_up) hold every slot's A as columns beside the base weight, so one GEMM
+# computes the base projection and the shrink; the row-parallel ones (o, down) hold every slot's B as rows under
+# the base weight, so one GEMM over [input | masked shrink] computes the base projection and the expand.
+
+
+def qkv_shape(B) -> tuple[int, int, int]:
+    """(K, G + 2, H) of the qkv projection whose slot B this is (either layout)."""
+    return B.shape[3:] if B.ndim == 6 else (B.shape[3], B.shape[0], B.shape[4])
+
+
+def _fused_in(h, W, n_base: int, w, parts: int):
+    """h [T, D] @ W [D, n_base + S * parts * R] -> (the base projection [T, n_base], the shrink [T, S, parts, R]
+    masked to each token's slot)."""
+    T, S = h.shape[0], w.shape[1]
+    out = jnp.dot(h, W)
+    u = out[:, n_base:].reshape(T, S, parts, -1) * w.astype(out.dtype)[:, :, None, None]
+    return out[:, :n_base], u
+
+
+def fused_qkv(h, W, B, w, bias=None):
+    """The qkv projection with each token's LoRA term: h [T, D], W [D, K * (G + 2) * H + S * 3 * R] -> [T, K,
+    G + 2, H] (the delta first in the sum, as add() puts it)."""
+    shape = qkv_shape(B)
+    base, u = _fused_in(h, W, math.prod(shape), w, 3)
+    base = base.reshape(h.shape[0], *shape)
+    if bias is not None:
+        base = base + bias
+    return _expand_qkv(u, B).astype(base.dtype) + base
+
+
+def fused_gate_up(h, W, B, w, bias=None):
+    """(gate, up) [T, F] each with its LoRA term: h [T, D], W [D, 2 * F + S * 2 * R]."""
+    F = B.shape[-1]
+    base, u = _fused_in(h, W, 2 * F, w, 2)
+    base = base.reshape(h.shape[0], 2, F)
+    if bias is not None:
+        base = base + bias
+    d = _expand_gate_up(u, B).astype(base.dtype)
+    return base[:, 0] + d[0], base[:, 1] + d[1]
+
+
+def fused_out(x, A, W, w):
+    """The o / down projection with each token's LoRA term: x [T, N, H] (o, A [N, H, S, R]) or [T, F] (down,
+    A [F, S, R]), W [N * H or F + S * R, D]: the shrink, masked, then one GEMM of [x | shrink] and W."""
+    T = x.shape[0]
+    u = _shrink(x, A, x.ndim - 1, w.astype(A.dtype))
+    return jnp.dot(jnp.concatenate([x.reshape(T, -1), u.reshape(T, -1).astype(x.dtype)], axis=1), W)
+
+
+FUSED_BASE = {"qkv": "w_qkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}  # slot kind -> base weight
+
+
+def fuse_layer(base: dict, slots: dict) -> dict:
+    """One layer's fused arrays from its base weights (w_qkv [D, K, G + 2, H], wo [N, H, D], w_gate_up [D, 2, F],
+    w_down [F, D]) and slot arrays (the layouts above): {"qkv_fused": (W, B), "o_fused": (A, W), "gate_up_fused":
+    (W, B), "down_fused": (A, W)}."""
+    (qa, qb), (oa, ob), (ga, gb), (da, db) = (slots[k] for k in ("qkv", "o", "gate_up", "down"))
+    D = qa.shape[0]
+    column = lambda w, a: jnp.concatenate([w.reshape(D, -1), a.reshape(D, -1).astype(w.dtype)], axis=1)  # noqa: E731
+    row = lambda w, b: jnp.concatenate([w.reshape(-1, w.shape[-1]), b.reshape(-1, b.shape[-1]).astype(w.dtype)])  # noqa: E731
+    return {
+        "qkv_fused": (column(base["w_qkv"], qa), qb),
+        "o_fused": (oa, row(base["wo"], ob)),
+        "gate_up_fused": (column(base["w_gate_up"], ga), gb),
+        "down_fused": (da, row(base["w_down"], db)),
+    }
 
 
 def slot_major(kind: str, A, B):

@@ -113,12 +113,19 @@ def mlp(
     """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
     residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
-    gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
-    gate, up = gate_up[:, 0], gate_up[:, 1]
+    if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
+        gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
+    else:
+        gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
+        gate, up = gate_up[:, 0], gate_up[:, 1]
     if "gate_up" in ll:  # its parts [2, T, F], added where the activation reads them: one fusion, no transpose
         d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
         gate, up = gate + d[0], up + d[1]
     a = activation(gate, act) * up
+    if "down_fused" in ll:  # the base weight and the slots' B in one
+        out = lora_ops.fused_out(a, *ll["down_fused"], lw)
+        out = out if b_down is None else out + b_down
+        return out if residual is None else residual + out
     out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
     if residual is None:
         return lora_ops.add(out, "down", a, ll.get("down"), lw)
@@ -142,8 +149,10 @@ def decoder_layer(
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
     h = _norm(x, lp["attn_norm"], cfg)
-    splits = qkv_splits(h.shape[0], lp, cfg, attn)
-    if splits:
+    splits = 0 if "qkv_fused" in ll else qkv_splits(h.shape[0], lp, cfg, attn)
+    if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
+        qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
+    elif splits:
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
@@ -176,17 +185,31 @@ def decoder_layer(
     # (lora_h100_797b2f2.json), or made cuBLAS pick a split-K o GEMM with a reduce kernel after it
     # (lora_h100_7efd0bb.json); this order runs 20 kernels a layer, 219 us (lora_h100_e3a7cfd.json).
     attn_out = out
-    out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
-    if "post_attn_norm" in lp:  # Gemma 2/3
-        x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
+    if "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
+        out = lora_ops.fused_out(attn_out, *ll["o_fused"], lw)
+        out = out if "bo" not in lp else out + lp["bo"]
+        x = x + (_norm(out, lp["post_attn_norm"], cfg) if "post_attn_norm" in lp else out)
     else:
-        x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
+        out = _proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
+        if "post_attn_norm" in lp:  # Gemma 2/3
+            x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
+        else:
+            x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
     h = _norm(x, lp["mlp_norm"], cfg)
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
         residual = None if "post_mlp_norm" in lp else x
-        args = (lp["w_gate_up"], lp["w_down"], cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"), ll, lw)
+        args = (
+            lp.get("w_gate_up"),
+            lp.get("w_down"),
+            cfg.hidden_act,
+            attn,
+            lp.get("b_gate_up"),
+            lp.get("b_down"),
+            ll,
+            lw,
+        )
         out = mlp(h, *args, residual=residual)
         if residual is not None:
             return out, kv_cache
