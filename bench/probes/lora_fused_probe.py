@@ -35,6 +35,12 @@ def parse(argv=None):
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument(
+        "--cublas",
+        choices=("auto", "on"),
+        default="auto",
+        help="auto: XLA's Triton GEMMs off from 32 tokens (the engine's decode rule); on: off at every size",
+    )
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
 
@@ -134,7 +140,8 @@ def probe(args, T: int, S: int) -> dict:
     row: dict = dict(tokens=T, slots=S, ms={}, ms_all={}, hlo_kernels={})
     outs = {}
     # as the engine compiles decode steps of T sequences (jaxllm/engine/xla_options.py)
-    opts = {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" and T >= 32 else {}
+    cublas = args.cublas == "on" or T >= 32
+    opts = {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" and cublas else {}
     row["compiler_options"] = opts
     for name, (p, ll) in modes.items():
         compiled = fn.lower(p, ll, x, slots_of).compile(opts)
