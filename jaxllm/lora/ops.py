@@ -229,6 +229,27 @@ def fuse_layer(base: dict, slots: dict) -> dict:
     }
 
 
+def unfuse(ll: dict, kinds) -> tuple[dict, dict]:
+    """fuse_layer undone for the projections in kinds, by slicing the fused arrays: (base weights {"w_qkv", ...},
+    the layer's LoRA arrays with those kinds as separate (A, B) again)."""
+    base, out = {}, dict(ll)
+    for kind in kinds:
+        a, b = out.pop(f"{kind}_fused")
+        if kind in ("qkv", "gate_up"):  # W [D, base | S * P * R] beside B
+            parts = 3 if kind == "qkv" else 2
+            shape = (2, b.shape[-1]) if kind == "gate_up" else qkv_shape(b)
+            n = math.prod(shape)
+            S, R = (b.shape[0], b.shape[2]) if b.ndim == 6 else (b.shape[1], b.shape[2])
+            base[FUSED_BASE[kind]] = a[:, :n].reshape(a.shape[0], *shape)
+            out[kind] = (a[:, n:].reshape(a.shape[0], S, parts, R), b)
+        else:  # A beside W [base rows | S * R, D]
+            S, R = a.shape[-2], a.shape[-1]
+            k = b.shape[0] - S * R
+            base[FUSED_BASE[kind]] = b[:k].reshape(*a.shape[:-2], b.shape[1])
+            out[kind] = (a, b[k:].reshape(S, R, b.shape[1]))
+    return base, out
+
+
 def slot_major(kind: str, A, B):
     """The slot arrays of kind with the slot axis leading: A [S, in.., (P,) R], B [S, (P,) R, out..] (gate_up's B
     [S, 2, R, F]; qkv's per-column B [S, R, K, G + 2, H])."""
