@@ -172,7 +172,6 @@ def probe(args, T: int, S: int) -> dict:
             "custom_calls": text.count("custom_call_target="),
             "fusions": text.count(" fusion("),
         }
-    del layers, bases, fused_ll, fused_base, modes, split
     f32 = {k: v.astype(jnp.float32) for k, v in outs.items()}
     row["max_abs_diff_vs_lora"] = {k: float(jnp.abs(v - f32["lora"]).max()) for k, v in f32.items() if k != "lora"}
     row["max_abs_diff_lora_vs_base"] = float(jnp.abs(f32["lora"] - f32["base"]).max())
