@@ -94,6 +94,8 @@ def test_llm_generate_mixes_adapters_and_base_and_matches_hf_peft(setup):
     assert got == want
     assert refs["a1 merged"] == refs["a1"]  # merged and unmerged agree, so ours matches both
     assert llm.llm_engine.lora.num_swaps >= 3
+    # one device: the slots were fused into the base projections' weights (LoRASlots.absorb), which left the params
+    assert llm.llm_engine.lora.absorbed and "w_qkv" not in llm.llm_engine.runner.params["layers"][0]
 
     # prefix caching is per adapter: a repeated prompt hits its own adapter's blocks, never another's
     long = {"prompt_token_ids": list(range(1, 40))}
@@ -127,6 +129,7 @@ def test_compiled_steps_with_adapters(setup):
     outs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 3, sp, lora_request=[None, a1, a3], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [refs[None][0], refs["a1"][0], refs["a3"][0]]
     assert programs.num_compiles_after_warmup == 0 and llm.llm_engine.lora.num_swaps >= 2
+    assert llm.llm_engine.lora.absorbed  # fused when the loaded weights were bound (set_params)
     out = llm.generate(
         {"prompt_token_ids": PROMPTS[0]},
         SamplingParams(temperature=0, max_tokens=N_OUT, ignore_eos=True, logprobs=1),

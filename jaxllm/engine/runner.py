@@ -128,6 +128,8 @@ class ModelRunner:
         (spec_decode/drafter.py) and its weights, with a KV cache of its own here; lora:
         jaxllm.lora.slots.LoRASlots (enable_lora; not with speculative decoding), or None."""
         attn_config = attn_config or AttentionConfig()
+        if lora is not None:  # on one device the slots take in the base projections' weights (LoRASlots.absorb)
+            params = lora.absorb(params)
         if attn_config.mesh is None:  # tp > 1: attention runs in shard_map over this mesh
             attn_config = dataclasses.replace(attn_config, mesh=mesh)
         self.cfg, self.params, self.mesh, self.attn = cfg, params, mesh, attn_config
@@ -246,6 +248,8 @@ class ModelRunner:
     def set_params(self, params) -> None:
         """Binds weights to the runner: their tree, shapes, dtypes and shardings must be those the step
         programs were compiled for (the abstract_weights the runner was built with)."""
+        if self.lora is not None:
+            params = self.lora.absorb(params)
         old, new = jax.tree.leaves(self.params), jax.tree.leaves(params)
         same = jax.tree.structure(params) == jax.tree.structure(self.params) and all(
             a.shape == b.shape and a.dtype == b.dtype and b.sharding.is_equivalent_to(a.sharding, len(a.shape))

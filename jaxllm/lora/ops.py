@@ -211,22 +211,33 @@ def fused_out(x, A, W, w):
 
 
 FUSED_BASE = {"qkv": "w_qkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}  # slot kind -> base weight
+# Steps of fewer tokens compute o and down as separate GEMMs over slices of their fused arrays (unfuse): one
+# [T, N * H + S * R] GEMM cost more than the two at 1 token (H100, 8 slots: 426.5 us a layer fused, 249.3 with o
+# and down apart, lora_fused_probe_h100_a563327_modes.json); qkv's and gate_up's stay fused at every size.
+FUSED_OUT_MIN_TOKENS = 32
+
+
+def join_base(w, x, columns: bool):
+    """A base weight and a slot array as one 2-D array: x's [D, S * P * R] columns beside w [D, ..] (columns:
+    qkv's, gate_up's A) or x's [S * R, D] rows under w [.., D] (o's, down's B)."""
+    if columns:
+        D = w.shape[0]
+        return jnp.concatenate([w.reshape(D, -1), x.reshape(D, -1).astype(w.dtype)], axis=1)
+    return jnp.concatenate([w.reshape(-1, w.shape[-1]), x.reshape(-1, x.shape[-1]).astype(w.dtype)])
 
 
 def fuse_layer(base: dict, slots: dict) -> dict:
     """One layer's fused arrays from its base weights (w_qkv [D, K, G + 2, H], wo [N, H, D], w_gate_up [D, 2, F],
     w_down [F, D]) and slot arrays (the layouts above): {"qkv_fused": (W, B), "o_fused": (A, W), "gate_up_fused":
     (W, B), "down_fused": (A, W)}."""
-    (qa, qb), (oa, ob), (ga, gb), (da, db) = (slots[k] for k in ("qkv", "o", "gate_up", "down"))
-    D = qa.shape[0]
-    column = lambda w, a: jnp.concatenate([w.reshape(D, -1), a.reshape(D, -1).astype(w.dtype)], axis=1)  # noqa: E731
-    row = lambda w, b: jnp.concatenate([w.reshape(-1, w.shape[-1]), b.reshape(-1, b.shape[-1]).astype(w.dtype)])  # noqa: E731
-    return {
-        "qkv_fused": (column(base["w_qkv"], qa), qb),
-        "o_fused": (oa, row(base["wo"], ob)),
-        "gate_up_fused": (column(base["w_gate_up"], ga), gb),
-        "down_fused": (da, row(base["w_down"], db)),
-    }
+    out = {}
+    for kind, key in FUSED_BASE.items():
+        a, b = slots[kind]
+        if kind in ("qkv", "gate_up"):
+            out[f"{kind}_fused"] = (join_base(base[key], a, columns=True), b)
+        else:
+            out[f"{kind}_fused"] = (a, join_base(base[key], b, columns=False))
+    return out
 
 
 def unfuse(ll: dict, kinds) -> tuple[dict, dict]:
