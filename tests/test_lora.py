@@ -176,19 +176,21 @@ def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, split, monk
 # ("first") or after ("after"); fused_out_min: ops.FUSED_OUT_MIN_TOKENS (the 16-token step below 32 computes o
 # and down over slices of the fused arrays, at 1 as one GEMM over [input | shrink]).
 @pytest.mark.parametrize(
-    "tp, fully_sharded, qkv_columns, absorb, fused_out_min",
+    "tp, fully_sharded, qkv_columns, absorb, fused_out_min, fused_kinds",
     [
-        (1, False, False, None, 32),
-        (2, False, False, None, 32),
-        (4, True, False, None, 32),
-        (2, False, True, None, 32),
-        (1, False, False, "first", 32),
-        (1, False, False, "after", 1),
-        (1, False, True, "first", 1),
+        (1, False, False, None, 32, ops.FUSED_KINDS),
+        (2, False, False, None, 32, ops.FUSED_KINDS),
+        (4, True, False, None, 32, ops.FUSED_KINDS),
+        (2, False, True, None, 32, ops.FUSED_KINDS),
+        (1, False, False, "first", 32, ops.FUSED_KINDS),
+        (1, False, False, "after", 1, ops.FUSED_KINDS),
+        (1, False, True, "first", 1, ops.FUSED_KINDS),
+        (1, False, False, "after", 1, ("qkv", "gate_up")),
+        (1, False, False, "first", 1, ("o", "down")),
     ],
 )
 def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
-    base, adapters, tp, fully_sharded, qkv_columns, absorb, fused_out_min, monkeypatch
+    base, adapters, tp, fully_sharded, qkv_columns, absorb, fused_out_min, fused_kinds, monkeypatch
 ):
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
@@ -201,6 +203,7 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
     if qkv_columns:
         monkeypatch.setattr(ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
     monkeypatch.setattr(ops, "FUSED_OUT_MIN_TOKENS", fused_out_min)
+    monkeypatch.setattr(ops, "FUSED_KINDS", fused_kinds)
     slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded), cfg, mesh)
     assert slots.arrays["layers"][0]["qkv"][1].ndim == (5 if qkv_columns else 6)
     assert slots.fused == (tp == 1)
@@ -212,7 +215,8 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
     if absorb == "after":
         params = slots.absorb(params)
     if absorb:  # the base projections' weights live in the slot arrays now
-        assert "w_qkv" not in params["layers"][0] and "qkv_fused" in slots.arrays["layers"][0]
+        k = fused_kinds[0]
+        assert ops.FUSED_BASE[k] not in params["layers"][0] and f"{k}_fused" in slots.arrays["layers"][0]
         assert jax.tree.structure(slots.arrays) == jax.tree.structure(slots.abstract())
     prompts = [[3, 17, 42, 9, 100], [5, 77, 6], [8, 1, 2, 3]]
     owners = [1, 0, 2]  # lora_int_id per prompt (0: the base model)

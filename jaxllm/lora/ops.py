@@ -211,6 +211,7 @@ def fused_out(x, A, W, w):
 
 
 FUSED_BASE = {"qkv": "w_qkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}  # slot kind -> base weight
+FUSED_KINDS = ("qkv", "o", "gate_up", "down")  # the projections fused (slots.py: where fuses_base() allows it)
 # Steps of fewer tokens compute o and down as separate GEMMs over slices of their fused arrays (unfuse): one
 # [T, N * H + S * R] GEMM cost more than the two at 1 token (H100, 8 slots: 426.5 us a layer fused, 249.3 with o
 # and down apart, lora_fused_probe_h100_a563327_modes.json); qkv's and gate_up's stay fused at every size.
@@ -229,10 +230,10 @@ def join_base(w, x, columns: bool):
 def fuse_layer(base: dict, slots: dict) -> dict:
     """One layer's fused arrays from its base weights (w_qkv [D, K, G + 2, H], wo [N, H, D], w_gate_up [D, 2, F],
     w_down [F, D]) and slot arrays (the layouts above): {"qkv_fused": (W, B), "o_fused": (A, W), "gate_up_fused":
-    (W, B), "down_fused": (A, W)}."""
-    out = {}
-    for kind, key in FUSED_BASE.items():
-        a, b = slots[kind]
+    (W, B), "down_fused": (A, W)} for the FUSED_KINDS, the other kinds' slot arrays as they are."""
+    out = {k: v for k, v in slots.items() if k not in FUSED_KINDS}
+    for kind in FUSED_KINDS:
+        a, b, key = *slots[kind], FUSED_BASE[kind]
         if kind in ("qkv", "gate_up"):
             out[f"{kind}_fused"] = (join_base(base[key], a, columns=True), b)
         else:

@@ -201,7 +201,7 @@ class LoRASlots:
         into the slot arrays (ops.fuse_layer; the separate slot arrays and the base weights are freed). Abstract
         params (ShapeDtypeStruct: the steps compile before the weights are loaded) lose the keys only. A no-op
         otherwise, and on params absorbed before (a runner rebuilt on them)."""
-        keys = tuple(ops.FUSED_BASE.values())
+        keys = tuple(ops.FUSED_BASE[k] for k in ops.FUSED_KINDS)
         if not self.fused or keys[0] not in params["layers"][0]:
             return params
         layers = [{k: v for k, v in lp.items() if k not in keys} for lp in params["layers"]]
@@ -209,7 +209,7 @@ class LoRASlots:
             return dict(params, layers=layers)
         if self.absorbed:
             raise RuntimeError("LoRA slots were fused into base weights already; weights cannot be replaced.")
-        want = self._base_specs()
+        want = {k: v for k, v in self._base_specs().items() if k in keys}
         replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
         join = jax.jit(ops.join_base, static_argnames="columns", out_shardings=replicated)
         for i, lp in enumerate(params["layers"]):
@@ -217,9 +217,9 @@ class LoRASlots:
                 if lp[k].shape != spec.shape or lp[k].dtype != spec.dtype:
                     raise ValueError(f"LoRA: layer {i}'s {k} is {lp[k].shape} {lp[k].dtype}, not {spec.shape}.")
             pieces = self.arrays["layers"][i]
-            fused = {}
-            for kind, key in ops.FUSED_BASE.items():
-                a, b = pieces[kind]
+            fused = {k: v for k, v in pieces.items() if k not in ops.FUSED_KINDS}
+            for kind in ops.FUSED_KINDS:
+                a, b, key = *pieces[kind], ops.FUSED_BASE[kind]
                 if kind in ("qkv", "gate_up"):  # the slots' A as columns beside the base weight
                     fused[f"{kind}_fused"] = (join(lp[key], a, columns=True), b)
                     a.delete()
@@ -240,12 +240,14 @@ class LoRASlots:
         n_qkv = m.num_kv_heads * (m.num_heads // m.num_kv_heads + 2) * m.head_dim
         F, NH = m.intermediate_size, m.num_heads * m.head_dim
         layer = self._slot_axes["layers"][0]
-        fused = {
+        where = {
             "qkv_fused": (_Where("cols", offset=n_qkv, width=3 * R), layer["qkv"][1]),
             "o_fused": (layer["o"][0], _Where("rows", offset=NH, width=R)),
             "gate_up_fused": (_Where("cols", offset=2 * F, width=2 * R), layer["gate_up"][1]),
             "down_fused": (layer["down"][0], _Where("rows", offset=F, width=R)),
         }
+        fused = {k: v for k, v in layer.items() if k not in ops.FUSED_KINDS}
+        fused.update({f"{k}_fused": where[f"{k}_fused"] for k in ops.FUSED_KINDS})
         return dict(self._slot_axes, layers=[fused] * m.num_layers)
 
     # ---- adapters ----
@@ -370,7 +372,8 @@ class LoRASlots:
     def _load_slot(self, slot: int, host) -> None:
         new = jax.device_put(host, self._slot_shardings)
         if self.absorbed:  # the same per-slot arrays, under the fused layers' keys
-            new = dict(new, layers=[{f"{k}_fused": v for k, v in layer.items()} for layer in new["layers"]])
+            fused = lambda k: f"{k}_fused" if k in ops.FUSED_KINDS else k  # noqa: E731
+            new = dict(new, layers=[{fused(k): v for k, v in layer.items()} for layer in new["layers"]])
         self.arrays = self._write(self.arrays, jnp.int32(slot), new)
         self.num_swaps += 1
 
