@@ -3,11 +3,12 @@ and 32 distinct rank-R adapters on every projection (q/k/v/o/gate/up/down), in o
 
     python bench/lora.py --shape llama3-8b --load-format dummy --out $OUT/lora.json
 
-Per configuration: batch-1 decode (ITL), batch-64 decode (output tok/s, ITL) and offline throughput (prompts x
-input / output lengths, tokens/s). A LoRA run assigns its requests round-robin to its adapters (one request in
-eight also to the base model, so base and adapters share the batch). Engines: the base one (no --enable-lora), one
-with max_loras 8 (1 and 8 adapters) and one with max_loras 32 (32 adapters); the LoRA matmuls read every slot each
-step (jaxllm/lora/ops.py), so their cost follows max_loras. Each engine runs in a subprocess of its own (its device
+Per configuration: batch-1 decode (ITL), batch-64 decode (output tok/s, ITL), each the median of --repeats runs
+(one run moved by up to ~4% between calls), and offline throughput (prompts x input / output lengths, tokens/s). A
+LoRA run assigns its requests round-robin to its adapters (one request in eight also to the base model, so base
+and adapters share the batch). Engines: the base one (no --enable-lora), one with max_loras 8 (1 and 8 adapters)
+and one with max_loras 32 (32 adapters); the LoRA matmuls read every slot each step (jaxllm/lora/ops.py), so their
+cost follows max_loras. Each engine runs in a subprocess of its own (its device
 memory is freed before the next). The adapters are PEFT-format folders of random weights (one folder per adapter
 count group: identical values do not change the math's cost); each adapter id is read and placed on its own.
 The goal (issue 34): at batch 64 with 8 adapters, <= 15% slower than the base model.
@@ -43,6 +44,9 @@ def parse(argv=None):
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--engines", default=",".join(e[0] for e in ENGINES), help="which of base, lora8, lora32")
+    p.add_argument(
+        "--repeats", type=int, default=3, help="timed runs of each decode workload (the median run is reported)"
+    )
     p.add_argument("--max-loras-scale", type=int, default=1, help="divide max_loras / adapter counts (CPU smoke)")
     p.add_argument("--profile-dir", default=None, help="trace batch-N decode steps per engine and sum the trace up")
     p.add_argument(
@@ -128,6 +132,18 @@ def _run(llm, prompts, loras, max_tokens: int) -> dict:
     )
 
 
+def _repeated(llm, prompts, loras, max_tokens: int, repeats: int) -> dict:
+    """_run repeated: the run of median output tok/s, with every run's ITL and tok/s beside it."""
+    runs = [_run(llm, prompts, loras, max_tokens) for _ in range(max(repeats, 1))]
+    median = sorted(runs, key=lambda r: r["output_tok_per_s"])[len(runs) // 2]
+    return dict(
+        median,
+        runs=len(runs),
+        itl_p50_ms_runs=[r["itl_p50_ms"] for r in runs],
+        output_tok_per_s_runs=[r["output_tok_per_s"] for r in runs],
+    )
+
+
 def _profile(llm, prompts, loras, log_dir: str) -> dict:
     """A traced batch decode (16 tokens each), summed up by bench/profile_summary.py: where LoRA's time goes."""
     import jax
@@ -180,10 +196,10 @@ def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dic
         row = dict(engine=name, max_loras=max_loras, adapters=n, adapters_load_s=load_s)
         one = common.random_token_prompts(1, 32, vocab, 1)
         _run(llm, one, loras[:1], 8)  # warm: the adapters' first slot writes, the buckets' first runs
-        row["batch1"] = _run(llm, one, loras[:1], args.decode_len)
+        row["batch1"] = _repeated(llm, one, loras[:1], args.decode_len, args.repeats)
         batch = common.random_token_prompts(args.batch, 32, vocab, 2)
         _run(llm, batch, loras[: args.batch], 8)
-        row[f"batch{args.batch}"] = _run(llm, batch, loras[: args.batch], args.decode_len)
+        row[f"batch{args.batch}"] = _repeated(llm, batch, loras[: args.batch], args.decode_len, args.repeats)
         if args.profile_dir:
             row["profile"] = _profile(llm, batch, loras[: args.batch], os.path.join(args.profile_dir, f"{name}_{n}"))
         prompts = common.random_token_prompts(args.num_prompts, args.input_len, vocab, 3)

@@ -971,11 +971,14 @@ def test_lora_bench_smoke(tmp_path):
             "4",
             "--set",
             "jaxllm.lora.ops.SHRINK_SPLITS=2",
+            "--repeats",
+            "2",
             "--out",
             str(out),
         ]
     )
     saved = json.loads(out.read_text())
+    assert saved["rows"][0]["batch4"]["runs"] == 2 and len(saved["rows"][0]["batch1"]["itl_p50_ms_runs"]) == 2
     assert saved["env"]["device"] and saved["env"]["command"] and set(saved["engines"]) == {"base", "lora8"}
     assert saved["engines"]["lora8"]["overrides"] == {"jaxllm.lora.ops.SHRINK_SPLITS": 2}  # in the engine process
     rows = {(r["engine"], r["adapters"]): r for r in saved["rows"]}

@@ -173,24 +173,23 @@ def test_delta_reads_the_slot_arrays_in_place(T, qkv_block_diagonal, split, monk
 
 # tp 4 > K 2: kv heads repeated; qkv's B per column of a kv head (ops.qkv_block_diagonal False) at tp 2.
 # absorb: the slots fused into the base weights (LoRASlots.absorb) before the adapters are written into them
-# ("first") or after ("after"); fused_out_min: ops.FUSED_OUT_MIN_TOKENS (the 16-token step below 32 computes o
-# and down over slices of the fused arrays, at 1 as one GEMM over [input | shrink]).
+# ("first") or after ("after"), for ops.FUSED_KINDS: all four projections or two of them.
 @pytest.mark.parametrize(
-    "tp, fully_sharded, qkv_columns, absorb, fused_out_min, fused_kinds",
+    "tp, fully_sharded, qkv_columns, absorb, fused_kinds",
     [
-        (1, False, False, None, 32, ops.FUSED_KINDS),
-        (2, False, False, None, 32, ops.FUSED_KINDS),
-        (4, True, False, None, 32, ops.FUSED_KINDS),
-        (2, False, True, None, 32, ops.FUSED_KINDS),
-        (1, False, False, "first", 32, ops.FUSED_KINDS),
-        (1, False, False, "after", 1, ops.FUSED_KINDS),
-        (1, False, True, "first", 1, ops.FUSED_KINDS),
-        (1, False, False, "after", 1, ("qkv", "gate_up")),
-        (1, False, False, "first", 1, ("o", "down")),
+        (1, False, False, None, ops.FUSED_KINDS),
+        (2, False, False, None, ops.FUSED_KINDS),
+        (4, True, False, None, ops.FUSED_KINDS),
+        (2, False, True, None, ops.FUSED_KINDS),
+        (1, False, False, "first", ops.FUSED_KINDS),
+        (1, False, False, "after", ops.FUSED_KINDS),
+        (1, False, True, "first", ops.FUSED_KINDS),
+        (1, False, False, "after", ("qkv", "gate_up")),
+        (1, False, False, "first", ("o", "down")),
     ],
 )
 def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
-    base, adapters, tp, fully_sharded, qkv_columns, absorb, fused_out_min, fused_kinds, monkeypatch
+    base, adapters, tp, fully_sharded, qkv_columns, absorb, fused_kinds, monkeypatch
 ):
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
@@ -202,7 +201,6 @@ def test_decoder_logits_match_hf_peft_with_two_adapters_and_base_in_one_batch(
     params = load_params(base, cfg, mesh)
     if qkv_columns:
         monkeypatch.setattr(ops, "QKV_BLOCK_DIAGONAL_MAX_ZEROS", 0)
-    monkeypatch.setattr(ops, "FUSED_OUT_MIN_TOKENS", fused_out_min)
     monkeypatch.setattr(ops, "FUSED_KINDS", fused_kinds)
     slots = LoRASlots(LoRAConfig(max_loras=2, max_lora_rank=8, fully_sharded_loras=fully_sharded), cfg, mesh)
     assert slots.arrays["layers"][0]["qkv"][1].ndim == (5 if qkv_columns else 6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -76,6 +77,27 @@ def make_layer(key, D, N, K, H, F, S, R, dt):
         "down": (n(ks[10], (F, S, R), F**-0.5), n(ks[11], (S, R, D), 0.05)),
     }
     return base, slots
+
+
+def unfuse(ll: dict, kinds) -> tuple[dict, dict]:
+    """ops.fuse_layer undone for the projections in kinds (eagerly: separate arrays again): (base weights
+    {"w_qkv", ...}, the layer's LoRA arrays with those kinds as separate (A, B))."""
+    base, out = {}, dict(ll)
+    for kind in kinds:
+        a, b = out.pop(f"{kind}_fused")
+        if kind in ("qkv", "gate_up"):  # W [D, base | S * P * R] beside B
+            parts = 3 if kind == "qkv" else 2
+            shape = (2, b.shape[-1]) if kind == "gate_up" else ops.qkv_shape(b)
+            n = math.prod(shape)
+            S, R = (b.shape[0], b.shape[2]) if b.ndim == 6 else (b.shape[1], b.shape[2])
+            base[ops.FUSED_BASE[kind]] = a[:, :n].reshape(a.shape[0], *shape)
+            out[kind] = (a[:, n:].reshape(a.shape[0], S, parts, R), b)
+        else:  # A beside W [base rows | S * R, D]
+            S, R = a.shape[-2], a.shape[-1]
+            k = b.shape[0] - S * R
+            base[ops.FUSED_BASE[kind]] = b[:k].reshape(*a.shape[:-2], b.shape[1])
+            out[kind] = (a, b[k:].reshape(S, R, b.shape[1]))
+    return base, out
 
 
 def layer_fn(lp, ll, x, lw, cfg, attn, G):
@@ -144,7 +166,7 @@ def probe(args, T: int, S: int) -> dict:
     fused_base = [{k: v for k, v in b.items() if k not in ops.FUSED_BASE.values()} for b in bases]
 
     def split(kinds):  # the fused arrays, with kinds computed as separate GEMMs over their slices
-        parts = [ops.unfuse(ll, kinds) for ll in fused_ll]
+        parts = [unfuse(ll, kinds) for ll in fused_ll]
         return [dict(b, **w) for b, (w, _) in zip(fused_base, parts)], [ll for _, ll in parts]
 
     modes = {"base": (bases, None), "lora": (bases, [s for _, s in layers]), "fused": (fused_base, fused_ll)}

@@ -212,10 +212,6 @@ def fused_out(x, A, W, w):
 
 FUSED_BASE = {"qkv": "w_qkv", "o": "wo", "gate_up": "w_gate_up", "down": "w_down"}  # slot kind -> base weight
 FUSED_KINDS = ("qkv", "o", "gate_up", "down")  # the projections fused (slots.py: where fuses_base() allows it)
-# Steps of fewer tokens compute o and down as separate GEMMs over slices of their fused arrays (unfuse): one
-# [T, N * H + S * R] GEMM cost more than the two at 1 token (H100, 8 slots: 426.5 us a layer fused, 249.3 with o
-# and down apart, lora_fused_probe_h100_a563327_modes.json); qkv's and gate_up's stay fused at every size.
-FUSED_OUT_MIN_TOKENS = 32
 
 
 def join_base(w, x, columns: bool):
@@ -239,27 +235,6 @@ def fuse_layer(base: dict, slots: dict) -> dict:
         else:
             out[f"{kind}_fused"] = (a, join_base(base[key], b, columns=False))
     return out
-
-
-def unfuse(ll: dict, kinds) -> tuple[dict, dict]:
-    """fuse_layer undone for the projections in kinds, by slicing the fused arrays: (base weights {"w_qkv", ...},
-    the layer's LoRA arrays with those kinds as separate (A, B) again)."""
-    base, out = {}, dict(ll)
-    for kind in kinds:
-        a, b = out.pop(f"{kind}_fused")
-        if kind in ("qkv", "gate_up"):  # W [D, base | S * P * R] beside B
-            parts = 3 if kind == "qkv" else 2
-            shape = (2, b.shape[-1]) if kind == "gate_up" else qkv_shape(b)
-            n = math.prod(shape)
-            S, R = (b.shape[0], b.shape[2]) if b.ndim == 6 else (b.shape[1], b.shape[2])
-            base[FUSED_BASE[kind]] = a[:, :n].reshape(a.shape[0], *shape)
-            out[kind] = (a[:, n:].reshape(a.shape[0], S, parts, R), b)
-        else:  # A beside W [base rows | S * R, D]
-            S, R = a.shape[-2], a.shape[-1]
-            k = b.shape[0] - S * R
-            base[FUSED_BASE[kind]] = b[:k].reshape(*a.shape[:-2], b.shape[1])
-            out[kind] = (a, b[k:].reshape(S, R, b.shape[1]))
-    return base, out
 
 
 def slot_major(kind: str, A, B):

@@ -18,9 +18,10 @@ On one device with unquantized base weights in the slots' dtype the slots are fu
 w_gate_up (the slots' A columns beside them) and wo, w_down (the slots' B rows under them) into the slot arrays
 and returns the params without them. Until then (the KV cache is sized, and adapters may be written) the slots are
 kept as separate arrays and joined with the base weights by absorb, which frees both: the device memory is the
-same. H100, 8 slots of rank 16, one 8B layer's projections (bench/probes/lora_fused_probe.py, 8 layers, wall time
-per layer): 64 tokens 244.0-258.7 us fused against 272.1-273.7 separate (base 211.8-214.2); 256 tokens 297.3 vs
-326.0; 1 token 249.3 with o and down computed apart (ops.FUSED_OUT_MIN_TOKENS) vs 271.3 (lora_fused_probe_h100_*).
+same. H100, 8B shape, 8 slots of rank 16 (bench/lora.py, lora_h100_*.json): batch-64 ITL 7.36-7.51 ms fused
+against 7.87 separate (base 6.39-6.44), batch 1 6.23-6.74 against 6.68 (base 5.50); fusing only qkv and gate_up
+(ops.FUSED_KINDS) gave 7.71-8.02 / 6.48-6.53. One GEMM over [input | shrink] also below 32 tokens: the base
+weight sliced back out of its fused array was copied every step (memcpy, 93 us a layer at batch 1).
 """
 
 from __future__ import annotations

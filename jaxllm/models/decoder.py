@@ -148,10 +148,6 @@ def decoder_layer(
 ):
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
-    out_fused = [k for k in ("o", "down") if f"{k}_fused" in ll]
-    if out_fused and x.shape[0] < lora_ops.FUSED_OUT_MIN_TOKENS:  # o, down over slices of the fused arrays
-        base, ll = lora_ops.unfuse(ll, out_fused)
-        lp = dict(lp, **base)
     h = _norm(x, lp["attn_norm"], cfg)
     splits = 0 if "qkv_fused" in ll else qkv_splits(h.shape[0], lp, cfg, attn)
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
