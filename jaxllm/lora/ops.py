@@ -48,6 +48,13 @@ to the token's own slot before the expand makes the expand one GEMM over (S, R) 
 reference below) would copy them T times. The cost grows with max_loras, not with the adapters a step uses: prefill
 FLOPs are T * D * S * 3R for the qkv shrink (at S * 3R = 384, 6% of an 8B qkv GEMM).
 The reference gathers per token: obviously right, and the tests compare the two.
+
+Fused into the base weights (on one device with unquantized base weights, slots.py's absorb): qkv's and gate_up's
+A are stored as columns beside the base weight, W [D, base | S * P * R], so one GEMM gives the base projection and
+the shrink (masked after it); o's and down's B are stored as rows under it, W [base | S * R, D], so one GEMM over
+[input | masked shrink] gives the base projection plus the expand, with the residual added in its epilogue. That
+removes four GEMM launches a layer: H100, 8B shape, 8 adapters, batch 64: 16 kernels a layer instead of 20,
+batch-64 ITL 7.33 ms against 7.87 (base 6.44; bench/results/lora_h100_8b82c90.json, lora_h100_e3a7cfd.json).
 """
 
 from __future__ import annotations
