@@ -74,15 +74,28 @@ def default_block_n(n: int, fma: bool) -> int:
     return next(b for b in ((64, 32, 16) if fma else (32, 16)) if n % b == 0)
 
 
+# int4 GEMMs of up to SPLIT_WIDE_MAX_M rows split K into ~8 programs an SM (a power of two, at most SPLIT_WIDE_MAX):
+# H100, M 1 / 2, the 8B shapes against the ~2-an-SM plan (quant_kernels_h100_d2cbce5_splits.json): qkv 12.4 vs
+# 14.6 us (16 splits vs 3), gate_up 41.4 vs 46.1 (4 vs 1), down 22.7 vs 25.8 (16 vs 5), o 9.8 vs 9.8; at M = 2 o
+# 14.1 vs 15.1, down 31.2 vs 32.8, gate_up 55.0 vs 55.5, qkv 18.3 vs 18.1. Larger M (more float32 partials to sum)
+# and int8 were not measured: they keep ~2 an SM.
+SPLIT_WIDE_MAX_M = 2
+SPLIT_WIDE_MAX = 16
+
+
 def plan(m: int, kp: int, n: int, bits: int, plane: int, *, fma: bool, block_n=None, splits=None, block_m=None):
     """Static launch plan (block_n, splits, tiles_per_split, tiles): splits over K so that ~2 programs per SM exist
-    (a decode GEMM has few column blocks: o / down at BN 64 have 64), each split a whole number of tiles."""
+    (a decode GEMM has few column blocks: o / down at BN 64 have 64), ~8 for int4 at up to SPLIT_WIDE_MAX_M rows;
+    each split a whole number of tiles."""
     bn = block_n or default_block_n(n, fma)
     tiles = kp // (plane * per_word(bits))
     col_blocks = n // bn
     m_blocks = -(-m // (block_m or MAX_BLOCK_M))
     if splits is None:
-        splits = max(1, min(tiles, -(-2 * NUM_SMS // (col_blocks * m_blocks))))
+        splits = -(-2 * NUM_SMS // (col_blocks * m_blocks))
+        if bits == 4 and m <= SPLIT_WIDE_MAX_M:
+            splits = min(SPLIT_WIDE_MAX, 1 << (-(-8 * NUM_SMS // (col_blocks * m_blocks)) - 1).bit_length())
+        splits = max(1, min(tiles, splits))
     per_split = -(-tiles // splits)
     return bn, -(-tiles // per_split), per_split, tiles
 

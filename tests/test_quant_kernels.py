@@ -59,6 +59,20 @@ def test_layout_word_fields_are_the_documented_planes():
         assert (unpack_quantized(w) == q).all()
 
 
+def test_split_plan_for_decode_rows():
+    """_qmatmul.plan: int4 GEMMs of 1-2 rows split K into ~8 programs an SM (a power of two, at most 16, whole
+    tiles each; the H100 sweep behind it is in _qmatmul.py), other sizes ~2 an SM (8B shapes, 64-row planes)."""
+    from kernels_pallas._qmatmul import plan
+
+    shapes = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
+    got = {(name, m): plan(m, k, n, 4, 64, fma=True)[1] for name, (k, n) in shapes.items() for m in (1, 2, 3)}
+    assert {k: v for k, v in got.items() if k[1] < 3} == {
+        **{(name, m): s for name, s in (("qkv", 8), ("o", 8), ("gate_up", 4), ("down", 14)) for m in (1, 2)}
+    }  # qkv / o: all 8 tiles of K; down: 16 splits of 28 tiles are 14 of 2
+    assert got[("gate_up", 3)] == 1 and got[("o", 3)] == 4 and got[("down", 3)] == 5
+    assert plan(1, 4096, 28672, 8, 64, fma=True)[1] == 1  # int8: ~2 an SM
+
+
 def test_plane_choice_and_padding():
     assert choose_plane(4096, 4, 128) == 128 and choose_plane(14336, 4, 128) == 128
     assert choose_plane(576, 4, 64) == 64 and choose_plane(576, 4, 32) == 32  # 576 = 18 * 32, not 1024s
