@@ -1,5 +1,6 @@
-"""LoRA on the architectures whose layers differ from Llama's, against HF + PEFT: Qwen3 (q/k norms after the
-adapted q/k projections, head_dim != hidden / heads), Gemma 2 / 3 (the embedding adapter before Gemma's sqrt(D)
+"""LoRA on the architectures whose layers differ from Llama's, against HF + PEFT, with the slots apart from and fused
+into the base weights: Qwen3 (q/k norms after the adapted q/k projections, head_dim != hidden / heads), Qwen2 (q/k/v
+biases), Gemma 2 / 3 (the embedding adapter before Gemma's sqrt(D)
 scaling, adapted o / down projections before the post-norms, lm_head before the final soft-cap, GELU), and a
 mixture-of-experts model (Qwen2-MoE: attention adapters on MoE layers, MLP adapters on its dense layer; MLP adapters
 on an MoE layer are refused)."""
@@ -37,11 +38,16 @@ def _adapter(arch: str, out_dir: str, target_modules):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3"])
-def test_adapter_on_every_module_matches_hf_peft(arch, tmp_path):
+# fused: the slots fused into the base projections' weights (LoRASlots.absorb, what one-device engines run);
+# Qwen2 for its q/k/v biases, added to the fused GEMM's base part
+@pytest.mark.parametrize(
+    "arch, fused",
+    [("qwen3", False), ("gemma2", False), ("gemma3", False), ("qwen3", True), ("gemma2", True), ("qwen2", True)],
+)
+def test_adapter_on_every_module_matches_hf_peft(arch, fused, tmp_path):
     model_dir = make_tiny_model_dir(arch, str(tmp_path / "base"))[0]
     adapter = _adapter(arch, str(tmp_path / "adapter"), EVERYTHING)
-    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), 1), _reference(adapter)
+    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), 1, fused), _reference(adapter)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=5e-4, rtol=1e-4)
 

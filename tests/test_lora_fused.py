@@ -97,9 +97,10 @@ def _rename_modules(adapter_dir: str, old: str, new: str) -> None:
         json.dump(cfg, f)
 
 
-def _jaxllm_logits(model_dir: str, adapter_dir: str, tp: int) -> list[np.ndarray]:
+def _jaxllm_logits(model_dir: str, adapter_dir: str, tp: int, fused: bool = False) -> list[np.ndarray]:
     """Each of PROMPTS' logits, the first through the adapter and the second through the base model, in one
-    batch."""
+    batch. fused (tp 1): the slots fused into the base projections' weights (LoRASlots.absorb), as engines on one
+    device run them."""
     from jaxllm.engine.inputs import SeqChunk, build_step_inputs
     from jaxllm.models.attention import AttentionConfig, AttentionMetadata
     from jaxllm.models.loader import load_params
@@ -111,6 +112,9 @@ def _jaxllm_logits(model_dir: str, adapter_dir: str, tp: int) -> list[np.ndarray
     slots = LoRASlots(LoRAConfig(max_loras=1, max_lora_rank=8), cfg, mesh)
     slots.add(LoRARequest("fused", 1, adapter_dir))
     slot = slots.activate([1])[1]
+    if fused:
+        params = slots.absorb(params)
+        assert slots.absorbed and "w_qkv" not in params["layers"][0]
     chunks = [SeqChunk(p, 0, [1 + 2 * i, 2 + 2 * i]) for i, p in enumerate(PROMPTS)]
     inp = build_step_inputs(chunks, 4, 16, 4, 4)
     meta = AttentionMetadata(
@@ -149,25 +153,26 @@ def _reference(peft_model) -> list[np.ndarray]:
     return [with_adapter, base]
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_phi3_qkv_proj_and_gate_up_proj_adapter_matches_hf_peft(tmp_path, tp):
+@pytest.mark.parametrize("tp, fused", [(1, False), (2, False), (1, True)])
+def test_phi3_qkv_proj_and_gate_up_proj_adapter_matches_hf_peft(tmp_path, tp, fused):
     phi3 = _phi3(num_kv_heads=2)  # GQA: qkv_proj's rows are 4 q heads, then 2 k and 2 v heads
     model_dir = _as_llama(phi3, "llama", str(tmp_path / "base"))
     adapter = _adapter(phi3, str(tmp_path / "adapter"), ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     with open(os.path.join(tmp_path / "adapter", "adapter_config.json")) as f:
         assert set(json.load(f)["target_modules"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
-    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), tp), _reference(adapter)
+    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), tp, fused), _reference(adapter)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
 
 
-def test_baichuan_w_pack_adapter_matches_hf_peft(tmp_path):
+@pytest.mark.parametrize("fused", [False, True])
+def test_baichuan_w_pack_adapter_matches_hf_peft(tmp_path, fused):
     phi3 = _phi3(num_kv_heads=4)  # MHA: qkv_proj's rows are W_pack's
     model_dir = _as_llama(phi3, "baichuan7b", str(tmp_path / "base"))
     with open(os.path.join(model_dir, "config.json")) as f:
         assert json.load(f)["model_type"] == "baichuan"
     adapter = _adapter(phi3, str(tmp_path / "adapter"), ["qkv_proj", "o_proj", "down_proj"])
     _rename_modules(str(tmp_path / "adapter"), "qkv_proj", "W_pack")
-    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), 1), _reference(adapter)
+    got, want = _jaxllm_logits(model_dir, str(tmp_path / "adapter"), 1, fused), _reference(adapter)
     for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-4)
