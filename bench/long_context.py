@@ -52,6 +52,12 @@ def parse(argv=None):
     p.add_argument("--num-iters-warmup", type=int, default=1)
     p.add_argument("--copy-mib", type=int, default=512, help="array size of the copy-bandwidth ceiling")
     p.add_argument("--matmul-n", type=int, default=8192, help="n of the n^3 bf16 matmul ceiling")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="after the timed runs, trace one batch's decode (its prompts prefix-cached by an untraced run first, "
+        "so the trace holds decode steps) and sum it up, with 200 kernels in launch order",
+    )
     return p.parse_args(argv)
 
 
@@ -196,6 +202,12 @@ def main(argv=None) -> dict:
         f"(roofline {roof['itl_roofline_s'] * 1e3:.2f} ms: {res['itl_roofline_frac']:.1%})",
         flush=True,
     )
+    if args.profile_dir:
+        from bench.throughput import profile_run
+
+        vocab = eng.vocab_size
+        prompts = [{"prompt_token_ids": p} for p in common.random_token_prompts(B, n_in, vocab, 7)]
+        res["profile"] = profile_run(llm, prompts, min(n_out, 64), args.profile_dir, sequence=200)
     common.write_result("long_context", res, args.out)
     return res
 

@@ -147,8 +147,9 @@ def main(argv=None) -> dict:
     return res
 
 
-def profile_run(llm, prompts, output_len: int, log_dir: str) -> dict:
-    """Traces a short run (host tracer on, Python tracer off so host gaps are not inflated) and sums it up."""
+def profile_run(llm, prompts, output_len: int, log_dir: str, sequence: int = 0) -> dict:
+    """Traces a short run (host tracer on, Python tracer off so host gaps are not inflated) and sums it up
+    (sequence: also the first N kernels in launch order, profile_summary.summarize's)."""
     import jax
 
     from bench.profile_summary import summarize
@@ -160,7 +161,7 @@ def profile_run(llm, prompts, output_len: int, log_dir: str) -> dict:
     with jax.profiler.trace(log_dir, profiler_options=_trace_options()):
         llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
-    summary = summarize(log_dir)
+    summary = summarize(log_dir, sequence=sequence)
     summary.update(
         num_prompts=len(prompts),
         output_len=output_len,

@@ -148,12 +148,15 @@ def test_long_context_smoke(tmp_path):
             "",
             "--log-level",
             "warning",
+            "--profile-dir",
+            str(tmp_path / "prof"),
             "--out",
             str(out),
         ]
     )
     saved = json.loads(out.read_text())
     assert saved["workload"]["batch_size"] == 2 and saved["ceilings"]["copy_bytes_per_s"] > 0
+    assert saved["profile"]["file"] and saved["profile"]["num_prompts"] == 2  # a traced batch, summed up
     roof, ceil = res["roofline"], res["ceilings"]
     m = common.ModelMath.from_config(common.SHAPES["tiny-long"], kv_itemsize=roof["kv_bytes_per_token"] // 128)
     per_prompt = m.dense_flops(300, 1) + m.attn_flops(300, 0)
