@@ -218,6 +218,7 @@ _STATIC = (
     "tail_mask",
     "combine_block_h",
     "combine_warps",
+    "plan_seqs",
 )
 
 
@@ -239,7 +240,8 @@ def paged_decode_attention_kernel(
     **tuning,
 ):
     """q [B, N, H] over the paged cache -> [B, N, H]. tuning: block_k, num_splits, num_warps, num_stages,
-    prefetch, min_split_tokens, tail_mask, combine_block_h, combine_warps (static; defaults by measurement)."""
+    prefetch, min_split_tokens, tail_mask, combine_block_h, combine_warps, plan_seqs (static; defaults by
+    measurement)."""
     B, N, H = q.shape
     G = N // k_pages.shape[0]
     return _decode(
@@ -342,17 +344,20 @@ def _decode(
     tail_mask=True,
     combine_block_h=32,
     combine_warps=1,
+    plan_seqs=None,
 ):
     """The pallas_call of either entry point. q is [B, N, H], or with fused = ((slots, positions, freq), static
-    settings) the projection's qkv, which the kernel reads whole and indexes by (b, h)."""
+    settings) the projection's qkv, which the kernel reads whole and indexes by (b, h). plan_seqs: the live
+    sequences the block size and split-K are planned for (default B; padding sequences' programs exit at once)."""
     K, P, S, H = k_pages.shape
     M = block_tables.shape[1]
     Gq = next_pow2(G)  # q rows per program in HBM (== G unless G is not a power of two)
     R = max(1, 16 // Gq)  # copies stacked in-kernel for the MMA: no padded q or output in HBM
+    planned = plan_seqs or B
     if block_k is None:
-        block_k = default_block_k(B, K)
+        block_k = default_block_k(planned, K)
     ppb = max(1, block_k // S)
-    splits, pps = choose_splits(B, K, M, ppb, S, num_splits, min_split_tokens)
+    splits, pps = choose_splits(planned, K, M, ppb, S, num_splits, min_split_tokens)
     final = splits == 1
 
     # The splits' blocks start at multiples of ppb (block tables are read a block at a time and never past the

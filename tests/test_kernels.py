@@ -356,6 +356,9 @@ FUSED_DECODE_CASES = [
     (4, 2, 64, 16, jnp.bfloat16, [70, 200, 2], 0, True, dict(num_splits=1, block_k=32)),  # one split: final output
     (7, 1, 128, 16, jnp.bfloat16, [31, 32, 90], 2, True, dict(num_splits=2, block_k=32)),  # G = 7: padded q rows
     (2, 2, 64, 16, jnp.float8_e4m3fn, [40, 1, 16], 0, True, dict(prefetch=1)),  # quantized on the way in
+    # two rows planned as one sequence (the engine's smallest bucket): one live, then both live
+    (4, 2, 64, 16, jnp.bfloat16, [300, 0], 0, True, dict(plan_seqs=1, block_k=16)),
+    (4, 2, 64, 16, jnp.bfloat16, [300, 170], 0, True, dict(plan_seqs=1, block_k=16)),
     (
         4,
         2,

@@ -33,6 +33,11 @@ _REFERENCE_STEP_TOKENS = 256
 # FUSED_DECODE_TUNING: static tuning arguments of that kernel (num_splits, block_k, ...) for probes.
 FUSED_DECODE = True
 FUSED_DECODE_TUNING: dict = {}
+# A decode step of this many rows (the engine's smallest bucket, runner.SMALLEST_SEQ_BUCKET) nearly always holds
+# one live sequence and a padding row: the kernel plans its split-K for one sequence. Planned for the two rows,
+# half the splits went to the padding row, whose programs exit at once: H100, one sequence at 32k context, 74.4 us
+# a layer with 24 splits (bench/results/long32k_h100_58de6ef_prof.json).
+ONE_SEQ_DECODE_ROWS = 2
 
 
 @functools.partial(
@@ -160,6 +165,9 @@ def _paged_attention(
     if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
         import kernels_pallas
 
+        tuning = dict(FUSED_DECODE_TUNING)
+        if meta.seq_lens.shape[0] == ONE_SEQ_DECODE_ROWS:
+            tuning.setdefault("plan_seqs", 1)
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
             qkv,
             meta.positions,
@@ -172,7 +180,7 @@ def _paged_attention(
             dtype=dtype,
             interpret=config.interpret,
             **kwargs,
-            **FUSED_DECODE_TUNING,
+            **tuning,
         )
     elif config.backend == "pallas":
         import kernels_pallas
