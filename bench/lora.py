@@ -17,6 +17,7 @@ The goal (issue 34): at batch 64 with 8 adapters, <= 15% slower than the base mo
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -173,10 +174,21 @@ def _apply_overrides(settings) -> dict:
     return done
 
 
+def override_cache_dir(cache_dir: str, overrides: dict) -> str:
+    """The compilation cache an engine with --set overrides uses: one of its own per override set under cache_dir
+    (jaxllm's executable cache is keyed by the code's hash, not by constants set at run time, so an A/B's second
+    engine would load the first one's programs); cache_dir itself without overrides, "" (none) stays none."""
+    if not overrides or not cache_dir:
+        return cache_dir
+    tag = hashlib.sha256(repr(sorted(overrides.items())).encode()).hexdigest()[:12]
+    return os.path.join(cache_dir, f"set-{tag}")
+
+
 def run_engine(args, name: str, max_loras: int, counts, adapter_dir: str) -> dict:
     from jaxllm import LLM
 
     overrides = _apply_overrides(args.set)
+    args.compilation_cache_dir = override_cache_dir(args.compilation_cache_dir, overrides)
 
     model = common.resolve_model(args)
     kw = common.engine_kwargs(args, model)

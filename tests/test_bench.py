@@ -929,6 +929,16 @@ def test_multihost_smoke(tmp_path):
     assert dp["throughput"]["front_end_backend_started"] is False  # the replicas' devices are theirs alone
 
 
+def test_lora_bench_override_cache_dir():
+    """--set runs get a compilation cache of their own per override set (the executable cache ignores them)."""
+    from bench.lora import override_cache_dir
+
+    a = override_cache_dir("/c", {"jaxllm.lora.ops.FUSED_KINDS": ("qkv",)})
+    assert a.startswith("/c/set-") and a == override_cache_dir("/c", {"jaxllm.lora.ops.FUSED_KINDS": ("qkv",)})
+    assert a != override_cache_dir("/c", {"jaxllm.lora.ops.FUSED_KINDS": ("o",)})
+    assert override_cache_dir("/c", {}) == "/c" and override_cache_dir("", {"x.y": 1}) == ""
+
+
 def test_lora_bench_smoke(tmp_path):
     """bench/lora.py as the device command runs it, on the tiny shape: the base engine and the max_loras engine
     (scaled down: 2 slots; 1 and 2 adapters beside the base model), each in its own subprocess, PEFT-format dummy
