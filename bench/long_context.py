@@ -55,8 +55,8 @@ def parse(argv=None):
     p.add_argument(
         "--profile-dir",
         default=None,
-        help="after the timed runs, trace one batch's decode (its prompts prefix-cached by an untraced run first, "
-        "so the trace holds decode steps) and sum it up, with 200 kernels in launch order",
+        help="after the timed runs, trace one batch (prefill and decode; with --enable-prefix-caching its prompts "
+        "come from the cache of an untraced run first) and sum it up, with 200 kernels in launch order",
     )
     return p.parse_args(argv)
 

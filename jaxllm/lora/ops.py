@@ -230,17 +230,24 @@ def join_base(w, x, columns: bool):
     return jnp.concatenate([w.reshape(-1, w.shape[-1]), x.reshape(-1, x.shape[-1]).astype(w.dtype)])
 
 
+COLUMN_KINDS = ("qkv", "gate_up")  # fused as A's columns beside the base weight; o, down as B's rows under it
+
+
+def fuse_pair(kind: str, w, a, b, join=join_base):
+    """kind's fused pair from its base weight w and slot arrays (A, B): (join(w, A), B) for the COLUMN_KINDS,
+    (A, join(w, B)) otherwise (join: join_base, or a jitted copy of it)."""
+    if kind in COLUMN_KINDS:
+        return join(w, a, columns=True), b
+    return a, join(w, b, columns=False)
+
+
 def fuse_layer(base: dict, slots: dict) -> dict:
     """One layer's fused arrays from its base weights (w_qkv [D, K, G + 2, H], wo [N, H, D], w_gate_up [D, 2, F],
     w_down [F, D]) and slot arrays (the layouts above): {"qkv_fused": (W, B), "o_fused": (A, W), "gate_up_fused":
     (W, B), "down_fused": (A, W)} for the FUSED_KINDS, the other kinds' slot arrays as they are."""
     out = {k: v for k, v in slots.items() if k not in FUSED_KINDS}
     for kind in FUSED_KINDS:
-        a, b, key = *slots[kind], FUSED_BASE[kind]
-        if kind in ("qkv", "gate_up"):
-            out[f"{kind}_fused"] = (join_base(base[key], a, columns=True), b)
-        else:
-            out[f"{kind}_fused"] = (a, join_base(base[key], b, columns=False))
+        out[f"{kind}_fused"] = fuse_pair(kind, base[FUSED_BASE[kind]], *slots[kind])
     return out
 
 

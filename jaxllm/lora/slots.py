@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -184,11 +185,14 @@ class LoRASlots:
             return jax.tree.map(spec, self.arrays)
         base = self._base_specs()
         fused = jax.eval_shape(ops.fuse_layer, base, jax.tree.map(spec, self.arrays["layers"][0]))
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), fused)
+        layer = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated()), fused)
         return dict(jax.tree.map(spec, self.arrays), layers=[layer] * self.model.num_layers)
 
     # ---- fused into the base weights (fuses_base) ----
+    def _replicated(self):
+        """The fused arrays' sharding (one device)."""
+        return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+
     def _base_specs(self) -> dict:
         """The shapes / dtype of one layer's base weights that absorb() takes (tp 1: the model's kv heads)."""
         m = self.model
@@ -211,22 +215,17 @@ class LoRASlots:
         if self.absorbed:
             raise RuntimeError("LoRA slots were fused into base weights already; weights cannot be replaced.")
         want = {k: v for k, v in self._base_specs().items() if k in keys}
-        replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-        join = jax.jit(ops.join_base, static_argnames="columns", out_shardings=replicated)
+        join = jax.jit(ops.join_base, static_argnames="columns", out_shardings=self._replicated())
         for i, lp in enumerate(params["layers"]):
             for k, spec in want.items():
                 if lp[k].shape != spec.shape or lp[k].dtype != spec.dtype:
                     raise ValueError(f"LoRA: layer {i}'s {k} is {lp[k].shape} {lp[k].dtype}, not {spec.shape}.")
             pieces = self.arrays["layers"][i]
             fused = {k: v for k, v in pieces.items() if k not in ops.FUSED_KINDS}
-            for kind in ops.FUSED_KINDS:
+            for kind in ops.FUSED_KINDS:  # one weight at a time: each joined pair is freed before the next
                 a, b, key = *pieces[kind], ops.FUSED_BASE[kind]
-                if kind in ("qkv", "gate_up"):  # the slots' A as columns beside the base weight
-                    fused[f"{kind}_fused"] = (join(lp[key], a, columns=True), b)
-                    a.delete()
-                else:  # the slots' B as rows under it
-                    fused[f"{kind}_fused"] = (a, join(lp[key], b, columns=False))
-                    b.delete()
+                fused[f"{kind}_fused"] = ops.fuse_pair(kind, lp[key], a, b, join)
+                (a if kind in ops.COLUMN_KINDS else b).delete()
                 lp[key].delete()
             self.arrays["layers"][i] = fused
         self.absorbed = True
@@ -236,20 +235,19 @@ class LoRASlots:
         return dict(params, layers=layers)
 
     def _fused_where(self):
-        """_write_slot's targets once fused: the fused weights' slot columns / rows, the other arrays' slot axis."""
-        m, R = self.model, self.config.max_lora_rank
-        n_qkv = m.num_kv_heads * (m.num_heads // m.num_kv_heads + 2) * m.head_dim
-        F, NH = m.intermediate_size, m.num_heads * m.head_dim
+        """_write_slot's targets once fused: the fused weights' slot columns / rows (after the base weight's, one
+        slot's A [D, P, R] / B [R, D] wide), the other arrays' slot axis."""
+        R, base = self.config.max_lora_rank, self._base_specs()
         layer = self._slot_axes["layers"][0]
-        where = {
-            "qkv_fused": (_Where("cols", offset=n_qkv, width=3 * R), layer["qkv"][1]),
-            "o_fused": (layer["o"][0], _Where("rows", offset=NH, width=R)),
-            "gate_up_fused": (_Where("cols", offset=2 * F, width=2 * R), layer["gate_up"][1]),
-            "down_fused": (layer["down"][0], _Where("rows", offset=F, width=R)),
-        }
         fused = {k: v for k, v in layer.items() if k not in ops.FUSED_KINDS}
-        fused.update({f"{k}_fused": where[f"{k}_fused"] for k in ops.FUSED_KINDS})
-        return dict(self._slot_axes, layers=[fused] * m.num_layers)
+        for kind in ops.FUSED_KINDS:
+            shape = base[ops.FUSED_BASE[kind]].shape
+            if kind in ops.COLUMN_KINDS:  # A's columns beside w [D, ..]
+                parts = self.specs["layers"][0][kind][0].shape[-2]  # A [D, S, P, R]
+                fused[f"{kind}_fused"] = (_Where("cols", offset=math.prod(shape[1:]), width=parts * R), layer[kind][1])
+            else:  # B's rows under w [.., D]
+                fused[f"{kind}_fused"] = (layer[kind][0], _Where("rows", offset=math.prod(shape[:-1]), width=R))
+        return dict(self._slot_axes, layers=[fused] * self.model.num_layers)
 
     # ---- adapters ----
     def add(self, request: LoRARequest) -> bool:

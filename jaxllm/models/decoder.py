@@ -149,10 +149,9 @@ def decoder_layer(
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
     h = _norm(x, lp["attn_norm"], cfg)
-    splits = 0 if "qkv_fused" in ll else qkv_splits(h.shape[0], lp, cfg, attn)
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
-    elif splits:
+    elif splits := qkv_splits(h.shape[0], lp, cfg, attn):
         qkv = _split_k_qkv(h, lp["w_qkv"], splits)
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
