@@ -310,6 +310,19 @@ def test_bad_adapters_are_refused_naming_the_field(base, adapters, tmp_path):
         load_adapter(str(tmp_path / "wide"), cfg, 16)
 
 
+def test_slots_fuse_into_base_weights_only_where_they_can(base, monkeypatch):
+    """slots.fuses_base: one device, unquantized, no MoE, the slots in the model's dtype, FUSE_BASE on."""
+    from jaxllm.lora import slots as slots_mod
+
+    cfg = ModelConfig.from_hf(base, dtype="float32")
+    one, two = ParallelConfig(1).make_mesh(), ParallelConfig(2).make_mesh()
+    lora = LoRAConfig(max_loras=2, max_lora_rank=8)
+    assert slots_mod.fuses_base(cfg, lora, one) and not slots_mod.fuses_base(cfg, lora, two)
+    assert not slots_mod.fuses_base(cfg, LoRAConfig(max_loras=2, max_lora_rank=8, lora_dtype="float16"), one)
+    monkeypatch.setattr(slots_mod, "FUSE_BASE", False)
+    assert not slots_mod.fuses_base(cfg, lora, one)
+
+
 def test_lora_config_and_request_checks():
     with pytest.raises(ValueError, match="max_lora_rank must be one of"):
         EngineArgs(enable_lora=True, max_lora_rank=12).validate()
