@@ -77,7 +77,7 @@ def _decode_kernel(
         *outs, k_out, v_out = rest[3:]
     else:
         outs = rest
-    b, split = pl.program_id(0), pl.program_id(2)
+    h, split, b = (pl.program_id(i) for i in range(3))  # the grid is (K, splits, B): see _decode
     S, ppb = page_size, pages_per_block
     BK = S * ppb
     P = k_ref.shape[0]
@@ -91,7 +91,7 @@ def _decode_kernel(
     first = lo_pos // S
     # The splits share this sequence's live pages evenly (whole blocks each), not the table's width: a
     # 200-token sequence in a 1024-token table is split as 200 tokens (at most the static pages_per_split each).
-    pps = pl.cdiv(pl.cdiv(n_pages - first, pl.num_programs(2)), ppb) * ppb
+    pps = pl.cdiv(pl.cdiv(n_pages - first, pl.num_programs(1)), ppb) * ppb
     lo_page = first + split * pps
     hi_page = jnp.minimum(lo_page + pps, n_pages)
     hi_pos = jnp.minimum(hi_page * S, seq_len)
@@ -118,7 +118,7 @@ def _decode_kernel(
 
     if fused:
         finish = fused_qkv(
-            q_ref, pos_ref, freq_ref, b, pl.program_id(1), Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt
+            q_ref, pos_ref, freq_ref, b, h, Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt
         )
         # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
         # registers; every program reads the cache only below q_pos (another program may be writing it).
@@ -368,8 +368,8 @@ def _decode(
     scal = scalars(scale, k_scale, v_scale)
     has_alibi = alibi_slopes is not None
 
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
-    pages = pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0))
+    full = lambda shape: pl.BlockSpec(shape, lambda h, s, b: (0,) * len(shape))  # noqa: E731
+    pages = pl.BlockSpec((None, P, S, H), lambda h, s, b: (h, 0, 0, 0))
     if fused:
         (slots, positions, freq), settings = fused
         settings = dict(settings, Gq=Gq)
@@ -380,10 +380,10 @@ def _decode(
         q = q.reshape(B, K, G, H)
         if Gq != G:
             q = jnp.pad(q, ((0, 0), (0, 0), (0, Gq - G), (0, 0)))
-        q_spec = pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))
+        q_spec = pl.BlockSpec((None, None, Gq, H), lambda h, s, b: (b, h, 0, 0))
     in_specs = [
         full((B,)),
-        pl.BlockSpec((None, bt.shape[1]), lambda b, h, s: (b, 0)),
+        pl.BlockSpec((None, bt.shape[1]), lambda h, s, b: (b, 0)),
         full(scal.shape),
         q_spec,
         pages,
@@ -393,14 +393,14 @@ def _decode(
     if has_alibi:
         slopes = jnp.asarray(alibi_slopes, jnp.float32).reshape(K, G) * (1.0 / jnp.log(2.0))
         slopes = jnp.tile(jnp.pad(slopes, ((0, 0), (0, Gq - G))), (1, R))  # row r: head r % Gq
-        in_specs.append(pl.BlockSpec((None, R * Gq), lambda b, h, s: (h, 0)))
+        in_specs.append(pl.BlockSpec((None, R * Gq), lambda h, s, b: (h, 0)))
         args.append(slopes)
     if fused:
         in_specs += [full((B,)), full((B,)), full((H,))]
         args += [slots, positions, freq]
     if final:
         out_shape = [jax.ShapeDtypeStruct((B, K, Gq, H), dtype)]
-        out_specs = [pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0))]
+        out_specs = [pl.BlockSpec((None, None, Gq, H), lambda h, s, b: (b, h, 0, 0))]
     else:  # SP >= splits slots (a power of two for the combine kernel); the extra ones stay unwritten
         SP = next_pow2(splits)
         out_shape = [
@@ -409,9 +409,9 @@ def _decode(
             jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
         ]
         out_specs = [
-            pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
-            pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq, H), lambda h, s, b: (b, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda h, s, b: (b, h, s, 0)),
+            pl.BlockSpec((None, None, None, Gq), lambda h, s, b: (b, h, s, 0)),
         ]
     aliases = {}
     if fused:
@@ -436,7 +436,11 @@ def _decode(
     )
     outs = pl.pallas_call(
         kernel,
-        grid=(B, K, splits),
+        # Sequences outermost: the GPU dispatches programs in grid order (the first axis fastest), so every live
+        # sequence's programs start before the padding rows' (last in the engine's batches), which exit at once.
+        # With (B, K, splits) a batch-1 step's 2-row bucket interleaved the two rows' programs and the live
+        # row's second half waited for padding programs to leave the wave.
+        grid=(K, splits, B),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
