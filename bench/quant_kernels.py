@@ -9,7 +9,9 @@ impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kerne
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
 int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
-call); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
+call); fp8_w8a16 = the same weight widened to x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on
+the float32 product (no activation quantization); int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per
+128-row group inside XLA's GEMM (XLA's own s4 convert fusion, no Pallas kernel); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
 --sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
 Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB
@@ -45,7 +47,19 @@ from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, q
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TINY_SHAPES = {"qkv": (512, 384), "o": (256, 256), "gate_up": (256, 512), "down": (768, 256)}
-IMPLS = ("bf16", "int4_sym", "int4_asym", "int8", "int4_dequant", "fp8", "int4_sym_asm", "int4_asym_asm", "int8_asm")
+IMPLS = (
+    "bf16",
+    "int4_sym",
+    "int4_asym",
+    "int8",
+    "int4_dequant",
+    "fp8",
+    "int4_sym_asm",
+    "int4_asym_asm",
+    "int8_asm",
+    "fp8_w8a16",
+    "int4_xla",
+)
 SWEEP = [
     dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
     for bn, sp, loop, fma, w, st in (
@@ -191,6 +205,27 @@ def make_impl(name, K, N, key):
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
         return (lambda x, w: fp8_matmul(x, *w)), (w, s), N * K + N * 4
+    if name == "fp8_w8a16":
+        w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
+        s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
+
+        def w8a16(x, w):
+            wq, sc = w
+            y = jax.lax.dot_general(x, wq.astype(x.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return (y * sc[None, :]).astype(x.dtype)
+
+        return w8a16, (w, s), N * K + N * 4
+    if name == "int4_xla":
+        kq, ks = jax.random.split(key)
+        q = jax.random.randint(kq, (K, N), -8, 8, jnp.int32).astype(jnp.int4)
+        sc = (jax.random.uniform(ks, (K // 128, N), jnp.float32, 0.5, 1.5) * 0.02 / 8).astype(jnp.bfloat16)
+
+        def int4_xla(x, w):
+            q, sc = w
+            dense = (q.astype(x.dtype).reshape(K // 128, 128, N) * sc[:, None, :]).reshape(K, N)
+            return jnp.dot(x, dense, preferred_element_type=jnp.float32).astype(x.dtype)
+
+        return int4_xla, (q, sc), K * N // 2 + sc.size * 2
     bits, group, sym = dict(
         int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True), int4_dequant=(4, 128, True)
     )[name.removesuffix("_asm")]
@@ -203,6 +238,13 @@ def reference(name, x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     if name == "fp8":
         return fp8_matmul_ref(x, *w)
+    if name == "fp8_w8a16":
+        return jnp.dot(x.astype(jnp.float32), w[0].astype(jnp.float32).T) * w[1][None, :]
+    if name == "int4_xla":
+        q, sc = w
+        K, N = q.shape
+        dense = q.astype(jnp.float32).reshape(K // 128, 128, N) * sc.astype(jnp.float32)[:, None, :]
+        return jnp.dot(x.astype(jnp.float32), dense.reshape(K, N))
     return quantized_matmul_ref(x, w)
 
 
@@ -272,7 +314,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     row["finite"] = bool(np.isfinite(np.asarray(got, np.float32)).all())
                     nbytes = wbytes + M * K * 2 + M * N * 2
                     measure(row, jax.jit(fn), xs, ws, nbytes, copy, args)
-                    if args.hlo_dir and name in ("fp8", "int4_dequant") and M in (1, 16, 256):
+                    if args.hlo_dir and name in ("fp8", "int4_dequant", "fp8_w8a16", "int4_xla") and M in (1, 16, 256):
                         with open(os.path.join(args.hlo_dir, f"{shape}_{name}_M{M}.hlo.txt"), "w") as f:
                             f.write(jax.jit(fn).lower(x, w0).compile().as_text())
                 except Exception as e:  # noqa: BLE001 - one failing row must not end the run
