@@ -9,7 +9,8 @@ impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kerne
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
 int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
-call); fp8_w8a16 = the same weight widened to x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on
+call) with the fp8 x fp8 dot at every M; fp8_widened = the same with both fp8 operands widened to bfloat16 in XLA's
+GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the same weight widened to x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on
 the float32 product (no activation quantization); int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per
 128-row group inside XLA's GEMM (XLA's own s4 convert fusion, no Pallas kernel); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
@@ -59,6 +60,7 @@ IMPLS = (
     "int8_asm",
     "fp8_w8a16",
     "int4_xla",
+    "fp8_widened",
 )
 SWEEP = [
     dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
@@ -201,10 +203,11 @@ def make_impl(name, K, N, key):
     if name == "bf16":
         w = (jax.random.normal(key, (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
         return (lambda x, w: x @ w), w, K * N * 2
-    if name == "fp8":
+    if name in ("fp8", "fp8_widened"):
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
-        return (lambda x, w: fp8_matmul(x, *w)), (w, s), N * K + N * 4
+        widen = name == "fp8_widened"
+        return (lambda x, w: fp8_matmul(x, *w, widen=widen)), (w, s), N * K + N * 4
     if name == "fp8_w8a16":
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
@@ -236,7 +239,7 @@ def make_impl(name, K, N, key):
 def reference(name, x, w):
     if name == "bf16":
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
-    if name == "fp8":
+    if name in ("fp8", "fp8_widened"):
         return fp8_matmul_ref(x, *w)
     if name == "fp8_w8a16":
         return jnp.dot(x.astype(jnp.float32), w[0].astype(jnp.float32).T) * w[1][None, :]

@@ -497,8 +497,9 @@ def test_fp8_dynamic_scales_and_errors():
     assert float(jnp.abs(xq.astype(jnp.float32)).max()) <= quant.FP8_MAX
     y = fp8_matmul(x, wq, ws)
     assert np.isfinite(np.asarray(y)).all() and not np.asarray(y[1]).any()
-    text = jax.jit(lambda x: fp8_matmul(x, wq, ws)).lower(x).as_text()
-    assert "f8E4M3FN" in text and "dot_general" in text  # the dot itself is fp8 x fp8
+    text = jax.jit(lambda x: fp8_matmul(x, wq, ws, widen=False)).lower(x).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(dots) == 1 and dots[0].count("f8E4M3FN") == 2  # the dot itself is fp8 x fp8
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         fp8_matmul(x, wq.astype(jnp.bfloat16), ws)
     with pytest.raises(ValueError, match=r"\[N, K\]"):
@@ -507,6 +508,23 @@ def test_fp8_dynamic_scales_and_errors():
         fp8_matmul(x, wq, jnp.ones((3,)))
     with pytest.raises(ValueError, match="act_scale"):
         fp8_matmul(x, wq, ws, act_scale="row")
+
+
+@pytest.mark.parametrize("rows", [1, 64, 65])
+def test_fp8_matmul_widens_small_batches_to_the_same_function(rows):
+    """Up to FP8_WIDEN_MAX_ROWS rows the fp8 operands are widened to bfloat16 for the dot (a faster GEMV on the
+    GPU); every e4m3 value is a bfloat16 and their products are exact in float32, so both dots are one function."""
+    rng = np.random.default_rng(12)
+    wq, ws = quantize_fp8(rng.standard_normal((48, 256)) * 0.05)
+    x = jnp.asarray(rng.standard_normal((rows, 256)), jnp.bfloat16)
+    text = jax.jit(lambda x: fp8_matmul(x, wq, ws)).lower(x).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    widened = rows <= quant.FP8_WIDEN_MAX_ROWS
+    assert len(dots) == 1 and dots[0].count("f8E4M3FN") == (0 if widened else 2) and ("bf16" in dots[0]) == widened
+    f32 = dict(out_dtype=jnp.float32)
+    wide, narrow = (np.asarray(fp8_matmul(x, wq, ws, widen=w, **f32)) for w in (True, False))
+    np.testing.assert_allclose(wide, narrow, rtol=1e-5, atol=1e-6 * np.abs(narrow).max())
+    assert rel(wide, fp8_matmul_ref(x, wq, ws, **f32)) < 1e-6
 
 
 def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
