@@ -45,13 +45,16 @@ LARGE_M_TILING = dict(block_m=128, block_n=64, num_warps=8)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an all-zero row stays finite)
-# fp8_matmul of up to this many rows widens its fp8 operands to bfloat16 inside XLA's GEMM (every e4m3 value is a
-# bfloat16, their products are exact in the float32 accumulator: the W8A8 function unchanged) instead of the fp8 x
-# fp8 dot, whose cuBLASLt GEMM reads the weight at 0.40-0.78 of copy at 1-2 rows. H100, 8B shapes, the weight
-# widened in the GEMM against the fp8 dot (bench/results/quant_kernels_h100_820895d_xla.json, fp8_w8a16 / fp8 rows
-# at M 1 / 2 / 16 / 64, us): qkv 14.8 / 12.3 / 13.5 / 19.5 vs 17.7 / 18.5 / 16.1 / 18.8, o 11.5 / 9.3 / 10.6 / 15.5 vs
-# 14.1 / 12.3 / 13.6 / 16.0, gate_up 48.0 / 42.4 / 46.2 / 50.1 vs 50.9 / 51.9 / 49.0 / 56.5, down 27.3 / 24.1 /
-# 27.2 / 34.3 vs 31.7 / 32.1 / 30.6 / 33.9; from 256 rows the fp8 dot is 1.5-2x faster.
+# fp8_matmul of up to this many rows widens its fp8 operands to bfloat16 for XLA's GEMM (every e4m3 value is a
+# bfloat16 and their products are exact in the float32 accumulator: the W8A8 function unchanged) instead of the fp8 x
+# fp8 dot, whose cuBLASLt GEMM reads the weight at 0.40-0.78 of copy at 1-2 rows. XLA's GEMM reads an fp8 weight
+# widened inside it faster: H100, 8B shapes, M 1 / 2 / 16 / 64, that GEMM with x in bfloat16 (not rounded) against
+# the whole fp8 call (bench/results/quant_kernels_h100_820895d_xla.json, fp8_w8a16 / fp8 rows, us): qkv 14.8 / 12.3
+# / 13.5 / 19.5 vs 17.7 / 18.5 / 16.1 / 18.8, o 11.5 / 9.3 / 10.6 / 15.5 vs 14.1 / 12.3 / 13.6 / 16.0, gate_up 48.0 /
+# 42.4 / 46.2 / 50.1 vs 50.9 / 51.9 / 49.0 / 56.5, down 27.3 / 24.1 / 27.2 / 34.3 vs 31.7 / 32.1 / 30.6 / 33.9.
+# The widened x passes an optimization barrier: XLA's GEMM rewriter turns a dot of two widened fp8 operands back
+# into the fp8 GEMM (both widened, no barrier: qkv 18.3 / 18.4 us at M 1 / 2, the fp8 call's 18.8 / 18.4,
+# quant_kernels_h100_1ba9c3d_widened_log.txt, the rows that ran).
 FP8_WIDEN_MAX_ROWS = 64
 
 
@@ -214,7 +217,7 @@ def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None
 
     def dot(a, b):
         if widen:
-            a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+            a, b = jax.lax.optimization_barrier(a.astype(jnp.bfloat16)), b.astype(jnp.bfloat16)
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
     return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot)
