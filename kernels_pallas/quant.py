@@ -45,17 +45,16 @@ LARGE_M_TILING = dict(block_m=128, block_n=64, num_warps=8)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
 FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an all-zero row stays finite)
-# fp8_matmul of up to this many rows widens its fp8 operands to bfloat16 for XLA's GEMM (every e4m3 value is a
-# bfloat16 and their products are exact in the float32 accumulator: the W8A8 function unchanged) instead of the fp8 x
-# fp8 dot, whose cuBLASLt GEMM reads the weight at 0.40-0.78 of copy at 1-2 rows. XLA's GEMM reads an fp8 weight
-# widened inside it faster: H100, 8B shapes, M 1 / 2 / 16 / 64, that GEMM with x in bfloat16 (not rounded) against
-# the whole fp8 call (bench/results/quant_kernels_h100_820895d_xla.json, fp8_w8a16 / fp8 rows, us): qkv 14.8 / 12.3
-# / 13.5 / 19.5 vs 17.7 / 18.5 / 16.1 / 18.8, o 11.5 / 9.3 / 10.6 / 15.5 vs 14.1 / 12.3 / 13.6 / 16.0, gate_up 48.0 /
-# 42.4 / 46.2 / 50.1 vs 50.9 / 51.9 / 49.0 / 56.5, down 27.3 / 24.1 / 27.2 / 34.3 vs 31.7 / 32.1 / 30.6 / 33.9.
-# The widened x passes an optimization barrier: XLA's GEMM rewriter turns a dot of two widened fp8 operands back
-# into the fp8 GEMM (both widened, no barrier: qkv 18.3 / 18.4 us at M 1 / 2, the fp8 call's 18.8 / 18.4,
-# quant_kernels_h100_1ba9c3d_widened_log.txt, the rows that ran).
-FP8_WIDEN_MAX_ROWS = 64
+# fp8_matmul of up to this many rows (the engine's batch-1 decode bucket) widens its fp8 operands to bfloat16 for
+# XLA's GEMM: every e4m3 value is a bfloat16 and their products are exact in the float32 accumulator, so the W8A8
+# function is unchanged, and XLA's GEMM reads the fp8 weight widened inside it faster than cuBLASLt's fp8 GEMM reads
+# it at 1-2 rows. The widened x passes an optimization barrier: XLA's GEMM rewriter turns a dot of two widened fp8
+# operands back into the fp8 GEMM (1ba9c3d: no change). H100, 8B shapes, whole call with the activation scales, us
+# (bench/results/quant_kernels_h100_9700915_widened.json): M 2 qkv 15.2 vs 18.1, o 12.0 vs 12.4, gate_up 47.0 vs
+# 51.1, down 27.4 vs 31.9; M 64 slower (23.5 vs 18.9, 19.4 vs 16.0, 60.1 vs 55.0, 38.6 vs 34.2). Engine, 8B fp8,
+# same call (latency_fp8_h100_9700915_*.json): batch-1 ITL 3.84 vs 4.14 ms; with this at 64 rows batch 64 took
+# 16.3 ms against 5.86 (not traced), so only the 2-row bucket widens.
+FP8_WIDEN_MAX_ROWS = 2
 
 
 def _split(y, w: QuantizedWeight, split: bool):
