@@ -36,7 +36,8 @@ FUSED_DECODE_TUNING: dict = {}
 # A decode step of this many rows (the engine's smallest bucket, runner.SMALLEST_SEQ_BUCKET) nearly always holds
 # one live sequence and a padding row: the kernel plans its split-K for one sequence. Planned for the two rows,
 # half the splits went to the padding row, whose programs exit at once: H100, one sequence at 32k context, 74.4 us
-# a layer with 24 splits, 58.8 with 49; ITL 7.71 -> 7.19 ms (bench/results/long32k_h100_8c6a91a_*.json). The cost:
+# a layer with 24 splits, 58.8 with 49; ITL 7.71 -> 7.19 ms (bench/results/long32k_h100_8c6a91a_*.json); 52.9 us
+# once the kernel's grid dispatches the live row's programs first (kernels_pallas/_decode.py). The cost:
 # the padding row's programs now take a second wave, which a short context pays for. 128 tokens in an 8k table:
 # 9.3 us a layer (43 splits, combine included) against 7.4, ITL 5.58 vs 5.52 ms
 # (latency_llama3-8b_bf16_8k_table*_h100_d5f32f8.json). 0 turns it off.
