@@ -117,9 +117,7 @@ def _decode_kernel(
         return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
 
     if fused:
-        finish = fused_qkv(
-            q_ref, pos_ref, freq_ref, b, h, Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt
-        )
+        finish = fused_qkv(q_ref, pos_ref, freq_ref, b, h, Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt)
         # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
         # registers; every program reads the cache only below q_pos (another program may be writing it).
         own = (seq_len > 0) & (lo_page * S <= q_pos) & (q_pos < hi_page * S)
