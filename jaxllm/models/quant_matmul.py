@@ -6,7 +6,8 @@
   int4 / int8      kernels_pallas.quantized_matmul: the Pallas GEMM for T <= 64    qlayout.dequantize to x's dtype,
                    rows (decode), dequantize + XLA's GEMM above (prefill)          one float32 dot
   fp8 W8A8         kernels_pallas.fp8_matmul: x quantized per token (dynamic) or   fp8_matmul_ref: the same values,
-                   with the static scale, one fp8 x fp8 dot (FP8 tensor cores)     the dot in float32
+                   with the static scale, one fp8 x fp8 dot (FP8 tensor cores;     the dot in float32
+                   T <= 2: the fp8 values widened to bfloat16 in XLA's GEMM)
   fp8 weight-only  dequantize + dot (both)
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
