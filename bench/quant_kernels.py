@@ -9,10 +9,12 @@ impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kerne
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
 int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
-call) with the fp8 x fp8 dot at every M; fp8_widened = the same with both fp8 operands widened to bfloat16 in XLA's
-GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the same weight widened to x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on
-the float32 product (no activation quantization); int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per
-128-row group inside XLA's GEMM (XLA's own s4 convert fusion, no Pallas kernel); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX, kernels_pallas/_qdequant.py).
+call) with the fp8 x fp8 dot at every M; fp8_widened = the same function with both fp8 operands widened to bfloat16
+for XLA's GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the fp8 weight widened to
+x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on the float32 product, x not rounded to fp8;
+int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per 128-row group in front of XLA's GEMM (XLA's own s4
+handling, no Pallas kernel); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
+kernels_pallas/_qdequant.py).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
 --sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
 Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB

@@ -18,8 +18,9 @@
              out_dtype=None, widen=None) -> [..., N]
       x quantized to e4m3 in the same jitted function (dynamic per-token scales, or per-tensor, or a static
       x_scale), one fp8 x fp8 dot with float32 accumulation (Hopper's FP8 tensor cores through XLA), the scales
-      applied to its float32 result. Up to FP8_WIDEN_MAX_ROWS rows (widen=None) both fp8 operands are widened to
-      bfloat16 inside XLA's GEMM instead: the same products (exact) and float32 sums, a faster GEMV.
+      applied to its float32 result. Up to FP8_WIDEN_MAX_ROWS rows (widen=None) XLA's GEMM multiplies both fp8
+      operands widened to bfloat16 instead (x before an optimization barrier, the weight inside the GEMM): the same
+      products (exact) and float32 sums, a faster GEMV.
 
 The weight layout, the act-order permutation and the helpers that build a QuantizedWeight from a checkpoint's
 integers are in qlayout.py.
