@@ -34,7 +34,11 @@ def parse(argv=None):
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--num-iters", type=int, default=3)
     p.add_argument("--num-iters-warmup", type=int, default=1)
-    p.add_argument("--profile-dir", default=None, help="trace one batch-1 run with jax.profiler and sum it up (with 200 decode kernels in launch order)")
+    p.add_argument(
+        "--profile-dir",
+        default=None,
+        help="trace one batch-1 run with jax.profiler and sum it up (with 200 decode kernels in launch order)",
+    )
     return p.parse_args(argv)
 
 
