@@ -63,7 +63,7 @@ def _stamp(x, register="%globaltimer_lo"):
 def _stamped_kernel(*refs, final, **kw):
     *inner, t0_ref, t1_ref, sm_ref = refs
     outs = inner[-1:] if final else inner[-3:]
-    t0_ref[...] = _stamp(pl.program_id(2) + 7 * pl.program_id(1))
+    t0_ref[...] = _stamp(pl.program_id(1) + 7 * pl.program_id(0))  # split, kv head: the grid is (K, splits, B)
     D._decode_kernel(*inner, final=final, **kw)
     if not INTERPRET:
         from jax.experimental.pallas import triton as plgpu
@@ -74,11 +74,18 @@ def _stamped_kernel(*refs, final, **kw):
     sm_ref[...] = _stamp(pl.program_id(0), "%smid")
 
 
-def _specs(B, K, Gq, H, P, S, splits, bt_width):
-    full = lambda shape: pl.BlockSpec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
-    pages = pl.BlockSpec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0))
-    bt = pl.BlockSpec((None, bt_width), lambda b, h, s: (b, 0))
-    ins = [full((B,)), bt, full((2,)), pl.BlockSpec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)), pages, pages]
+def _seqs_last(index_map):
+    """index_map(b, h, s) for a grid (K, splits, B), the decode kernel's (_decode._decode)."""
+    return lambda h, s, b: index_map(b, h, s)
+
+
+def _specs(B, K, Gq, H, P, S, splits, bt_width, seqs_last=False):
+    """The kernels' block specs, written for a grid (B, K, splits); seqs_last: for a grid (K, splits, B)."""
+    spec = (lambda shape, f: pl.BlockSpec(shape, _seqs_last(f))) if seqs_last else pl.BlockSpec
+    full = lambda shape: spec(shape, lambda b, h, s: (0,) * len(shape))  # noqa: E731
+    pages = spec((None, P, S, H), lambda b, h, s: (h, 0, 0, 0))
+    bt = spec((None, bt_width), lambda b, h, s: (b, 0))
+    ins = [full((B,)), bt, full((2,)), spec((None, None, Gq, H), lambda b, h, s: (b, h, 0, 0)), pages, pages]
     SP = next_pow2(splits)
     shapes = [
         jax.ShapeDtypeStruct((B, K, SP, Gq, H), jnp.float32),
@@ -86,9 +93,9 @@ def _specs(B, K, Gq, H, P, S, splits, bt_width):
         jax.ShapeDtypeStruct((B, K, SP, Gq), jnp.float32),
     ]
     outs = [
-        pl.BlockSpec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
-        pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
-        pl.BlockSpec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+        spec((None, None, None, Gq, H), lambda b, h, s: (b, h, s, 0, 0)),
+        spec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
+        spec((None, None, None, Gq), lambda b, h, s: (b, h, s, 0)),
     ]
     return ins, shapes, outs, bt
 
@@ -105,12 +112,12 @@ def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
     splits, pps = _splitk.choose_splits(B, K, block_tables.shape[1], ppb, S, num_splits)
     final = splits == 1
     bt = pad_block_tables(block_tables, pps + ppb)
-    ins, shapes, outs, _ = _specs(B, K, G, H, P, S, splits, bt.shape[1])
+    ins, shapes, outs, _ = _specs(B, K, G, H, P, S, splits, bt.shape[1], seqs_last=True)
     if final:
         shapes = [jax.ShapeDtypeStruct((B, K, G, H), q.dtype)]
-        outs = [pl.BlockSpec((None, None, G, H), lambda b, h, s: (b, h, 0, 0))]
+        outs = [pl.BlockSpec((None, None, G, H), _seqs_last(lambda b, h, s: (b, h, 0, 0)))]
     shapes += [jax.ShapeDtypeStruct((B, K, splits, STAMP), jnp.int32)] * 3
-    outs += [pl.BlockSpec((None, None, None, STAMP), lambda b, h, s: (b, h, s, 0))] * 3
+    outs += [pl.BlockSpec((None, None, None, STAMP), _seqs_last(lambda b, h, s: (b, h, s, 0)))] * 3
     kernel = functools.partial(
         _stamped_kernel,
         page_size=S,
@@ -124,7 +131,7 @@ def stamped_decode(q, k, v, lens, block_tables, num_splits=None):
     )
     res = pl.pallas_call(
         kernel,
-        grid=(B, K, splits),
+        grid=(K, splits, B),
         in_specs=ins,
         out_specs=outs,
         out_shape=shapes,
