@@ -145,6 +145,10 @@ class ReplicaProcess:
         self._outbox: queue.Queue = queue.Queue()
         self._sink = None
         self.closing = False
+        # Held while waiting for the child (close() and the reader thread): two threads in waitpid on one pid race,
+        # and the one that loses gets ECHILD, which multiprocessing takes for a child still running (is_alive()
+        # True after close() had returned, seen once in test_data_parallel under load).
+        self._reap_lock = threading.Lock()
 
     # ---- start-up
     def wait_ready(self) -> dict:
@@ -201,25 +205,27 @@ class ReplicaProcess:
         return s
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stops the child: asks it to exit, then terminates (and kills) it if it does not."""
-        if self.closing:
-            return
-        self.closing = True
-        if self.process.is_alive() and self.dead is None:
-            self._outbox.put(("shutdown",))
-            if self._sink is None:  # no sender thread yet
-                with contextlib.suppress(OSError):
-                    self.conn.send(("shutdown",))
-            self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():  # SIGKILL cannot be refused: wait for it, so no replica outlives close()
-            self.process.kill()
-            self.process.join()
-        self._outbox.put(None)
-        with contextlib.suppress(OSError):
-            self.conn.close()
+        """Stops the child: asks it to exit, then terminates (and kills) it if it does not. A second caller waits
+        for the first: when close() returns, the child is gone."""
+        with self._reap_lock:
+            if self.closing:
+                return
+            self.closing = True
+            if self.process.is_alive() and self.dead is None:
+                self._outbox.put(("shutdown",))
+                if self._sink is None:  # no sender thread yet
+                    with contextlib.suppress(OSError):
+                        self.conn.send(("shutdown",))
+                self.process.join(timeout)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(5)
+            if self.process.is_alive():  # SIGKILL cannot be refused: wait for it, so no replica outlives close()
+                self.process.kill()
+                self.process.join()
+            self._outbox.put(None)
+            with contextlib.suppress(OSError):
+                self.conn.close()
 
     # ---- threads
     def _send(self) -> None:
@@ -267,7 +273,8 @@ class ReplicaProcess:
                 fut = self._calls.pop(call_id, None)
                 if fut is not None:
                     fut.set_result(value) if ok else fut.set_exception(value)
-        self.process.join(5)
+        with self._reap_lock:
+            self.process.join(5)
         self.dead = "The engine is shut down." if self.closing else f"{self._gone_message()}: its requests are lost."
         if not self.closing:
             logger.error("%s", self.dead)
