@@ -205,14 +205,12 @@ def make_impl(name, K, N, key):
     if name == "bf16":
         w = (jax.random.normal(key, (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
         return (lambda x, w: x @ w), w, K * N * 2
-    if name in ("fp8", "fp8_widened"):
+    if name in ("fp8", "fp8_widened", "fp8_w8a16"):  # one e4m3 weight [N, K] with per-channel scales
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
-        widen = name == "fp8_widened"
-        return (lambda x, w: fp8_matmul(x, *w, widen=widen)), (w, s), N * K + N * 4
-    if name == "fp8_w8a16":
-        w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
-        s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
+        if name != "fp8_w8a16":
+            widen = name == "fp8_widened"
+            return (lambda x, w: fp8_matmul(x, *w, widen=widen)), (w, s), N * K + N * 4
 
         def w8a16(x, w):
             wq, sc = w
