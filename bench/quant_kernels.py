@@ -13,7 +13,10 @@ call) with the fp8 x fp8 dot at every M; fp8_widened = the same function with bo
 for XLA's GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the fp8 weight widened to
 x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on the float32 product, x not rounded to fp8;
 int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per 128-row group in front of XLA's GEMM (XLA's own s4
-handling, no Pallas kernel); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
+handling, no Pallas kernel); fp8_res = fp8_matmul then XLA's residual add of a [M, N] bf16 residual (M <= 2: the decode
+bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the residual) as one Pallas kernel
+(kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
+FP8_GEMV_SWEEP tilings); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
 --sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
@@ -46,7 +49,14 @@ import jax.numpy as jnp  # noqa: E402
 from bench.common import environment, write_result  # noqa: E402
 from kernels_pallas._qmatmul import DEQUANT  # noqa: E402
 from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
-from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref  # noqa: E402
+from kernels_pallas.quant import (  # noqa: E402
+    fp8_gemv,
+    fp8_gemv_ref,
+    fp8_matmul,
+    fp8_matmul_ref,
+    quantized_matmul,
+    quantized_matmul_ref,
+)
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}
 TINY_SHAPES = {"qkv": (512, 384), "o": (256, 256), "gate_up": (256, 512), "down": (768, 256)}
@@ -63,7 +73,27 @@ IMPLS = (
     "fp8_w8a16",
     "int4_xla",
     "fp8_widened",
+    "fp8_res",
+    "fp8_gemv",
+    "fp8_gemv_res",
 )
+# fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (variant, block_n, block_k, warps, stages)
+FP8_GEMV_SWEEP = [
+    dict(variant=v, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+    for v, bn, bk, w, st in (
+        ("fma", 16, 512, 4, 3),
+        ("fma", 32, 256, 4, 3),
+        ("fma", 64, 256, 8, 3),
+        ("fma", 16, 1024, 4, 3),
+        ("fma", 32, 512, 8, 3),
+        ("mma", 16, 512, 4, 3),
+        ("mma", 32, 256, 4, 3),
+        ("mma", 64, 256, 4, 3),
+        ("mma", 64, 512, 4, 3),
+        ("mma", 128, 256, 8, 3),
+        ("mma", 32, 512, 4, 4),
+    )
+]
 SWEEP = [
     dict(block_n=bn, splits=sp, plane_loop=loop, fma=fma, num_warps=w, num_stages=st)
     for bn, sp, loop, fma, w, st in (
@@ -205,9 +235,19 @@ def make_impl(name, K, N, key):
     if name == "bf16":
         w = (jax.random.normal(key, (K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
         return (lambda x, w: x @ w), w, K * N * 2
-    if name in ("fp8", "fp8_widened", "fp8_w8a16"):  # one e4m3 weight [N, K] with per-channel scales
+    if name.startswith("fp8"):  # one e4m3 weight [N, K] with per-channel scales
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
+        if name in ("fp8_res", "fp8_gemv_res", "fp8_gemv"):  # the _res rows add a [2, N] residual (M <= 2)
+            r = jax.random.normal(jax.random.fold_in(key, 7), (2, N), jnp.float32).astype(jnp.bfloat16)
+            if name == "fp8_res":  # fp8_matmul (its default: widened up to 2 rows), then XLA's residual add
+                return (lambda x, w: w[2][: x.shape[0]] + fp8_matmul(x, w[0], w[1])), (w, s, r), N * K + N * 4
+            res = name == "fp8_gemv_res"
+
+            def gemv(x, w, **cfg):
+                return fp8_gemv(x, w[0], w[1], residual=w[2][: x.shape[0]] if res else None, **cfg)
+
+            return gemv, (w, s, r), N * K + N * 4
         if name != "fp8_w8a16":
             widen = name == "fp8_widened"
             return (lambda x, w: fp8_matmul(x, *w, widen=widen)), (w, s), N * K + N * 4
@@ -241,6 +281,8 @@ def reference(name, x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     if name in ("fp8", "fp8_widened"):
         return fp8_matmul_ref(x, *w)
+    if name in ("fp8_res", "fp8_gemv_res", "fp8_gemv"):
+        return fp8_gemv_ref(x, w[0], w[1], residual=None if name == "fp8_gemv" else w[2][: x.shape[0]])
     if name == "fp8_w8a16":
         return jnp.dot(x.astype(jnp.float32), w[0].astype(jnp.float32).T) * w[1][None, :]
     if name == "int4_xla":
@@ -289,7 +331,11 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         copies = 2 if args.tiny else max(args.reps, -(-ROTATE_BYTES // wbytes))
         ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
         configs = [{}] + (sweep if sweep and name == "int4_sym" else [])
+        if name == "fp8_gemv" and sweep:
+            configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
         for M in ms:
+            if name.startswith("fp8_gemv") and M > 2 or name == "fp8_res" and M > 2:
+                continue  # the fused GEMV takes the decode bucket's 1-2 rows
             xs = [
                 jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
                 for i in range(args.reps)
@@ -307,7 +353,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
                 try:
-                    fn = call
+                    fn = functools.partial(call, interpret=args.tiny, **cfg) if name.startswith("fp8_gemv") else call
                     if fn is None:
                         backend = "dequant" if name == "int4_dequant" else "kernel"
                         kw = dict(dequant="asm") if name.endswith("_asm") else {}

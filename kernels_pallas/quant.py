@@ -33,7 +33,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _qmatmul, qlayout
+from . import _fp8_gemv, _qmatmul, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -234,3 +234,45 @@ def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=
         out_dtype,
         lambda a, b: jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST),
     )
+
+
+def fp8_gemv_supported(x, w, *, x_scale=None, act_scale="token") -> bool:
+    """Whether fp8_gemv's kernel takes this call: dynamic per-token scales, 16-bit x of at most
+    _fp8_gemv.MAX_ROWS rows (after flattening its leading axes), N a multiple of 16 and K of 128."""
+    return (
+        x_scale is None
+        and act_scale == "token"
+        and w.ndim == 2
+        and jnp.dtype(w.dtype) == jnp.dtype(FP8)
+        and _fp8_gemv.supported(x.dtype, math.prod(x.shape[:-1]), w.shape[0], x.shape[-1])
+    )
+
+
+def fp8_gemv(x, w, w_scale, *, residual=None, interpret=False, **tuning):
+    """residual + fp8_matmul(x, w, w_scale) (dynamic per-token scales; residual optional) as one Pallas kernel
+    (_fp8_gemv.py): the token scales, x's rounding to e4m3, the GEMV, the scales and the residual add, for the
+    decode step's few rows (fp8_gemv_supported). Same rounding as fp8_matmul then `residual + y` in x's dtype; the
+    float32 sums run in another order. tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, variant, num_warps,
+    num_stages."""
+    _fp8_check(x, w, w_scale)
+    if not fp8_gemv_supported(x, w):
+        raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
+    lead, K = x.shape[:-1], x.shape[-1]
+    N = w.shape[0]
+    res = None if residual is None else residual.reshape(-1, N)
+    y = _fp8_gemv.fp8_gemv_kernel(
+        x.reshape(-1, K),
+        w,
+        jnp.asarray(w_scale, jnp.float32),
+        res,
+        min_scale=FP8_MIN_SCALE,
+        interpret=interpret,
+        **tuning,
+    )
+    return y.reshape(*lead, N)
+
+
+def fp8_gemv_ref(x, w, w_scale, *, residual=None):
+    """fp8_gemv's function unfused: fp8_matmul_ref, then residual + y in x's dtype."""
+    y = fp8_matmul_ref(x, w, w_scale)
+    return y if residual is None else (residual.astype(x.dtype) + y)
