@@ -79,21 +79,20 @@ IMPLS = (
     "fp8_gemv_res",
     "fp8_float_round",
 )
-# fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (variant, block_n, block_k, warps, stages)
+# fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
-    dict(variant=v, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-    for v, bn, bk, w, st in (
-        ("fma", 16, 512, 4, 3),
-        ("fma", 32, 256, 4, 3),
-        ("fma", 64, 256, 8, 3),
-        ("fma", 16, 1024, 4, 3),
-        ("fma", 32, 512, 8, 3),
-        ("mma", 16, 512, 4, 3),
-        ("mma", 32, 256, 4, 3),
-        ("mma", 64, 256, 4, 3),
-        ("mma", 64, 512, 4, 3),
-        ("mma", 128, 256, 8, 3),
-        ("mma", 32, 512, 4, 4),
+    dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
+    for bn, bk, sp, w, st in (
+        (64, 128, None, 4, 3),
+        (64, 256, None, 4, 3),
+        (32, 128, None, 4, 3),
+        (128, 128, None, 4, 3),
+        (64, 128, None, 4, 4),
+        (64, 128, None, 8, 3),
+        (64, 128, 8, 4, 3),
+        (64, 128, 16, 4, 3),
+        (32, 256, None, 4, 3),
+        (16, 256, None, 4, 3),
     )
 ]
 SWEEP = [

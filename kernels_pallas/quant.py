@@ -274,27 +274,21 @@ def fp8_gemv_supported(x, w, *, x_scale=None, act_scale="token") -> bool:
 
 
 def fp8_gemv(x, w, w_scale, *, residual=None, interpret=False, **tuning):
-    """residual + fp8_matmul(x, w, w_scale) (dynamic per-token scales; residual optional) as one Pallas kernel
-    (_fp8_gemv.py): the token scales, x's rounding to e4m3, the GEMV, the scales and the residual add, for the
-    decode step's few rows (fp8_gemv_supported). Same rounding as fp8_matmul then `residual + y` in x's dtype; the
-    float32 sums run in another order. tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, variant, num_warps,
-    num_stages."""
+    """residual + fp8_matmul(x, w, w_scale) (dynamic per-token scales; residual optional) with the activation
+    quantization inside the GEMM's Pallas kernel (_fp8_gemv.py), for the decode step's few rows (fp8_gemv_supported):
+    the kernel's float32 split-K partials are summed, rounded to x's dtype and added to the residual in one XLA
+    fusion after it. Same rounding as fp8_matmul then `residual + y`; the float32 sums run in another order.
+    tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, splits, num_warps, num_stages."""
     _fp8_check(x, w, w_scale)
     if not fp8_gemv_supported(x, w):
         raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
     lead, K = x.shape[:-1], x.shape[-1]
     N = w.shape[0]
-    res = None if residual is None else residual.reshape(-1, N)
-    y = _fp8_gemv.fp8_gemv_kernel(
-        x.reshape(-1, K),
-        w,
-        jnp.asarray(w_scale, jnp.float32),
-        res,
-        min_scale=FP8_MIN_SCALE,
-        interpret=interpret,
-        **tuning,
+    parts = _fp8_gemv.fp8_gemv_kernel(
+        x.reshape(-1, K), w, jnp.asarray(w_scale, jnp.float32), min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
     )
-    return y.reshape(*lead, N)
+    y = parts.sum(0).astype(x.dtype).reshape(*lead, N)
+    return y if residual is None else residual.astype(x.dtype) + y
 
 
 def fp8_gemv_ref(x, w, w_scale, *, residual=None):
