@@ -83,16 +83,12 @@ IMPLS = (
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
     for bn, bk, sp, w, st in (
-        (64, 128, None, 4, 3),
         (64, 256, None, 4, 3),
-        (32, 128, None, 4, 3),
-        (128, 128, None, 4, 3),
-        (64, 128, None, 4, 4),
-        (64, 128, None, 8, 3),
-        (64, 128, 8, 4, 3),
-        (64, 128, 16, 4, 3),
-        (32, 256, None, 4, 3),
+        (32, 512, None, 4, 3),
         (16, 256, None, 4, 3),
+        (32, 256, None, 4, 4),
+        (32, 128, None, 4, 3),
+        (32, 256, 8, 4, 3),
     )
 ]
 SWEEP = [

@@ -45,8 +45,8 @@ def supported(x_dtype, m: int, n: int, k: int) -> bool:
 
 def plan(n: int, k: int, block_n=None, block_k=None, splits=None):
     """Static (block_n, block_k, splits, tiles per split): ~4 programs an SM unless splits is given."""
-    bn = block_n or next(b for b in (64, 32, 16) if n % b == 0)
-    bk = block_k or next(b for b in (128, 256, 512) if k % b == 0)
+    bn = block_n or next(b for b in (32, 16) if n % b == 0)
+    bk = block_k or next(b for b in (256, 128) if k % b == 0)
     tiles = k // bk
     if splits is None:
         splits = max(1, min(tiles, -(-4 * NUM_SMS // (n // bn))))
@@ -58,11 +58,12 @@ def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per
     M, K = x_ref.shape
     f32, op = jnp.float32, jnp.float16
 
-    # the token scales over the whole row: a static unroll of independent loads
-    amax = jnp.zeros((M, 1), f32)
-    for i in range(K // bk):
-        amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)).max(axis=1, keepdims=True))
-    s = jnp.maximum(amax / FP8_MAX, min_scale)  # [M, 1]
+    # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then one
+    # row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
+    amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
+    for i in range(1, K // bk):
+        amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
+    s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
     R = 16 // M
 
     def body(t, acc):

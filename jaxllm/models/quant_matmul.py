@@ -28,6 +28,7 @@ Dynamic activation scales of a row-parallel weight are each shard's own (per tok
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,18 @@ from jax.sharding import PartitionSpec as P
 from jaxllm.models.quant import QuantizedWeight, quantize_activations
 from jaxllm.sharding import logical_to_spec
 from kernels_pallas import qlayout
-from kernels_pallas.quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, tie_to_input
+from kernels_pallas.quant import (
+    fp8_gemv,
+    fp8_gemv_supported,
+    fp8_matmul,
+    fp8_matmul_ref,
+    quantized_matmul,
+    tie_to_input,
+)
+
+# fp8 W8A8 (dynamic scales) of 1-2 rows on the kernels path: kernels_pallas.quant.fp8_gemv (the activation
+# quantization inside the GEMV's kernel) instead of fp8_matmul; JAXLLM_FP8_GEMV=0 / 1 overrides it for A/B runs
+FP8_GEMV = os.environ.get("JAXLLM_FP8_GEMV", "1") == "1"
 
 
 def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
@@ -76,7 +88,7 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
         x = jnp.take(x, w.perm, axis=1)
     if s.weight_type == "float":
         out = w.packed.shape[:-1]
-        y = _fp8(x, w, kernels)
+        y = _fp8(x, w, kernels, interpret)
     else:
         out = w.packed.shape[1:]
         if s.activations is not None:  # INT8 W8A8
@@ -102,14 +114,16 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
     return y.reshape(x.shape[0], *out)
 
 
-def _fp8(x, w: QuantizedWeight, kernels: bool):
+def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
     scale = w.scales.reshape(-1)
     if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize (next to the dot), then one dot
         x, (wq, scale) = tie_to_input(x, (wq, scale))
         return _dot_f32(x, (wq.astype(jnp.float32) * scale[:, None]).astype(x.dtype).T)
-    fn = fp8_matmul if kernels else fp8_matmul_ref
     x_scale = w.act_scale if w.scheme.activations == "static" else None
+    if kernels and FP8_GEMV and fp8_gemv_supported(x, wq, x_scale=x_scale):  # the decode bucket's 1-2 rows
+        return fp8_gemv(x, wq, scale, interpret=interpret)
+    fn = fp8_matmul if kernels else fp8_matmul_ref
     return fn(x, wq, scale, x_scale=x_scale, act_scale="token")
 
 
