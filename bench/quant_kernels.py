@@ -13,8 +13,7 @@ call) with the fp8 x fp8 dot at every M; fp8_widened = the same function with bo
 for XLA's GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the fp8 weight widened to
 x's dtype inside XLA's GEMM (exact for e4m3), the channel scales on the float32 product, x not rounded to fp8;
 int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per 128-row group in front of XLA's GEMM (XLA's own s4
-handling, no Pallas kernel); fp8_float_round = fp8_widened with x rounded by
-quant.round_e4m3 (float and integer ops, no fp8 type, no optimization barrier); fp8_res = fp8_matmul then XLA's residual add of a [M, N] bf16 residual (M <= 2: the decode
+handling, no Pallas kernel); fp8_res = fp8_matmul then XLA's residual add of a [M, N] bf16 residual (M <= 2: the decode
 bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the residual) as one Pallas kernel
 (kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
 FP8_GEMV_SWEEP tilings); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
@@ -77,7 +76,6 @@ IMPLS = (
     "fp8_res",
     "fp8_gemv",
     "fp8_gemv_res",
-    "fp8_float_round",
 )
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
@@ -143,7 +141,6 @@ SWEEP += [
     )
 ]
 ROTATE_BYTES = 256 << 20
-HLO_IMPLS = ("fp8", "int4_dequant", "fp8_w8a16", "int4_xla", "fp8_widened", "fp8_float_round")
 
 
 def copy_bw(nbytes, reps):
@@ -246,11 +243,9 @@ def make_impl(name, K, N, key):
                 return fp8_gemv(x, w[0], w[1], residual=w[2][: x.shape[0]] if res else None, **cfg)
 
             return gemv, (w, s, r), N * K + N * 4
-        if name == "fp8_float_round":  # widened, x rounded by round_e4m3 (no fp8 type, no barrier)
-            return (lambda x, w: fp8_matmul(x, *w, widen=True, rounding="float")), (w, s), N * K + N * 4
         if name != "fp8_w8a16":
             widen = name == "fp8_widened"
-            return (lambda x, w: fp8_matmul(x, *w, widen=widen, rounding="barrier")), (w, s), N * K + N * 4
+            return (lambda x, w: fp8_matmul(x, *w, widen=widen)), (w, s), N * K + N * 4
 
         def w8a16(x, w):
             wq, sc = w
@@ -279,7 +274,7 @@ def make_impl(name, K, N, key):
 def reference(name, x, w):
     if name == "bf16":
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
-    if name in ("fp8", "fp8_widened", "fp8_float_round"):
+    if name in ("fp8", "fp8_widened"):
         return fp8_matmul_ref(x, *w)
     if name in ("fp8_res", "fp8_gemv_res", "fp8_gemv"):
         return fp8_gemv_ref(x, w[0], w[1], residual=None if name == "fp8_gemv" else w[2][: x.shape[0]])
@@ -363,7 +358,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     row["finite"] = bool(np.isfinite(np.asarray(got, np.float32)).all())
                     nbytes = wbytes + M * K * 2 + M * N * 2
                     measure(row, jax.jit(fn), xs, ws, nbytes, copy, args)
-                    if args.hlo_dir and name in HLO_IMPLS and M in (1, 2, 16, 256):
+                    if args.hlo_dir and name in ("fp8", "int4_dequant", "fp8_w8a16", "int4_xla") and M in (1, 16, 256):
                         with open(os.path.join(args.hlo_dir, f"{shape}_{name}_M{M}.hlo.txt"), "w") as f:
                             f.write(jax.jit(fn).lower(x, w0).compile().as_text())
                 except Exception as e:  # noqa: BLE001 - one failing row must not end the run

@@ -29,7 +29,6 @@ integers are in qlayout.py.
 from __future__ import annotations
 
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,9 +56,6 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an a
 # same call (latency_fp8_h100_9700915_*.json): batch-1 ITL 3.84 vs 4.14 ms; with this at 64 rows batch 64 took
 # 16.3 ms against 5.86 (not traced), so only the 2-row bucket widens.
 FP8_WIDEN_MAX_ROWS = 2
-# fp8_matmul's widened x: "barrier" or "float" (round_e4m3, nothing XLA turns back); JAXLLM_FP8_WIDEN_ROUNDING overrides
-# it for A/B runs (give each side its own compilation cache)
-FP8_WIDEN_ROUNDING = os.environ.get("JAXLLM_FP8_WIDEN_ROUNDING", "barrier")
 
 
 def _split(y, w: QuantizedWeight, split: bool):
@@ -180,22 +176,9 @@ def quantize_fp8(w, *, per_channel=True):
     return jnp.clip(w / s, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def round_e4m3(v):
-    """float32 v in [-448, 448] rounded to the nearest float8_e4m3fn value (ties to even), as float32, in float and
-    integer ops only: bit-equal to v.astype(float8_e4m3fn).astype(float32) (tests/test_quant_kernels.py checks
-    every e4m3 value, every midpoint and its neighbours, and 4M random values). Normal range (>= 2^-6): round the
-    float32 significand to 3 bits (add half an ulp of the result, plus the kept lsb for ties, and cut); below it
-    e4m3 is subnormal, multiples of 2^-9: round(v * 512) / 512 (jnp.round is half to even)."""
-    b = jax.lax.bitcast_convert_type(v, jnp.uint32)
-    b = (b + (jnp.uint32(0x7FFFF) + ((b >> 20) & 1))) & jnp.uint32(0xFFF00000)
-    sub = jnp.round(v * 512.0) * (1.0 / 512.0)
-    return jnp.where(jnp.abs(v) < 2.0**-6, sub, jax.lax.bitcast_convert_type(b, jnp.float32))
-
-
-def quantize_activations(x, *, x_scale=None, act_scale="token", rounded_float=False):
+def quantize_activations(x, *, x_scale=None, act_scale="token"):
     """x [M, K] -> (x_fp8, scale [M, 1] or [1, 1] float32): a static x_scale, or dynamic per token ("token": one
-    scale per row, max|x_m| / 448) or per tensor ("tensor"). rounded_float: x_fp8's values as float32 (round_e4m3)
-    instead of the fp8 array."""
+    scale per row, max|x_m| / 448) or per tensor ("tensor")."""
     x32 = x.astype(jnp.float32)
     if x_scale is not None:
         s = jnp.asarray(x_scale, jnp.float32).reshape(1, 1)
@@ -205,8 +188,7 @@ def quantize_activations(x, *, x_scale=None, act_scale="token", rounded_float=Fa
         s = jnp.maximum(jnp.abs(x32).max().reshape(1, 1) / FP8_MAX, FP8_MIN_SCALE)
     else:
         raise ValueError(f"act_scale={act_scale!r} is not 'token' or 'tensor'")
-    v = jnp.clip(x32 / s, -FP8_MAX, FP8_MAX)
-    return (round_e4m3(v) if rounded_float else v.astype(FP8)), s
+    return jnp.clip(x32 / s, -FP8_MAX, FP8_MAX).astype(FP8), s
 
 
 def _fp8_check(x, w, w_scale):
@@ -218,34 +200,27 @@ def _fp8_check(x, w, w_scale):
         raise ValueError(f"w_scale must be a scalar or [N={w.shape[0]}]; got shape {jnp.shape(w_scale)}")
 
 
-def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot, rounded_float=False):
+def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot):
     _fp8_check(x, w, w_scale)
     lead, K = x.shape[:-1], x.shape[-1]
-    xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale, rounded_float=rounded_float)
+    xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale)
     y = dot(xq, w) * sx * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
     return y.astype(out_dtype or x.dtype).reshape(*lead, w.shape[0])
 
 
-def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None, rounding=None):
+def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None):
     """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
     both operands K-major), float32 out, scaled by the token and channel scales in the fusion after it.
-    widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows). rounding (widened
-    only; None: FP8_WIDEN_ROUNDING): "barrier" rounds x through the fp8 type and widens it before an optimization
-    barrier; "float" rounds x with round_e4m3 (no fp8 type, no barrier, so XLA may fuse it into the GEMM)."""
+    widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows)."""
     if widen is None:
         widen = math.prod(x.shape[:-1]) <= FP8_WIDEN_MAX_ROWS
-    rounding = rounding or FP8_WIDEN_ROUNDING
-    if rounding not in ("barrier", "float"):
-        raise ValueError(f"rounding={rounding!r} is not 'barrier' or 'float'")
-    emulated = widen and rounding == "float"
 
     def dot(a, b):
         if widen:
-            a = a.astype(jnp.bfloat16)
-            a, b = (a if emulated else jax.lax.optimization_barrier(a)), b.astype(jnp.bfloat16)
+            a, b = jax.lax.optimization_barrier(a.astype(jnp.bfloat16)), b.astype(jnp.bfloat16)
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot, rounded_float=emulated)
+    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot)
 
 
 def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):
