@@ -254,16 +254,23 @@ def fp8_gemv(x, w, w_scale, *, residual=None, interpret=False, **tuning):
     the kernel's float32 split-K partials are summed, rounded to x's dtype and added to the residual in one XLA
     fusion after it. Same rounding as fp8_matmul then `residual + y`; the float32 sums run in another order.
     tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, splits, num_warps, num_stages."""
+    parts = fp8_gemv_partials(x, w, w_scale, interpret=interpret, **tuning)
+    y = parts.sum(0).astype(x.dtype)
+    return y if residual is None else residual.astype(x.dtype) + y
+
+
+def fp8_gemv_partials(x, w, w_scale, *, interpret=False, **tuning):
+    """fp8_gemv's kernel output: float32 split-K partials [S, *x.shape[:-1], N] whose sum is fp8_matmul's product
+    before its rounding to x's dtype (for a consumer that sums split-K partials itself: the fused qkv/RoPE/write
+    kernel)."""
     _fp8_check(x, w, w_scale)
     if not fp8_gemv_supported(x, w):
         raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
     lead, K = x.shape[:-1], x.shape[-1]
-    N = w.shape[0]
     parts = _fp8_gemv.fp8_gemv_kernel(
         x.reshape(-1, K), w, jnp.asarray(w_scale, jnp.float32), min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
     )
-    y = parts.sum(0).astype(x.dtype).reshape(*lead, N)
-    return y if residual is None else residual.astype(x.dtype) + y
+    return parts.reshape(parts.shape[0], *lead, w.shape[0])
 
 
 def fp8_gemv_ref(x, w, w_scale, *, residual=None):

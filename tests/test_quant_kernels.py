@@ -548,3 +548,65 @@ def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
         x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
         assert rel(quant.quantized_matmul(x, w, interpret=True), quantized_matmul_ref(x, w)) < 1e-2
     assert seen == [(256, 128, 64), (192, None, None)], seen
+
+
+@pytest.mark.parametrize(
+    "rows,N,K,per_channel,residual,tuning",
+    [
+        (1, 64, 512, True, False, dict(block_n=16, block_k=128)),
+        (2, 96, 640, True, True, dict(block_n=32, block_k=128, splits=2)),  # 5 tiles over 2 splits: 3 + 2
+        (2, 48, 384, False, True, dict(block_n=16, block_k=128, splits=3)),
+        (2, 128, 1024, True, False, {}),  # the default plan
+    ],
+)
+def test_fp8_gemv_is_fp8_matmul_with_the_quantization_in_the_kernel(rows, N, K, per_channel, residual, tuning):
+    """fp8_gemv (the token scales and x's e4m3 rounding inside the split-K GEMV kernel, interpret mode) computes
+    residual + fp8_matmul's function: the same rounded x and products, float32 sums in another order. Rows with
+    very different ranges each get their own scale; one all-zero row stays zero."""
+    from kernels_pallas._fp8_gemv import plan
+
+    rng = np.random.default_rng(rows * N + K)
+    wq, ws = quantize_fp8(rng.standard_normal((N, K)).astype(np.float32) * 0.05, per_channel=per_channel)
+    x = rng.standard_normal((rows, K)).astype(np.float32) * np.array([[30.0], [0.01]])[:rows]
+    x = jnp.asarray(x, jnp.bfloat16)
+    r = jnp.asarray(rng.standard_normal((rows, N)), jnp.bfloat16) if residual else None
+    got = quant.fp8_gemv(x, wq, ws, residual=r, interpret=True, **tuning)
+    want = quant.fp8_gemv_ref(x, wq, ws, residual=r)
+    assert got.shape == (rows, N) and got.dtype == jnp.bfloat16
+    g, w = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    for m in range(rows):  # per row: the rows' magnitudes differ by 3000x
+        np.testing.assert_allclose(g[m], w[m], rtol=1e-2, atol=1e-2 * np.abs(w[m]).max())
+    parts = quant.fp8_gemv_partials(x, wq, ws, interpret=True, **tuning)
+    assert parts.shape == (plan(N, K, **tuning)[2], rows, N) and parts.dtype == jnp.float32
+    zero = quant.fp8_gemv(jnp.zeros((rows, K), jnp.bfloat16), wq, ws, interpret=True, **tuning)
+    assert not np.asarray(zero, np.float32).any()
+
+
+def test_fp8_gemv_takes_the_decode_bucket_only():
+    rng = np.random.default_rng(13)
+    wq, ws = quantize_fp8(rng.standard_normal((48, 256)) * 0.05)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    assert quant.fp8_gemv_supported(x, wq)
+    assert not quant.fp8_gemv_supported(jnp.zeros((3, 256), jnp.bfloat16), wq)  # more rows: fp8_matmul's dot
+    assert not quant.fp8_gemv_supported(x, wq, x_scale=0.1)  # static activation scales
+    assert not quant.fp8_gemv_supported(x.astype(jnp.float32), wq)
+    assert not quant.fp8_gemv_supported(jnp.zeros((2, 200), jnp.bfloat16), quantize_fp8(np.ones((48, 200)))[0])
+    with pytest.raises(ValueError, match="fp8_gemv does not take"):
+        quant.fp8_gemv(jnp.zeros((3, 256), jnp.bfloat16), wq, ws)
+
+
+@pytest.mark.parametrize("rows,N,K", [(2, 4096, 14336), (1, 28672, 4096), (2, 6144, 4096)])
+def test_fp8_gemv_lowers_for_cuda(rows, N, K):
+    """The kernel lowers to Triton IR for CUDA on CPU at the 8B shapes with its default plan (what the GPU
+    compiles; the H100 runs are in bench/results/quant_kernels_h100_*_fp8_gemv*.json)."""
+    from kernels_pallas._fp8_gemv import fp8_gemv_kernel, plan
+
+    args = (
+        jax.ShapeDtypeStruct((rows, K), jnp.bfloat16),
+        jax.ShapeDtypeStruct((N, K), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((N,), jnp.float32),
+    )
+    f = jax.jit(lambda x, w, s: fp8_gemv_kernel(x, w, s, min_scale=quant.FP8_MIN_SCALE))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    bn, bk, splits, _ = plan(N, K)
+    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text

@@ -192,6 +192,42 @@ def test_decoder_runs_quantized_projections_through_the_kernel(checkpoints, monk
         assert _rel(k, r) < 2e-2
 
 
+def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monkeypatch):
+    """quantization="fp8" on the "pallas" backend (interpret mode), a step of 2 token rows (the engine's batch-1
+    bucket): each layer's four projections run kernels_pallas' fp8 GEMV kernel (qkv's split-K partials summed by
+    the attention kernel, o / down summed with the residual), the step before it (7 rows) fp8_matmul's dot.
+    With the kernel replaced by the reference product as one partial, the logits equal the reference path's
+    exactly (the plumbing: partials, shapes, scales); with the kernel itself they differ by its float32 sums'
+    order, which the next projection's e4m3 rounding of x amplifies (2.2-2.4% here; the kernel against the
+    reference product: test_quant_kernels.py)."""
+    from jaxllm.models.attention import AttentionConfig
+    from kernels_pallas import _fp8_gemv
+    from kernels_pallas.quant import fp8_matmul_ref
+    from tests.model_harness import ragged_logits
+
+    dense_dir, _ = checkpoints
+    cfg, mesh, params = _load(dense_dir, 1, quantization="fp8")
+    seqs, cached = [[5, 9, 2, 77, 3], [11, 7, 40]], [4, 2]  # a second step of one new token each
+    real = _fp8_gemv.fp8_gemv_kernel
+
+    def logits(backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
+        return [np.asarray(x, np.float32) for x in out]
+
+    ref = logits("reference")
+    for kernel, tol in ((lambda x, w, s, **k: fp8_matmul_ref(x, w, s, out_dtype=jnp.float32)[None], 0.0), (real, 5e-2)):
+        calls: list = []
+        monkeypatch.setattr(
+            _fp8_gemv, "fp8_gemv_kernel", lambda x, *a, f=kernel, c=calls, **k: c.append(x.shape) or f(x, *a, **k)
+        )
+        jax.clear_caches()  # the layer is jitted: trace it again with the spy
+        got = logits("pallas")
+        assert calls == [(2, 256), (2, 512), (2, 256), (2, 512)], calls  # qkv, o, gate_up, down (one layer trace)
+        for k, r in zip(got, ref, strict=True):
+            assert _rel(k, r) <= tol
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization):
     """tp = 2 (shard_map over 2 devices): each projection's kernels path (the Pallas GEMM in interpret mode for

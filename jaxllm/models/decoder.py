@@ -27,7 +27,7 @@ from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
-from jaxllm.models.quant_matmul import qmatmul
+from jaxllm.models.quant_matmul import fp8_split_k, qmatmul
 
 
 def rms_norm(x, weight, eps):
@@ -100,6 +100,15 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     return math.gcd(QKV_SPLITS, cfg.hidden_size)
 
 
+def _fp8_qkv(h, lp, attn: AttentionConfig):
+    """The qkv projection's split-K partials from fp8_gemv (fp8 W8A8 weights, 1-2 token rows on the Pallas backend;
+    quant_matmul.fp8_split_k), summed in the attention kernel; None otherwise (and with a bias or q/k norms, which
+    apply to the summed projection)."""
+    if "b_qkv" in lp or "q_norm" in lp:
+        return None
+    return fp8_split_k(h, lp["w_qkv"], kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh)
+
+
 def _split_k_qkv(h, w, splits):
     """h [T, D] @ w [D, K, G + 2, H] as [splits, T, K, G + 2, H] float32 partials over D: one batched GEMM."""
     T, D = h.shape
@@ -151,8 +160,8 @@ def decoder_layer(
     h = _norm(x, lp["attn_norm"], cfg)
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
-    elif splits := qkv_splits(h.shape[0], lp, cfg, attn):
-        qkv = _split_k_qkv(h, lp["w_qkv"], splits)
+    elif (splits := qkv_splits(h.shape[0], lp, cfg, attn)) or (qkv := _fp8_qkv(h, lp, attn)) is not None:
+        qkv = _split_k_qkv(h, lp["w_qkv"], splits) if splits else qkv
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:

@@ -39,6 +39,7 @@ from jaxllm.sharding import logical_to_spec
 from kernels_pallas import qlayout
 from kernels_pallas.quant import (
     fp8_gemv,
+    fp8_gemv_partials,
     fp8_gemv_supported,
     fp8_matmul,
     fp8_matmul_ref,
@@ -133,3 +134,22 @@ def _dot_f32(x, dense):
     return jnp.dot(x.astype(jnp.float32), dense.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST).astype(
         x.dtype
     )
+
+
+def fp8_split_k(x, w, *, kernels: bool, interpret: bool = False, mesh=None):
+    """x [T, I] times an fp8 W8A8 weight (dynamic scales) as fp8_gemv's float32 split-K partials [S, T, *O], or None
+    where qmatmul would not run fp8_gemv (the reference path, FP8_GEMV off, more than 2 rows, static scales, tp > 1).
+    The decoder hands the qkv projection's partials to the attention kernel, which sums them (decoder.qkv_splits'
+    16-bit path), instead of summing them in a kernel of their own."""
+    if not (kernels and FP8_GEMV and isinstance(w, QuantizedWeight)) or (
+        mesh is not None and mesh.shape.get("tp", 1) > 1
+    ):
+        return None
+    s = w.scheme
+    if s.weight_type != "float" or s.activations in (None, "static") or w.perm is not None:
+        return None
+    wq = w.packed.reshape(-1, w.packed.shape[-1])
+    if not fp8_gemv_supported(x, wq):
+        return None
+    parts = fp8_gemv_partials(x, wq, w.scales.reshape(-1), interpret=interpret)
+    return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[:-1])
