@@ -727,7 +727,7 @@ def test_quant_kernels_smoke(tmp_path):
             "--shapes",
             "o",
             "--impls",
-            "bf16,int4_sym,fp8,int4_sym_asm,fp8_widened,fp8_w8a16,int4_xla",
+            "bf16,int4_sym,fp8,int4_sym_asm,fp8_widened,fp8_w8a16,int4_xla,fp8_res,fp8_gemv_res",
             "--reps",
             "1",
             "--sweep",
@@ -746,9 +746,18 @@ def test_quant_kernels_smoke(tmp_path):
     assert len(checks) == 9 and all(r["ok"] for r in checks)  # 3 cases, each dequantization path
     assert {r["dequant"] for r in checks} == {"float", "asm", "asm_sub"}
     rows = {r["impl"]: r for r in saved["rows"] if "impl" in r and not r["cfg"]}
-    assert set(rows) == {"bf16", "int4_sym", "fp8", "int4_sym_asm", "fp8_widened", "fp8_w8a16", "int4_xla"} and all(
-        r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values()
-    )
+    impls = {
+        "bf16",
+        "int4_sym",
+        "fp8",
+        "int4_sym_asm",
+        "fp8_widened",
+        "fp8_w8a16",
+        "int4_xla",
+        "fp8_res",
+        "fp8_gemv_res",
+    }
+    assert set(rows) == impls and all(r["rel_err"] < 1e-2 and r["time_us"] > 0 for r in rows.values())
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from jaxllm.models.quant import QuantLayout, QuantScheme, Relayout, pack_int
 from jaxllm.models.quant_matmul import qmatmul
-from kernels_pallas import _qmatmul, qlayout
+from kernels_pallas import _fp8_gemv, _qmatmul, qlayout
 
 SEQS = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9]
 
@@ -201,7 +201,6 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     order, which the next projection's e4m3 rounding of x amplifies (2.2-2.4% here; the kernel against the
     reference product: test_quant_kernels.py)."""
     from jaxllm.models.attention import AttentionConfig
-    from kernels_pallas import _fp8_gemv
     from kernels_pallas.quant import fp8_matmul_ref
     from tests.model_harness import ragged_logits
 
@@ -228,15 +227,19 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
             assert _rel(k, r) <= tol
 
 
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization):
+@pytest.mark.parametrize("quantization,rows", [(None, 5), ("fp8", 5), ("fp8", 2)])
+def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization, rows):
     """tp = 2 (shard_map over 2 devices): each projection's kernels path (the Pallas GEMM in interpret mode for
     GPTQ, with wo / w_down row-parallel and their act-order rows taking the gathered x; XLA's fp8 dot for
-    quantization="fp8") against the reference path and against the dense weights."""
+    quantization="fp8"; fp8_gemv's kernel for 2 rows, each shard with its own token scales) against the reference
+    path and against the dense weights."""
     dense_dir, gptq_dir = checkpoints
     calls = []
     real = _qmatmul.qmatmul_kernel
     monkeypatch.setattr(_qmatmul, "qmatmul_kernel", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    gemv = []
+    real_gemv = _fp8_gemv.fp8_gemv_kernel
+    monkeypatch.setattr(_fp8_gemv, "fp8_gemv_kernel", lambda x, *a, **k: gemv.append(x.shape) or real_gemv(x, *a, **k))
     _, _, dense = _load(dense_dir, 1)
     _, mesh, params = _load(gptq_dir if quantization is None else dense_dir, 2, quantization=quantization)
     rng = np.random.default_rng(5)
@@ -245,14 +248,15 @@ def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch,
         assert w.layout.shards == (2 if key in ("wo", "w_down") else 1)
         d = dense["layers"][1][key]
         n_in = 2 if key == "wo" else 1
-        x = jnp.asarray(rng.standard_normal((5, int(np.prod(d.shape[:n_in])))), jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((rows, int(np.prod(d.shape[:n_in])))), jnp.bfloat16)
         want = np.asarray(x, np.float32) @ np.asarray(d, np.float32).reshape(x.shape[1], -1)
         got = {k: jax.jit(functools.partial(qmatmul, kernels=k, interpret=True, mesh=mesh))(x, w) for k in (0, 1)}
-        assert got[1].shape == (5, *d.shape[n_in:])
+        assert got[1].shape == (rows, *d.shape[n_in:])
         assert _rel(got[1], got[0]) < (2e-2 if quantization else 1e-2), key
         if quantization is None:  # fp8 rounds x too: only the paths are compared
             assert _rel(got[0].reshape(5, -1), want) < 1e-2 and _rel(got[1].reshape(5, -1), want) < 1e-2, key
     assert len(calls) == (4 if quantization is None else 0)
+    assert len(gemv) == (4 if quantization and rows <= 2 else 0)  # each tp shard's product (its own token scales)
 
 
 def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
