@@ -9,7 +9,8 @@ Quantized weights (issue 28): "gptq_int4" loads the checkpoint written as GPTQ v
 quantizes it to fp8 while loading; each is checked against HF on the weights it holds, dequantized (fp8: with
 the decoder linears' inputs rounded per token to fp8 too, as the engine's W8A8 path does). On a GPU they run the
 fast paths (issue 29: the Pallas int4 GEMM for decode steps of <= 64 tokens, dequantize + GEMM above; XLA's fp8
-dot): quant_kernel_traces counts the step programs' calls of them (0 on the CPU's reference path).
+dot; the Pallas fp8 GEMV for decode steps of 1-2 tokens): quant_kernel_traces counts the step programs' calls of
+them (0 on the CPU's reference path).
 the decoder linears' inputs rounded per token to fp8 too, as the engine's W8A8 path does). That reference holds
 the engine's own weights, so the engine must also match it as closely as HF's bf16 run on them does: mean
 logprob error at most --lp-err-ratio times HF bf16's. A dequantization bug (a zero point off by one) shows
@@ -263,13 +264,15 @@ def run_config(args, model_dir: str, name: str) -> dict:
 @contextlib.contextmanager
 def counting_quant_kernels(counts: dict):
     """Counts traces of the quantized GEMMs' fast paths inside the block (the Pallas int4 / int8 kernel, XLA's fp8
-    dot): on a GPU a quantized configuration's step programs hold them ("pallas" backend), on the CPU none do."""
+    dot, the Pallas fp8 GEMV of 1-2 rows): on a GPU a quantized configuration's step programs hold them ("pallas"
+    backend), on the CPU none do."""
     from jaxllm.models import quant_matmul
-    from kernels_pallas import _qmatmul
+    from kernels_pallas import _fp8_gemv, _qmatmul
 
     saved = [
         (_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel),
         (quant_matmul, "fp8_matmul", quant_matmul.fp8_matmul),
+        (_fp8_gemv, "fp8_gemv_kernel", _fp8_gemv.fp8_gemv_kernel),
     ]
     for mod, name, fn in saved:
 

@@ -45,6 +45,8 @@ Quantized linear layers (quant.py; layout and load-time helpers in qlayout.py):
       dequantize + XLA's GEMM above them. quantized_matmul_ref beside it.
   fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale, *, x_scale=None, act_scale="token") -> [..., N]: FP8
       W8A8 through XLA's fp8 dot, activation scales computed in the call. fp8_matmul_ref beside it.
+  fp8_gemv(x [..., K], w, w_scale, *, residual=None) -> [..., N]: the same W8A8 function for 1-2 rows (decode) with
+      the activation quantization inside one split-K Pallas GEMV (_fp8_gemv.py). fp8_gemv_ref beside it.
 
 Mixture-of-experts grouped GEMM (grouped.py; the kernel in _grouped.py):
   grouped_matmul(rows [M, K] sorted by expert, sizes [E] int32, w [E, K, N], *, out_dtype=None, backend="auto",
@@ -65,7 +67,7 @@ from ._decode import fused_decode_attention_kernel, paged_decode_attention_kerne
 from ._ragged import ragged_paged_attention_kernel
 from ._write import qkv_write_kv_kernel, write_kv_kernel
 from .grouped import grouped_matmul, grouped_matmul_ref
-from .quant import fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref
+from .quant import fp8_gemv, fp8_gemv_ref, fp8_matmul, fp8_matmul_ref, quantized_matmul, quantized_matmul_ref
 from .reference import paged_decode_attention_ref, ragged_paged_attention_ref
 
 __all__ = [
@@ -81,6 +83,8 @@ __all__ = [
     "quantized_matmul_ref",
     "fp8_matmul",
     "fp8_matmul_ref",
+    "fp8_gemv",
+    "fp8_gemv_ref",
     "grouped_matmul",
     "grouped_matmul_ref",
 ]

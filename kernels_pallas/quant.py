@@ -21,6 +21,12 @@
       applied to its float32 result. Up to FP8_WIDEN_MAX_ROWS rows (widen=None) XLA's GEMM multiplies both fp8
       operands widened to bfloat16 instead (x before an optimization barrier, the weight inside the GEMM): the same
       products (exact) and float32 sums, a faster GEMV.
+  fp8_gemv(x [..., K] of 1-2 rows, w, w_scale, *, residual=None) -> [..., N]
+      The same function (dynamic per-token scales) with the scales' reduction and x's e4m3 rounding inside one
+      split-K Pallas GEMV (_fp8_gemv.py), its float32 partials summed (and added to the residual) in the XLA fusion
+      after it; fp8_gemv_partials returns the partials for a consumer that sums them (the qkv/RoPE/write kernel).
+      The decoder's fp8 W8A8 projections of the batch-1 decode bucket run it (H100, 8B: four kernels a projection
+      become two; batch-1 ITL 3.54 vs 3.65 ms, bench/KERNELS_NOTES.md "Measured in stop 47").
 
 The weight layout, the act-order permutation and the helpers that build a QuantizedWeight from a checkpoint's
 integers are in qlayout.py.

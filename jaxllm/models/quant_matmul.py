@@ -7,7 +7,10 @@
                    rows (decode), dequantize + XLA's GEMM above (prefill)          one float32 dot
   fp8 W8A8         kernels_pallas.fp8_matmul: x quantized per token (dynamic) or   fp8_matmul_ref: the same values,
                    with the static scale, one fp8 x fp8 dot (FP8 tensor cores;     the dot in float32
-                   T <= 2: the fp8 values widened to bfloat16 in XLA's GEMM)
+                   T <= 2: the fp8 values widened to bfloat16 in XLA's GEMM);
+                   dynamic scales and T <= 2: kernels_pallas.fp8_gemv, the scales
+                   and x's rounding inside one split-K Pallas GEMV (fp8_split_k:
+                   its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
