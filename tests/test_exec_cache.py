@@ -334,3 +334,19 @@ def test_cublas_cutoff_override_from_the_environment():
     assert run("").stdout.split() == [str(programs_mod.CUBLAS_MIN_DECODE_SEQS)] == ["32"]  # unset or empty: default
     bad = run("many")
     assert bad.returncode != 0 and "JAXLLM_CUBLAS_MIN_DECODE_SEQS='many' is not an integer." in bad.stderr
+
+
+def test_key_changes_with_the_program_env_overrides(monkeypatch):
+    """The JAXLLM_* variables that change a step's program (PROGRAM_ENV: the cuBLAS cutoff, the decode backend, the
+    fp8 GEMV) are part of every key's environment, so flipping one for an A/B run never loads the other side's
+    executable; other variables are not."""
+    devices = jax.devices()[:1]
+    for name in exec_cache.PROGRAM_ENV:
+        monkeypatch.delenv(name, raising=False)
+    base = exec_cache._environment(devices)
+    monkeypatch.setenv("JAXLLM_SOMETHING_ELSE", "1")
+    assert exec_cache._environment(devices) == base
+    for name in exec_cache.PROGRAM_ENV:
+        monkeypatch.setenv(name, "0")
+        assert exec_cache._environment(devices) != base, name
+        monkeypatch.delenv(name)

@@ -5,7 +5,7 @@ JAX's persistent compilation cache is keyed by the lowered program, so even on a
 and lowered first (~1 s per bucket for a 32-layer model). This cache is keyed by what the program is built
 from, known before tracing:
   - jax and jaxlib versions, the platform and its version, the devices the step runs on (ids, kinds, count),
-    XLA_FLAGS and the jax options that change lowering;
+    XLA_FLAGS, the JAXLLM_* overrides that change a step (PROGRAM_ENV) and the jax options that change lowering;
   - a hash of every .py file of jaxllm/ and kernels_pallas/ (any code change is a miss);
   - the step's name and static arguments (model config, attention backend and mesh, sampler flags, prompt
     logprobs k);
@@ -57,6 +57,9 @@ _SUFFIX = ".jxe"
 # XLA or JAX's persistent cache answered (not recorded when JAX's in-memory cache answers).
 JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+# Environment overrides (bench A/B runs) that change what a step traces to or how it compiles: xla_options'
+# cuBLAS cutoff, the decode attention backend, the fp8 GEMV of the batch-1 bucket.
+PROGRAM_ENV = ("JAXLLM_CUBLAS_MIN_DECODE_SEQS", "JAXLLM_DECODE_BACKEND", "JAXLLM_FP8_GEMV")
 # jax options that change what a traced step lowers to.
 _JAX_OPTIONS = (
     "jax_enable_x64",
@@ -110,6 +113,7 @@ def _environment(devices) -> str:
             process_count=jax.process_count(),
             devices=[(d.id, d.device_kind, d.process_index) for d in devices],
             xla_flags=os.environ.get("XLA_FLAGS", ""),
+            program_env={k: os.environ.get(k, "") for k in PROGRAM_ENV},
             options=options,
             sources=source_digest(),
         ),
