@@ -77,6 +77,8 @@ IMPLS = (
     "fp8_gemv",
     "fp8_gemv_res",
 )
+# rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
+TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res")
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
@@ -233,7 +235,7 @@ def make_impl(name, K, N, key):
     if name.startswith("fp8"):  # one e4m3 weight [N, K] with per-channel scales
         w = (jax.random.normal(key, (N, K), jnp.float32) * 8).astype(jnp.float8_e4m3fn)
         s = jax.random.uniform(key, (N,), jnp.float32, 0.5, 1.5) * 0.02 / 8
-        if name in ("fp8_res", "fp8_gemv_res", "fp8_gemv"):  # the _res rows add a [2, N] residual (M <= 2)
+        if name in TWO_ROW_IMPLS:  # the _res rows add the [2, N] residual
             r = jax.random.normal(jax.random.fold_in(key, 7), (2, N), jnp.float32).astype(jnp.bfloat16)
             if name == "fp8_res":  # fp8_matmul (its default: widened up to 2 rows), then XLA's residual add
                 return (lambda x, w: w[2][: x.shape[0]] + fp8_matmul(x, w[0], w[1])), (w, s, r), N * K + N * 4
@@ -276,7 +278,7 @@ def reference(name, x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     if name in ("fp8", "fp8_widened"):
         return fp8_matmul_ref(x, *w)
-    if name in ("fp8_res", "fp8_gemv_res", "fp8_gemv"):
+    if name in TWO_ROW_IMPLS:
         return fp8_gemv_ref(x, w[0], w[1], residual=None if name == "fp8_gemv" else w[2][: x.shape[0]])
     if name == "fp8_w8a16":
         return jnp.dot(x.astype(jnp.float32), w[0].astype(jnp.float32).T) * w[1][None, :]
@@ -329,7 +331,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         if name == "fp8_gemv" and sweep:
             configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
         for M in ms:
-            if name.startswith("fp8_gemv") and M > 2 or name == "fp8_res" and M > 2:
+            if name in TWO_ROW_IMPLS and M > 2:
                 continue  # the fused GEMV takes the decode bucket's 1-2 rows
             xs = [
                 jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)

@@ -93,7 +93,7 @@ def paged_attention(
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         if qkv.ndim != 4:
-            raise ValueError("split-K qkv partials are for one tp shard only (decoder.qkv_splits)")
+            raise ValueError("split-K qkv partials are for one tp shard only (decoder.qkv_partials)")
         from jax.sharding import PartitionSpec as P
 
         heads = P(None, "tp", None)

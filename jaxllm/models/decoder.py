@@ -80,33 +80,33 @@ QKV_SPLIT_MAX_TOKENS = 16
 
 
 def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfig) -> int:
-    """Static: how many split-K partials the qkv projection is computed as (0: a plain projection).
+    """Static: how many split-K partials a 16-bit qkv projection is computed as (0: a plain projection).
 
     At batch 1 XLA splits the qkv GEMM over its contraction (4 ways on an H100) and sums the partials in a
     kernel of its own (~1.6 us); then the qkv/RoPE/KV-write kernel runs (3.3 us). For token batches of up to
     QKV_SPLIT_MAX_TOKENS on the Pallas backend the decoder makes the partials itself (one batched GEMM) and
-    the qkv/RoPE/write kernel sums them, which saves that launch. Not with a qkv bias (added after the sum)
-    or tp > 1 (the partials would cross shard_map's specs)."""
-    if (
-        attn.backend != "pallas"
-        or num_tokens > QKV_SPLIT_MAX_TOKENS
-        or "b_qkv" in lp
-        or "q_norm" in lp
-        or isinstance(lp["w_qkv"], QuantizedWeight)
-    ):
-        return 0  # a bias or q/k norms apply to the summed projection; quantized weights are not split
-    if attn.mesh is not None and attn.mesh.shape.get("tp", 1) > 1:
-        return 0
+    the qkv/RoPE/write kernel sums them, which saves that launch (_partials_allowed says where not)."""
+    if num_tokens > QKV_SPLIT_MAX_TOKENS or isinstance(lp["w_qkv"], QuantizedWeight) or not _partials_allowed(lp, attn):
+        return 0  # quantized weights: qkv_partials' fp8 case
     return math.gcd(QKV_SPLITS, cfg.hidden_size)
 
 
-def _fp8_qkv(h, lp, attn: AttentionConfig):
-    """The qkv projection's split-K partials from fp8_gemv (fp8 W8A8 weights, 1-2 token rows on the Pallas backend;
-    quant_matmul.fp8_split_k), summed in the attention kernel; None otherwise (and with a bias or q/k norms, which
-    apply to the summed projection)."""
-    if "b_qkv" in lp or "q_norm" in lp:
+def _partials_allowed(lp: dict, attn: AttentionConfig) -> bool:
+    """Whether the attention kernel may take the qkv projection as split-K partials: the Pallas backend, no qkv bias
+    or q/k norms (they apply to the summed projection), tp 1 (the partials would cross shard_map's specs)."""
+    tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
+    return attn.backend == "pallas" and "b_qkv" not in lp and "q_norm" not in lp and tp == 1
+
+
+def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
+    """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
+    (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
+    weights of 1-2 rows (fp8_gemv's own partials, quant_matmul.fp8_split_k)."""
+    if splits := qkv_splits(h.shape[0], lp, cfg, attn):
+        return _split_k_qkv(h, lp["w_qkv"], splits)
+    if not _partials_allowed(lp, attn):
         return None
-    return fp8_split_k(h, lp["w_qkv"], kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh)
+    return fp8_split_k(h, lp["w_qkv"], interpret=attn.interpret)
 
 
 def _split_k_qkv(h, w, splits):
@@ -160,8 +160,7 @@ def decoder_layer(
     h = _norm(x, lp["attn_norm"], cfg)
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
-    elif (splits := qkv_splits(h.shape[0], lp, cfg, attn)) or (qkv := _fp8_qkv(h, lp, attn)) is not None:
-        qkv = _split_k_qkv(h, lp["w_qkv"], splits) if splits else qkv
+    elif (qkv := qkv_partials(h, lp, cfg, attn)) is not None:
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:

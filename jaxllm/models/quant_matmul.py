@@ -119,16 +119,26 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
 
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
+    if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # the decode bucket's 1-2 rows
+        return fp8_gemv(x, *gemv, interpret=interpret)
     wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
     scale = w.scales.reshape(-1)
     if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize (next to the dot), then one dot
         x, (wq, scale) = tie_to_input(x, (wq, scale))
         return _dot_f32(x, (wq.astype(jnp.float32) * scale[:, None]).astype(x.dtype).T)
     x_scale = w.act_scale if w.scheme.activations == "static" else None
-    if kernels and FP8_GEMV and fp8_gemv_supported(x, wq, x_scale=x_scale):  # the decode bucket's 1-2 rows
-        return fp8_gemv(x, wq, scale, interpret=interpret)
     fn = fp8_matmul if kernels else fp8_matmul_ref
     return fn(x, wq, scale, x_scale=x_scale, act_scale="token")
+
+
+def _fp8_gemv_operands(x, w: QuantizedWeight, kernels: bool):
+    """(w [N, K] e4m3, scales [N] or [1]) where x times w runs fp8_gemv: the kernels path with FP8_GEMV on, an fp8
+    W8A8 weight with dynamic activation scales, and x as fp8_gemv_supported takes it (1-2 rows); else None."""
+    s = w.scheme
+    if not (kernels and FP8_GEMV) or s.weight_type != "float" or s.activations in (None, "static"):
+        return None
+    wq = w.packed.reshape(-1, w.packed.shape[-1])
+    return (wq, w.scales.reshape(-1)) if fp8_gemv_supported(x, wq) else None
 
 
 def _dot_f32(x, dense):
@@ -139,20 +149,13 @@ def _dot_f32(x, dense):
     )
 
 
-def fp8_split_k(x, w, *, kernels: bool, interpret: bool = False, mesh=None):
-    """x [T, I] times an fp8 W8A8 weight (dynamic scales) as fp8_gemv's float32 split-K partials [S, T, *O], or None
-    where qmatmul would not run fp8_gemv (the reference path, FP8_GEMV off, more than 2 rows, static scales, tp > 1).
-    The decoder hands the qkv projection's partials to the attention kernel, which sums them (decoder.qkv_splits'
-    16-bit path), instead of summing them in a kernel of their own."""
-    if not (kernels and FP8_GEMV and isinstance(w, QuantizedWeight)) or (
-        mesh is not None and mesh.shape.get("tp", 1) > 1
-    ):
+def fp8_split_k(x, w, *, interpret: bool = False):
+    """x [T, I] times w on one device as fp8_gemv's float32 split-K partials [S, T, *O], where qmatmul's kernels path
+    runs fp8_gemv for it (_fp8_gemv_operands); else None. For the decoder's qkv, whose partials the attention kernel
+    sums (decoder.qkv_partials) instead of a kernel of their own."""
+    if not isinstance(w, QuantizedWeight) or w.perm is not None:
         return None
-    s = w.scheme
-    if s.weight_type != "float" or s.activations in (None, "static") or w.perm is not None:
+    if (gemv := _fp8_gemv_operands(x, w, kernels=True)) is None:
         return None
-    wq = w.packed.reshape(-1, w.packed.shape[-1])
-    if not fp8_gemv_supported(x, wq):
-        return None
-    parts = fp8_gemv_partials(x, wq, w.scales.reshape(-1), interpret=interpret)
+    parts = fp8_gemv_partials(x, *gemv, interpret=interpret)
     return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[:-1])
