@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -282,3 +285,32 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
             n_local = int(np.prod(w.packed.shape[1:])) // (1 if row_parallel else tp)
             assert _qmatmul.supported(jnp.bfloat16, n_local, 4, lay.group_size, lay.plane), (tp, key, lay)
             assert lay.plane == 128 or tp > 1
+
+
+def test_fp8_gemv_switch(checkpoints, monkeypatch):
+    """JAXLLM_FP8_GEMV=0 (bench A/B runs) sets quant_matmul.FP8_GEMV off when the module loads (default on), and
+    with it off a 2-row fp8 projection takes fp8_matmul's dot instead of the GEMV kernel; the qkv partials path
+    then gives None (the plain projection)."""
+    from jaxllm.models import quant_matmul
+
+    code = "from jaxllm.models import quant_matmul; print(quant_matmul.FP8_GEMV)"
+    for value, want in (("0", "False"), ("1", "True"), (None, "True")):
+        env = {k: v for k, v in os.environ.items() if k != "JAXLLM_FP8_GEMV"}
+        if value is not None:
+            env["JAXLLM_FP8_GEMV"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == [want], out.stderr
+    dense_dir, _ = checkpoints
+    _, mesh, params = _load(dense_dir, 1, quantization="fp8")
+    w = params["layers"][0]["wo"]
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((2, 512)), jnp.bfloat16)
+    gemv = []
+    real = _fp8_gemv.fp8_gemv_kernel
+    monkeypatch.setattr(_fp8_gemv, "fp8_gemv_kernel", lambda x, *a, **k: gemv.append(x.shape) or real(x, *a, **k))
+    on = qmatmul(x, w, kernels=True, interpret=True)
+    assert gemv == [(2, 512)] and quant_matmul.fp8_split_k(x, w, interpret=True) is not None
+    monkeypatch.setattr(quant_matmul, "FP8_GEMV", False)
+    gemv.clear()
+    off = qmatmul(x, w, kernels=True, interpret=True)
+    assert gemv == [] and quant_matmul.fp8_split_k(x, w, interpret=True) is None
+    assert _rel(on, off) < 2e-2
