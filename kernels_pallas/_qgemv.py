@@ -150,7 +150,7 @@ def qgemv_kernel(
     splits=None,
     dequant=None,
     num_warps=4,
-    num_stages=3,
+    num_stages=2,
     interpret=False,
 ):
     """x [M, Kp] (M <= MAX_ROWS; Kp the layout's padded K, columns in the layout's row order) times the packed

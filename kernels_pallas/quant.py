@@ -145,7 +145,8 @@ def quantized_matmul(
     if w.perm is not None:
         x2 = jnp.take(x2, w.perm, axis=1)
     fma = tuning.pop("fma", None)
-    fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
+    if fma is None:
+        fma = M <= _qmatmul.FMA_MAX_M or tuning.get("dequant") == "fma_scaled"
     Mp, Kp = kernel_m(M, fma, tuning.get("dequant", "float")), padded_k(w.k, w.bits, w.plane)
     if not tuning.keys() - {"dequant"} and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
         tuning = dict(LARGE_M_TILING, **tuning)

@@ -601,6 +601,48 @@ def test_model_fused_decode_step_matches_reference(tmp_path, monkeypatch, tp):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 
 
+@pytest.mark.parametrize("smallest", [2, 1])
+def test_two_row_decode_plans_one_sequence_only_where_it_is_the_smallest_bucket(tmp_path, monkeypatch, smallest):
+    """attention.ONE_SEQ_DECODE_ROWS: a 2-row decode step plans the kernel's split-K for one live sequence where 2 rows
+    is the engine's smallest bucket (AttentionConfig.smallest_decode_rows 2: one sequence and a padding row); with
+    a 1-row bucket (int-weight models, runner.smallest_seq_bucket) a 2-row step holds two live sequences and plans
+    for both. Logits equal the reference backend's either way."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+    from tests.model_harness import ragged_logits
+
+    torch.manual_seed(3)
+    hf = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
+    LlamaForCausalLM(hf).save_pretrained(tmp_path)
+    cfg = ModelConfig.from_hf(str(tmp_path), dtype="float32")
+    mesh = ParallelConfig(1, 1).make_mesh()
+    params = load_params(str(tmp_path), cfg, mesh)
+    seqs, cached = [[5, 9, 2, 7, 3, 14], [11, 7, 30]], [5, 2]  # step 2: two live one-token sequences
+    plans = []
+    real = kp.fused_decode_attention
+    monkeypatch.setattr(kp, "fused_decode_attention", lambda *a, **k: plans.append(k.get("plan_seqs")) or real(*a, **k))
+    jax.clear_caches()
+    pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh, smallest_decode_rows=smallest)
+    out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas, pad_tokens=0, pad_seqs=0)
+    assert plans == [1 if smallest == 2 else None]
+    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=0, pad_seqs=0)
+    for o, r in zip(out, ref, strict=True):
+        np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
+
+
 # ---- Mosaic GPU prefill kernel (_prefill_mgpu.py), in jax's Mosaic GPU interpreter (slow: two cases) ----
 
 

@@ -314,3 +314,62 @@ def test_fp8_gemv_switch(checkpoints, monkeypatch):
     off = qmatmul(x, w, kernels=True, interpret=True)
     assert gemv == [] and quant_matmul.fp8_split_k(x, w, interpret=True) is None
     assert _rel(on, off) < 2e-2
+
+
+def test_int_weight_models_take_a_one_row_decode_bucket():
+    """runner.smallest_seq_bucket: int-weight models (GPTQ / AWQ / W4A16 / W8A16 / INT8 W8A8) on the "pallas" backend
+    start their sequence buckets at one row (the int kernel's one-row variant); 16-bit and fp8 models, and every
+    model on the reference backend, at SMALLEST_SEQ_BUCKET (2)."""
+    from types import SimpleNamespace
+
+    from jaxllm.engine import runner
+    from jaxllm.quantization import QuantConfig
+
+    base = SimpleNamespace(quantization=None)
+    gptq = SimpleNamespace(quantization=QuantConfig(method="gptq", bits=4, group_size=128))
+    w8a8 = SimpleNamespace(quantization=QuantConfig(method="compressed-tensors", bits=8, activations="dynamic"))
+    fp8 = SimpleNamespace(quantization=QuantConfig(method="fp8", weight_type="float", bits=8, activations="dynamic"))
+    assert runner.smallest_seq_bucket(gptq, "pallas") == runner.SMALLEST_SEQ_BUCKET_INT == 1
+    assert runner.smallest_seq_bucket(w8a8, "pallas") == 1
+    for cfg, backend in ((gptq, "reference"), (base, "pallas"), (fp8, "pallas"), (base, "reference")):
+        assert runner.smallest_seq_bucket(cfg, backend) == runner.SMALLEST_SEQ_BUCKET == 2
+    assert runner.step_buckets(64, 512, 1) == ((1, 2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256, 512))
+    assert runner.step_buckets(64, 512) == ((2, 4, 8, 16, 32, 64), (16, 32, 64, 128, 256, 512))
+    assert runner.step_buckets(1, 16, 2) == ((1,), (16,))
+
+    # a GPTQ model's runner on the "pallas" backend: 1-row decode programs, and attention told the smallest bucket
+    from jaxllm.config import ModelConfig
+    from jaxllm.models.attention import AttentionConfig
+    from jaxllm.models.loader import abstract_weights
+    from jaxllm.sharding import ParallelConfig
+
+    hf = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=1,
+        max_position_embeddings=256,
+        torch_dtype="bfloat16",
+        quantization_config=dict(quant_method="gptq", bits=4, group_size=128, sym=True, desc_act=False),
+    )
+    mesh = ParallelConfig(1, 1).make_mesh()
+    for quant, backend, want in ((True, "pallas", 1), (True, "reference", 2), (False, "pallas", 2)):
+        cfg = ModelConfig.from_hf(hf if quant else {k: v for k, v in hf.items() if k != "quantization_config"})
+        r = runner.ModelRunner(
+            cfg,
+            abstract_weights(cfg, mesh),
+            mesh,
+            num_blocks=8,
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=32,
+            max_model_len=64,
+            attn_config=AttentionConfig(backend=backend),
+        )
+        assert r.seq_buckets[0] == r.attn.smallest_decode_rows == want
+        decode_rows = sorted(v.num_seqs for v in r.programs.variants() if v.decode_only)
+        assert decode_rows[0] == want

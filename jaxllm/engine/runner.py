@@ -79,6 +79,21 @@ def kv_storage_dtype(dtype):
 # instead of an 18.7 us GEMM), 2 rows 5.44 ms, 8 rows 5.61 ms (the attention grid and the small fusions run
 # over 4x the rows; bench/results/step_probe_h100_30bea4e_rows*.json).
 SMALLEST_SEQ_BUCKET = 2
+# ... except for int weight-only (and INT8 W8A8) models on the Pallas backend: their projections' kernel runs one row
+# on the CUDA cores (kernels_pallas/_qmatmul.py's FMA variant) faster than two rows on the MMA variant, and a 2-row
+# bucket pads x to 8 rows and slices the result (two XLA kernels a projection). H100, Llama-3-8B GPTQ int4 g128,
+# batch-1 ITL in one call, alternating: 4.32 / 4.32 ms with a 2-row bucket, 3.56 / 3.47 with a 1-row bucket; the
+# four GEMMs a layer 79.4 us at 1 row against 109.6 at 2 (bench/results/latency_gptq_h100_9c30971_bucket*.json).
+SMALLEST_SEQ_BUCKET_INT = 1
+
+
+def smallest_seq_bucket(cfg: ModelConfig, backend: str) -> int:
+    """The smallest decode bucket for this model: SMALLEST_SEQ_BUCKET_INT for int-weight models on the "pallas"
+    backend (their kernel path), else SMALLEST_SEQ_BUCKET."""
+    q = cfg.quantization
+    if backend == "pallas" and q is not None and q.weight_type == "int":
+        return SMALLEST_SEQ_BUCKET_INT
+    return SMALLEST_SEQ_BUCKET
 
 
 def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
@@ -89,12 +104,15 @@ def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out) + (hi,)
 
 
-def step_buckets(max_num_seqs: int, max_num_batched_tokens: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(sequence buckets, token buckets) of the compiled steps: powers of two from SMALLEST_SEQ_BUCKET sequences
-    and 16 tokens up to the limits. The one place the lists are made (bench/padding_waste.py replays workloads
-    on other lists; bench/bucket_ab.py times them)."""
+def step_buckets(
+    max_num_seqs: int, max_num_batched_tokens: int, smallest: int | None = None
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(sequence buckets, token buckets) of the compiled steps: powers of two from `smallest` sequences (default
+    SMALLEST_SEQ_BUCKET; smallest_seq_bucket picks it per model) and 16 tokens up to the limits. The one place the
+    lists are made (bench/padding_waste.py replays workloads on other lists; bench/bucket_ab.py times them)."""
+    smallest = SMALLEST_SEQ_BUCKET if smallest is None else smallest
     return (
-        pow2_buckets(min(SMALLEST_SEQ_BUCKET, max_num_seqs), max_num_seqs),
+        pow2_buckets(min(smallest, max_num_seqs), max_num_seqs),
         pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens),
     )
 
@@ -137,7 +155,11 @@ class ModelRunner:
         self.block_size, self.num_blocks = block_size, num_blocks
         self.max_logprobs = max_logprobs
         self.max_pages = -(-max_model_len // block_size)
-        self.seq_buckets, self.token_buckets = step_buckets(max_num_seqs, max_num_batched_tokens)
+        self.seq_buckets, self.token_buckets = step_buckets(
+            max_num_seqs, max_num_batched_tokens, smallest_seq_bucket(cfg, attn_config.backend)
+        )
+        if attn_config.smallest_decode_rows != self.seq_buckets[0]:
+            self.attn = attn_config = dataclasses.replace(attn_config, smallest_decode_rows=self.seq_buckets[0])
         if kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not one of {list(KV_DTYPES)}.")
         self.kv_values_dtype = jnp.dtype(KV_DTYPES[kv_cache_dtype] or cfg.dtype)  # what the pages' values are

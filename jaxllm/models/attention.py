@@ -67,6 +67,9 @@ class AttentionConfig:
     # The KV values' dtype where the pages hold its bit patterns as uint8 (fp8 on CPU, runner.kv_storage_dtype);
     # None: the pages' own dtype. Reference backend only.
     kv_dtype: str | None = None
+    # The engine's smallest decode bucket (runner.smallest_seq_bucket): ONE_SEQ_DECODE_ROWS applies where it is that
+    # bucket (one live sequence and a padding row); with a 1-row bucket a 2-row step holds two live sequences.
+    smallest_decode_rows: int = 2
 
 
 def paged_attention(
@@ -170,7 +173,7 @@ def _paged_attention(
         import kernels_pallas
 
         tuning = dict(FUSED_DECODE_TUNING)
-        if meta.seq_lens.shape[0] == ONE_SEQ_DECODE_ROWS:
+        if meta.seq_lens.shape[0] == ONE_SEQ_DECODE_ROWS == config.smallest_decode_rows:
             tuning.setdefault("plan_seqs", 1)
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(
             qkv,
