@@ -16,8 +16,7 @@ int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per 128-row group 
 handling, no Pallas kernel); fp8_res = fp8_matmul then XLA's residual add of a [M, N] bf16 residual (M <= 2: the decode
 bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the residual) as one Pallas kernel
 (kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
-FP8_GEMV_SWEEP tilings); int4_gemv / int4_gemv_asym = int4 g128 (sym / asym) through quant.quantized_gemv (the 1-2
-row GEMV kernel, kernels_pallas/_qgemv.py, with its partials' sum; --sweep adds QGEMV_SWEEP); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
+FP8_GEMV_SWEEP tilings); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
 --sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
@@ -55,7 +54,6 @@ from kernels_pallas.quant import (  # noqa: E402
     fp8_gemv_ref,
     fp8_matmul,
     fp8_matmul_ref,
-    quantized_gemv,
     quantized_matmul,
     quantized_matmul_ref,
 )
@@ -78,31 +76,9 @@ IMPLS = (
     "fp8_res",
     "fp8_gemv",
     "fp8_gemv_res",
-    "int4_gemv",
-    "int4_gemv_asym",
 )
 # rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
 TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res")
-# impls of the decode bucket's 1-2 rows only
-GEMV_IMPLS = TWO_ROW_IMPLS + ("int4_gemv", "int4_gemv_asym")
-# int4_gemv's tilings (--sweep; kernels_pallas/_qgemv.py): (dequant, block_n, block_l, splits, warps, stages)
-QGEMV_SWEEP = [
-    dict(dequant=dq, block_n=bn, block_l=bl, splits=sp, num_warps=w, num_stages=st)
-    for dq, bn, bl, sp, w, st in (
-        ("f32", 64, 128, None, 4, 3),
-        ("fold", 64, 128, None, 4, 3),
-        ("hi", 64, 128, None, 4, 2),
-        ("hi", 32, 128, None, 4, 3),
-        ("hi", 128, 128, None, 8, 2),
-        ("hi", 64, 128, None, 8, 2),
-        ("hi", 64, 64, None, 4, 3),
-        ("hi", 64, 32, None, 4, 4),
-        ("hi", 32, 64, None, 4, 3),
-        ("hi", 128, 64, None, 8, 3),
-        ("f32", 64, 64, None, 4, 3),
-        ("hi", 64, 64, 16, 4, 3),
-    )
-]
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
@@ -279,9 +255,6 @@ def make_impl(name, K, N, key):
             return (y * sc[None, :]).astype(x.dtype)
 
         return w8a16, (w, s), N * K + N * 4
-    if name.startswith("int4_gemv"):  # int4 g128 through the 1-2 row GEMV kernel
-        w = int_weight(key, K, N, 4, 128, name == "int4_gemv")
-        return (lambda x, w, **cfg: quantized_gemv(x, w, **cfg)), w, w.nbytes
     if name == "int4_xla":
         kq, ks = jax.random.split(key)
         q = jax.random.randint(kq, (K, N), -8, 8, jnp.int32).astype(jnp.int4)
@@ -357,10 +330,8 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         configs = [{}] + (sweep if sweep and name == "int4_sym" else [])
         if name == "fp8_gemv" and sweep:
             configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
-        if name == "int4_gemv" and args.sweep:
-            configs += [c for c in QGEMV_SWEEP if N % c["block_n"] == 0 and w0.plane % c["block_l"] == 0]
         for M in ms:
-            if name in GEMV_IMPLS and M > 2:
+            if name in TWO_ROW_IMPLS and M > 2:
                 continue  # the fused GEMV takes the decode bucket's 1-2 rows
             xs = [
                 jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
@@ -374,13 +345,12 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     or shape not in args.sweep_shapes.split(",")
                     or (cfg.get("fma") and M > 4)
                     or M % cfg.get("block_m", 1)
-                    or (name == "int4_sym" and cfg.get("dequant", "float") not in args.sweep_dequant.split(","))
+                    or cfg.get("dequant", "float") not in args.sweep_dequant.split(",")
                 ):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
                 try:
-                    gemv = name.startswith(("fp8_gemv", "int4_gemv"))
-                    fn = functools.partial(call, interpret=args.tiny, **cfg) if gemv else call
+                    fn = functools.partial(call, interpret=args.tiny, **cfg) if name.startswith("fp8_gemv") else call
                     if fn is None:
                         backend = "dequant" if name == "int4_dequant" else "kernel"
                         kw = dict(dequant="asm") if name.endswith("_asm") else {}

@@ -55,11 +55,7 @@ FMA_MAX_M = 1  # rows up to which the CUDA-core FMA variant is the default
 MMA_MIN_ROWS = 8
 # the dequantization: float32 magic (the default), or PTX LOP3 / PRMT (_qdequant.py) with the int4 MMA's zero point
 # folded out through x's row sums ("asm") or subtracted in x's dtype ("asm_sub")
-# "fma_scaled" (int4, FMA variant, planes unrolled): each field as the float32 2^7 + q (the field shifted under the
-# 2^7 magic: no subtraction) and the weight (q - z) * s by one FFMA with the group's -(2^7 + z) * s, then one FFMA
-# with x: ~4 instructions a weight against the float path's ~6.5 (its subtraction, then x times w, then the scale)
-DEQUANT = ("float", "asm", "asm_sub", "fma_scaled")
-HI_MAGIC = 0x43000000  # float32 2^7: bits (HI_MAGIC | q << 16) read as float32 are exactly 128 + q for q < 128
+DEQUANT = ("float", "asm", "asm_sub")
 
 
 def supported(x_dtype, n: int, bits: int, group_size: int, plane: int) -> bool:
@@ -122,7 +118,7 @@ def _kernel(
     prefetch,
     interpret,
 ):
-    if dequant in ("asm", "asm_sub"):
+    if dequant != "float":
         return asm_kernel(
             x_ref,
             qw_ref,
@@ -162,29 +158,9 @@ def _kernel(
         return z_ref[g, :].astype(jnp.float32)[None, :] + float(1 << 23)
 
     off_channel = offset(0) if per_channel else None
-    scaled = dequant == "fma_scaled"
-
-    def scaled_weights(words, j, g):
-        """Plane j (static) as float32 (q - z) * s (per channel: q - z) from the field shifted to bits 16.. under the
-        2^7 magic: 128 + q exactly, then one FFMA with s and the group's -(128 + z) * s (products exact in float32,
-        one rounding: ~2^-24 * 143 relative at |q - z| = 1, 0 at q = z)."""
-        sh = j * bits
-        q = words if sh == 16 else jax.lax.shift_left(words, jnp.int32(16 - sh)) if sh < 16 else (
-            jax.lax.shift_right_logical(words, jnp.int32(sh - 16))
-        )
-        v = jax.lax.bitcast_convert_type((q & (mask << 16)) | HI_MAGIC, jnp.float32)  # 128 + q
-        zp = (z_ref[g, :].astype(jnp.float32)[None, :] if has_zeros else float(1 << (bits - 1))) + 128.0
-        if per_channel:
-            return v - zp
-        s = s_ref[g, :].astype(jnp.float32)[None, :]
-        return v * s - zp * s
 
     def plane_step(words, t, j, acc, static_j):
         k0 = t * TK + j * L
-        if scaled:  # the FMA variant with the scale inside the weight (see scaled_weights)
-            g = 0 if per_channel else k0 // group_size
-            w = scaled_weights(words, j, g)
-            return tuple(acc[m] + w * x_ref[m, pl.ds(k0, L)].astype(jnp.float32)[:, None] for m in range(BM))
         q = (
             words
             if static_j and j == 0
@@ -308,15 +284,13 @@ def qmatmul_kernel(
         raise ValueError(f"dequant={dequant!r} is not one of {DEQUANT}")
     if prefetch and dequant != "float":
         raise ValueError(f"prefetch=True is implemented for dequant='float' only, got dequant={dequant!r}")
-    if dequant == "fma_scaled" and (bits != 4 or fma is False or plane_loop):
-        raise ValueError("dequant='fma_scaled' is the FMA variant's (fma=True) with unrolled planes, for 4-bit weights")
     BM = block_m or min(M, MAX_BLOCK_M)
     if M % BM or BM & (BM - 1) or BM > LARGEST_BLOCK_M:
         raise ValueError(
             f"M={M} must be a multiple of block_m={BM}, a power of two <= {LARGEST_BLOCK_M} "
             f"(by default M a power of two <= {MAX_BLOCK_M} or a multiple of {MAX_BLOCK_M})"
         )
-    fma = (M <= FMA_MAX_M or dequant == "fma_scaled") if fma is None else fma
+    fma = M <= FMA_MAX_M if fma is None else fma
     if fma and M > 4:
         raise ValueError(f"fma=True takes at most 4 rows (one [L, BN] accumulator each), got M={M}")
     BN, S, per_split, tiles = plan(M, Kp, N, bits, plane, fma=fma, block_n=block_n, splits=splits, block_m=BM)

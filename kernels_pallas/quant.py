@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qgemv, _qmatmul, qlayout
+from . import _fp8_gemv, _qmatmul, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -145,8 +145,7 @@ def quantized_matmul(
     if w.perm is not None:
         x2 = jnp.take(x2, w.perm, axis=1)
     fma = tuning.pop("fma", None)
-    if fma is None:
-        fma = M <= _qmatmul.FMA_MAX_M or tuning.get("dequant") == "fma_scaled"
+    fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
     Mp, Kp = kernel_m(M, fma, tuning.get("dequant", "float")), padded_k(w.k, w.bits, w.plane)
     if not tuning.keys() - {"dequant"} and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
         tuning = dict(LARGE_M_TILING, **tuning)
@@ -169,53 +168,6 @@ def quantized_matmul(
     if Mp != M:
         y = y[:M]
     return _split(y.reshape(*lead, w.n), w, split)
-
-
-def quantized_gemv_supported(x, w: QuantizedWeight) -> bool:
-    """Whether quantized_gemv's kernel takes this call: 16-bit x of 1-2 rows (after flattening its leading axes),
-    the layout's planes inside one group, N a multiple of 16 (_qgemv.supported)."""
-    return x.shape[-1] == w.k and _qgemv.supported(
-        x.dtype, math.prod(x.shape[:-1]), w.n, w.bits, w.group_size, w.plane
-    )
-
-
-def quantized_gemv_partials(x, w: QuantizedWeight, *, interpret=False, **tuning):
-    """x [..., K] (1-2 rows) times w through the GEMV kernel (_qgemv.py): float32 split-K partials [S, ..., N]
-    whose sum is the product (for a consumer that sums split-K partials: the qkv/RoPE/write kernel).
-    tuning: _qgemv.qgemv_kernel's block_n, block_l, splits, dequant, num_warps, num_stages."""
-    if not quantized_gemv_supported(x, w):
-        raise ValueError(
-            f"quantized_gemv does not take x {x.dtype} {x.shape} with an int{w.bits} g{w.group_size} weight "
-            f"[{w.k}, {w.n}] (plane {w.plane}); see _qgemv.supported"
-        )
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.k)
-    if w.perm is not None:
-        x2 = jnp.take(x2, w.perm, axis=1)
-    kp = padded_k(w.k, w.bits, w.plane)
-    if kp != w.k:
-        x2 = jnp.pad(x2, ((0, 0), (0, kp - w.k)))
-    parts = _qgemv.qgemv_kernel(
-        x2,
-        w.qweight,
-        w.scales,
-        w.zeros,
-        bits=w.bits,
-        group_size=w.group_size,
-        plane=w.plane,
-        interpret=interpret,
-        **tuning,
-    )
-    return parts.reshape(parts.shape[0], *lead, w.n)
-
-
-def quantized_gemv(x, w: QuantizedWeight, *, residual=None, split=False, interpret=False, **tuning):
-    """residual + x @ w for the decode step's 1-2 rows (quantized_gemv_supported) through the GEMV kernel: its
-    float32 split-K partials summed, rounded to x's dtype and added to the residual in one XLA fusion after it.
-    quantized_matmul's function (the weight's integers times x, the group scale on the float32 sums)."""
-    y = quantized_gemv_partials(x, w, interpret=interpret, **tuning).sum(0).astype(x.dtype)
-    y = y if residual is None else residual.astype(x.dtype) + y
-    return _split(y, w, split)
 
 
 # ---- FP8 W8A8 -------------------------------------------------------------------------------------------------

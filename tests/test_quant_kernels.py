@@ -151,12 +151,6 @@ KERNEL_CASES = [
     (256, 32, 8, 8, 32, True, dict(splits=3)),
     (256, 16, 70, 4, 64, False, {}),  # two M blocks of 64
     (256, 32, 256, 4, 128, True, dict(block_m=128)),  # the large-M option: two M blocks of 128
-    # dequant="fma_scaled": the FMA variant with 2^7 + q fields and the scale in the weight's FFMA, 1-4 rows
-    (1024, 64, 1, 4, 128, True, dict(dequant="fma_scaled")),
-    (2048, 64, 2, 4, 128, False, dict(dequant="fma_scaled", splits=3)),
-    (576, 48, 3, 4, 64, True, dict(dequant="fma_scaled")),  # K padded to whole tiles, 3 rows run as 4
-    (1024, 32, 2, 4, -1, False, dict(dequant="fma_scaled", block_n=16)),  # per channel: scale at the end
-    (512, 32, 4, 4, 32, False, dict(dequant="fma_scaled", num_warps=4)),
 ]
 
 
@@ -358,28 +352,6 @@ def test_asm_text_computes_the_interpret_twins_bits(dtype):
             else:
                 got = run_ptx(dq.prmt_asm(dq.byte_selector(j)), words, dq.F32_BYTE_MAGIC)
             assert (got == np.asarray(w).view(np.uint32)).all()
-
-
-def test_fma_scaled_dequant_is_the_float_paths_function():
-    """dequant="fma_scaled" computes each weight as (q - z) * s in float32 by one FFMA from 128 + q (no rounding to x's
-    dtype on either path): its products equal the float path's to float32 rounding, bit-equal after the rounding to
-    bfloat16 in these cases; it takes 4-bit weights on the FMA variant with unrolled planes only."""
-    rng = np.random.default_rng(11)
-    for M, G, sym in ((1, 128, True), (2, 128, False), (2, -1, True)):
-        wf, q, s, z, w = packed(rng, 2048, 64, 4, G, sym)
-        x = jnp.asarray(rng.standard_normal((M, 2048)), jnp.bfloat16)
-        a = quantized_matmul(x, w, backend="kernel", interpret=True, fma=True, block_n=32)
-        b = quantized_matmul(x, w, backend="kernel", interpret=True, dequant="fma_scaled", block_n=32)
-        assert rel(a, b) < 1e-3
-        assert rel(b, numpy_product(np.asarray(x, np.float32), q, s, z, 4, G)) < 1e-2
-    _, _, _, _, w8 = packed(rng, 512, 32, 8, 128, True)
-    x = jnp.zeros((1, 512), jnp.bfloat16)
-    with pytest.raises(ValueError, match="fma_scaled"):
-        quantized_matmul(x, w8, backend="kernel", interpret=True, dequant="fma_scaled")
-    _, _, _, _, w4 = packed(rng, 512, 32, 4, 128, True)
-    for bad in (dict(fma=False), dict(plane_loop=True)):
-        with pytest.raises(ValueError, match="fma_scaled"):
-            quantized_matmul(x, w4, backend="kernel", interpret=True, dequant="fma_scaled", **bad)
 
 
 def test_kernel_detects_a_wrong_plane_mapping():
