@@ -184,7 +184,10 @@ def workloads(name: str, vocab: int, scale: float, seed: int) -> list[list[list[
         return [prompts, prompts]
     if name == "preemption":
         return [random_token_prompts(n(64), 0, vocab, seed=seed + 5, lens=rng.integers(n(100), n(400) + 1, n(64)))]
-    return [random_token_prompts(n(16), 0, vocab, seed=seed + 6, lens=rng.integers(16, n(600) + 1, n(16)))]
+    batch = [random_token_prompts(n(16), 0, vocab, seed=seed + 6, lens=rng.integers(16, n(600) + 1, n(16)))]
+    if name in QUANTIZED:  # and one prompt alone: every decode step in the smallest bucket (1 row for int weights)
+        batch.append(random_token_prompts(1, 0, vocab, seed=seed + 7, lens=[n(300)]))
+    return batch
 
 
 def run_config(args, model_dir: str, name: str) -> dict:

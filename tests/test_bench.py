@@ -411,6 +411,9 @@ def test_gpu_parity_smoke(tmp_path):
     batch, pre = res["configs"]["batch"], res["configs"]["preemption"]
     assert batch["parity"]["positions"] == (6 + 4 + 3) * 32 and batch["parity"]["hf_baseline"]
     assert pre["preemptions"] > 0 and pre["parity"]["passed"]
+    # the quantized configurations also decode one prompt alone (the smallest bucket: 1 row for int weights)
+    assert [len(b) for b in gpu_parity.workloads("gptq_int4", 512, 1.0, 0)] == [16, 1]
+    assert [len(b) for b in gpu_parity.workloads("batch", 512, 1.0, 0)] == [68, 3]
 
 
 def test_gpu_parity_fp8_reference_rounds_keys_and_values_as_the_pages_do(tmp_path):
