@@ -610,3 +610,44 @@ def test_fp8_gemv_lowers_for_cuda(rows, N, K):
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     bn, bk, splits, _ = plan(N, K)
     assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text
+
+
+@pytest.mark.parametrize("T,D,dtype", [(5, 4096, jnp.bfloat16), (3, 14336, jnp.bfloat16), (4, 768, jnp.float16)])
+def test_token_quant_kernel_is_quantize_activations(T, D, dtype):
+    """The one-pass per-token fp8 quantization kernel (_token_quant.py, interpret mode) gives quantize_activations'
+    values bit for bit: rows 10^4 apart in scale, an all-zero row (the floor scale), values at e4m3's range."""
+    from kernels_pallas import _token_quant
+    from kernels_pallas.quant import FP8_MIN_SCALE, quantize_activations
+
+    rng = np.random.default_rng(T + D)
+    x = rng.standard_normal((T, D)) * np.exp(rng.standard_normal((T, 1)) * 3)
+    x[0] = 0.0
+    x[1, 7] = 1e4  # one large value sets the row's scale
+    x = jnp.asarray(x, dtype)
+    q, s = _token_quant.token_quant_kernel(x, min_scale=FP8_MIN_SCALE, interpret=True)
+    rq, rs = quantize_activations(x)
+    assert q.dtype == jnp.float8_e4m3fn and s.shape == (T, 1) and s.dtype == jnp.float32
+    assert (np.asarray(s) == np.asarray(rs)).all() and s[0, 0] == np.float32(FP8_MIN_SCALE)
+    assert (np.asarray(q, np.float32) == np.asarray(rq, np.float32)).all()
+    assert np.abs(np.asarray(q, np.float32)).max() == 448.0
+
+
+def test_fp8_matmul_act_kernel_is_the_same_function():
+    """fp8_matmul(act_kernel=True) quantizes x by the kernel where it takes x (16-bit, a power-of-two chunk of >= 128
+    dividing K) and by XLA otherwise (K = 200, a static x_scale): the products are equal bitwise."""
+    from kernels_pallas import _token_quant
+
+    rng = np.random.default_rng(4)
+    for M, K, N, kw in ((7, 512, 64, {}), (3, 200, 32, {}), (5, 256, 48, dict(x_scale=0.01))):
+        wq, ws = quantize_fp8(rng.standard_normal((N, K)).astype(np.float32) * 0.05)
+        x = jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16)
+        calls = []
+        real = _token_quant.token_quant_kernel
+        _token_quant.token_quant_kernel = lambda x, **k: calls.append(x.shape) or real(x, **k)
+        try:
+            got = fp8_matmul(x, wq, ws, act_kernel=True, interpret=True, **kw)
+        finally:
+            _token_quant.token_quant_kernel = real
+        assert calls == ([(M, K)] if K != 200 and not kw else [])
+        want = fp8_matmul(x, wq, ws, **kw)
+        assert (np.asarray(got, np.float32) == np.asarray(want, np.float32)).all()
