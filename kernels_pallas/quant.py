@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qmatmul, _token_quant, qlayout
+from . import _fp8_gemv, _qmatmul, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -182,12 +182,9 @@ def quantize_fp8(w, *, per_channel=True):
     return jnp.clip(w / s, -FP8_MAX, FP8_MAX).astype(FP8), scale
 
 
-def quantize_activations(x, *, x_scale=None, act_scale="token", kernel=False, interpret=False):
+def quantize_activations(x, *, x_scale=None, act_scale="token"):
     """x [M, K] -> (x_fp8, scale [M, 1] or [1, 1] float32): a static x_scale, or dynamic per token ("token": one
-    scale per row, max|x_m| / 448) or per tensor ("tensor"). kernel: per-token scales by the one-pass Pallas kernel
-    (_token_quant.py; the same values) where it takes x, instead of XLA's reduce and convert."""
-    if kernel and x_scale is None and act_scale == "token" and _token_quant.supported(x.dtype, x.shape[-1]):
-        return _token_quant.token_quant_kernel(x, min_scale=FP8_MIN_SCALE, interpret=interpret)
+    scale per row, max|x_m| / 448) or per tensor ("tensor")."""
     x32 = x.astype(jnp.float32)
     if x_scale is not None:
         s = jnp.asarray(x_scale, jnp.float32).reshape(1, 1)
@@ -209,21 +206,18 @@ def _fp8_check(x, w, w_scale):
         raise ValueError(f"w_scale must be a scalar or [N={w.shape[0]}]; got shape {jnp.shape(w_scale)}")
 
 
-def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot, **quant):
+def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot):
     _fp8_check(x, w, w_scale)
     lead, K = x.shape[:-1], x.shape[-1]
-    xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale, **quant)
+    xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale)
     y = dot(xq, w) * sx * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
     return y.astype(out_dtype or x.dtype).reshape(*lead, w.shape[0])
 
 
-def fp8_matmul(
-    x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None, act_kernel=False, interpret=False
-):
+def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None):
     """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
     both operands K-major), float32 out, scaled by the token and channel scales in the fusion after it.
-    widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows).
-    act_kernel: dynamic per-token scales by the one-pass Pallas kernel (quantize_activations(kernel=True))."""
+    widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows)."""
     if widen is None:
         widen = math.prod(x.shape[:-1]) <= FP8_WIDEN_MAX_ROWS
 
@@ -232,7 +226,7 @@ def fp8_matmul(
             a, b = jax.lax.optimization_barrier(a.astype(jnp.bfloat16)), b.astype(jnp.bfloat16)
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
-    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot, kernel=act_kernel, interpret=interpret)
+    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot)
 
 
 def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):

@@ -218,12 +218,7 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
         return [np.asarray(x, np.float32) for x in out]
 
     ref = logits("reference")
-    from jaxllm.models import quant_matmul
-
     for kernel, tol in ((lambda x, w, s, **k: fp8_matmul_ref(x, w, s, out_dtype=jnp.float32)[None], 0.0), (real, 5e-2)):
-        # the exact case takes XLA's activation quantization on the 7-row step, as the reference does: the token
-        # quantization kernel rounds x to bf16 first, where XLA may fuse the norm into its reduce in float32
-        monkeypatch.setattr(quant_matmul, "FP8_TOKEN_QUANT", tol > 0)
         calls: list = []
         monkeypatch.setattr(
             _fp8_gemv, "fp8_gemv_kernel", lambda x, *a, f=kernel, c=calls, **k: c.append(x.shape) or f(x, *a, **k)
@@ -319,35 +314,6 @@ def test_fp8_gemv_switch(checkpoints, monkeypatch):
     off = qmatmul(x, w, kernels=True, interpret=True)
     assert gemv == [] and quant_matmul.fp8_split_k(x, w, interpret=True) is None
     assert _rel(on, off) < 2e-2
-
-
-def test_fp8_token_quant_switch(checkpoints, monkeypatch):
-    """fp8 W8A8 projections of more than 2 rows on the kernels path quantize x by the one-pass Pallas kernel
-    (kernels_pallas/_token_quant.py) while quant_matmul.FP8_TOKEN_QUANT is on (JAXLLM_FP8_TOKEN_QUANT, parsed at import,
-    default on), by XLA's reduce + convert when off: the same values, so the products are equal bitwise."""
-    from jaxllm.models import quant_matmul
-    from kernels_pallas import _token_quant
-
-    code = "from jaxllm.models import quant_matmul; print(quant_matmul.FP8_TOKEN_QUANT)"
-    for value, want in (("0", "False"), (None, "True")):
-        env = {k: v for k, v in os.environ.items() if k != "JAXLLM_FP8_TOKEN_QUANT"}
-        if value is not None:
-            env["JAXLLM_FP8_TOKEN_QUANT"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-        assert out.stdout.split() == [want], out.stderr
-    dense_dir, _ = checkpoints
-    _, mesh, params = _load(dense_dir, 1, quantization="fp8")
-    w = params["layers"][0]["w_down"]
-    x = jnp.asarray(np.random.default_rng(5).standard_normal((7, 512)), jnp.bfloat16)
-    calls = []
-    real = _token_quant.token_quant_kernel
-    monkeypatch.setattr(_token_quant, "token_quant_kernel", lambda x, **k: calls.append(x.shape) or real(x, **k))
-    on = qmatmul(x, w, kernels=True, interpret=True)
-    assert calls == [(7, 512)]
-    monkeypatch.setattr(quant_matmul, "FP8_TOKEN_QUANT", False)
-    calls.clear()
-    off = qmatmul(x, w, kernels=True, interpret=True)
-    assert calls == [] and (np.asarray(on, np.float32) == np.asarray(off, np.float32)).all()
 
 
 def test_int_weight_models_take_a_one_row_decode_bucket():

@@ -59,7 +59,7 @@ JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Environment overrides (bench A/B runs) that change what a step traces to or how it compiles: xla_options'
 # cuBLAS cutoff, the decode attention backend, the fp8 GEMV of the batch-1 bucket.
-PROGRAM_ENV = ("JAXLLM_CUBLAS_MIN_DECODE_SEQS", "JAXLLM_DECODE_BACKEND", "JAXLLM_FP8_GEMV", "JAXLLM_FP8_TOKEN_QUANT")
+PROGRAM_ENV = ("JAXLLM_CUBLAS_MIN_DECODE_SEQS", "JAXLLM_DECODE_BACKEND", "JAXLLM_FP8_GEMV")
 # jax options that change what a traced step lowers to.
 _JAX_OPTIONS = (
     "jax_enable_x64",

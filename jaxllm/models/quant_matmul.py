@@ -53,10 +53,6 @@ from kernels_pallas.quant import (
 # fp8 W8A8 (dynamic scales) of 1-2 rows on the kernels path: kernels_pallas.quant.fp8_gemv (the activation
 # quantization inside the GEMV's kernel) instead of fp8_matmul; JAXLLM_FP8_GEMV=0 / 1 overrides it for A/B runs
 FP8_GEMV = os.environ.get("JAXLLM_FP8_GEMV", "1") == "1"
-# fp8 W8A8 (dynamic scales) of more rows on the kernels path: the per-token scales and x's e4m3 rounding by one
-# Pallas kernel (kernels_pallas/_token_quant.py) instead of XLA's reduce + convert; JAXLLM_FP8_TOKEN_QUANT=0 / 1
-# overrides it for A/B runs
-FP8_TOKEN_QUANT = os.environ.get("JAXLLM_FP8_TOKEN_QUANT", "1") == "1"
 
 
 def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
@@ -131,9 +127,8 @@ def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
         x, (wq, scale) = tie_to_input(x, (wq, scale))
         return _dot_f32(x, (wq.astype(jnp.float32) * scale[:, None]).astype(x.dtype).T)
     x_scale = w.act_scale if w.scheme.activations == "static" else None
-    if not kernels:
-        return fp8_matmul_ref(x, wq, scale, x_scale=x_scale, act_scale="token")
-    return fp8_matmul(x, wq, scale, x_scale=x_scale, act_scale="token", act_kernel=FP8_TOKEN_QUANT, interpret=interpret)
+    fn = fp8_matmul if kernels else fp8_matmul_ref
+    return fn(x, wq, scale, x_scale=x_scale, act_scale="token")
 
 
 def _fp8_gemv_operands(x, w: QuantizedWeight, kernels: bool):
