@@ -120,10 +120,20 @@ def kernel_m(m: int, fma: bool, dequant: str = "float") -> int:
 
 
 def quantized_matmul(
-    x, w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto", interpret=False, **tuning
+    x,
+    w: QuantizedWeight,
+    *,
+    split=False,
+    max_kernel_m=MAX_KERNEL_M,
+    backend="auto",
+    interpret=False,
+    partials=False,
+    **tuning,
 ):
     """See the module docstring. tuning: _qmatmul.qmatmul_kernel's block_n, block_m, splits, plane_loop, fma,
-    dequant (_qmatmul.DEQUANT: "float", "asm", "asm_sub"), num_warps, num_stages."""
+    dequant (_qmatmul.DEQUANT: "float", "asm", "asm_sub"), num_warps, num_stages. partials: the kernel's float32
+    split-K partials [S, ..., N] unsummed (S = 1 where the plan does not split K), for a consumer that sums them (the
+    qkv/RoPE/write kernel); the kernel path only (ValueError where the call would dequantize)."""
     if backend not in ("auto", "kernel", "dequant"):
         raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
     if x.shape[-1] != w.k:
@@ -139,6 +149,8 @@ def quantized_matmul(
             f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported"
         )
     use_kernel = backend == "kernel" or (backend == "auto" and ok and (interpret or on_gpu()) and M <= max_kernel_m)
+    if partials and (split or not use_kernel):
+        raise ValueError("partials=True needs the kernel path and split=False")
     if not use_kernel:
         return _split(_dequant_matmul(x, w), w, split)
     x2 = x.reshape(M, w.k)
@@ -163,6 +175,9 @@ def quantized_matmul(
         interpret=interpret,
         **tuning,
     )
+    if partials:
+        y = (y if y.ndim == 3 else y[None]).astype(jnp.float32)[:, :M]
+        return y.reshape(y.shape[0], *lead, w.n)
     if y.ndim == 3:  # split-K partials
         y = y.sum(0).astype(x.dtype)
     if Mp != M:

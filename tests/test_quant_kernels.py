@@ -610,3 +610,23 @@ def test_fp8_gemv_lowers_for_cuda(rows, N, K):
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     bn, bk, splits, _ = plan(N, K)
     assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text
+
+
+def test_quantized_matmul_partials():
+    """partials=True returns the kernel's float32 split-K partials unsummed ([S, ..., N]; S = 1 as one partial where
+    the plan does not split K): their sum rounded to x's dtype is the summed call's output; the dequantize path has
+    no partials (ValueError)."""
+    rng = np.random.default_rng(12)
+    _, q, s, z, w = packed(rng, 2048, 64, 4, 128, False)
+    x = jnp.asarray(rng.standard_normal((1, 2048)), jnp.bfloat16)
+    for splits, S in ((4, 2), (1, 1)):  # 2 tiles of 1024 rows: at most 2 splits
+        parts = quantized_matmul(x, w, backend="kernel", interpret=True, partials=True, splits=splits)
+        assert parts.shape == (S, 1, 64) and parts.dtype == jnp.float32
+        whole = quantized_matmul(x, w, backend="kernel", interpret=True, splits=splits)
+        assert (np.asarray(parts.sum(0).astype(jnp.bfloat16), np.float32) == np.asarray(whole, np.float32)).all()
+    x2 = jnp.asarray(rng.standard_normal((2, 3, 2048)), jnp.bfloat16)  # leading axes and 6 rows padded to 8
+    parts = quantized_matmul(x2, w, backend="kernel", interpret=True, partials=True)
+    assert parts.shape[1:] == (2, 3, 64)
+    assert rel(parts.sum(0), quantized_matmul(x2, w, backend="kernel", interpret=True)) < 1e-2
+    with pytest.raises(ValueError, match="partials"):
+        quantized_matmul(x, w, backend="dequant", partials=True)

@@ -195,6 +195,43 @@ def test_decoder_runs_quantized_projections_through_the_kernel(checkpoints, monk
         assert _rel(k, r) < 2e-2
 
 
+def test_decoder_gives_int_qkv_partials_to_the_attention_kernel(checkpoints, monkeypatch):
+    """GPTQ on the "pallas" backend (interpret mode), a decode-only step of 1 row (the int models' batch-1 bucket):
+    the qkv projection reaches the fused qkv/RoPE/write + decode kernel as the int kernel's float32 split-K
+    partials (quant_matmul.split_k), which it sums; the logits equal the reference backend's to bf16 rounding.
+    Without kernels (the reference backend) and for more rows split_k gives None."""
+    import kernels_pallas as kp
+    from jaxllm.models import quant_matmul
+    from jaxllm.models.attention import AttentionConfig
+    from tests.model_harness import ragged_logits
+
+    _, gptq_dir = checkpoints
+    cfg, mesh, params = _load(gptq_dir, 1)
+    seqs, cached = [[5, 9, 2, 77, 3]], [4]  # a second, decode-only step of one sequence and no padding row
+    seen = []
+    real = kp.fused_decode_attention
+    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+    jax.clear_caches()
+
+    def logits(backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
+        return [np.asarray(x, np.float32) for x in out]
+
+    got = logits("pallas")
+    assert len(seen) == 1 and len(seen[0]) == 5, seen  # [S, T, K, G + 2, H] partials (S = 1 at these widths)
+    ref = logits("reference")
+    for k, r in zip(got, ref, strict=True):
+        assert _rel(k, r) < 2e-2
+    w = params["layers"][0]["w_qkv"]
+    h = jnp.asarray(np.random.default_rng(6).standard_normal((1, w.layout.k)), jnp.bfloat16)
+    parts = quant_matmul.split_k(h, w, interpret=True)
+    whole = qmatmul(h, w, kernels=True, interpret=True)
+    assert parts.dtype == jnp.float32 and parts.shape[1:] == whole.shape
+    assert _rel(parts.sum(0), whole) < 1e-2
+    assert quant_matmul.split_k(jnp.concatenate([h] * 3), w, interpret=True) is None  # 3 rows: a plain projection
+
+
 def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monkeypatch):
     """quantization="fp8" on the "pallas" backend (interpret mode), a step of 2 token rows (the engine's batch-1
     bucket): each layer's four projections run kernels_pallas' fp8 GEMV kernel (qkv's split-K partials summed by
@@ -308,11 +345,11 @@ def test_fp8_gemv_switch(checkpoints, monkeypatch):
     real = _fp8_gemv.fp8_gemv_kernel
     monkeypatch.setattr(_fp8_gemv, "fp8_gemv_kernel", lambda x, *a, **k: gemv.append(x.shape) or real(x, *a, **k))
     on = qmatmul(x, w, kernels=True, interpret=True)
-    assert gemv == [(2, 512)] and quant_matmul.fp8_split_k(x, w, interpret=True) is not None
+    assert gemv == [(2, 512)] and quant_matmul.split_k(x, w, interpret=True) is not None
     monkeypatch.setattr(quant_matmul, "FP8_GEMV", False)
     gemv.clear()
     off = qmatmul(x, w, kernels=True, interpret=True)
-    assert gemv == [] and quant_matmul.fp8_split_k(x, w, interpret=True) is None
+    assert gemv == [] and quant_matmul.split_k(x, w, interpret=True) is None
     assert _rel(on, off) < 2e-2
 
 

@@ -27,7 +27,7 @@ from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
-from jaxllm.models.quant_matmul import fp8_split_k, qmatmul
+from jaxllm.models.quant_matmul import qmatmul, split_k
 
 
 def rms_norm(x, weight, eps):
@@ -101,12 +101,13 @@ def _partials_allowed(lp: dict, attn: AttentionConfig) -> bool:
 def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
     """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
     (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
-    weights of 1-2 rows (fp8_gemv's own partials, quant_matmul.fp8_split_k)."""
+    weights of 1-2 rows (fp8_gemv's own partials) and int weight-only weights of 1-2 rows (the int kernel's split-K;
+    quant_matmul.split_k)."""
     if splits := qkv_splits(h.shape[0], lp, cfg, attn):
         return _split_k_qkv(h, lp["w_qkv"], splits)
     if not _partials_allowed(lp, attn):
         return None
-    return fp8_split_k(h, lp["w_qkv"], interpret=attn.interpret)
+    return split_k(h, lp["w_qkv"], interpret=attn.interpret)
 
 
 def _split_k_qkv(h, w, splits):

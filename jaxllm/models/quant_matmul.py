@@ -4,12 +4,14 @@
 
                    kernels=True (the decoder's "pallas" backend: GPUs)            kernels=False (reference: CPU)
   int4 / int8      kernels_pallas.quantized_matmul: the Pallas GEMM for T <= 64    qlayout.dequantize to x's dtype,
-                   rows (decode), dequantize + XLA's GEMM above (prefill)          one float32 dot
+                   rows (decode), dequantize + XLA's GEMM above (prefill); T <=     one float32 dot
+                   2 weight-only: split_k gives the decoder's qkv as the kernel's
+                   split-K partials
   fp8 W8A8         kernels_pallas.fp8_matmul: x quantized per token (dynamic) or   fp8_matmul_ref: the same values,
                    with the static scale, one fp8 x fp8 dot (FP8 tensor cores;     the dot in float32
                    T <= 2: the fp8 values widened to bfloat16 in XLA's GEMM);
                    dynamic scales and T <= 2: kernels_pallas.fp8_gemv, the scales
-                   and x's rounding inside one split-K Pallas GEMV (fp8_split_k:
+                   and x's rounding inside one split-K Pallas GEMV (split_k:
                    its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
 
@@ -39,7 +41,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.quant import QuantizedWeight, quantize_activations
 from jaxllm.sharding import logical_to_spec
-from kernels_pallas import qlayout
+from kernels_pallas import _qmatmul, qlayout
+from kernels_pallas._common import on_gpu
 from kernels_pallas.quant import (
     fp8_gemv,
     fp8_gemv_partials,
@@ -97,17 +100,7 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
         out = w.packed.shape[1:]
         if s.activations is not None:  # INT8 W8A8
             x = quantize_activations(x, w)
-        flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
-        qw = qlayout.QuantizedWeight(
-            qweight=flat(w.packed),
-            scales=flat(w.scales),
-            zeros=flat(w.zeros),
-            perm=None,
-            bits=s.bits,
-            group_size=lay.group_size,
-            k=lay.k,
-            plane=lay.plane,
-        )
+        qw = _int_weight(w)
         if kernels:
             y = quantized_matmul(x, qw, interpret=interpret)
         else:
@@ -116,6 +109,28 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
     if psum:
         y = jax.lax.psum(y, "tp")
     return y.reshape(x.shape[0], *out)
+
+
+def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
+    """One device's int weight as the kernels' [K, N] layout (its output axes flattened; act-order already applied
+    to x by the caller)."""
+    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
+    return qlayout.QuantizedWeight(
+        qweight=flat(w.packed),
+        scales=flat(w.scales),
+        zeros=flat(w.zeros),
+        perm=None,
+        bits=w.scheme.bits,
+        group_size=w.layout.group_size,
+        k=w.layout.k,
+        plane=w.layout.plane,
+    )
+
+
+def kernels_supported(x, qw: qlayout.QuantizedWeight, interpret: bool) -> bool:
+    """Whether quantized_matmul (backend "auto") runs the int kernel for x times qw: on a GPU or in interpret mode,
+    inputs _qmatmul.supported takes."""
+    return (interpret or on_gpu()) and _qmatmul.supported(x.dtype, qw.n, qw.bits, qw.group_size, qw.plane)
 
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
@@ -149,13 +164,26 @@ def _dot_f32(x, dense):
     )
 
 
-def fp8_split_k(x, w, *, interpret: bool = False):
-    """x [T, I] times w on one device as fp8_gemv's float32 split-K partials [S, T, *O], where qmatmul's kernels path
-    runs fp8_gemv for it (_fp8_gemv_operands); else None. For the decoder's qkv, whose partials the attention kernel
-    sums (decoder.qkv_partials) instead of a kernel of their own."""
-    if not isinstance(w, QuantizedWeight) or w.perm is not None:
+# int weight-only projections of up to this many rows give the decoder's qkv as the kernel's split-K partials
+INT_SPLIT_K_MAX_ROWS = 2
+
+
+def split_k(x, w, *, interpret: bool = False):
+    """x [T, I] times w on one device as float32 split-K partials [S, T, *O] where qmatmul's kernels path makes them:
+    fp8 W8A8 of 1-2 rows (fp8_gemv, _fp8_gemv_operands) and int weight-only weights of up to INT_SPLIT_K_MAX_ROWS rows
+    (the int kernel's own split-K); else None. For the decoder's qkv, whose partials the attention kernel sums
+    (decoder.qkv_partials) instead of an XLA reduce of their own."""
+    if not isinstance(w, QuantizedWeight):
         return None
-    if (gemv := _fp8_gemv_operands(x, w, kernels=True)) is None:
+    s = w.scheme
+    if s.weight_type == "int" and s.activations is None and x.shape[0] <= INT_SPLIT_K_MAX_ROWS:
+        qw = _int_weight(w)
+        if not kernels_supported(x, qw, interpret):
+            return None
+        xs = x if w.perm is None else jnp.take(x, w.perm, axis=1)  # act-order: the stored rows are x's columns perm
+        parts = quantized_matmul(xs, qw, interpret=interpret, partials=True)
+        return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[1:])
+    if w.perm is not None or (gemv := _fp8_gemv_operands(x, w, kernels=True)) is None:
         return None
     parts = fp8_gemv_partials(x, *gemv, interpret=interpret)
     return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[:-1])
