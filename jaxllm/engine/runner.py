@@ -83,7 +83,9 @@ SMALLEST_SEQ_BUCKET = 2
 # on the CUDA cores (kernels_pallas/_qmatmul.py's FMA variant) faster than two rows on the MMA variant, and a 2-row
 # bucket pads x to 8 rows and slices the result (two XLA kernels a projection). H100, Llama-3-8B GPTQ int4 g128,
 # batch-1 ITL in one call, alternating: 4.32 / 4.32 ms with a 2-row bucket, 3.56 / 3.47 with a 1-row bucket; the
-# four GEMMs a layer 79.4 us at 1 row against 109.6 at 2 (bench/results/latency_gptq_h100_9c30971_bucket*.json).
+# four GEMMs a layer 79.4 us at 1 row against 109.6 at 2 (bench/results/latency_gptq_h100_9c30971_bucket*.json;
+# latency_gptq_h100_5d42e8a_*.json: 3.32 / 3.33 against 4.31 ms). fp8 models measured slower at 1 row (3.67-3.76
+# against 3.54-3.57 ms) and bf16 equal (latency_{fp8,bf16}_h100_93df5e7_bucket*.json): they keep 2.
 SMALLEST_SEQ_BUCKET_INT = 1
 
 
