@@ -638,7 +638,9 @@ def test_two_row_decode_plans_one_sequence_only_where_it_is_the_smallest_bucket(
     pallas = AttentionConfig(backend="pallas", interpret=True, mesh=mesh, smallest_decode_rows=smallest)
     out = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=pallas, pad_tokens=0, pad_seqs=0)
     assert plans == [1 if smallest == 2 else None]
-    ref = ragged_logits(params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=0, pad_seqs=0)
+    ref = ragged_logits(
+        params, cfg, seqs, cached, block_size=8, attn=AttentionConfig(mesh=mesh), pad_tokens=0, pad_seqs=0
+    )
     for o, r in zip(out, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())
 

@@ -33,7 +33,8 @@ _REFERENCE_STEP_TOKENS = 256
 # FUSED_DECODE_TUNING: static tuning arguments of that kernel (num_splits, block_k, ...) for probes.
 FUSED_DECODE = True
 FUSED_DECODE_TUNING: dict = {}
-# A decode step of this many rows (the engine's smallest bucket, runner.SMALLEST_SEQ_BUCKET) nearly always holds
+# A decode step of this many rows, where it is the engine's smallest bucket (runner.smallest_seq_bucket, passed as
+# AttentionConfig.smallest_decode_rows; int-weight models have a 1-row bucket below it), nearly always holds
 # one live sequence and a padding row: the kernel plans its split-K for one sequence. Planned for the two rows,
 # half the splits went to the padding row, whose programs exit at once: H100, one sequence at 32k context, 74.4 us
 # a layer with 24 splits, 58.8 with 49; ITL 7.71 -> 7.19 ms (bench/results/long32k_h100_8c6a91a_*.json); 52.9 us

@@ -90,7 +90,7 @@ def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = F
 
 def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False):
     """One device's product: x [T, k] (or all of I for an act-order weight) times its slice of w."""
-    s, lay = w.scheme, w.layout
+    s = w.scheme
     if w.perm is not None:  # act-order: the stored rows are the checkpoint's rows perm
         x = jnp.take(x, w.perm, axis=1)
     if s.weight_type == "float":
