@@ -119,6 +119,22 @@ def kernel_m(m: int, fma: bool, dequant: str = "float") -> int:
     return -(-m // _qmatmul.MAX_BLOCK_M) * _qmatmul.MAX_BLOCK_M
 
 
+def uses_kernel(x, w: QuantizedWeight, *, max_kernel_m=MAX_KERNEL_M, backend="auto", interpret=False) -> bool:
+    """Whether quantized_matmul runs the Pallas kernel for x times w (else dequantize + XLA's GEMM): backend
+    "kernel", or "auto" with inputs _qmatmul.supported takes, on a GPU or in interpret mode, at most max_kernel_m
+    rows. ValueError for backend "kernel" with inputs the kernel does not take."""
+    if backend not in ("auto", "kernel", "dequant"):
+        raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
+    ok = _qmatmul.supported(x.dtype, w.n, w.bits, w.group_size, w.plane)
+    if backend == "kernel" and not ok:
+        raise ValueError(
+            f"the quantized matmul kernel does not take these inputs (x {x.dtype}, N={w.n}, "
+            f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported"
+        )
+    rows = math.prod(x.shape[:-1])
+    return backend == "kernel" or (backend == "auto" and ok and (interpret or on_gpu()) and rows <= max_kernel_m)
+
+
 def quantized_matmul(
     x,
     w: QuantizedWeight,
@@ -134,21 +150,11 @@ def quantized_matmul(
     dequant (_qmatmul.DEQUANT: "float", "asm", "asm_sub"), num_warps, num_stages. partials: the kernel's float32
     split-K partials [S, ..., N] unsummed (S = 1 where the plan does not split K), for a consumer that sums them (the
     qkv/RoPE/write kernel); the kernel path only (ValueError where the call would dequantize)."""
-    if backend not in ("auto", "kernel", "dequant"):
-        raise ValueError(f"backend={backend!r} is not one of 'auto', 'kernel', 'dequant'")
     if x.shape[-1] != w.k:
         raise ValueError(f"x has {x.shape[-1]} features; the weight takes K={w.k}")
     lead = x.shape[:-1]
-    M = 1
-    for d in lead:
-        M *= d
-    ok = _qmatmul.supported(x.dtype, w.n, w.bits, w.group_size, w.plane)
-    if backend == "kernel" and not ok:
-        raise ValueError(
-            f"the quantized matmul kernel does not take these inputs (x {x.dtype}, N={w.n}, "
-            f"bits={w.bits}, group_size={w.group_size}, plane={w.plane}); see _qmatmul.supported"
-        )
-    use_kernel = backend == "kernel" or (backend == "auto" and ok and (interpret or on_gpu()) and M <= max_kernel_m)
+    M = math.prod(lead)
+    use_kernel = uses_kernel(x, w, max_kernel_m=max_kernel_m, backend=backend, interpret=interpret)
     if partials and (split or not use_kernel):
         raise ValueError("partials=True needs the kernel path and split=False")
     if not use_kernel:

@@ -41,8 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.quant import QuantizedWeight, quantize_activations
 from jaxllm.sharding import logical_to_spec
-from kernels_pallas import _qmatmul, qlayout
-from kernels_pallas._common import on_gpu
+from kernels_pallas import qlayout
 from kernels_pallas.quant import (
     fp8_gemv,
     fp8_gemv_partials,
@@ -51,6 +50,7 @@ from kernels_pallas.quant import (
     fp8_matmul_ref,
     quantized_matmul,
     tie_to_input,
+    uses_kernel,
 )
 
 # fp8 W8A8 (dynamic scales) of 1-2 rows on the kernels path: kernels_pallas.quant.fp8_gemv (the activation
@@ -127,12 +127,6 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
     )
 
 
-def kernels_supported(x, qw: qlayout.QuantizedWeight, interpret: bool) -> bool:
-    """Whether quantized_matmul (backend "auto") runs the int kernel for x times qw: on a GPU or in interpret mode,
-    inputs _qmatmul.supported takes."""
-    return (interpret or on_gpu()) and _qmatmul.supported(x.dtype, qw.n, qw.bits, qw.group_size, qw.plane)
-
-
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # the decode bucket's 1-2 rows
         return fp8_gemv(x, *gemv, interpret=interpret)
@@ -175,15 +169,16 @@ def split_k(x, w, *, interpret: bool = False):
     (decoder.qkv_partials) instead of an XLA reduce of their own."""
     if not isinstance(w, QuantizedWeight):
         return None
+    if w.perm is not None:  # act-order (int weights only): the stored rows are x's columns perm, as in _local_qmatmul
+        x = jnp.take(x, w.perm, axis=1)
     s = w.scheme
     if s.weight_type == "int" and s.activations is None and x.shape[0] <= INT_SPLIT_K_MAX_ROWS:
         qw = _int_weight(w)
-        if not kernels_supported(x, qw, interpret):
+        if not uses_kernel(x, qw, interpret=interpret):
             return None
-        xs = x if w.perm is None else jnp.take(x, w.perm, axis=1)  # act-order: the stored rows are x's columns perm
-        parts = quantized_matmul(xs, qw, interpret=interpret, partials=True)
+        parts = quantized_matmul(x, qw, interpret=interpret, partials=True)
         return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[1:])
-    if w.perm is not None or (gemv := _fp8_gemv_operands(x, w, kernels=True)) is None:
+    if (gemv := _fp8_gemv_operands(x, w, kernels=True)) is None:
         return None
     parts = fp8_gemv_partials(x, *gemv, interpret=interpret)
     return parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[:-1])
