@@ -12,8 +12,8 @@ on an H100 (bench/results/long32k_h100_83092d7_grid.json's trace: loop_add_fusio
 layer), latency-bound on 8 KB rows. The decoder carries each block's output as a pending delta and adds it here, in
 the launch of the norm that reads the sum (jaxllm/models/decoder.py).
 
-Kernel: grid (T,), one program a row, D in power-of-two chunks held in registers: pass 1 sums the partials, adds x,
-rounds, writes r and accumulates r^2; pass 2 scales and writes h. Rows of up to MAX_ROWS only: a program reads its
+Kernel: grid (T,), one program of 16 warps a row, D in power-of-two chunks held in registers: every load is issued
+first (x, the partials, the weight), then the sums and r^2, then r and h are stored. Rows of up to MAX_ROWS only: a program reads its
 whole row alone, which suits a few rows, not a prefill's thousands.
 """
 
@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from ._common import on_gpu, triton_params
 
 MAX_ROWS = 16
-MAX_CHUNK = 1024  # elements of D a program holds per chunk (D is cut into D / chunk of them)
+MAX_CHUNK = 4096  # elements of D per chunk (D is cut into D / chunk of them, each a power of two)
 
 
 def rms_norm(x, weight, eps):
@@ -56,7 +56,7 @@ def add_rms_norm_ref(x, delta, weight, *, eps, plus_one=False):
 
 
 def _chunk(d: int) -> int:
-    return next(c for c in (MAX_CHUNK, 512, 256, 128, 64, 32) if d % c == 0)
+    return next(c for c in (MAX_CHUNK, 2048, 1024, 512, 256, 128, 64, 32) if d % c == 0)
 
 
 def add_rms_norm_supported(x, delta) -> bool:
@@ -72,31 +72,31 @@ def add_rms_norm_supported(x, delta) -> bool:
 def _kernel(x_ref, d_ref, w_ref, r_ref, h_ref, *, chunk, parts, eps, plus_one):
     f32 = jnp.float32
     D = x_ref.shape[-1]
-    rows, sq = [], jnp.zeros((chunk,), f32)
-    for c in range(D // chunk):
-        cols = pl.ds(c * chunk, chunk)
-        if parts:  # float32 partials, summed then rounded as the projection's output would be
-            d = d_ref[0, cols]
-            for s in range(1, parts):
-                d = d + d_ref[s, cols]
-        else:
-            d = d_ref[cols]
-        r = (x_ref[cols].astype(f32) + d.astype(r_ref.dtype).astype(f32)).astype(r_ref.dtype)
-        r_ref[cols] = r
-        r32 = r.astype(f32)
-        sq = sq + r32 * r32
-        rows.append(r32)
+    cuts = [pl.ds(c * chunk, chunk) for c in range(D // chunk)]
+    # Every load first, then the math, then every store: loads after a store could not be moved above it (the
+    # refs may alias), and each chunk would wait a full memory latency of its own.
+    xs = [x_ref[cols] for cols in cuts]
+    ds = [[d_ref[s, cols] for s in range(parts)] if parts else [d_ref[cols]] for cols in cuts]
+    ws = [w_ref[cols] for cols in cuts]
+    rs, sq = [], jnp.zeros((chunk,), f32)
+    for x, d in zip(xs, ds):
+        total = d[0]
+        for p in d[1:]:  # float32 partials, summed then rounded as the projection's output would be
+            total = total + p
+        r = (x.astype(f32) + total.astype(r_ref.dtype).astype(f32)).astype(r_ref.dtype)
+        rs.append(r)
+        sq = sq + r.astype(f32) * r.astype(f32)
     inv = jax.lax.rsqrt(jnp.sum(sq) / D + eps)
-    for c, r32 in enumerate(rows):
-        cols = pl.ds(c * chunk, chunk)
+    for cols, r, w in zip(cuts, rs, ws):
+        r_ref[cols] = r
         if plus_one:
-            h_ref[cols] = (r32 * inv * (1.0 + w_ref[cols].astype(f32))).astype(h_ref.dtype)
+            h_ref[cols] = (r.astype(f32) * inv * (1.0 + w.astype(f32))).astype(h_ref.dtype)
         else:
-            h_ref[cols] = w_ref[cols] * (r32 * inv).astype(r_ref.dtype)
+            h_ref[cols] = w * (r.astype(f32) * inv).astype(r_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "plus_one", "num_warps", "interpret"))
-def add_rms_norm_kernel(x, delta, weight, *, eps, plus_one=False, num_warps=4, interpret=False):
+def add_rms_norm_kernel(x, delta, weight, *, eps, plus_one=False, num_warps=16, interpret=False):
     """See the module docstring: x [T, D], delta [T, D] or float32 partials [S, T, D], weight [D]."""
     if not add_rms_norm_supported(x, delta) or weight.shape != x.shape[1:]:
         raise ValueError(

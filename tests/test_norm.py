@@ -68,7 +68,7 @@ def test_add_rms_norm_takes_what_its_kernel_does_and_refuses_the_rest():
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen2_moe"])
 def test_decoder_adds_pending_outputs_in_the_norm_kernel(tmp_path, monkeypatch, arch):
     """A decode-only step of 2 rows on the "pallas" backend (interpret mode): each layer's o and down (or MoE)
-    output is left pending and added in the next norm's add_rms_norm launch (two a layer, the last layer's
+    output (o and down as split-K partials) is left pending and added in the next norm's add_rms_norm launch (two a layer, the last layer's
     output added after the loop), and the logits equal the reference backend's; Gemma 2 (post-norms, (1 + w)) and
     Qwen2-MoE (a MoE block's output) included. With ADD_NORM_MAX_ROWS 0, or for the 5-token first step, no launch."""
     from jaxllm.config import ModelConfig
@@ -101,7 +101,10 @@ def test_decoder_adds_pending_outputs_in_the_norm_kernel(tmp_path, monkeypatch, 
     D = cfg.hidden_size
     # a trace per (LayerKind, pending delta or not): layer 0's has one launch (its mlp_norm), the others' two
     traces = {(cfg.layer_kind(i), i > 0) for i in range(cfg.num_layers)}
-    assert calls and all(c == ((2, D), (2, D)) for c in calls), calls
+    assert calls and all(x == (2, D) and d[-2:] == (2, D) for x, d in calls), calls
+    # o and down as ADD_NORM_SPLITS float32 partials; Gemma 2's normed outputs and a MoE block's output as they are
+    parts = (decoder.ADD_NORM_SPLITS, 2, D)
+    assert {d for _, d in calls} == {"llama": {parts}, "gemma2": {(2, D)}, "qwen2_moe": {parts, (2, D)}}[arch]
     assert len(calls) == sum(1 + later for _, later in traces), calls
     for o, r in zip(got, ref, strict=True):
         np.testing.assert_allclose(o, r, rtol=1e-4, atol=1e-4 * np.abs(r).max())

@@ -39,9 +39,11 @@ def _norm(x, weight, cfg: ModelConfig):
 # MLP's down projection) to the next norm as a pending delta, and add it there: kernels_pallas.norm.add_rms_norm
 # does the residual add and the norm in one launch (two XLA kernels otherwise). 0 turns it off. Quantized
 # projections of 1-2 rows hand it their split-K partials (quant_matmul.split_k), which it sums: one more launch
-# fewer each (ADD_NORM_PARTIALS).
+# fewer each (ADD_NORM_PARTIALS), and 16-bit ones are computed as ADD_NORM_SPLITS split-K partials (one batched
+# GEMM), which replaces the reduce kernel of XLA's own split-K GEMM at these rows.
 ADD_NORM_MAX_ROWS = 2
 ADD_NORM_PARTIALS = True
+ADD_NORM_SPLITS = 4
 
 
 def _pending(x, attn: AttentionConfig, lora: bool) -> bool:
@@ -65,10 +67,20 @@ def _add_norm(x, delta, weight, cfg: ModelConfig, attn: AttentionConfig):
 
 
 def _proj_pending(x, w, b, eq, attn: AttentionConfig):
-    """_proj, or the split-K partials [S, T, D] that split_k makes of it (quantized weights, 1-2 rows), which
-    add_rms_norm sums in its own launch."""
+    """_proj, or float32 split-K partials [S, T, D] of it, which add_rms_norm sums in its own launch: split_k's
+    (quantized weights, 1-2 rows), or ADD_NORM_SPLITS of a 16-bit weight (one batched GEMM)."""
     if ADD_NORM_PARTIALS and b is None:
-        parts = split_k(x.reshape(x.shape[0], -1), w, interpret=attn.interpret)
+        x2 = x.reshape(x.shape[0], -1)
+        if isinstance(w, QuantizedWeight):
+            parts = split_k(x2, w, interpret=attn.interpret)
+        elif splits := math.gcd(ADD_NORM_SPLITS, x2.shape[1]):
+            T, K = x2.shape
+            ws = w.reshape(splits, K // splits, w.shape[-1])
+            parts = jnp.einsum(
+                "TSk,SkD->STD", x2.reshape(T, splits, K // splits), ws, preferred_element_type=jnp.float32
+            )
+        else:
+            parts = None
         if parts is not None:
             return parts
     return _proj(x, w, b, eq, attn)
