@@ -39,11 +39,14 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qmatmul, qlayout
+from . import _fp8_gemv, _qmatmul, _qunpack, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
 MAX_KERNEL_M = 256  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
+# The dequantize + GEMM path writes the dense weight with _qunpack's kernel on a GPU (False: XLA's fusion of
+# qlayout.dequantize, for A/B runs)
+UNPACK_KERNEL = True
 # The kernel's tiling for more than _qmatmul.MAX_BLOCK_M rows (a multiple of 128): 128-row blocks dequantize each
 # weight tile once per 128 rows. H100, M = 256 (bench/results/quant_kernels_h100_16d6b33_block_m.json): qkv 54.5,
 # o 34.5, gate_up 288.4, down 120.1 us against dequantize + dot's 63.9 / 43.2 / 332.6 / 134.4 and 64-row blocks'
@@ -102,11 +105,26 @@ def tie_to_input(x, w):
     return jax.lax.optimization_barrier((x, w))
 
 
-def _dequant_matmul(x, w):
+def _dequant_matmul(x, w, interpret=False):
     x, w = tie_to_input(x, w)
     if w.perm is not None:
         x = jnp.take(x, w.perm, axis=-1)
-    return jnp.einsum("...k,kn->...n", x, qlayout.dequantize(w, x.dtype))
+    if UNPACK_KERNEL and (interpret or on_gpu()) and _qunpack.supported(w.n, w.group_size, w.plane, w.kp, w.bits):
+        dense = _qunpack.unpack_kernel(
+            w.qweight,
+            w.scales,
+            w.zeros,
+            bits=w.bits,
+            group_size=w.group_size,
+            plane=w.plane,
+            dtype=jnp.dtype(x.dtype),
+            interpret=interpret,
+        )
+        if w.kp != w.k:  # the layout's zero rows meet zero columns of x (cheaper than slicing the weight)
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, w.kp - w.k)])
+    else:
+        dense = qlayout.dequantize(w, x.dtype)
+    return jnp.einsum("...k,kn->...n", x, dense)
 
 
 def kernel_m(m: int, fma: bool, dequant: str = "float") -> int:
@@ -158,7 +176,7 @@ def quantized_matmul(
     if partials and (split or not use_kernel):
         raise ValueError("partials=True needs the kernel path and split=False")
     if not use_kernel:
-        return _split(_dequant_matmul(x, w), w, split)
+        return _split(_dequant_matmul(x, w, interpret), w, split)
     x2 = x.reshape(M, w.k)
     if w.perm is not None:
         x2 = jnp.take(x2, w.perm, axis=1)

@@ -630,3 +630,66 @@ def test_quantized_matmul_partials():
     assert rel(parts.sum(0), quantized_matmul(x2, w, backend="kernel", interpret=True)) < 1e-2
     with pytest.raises(ValueError, match="partials"):
         quantized_matmul(x, w, backend="dequant", partials=True)
+
+
+@pytest.mark.parametrize(
+    "K,N,bits,G,sym,dtype",
+    [
+        (2048, 128, 4, 128, True, jnp.bfloat16),  # the 8B shapes' layout: a plane per group
+        (512, 64, 4, 32, False, jnp.float16),  # 32-row planes
+        (960, 64, 4, 64, False, jnp.float32),  # K padded to a whole tile (1024 rows)
+        (2048, 64, 4, 256, True, jnp.bfloat16),  # two planes a group
+        (3072, 64, 4, -1, False, jnp.bfloat16),  # per channel, asymmetric
+        (1024, 128, 8, -1, True, jnp.bfloat16),
+        (512, 64, 8, 128, False, jnp.bfloat16),
+    ],
+)
+def test_unpack_kernel_writes_the_dequantized_weight(K, N, bits, G, sym, dtype):
+    """_qunpack's kernel (interpret mode) writes qlayout.dequantize's values bit for bit, zeros in the padded rows."""
+    from kernels_pallas import _qunpack
+
+    _, _, _, _, w = packed(np.random.default_rng(K + N + bits), K, N, bits, G, sym, dtype)
+    assert _qunpack.supported(w.n, w.group_size, w.plane, w.kp, w.bits)
+    got = _qunpack.unpack_kernel(
+        w.qweight, w.scales, w.zeros, bits=bits, group_size=G, plane=w.plane, dtype=jnp.dtype(dtype), interpret=True
+    )
+    assert got.shape == (w.kp, N) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(got[:K], np.float32), np.asarray(dequantize(w, dtype), np.float32))
+    assert not np.any(np.asarray(got[K:], np.float32))
+    assert not _qunpack.supported(96, w.group_size, w.plane, w.kp, w.bits)  # N not a multiple of BLOCK_N
+
+
+def test_entry_point_dequantizes_large_batches_with_the_unpack_kernel(monkeypatch):
+    """quantized_matmul above max_kernel_m rows: the weight through _qunpack's kernel (act-order and a padded K
+    included), then XLA's dot; UNPACK_KERNEL False takes XLA's fusion of qlayout.dequantize. Both give the reference."""
+    from kernels_pallas import _qunpack, quant
+
+    rng = np.random.default_rng(3)
+    K, N, G = 960, 64, 64
+    wf = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    q, s, z = quantize_weight(wf, bits=4, group_size=G, sym=False)
+    g_idx = rng.permutation(np.arange(K) // G)
+    w = pack_quantized(q, s, z, bits=4, group_size=G, g_idx=g_idx, dtype=jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((300, K)), jnp.bfloat16)
+    calls = []
+    real = _qunpack.unpack_kernel
+    monkeypatch.setattr(_qunpack, "unpack_kernel", lambda *a, **k: calls.append(k["plane"]) or real(*a, **k))
+    ref = quantized_matmul_ref(x, w)
+    assert rel(quantized_matmul(x, w, interpret=True), ref) < 1e-2 and calls == [w.plane]
+    monkeypatch.setattr(quant, "UNPACK_KERNEL", False)
+    assert rel(quantized_matmul(x, w, interpret=True), ref) < 1e-2 and len(calls) == 1
+    assert rel(quantized_matmul(x, w), ref) < 1e-2 and len(calls) == 1  # CPU without interpret: XLA's fusion
+
+
+def test_unpack_kernel_lowers_for_cuda():
+    from kernels_pallas._qunpack import unpack_kernel
+
+    args = (
+        jax.ShapeDtypeStruct((512, 28672), jnp.int32),
+        jax.ShapeDtypeStruct((32, 28672), jnp.bfloat16),
+        jax.ShapeDtypeStruct((32, 28672), jnp.bfloat16),
+    )
+    f = jax.jit(
+        lambda qw, s, z: unpack_kernel(qw, s, z, bits=4, group_size=128, plane=128, dtype=jnp.dtype(jnp.bfloat16))
+    )
+    assert "qunpack_int4_L128" in f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
