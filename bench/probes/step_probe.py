@@ -41,7 +41,7 @@ from jaxllm.sharding import make_kv_caches  # noqa: E402
 BASE_LAYER = decoder.decoder_layer
 
 
-def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn, kind=None, ll=None, lw=None, delta=None):
+def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn, kind=None):
     """decoder_layer with gate and up as two weights (two GEMMs), so silu(gate) * up can fuse into the down
     projection's operand instead of being a kernel of its own (Llama's shape: kind, the LayerKind, is unused)."""
     lp = dict(lp)
@@ -56,7 +56,7 @@ def split_gate_up_layer(lp, x, kv_cache, meta, cfg, attn, kind=None, ll=None, lw
     x = x_in + jnp.einsum("TNH,NHD->TD", out, lp["wo"])
     h = decoder.rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     g, u = jnp.einsum("TD,DF->TF", h, wg), jnp.einsum("TD,DF->TF", h, wu)
-    return x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, lp["w_down"]), None, kv_cache
+    return x + jnp.einsum("TF,FD->TD", jax.nn.silu(g) * u, lp["w_down"]), kv_cache
 
 
 def split_gate_up_params(params):
@@ -71,9 +71,8 @@ def split_gate_up_params(params):
 
 # name -> (decoder_layer replacement or None, XLA options for compile(), params transform or None,
 #          module settings: decoder.NAME, or attention.NAME for "attention.NAME"). The small-batch split-K qkv
-#          projection (decoder.qkv_splits), the fused decode kernel (attention.FUSED_DECODE) and the fused residual
-#          add + norm (decoder.ADD_NORM_MAX_ROWS) are off unless set.
-NO_SPLIT = {"QKV_SPLIT_MAX_TOKENS": 0, "attention.FUSED_DECODE": False, "ADD_NORM_MAX_ROWS": 0}
+#          projection (decoder.qkv_splits) and the fused decode kernel (attention.FUSED_DECODE) are off unless set.
+NO_SPLIT = {"QKV_SPLIT_MAX_TOKENS": 0, "attention.FUSED_DECODE": False}
 VARIANTS = {
     "base": (None, {}, None, NO_SPLIT),
     "cublas": (None, {"xla_gpu_enable_triton_gemm": False}, None, NO_SPLIT),

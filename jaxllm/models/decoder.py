@@ -28,62 +28,24 @@ from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_sl
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import qmatmul, split_k
-from kernels_pallas.norm import add_delta, add_rms_norm, add_rms_norm_supported, gemma_rms_norm, rms_norm
+
+
+def rms_norm(x, weight, eps):
+    # Same rounding as HF: normalise in float32, cast back, then scale in the weight dtype.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(x.dtype)
+
+
+def gemma_rms_norm(x, weight, eps):
+    # Gemma: normalise and scale by (1 + w) in float32, rounded once (HF's Gemma2RMSNorm / Gemma3RMSNorm).
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
 
 
 def _norm(x, weight, cfg: ModelConfig):
     return (gemma_rms_norm if cfg.norm_plus_one else rms_norm)(x, weight, cfg.rms_norm_eps)
-
-
-# Steps of up to this many tokens on the Pallas backend carry each block's output (attention's o projection, the
-# MLP's down projection) to the next norm as a pending delta, and add it there: kernels_pallas.norm.add_rms_norm
-# does the residual add and the norm in one launch (two XLA kernels otherwise). 0 turns it off. Quantized
-# projections of 1-2 rows hand it their split-K partials (quant_matmul.split_k), which it sums: one more launch
-# fewer each (ADD_NORM_PARTIALS), and 16-bit ones are computed as ADD_NORM_SPLITS split-K partials (one batched
-# GEMM), which replaces the reduce kernel of XLA's own split-K GEMM at these rows.
-ADD_NORM_MAX_ROWS = 2
-ADD_NORM_PARTIALS = True
-ADD_NORM_SPLITS = 4
-
-
-def _pending(x, attn: AttentionConfig, lora: bool) -> bool:
-    """Static: whether this step's layers leave their outputs pending for add_rms_norm (see ADD_NORM_MAX_ROWS): the
-    Pallas backend, no LoRA (its terms are added in their own order, lora_ops.add), tp 1 (one device's kernel)."""
-    tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
-    return (
-        attn.backend == "pallas"
-        and not lora
-        and tp == 1
-        and x.shape[0] <= ADD_NORM_MAX_ROWS
-        and add_rms_norm_supported(x, x)
-    )
-
-
-def _add_norm(x, delta, weight, cfg: ModelConfig, attn: AttentionConfig):
-    """(x + delta, the norm of it); delta None: (x, the norm of x)."""
-    if delta is None:
-        return x, _norm(x, weight, cfg)
-    return add_rms_norm(x, delta, weight, eps=cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
-
-
-def _proj_pending(x, w, b, eq, attn: AttentionConfig):
-    """_proj, or float32 split-K partials [S, T, D] of it, which add_rms_norm sums in its own launch: split_k's
-    (quantized weights, 1-2 rows), or ADD_NORM_SPLITS of a 16-bit weight (one batched GEMM)."""
-    if ADD_NORM_PARTIALS and b is None:
-        x2 = x.reshape(x.shape[0], -1)
-        if isinstance(w, QuantizedWeight):
-            parts = split_k(x2, w, interpret=attn.interpret)
-        elif splits := math.gcd(ADD_NORM_SPLITS, x2.shape[1]):
-            T, K = x2.shape
-            ws = w.reshape(splits, K // splits, w.shape[-1])
-            parts = jnp.einsum(
-                "TSk,SkD->STD", x2.reshape(T, splits, K // splits), ws, preferred_element_type=jnp.float32
-            )
-        else:
-            parts = None
-        if parts is not None:
-            return parts
-    return _proj(x, w, b, eq, attn)
 
 
 def _qk_norm(qkv, lp, cfg: ModelConfig):
@@ -156,21 +118,10 @@ def _split_k_qkv(h, w, splits):
 
 
 def mlp(
-    h,
-    w_gate_up,
-    w_down,
-    act: str,
-    attn: AttentionConfig,
-    b_gate_up=None,
-    b_down=None,
-    ll=None,
-    lw=None,
-    residual=None,
-    partials=False,
+    h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None, residual=None
 ):
     """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
-    residual: the residual stream to add the output to (returned summed), or None. partials: the output may be
-    the down projection's split-K partials (for add_rms_norm, without LoRA; _proj_pending)."""
+    residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
     if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
         gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
@@ -185,8 +136,6 @@ def mlp(
         out = lora_ops.fused_out(a, *ll["down_fused"], lw)
         out = out if b_down is None else out + b_down
         return out if residual is None else residual + out
-    if partials:
-        return _proj_pending(a, w_down, b_down, "TF,FD->TD", attn)
     out = _proj(a, w_down, b_down, "TF,FD->TD", attn)
     if residual is None:
         return lora_ops.add(out, "down", a, ll.get("down"), lw)
@@ -205,25 +154,11 @@ def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
 
 
 def decoder_layer(
-    lp,
-    x,
-    kv_cache,
-    meta: AttentionMetadata,
-    cfg: ModelConfig,
-    attn: AttentionConfig,
-    kind: LayerKind,
-    ll=None,
-    lw=None,
-    delta=None,
+    lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig, kind: LayerKind, ll=None, lw=None
 ):
-    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA.
-    delta: the previous layer's output not yet added to x (ADD_NORM_MAX_ROWS), or None.
-    Returns (x, delta, kv_cache): the residual stream is x + delta where delta is not None."""
-    pending = _pending(x, attn, lw is not None)
+    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
-    if delta is not None and not pending:
-        x, delta = add_delta(x, delta), None
-    x, h = _add_norm(x, delta, lp["attn_norm"], cfg, attn)
+    h = _norm(x, lp["attn_norm"], cfg)
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
     elif (qkv := qkv_partials(h, lp, cfg, attn)) is not None:
@@ -258,19 +193,6 @@ def decoder_layer(
     # (lora_h100_797b2f2.json), or made cuBLAS pick a split-K o GEMM with a reduce kernel after it
     # (lora_h100_7efd0bb.json); this order runs 20 kernels a layer, 219 us (lora_h100_e3a7cfd.json).
     attn_out = out
-    if pending:
-        if "post_attn_norm" in lp:  # Gemma 2/3: the projection's norm joins the residual
-            out = _norm(_proj(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn), lp["post_attn_norm"], cfg)
-        else:
-            out = _proj_pending(attn_out, lp["wo"], lp.get("bo"), "TNH,NHD->TD", attn)
-        x, h = _add_norm(x, out, lp["mlp_norm"], cfg, attn)
-        if kind.moe:
-            out = _moe(lp, h, cfg, attn)
-        else:
-            out = mlp(h, *_mlp_args(lp, cfg, attn, ll, lw), partials="post_mlp_norm" not in lp)
-        if "post_mlp_norm" in lp:
-            out = _norm(out, lp["post_mlp_norm"], cfg)
-        return x, out, kv_cache
     if "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
         out = lora_ops.fused_out(attn_out, *ll["o_fused"], lw)
         out = out if "bo" not in lp else out + lp["bo"]
@@ -286,16 +208,22 @@ def decoder_layer(
         out = _moe(lp, h, cfg, attn)
     else:
         residual = None if "post_mlp_norm" in lp else x
-        out = mlp(h, *_mlp_args(lp, cfg, attn, ll, lw), residual=residual)
+        args = (
+            lp.get("w_gate_up"),
+            lp.get("w_down"),
+            cfg.hidden_act,
+            attn,
+            lp.get("b_gate_up"),
+            lp.get("b_down"),
+            ll,
+            lw,
+        )
+        out = mlp(h, *args, residual=residual)
         if residual is not None:
-            return out, None, kv_cache
+            return out, kv_cache
     if "post_mlp_norm" in lp:
         out = _norm(out, lp["post_mlp_norm"], cfg)
-    return x + out, None, kv_cache
-
-
-def _mlp_args(lp, cfg: ModelConfig, attn: AttentionConfig, ll, lw):
-    return (lp.get("w_gate_up"), lp.get("w_down"), cfg.hidden_act, attn, lp.get("b_gate_up"), lp.get("b_down"), ll, lw)
+    return x + out, kv_cache
 
 
 _ATTENTION = AttentionConfig()  # forward's default: the reference backend, one device
@@ -342,15 +270,11 @@ def forward(
     kv_caches = list(kv_caches)
     layer = _traced_once(decoder_layer)  # looked up here: bench/probes/step_probe.py swaps decoder_layer
     captured = {}
-    delta = None  # the last layer's output, not yet added to x (ADD_NORM_MAX_ROWS)
     for i in layers:
         if i in capture:
-            captured[i] = x if delta is None else add_delta(x, delta)
+            captured[i] = x
         ll = None if lora is None else lora.weights["layers"][i]
-        lp, kind = params["layers"][i], cfg.layer_kind(i)
-        x, delta, kv_caches[i] = layer(lp, x, kv_caches[i], meta, cfg, attn, kind, ll, lw, delta)
-    if delta is not None:
-        x = add_delta(x, delta)
+        x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i), ll, lw)
     return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
 
 
