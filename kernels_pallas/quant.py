@@ -1,15 +1,16 @@
 """Quantized linear layers: weight-only int4 / int8 (GPTQ, AWQ, compressed-tensors W4A16 / W8A16) and FP8 W8A8
 (compressed-tensors FP8, quantization="fp8"), each entry point beside its pure-jnp reference.
 
-  quantized_matmul(x [..., K], w: QuantizedWeight, *, split=False, max_kernel_m=64, backend="auto",
+  quantized_matmul(x [..., K], w: QuantizedWeight, *, split=False, max_kernel_m=MAX_KERNEL_M, backend="auto",
                    interpret=False, **tuning) -> [..., N] in x's dtype (split: a tuple, one array per w.parts)
       Decode and small batches (M = prod(x.shape[:-1]) <= max_kernel_m) run the Pallas kernel (_qmatmul.py),
-      which streams the packed weight once and dequantizes in registers; larger batches (prefill) dequantize
-      the weight to x's dtype in one XLA fusion and multiply with XLA's GEMM (cuBLAS / Triton). Off GPU (and not
-      interpret), and for inputs the kernel does not take (_qmatmul.supported), the dequantize + dot path runs.
-      max_kernel_m (default MAX_KERNEL_M = 256) by measurement on an H100 (bench/quant_kernels.py): the kernel
-      is 2-5x faster than dequantize + dot at every M <= 64 of the 8B projections; at M = 256, with 128-row blocks
-      (LARGE_M_TILING), 10-23 % faster, and both 1.6-2.9x slower than bf16.
+      which streams the packed weight once and dequantizes in registers; larger batches (offline decode, prefill)
+      dequantize the weight to x's dtype (a Pallas pass on a GPU, _qunpack.py; else one XLA fusion) and multiply
+      with XLA's GEMM (cuBLAS / Triton). Off GPU (and not interpret), and for inputs the kernel does not take
+      (_qmatmul.supported), the dequantize + dot path runs. max_kernel_m (default MAX_KERNEL_M = 128) by
+      measurement on an H100 (bench/quant_kernels.py): the kernel is 2-5x faster than dequantize + dot at every
+      M <= 64 of the 8B projections and 1.1-1.5x at 128 (128-row blocks, LARGE_M_TILING); at 256 the dense weight
+      + GEMM is 1.18x faster summed over the four (both 1.4-2.9x slower than bf16).
       backend: "auto" | "kernel" | "dequant" (tests and benchmarks force one). tuning: the kernel's static options,
       among them dequant="asm" (inline-PTX dequantization, _qdequant.py; "float" by default until measured).
       Fused projections (qkv, gate / up): pack the concatenated [K, N1 + N2 + ...] weight once with
@@ -43,14 +44,20 @@ from . import _fp8_gemv, _qmatmul, _qunpack, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
-MAX_KERNEL_M = 256  # default: batches above this take the dequantize + GEMM path (see quantized_matmul)
+# Batches above MAX_KERNEL_M rows take the dequantize + GEMM path (see quantized_matmul). H100, int4 g128, the 8B
+# shapes (bench/results/quant_kernels_h100_fcdb7d1_max_kernel_m.json), kernel with 128-row blocks / dense weight +
+# GEMM, us: M 128 qkv 45.1 / 48.8, o 20.4 / 30.3, gate_up 167.7 / 203.5, down 86.7 / 107.0; M 256 53.9 / 51.5,
+# 34.4 / 34.8, 283.1 / 219.4, 120.2 / 111.8 (bf16 at M 256: 30.9 / 21.6 / 98.7 / 52.4).
+MAX_KERNEL_M = 128
 # The dequantize + GEMM path writes the dense weight with _qunpack's kernel on a GPU (False: XLA's fusion of
-# qlayout.dequantize, for A/B runs)
+# qlayout.dequantize, for A/B runs). H100, 8B GPTQ int4, 500 x 462 / 256 offline: 36.88 against 34.60 req/s (bf16
+# 39.57 in the same call; bench/results/throughput_*_h100_ad75e1a*.json): the unpack kernels take 203 us a layer of
+# a 500-row decode step where XLA's fusions took 280 (throughput_gptq_h100_ad75e1a_unpack_prof.json).
 UNPACK_KERNEL = True
 # The kernel's tiling for more than _qmatmul.MAX_BLOCK_M rows (a multiple of 128): 128-row blocks dequantize each
 # weight tile once per 128 rows. H100, M = 256 (bench/results/quant_kernels_h100_16d6b33_block_m.json): qkv 54.5,
-# o 34.5, gate_up 288.4, down 120.1 us against dequantize + dot's 63.9 / 43.2 / 332.6 / 134.4 and 64-row blocks'
-# 67.9 / 44.6 / 292.5 / 148.9 (bf16: 30.9 / 21.8 / 98.2 / 52.4).
+# o 34.5, gate_up 288.4, down 120.1 us against XLA's dequantize fusion + dot's 63.9 / 43.2 / 332.6 / 134.4 and
+# 64-row blocks' 67.9 / 44.6 / 292.5 / 148.9 (bf16: 30.9 / 21.8 / 98.2 / 52.4).
 LARGE_M_TILING = dict(block_m=128, block_n=64, num_warps=8)
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0

@@ -530,8 +530,9 @@ def test_fp8_matmul_widens_small_batches_to_the_same_function(rows):
 
 
 def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
-    """Above 64 rows (up to MAX_KERNEL_M) the entry point pads M to a multiple of 64 and, where that is a multiple
-    of 128, runs the kernel with LARGE_M_TILING's 128-row blocks; the result matches the reference."""
+    """Above 64 rows (up to max_kernel_m) the entry point pads M to a multiple of 64 and, where that is a multiple
+    of 128, runs the kernel with LARGE_M_TILING's 128-row blocks; above MAX_KERNEL_M (128) rows the dense weight +
+    XLA's dot runs instead. Each result matches the reference."""
     from kernels_pallas import _qmatmul, quant
 
     seen = []
@@ -544,10 +545,12 @@ def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
     monkeypatch.setattr(_qmatmul, "qmatmul_kernel", spy)
     rng = np.random.default_rng(11)
     _, q, s, z, w = packed(rng, 256, 64, 4, 64, False)
-    for m in (200, 150):  # padded to 256 (128-row blocks) and to 192 (64-row blocks)
+    # padded to 128 (one 128-row block); 200 rows: over MAX_KERNEL_M, no kernel; padded to 192 (64-row blocks)
+    for m, most in ((100, quant.MAX_KERNEL_M), (200, quant.MAX_KERNEL_M), (150, 256)):
         x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
-        assert rel(quant.quantized_matmul(x, w, interpret=True), quantized_matmul_ref(x, w)) < 1e-2
-    assert seen == [(256, 128, 64), (192, None, None)], seen
+        got = quant.quantized_matmul(x, w, interpret=True, max_kernel_m=most)
+        assert rel(got, quantized_matmul_ref(x, w)) < 1e-2
+    assert seen == [(128, 128, 64), (192, None, None)], seen
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,9 @@
     qmatmul(x [T, I], w, *, kernels=False, interpret=False, mesh=None) -> [T, *O] in x's dtype
 
                    kernels=True (the decoder's "pallas" backend: GPUs)            kernels=False (reference: CPU)
-  int4 / int8      kernels_pallas.quantized_matmul: the Pallas GEMM for T <= 64    qlayout.dequantize to x's dtype,
-                   rows (decode), dequantize + XLA's GEMM above (prefill); T <=     one float32 dot
+  int4 / int8      kernels_pallas.quantized_matmul: the Pallas GEMM for T <= 128   qlayout.dequantize to x's dtype,
+                   rows (decode), the dense weight (a Pallas pass) + XLA's GEMM     one float32 dot
+                   above (offline decode, prefill); T <=
                    2 weight-only: split_k gives the decoder's qkv as the kernel's
                    split-K partials
   fp8 W8A8         kernels_pallas.fp8_matmul: x quantized per token (dynamic) or   fp8_matmul_ref: the same values,
