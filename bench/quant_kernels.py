@@ -7,7 +7,8 @@ projection shape of Llama-3-8B and batch size, every quantized path beside the b
 
 impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kernels_pallas.quantized_matmul with
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
-int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path;
+int8 = int8 per-channel symmetric (W8A16), kernel; int4_dequant = int4 g128 sym through the dequantize + GEMM path
+(the dense weight from _qunpack's kernel on a GPU);
 fp8 = fp8_matmul (e4m3 weight, per-channel weight scales, dynamic per-token activation scales computed in the
 call) with the fp8 x fp8 dot at every M; fp8_widened = the same function with both fp8 operands widened to bfloat16
 for XLA's GEMM at every M (fp8_matmul's default up to FP8_WIDEN_MAX_ROWS); fp8_w8a16 = the fp8 weight widened to

@@ -89,7 +89,7 @@ def test_prefill_step_holds_one_layers_dequantized_weights(dispatch, monkeypatch
             decoder, "qmatmul", lambda x, w, **kw: quant_matmul.qmatmul(x, w, **{**kw, "kernels": True})
         )
         real = kernels_quant._dequant_matmul
-        monkeypatch.setattr(kernels_quant, "_dequant_matmul", lambda x, w: calls.append(x.shape) or real(x, w))
+        monkeypatch.setattr(kernels_quant, "_dequant_matmul", lambda x, w, *a: calls.append(x.shape) or real(x, w, *a))
     jax.clear_caches()  # the decoder layer is a cached jit: trace it again with (or without) the patched dispatch
     one, per_layer = _prefill_temp_bytes(1)
     four, _ = _prefill_temp_bytes(4)

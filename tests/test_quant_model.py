@@ -267,12 +267,14 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
             assert _rel(k, r) <= tol
 
 
-@pytest.mark.parametrize("quantization,rows", [(None, 5), ("fp8", 5), ("fp8", 2)])
+@pytest.mark.parametrize("quantization,rows", [(None, 5), (None, 200), ("fp8", 5), ("fp8", 2)])
 def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization, rows):
     """tp = 2 (shard_map over 2 devices): each projection's kernels path (the Pallas GEMM in interpret mode for
-    GPTQ, with wo / w_down row-parallel and their act-order rows taking the gathered x; XLA's fp8 dot for
-    quantization="fp8"; fp8_gemv's kernel for 2 rows, each shard with its own token scales) against the reference
-    path and against the dense weights."""
+    GPTQ, with wo / w_down row-parallel and their act-order rows taking the gathered x; above MAX_KERNEL_M rows each
+    shard's weight written dense by _qunpack's kernel; XLA's fp8 dot for quantization="fp8"; fp8_gemv's kernel for
+    2 rows, each shard with its own token scales) against the reference path and against the dense weights."""
+    from kernels_pallas import _qunpack
+
     dense_dir, gptq_dir = checkpoints
     calls = []
     real = _qmatmul.qmatmul_kernel
@@ -280,6 +282,11 @@ def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch,
     gemv = []
     real_gemv = _fp8_gemv.fp8_gemv_kernel
     monkeypatch.setattr(_fp8_gemv, "fp8_gemv_kernel", lambda x, *a, **k: gemv.append(x.shape) or real_gemv(x, *a, **k))
+    unpacked = []
+    real_unpack = _qunpack.unpack_kernel
+    monkeypatch.setattr(
+        _qunpack, "unpack_kernel", lambda q, *a, **k: unpacked.append(q.shape) or real_unpack(q, *a, **k)
+    )
     _, _, dense = _load(dense_dir, 1)
     _, mesh, params = _load(gptq_dir if quantization is None else dense_dir, 2, quantization=quantization)
     rng = np.random.default_rng(5)
@@ -294,8 +301,10 @@ def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch,
         assert got[1].shape == (rows, *d.shape[n_in:])
         assert _rel(got[1], got[0]) < (2e-2 if quantization else 1e-2), key
         if quantization is None:  # fp8 rounds x too: only the paths are compared
-            assert _rel(got[0].reshape(5, -1), want) < 1e-2 and _rel(got[1].reshape(5, -1), want) < 1e-2, key
-    assert len(calls) == (4 if quantization is None else 0)
+            assert _rel(got[0].reshape(rows, -1), want) < 1e-2 and _rel(got[1].reshape(rows, -1), want) < 1e-2, key
+    dequantized = quantization is None and rows > 128
+    assert len(calls) == (4 if quantization is None and not dequantized else 0)
+    assert len(unpacked) == (4 if dequantized else 0)  # one trace of each projection's shard_map body
     assert len(gemv) == (4 if quantization and rows <= 2 else 0)  # each tp shard's product (its own token scales)
 
 

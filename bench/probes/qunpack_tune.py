@@ -1,4 +1,8 @@
-"""Probe: _qunpack.unpack_kernel's tiling (block_n, num_warps) on the 8B shapes' int4 g128 weights, and the rate it
+"""Finding (H100, fcdb7d1, bench/results/qunpack_tune_h100_fcdb7d1.json): the default tiling, 64 columns and 8 warps a
+program, is within 1-2% of the best of six for gate_up and down by wall time; 32 columns / 4 warps looked faster for
+qkv and o (48.7 vs 60.3 us, 42.9 vs 52.6) by wall time, which includes dispatch: not adopted without kernel time.
+
+Probe: _qunpack.unpack_kernel's tiling (block_n, num_warps) on the 8B shapes' int4 g128 weights, and the rate it
 writes the dense bf16 weight at against a copy of the same bytes measured in the same process.
 
 Each timed call unpacks COPIES distinct weights (no CSE); wall time per weight, median of REPS calls.
