@@ -73,6 +73,8 @@ IMPLS = (
     "int8_asm",
     "fp8_w8a16",
     "int4_xla",
+    "int4_mgpu",
+    "int4_mgpu_asym",
     "fp8_widened",
     "fp8_res",
     "fp8_gemv",
@@ -144,6 +146,13 @@ SWEEP += [
     )
 ]
 ROTATE_BYTES = 256 << 20
+MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl)
+    dict(nw=1),
+    dict(ctas_per_sm=1),
+    dict(ctas_per_sm=4),
+    dict(stages=4),
+    dict(stages=8),
+]
 
 
 def copy_bw(nbytes, reps):
@@ -267,6 +276,16 @@ def make_impl(name, K, N, key):
             return jnp.dot(x, dense, preferred_element_type=jnp.float32).astype(x.dtype)
 
         return int4_xla, (q, sc), K * N // 2 + sc.size * 2
+    if name.startswith("int4_mgpu"):  # the Mosaic GPU kernel on the nk layout (_qmatmul_mgpu.nk_layout of planes)
+        from kernels_pallas import _qmatmul_mgpu
+
+        w = int_weight(key, K, N, 4, 128, name == "int4_mgpu")
+        nk = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
+
+        def mgpu(x, w, **cfg):
+            return _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)
+
+        return mgpu, (w, nk), sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nk) if a.dtype != jnp.int4) + N * w.kp // 2
     bits, group, sym = dict(
         int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True), int4_dequant=(4, 128, True)
     )[name.removesuffix("_asm")]
@@ -288,6 +307,8 @@ def reference(name, x, w):
         K, N = q.shape
         dense = q.astype(jnp.float32).reshape(K // 128, 128, N) * sc.astype(jnp.float32)[:, None, :]
         return jnp.dot(x.astype(jnp.float32), dense.reshape(K, N))
+    if name.startswith("int4_mgpu"):
+        return quantized_matmul_ref(x, w[0])
     return quantized_matmul_ref(x, w)
 
 
@@ -329,6 +350,8 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         copies = 2 if args.tiny else max(args.reps, -(-ROTATE_BYTES // wbytes))
         ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
         configs = [{}] + (sweep if sweep and name == "int4_sym" else [])
+        if name.startswith("int4_mgpu") and sweep:
+            configs += MGPU_SWEEP
         if name == "fp8_gemv" and sweep:
             configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
         for M in ms:
@@ -351,7 +374,8 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                     continue
                 row = dict(shape=shape, K=K, N=N, M=M, impl=name, copies=copies, cfg=cfg)
                 try:
-                    fn = functools.partial(call, interpret=args.tiny, **cfg) if name.startswith("fp8_gemv") else call
+                    tuned = name.startswith(("fp8_gemv", "int4_mgpu"))
+                    fn = functools.partial(call, interpret=args.tiny, **cfg) if tuned else call
                     if fn is None:
                         backend = "dequant" if name == "int4_dequant" else "kernel"
                         kw = dict(dequant="asm") if name.endswith("_asm") else {}

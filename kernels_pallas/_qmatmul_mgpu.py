@@ -1,0 +1,272 @@
+"""Weight-only int4 matmul as a Mosaic GPU kernel (Hopper: a TMA ring of the packed weight, the weight as wgmma's
+register operand), for the decode step's few rows.
+
+y = x @ W with W [K, N] = (q - z) * s, q int4, groups of `group_size` rows of K (or one per channel). The kernel
+computes y^T = W^T x^T: wgmma's 64-row operand is a 64-column slice of W, transposed, held in registers; the rows of
+x (up to 256, padded to a multiple of 8: wgmma's smallest N) are its shared-memory operand. So one row of x needs
+no padding to wgmma's 64 rows, and the dequantization is Mosaic GPU's int4 -> 16-bit conversion in registers (two
+values a PRMT + LOP3, FragmentedArray.astype), with no shared-memory round trip of the dequantized weight.
+
+The layout it reads ("nk", made from qlayout's planes by `nk_layout`): the weight transposed, int4 [N, Kp], K
+contiguous, values q - 8 (signed int4: GPTQ's symmetric z = 8 becomes 0); scales [G, N] in x's dtype; asymmetric
+weights also zeros [G, N] as z - 8 in x's dtype. A program owns BM * nw columns of W (one compute warpgroup per 64)
+and a split of K; a memory warpgroup copies [64, block_k] weight blocks and the matching [Mp, block_k] block of x
+into a ring of `stages` shared-memory slots. Per block the compute warpgroup loads its weight block in
+WGMMA_UPCAST_4X layout (8 int4 a 32-bit load), moves it to the WGMMA layout (two warp shuffles per 8 values),
+converts to 16 bits, subtracts the zero (asymmetric only: exact in 16 bits), runs one wgmma into a fresh float32
+accumulator and adds it times the group's scale to the running sum (the scale on the product, as _qmatmul does).
+Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from ._splitk import NUM_SMS
+
+BM = 64  # wgmma rows: weight columns per compute warpgroup
+MAX_ROWS = 256  # wgmma's largest N
+MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
+
+
+def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=2) -> bool:
+    """The inputs this kernel takes: 16-bit x, int4, N a multiple of BM * nw, groups a multiple of block_k (or per
+    channel), Kp a multiple of block_k."""
+    return (
+        jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and bits == 4
+        and n % (BM * nw) == 0
+        and kp % block_k == 0
+        and (group_size == -1 or group_size % block_k == 0)
+    )
+
+
+def nk_layout(qweight, scales, zeros, *, plane, dtype):
+    """qlayout's planes (qweight [Kp / 8, N] int32, scales / zeros [G, N]) -> this kernel's layout: (wt int4 [N, Kp]
+    holding q - 8, scales [G, N] in dtype, zeros - 8 [G, N] in dtype or None). jnp, for load time and benchmarks."""
+    n = qweight.shape[-1]
+    words = qweight.reshape(-1, 1, plane, n)  # [tiles, 1, L, N]
+    shifts = (jnp.arange(8, dtype=jnp.int32) * 4).reshape(1, 8, 1, 1)
+    q = lax.shift_right_logical(words, shifts) & 15  # [tiles, 8 planes, L, N]: row t * 8L + j * L + r
+    wt = (q.reshape(-1, n) - 8).astype(jnp.int4).T
+    z = None if zeros is None else (zeros.astype(jnp.float32) - 8).astype(dtype)
+    return wt, scales.astype(dtype), z
+
+
+def plan(n, kp, group_size, *, block_k=128, nw=2, ctas_per_sm=2, min_steps=2):
+    """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
+    at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
+    blocks = kp // block_k
+    group_blocks = blocks if group_size == -1 else group_size // block_k
+    cols = n // (BM * nw)
+    choices = [s for s in range(1, blocks + 1) if blocks % s == 0 and (blocks // s) % group_blocks in (0, blocks // s)]
+    ok = [s for s in choices if blocks // s >= min(min_steps, blocks)]
+    fits = [s for s in ok if -(-blocks // s // group_blocks) <= MAX_SCALE_ROWS]
+    for s in fits:
+        if cols * s >= ctas_per_sm * NUM_SMS:
+            return s
+    return fits[-1] if fits else blocks
+
+
+def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    z_ref = refs[0] if asym else None
+    o_ref, scoped = refs[-2], refs[-1]
+    (w_smem, x_smem, s_smem, z_smem, o_smem), (ready, free, sready) = scoped
+    col, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+    n0 = col * BM * nw
+    first = split * steps  # the split's first K block
+    ng = s_smem.shape[1]
+    g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
+    Mp = x_smem.shape[1]
+
+    @pl.when(wg < nw)
+    def _compute():
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+
+        def rows(ref, g):  # a group row of scales / zeros for this warpgroup's 64 columns, [BM] in the row layout
+            if interpret:
+                return ref[wg, g]
+            return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
+
+        def weight(slot):
+            if interpret:
+                return w_smem[slot, wg].astype(dtype)
+            q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            return plgpu.layout_cast(q, wgmma_layout).astype(dtype)
+
+        def mma(a, slot):
+            if interpret:
+                return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+
+            def scope(acc_ref):
+                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
+
+        plgpu.barrier_wait(sready.at[0])
+
+        def body(step, acc):
+            slot = lax.rem(step, stages)
+            g = step // group_blocks
+            plgpu.barrier_wait(ready.at[slot])
+            a = weight(slot)
+            if asym:
+                a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
+            part = mma(a, slot)
+            plgpu.barrier_arrive(free.at[slot])
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+
+        acc0 = jnp.zeros((BM, Mp), jnp.float32)
+        if not interpret:
+            acc0 = plgpu.layout_cast(acc0, wgmma_layout)
+        acc = lax.fori_loop(0, steps, body, acc0)
+        o_smem[wg] = acc
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(n0 + wg * BM, BM)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == nw)
+    def _memory():
+        for h in range(nw):
+            hcols = pl.ds(n0 + h * BM, BM)
+            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(g0, ng), hcols], s_smem.at[h], sready.at[0])
+            if asym:
+                plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(g0, ng), hcols], z_smem.at[h], sready.at[0])
+
+        @pl.loop(0, steps)
+        def _(step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            k = pl.ds((first + step) * block_k, block_k)
+            for h in range(nw):
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[:, k], x_smem.at[slot], ready.at[slot])
+
+        # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
+        @pl.loop(max(steps - stages, 0), steps)
+        def _(step):
+            plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "interpret")
+)
+def qmatmul_mgpu(
+    x,
+    wt,
+    scales,
+    zeros=None,
+    *,
+    group_size,
+    nw=2,
+    block_k=128,
+    splits=None,
+    stages=None,
+    ctas_per_sm=2,
+    interpret=False,
+):
+    """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
+    float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    M, Kp = x.shape
+    N = wt.shape[0]
+    if M > MAX_ROWS:
+        raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
+    if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
+        raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    blocks = Kp // block_k
+    group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
+    S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
+    if blocks % S:
+        raise ValueError(f"splits={S} must divide K's {blocks} blocks of {block_k}")
+    steps = blocks // S
+    ng = 1 if group_size == -1 else steps // group_blocks
+    if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):
+        raise ValueError(f"splits={S}: each split must hold whole groups, at most {MAX_SCALE_ROWS}")
+    Mp = -(-M // 8) * 8
+    if Mp != M:
+        x = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    if stages is None:  # as many slots as fit ~96 KB (two programs an SM), 2..8
+        per_stage = nw * BM * block_k // 2 + Mp * block_k * 2
+        stages = max(2, min(8, steps, (96 << 10) // per_stage))
+    asym = zeros is not None
+    dtype = x.dtype
+    kernel = functools.partial(
+        _kernel,
+        asym=asym,
+        nw=nw,
+        block_k=block_k,
+        steps=steps,
+        stages=stages,
+        group_blocks=group_blocks,
+        dtype=dtype,
+        interpret=interpret,
+    )
+    x_swizzle = min(128, block_k * 2)
+    w_swizzle = min(128, block_k // 2)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
+            plgpu.SMEM(
+                (stages, nw, BM, block_k),
+                jnp.int4,
+                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
+            ),
+            plgpu.SMEM(
+                (stages, Mp, block_k),
+                dtype,
+                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
+            ),
+            plgpu.SMEM((nw, ng, BM), dtype),
+            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
+            plgpu.SMEM((nw, BM, Mp), jnp.float32),
+            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
+            collective_axes="wg",
+        )
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    args = (x, wt, scales) + ((zeros,) if asym else ())
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((S, N, Mp), jnp.float32),
+        grid=(N // (BM * nw), S),
+        grid_names=("n", "s"),
+        num_threads=nw + 1,
+        thread_name="wg",
+        **kw,
+    )(*args)
+
+
+def matmul(x, wt, scales, zeros=None, *, group_size, interpret=False, **tuning):
+    """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp, the
+    kernel's split-K partials summed and transposed back (one XLA fusion after the kernel)."""
+    lead, K = x.shape[:-1], x.shape[-1]
+    N, Kp = wt.shape
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if Kp != K:
+        x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
+    parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
+    return parts.sum(0).T[:M].astype(x.dtype).reshape(*lead, N)
