@@ -147,11 +147,11 @@ SWEEP += [
 ]
 ROTATE_BYTES = 256 << 20
 MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl)
+    dict(scale_weight=False),
     dict(nw=1),
-    dict(ctas_per_sm=1),
     dict(ctas_per_sm=4),
+    dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
-    dict(stages=8),
 ]
 
 

@@ -73,7 +73,9 @@ def plan(n, kp, group_size, *, block_k=128, nw=2, ctas_per_sm=2, min_steps=2):
     return fits[-1] if fits else blocks
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
+def _kernel(
+    x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, scale_weight, dtype, interpret
+):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
@@ -114,22 +116,54 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
         plgpu.barrier_wait(sready.at[0])
 
-        def body(step, acc):
-            slot = lax.rem(step, stages)
+        def dequantized(step, slot):
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
             a = weight(slot)
             if asym:
                 a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
-            part = mma(a, slot)
-            plgpu.barrier_arrive(free.at[slot])
-            s = rows(s_smem, g).astype(jnp.float32)
-            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+            return a, g
 
-        acc0 = jnp.zeros((BM, Mp), jnp.float32)
-        if not interpret:
-            acc0 = plgpu.layout_cast(acc0, wgmma_layout)
-        acc = lax.fori_loop(0, steps, body, acc0)
+        if scale_weight or interpret:
+            # The group scale on the weight (the 16-bit weight qlayout.dequantize makes, bit for bit), one
+            # accumulator over every block: wgmma runs while the next block is dequantized, and a slot is released
+            # once the wgmma that read it is done (wgmma_wait(1): the previous block's).
+            def run(acc_ref):
+                def body(step, carry):
+                    slot = lax.rem(step, stages)
+                    a, g = dequantized(step, slot)
+                    a = a * lax.broadcast_in_dim(rows(s_smem, g), (BM, block_k), [0])
+                    if interpret:
+                        plgpu.barrier_arrive(free.at[slot])
+                        return carry + jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                    plgpu.wgmma_wait(1)
+
+                    @pl.when(step > 0)
+                    def _():
+                        plgpu.barrier_arrive(free.at[lax.rem(step + stages - 1, stages)])
+
+                    return carry
+
+                out = lax.fori_loop(0, steps, body, jnp.zeros((BM, Mp), jnp.float32) if interpret else 0)
+                if interpret:
+                    return out
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+                return acc_ref[...]
+
+            acc = run(None) if interpret else pl.run_scoped(run, plgpu.ACC((BM, Mp), jnp.float32))
+        else:
+            # The group scale on each block's float32 product (as _qmatmul does): a fresh accumulator a block.
+            def body(step, acc):
+                slot = lax.rem(step, stages)
+                a, g = dequantized(step, slot)
+                part = mma(a, slot)
+                plgpu.barrier_arrive(free.at[slot])
+                s = rows(s_smem, g).astype(jnp.float32)
+                return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+
+            acc = lax.fori_loop(0, steps, body, plgpu.layout_cast(jnp.zeros((BM, Mp), jnp.float32), wgmma_layout))
         o_smem[wg] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(n0 + wg * BM, BM)])
@@ -163,7 +197,8 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
 
 @functools.partial(
-    jax.jit, static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "interpret")
+    jax.jit,
+    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "scale_weight", "interpret"),
 )
 def qmatmul_mgpu(
     x,
@@ -177,6 +212,7 @@ def qmatmul_mgpu(
     splits=None,
     stages=None,
     ctas_per_sm=2,
+    scale_weight=True,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
@@ -214,6 +250,7 @@ def qmatmul_mgpu(
         steps=steps,
         stages=stages,
         group_blocks=group_blocks,
+        scale_weight=scale_weight,
         dtype=dtype,
         interpret=interpret,
     )
