@@ -267,13 +267,14 @@ def run_config(args, model_dir: str, name: str) -> dict:
 @contextlib.contextmanager
 def counting_quant_kernels(counts: dict):
     """Counts traces of the quantized GEMMs' fast paths inside the block (the Pallas int4 / int8 kernel, XLA's fp8
-    dot, the Pallas fp8 GEMV of 1-2 rows): on a GPU a quantized configuration's step programs hold them ("pallas"
+    dot, the Pallas fp8 GEMV of 1-2 rows, the Mosaic GPU int4 kernel): on a GPU a quantized configuration's step programs hold them ("pallas"
     backend), on the CPU none do."""
     from jaxllm.models import quant_matmul
-    from kernels_pallas import _fp8_gemv, _qmatmul
+    from kernels_pallas import _fp8_gemv, _qmatmul, _qmatmul_mgpu
 
     saved = [
         (_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel),
+        (_qmatmul_mgpu, "qmatmul_mgpu", _qmatmul_mgpu.qmatmul_mgpu),  # int4 weights in the nk layout (JAXLLM_INT4_NK)
         (quant_matmul, "fp8_matmul", quant_matmul.fp8_matmul),
         (_fp8_gemv, "fp8_gemv_kernel", _fp8_gemv.fp8_gemv_kernel),
     ]

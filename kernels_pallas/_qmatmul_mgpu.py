@@ -34,7 +34,7 @@ MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
 
 
-def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=2) -> bool:
+def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
     """The inputs this kernel takes: 16-bit x, int4, N a multiple of BM * nw, groups a multiple of block_k (or per
     channel), Kp a multiple of block_k."""
     return (
@@ -58,7 +58,7 @@ def nk_layout(qweight, scales, zeros, *, plane, dtype):
     return wt, scales.astype(dtype), z
 
 
-def plan(n, kp, group_size, *, block_k=128, nw=2, ctas_per_sm=2, min_steps=2):
+def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
     at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
     blocks = kp // block_k
@@ -73,9 +73,7 @@ def plan(n, kp, group_size, *, block_k=128, nw=2, ctas_per_sm=2, min_steps=2):
     return fits[-1] if fits else blocks
 
 
-def _kernel(
-    x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, scale_weight, dtype, interpret
-):
+def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
@@ -116,54 +114,20 @@ def _kernel(
 
         plgpu.barrier_wait(sready.at[0])
 
-        def dequantized(step, slot):
+        def body(step, acc):
+            slot = lax.rem(step, stages)
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
             a = weight(slot)
             if asym:
                 a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
-            return a, g
+            part = mma(a, slot)
+            plgpu.barrier_arrive(free.at[slot])
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
-        if scale_weight or interpret:
-            # The group scale on the weight (the 16-bit weight qlayout.dequantize makes, bit for bit), one
-            # accumulator over every block: wgmma runs while the next block is dequantized, and a slot is released
-            # once the wgmma that read it is done (wgmma_wait(1): the previous block's).
-            def run(acc_ref):
-                def body(step, carry):
-                    slot = lax.rem(step, stages)
-                    a, g = dequantized(step, slot)
-                    a = a * lax.broadcast_in_dim(rows(s_smem, g), (BM, block_k), [0])
-                    if interpret:
-                        plgpu.barrier_arrive(free.at[slot])
-                        return carry + jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
-                    plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-                    plgpu.wgmma_wait(1)
-
-                    @pl.when(step > 0)
-                    def _():
-                        plgpu.barrier_arrive(free.at[lax.rem(step + stages - 1, stages)])
-
-                    return carry
-
-                out = lax.fori_loop(0, steps, body, jnp.zeros((BM, Mp), jnp.float32) if interpret else 0)
-                if interpret:
-                    return out
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(free.at[(steps - 1) % stages])
-                return acc_ref[...]
-
-            acc = run(None) if interpret else pl.run_scoped(run, plgpu.ACC((BM, Mp), jnp.float32))
-        else:
-            # The group scale on each block's float32 product (as _qmatmul does): a fresh accumulator a block.
-            def body(step, acc):
-                slot = lax.rem(step, stages)
-                a, g = dequantized(step, slot)
-                part = mma(a, slot)
-                plgpu.barrier_arrive(free.at[slot])
-                s = rows(s_smem, g).astype(jnp.float32)
-                return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
-
-            acc = lax.fori_loop(0, steps, body, plgpu.layout_cast(jnp.zeros((BM, Mp), jnp.float32), wgmma_layout))
+        acc0 = jnp.zeros((BM, Mp), jnp.float32)
+        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
         o_smem[wg] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(n0 + wg * BM, BM)])
@@ -198,7 +162,7 @@ def _kernel(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "scale_weight", "interpret"),
+    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "interpret"),
 )
 def qmatmul_mgpu(
     x,
@@ -207,12 +171,11 @@ def qmatmul_mgpu(
     zeros=None,
     *,
     group_size,
-    nw=2,
+    nw=1,
     block_k=128,
     splits=None,
     stages=None,
-    ctas_per_sm=2,
-    scale_weight=True,
+    ctas_per_sm=None,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
@@ -225,6 +188,8 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
+        ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
     blocks = Kp // block_k
     group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
@@ -250,7 +215,6 @@ def qmatmul_mgpu(
         steps=steps,
         stages=stages,
         group_blocks=group_blocks,
-        scale_weight=scale_weight,
         dtype=dtype,
         interpret=interpret,
     )
@@ -305,5 +269,7 @@ def matmul(x, wt, scales, zeros=None, *, group_size, interpret=False, **tuning):
     M = x2.shape[0]
     if Kp != K:
         x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
+    if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
+        tuning.setdefault("splits", 1)
     parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
     return parts.sum(0).T[:M].astype(x.dtype).reshape(*lead, N)

@@ -322,7 +322,7 @@ def _dequantized_bytes(params, cfg) -> int:
         if not isinstance(w, QuantizedWeight) or (w.scheme.weight_type == "float" and w.scheme.activations):
             continue
         values = math.prod(w.packed.sharding.shard_shape(w.packed.shape))
-        values *= 32 // w.scheme.bits if w.scheme.weight_type == "int" else 1
+        values *= 32 // w.scheme.bits if w.scheme.weight_type == "int" and not w.layout.nk else 1
         out = max(out, values * np.dtype(cfg.dtype).itemsize)
     return out
 

@@ -282,7 +282,7 @@ def load_params(model_dir: str, cfg: ModelConfig, mesh, load_format: str = "auto
     for key, x in iter_host_weights(reader, cfg):
         # Host copy only: each device receives just its slice from the callback.
         spec = flat_spec[key]
-        host = spec.expand(np.asarray(x).astype(spec.dtype or dtype))
+        host = spec.expand(np.asarray(x).astype(spec.checkpoint_dtype or dtype))
         # dtype: a process holding none of its shards (a pipeline stage of another host) still makes the array
         loaded[key] = jax.make_array_from_callback(
             host.shape, flat_sh[key], lambda idx, h=host: h[idx], dtype=host.dtype
@@ -323,7 +323,7 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
         )
 
     def target(spec, sh):
-        dt = spec.dtype or dtype
+        dt = spec.checkpoint_dtype or dtype
         if spec.kv_repeat == 1 and spec.relayout is None:
             return jax.ShapeDtypeStruct(spec.shape, dt, sharding=sh)
         if spec.kv_repeat == 1:  # a quantized leaf: its checkpoint layout, laid out for the kernels in finish

@@ -42,6 +42,11 @@ class ParamSpec:
         return self.shape[:i] + (K, G + 2) + self.shape[i + 2 :]
 
     @property
+    def checkpoint_dtype(self) -> str | None:
+        """The dtype in checkpoints (None: the model's); a quantized leaf's may differ from its device dtype."""
+        return self.dtype if self.relayout is None else self.relayout.checkpoint_dtype or self.dtype
+
+    @property
     def checkpoint_axes(self) -> tuple[str | None, ...]:
         return self.axes if self.relayout is None else self.relayout.checkpoint_axes
 

@@ -55,6 +55,7 @@ their output columns; row-parallel ones their input rows, a row shard per tp ran
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import jax
@@ -71,6 +72,11 @@ INT8_MAX = 127.0
 QUANT_LINEARS = {"w_qkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gate_up": 1, "w_shared_down": 1}
 EXPERT_LINEARS = ("w_experts_gate_up", "w_experts_down")  # a MoE layer's experts (jaxllm/models/moe_quant.py)
 ROW_PARALLEL_AXES = ("heads", "ffn")  # logical input axes that tp splits (wo, w_down)
+# int4 weight-only linears in the "nk" device layout (kernels_pallas/_qmatmul_mgpu.py: int4 [*O, I] holding q - 8,
+# read by the Mosaic GPU kernel for up to quant_matmul.NK_KERNEL_MAX_ROWS rows) instead of qlayout's planes, where
+# nk_layout_fits; JAXLLM_INT4_NK=1 turns it on (off by default until measured in the engine).
+NK_LAYOUT = os.environ.get("JAXLLM_INT4_NK", "0") == "1"
+NK_BLOCK = 128  # the nk kernel's K block: groups and each shard's rows are multiples of it
 
 
 @dataclass(frozen=True)
@@ -95,8 +101,9 @@ class QuantLayout:
     out_axes: tuple  # logical axes of the outputs
     k: int  # input rows per row shard (I unless the weight is row-parallel under tp)
     shards: int  # row shards: tp for a row-parallel weight, else 1
-    plane: int = 0  # int weights: the plane height L (qlayout)
+    plane: int = 0  # int weights: the plane height L (qlayout); 0 in the nk layout
     group_size: int = -1  # int weights: rows per scale row in the device layout (-1: one per shard)
+    nk: bool = False  # int4: the nk layout (NK_LAYOUT) instead of planes
 
     @property
     def group_axis(self):
@@ -175,13 +182,17 @@ class Relayout:
     checkpoint_shape: tuple
     checkpoint_axes: tuple
     dtype: str  # the device layout's dtype
+    checkpoint_dtype: str | None = None  # the checkpoint layout's, where it differs (nk: int32 words -> int4)
 
     def __call__(self, x):
         s, lay, xp = self.scheme, self.layout, _xp(x)
         if s.weight_type == "float":  # [I, *O] -> [*O, I]
             return xp.moveaxis(x, 0, -1).astype(jnp.dtype(self.dtype))
         P = 32 // s.bits
-        kp = padded_k(lay.k, s.bits, lay.plane)
+        kp = lay.k if lay.nk else padded_k(lay.k, s.bits, lay.plane)
+        if lay.nk and self.field == "packed":  # [I, *O] values -> [*O, I] int4 q - 8 (row shards stay contiguous)
+            q = xp.moveaxis(unpack_int(x, s.bits), 0, -1).astype(xp.int32) - 8
+            return q.astype(jnp.int4)
         if self.field == "packed":
             q = _shard_rows(unpack_int(x, s.bits), lay.shards, lay.k, kp)
             q = q.reshape(lay.shards, kp // (lay.plane * P), P, lay.plane, *q.shape[2:])
@@ -189,6 +200,8 @@ class Relayout:
             for j in range(1, P):  # bit field j of a tile's words is its plane j
                 words = words | (q[:, :, j] << xp.uint32(s.bits * j))
             return _as_int32(words.reshape(lay.shards * kp // P, *words.shape[3:]))
+        if lay.nk and self.field == "zeros":  # the nk kernel's zeros: z - 8, as its values are q - 8
+            x = x.astype(jnp.float32) - 8
         x = x.astype(jnp.dtype(self.dtype))  # scales / zeros
         if lay.group_size == -1:
             return x
@@ -210,8 +223,9 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     shards = tp if row_parallel else 1
     scheme = QuantScheme.of(q)
 
-    def leaf(field, shape, axes, init, dtype_, lay, ckpt_shape, ckpt_axes):
-        return ParamSpec(shape, axes, init, r, dtype_, Relayout(field, scheme, lay, ckpt_shape, ckpt_axes, dtype_))
+    def leaf(field, shape, axes, init, dtype_, lay, ckpt_shape, ckpt_axes, ckpt_dtype=None):
+        relayout = Relayout(field, scheme, lay, ckpt_shape, ckpt_axes, dtype_, ckpt_dtype)
+        return ParamSpec(shape, axes, init, r, dtype_, relayout)
 
     if q.weight_type == "float":
         lay = QuantLayout(in_axis, out_axes, I // shards, shards)
@@ -241,25 +255,34 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     # (tiny test models) are one exact tile of k / P-row planes instead of a mostly padded one; the kernel declines
     # those too.
     P = 32 // q.bits
-    plane = (choose_plane(k, q.bits, group) or PLANES[-1]) if k >= PLANES[-1] * P else k // P
-    lay = QuantLayout(in_axis, out_axes, k, shards, plane, group)
-    kp = padded_k(k, q.bits, plane)
+    nk = nk_layout_fits(q, k, group)
+    if nk:
+        plane, kp = 0, k
+    else:
+        plane = (choose_plane(k, q.bits, group) or PLANES[-1]) if k >= PLANES[-1] * P else k // P
+        kp = padded_k(k, q.bits, plane)
+    lay = QuantLayout(in_axis, out_axes, k, shards, plane, group, nk)
     ng_dev = shards * num_groups(kp, group)
     # The checkpoint layout splits groups over tp with their rows, except act-order ones (issue 28's layout).
     ckpt_group_axis = in_axis if row_parallel and not q.act_order and q.group_size != -1 else None
     spread = 2 ** (q.bits - 1) / math.sqrt(3)  # std of uniform random values around the zero (dummy weights)
     scale_init = f"scale:{0.02 / spread}"
     group_axes, ckpt_group_axes = (lay.group_axis, *out_axes), (ckpt_group_axis, *out_axes)
+    if nk:  # int4 [*O, I], the input last (as fp8's [*O, I])
+        packed_shape, packed_axes, packed_dtype = (*O, shards * kp), (*out_axes, in_axis), "int4"
+    else:
+        packed_shape, packed_axes, packed_dtype = (shards * kp // P, *O), (in_axis, *out_axes), "int32"
     return QuantizedWeight(
         packed=leaf(
             "packed",
-            (shards * kp // P, *O),
-            (in_axis, *out_axes),
+            packed_shape,
+            packed_axes,
             f"int{q.bits}",
-            "int32",
+            packed_dtype,
             lay,
             (I // pf, *ckpt_O),
             (in_axis, *out_axes),
+            "int32",
         ),
         scales=leaf("scales", (ng_dev, *O), group_axes, scale_init, dtype, lay, (I // g, *ckpt_O), ckpt_group_axes),
         zeros=None
@@ -268,6 +291,20 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
         perm=ParamSpec((I,), (in_axis,), "arange", 1, "int32") if q.act_order else None,
         scheme=scheme,
         layout=lay,
+    )
+
+
+def nk_layout_fits(q: QuantConfig, k: int, group: int) -> bool:
+    """Whether an int weight of k rows per shard (device groups of `group` rows) takes the nk layout: NK_LAYOUT on,
+    int4 weight-only without act-order, groups (or per channel) and k whole NK_BLOCKs."""
+    return (
+        NK_LAYOUT
+        and q.weight_type == "int"
+        and q.bits == 4
+        and q.activations is None
+        and not q.act_order
+        and k % NK_BLOCK == 0
+        and (group == -1 or group % NK_BLOCK == 0)
     )
 
 

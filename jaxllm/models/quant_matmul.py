@@ -42,7 +42,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.models.quant import QuantizedWeight, quantize_activations
 from jaxllm.sharding import logical_to_spec
-from kernels_pallas import qlayout
+from kernels_pallas import _qmatmul_mgpu, qlayout
+from kernels_pallas._common import on_gpu
 from kernels_pallas.quant import (
     fp8_gemv,
     fp8_gemv_partials,
@@ -67,7 +68,8 @@ def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = F
         return local(x, w)
     lay = w.layout
     row_parallel = lay.shards > 1
-    packed_axes = (*lay.out_axes, lay.in_axis) if w.scheme.weight_type == "float" else (lay.in_axis, *lay.out_axes)
+    input_last = w.scheme.weight_type == "float" or lay.nk
+    packed_axes = (*lay.out_axes, lay.in_axis) if input_last else (lay.in_axis, *lay.out_axes)
     group = logical_to_spec((lay.group_axis, *lay.out_axes))
     specs = QuantizedWeight(
         packed=logical_to_spec(packed_axes),
@@ -97,6 +99,9 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
     if s.weight_type == "float":
         out = w.packed.shape[:-1]
         y = _fp8(x, w, kernels, interpret)
+    elif w.layout.nk:
+        out = w.packed.shape[:-1]
+        y = _nk(x, w, kernels, interpret)
     else:
         out = w.packed.shape[1:]
         if s.activations is not None:  # INT8 W8A8
@@ -126,6 +131,50 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
         k=w.layout.k,
         plane=w.layout.plane,
     )
+
+
+# int4 nk-layout weights (jaxllm/models/quant.py NK_LAYOUT) of up to this many rows run the Mosaic GPU kernel
+# (kernels_pallas/_qmatmul_mgpu.py); above, the weight is dequantized for XLA's GEMM.
+NK_KERNEL_MAX_ROWS = 64
+
+
+def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
+    """x [T, k] times an nk-layout int4 weight (packed int4 [*O, k] of q - 8, scales / zeros - 8 [ng, *O])."""
+    wt = w.packed.reshape(-1, w.packed.shape[-1])  # [N, k]
+    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
+    scales, zeros = flat(w.scales), flat(w.zeros)
+    group = w.layout.group_size
+    if (
+        kernels
+        and x.shape[0] <= NK_KERNEL_MAX_ROWS
+        and (interpret or on_gpu())
+        and _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
+    ):
+        zeros = None if zeros is None else zeros.astype(x.dtype)
+        return _qmatmul_mgpu.matmul(x, wt, scales.astype(x.dtype), zeros, group_size=group, interpret=interpret)
+    x, (wt, scales, zeros) = tie_to_input(x, (wt, scales, zeros))
+    dense = nk_dequantize(wt, scales, zeros, group, x.dtype)  # [N, k]
+    if kernels:
+        return jax.lax.dot_general(x, dense, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(
+            x.dtype
+        )
+    return _dot_f32(x, dense.T)
+
+
+def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
+    """The nk layout's [N, k] weight in dtype: (q - z) * s computed in float32 and rounded once (as
+    qlayout.dequantize), from wt int4 [N, k] (q - 8), scales / zeros (z - 8) [ng, N]."""
+    N, k = wt.shape
+    g = k if group_size == -1 else group_size
+
+    def rows(a):  # [ng, N] -> [N, k]
+        a = a.astype(jnp.float32).T
+        return jnp.broadcast_to(a[:, :, None], (N, k // g, g)).reshape(N, k)
+
+    q = wt.astype(jnp.float32)
+    if zeros is not None:
+        q = q - rows(zeros)
+    return (q * rows(scales)).astype(dtype)
 
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
@@ -173,6 +222,8 @@ def split_k(x, w, *, interpret: bool = False):
     if w.perm is not None:  # act-order (int weights only): the stored rows are x's columns perm, as in _local_qmatmul
         x = jnp.take(x, w.perm, axis=1)
     s = w.scheme
+    if w.layout.nk:  # the nk kernel's partials are y transposed: the caller's qmatmul sums them
+        return None
     if s.weight_type == "int" and s.activations is None and x.shape[0] <= INT_SPLIT_K_MAX_ROWS:
         qw = _int_weight(w)
         if not uses_kernel(x, qw, interpret=interpret):

@@ -171,7 +171,7 @@ def load_head(
     leaves = []
     for (path, spec), sharding in zip(flat, flat_sh, strict=True):
         key = tuple(getattr(p, "key", getattr(p, "idx", None)) for p in path)
-        x = spec.expand(np.asarray(host[key]).astype(spec.dtype or dtype))
+        x = spec.expand(np.asarray(host[key]).astype(spec.checkpoint_dtype or dtype))
         if x.shape != spec.shape:
             raise ValueError(
                 f"The {method} head's {'/'.join(map(str, key))} has shape {x.shape}; its config gives {spec.shape}."

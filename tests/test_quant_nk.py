@@ -1,0 +1,205 @@
+"""The nk layout of int4 weights and its Mosaic GPU kernel (kernels_pallas/_qmatmul_mgpu.py; jaxllm/models/quant.py
+NK_LAYOUT): the kernel in Mosaic GPU's interpreter against the reference on every layout it takes, its CUDA lowering,
+the device layout made from a checkpoint, and the decoder with NK_LAYOUT on against the planes layout and the dense
+weights."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernels_pallas import _qmatmul_mgpu, qlayout
+from kernels_pallas.quant import quantized_matmul_ref
+
+
+def _weight(K, N, group, sym, seed=0):
+    rng = np.random.default_rng(seed)
+    q, s, z = qlayout.quantize_weight(rng.standard_normal((K, N)) * 0.02, bits=4, group_size=group, sym=sym)
+    return qlayout.pack_quantized(q, s, z, bits=4, group_size=group, dtype=jnp.bfloat16)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize(
+    "K,N,M,group,sym,splits",
+    [(256, 128, 1, 128, True, 2), (512, 192, 3, 128, False, 2), (256, 64, 9, -1, True, 2), (512, 128, 16, 256, False, 1)],
+)
+def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
+    """qmatmul_mgpu's split-K partials (interpreter) sum to x @ W: symmetric and asymmetric, per channel, a group of
+    two K blocks, rows padded to 8 and to 16; against quantized_matmul_ref on the planes layout of the same integers
+    (bf16 output rounding apart)."""
+    w = _weight(K, N, group, sym, seed=K + M)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
+    assert wt.shape == (N, K) and wt.dtype == jnp.int4 and (z is None) == sym
+    parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, interpret=True)
+    assert parts.shape == (splits, N, -(-M // 8) * 8)
+    ref = quantized_matmul_ref(x, w)
+    assert _rel(parts.sum(0).T[:M], ref) < 5e-3
+    assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
+
+
+def test_plan_and_refusals():
+    """plan: splits that divide K's blocks into whole groups and give ~2 programs an SM (8B shapes); supported /
+    qmatmul_mgpu refuse what the kernel does not take."""
+    assert _qmatmul_mgpu.plan(28672, 4096, 128, ctas_per_sm=4) == 2  # 448 column blocks x 2 >= 4 x 132
+    assert _qmatmul_mgpu.plan(4096, 14336, 128, ctas_per_sm=4) == 14  # 64 x 14 >= 528 (112 blocks)
+    assert _qmatmul_mgpu.plan(4096, 4096, -1) == 8
+    assert _qmatmul_mgpu.plan(4096, 4096, 512) % 1 == 0 and 32 // _qmatmul_mgpu.plan(4096, 4096, 512) % 4 == 0
+    assert not _qmatmul_mgpu.supported(jnp.float32, 128, 256, 4, 128)
+    assert not _qmatmul_mgpu.supported(jnp.bfloat16, 96, 256, 4, 128)  # N not whole 64-column blocks
+    assert not _qmatmul_mgpu.supported(jnp.bfloat16, 128, 256, 4, 64)  # groups smaller than a K block
+    assert not _qmatmul_mgpu.supported(jnp.bfloat16, 128, 256, 8, 128)
+    w = _weight(256, 128, 128, True)
+    wt, s, _ = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, None, plane=w.plane, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="at most 256 rows"):
+        _qmatmul_mgpu.qmatmul_mgpu(jnp.zeros((300, 256), jnp.bfloat16), wt, s, group_size=128, interpret=True)
+    with pytest.raises(ValueError, match="splits=3"):
+        _qmatmul_mgpu.qmatmul_mgpu(jnp.zeros((1, 256), jnp.bfloat16), wt, s, group_size=128, splits=3, interpret=True)
+
+
+@pytest.mark.parametrize("M,sym", [(1, True), (16, False)])
+def test_kernel_lowers_for_cuda(M, sym):
+    """The Mosaic GPU lowering (run on CPU; ptxas is the GPU's) of gate_up's shape at 1 and 16 rows: the int4 TMA,
+    the WGMMA_UPCAST_4X load and relayout, the int4 -> bf16 conversion and wgmma with the weight in registers."""
+    K, N = 4096, 2048
+    wt = jnp.zeros((N, K), jnp.int4)
+    s = jnp.ones((K // 128, N), jnp.bfloat16)
+    z = None if sym else s
+    x = jnp.zeros((M, K), jnp.bfloat16)
+    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128))
+    text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# --- the model -----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gptq_g128(tmp_path_factory):
+    """A small Llama as GPTQ v1 int4 (groups of 128, no act-order) in two variants, sym and asym, and the dense model
+    of the asym one's dequantized weights."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jaxllm.models.quant import pack_int
+
+    torch.manual_seed(1)
+    hf = LlamaConfig(
+        vocab_size=96,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=128,
+    )
+    root = tmp_path_factory.mktemp("quant_nk")
+    model = LlamaForCausalLM(hf).to(torch.bfloat16)
+    out = {}
+    for sym in (True, False):
+        quant, dense = {}, {}
+        for name, w in model.state_dict().items():
+            if name.endswith("_proj.weight") and ".layers." in name:
+                wt = w.float().numpy().T  # [I, O]
+                q, s, z = qlayout.quantize_weight(wt, bits=4, group_size=128, sym=sym)
+                s = s.astype(np.float16).astype(np.float32)
+                zero = np.full_like(s, 8) if sym else z
+                d = ((q.reshape(-1, 128, q.shape[1]) - zero[:, None]) * s[:, None]).reshape(q.shape).T
+                dense[name] = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16)
+                p = name[: -len("weight")]
+                tensors = {
+                    "qweight": pack_int(q, 4),
+                    "qzeros": pack_int((zero - 1).T.astype(np.int64), 4).T,
+                    "scales": s.astype(np.float16),
+                }
+                quant.update({p + k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()})
+            else:
+                quant[name] = dense[name] = w.contiguous()
+        for kind, tensors in (("gptq", quant), ("dense", dense)):
+            folder = root / f"{kind}_{'sym' if sym else 'asym'}"
+            model.save_pretrained(folder)
+            save_file(tensors, str(folder / "model.safetensors"))
+            if kind == "gptq":
+                cfg = json.loads((folder / "config.json").read_text())
+                cfg["quantization_config"] = dict(
+                    quant_method="gptq", bits=4, group_size=128, desc_act=False, sym=sym, checkpoint_format="gptq"
+                )
+                (folder / "config.json").write_text(json.dumps(cfg))
+            out[kind, sym] = str(folder)
+    return out
+
+
+def _load(path, tp, nk, monkeypatch):
+    from jaxllm.config import ModelConfig
+    from jaxllm.models import quant
+    from jaxllm.models.loader import load_params
+    from jaxllm.sharding import ParallelConfig
+
+    monkeypatch.setattr(quant, "NK_LAYOUT", nk)
+    cfg = ModelConfig.from_hf(path, dtype="bfloat16")
+    mesh = ParallelConfig(tp, 1).make_mesh()
+    return cfg, mesh, load_params(path, cfg, mesh)
+
+
+@pytest.mark.parametrize("sym,tp", [(True, 1), (False, 2)])
+def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeypatch, sym, tp):
+    """With NK_LAYOUT on every projection of a GPTQ g128 checkpoint is laid out int4 [*O, I] (row-parallel wo /
+    w_down split on I under tp 2), and qmatmul's reference path and kernels path (the Mosaic GPU kernel in the
+    interpreter, 5 rows; dequantize + dot, 80 rows) equal the planes layout's product and the dense weights'."""
+    from jaxllm.models.quant_matmul import qmatmul
+
+    calls = []
+    real = _qmatmul_mgpu.qmatmul_mgpu
+    monkeypatch.setattr(_qmatmul_mgpu, "qmatmul_mgpu", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    _, _, dense = _load(gptq_g128["dense", sym], 1, False, monkeypatch)
+    _, _, planes = _load(gptq_g128["gptq", sym], 1, False, monkeypatch)
+    _, mesh, nk = _load(gptq_g128["gptq", sym], tp, True, monkeypatch)
+    rng = np.random.default_rng(3)
+    for key in ("w_qkv", "wo", "w_gate_up", "w_down"):
+        w, p, d = (t["layers"][0][key] for t in (nk, planes, dense))
+        assert w.layout.nk and not p.layout.nk and w.packed.dtype == jnp.int4
+        assert w.packed.shape == (*d.shape[2 if key == "wo" else 1 :], int(np.prod(d.shape[: 2 if key == "wo" else 1])))
+        assert (w.zeros is None) == sym
+        n_in = 2 if key == "wo" else 1
+        for rows in (5, 80):
+            x = jnp.asarray(rng.standard_normal((rows, int(np.prod(d.shape[:n_in])))), jnp.bfloat16)
+            want = np.asarray(x, np.float32) @ np.asarray(d, np.float32).reshape(x.shape[1], -1)
+            base = qmatmul(x, p, kernels=False)
+            for kernels in (False, True):
+                got = jax.jit(functools.partial(qmatmul, kernels=kernels, interpret=True, mesh=mesh))(x, w)
+                assert got.shape == base.shape
+                assert _rel(got, base) < 1e-2 and _rel(got.reshape(rows, -1), want) < 1e-2, (key, rows, kernels)
+    assert len(calls) == 4  # the 5-row kernels-path products (one trace each); 80 rows dequantize
+
+
+def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypatch):
+    """The decoder on the "pallas" backend (kernels in interpret mode) with NK_LAYOUT on: a 27-row ragged step (up to
+    NK_KERNEL_MAX_ROWS rows: the Mosaic GPU kernel for every projection) gives the reference path's logits."""
+    from jaxllm.models.attention import AttentionConfig
+    from tests.model_harness import ragged_logits
+
+    calls = []
+    real = _qmatmul_mgpu.qmatmul_mgpu
+    monkeypatch.setattr(_qmatmul_mgpu, "qmatmul_mgpu", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    jax.clear_caches()
+    cfg, mesh, params = _load(gptq_g128["gptq", False], 1, True, monkeypatch)
+    seqs = [[5, 9, 2, 77, 3, 14, 15, 92, 65, 35, 89], [11, 7], [8] * 9]
+
+    def logits(backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        return [np.asarray(x, np.float32) for x in ragged_logits(params, cfg, seqs, [0] * 3, block_size=8, attn=attn)]
+
+    kernel = logits("pallas")
+    assert len(calls) == 4, calls
+    ref = logits("reference")
+    for k, r in zip(kernel, ref, strict=True):
+        assert _rel(k, r) < 2e-2
