@@ -285,7 +285,11 @@ def make_impl(name, K, N, key):
         def mgpu(x, w, **cfg):
             return _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)
 
-        return mgpu, (w, nk), sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nk) if a.dtype != jnp.int4) + N * w.kp // 2
+        return (
+            mgpu,
+            (w, nk),
+            sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(nk) if a.dtype != jnp.int4) + N * w.kp // 2,
+        )
     bits, group, sym = dict(
         int4_sym=(4, 128, True), int4_asym=(4, 128, False), int8=(8, -1, True), int4_dequant=(4, 128, True)
     )[name.removesuffix("_asm")]

@@ -30,7 +30,12 @@ def _rel(a, b):
 
 @pytest.mark.parametrize(
     "K,N,M,group,sym,splits",
-    [(256, 128, 1, 128, True, 2), (512, 192, 3, 128, False, 2), (256, 64, 9, -1, True, 2), (512, 128, 16, 256, False, 1)],
+    [
+        (256, 128, 1, 128, True, 2),
+        (512, 192, 3, 128, False, 2),
+        (256, 64, 9, -1, True, 2),
+        (512, 128, 16, 256, False, 1),
+    ],
 )
 def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     """qmatmul_mgpu's split-K partials (interpreter) sum to x @ W: symmetric and asymmetric, per channel, a group of
