@@ -272,4 +272,6 @@ def matmul(x, wt, scales, zeros=None, *, group_size, interpret=False, **tuning):
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
     parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
-    return parts.sum(0).T[:M].astype(x.dtype).reshape(*lead, N)
+    # Rows first, then the sum over splits: at one row the [N, 1] sum is a bitcast of [1, N], and XLA fuses the slice
+    # and the sum into the consumer's fusion instead of transposing [N, Mp] in a kernel of its own.
+    return parts[:, :, :M].sum(0).T.astype(x.dtype).reshape(*lead, N)
