@@ -208,3 +208,33 @@ def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypat
     ref = logits("reference")
     for k, r in zip(kernel, ref, strict=True):
         assert _rel(k, r) < 2e-2
+
+
+@pytest.mark.parametrize("sym,shards", [(True, 1), (False, 2)])
+def test_nk_relayout_on_host_and_device(sym, shards):
+    """The nk device layout of a checkpoint's words (numpy while loading, jax for dummy weights and Orbax restores):
+    int4 [O, I] holding q - 8 (row shards stay contiguous on I), zeros as z - 8; the checkpoint leaf keeps int32."""
+    from jaxllm.models.quant import QuantLayout, QuantScheme, Relayout, pack_int
+    from jaxllm.models.quant_matmul import nk_dequantize
+
+    I, O, G = 512, 64, 128
+    rng = np.random.default_rng(shards)
+    q = rng.integers(0, 16, (I, O))
+    s = rng.uniform(0.5, 1.5, (I // G, O)).astype(np.float32)
+    z = rng.integers(0, 16, (I // G, O)).astype(np.float32)
+    lay = QuantLayout("ffn", ("embed",), I // shards, shards, 0, G, nk=True)
+    scheme = QuantScheme("int", 4, G, None)
+
+    def relayout(field, x, dtype):
+        return Relayout(field, scheme, lay, (), (), dtype, "int32" if field == "packed" else None)(x)
+
+    words = pack_int(q, 4)
+    for x in (words, jnp.asarray(words)):
+        wt = relayout("packed", x, "int4")
+        assert wt.shape == (O, I) and wt.dtype == jnp.int4
+        np.testing.assert_array_equal(np.asarray(wt).astype(np.int32), q.T - 8)
+    zz = relayout("zeros", jnp.asarray(z), "float32")
+    np.testing.assert_array_equal(np.asarray(zz), z - 8)
+    dense = nk_dequantize(jnp.asarray(wt), jnp.asarray(s), None if sym else zz, G, jnp.float32)
+    zero = 8 if sym else np.repeat(z, G, 0)
+    np.testing.assert_allclose(np.asarray(dense), ((q - zero) * np.repeat(s, G, 0)).T, rtol=1e-6)
