@@ -159,7 +159,7 @@ def _load(path, tp, nk, monkeypatch):
 def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeypatch, sym, tp):
     """With NK_LAYOUT on every projection of a GPTQ g128 checkpoint is laid out int4 [*O, I] (row-parallel wo /
     w_down split on I under tp 2), and qmatmul's reference path and kernels path (the Mosaic GPU kernel in the
-    interpreter, 5 rows; dequantize + dot, 80 rows) equal the planes layout's product and the dense weights'."""
+    interpreter, 5 rows; dequantize + dot, 200 rows) equal the planes layout's product and the dense weights'."""
     from jaxllm.models.quant_matmul import qmatmul
 
     calls = []
@@ -175,7 +175,7 @@ def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeyp
         assert w.packed.shape == (*d.shape[2 if key == "wo" else 1 :], int(np.prod(d.shape[: 2 if key == "wo" else 1])))
         assert (w.zeros is None) == sym
         n_in = 2 if key == "wo" else 1
-        for rows in (5, 80):
+        for rows in (5, 200):
             x = jnp.asarray(rng.standard_normal((rows, int(np.prod(d.shape[:n_in])))), jnp.bfloat16)
             want = np.asarray(x, np.float32) @ np.asarray(d, np.float32).reshape(x.shape[1], -1)
             base = qmatmul(x, p, kernels=False)
@@ -183,7 +183,7 @@ def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeyp
                 got = jax.jit(functools.partial(qmatmul, kernels=kernels, interpret=True, mesh=mesh))(x, w)
                 assert got.shape == base.shape
                 assert _rel(got, base) < 1e-2 and _rel(got.reshape(rows, -1), want) < 1e-2, (key, rows, kernels)
-    assert len(calls) == 4  # the 5-row kernels-path products (one trace each); 80 rows dequantize
+    assert len(calls) == 4  # the 5-row kernels-path products (one trace each); 200 rows dequantize
 
 
 def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypatch):

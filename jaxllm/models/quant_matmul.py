@@ -15,6 +15,9 @@
                    and x's rounding inside one split-K Pallas GEMV (split_k:
                    its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
+  int4 nk layout   (JAXLLM_INT4_NK=1) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
+                   _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: the        one float32 dot
+                   weight dequantized by XLA + its GEMM
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
 over both), so a step holds one projection's dequantized weight at a time, not every layer's.
@@ -134,8 +137,9 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
 
 
 # int4 nk-layout weights (jaxllm/models/quant.py NK_LAYOUT) of up to this many rows run the Mosaic GPU kernel
-# (kernels_pallas/_qmatmul_mgpu.py); above, the weight is dequantized for XLA's GEMM.
-NK_KERNEL_MAX_ROWS = 64
+# (kernels_pallas/_qmatmul_mgpu.py); above, the weight is dequantized for XLA's GEMM. H100, 8B GPTQ, batch-1 TTFT of a
+# 128-token prompt: 13.0 ms at 128 against 19.5 at 64 (planes 15.3; bench/results/int4_nk_ab_h100_5f8d838.json).
+NK_KERNEL_MAX_ROWS = 128
 
 
 def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
