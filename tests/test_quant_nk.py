@@ -58,7 +58,8 @@ def test_plan_and_refusals():
     assert _qmatmul_mgpu.plan(28672, 4096, 128, ctas_per_sm=4) == 2  # 448 column blocks x 2 >= 4 x 132
     assert _qmatmul_mgpu.plan(4096, 14336, 128, ctas_per_sm=4) == 14  # 64 x 14 >= 528 (112 blocks)
     assert _qmatmul_mgpu.plan(4096, 4096, -1) == 8
-    assert _qmatmul_mgpu.plan(4096, 4096, 512) % 1 == 0 and 32 // _qmatmul_mgpu.plan(4096, 4096, 512) % 4 == 0
+    splits = _qmatmul_mgpu.plan(4096, 4096, 512)  # groups of 4 K blocks: each split holds whole groups
+    assert splits > 1 and (32 // splits) % 4 == 0
     assert not _qmatmul_mgpu.supported(jnp.float32, 128, 256, 4, 128)
     assert not _qmatmul_mgpu.supported(jnp.bfloat16, 96, 256, 4, 128)  # N not whole 64-column blocks
     assert not _qmatmul_mgpu.supported(jnp.bfloat16, 128, 256, 4, 64)  # groups smaller than a K block
