@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from . import qlayout
 from ._splitk import NUM_SMS
 
 BM = 64  # wgmma rows: weight columns per compute warpgroup
@@ -49,11 +50,7 @@ def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
 def nk_layout(qweight, scales, zeros, *, plane, dtype):
     """qlayout's planes (qweight [Kp / 8, N] int32, scales / zeros [G, N]) -> this kernel's layout: (wt int4 [N, Kp]
     holding q - 8, scales [G, N] in dtype, zeros - 8 [G, N] in dtype or None). jnp, for load time and benchmarks."""
-    n = qweight.shape[-1]
-    words = qweight.reshape(-1, 1, plane, n)  # [tiles, 1, L, N]
-    shifts = (jnp.arange(8, dtype=jnp.int32) * 4).reshape(1, 8, 1, 1)
-    q = lax.shift_right_logical(words, shifts) & 15  # [tiles, 8 planes, L, N]: row t * 8L + j * L + r
-    wt = (q.reshape(-1, n) - 8).astype(jnp.int4).T
+    wt = (qlayout.unpack_planes(qweight, 4, plane) - 8).astype(jnp.int4).T
     z = None if zeros is None else (zeros.astype(jnp.float32) - 8).astype(dtype)
     return wt, scales.astype(dtype), z
 

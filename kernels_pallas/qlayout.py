@@ -197,15 +197,22 @@ def unpack_quantized(w: QuantizedWeight) -> np.ndarray:
     return planes.reshape(-1, w.n)[: w.k].astype(np.uint8)
 
 
+def unpack_planes(qweight, bits: int, plane: int):
+    """jnp: the layout's words [Kp / P, N] -> the integers q [Kp, N] (int32 in [0, 2^bits)), rows in the stored order,
+    K's zero padding included."""
+    P = per_word(bits)
+    n = qweight.shape[-1]
+    words = qweight.reshape(-1, 1, plane, n)  # [tiles, 1, L, N]
+    shifts = (jnp.arange(P, dtype=jnp.int32) * bits).reshape(1, P, 1, 1)
+    q = jax.lax.shift_right_logical(words, shifts) & ((1 << bits) - 1)  # [tiles, P planes, L, N]
+    return q.reshape(-1, n)
+
+
 def dequantize(w: QuantizedWeight, dtype=None):
     """jnp: the [K, N] weight, (q - z) * s computed in float32 and rounded once to dtype (default: the scales'),
     rows in the stored order (x[:, w.perm] multiplies it). One XLA elementwise fusion over qweight."""
-    P = per_word(w.bits)
-    kp, n = w.kp, w.n
-    words = w.qweight.reshape(kp // (w.plane * P), 1, w.plane, n)
-    shifts = (jnp.arange(P, dtype=jnp.int32) * w.bits).reshape(1, P, 1, 1)
-    q = jax.lax.shift_right_logical(words, shifts) & ((1 << w.bits) - 1)
-    q = q.reshape(kp, n)[: w.k].astype(jnp.float32)
+    n = w.n
+    q = unpack_planes(w.qweight, w.bits, w.plane)[: w.k].astype(jnp.float32)
     G = w.k if w.group_size == -1 else w.group_size
 
     def rows(a):  # [groups, N] -> [K, N]: row k reads group k // G
