@@ -72,6 +72,11 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)  # vLLM's floor for dynamic scales (an a
 # same call (latency_fp8_h100_9700915_*.json): batch-1 ITL 3.84 vs 4.14 ms; with this at 64 rows batch 64 took
 # 16.3 ms against 5.86 (not traced), so only the 2-row bucket widens.
 FP8_WIDEN_MAX_ROWS = 2
+# fp8_matmul's fp8 x fp8 dot (above FP8_WIDEN_MAX_ROWS rows) returns bfloat16 where the result is 16-bit: the
+# GEMM writes half the bytes, and the fusion after it (scales, then the consumer: silu * up, the residual add, the
+# next token quantization) reads half. The product is rounded twice (bfloat16 before the scales, x's dtype after),
+# against once with a float32 GEMM output; bfloat16 keeps float32's range, so float16 models do not overflow.
+FP8_DOT_BF16 = True
 
 
 def _split(y, w: QuantizedWeight, split: bool):
@@ -266,11 +271,13 @@ def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None
     widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows)."""
     if widen is None:
         widen = math.prod(x.shape[:-1]) <= FP8_WIDEN_MAX_ROWS
+    narrow_out = FP8_DOT_BF16 and not widen and jnp.dtype(out_dtype or x.dtype).itemsize == 2
 
     def dot(a, b):
         if widen:
             a, b = jax.lax.optimization_barrier(a.astype(jnp.bfloat16)), b.astype(jnp.bfloat16)
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        out = jnp.bfloat16 if narrow_out else jnp.float32
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out).astype(jnp.float32)
 
     return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot)
 

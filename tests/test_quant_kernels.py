@@ -520,7 +520,10 @@ def test_fp8_matmul_widens_small_batches_to_the_same_function(rows):
     text = jax.jit(lambda x: fp8_matmul(x, wq, ws)).lower(x).as_text()
     dots = [line for line in text.splitlines() if "dot_general" in line]
     widened = rows <= quant.FP8_WIDEN_MAX_ROWS
-    assert len(dots) == 1 and dots[0].count("f8E4M3FN") == (0 if widened else 2) and ("bf16" in dots[0]) == widened
+    operands, out = dots[0].split("->")
+    assert len(dots) == 1 and operands.count("f8E4M3FN") == (0 if widened else 2) and ("bf16" in operands) == widened
+    # the fp8 x fp8 dot returns bfloat16 for a 16-bit result (FP8_DOT_BF16); the widened dot float32
+    assert ("bf16" in out) == (not widened)
     # the widened x passes a barrier, or XLA's GPU GEMM rewriter turns the widened dot back into the fp8 GEMM
     assert ("optimization_barrier" in text) == widened
     f32 = dict(out_dtype=jnp.float32)
