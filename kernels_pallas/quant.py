@@ -40,7 +40,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qmatmul, _qunpack, qlayout
+from . import _fp8_gemv, _qmatmul, _qunpack, _silu_mul_fp8, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -261,25 +261,60 @@ def _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot):
     _fp8_check(x, w, w_scale)
     lead, K = x.shape[:-1], x.shape[-1]
     xq, sx = quantize_activations(x.reshape(-1, K), x_scale=x_scale, act_scale=act_scale)
-    y = dot(xq, w) * sx * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)
-    return y.astype(out_dtype or x.dtype).reshape(*lead, w.shape[0])
+    return _scaled(dot(xq, w), sx, w_scale, out_dtype or x.dtype).reshape(*lead, w.shape[0])
 
 
-def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None):
-    """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
-    both operands K-major), float32 out, scaled by the token and channel scales in the fusion after it.
-    widen: multiply the fp8 operands widened to bfloat16 (None: for up to FP8_WIDEN_MAX_ROWS rows)."""
-    if widen is None:
-        widen = math.prod(x.shape[:-1]) <= FP8_WIDEN_MAX_ROWS
-    narrow_out = FP8_DOT_BF16 and not widen and jnp.dtype(out_dtype or x.dtype).itemsize == 2
+def _scaled(y, sx, w_scale, out_dtype):
+    return (y.astype(jnp.float32) * sx * jnp.asarray(w_scale, jnp.float32).reshape(1, -1)).astype(out_dtype)
 
+
+def _fp8_dot(widen: bool, narrow_out: bool):
     def dot(a, b):
         if widen:
             a, b = jax.lax.optimization_barrier(a.astype(jnp.bfloat16)), b.astype(jnp.bfloat16)
         out = jnp.bfloat16 if narrow_out else jnp.float32
-        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out).astype(jnp.float32)
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=out)
 
-    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, dot)
+    return dot
+
+
+def fp8_matmul(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None, widen=None):
+    """See the module docstring: one fp8 x fp8 dot ([M, K] . [N, K]^T, the layout cuBLASLt's FP8 GEMM wants:
+    both operands K-major), bfloat16 out for a 16-bit result (FP8_DOT_BF16; else float32), scaled by the token and
+    channel scales in the fusion after it. widen: multiply the fp8 operands widened to bfloat16 (None: for up to
+    FP8_WIDEN_MAX_ROWS rows; float32 out)."""
+    if widen is None:
+        widen = math.prod(x.shape[:-1]) <= FP8_WIDEN_MAX_ROWS
+    narrow_out = FP8_DOT_BF16 and not widen and jnp.dtype(out_dtype or x.dtype).itemsize == 2
+    return _fp8(x, w, w_scale, x_scale, act_scale, out_dtype, _fp8_dot(widen, narrow_out))
+
+
+def fp8_matmul_quantized(xq, sx, w, w_scale, out_dtype):
+    """fp8_matmul's product for x already rounded to e4m3: xq [M, K] float8_e4m3fn, sx [M, 1] float32 (its token
+    scales, e.g. silu_mul_fp8's) -> [M, N] in out_dtype. The fp8 x fp8 dot at every M (no widening)."""
+    _fp8_check(xq, w, w_scale)
+    if jnp.dtype(xq.dtype) != jnp.dtype(FP8) or sx.shape != (xq.shape[0], 1):
+        raise ValueError(f"xq must be float8_e4m3fn [M, K] with sx [M, 1]; got {xq.dtype} {xq.shape}, {sx.shape}")
+    narrow_out = FP8_DOT_BF16 and jnp.dtype(out_dtype).itemsize == 2
+    return _scaled(_fp8_dot(False, narrow_out)(xq, w), sx, w_scale, out_dtype)
+
+
+def silu_mul_fp8(gu, *, interpret=False):
+    """gu [T, 2, F] (gate, up; 16-bit) -> (xq [T, F] e4m3, sx [T, 1] float32): silu(gate) * up in float32 rounded
+    to e4m3 with dynamic per-token scales (quantize_activations' "token"), one Pallas pass (_silu_mul_fp8.py) where
+    silu_mul_fp8_supported, else the jnp reference."""
+    if not silu_mul_fp8_supported(gu) or not (interpret or on_gpu()):
+        return silu_mul_fp8_ref(gu)
+    return _silu_mul_fp8.silu_mul_fp8_kernel(gu, min_scale=FP8_MIN_SCALE, interpret=interpret)
+
+
+def silu_mul_fp8_supported(gu) -> bool:
+    return gu.ndim == 3 and gu.shape[1] == 2 and _silu_mul_fp8.supported(gu.dtype, gu.shape[2])
+
+
+def silu_mul_fp8_ref(gu):
+    g, u = gu[:, 0].astype(jnp.float32), gu[:, 1].astype(jnp.float32)
+    return quantize_activations(jax.nn.silu(g) * u)
 
 
 def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):

@@ -240,7 +240,9 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     exactly (the plumbing: partials, shapes, scales); with the kernel itself they differ by its float32 sums'
     order, which the next projection's e4m3 rounding of x amplifies (2.2-2.4% here; the kernel against the
     reference product: test_quant_kernels.py)."""
+    from jaxllm.models import quant_matmul
     from jaxllm.models.attention import AttentionConfig
+    from kernels_pallas import quant
     from kernels_pallas.quant import fp8_matmul_ref
     from tests.model_harness import ragged_logits
 
@@ -248,6 +250,10 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     cfg, mesh, params = _load(dense_dir, 1, quantization="fp8")
     seqs, cached = [[5, 9, 2, 77, 3], [11, 7, 40]], [4, 2]  # a second step of one new token each
     real = _fp8_gemv.fp8_gemv_kernel
+    # the 7-row step's dot with a float32 output and XLA's silu * up, so that its product is the reference's exactly
+    # (the bfloat16 dot output and silu_mul_fp8: test_decoder_runs_fp8_rows_through_silu_mul_fp8)
+    monkeypatch.setattr(quant, "FP8_DOT_BF16", False)
+    monkeypatch.setattr(quant_matmul, "SILU_MUL_FP8", False)
 
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)

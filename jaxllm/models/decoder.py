@@ -123,6 +123,13 @@ def mlp(
     """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
     residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
+    if isinstance(w_down, QuantizedWeight) and act == "silu" and b_gate_up is None and not ll:
+        # silu(gate) * up inside qmatmul: an fp8 W8A8 down projection takes it rounded to e4m3 in one pass
+        gate_up = _proj(h, w_gate_up, None, "TD,DCF->TCF", attn)
+        kw = dict(kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh, silu_mul=True)
+        out = qmatmul(gate_up, w_down, **kw)
+        out = out if b_down is None else out + b_down
+        return out if residual is None else residual + out
     if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
         gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
     else:
