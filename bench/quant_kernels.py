@@ -468,6 +468,60 @@ def summary(rows):
     return out
 
 
+def bench_silu(ms, F, configs, copy, reps, rows, interpret=False):
+    """fp8_silu_mlp's middle stage at M rows: the gate / up GEMM's unscaled bfloat16 product [M, 2, F] times its
+    token and channel scales, silu * up, rounded to e4m3 per token: XLA's fusions of silu_mul_fp8_ref ("silu_xla")
+    against the Pallas pass (_silu_mul_fp8.py, "silu_kernel" with each tuning in configs). Bytes: the product read
+    once, the e4m3 values written."""
+    from kernels_pallas import _silu_mul_fp8, quant
+
+    for M in ms:
+        key = jax.random.key(M)
+        copies = max(2, -(-(256 << 20) // (M * 2 * F * 2)))  # rotating inputs: >= 256 MB, out of L2
+        gus = [jax.random.normal(jax.random.fold_in(key, i), (M, 2, F), jnp.bfloat16) * 8 for i in range(copies)]
+        rs = jax.random.uniform(key, (M, 1), jnp.float32, 0.01, 0.1)
+        cs = jax.random.uniform(key, (2, F), jnp.float32, 0.001, 0.01)
+        want = quant.silu_mul_fp8_ref(gus[0], rs, cs)
+        variants = [("silu_xla", {}, quant.silu_mul_fp8_ref)] + [
+            (
+                "silu_kernel",
+                cfg,
+                functools.partial(
+                    _silu_mul_fp8.silu_mul_fp8_kernel, min_scale=quant.FP8_MIN_SCALE, interpret=interpret, **cfg
+                ),
+            )
+            for cfg in configs
+        ]
+        for name, cfg, fn in variants:
+
+            def build(n, fn=fn, rs=rs, cs=cs):
+                def f(xs):
+                    return [fn(jax.lax.optimization_barrier(xs[i % len(xs)]), rs, cs) for i in range(n)]
+
+                return jax.jit(f)
+
+            try:
+                got = jax.jit(fn)(gus[0], rs, cs)
+                bad = int((np.asarray(got[0], np.float32) != np.asarray(want[0], np.float32)).sum())
+                run = runner(build, gus)
+                us = xprof_us(run, reps)[0] if not interpret else float("nan")
+                nbytes = M * 2 * F * 2 + M * F
+                row = dict(
+                    stage="silu_fp8",
+                    M=M,
+                    F=F,
+                    impl=name,
+                    cfg=cfg,
+                    time_us=round(us, 2),
+                    mismatches=bad,
+                    frac_copy=round(nbytes / (us * 1e-6) / copy, 3) if copy else None,
+                )
+            except Exception as e:  # noqa: BLE001 - a tuning that does not compile is a row, not the end of the run
+                row = dict(stage="silu_fp8", M=M, F=F, impl=name, cfg=cfg, error=repr(e)[:300])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -488,7 +542,17 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=10, help="calls per timed chain")
     p.add_argument("--hlo-dir", default=None, help="write the optimized HLO of the fp8 / dequant calls here")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, interpret mode")
+    p.add_argument("--silu-m", default=None, help="only fp8_silu_mlp's silu * up stage at these M (bench_silu)")
+    p.add_argument("--silu-configs", default="[{}]", help="its kernel tunings, a JSON list")
     args = p.parse_args(argv)
+    if args.silu_m:
+        rows = []
+        copy = copy_bw(1 << 20 if args.tiny else 1 << 29, args.reps)
+        F = 256 if args.tiny else 14336
+        ms = [int(m) for m in args.silu_m.split(",")]
+        bench_silu(ms, F, json.loads(args.silu_configs), copy, args.reps, rows, interpret=args.tiny)
+        write_result("quant_kernels", dict(env=environment(), copy_bytes_per_s=copy, rows=rows), args.out)
+        return rows
     shapes = TINY_SHAPES if args.tiny else SHAPES
     ms = [int(m) for m in args.m.split(",")]
     impls = args.impls.split(",")

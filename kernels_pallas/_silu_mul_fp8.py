@@ -36,40 +36,63 @@ def supported(dtype, f: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and block_for(f) is not None
 
 
-def _kernel(gu_ref, xq_ref, s_ref, *, block, min_scale):
+def _kernel(*refs, block, min_scale, scaled):
+    if scaled:
+        gu_ref, rs_ref, cs_ref, xq_ref, s_ref = refs
+    else:
+        gu_ref, xq_ref, s_ref = refs
     F = xq_ref.shape[-1]
     f32 = jnp.float32
 
     def act(i):
-        g = gu_ref[0, pl.ds(i * block, block)].astype(f32)
-        u = gu_ref[1, pl.ds(i * block, block)].astype(f32)
+        cols = pl.ds(pl.multiple_of(i * block, block), block)
+        g, u = gu_ref[0, cols].astype(f32), gu_ref[1, cols].astype(f32)
+        if scaled:  # the fp8 GEMM's product times its token scale and channel scales, in float32
+            r = rs_ref[0]
+            g, u = g * r * cs_ref[0, cols], u * r * cs_ref[1, cols]
         return g * jax.nn.sigmoid(g) * u
 
-    amax = jnp.abs(act(0))
-    for i in range(1, F // block):
-        amax = jnp.maximum(amax, jnp.abs(act(i)))
+    amax = jax.lax.fori_loop(1, F // block, lambda i, m: jnp.maximum(m, jnp.abs(act(i))), jnp.abs(act(0)))
     s = jnp.maximum(amax.max() / FP8_MAX, min_scale)
-    for i in range(F // block):
-        xq_ref[pl.ds(i * block, block)] = jnp.clip(act(i) / s, -FP8_MAX, FP8_MAX).astype(FP8)
+
+    def store(i, carry):
+        xq_ref[pl.ds(pl.multiple_of(i * block, block), block)] = jnp.clip(act(i) / s, -FP8_MAX, FP8_MAX).astype(FP8)
+        return carry
+
+    jax.lax.fori_loop(0, F // block, store, 0)
     s_ref[...] = jnp.full(s_ref.shape, s, f32)
 
 
-@functools.partial(jax.jit, static_argnames=("min_scale", "num_warps", "interpret"))
-def silu_mul_fp8_kernel(gu, *, min_scale, num_warps=4, interpret=False):
-    """gu [T, 2, F] (16-bit: gate, up) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32)."""
+_STATIC = ("min_scale", "block", "num_warps", "num_stages", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def silu_mul_fp8_kernel(
+    gu, row_scale=None, col_scale=None, *, min_scale, block=None, num_warps=4, num_stages=2, interpret=False
+):
+    """gu [T, 2, F] (16-bit: gate, up) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32). row_scale [T, 1] and
+    col_scale [2, F] (float32, both or neither): gu is an fp8 GEMM's unscaled product, gate / up = gu * row_scale *
+    col_scale. Tuning (static): block (columns a tile, block_for(F) by default), num_warps, num_stages."""
     T, C, F = gu.shape
     if C != 2 or not supported(gu.dtype, F):
         raise ValueError(
             f"silu_mul_fp8_kernel takes 16-bit [T, 2, F] with F a multiple of 128; got {gu.dtype} {gu.shape}"
         )
-    block = block_for(F)
+    scaled = row_scale is not None
+    if scaled != (col_scale is not None) or (scaled and (row_scale.shape != (T, 1) or col_scale.shape != (2, F))):
+        raise ValueError("row_scale [T, 1] and col_scale [2, F] come together")
+    block = block or block_for(F)
+    operands, specs = [gu], [pl.BlockSpec((None, 2, F), lambda t: (t, 0, 0))]
+    if scaled:
+        operands += [row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)]
+        specs += [pl.BlockSpec((None, 1), lambda t: (t, 0)), pl.BlockSpec((2, F), lambda t: (0, 0))]
     return pl.pallas_call(
-        functools.partial(_kernel, block=block, min_scale=min_scale),
+        functools.partial(_kernel, block=block, min_scale=min_scale, scaled=scaled),
         grid=(T,),
-        in_specs=[pl.BlockSpec((None, 2, F), lambda t: (t, 0, 0))],
+        in_specs=specs,
         out_specs=[pl.BlockSpec((None, F), lambda t: (t, 0)), pl.BlockSpec((None, 1), lambda t: (t, 0))],
         out_shape=[jax.ShapeDtypeStruct((T, F), FP8), jax.ShapeDtypeStruct((T, 1), jnp.float32)],
         interpret=interpret,
-        compiler_params=triton_params(num_warps, 1),
-        name=f"silu_mul_fp8_{block=}",
-    )(gu)
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"silu_mul_fp8_{block=}" + ("_scaled" if scaled else ""),
+    )(*operands)

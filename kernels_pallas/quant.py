@@ -299,22 +299,46 @@ def fp8_matmul_quantized(xq, sx, w, w_scale, out_dtype):
     return _scaled(_fp8_dot(False, narrow_out)(xq, w), sx, w_scale, out_dtype)
 
 
-def silu_mul_fp8(gu, *, interpret=False):
+def silu_mul_fp8(gu, row_scale=None, col_scale=None, *, interpret=False, **tuning):
     """gu [T, 2, F] (gate, up; 16-bit) -> (xq [T, F] e4m3, sx [T, 1] float32): silu(gate) * up in float32 rounded
     to e4m3 with dynamic per-token scales (quantize_activations' "token"), one Pallas pass (_silu_mul_fp8.py) where
-    silu_mul_fp8_supported, else the jnp reference."""
+    silu_mul_fp8_supported, else the jnp reference. row_scale [T, 1] / col_scale [2, F]: gu is an fp8 GEMM's
+    unscaled product (fp8_silu_mlp), gate / up = gu * row_scale * col_scale in float32."""
     if not silu_mul_fp8_supported(gu) or not (interpret or on_gpu()):
-        return silu_mul_fp8_ref(gu)
-    return _silu_mul_fp8.silu_mul_fp8_kernel(gu, min_scale=FP8_MIN_SCALE, interpret=interpret)
+        return silu_mul_fp8_ref(gu, row_scale, col_scale)
+    return _silu_mul_fp8.silu_mul_fp8_kernel(
+        gu, row_scale, col_scale, min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
+    )
 
 
 def silu_mul_fp8_supported(gu) -> bool:
     return gu.ndim == 3 and gu.shape[1] == 2 and _silu_mul_fp8.supported(gu.dtype, gu.shape[2])
 
 
-def silu_mul_fp8_ref(gu):
-    g, u = gu[:, 0].astype(jnp.float32), gu[:, 1].astype(jnp.float32)
+def silu_mul_fp8_ref(gu, row_scale=None, col_scale=None):
+    gu = gu.astype(jnp.float32)
+    if row_scale is not None:
+        gu = gu * row_scale[:, :, None] * col_scale[None]
+    g, u = gu[:, 0], gu[:, 1]
     return quantize_activations(jax.nn.silu(g) * u)
+
+
+def fp8_silu_mlp(h, w_gate_up, gate_up_scale, w_down, down_scale, *, out_dtype=None, interpret=False):
+    """An fp8 W8A8 MLP with dynamic token scales: down(silu(gate) * up) for h [T, D] (16-bit), w_gate_up [2F, D] /
+    w_down [D', F] e4m3 with channel scales [2F] / [D'] (or per tensor) -> [T, D'] in out_dtype (h's).
+    h rounded to e4m3 by XLA (token scales), its fp8 GEMM's product in bfloat16 unscaled, the scales, silu * up and
+    the e4m3 rounding of its result in one Pallas pass (silu_mul_fp8), the down projection's fp8 GEMM. Against
+    fp8_matmul, silu * up, fp8_matmul: gate / up stay float32 between the GEMM and silu * up (XLA's fusion of the
+    three keeps them so too where it fuses them)."""
+    T = h.shape[0]
+    out_dtype = out_dtype or h.dtype
+    _fp8_check(h, w_gate_up, gate_up_scale)
+    xq, sx = quantize_activations(h)
+    p = _fp8_dot(False, True)(xq, w_gate_up)  # [T, 2F] unscaled, bfloat16
+    F = w_gate_up.shape[0] // 2
+    cs = jnp.broadcast_to(jnp.asarray(gate_up_scale, jnp.float32).reshape(-1), (2 * F,)).reshape(2, F)
+    aq, sa = silu_mul_fp8(p.reshape(T, 2, F), sx, cs, interpret=interpret)
+    return fp8_matmul_quantized(aq, sa, w_down, down_scale, out_dtype)
 
 
 def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=None):

@@ -251,9 +251,9 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     seqs, cached = [[5, 9, 2, 77, 3], [11, 7, 40]], [4, 2]  # a second step of one new token each
     real = _fp8_gemv.fp8_gemv_kernel
     # the 7-row step's dot with a float32 output and XLA's silu * up, so that its product is the reference's exactly
-    # (the bfloat16 dot output and silu_mul_fp8: test_decoder_runs_fp8_rows_through_silu_mul_fp8)
+    # (the bfloat16 dot output and fp8_silu_mlp: test_decoder_runs_fp8_mlp_rows_through_silu_mul_fp8)
     monkeypatch.setattr(quant, "FP8_DOT_BF16", False)
-    monkeypatch.setattr(quant_matmul, "SILU_MUL_FP8", False)
+    monkeypatch.setattr(quant_matmul, "FP8_SILU_MLP", False)
 
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)

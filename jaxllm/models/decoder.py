@@ -27,7 +27,7 @@ from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
-from jaxllm.models.quant_matmul import qmatmul, split_k
+from jaxllm.models.quant_matmul import fp8_silu_mlp_applies, qmatmul, silu_mlp, split_k
 
 
 def rms_norm(x, weight, eps):
@@ -123,11 +123,9 @@ def mlp(
     """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
     residual: the residual stream to add the output to (returned summed), or None."""
     ll = ll or {}
-    if isinstance(w_down, QuantizedWeight) and act == "silu" and b_gate_up is None and not ll:
-        # silu(gate) * up inside qmatmul: an fp8 W8A8 down projection takes it rounded to e4m3 in one pass
-        gate_up = _proj(h, w_gate_up, None, "TD,DCF->TCF", attn)
-        kw = dict(kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh, silu_mul=True)
-        out = qmatmul(gate_up, w_down, **kw)
+    kernels = attn.backend == "pallas"
+    if act == "silu" and b_gate_up is None and not ll and fp8_silu_mlp_applies(h, w_gate_up, w_down, kernels=kernels):
+        out = silu_mlp(h, w_gate_up, w_down, interpret=attn.interpret, mesh=attn.mesh)  # fp8 W8A8, > 2 rows
         out = out if b_down is None else out + b_down
         return out if residual is None else residual + out
     if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)

@@ -53,11 +53,9 @@ from kernels_pallas.quant import (
     fp8_gemv_partials,
     fp8_gemv_supported,
     fp8_matmul,
-    fp8_matmul_quantized,
     fp8_matmul_ref,
+    fp8_silu_mlp,
     quantized_matmul,
-    silu_mul_fp8,
-    silu_mul_fp8_supported,
     tie_to_input,
     uses_kernel,
 )
@@ -67,22 +65,32 @@ from kernels_pallas.quant import (
 FP8_GEMV = os.environ.get("JAXLLM_FP8_GEMV", "1") == "1"
 
 
-def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None, silu_mul=False):
+def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
     """See the module docstring. kernels: the GPU implementations (else the pure-jnp references); interpret: the
-    Pallas kernel in interpret mode (CPU tests of the kernel path); mesh: the weights' ("pp", "tp") mesh.
-    silu_mul: x is the gate / up projection's output [T, 2, F] and w multiplies silu(gate) * up (an MLP's down
-    projection): an fp8 W8A8 weight with dynamic scales of more than 2 rows takes that product rounded to e4m3 from
-    one Pallas pass on the kernels path (silu_mul_fp8), every other weight silu(gate) * up in x's dtype, as the
-    decoder's MLP computes it."""
-    local = functools.partial(_local_qmatmul, kernels=kernels, interpret=interpret, silu_mul=silu_mul)
+    Pallas kernel in interpret mode (CPU tests of the kernel path); mesh: the weights' ("pp", "tp") mesh."""
+    local = functools.partial(_local_qmatmul, kernels=kernels, interpret=interpret)
     if mesh is None or mesh.shape.get("tp", 1) == 1:
         return local(x, w)
     lay = w.layout
     row_parallel = lay.shards > 1
+    x_spec = P(None, "tp") if row_parallel and w.perm is None else P()
+    out_spec = P() if row_parallel else logical_to_spec((None, *lay.out_axes))
+    return jax.shard_map(
+        functools.partial(local, psum=row_parallel),
+        mesh=mesh,
+        in_specs=(x_spec, _weight_specs(w)),
+        out_specs=out_spec,
+        check_vma=False,
+    )(x, w)
+
+
+def _weight_specs(w: QuantizedWeight) -> QuantizedWeight:
+    """The PartitionSpecs of w's leaves (its logical axes on the mesh)."""
+    lay = w.layout
     input_last = w.scheme.weight_type == "float" or lay.nk
     packed_axes = (*lay.out_axes, lay.in_axis) if input_last else (lay.in_axis, *lay.out_axes)
     group = logical_to_spec((lay.group_axis, *lay.out_axes))
-    specs = QuantizedWeight(
+    return QuantizedWeight(
         packed=logical_to_spec(packed_axes),
         scales=group,
         zeros=None if w.zeros is None else group,
@@ -91,27 +99,11 @@ def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = F
         scheme=w.scheme,
         layout=lay,
     )
-    x_spec = P(*([None] * (x.ndim - 1)), "tp") if row_parallel and w.perm is None else P()
-    out_spec = P() if row_parallel else logical_to_spec((None, *lay.out_axes))
-    return jax.shard_map(
-        functools.partial(local, psum=row_parallel),
-        mesh=mesh,
-        in_specs=(x_spec, specs),
-        out_specs=out_spec,
-        check_vma=False,
-    )(x, w)
 
 
-def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False, silu_mul=False):
-    """One device's product: x [T, k] (or all of I for an act-order weight) times its slice of w (silu_mul: x is
-    [T, 2, k], see qmatmul)."""
+def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False):
+    """One device's product: x [T, k] (or all of I for an act-order weight) times its slice of w."""
     s = w.scheme
-    if silu_mul and _silu_mul_fp8_applies(x, w, kernels):
-        xq, sx = silu_mul_fp8(x, interpret=interpret)
-        y = fp8_matmul_quantized(xq, sx, w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1), x.dtype)
-        return _local_out(jax.lax.psum(y, "tp") if psum else y, w, x.shape[0])
-    if silu_mul:
-        x = jax.nn.silu(x[:, 0]) * x[:, 1]
     if w.perm is not None:  # act-order: the stored rows are the checkpoint's rows perm
         x = jnp.take(x, w.perm, axis=1)
     if s.weight_type == "float":
@@ -135,28 +127,50 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
     return y.reshape(x.shape[0], *out)
 
 
-def _local_out(y, w: QuantizedWeight, rows: int):
-    return y.reshape(rows, *w.packed.shape[:-1])  # fp8 weights: packed [*O, k]
+# An MLP of fp8 W8A8 gate / up and down weights (dynamic scales) of more than 2 rows on the kernels path runs
+# kernels_pallas.fp8_silu_mlp: the gate / up GEMM's product unscaled in bfloat16, its scales, silu * up and the e4m3
+# rounding in one Pallas pass, instead of XLA's fusions (H100, 8B fp8, 500-row decode steps: 26.0 + 9.6 us a layer;
+# bench/results/throughput_fp8_h100_ffc8213_bf16out_prof.json). JAXLLM_FP8_SILU_MLP=0 turns it off (A/B runs).
+FP8_SILU_MLP = os.environ.get("JAXLLM_FP8_SILU_MLP", "1") == "1"
 
 
-# the MLP's silu(gate) * up for an fp8 W8A8 down projection of more than 2 rows as one Pallas pass (silu_mul_fp8)
-# instead of XLA's silu * up with the token amax and its e4m3 convert (H100, 8B fp8, 500-row decode steps: 26.0 + 9.6
-# us a layer; bench/results/throughput_fp8_h100_ffc8213_bf16out_prof.json)
-SILU_MUL_FP8 = True
+def fp8_silu_mlp_applies(h, w_gate_up, w_down, *, kernels: bool) -> bool:
+    """Whether silu_mlp runs fp8_silu_mlp: the kernels path, fp8 W8A8 gate / up and down with dynamic scales, more
+    rows than fp8_gemv takes (1-2: its kernel rounds x itself)."""
 
+    def dynamic_fp8(w):
+        return isinstance(w, QuantizedWeight) and w.scheme.weight_type == "float" and w.scheme.activations == "dynamic"
 
-def _silu_mul_fp8_applies(x, w: QuantizedWeight, kernels: bool) -> bool:
-    """Whether silu(gate) * up goes to w as silu_mul_fp8's e4m3 values: the kernels path, an fp8 W8A8 weight with
-    dynamic scales, more rows than fp8_gemv takes (its kernel rounds x itself), x as the Pallas pass takes it."""
-    s = w.scheme
     return (
-        kernels
-        and SILU_MUL_FP8
-        and s.weight_type == "float"
-        and s.activations not in (None, "static")
-        and x.shape[0] > FP8_WIDEN_MAX_ROWS
-        and silu_mul_fp8_supported(x)
+        kernels and FP8_SILU_MLP and dynamic_fp8(w_gate_up) and dynamic_fp8(w_down) and h.shape[0] > FP8_WIDEN_MAX_ROWS
     )
+
+
+def silu_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, interpret: bool = False, mesh=None):
+    """down(silu(gate) * up) of fp8 W8A8 weights through kernels_pallas.fp8_silu_mlp (fp8_silu_mlp_applies), h [T, D]
+    -> [T, D]. Under tp, gate / up is column-parallel and down row-parallel: each shard runs its slice and the
+    outputs are summed (psum), with each shard's own token scales for down's input (as qmatmul's row-parallel fp8)."""
+
+    def local(h, wgu, wd, psum=False):
+        y = fp8_silu_mlp(
+            h,
+            wgu.packed.reshape(-1, wgu.packed.shape[-1]),
+            wgu.scales.reshape(-1),
+            wd.packed.reshape(-1, wd.packed.shape[-1]),
+            wd.scales.reshape(-1),
+            interpret=interpret,
+        )
+        return (jax.lax.psum(y, "tp") if psum else y).reshape(h.shape[0], *wd.packed.shape[:-1])
+
+    if mesh is None or mesh.shape.get("tp", 1) == 1:
+        return local(h, w_gate_up, w_down)
+    return jax.shard_map(
+        functools.partial(local, psum=w_down.layout.shards > 1),
+        mesh=mesh,
+        in_specs=(P(), _weight_specs(w_gate_up), _weight_specs(w_down)),
+        out_specs=P(),
+        check_vma=False,
+    )(h, w_gate_up, w_down)
 
 
 def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
