@@ -24,6 +24,7 @@ from ._common import triton_params
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
+TUNING = dict(num_warps=8)  # silu_mul_fp8's default tuning (quant.silu_mul_fp8)
 
 
 def block_for(f: int) -> int | None:
@@ -36,7 +37,7 @@ def supported(dtype, f: int) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and block_for(f) is not None
 
 
-def _kernel(*refs, block, min_scale, scaled):
+def _kernel(*refs, block, min_scale, scaled, resident):
     if scaled:
         gu_ref, rs_ref, cs_ref, xq_ref, s_ref = refs
     else:
@@ -52,23 +53,41 @@ def _kernel(*refs, block, min_scale, scaled):
             g, u = g * r * cs_ref[0, cols], u * r * cs_ref[1, cols]
         return g * jax.nn.sigmoid(g) * u
 
-    amax = jax.lax.fori_loop(1, F // block, lambda i, m: jnp.maximum(m, jnp.abs(act(i))), jnp.abs(act(0)))
+    if resident:  # the whole row's values in registers: one read of gu, no second pass
+        tiles = [act(i) for i in range(F // block)]
+        amax = functools.reduce(jnp.maximum, [jnp.abs(a) for a in tiles])
+    else:
+        amax = jax.lax.fori_loop(1, F // block, lambda i, m: jnp.maximum(m, jnp.abs(act(i))), jnp.abs(act(0)))
     s = jnp.maximum(amax.max() / FP8_MAX, min_scale)
 
     def store(i, carry):
-        xq_ref[pl.ds(i * block, block)] = jnp.clip(act(i) / s, -FP8_MAX, FP8_MAX).astype(FP8)
+        a = tiles[i] if resident else act(i)
+        xq_ref[pl.ds(i * block, block)] = jnp.clip(a / s, -FP8_MAX, FP8_MAX).astype(FP8)
         return carry
 
-    jax.lax.fori_loop(0, F // block, store, 0)
+    if resident:
+        for i in range(F // block):
+            store(i, 0)
+    else:
+        jax.lax.fori_loop(0, F // block, store, 0)
     s_ref[...] = jnp.full(s_ref.shape, s, f32)
 
 
-_STATIC = ("min_scale", "block", "num_warps", "num_stages", "interpret")
+_STATIC = ("min_scale", "block", "resident", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def silu_mul_fp8_kernel(
-    gu, row_scale=None, col_scale=None, *, min_scale, block=None, num_warps=4, num_stages=2, interpret=False
+    gu,
+    row_scale=None,
+    col_scale=None,
+    *,
+    min_scale,
+    block=None,
+    resident=False,
+    num_warps=4,
+    num_stages=2,
+    interpret=False,
 ):
     """gu [T, 2, F] (16-bit: gate, up) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32). row_scale [T, 1] and
     col_scale [2, F] (float32, both or neither): gu is an fp8 GEMM's unscaled product, gate / up = gu * row_scale *
@@ -87,7 +106,7 @@ def silu_mul_fp8_kernel(
         operands += [row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)]
         specs += [pl.BlockSpec((None, 1), lambda t: (t, 0)), pl.BlockSpec((2, F), lambda t: (0, 0))]
     return pl.pallas_call(
-        functools.partial(_kernel, block=block, min_scale=min_scale, scaled=scaled),
+        functools.partial(_kernel, block=block, min_scale=min_scale, scaled=scaled, resident=resident),
         grid=(T,),
         in_specs=specs,
         out_specs=[pl.BlockSpec((None, F), lambda t: (t, 0)), pl.BlockSpec((None, 1), lambda t: (t, 0))],
