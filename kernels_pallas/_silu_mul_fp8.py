@@ -1,15 +1,18 @@
 """silu(gate) * up rounded to e4m3 with dynamic per-token scales, in one pass (Pallas, Triton lowering): the input
-of an fp8 W8A8 down projection, from the gate / up projection's output.
+of an fp8 W8A8 down projection, from the gate / up projection's output (quant.fp8_silu_mlp).
 
-    a = silu(g) * up (float32), s = max(max|a_m| / 448, min_scale) per row, xq = round_e4m3(clip(a / s, +-448))
+    g, u = gu * row_scale * col_scale (the fp8 GEMM's unscaled product and its scales; or gu as given)
+    a = silu(g) * u (float32), s = max(max|a_m| / 448, min_scale) per row, xq = round_e4m3(clip(a / s, +-448))
 
-One program per row of gu [T, 2, F] (16-bit): over F in tiles of `block` columns, the row's amax (a static unroll
-of independent loads into an elementwise max, then one reduction); then the same tiles again (from L2: a row is
-2F 16-bit values), divided by the scale and stored as e4m3. a stays in float32 from the gate / up values to the
-rounding, as XLA's fusion of the same jnp keeps it (no 16-bit rounding of a).
+One program per row of gu [T, 2, F] (16-bit), over F in tiles of `block` columns. resident (the default up to
+RESIDENT_MAX_F columns): every tile's a is computed once and held in registers through the row's amax and the
+e4m3 stores (one read of the row); else two loops over the tiles, the amax and then the stores, each computing a
+from gu (the second read from L2). a stays in float32 from the GEMM's product to the rounding, as XLA's fusion of
+the same jnp keeps it where it fuses them (no 16-bit rounding of the scaled gate / up or of a).
 
-What it replaces (H100 trace, 8B fp8, 500-row decode steps: bench/results/throughput_fp8_h100_ffc8213_bf16out_prof
-.json): XLA's silu * up with the amax (26.0 us a layer) and the convert that writes the e4m3 values (9.6 us).
+Measured (H100, M rows x F 14336, the stage alone chained on rotating inputs, XProf; bench/results/
+quant_kernels_h100_b6b7a73_silu.json): M 512: resident with 16 warps 20.3 us (0.61 of copy), 8 warps 23.1, the
+looped kernel 29.4, XLA's fusions of silu_mul_fp8_ref 33.0; M 256: 11.0 / 11.5 / 17.9 / 18.2 us.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from ._common import triton_params
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-TUNING = dict(num_warps=8)  # silu_mul_fp8's default tuning (quant.silu_mul_fp8)
+TUNING = dict(num_warps=16)  # quant.silu_mul_fp8's default tuning (resident: RESIDENT_MAX_F)
+RESIDENT_MAX_F = 32768  # a row's float32 a in registers: F / (32 * num_warps) values a thread
 
 
 def block_for(f: int) -> int | None:
@@ -84,14 +88,15 @@ def silu_mul_fp8_kernel(
     *,
     min_scale,
     block=None,
-    resident=False,
+    resident=None,
     num_warps=4,
     num_stages=2,
     interpret=False,
 ):
     """gu [T, 2, F] (16-bit: gate, up) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32). row_scale [T, 1] and
     col_scale [2, F] (float32, both or neither): gu is an fp8 GEMM's unscaled product, gate / up = gu * row_scale *
-    col_scale. Tuning (static): block (columns a tile, block_for(F) by default), num_warps, num_stages."""
+    col_scale. Tuning (static): block (columns a tile, block_for(F) by default), resident (None: F <= RESIDENT_MAX_F),
+    num_warps, num_stages."""
     T, C, F = gu.shape
     if C != 2 or not supported(gu.dtype, F):
         raise ValueError(
@@ -101,6 +106,7 @@ def silu_mul_fp8_kernel(
     if scaled != (col_scale is not None) or (scaled and (row_scale.shape != (T, 1) or col_scale.shape != (2, F))):
         raise ValueError("row_scale [T, 1] and col_scale [2, F] come together")
     block = block or block_for(F)
+    resident = F <= RESIDENT_MAX_F if resident is None else resident
     operands, specs = [gu], [pl.BlockSpec((None, 2, F), lambda t: (t, 0, 0))]
     if scaled:
         operands += [row_scale.astype(jnp.float32), col_scale.astype(jnp.float32)]

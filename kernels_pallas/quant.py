@@ -18,10 +18,15 @@
   fp8_matmul(x [..., K], w [N, K] float8_e4m3fn, w_scale (scalar or [N]), *, x_scale=None, act_scale="token",
              out_dtype=None, widen=None) -> [..., N]
       x quantized to e4m3 in the same jitted function (dynamic per-token scales, or per-tensor, or a static
-      x_scale), one fp8 x fp8 dot with float32 accumulation (Hopper's FP8 tensor cores through XLA), the scales
-      applied to its float32 result. Up to FP8_WIDEN_MAX_ROWS rows (widen=None) XLA's GEMM multiplies both fp8
-      operands widened to bfloat16 instead (x before an optimization barrier, the weight inside the GEMM): the same
-      products (exact) and float32 sums, a faster GEMV.
+      x_scale), one fp8 x fp8 dot with float32 accumulation (Hopper's FP8 tensor cores through XLA), its output
+      in bfloat16 for a 16-bit result (FP8_DOT_BF16), the scales applied after it in float32. Up to
+      FP8_WIDEN_MAX_ROWS rows (widen=None) XLA's GEMM multiplies both fp8 operands widened to bfloat16 instead (x
+      before an optimization barrier, the weight inside the GEMM): the same products (exact) and float32 sums, a
+      faster GEMV. fp8_matmul_quantized(xq, sx, w, w_scale, out_dtype): the dot for x already in e4m3.
+  fp8_silu_mlp(h [T, D], w_gate_up [2F, D], gate_up_scale, w_down [D', F], down_scale) -> [T, D']
+      An fp8 W8A8 MLP (dynamic token scales): fp8_matmul's gate / up dot, then its scales, silu(gate) * up and the
+      e4m3 rounding of that product for down in one Pallas pass (silu_mul_fp8, _silu_mul_fp8.py), then down's dot.
+      The decoder's fp8 MLPs of more than 2 rows run it (jaxllm/models/quant_matmul.py silu_mlp).
   fp8_gemv(x [..., K] of 1-2 rows, w, w_scale, *, residual=None) -> [..., N]
       The same function (dynamic per-token scales) with the scales' reduction and x's e4m3 rounding inside one
       split-K Pallas GEMV (_fp8_gemv.py), its float32 partials summed (and added to the residual) in the XLA fusion

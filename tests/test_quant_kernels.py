@@ -532,6 +532,81 @@ def test_fp8_matmul_widens_small_batches_to_the_same_function(rows):
     assert rel(wide, fp8_matmul_ref(x, wq, ws, **f32)) < 1e-6
 
 
+@pytest.mark.parametrize(
+    "T,F,scaled,tuning",
+    [
+        (3, 384, False, {}),  # 3 tiles of 128, looped twice (amax, then the e4m3 stores)
+        (5, 640, True, dict(resident=True)),  # 5 tiles held in registers
+        (4, 1024, True, dict(block=256, num_warps=8)),
+        (2, 4096, True, dict(resident=True, num_warps=16)),
+    ],
+)
+def test_silu_mul_fp8_kernel_matches_reference(T, F, scaled, tuning):
+    """_silu_mul_fp8's Pallas pass (interpret mode) against silu_mul_fp8_ref: the same e4m3 values and token scales
+    bit for bit (both compute in float32 in the same order), with and without the GEMM's token / channel scales;
+    an all-zero row gets the floor scale and zeros."""
+    from kernels_pallas import _silu_mul_fp8
+
+    rng = np.random.default_rng(13)
+    gu = jnp.asarray(rng.standard_normal((T, 2, F)) * 4, jnp.bfloat16).at[0].set(0.0)
+    scales = ()
+    if scaled:
+        scales = (
+            jnp.asarray(rng.uniform(0.2, 2.0, (T, 1)), jnp.float32),
+            jnp.asarray(rng.uniform(0.2, 2.0, (2, F)), jnp.float32),
+        )
+    xq, sx = _silu_mul_fp8.silu_mul_fp8_kernel(gu, *scales, min_scale=quant.FP8_MIN_SCALE, interpret=True, **tuning)
+    want_q, want_s = quant.silu_mul_fp8_ref(gu, *scales)
+    assert xq.dtype == jnp.float8_e4m3fn and xq.shape == (T, F) and sx.shape == (T, 1)
+    np.testing.assert_array_equal(np.asarray(sx), np.asarray(want_s))
+    np.testing.assert_array_equal(np.asarray(xq, np.float32), np.asarray(want_q, np.float32))
+    assert float(sx[0, 0]) == np.float32(quant.FP8_MIN_SCALE) and not np.asarray(xq[0], np.float32).any()
+    assert float(jnp.abs(xq.astype(jnp.float32)).max()) == quant.FP8_MAX  # each row's amax maps to 448
+
+
+def test_silu_mul_fp8_refuses_what_it_does_not_take():
+    from kernels_pallas import _silu_mul_fp8
+
+    kw = dict(min_scale=quant.FP8_MIN_SCALE, interpret=True)
+    with pytest.raises(ValueError, match=r"\[T, 2, F\]"):
+        _silu_mul_fp8.silu_mul_fp8_kernel(jnp.zeros((2, 3, 256), jnp.bfloat16), **kw)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        _silu_mul_fp8.silu_mul_fp8_kernel(jnp.zeros((2, 2, 200), jnp.bfloat16), **kw)
+    with pytest.raises(ValueError, match="come together"):
+        _silu_mul_fp8.silu_mul_fp8_kernel(jnp.zeros((2, 2, 256), jnp.bfloat16), jnp.ones((2, 1)), **kw)
+    # quant.silu_mul_fp8 takes what the kernel refuses through the reference (F = 200, float32)
+    for gu in (jnp.ones((2, 2, 200), jnp.bfloat16), jnp.ones((2, 2, 256), jnp.float32)):
+        assert not quant.silu_mul_fp8_supported(gu)
+        np.testing.assert_array_equal(
+            np.asarray(quant.silu_mul_fp8(gu, interpret=True)[0], np.float32),
+            np.asarray(quant.silu_mul_fp8_ref(gu)[0], np.float32),
+        )
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_fp8_silu_mlp_matches_the_unfused_mlp(per_channel):
+    """fp8_silu_mlp (h rounded to e4m3, the gate / up GEMM's product in bfloat16 unscaled, the Pallas silu * up +
+    e4m3 pass with the scales, the down GEMM) against fp8_matmul -> silu * up in bfloat16 -> fp8_matmul: the same
+    function but for where gate / up are rounded (here: never between the GEMM and silu * up) and the e4m3 rounding
+    boundaries that moves; and against the float32 MLP of the dequantized weights (e4m3's few percent, as close as
+    the unfused MLP is)."""
+    rng = np.random.default_rng(14)
+    D, F, T = 256, 384, 9
+    wgu_f = rng.standard_normal((2 * F, D)).astype(np.float32) * 0.06
+    wd_f = rng.standard_normal((D, F)).astype(np.float32) * 0.05
+    (wgu, sgu), (wd, sd) = quantize_fp8(wgu_f, per_channel=per_channel), quantize_fp8(wd_f, per_channel=per_channel)
+    h = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    got = jax.jit(lambda h: quant.fp8_silu_mlp(h, wgu, sgu, wd, sd, interpret=True))(h)
+    assert got.shape == (T, D) and got.dtype == jnp.bfloat16
+    gu = fp8_matmul(h, wgu, sgu)
+    unfused = fp8_matmul(jax.nn.silu(gu[:, :F]) * gu[:, F:], wd, sd)
+    assert rel(got, unfused) < 4e-2  # e4m3 steps are 2^-3 relative: a few rounding boundaries move (1.7-2.5% here)
+    g = np.asarray(h, np.float32) @ (np.asarray(wgu.astype(jnp.float32)) * np.reshape(sgu, (-1, 1))).T
+    a = g[:, :F] / (1 + np.exp(-g[:, :F])) * g[:, F:]
+    dense = a @ (np.asarray(wd.astype(jnp.float32)) * np.reshape(sd, (-1, 1))).T
+    assert rel(got, dense) < 0.08 and rel(got, dense) < 1.1 * rel(unfused, dense)  # no further from the function
+
+
 def test_entry_point_runs_more_than_64_rows_in_128_row_blocks(monkeypatch):
     """Above 64 rows (up to max_kernel_m) the entry point pads M to a multiple of 64 and, where that is a multiple
     of 128, runs the kernel with LARGE_M_TILING's 128-row blocks; above MAX_KERNEL_M (128) rows the dense weight +

@@ -273,6 +273,45 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
             assert _rel(k, r) <= tol
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_mlp_of_more_than_two_rows_runs_silu_mul_fp8(checkpoints, monkeypatch, tp):
+    """quantization="fp8" on the "pallas" backend (interpret mode), 7 rows: decoder.mlp runs quant_matmul.silu_mlp
+    (kernels_pallas.fp8_silu_mlp: the Pallas silu * up + e4m3 pass between the two fp8 GEMMs; under tp = 2 each
+    shard's gate / up and down slices, then psum), and its output matches the unfused MLP (FP8_SILU_MLP off:
+    fp8_matmul, silu * up, fp8_matmul) and the reference path within the e4m3 rounding of down's input. 2 rows
+    (fp8_gemv's bucket) and the reference backend keep the unfused MLP."""
+    from jaxllm.models import decoder, quant_matmul
+    from jaxllm.models.attention import AttentionConfig
+    from kernels_pallas import _silu_mul_fp8
+
+    dense_dir, _ = checkpoints
+    _, mesh, params = _load(dense_dir, tp, quantization="fp8")
+    lp = params["layers"][1]
+    calls: list = []
+    real = _silu_mul_fp8.silu_mul_fp8_kernel
+    monkeypatch.setattr(
+        _silu_mul_fp8, "silu_mul_fp8_kernel", lambda gu, *a, **k: calls.append(gu.shape) or real(gu, *a, **k)
+    )
+    rng = np.random.default_rng(6)
+    D = lp["w_down"].packed.shape[0]
+
+    def run(h, backend, fused):
+        monkeypatch.setattr(quant_matmul, "FP8_SILU_MLP", fused)
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        mlp = jax.jit(lambda h: decoder.mlp(h, lp["w_gate_up"], lp["w_down"], "silu", attn))
+        return np.asarray(mlp(h), np.float32)
+
+    h = jnp.asarray(rng.standard_normal((7, D)), jnp.bfloat16)
+    F = lp["w_gate_up"].packed.shape[1]
+    got = run(h, "pallas", True)
+    assert calls == [(7, 2, F // tp)], calls  # one trace of the (shard_map) body
+    unfused, ref = run(h, "pallas", False), run(h, "reference", True)
+    assert len(calls) == 1 and got.shape == (7, D)
+    assert _rel(got, unfused) < 4e-2 and _rel(got, ref) < 4e-2  # e4m3 boundaries of down's input (2^-3 steps)
+    run(h[:2], "pallas", True)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("quantization,rows", [(None, 5), (None, 200), ("fp8", 5), ("fp8", 2)])
 def test_projections_under_tp2_match_the_dense_weights(checkpoints, monkeypatch, quantization, rows):
     """tp = 2 (shard_map over 2 devices): each projection's kernels path (the Pallas GEMM in interpret mode for
