@@ -378,6 +378,18 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
             assert lay.plane == 128 or tp > 1
 
 
+def test_quant_env_switches_parse_when_the_modules_load():
+    """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1") and
+    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP, on unless "0"); "0" / "1" / unset each."""
+    code = "from jaxllm.models import quant, quant_matmul; print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP)"
+    for value, want in (("0", ["False", "False"]), ("1", ["True", "True"]), (None, ["False", "True"])):
+        env = {k: v for k, v in os.environ.items() if k not in ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP")}
+        if value is not None:
+            env.update(JAXLLM_INT4_NK=value, JAXLLM_FP8_SILU_MLP=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+        assert out.stdout.split() == want, out.stderr
+
+
 def test_fp8_gemv_switch(checkpoints, monkeypatch):
     """JAXLLM_FP8_GEMV=0 (bench A/B runs) sets quant_matmul.FP8_GEMV off when the module loads (default on), and
     with it off a 2-row fp8 projection takes fp8_matmul's dot instead of the GEMV kernel; the qkv partials path

@@ -19,6 +19,10 @@
                    _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: the        one float32 dot
                    weight dequantized by XLA + its GEMM
 
+The decoder's MLP of fp8 W8A8 gate / up and down weights (dynamic scales) on the kernels path, more than 2 rows:
+silu_mlp (kernels_pallas.fp8_silu_mlp: silu(gate) * up and its e4m3 rounding for down in one Pallas pass between
+the two fp8 dots; reference and other weights: qmatmul, silu * up, qmatmul).
+
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
 over both), so a step holds one projection's dequantized weight at a time, not every layer's.
 
