@@ -41,6 +41,7 @@ integers are in qlayout.py.
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -81,7 +82,8 @@ FP8_WIDEN_MAX_ROWS = 2
 # GEMM writes half the bytes, and the fusion after it (scales, then the consumer: silu * up, the residual add, the
 # next token quantization) reads half. The product is rounded twice (bfloat16 before the scales, x's dtype after),
 # against once with a float32 GEMM output; bfloat16 keeps float32's range, so float16 models do not overflow.
-FP8_DOT_BF16 = True
+# JAXLLM_FP8_DOT_BF16=0 turns it off (A/B runs).
+FP8_DOT_BF16 = os.environ.get("JAXLLM_FP8_DOT_BF16", "1") == "1"
 
 
 def _split(y, w: QuantizedWeight, split: bool):

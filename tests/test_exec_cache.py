@@ -338,7 +338,7 @@ def test_cublas_cutoff_override_from_the_environment():
 
 def test_key_changes_with_the_program_env_overrides(monkeypatch):
     """The JAXLLM_* variables that change a step's program (PROGRAM_ENV: the cuBLAS cutoff, the decode backend, the
-    fp8 GEMV) are part of every key's environment, so flipping one for an A/B run never loads the other side's
+    fp8 GEMV, the fp8 dot's output, the fp8 MLP pass, the int4 nk layout) are part of every key's environment, so flipping one for an A/B run never loads the other side's
     executable; other variables are not."""
     devices = jax.devices()[:1]
     for name in exec_cache.PROGRAM_ENV:
@@ -346,6 +346,7 @@ def test_key_changes_with_the_program_env_overrides(monkeypatch):
     base = exec_cache._environment(devices)
     monkeypatch.setenv("JAXLLM_SOMETHING_ELSE", "1")
     assert exec_cache._environment(devices) == base
+    assert {"JAXLLM_FP8_DOT_BF16", "JAXLLM_FP8_SILU_MLP", "JAXLLM_INT4_NK"} <= set(exec_cache.PROGRAM_ENV)
     for name in exec_cache.PROGRAM_ENV:
         monkeypatch.setenv(name, "0")
         assert exec_cache._environment(devices) != base, name

@@ -379,13 +379,18 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
 
 
 def test_quant_env_switches_parse_when_the_modules_load():
-    """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1") and
-    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP, on unless "0"); "0" / "1" / unset each."""
-    code = "from jaxllm.models import quant, quant_matmul; print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP)"
-    for value, want in (("0", ["False", "False"]), ("1", ["True", "True"]), (None, ["False", "True"])):
-        env = {k: v for k, v in os.environ.items() if k not in ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP")}
+    """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1"),
+    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP) and JAXLLM_FP8_DOT_BF16 (kernels_pallas.quant.FP8_DOT_BF16), on
+    unless "0"; "0" / "1" / unset each."""
+    code = (
+        "from jaxllm.models import quant, quant_matmul; from kernels_pallas import quant as kq; "
+        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, kq.FP8_DOT_BF16)"
+    )
+    names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_DOT_BF16")
+    for value, want in (("0", ["False"] * 3), ("1", ["True"] * 3), (None, ["False", "True", "True"])):
+        env = {k: v for k, v in os.environ.items() if k not in names}
         if value is not None:
-            env.update(JAXLLM_INT4_NK=value, JAXLLM_FP8_SILU_MLP=value)
+            env.update(dict.fromkeys(names, value))
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
         assert out.stdout.split() == want, out.stderr
 
