@@ -27,7 +27,6 @@ from ._common import triton_params
 
 FP8 = jnp.float8_e4m3fn
 FP8_MAX = 448.0
-TUNING = dict(num_warps=16)  # quant.silu_mul_fp8's default tuning (resident: RESIDENT_MAX_F)
 RESIDENT_MAX_F = 32768  # a row's float32 a in registers: F / (32 * num_warps) values a thread
 
 
@@ -57,23 +56,19 @@ def _kernel(*refs, block, min_scale, scaled, resident):
             g, u = g * r * cs_ref[0, cols], u * r * cs_ref[1, cols]
         return g * jax.nn.sigmoid(g) * u
 
-    if resident:  # the whole row's values in registers: one read of gu, no second pass
-        tiles = [act(i) for i in range(F // block)]
-        amax = functools.reduce(jnp.maximum, [jnp.abs(a) for a in tiles])
-    else:
-        amax = jax.lax.fori_loop(1, F // block, lambda i, m: jnp.maximum(m, jnp.abs(act(i))), jnp.abs(act(0)))
-    s = jnp.maximum(amax.max() / FP8_MAX, min_scale)
-
-    def store(i, carry):
-        a = tiles[i] if resident else act(i)
+    def store(i, a, s):
         xq_ref[pl.ds(i * block, block)] = jnp.clip(a / s, -FP8_MAX, FP8_MAX).astype(FP8)
-        return carry
 
-    if resident:
-        for i in range(F // block):
-            store(i, 0)
+    n = F // block
+    if resident:  # the whole row's values in registers: one read of gu, no second pass
+        tiles = [act(i) for i in range(n)]
+        s = jnp.maximum(functools.reduce(jnp.maximum, [jnp.abs(a) for a in tiles]).max() / FP8_MAX, min_scale)
+        for i, a in enumerate(tiles):
+            store(i, a, s)
     else:
-        jax.lax.fori_loop(0, F // block, store, 0)
+        amax = jax.lax.fori_loop(1, n, lambda i, m: jnp.maximum(m, jnp.abs(act(i))), jnp.abs(act(0)))
+        s = jnp.maximum(amax.max() / FP8_MAX, min_scale)
+        jax.lax.fori_loop(0, n, lambda i, c: store(i, act(i), s) or c, 0)
     s_ref[...] = jnp.full(s_ref.shape, s, f32)
 
 
@@ -89,7 +84,7 @@ def silu_mul_fp8_kernel(
     min_scale,
     block=None,
     resident=None,
-    num_warps=4,
+    num_warps=16,
     num_stages=2,
     interpret=False,
 ):

@@ -313,7 +313,6 @@ def silu_mul_fp8(gu, row_scale=None, col_scale=None, *, interpret=False, **tunin
     unscaled product (fp8_silu_mlp), gate / up = gu * row_scale * col_scale in float32."""
     if not silu_mul_fp8_supported(gu) or not (interpret or on_gpu()):
         return silu_mul_fp8_ref(gu, row_scale, col_scale)
-    tuning = {**_silu_mul_fp8.TUNING, **tuning}
     return _silu_mul_fp8.silu_mul_fp8_kernel(
         gu, row_scale, col_scale, min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
     )

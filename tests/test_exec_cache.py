@@ -338,8 +338,8 @@ def test_cublas_cutoff_override_from_the_environment():
 
 def test_key_changes_with_the_program_env_overrides(monkeypatch):
     """The JAXLLM_* variables that change a step's program (PROGRAM_ENV: the cuBLAS cutoff, the decode backend, the
-    fp8 GEMV, the fp8 dot's output, the fp8 MLP pass, the int4 nk layout) are part of every key's environment, so flipping one for an A/B run never loads the other side's
-    executable; other variables are not."""
+    fp8 GEMV, the fp8 dot's output, the fp8 MLP pass, the int4 nk layout) are part of every key's environment, so
+    flipping one for an A/B run never loads the other side's executable; other variables are not."""
     devices = jax.devices()[:1]
     for name in exec_cache.PROGRAM_ENV:
         monkeypatch.delenv(name, raising=False)

@@ -138,15 +138,20 @@ def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psu
 FP8_SILU_MLP = os.environ.get("JAXLLM_FP8_SILU_MLP", "1") == "1"
 
 
+def _dynamic_fp8(w) -> bool:
+    """An fp8 W8A8 weight with dynamic (per-token) activation scales."""
+    return isinstance(w, QuantizedWeight) and w.scheme.weight_type == "float" and w.scheme.activations == "dynamic"
+
+
 def fp8_silu_mlp_applies(h, w_gate_up, w_down, *, kernels: bool) -> bool:
     """Whether silu_mlp runs fp8_silu_mlp: the kernels path, fp8 W8A8 gate / up and down with dynamic scales, more
     rows than fp8_gemv takes (1-2: its kernel rounds x itself)."""
-
-    def dynamic_fp8(w):
-        return isinstance(w, QuantizedWeight) and w.scheme.weight_type == "float" and w.scheme.activations == "dynamic"
-
     return (
-        kernels and FP8_SILU_MLP and dynamic_fp8(w_gate_up) and dynamic_fp8(w_down) and h.shape[0] > FP8_WIDEN_MAX_ROWS
+        kernels
+        and FP8_SILU_MLP
+        and _dynamic_fp8(w_gate_up)
+        and _dynamic_fp8(w_down)
+        and h.shape[0] > FP8_WIDEN_MAX_ROWS
     )
 
 
@@ -254,8 +259,7 @@ def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
 def _fp8_gemv_operands(x, w: QuantizedWeight, kernels: bool):
     """(w [N, K] e4m3, scales [N] or [1]) where x times w runs fp8_gemv: the kernels path with FP8_GEMV on, an fp8
     W8A8 weight with dynamic activation scales, and x as fp8_gemv_supported takes it (1-2 rows); else None."""
-    s = w.scheme
-    if not (kernels and FP8_GEMV) or s.weight_type != "float" or s.activations in (None, "static"):
+    if not (kernels and FP8_GEMV) or not _dynamic_fp8(w):
         return None
     wq = w.packed.reshape(-1, w.packed.shape[-1])
     return (wq, w.scales.reshape(-1)) if fp8_gemv_supported(x, wq) else None
