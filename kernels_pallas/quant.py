@@ -27,6 +27,10 @@
       An fp8 W8A8 MLP (dynamic token scales): fp8_matmul's gate / up dot, then its scales, silu(gate) * up and the
       e4m3 rounding of that product for down in one Pallas pass (silu_mul_fp8, _silu_mul_fp8.py), then down's dot.
       The decoder's fp8 MLPs of more than 2 rows run it (jaxllm/models/quant_matmul.py silu_mlp).
+  rms_norm_fp8(x [T, D], weight, eps, *, plus_one=False) -> (xq [T, D] e4m3, sx [T, 1] float32)
+      The decoder's RMSNorm and quantize_activations' per-token e4m3 rounding of its output in one Pallas pass
+      (_rms_norm_fp8.py): the input of an fp8 W8A8 qkv or gate / up projection of more than 2 rows, as Fp8Rows
+      (fp8_silu_mlp and jaxllm/models/quant_matmul.py qmatmul take them in place of x).
   fp8_gemv(x [..., K] of 1-2 rows, w, w_scale, *, residual=None) -> [..., N]
       The same function (dynamic per-token scales) with the scales' reduction and x's e4m3 rounding inside one
       split-K Pallas GEMV (_fp8_gemv.py), its float32 partials summed (and added to the residual) in the XLA fusion
@@ -40,13 +44,16 @@ integers are in qlayout.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qmatmul, _qunpack, _silu_mul_fp8, qlayout
+from . import _fp8_gemv, _qmatmul, _qunpack, _rms_norm_fp8, _silu_mul_fp8, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -255,6 +262,22 @@ def quantize_activations(x, *, x_scale=None, act_scale="token"):
     return jnp.clip(x32 / s, -FP8_MAX, FP8_MAX).astype(FP8), s
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["q", "scale"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class Fp8Rows:
+    """Activations already rounded to e4m3 per token (rms_norm_fp8's output): q [T, K] float8_e4m3fn, scale [T, 1]
+    float32; dtype: the 16-bit dtype they stand for (the product's). fp8_silu_mlp takes them in place of h, and
+    jaxllm.models.quant_matmul.qmatmul for a column-parallel fp8 W8A8 weight."""
+
+    q: jax.Array
+    scale: jax.Array
+    dtype: Any
+
+    @property
+    def shape(self):
+        return self.q.shape
+
+
 def _fp8_check(x, w, w_scale):
     if w.ndim != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"fp8 weight must be [N, K] with K = x's {x.shape[-1]} features; got {w.shape}")
@@ -318,6 +341,30 @@ def silu_mul_fp8(gu, row_scale=None, col_scale=None, *, interpret=False, **tunin
     )
 
 
+def rms_norm_fp8(x, weight, eps, *, plus_one=False, interpret=False, **tuning):
+    """RMSNorm of x [T, D] (16-bit) rounded to e4m3 with dynamic per-token scales: (xq [T, D] e4m3, sx [T, 1]
+    float32), quantize_activations(norm(x)) in one Pallas pass (_rms_norm_fp8.py) where rms_norm_fp8_supported,
+    else the jnp reference. plus_one: Gemma's norm (x scaled by 1 + weight in float32)."""
+    if not rms_norm_fp8_supported(x) or not (interpret or on_gpu()):
+        return rms_norm_fp8_ref(x, weight, eps, plus_one=plus_one)
+    return _rms_norm_fp8.rms_norm_fp8_kernel(
+        x, weight, eps=float(eps), min_scale=FP8_MIN_SCALE, plus_one=plus_one, interpret=interpret, **tuning
+    )
+
+
+def rms_norm_fp8_supported(x) -> bool:
+    return x.ndim == 2 and _rms_norm_fp8.supported(x.dtype, x.shape[1])
+
+
+def rms_norm_fp8_ref(x, weight, eps, *, plus_one=False):
+    """The decoder's RMSNorm (HF's rounding: n in float32 rounded to x's dtype, times the weight; Gemma's: times
+    1 + weight in float32, rounded once), then quantize_activations' per-token e4m3."""
+    x32 = x.astype(jnp.float32)
+    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    h = (n * (1.0 + weight.astype(jnp.float32))).astype(x.dtype) if plus_one else weight * n.astype(x.dtype)
+    return quantize_activations(h)
+
+
 def silu_mul_fp8_supported(gu) -> bool:
     return gu.ndim == 3 and gu.shape[1] == 2 and _silu_mul_fp8.supported(gu.dtype, gu.shape[2])
 
@@ -331,7 +378,7 @@ def silu_mul_fp8_ref(gu, row_scale=None, col_scale=None):
 
 
 def fp8_silu_mlp(h, w_gate_up, gate_up_scale, w_down, down_scale, *, out_dtype=None, interpret=False):
-    """An fp8 W8A8 MLP with dynamic token scales: down(silu(gate) * up) for h [T, D] (16-bit), w_gate_up [2F, D] /
+    """An fp8 W8A8 MLP with dynamic token scales: down(silu(gate) * up) for h [T, D] (16-bit, or Fp8Rows), w_gate_up [2F, D] /
     w_down [D', F] e4m3 with channel scales [2F] / [D'] (or per tensor) -> [T, D'] in out_dtype (h's).
     h rounded to e4m3 by XLA (token scales), its fp8 GEMM's product in bfloat16 unscaled, the scales, silu * up and
     the e4m3 rounding of its result in one Pallas pass (silu_mul_fp8), the down projection's fp8 GEMM. Against
@@ -340,7 +387,7 @@ def fp8_silu_mlp(h, w_gate_up, gate_up_scale, w_down, down_scale, *, out_dtype=N
     T = h.shape[0]
     out_dtype = out_dtype or h.dtype
     _fp8_check(h, w_gate_up, gate_up_scale)
-    xq, sx = quantize_activations(h)
+    xq, sx = (h.q, h.scale) if isinstance(h, Fp8Rows) else quantize_activations(h)
     p = _fp8_dot(False, True)(xq, w_gate_up)  # [T, 2F] unscaled, bfloat16
     F = w_gate_up.shape[0] // 2
     cs = jnp.broadcast_to(jnp.asarray(gate_up_scale, jnp.float32).reshape(-1), (2 * F,)).reshape(2, F)

@@ -583,6 +583,71 @@ def test_silu_mul_fp8_refuses_what_it_does_not_take():
         )
 
 
+@pytest.mark.parametrize(
+    "T,D,dtype,w_dtype,plus_one,tuning",
+    [
+        (3, 512, jnp.bfloat16, jnp.bfloat16, False, {}),  # one tile
+        (5, 640, jnp.bfloat16, jnp.bfloat16, False, dict(num_warps=4)),  # 5 tiles of 128
+        (4, 1024, jnp.float16, jnp.float32, False, dict(block=256)),  # a float32 weight: h in float32
+        (2, 768, jnp.bfloat16, jnp.float32, True, {}),  # Gemma's 1 + w
+    ],
+)
+def test_rms_norm_fp8_kernel_matches_reference(T, D, dtype, w_dtype, plus_one, tuning):
+    """_rms_norm_fp8's Pallas pass (interpret mode) against rms_norm_fp8_ref (the decoder's norm, then
+    quantize_activations, op by op): the same token scales and e4m3 values to the norm's 16-bit rounding, which XLA's
+    CPU compiler may leave out of the jitted interpreter (xla_allow_excess_precision; the Triton lowering rounds): a
+    scale within 2^-7, a value within one e4m3 step where that moves it across a rounding boundary; an all-zero row
+    gets the floor scale and zeros."""
+    from kernels_pallas import _rms_norm_fp8
+
+    rng = np.random.default_rng(15)
+    x = jnp.asarray(rng.standard_normal((T, D)) * 3, dtype).at[0].set(0.0)
+    w = jnp.asarray(rng.uniform(-1.5, 1.5, D), w_dtype)
+    xq, sx = _rms_norm_fp8.rms_norm_fp8_kernel(
+        x, w, eps=1e-6, min_scale=quant.FP8_MIN_SCALE, plus_one=plus_one, interpret=True, **tuning
+    )
+    want_q, want_s = quant.rms_norm_fp8_ref(x, w, 1e-6, plus_one=plus_one)
+    assert xq.dtype == jnp.float8_e4m3fn and xq.shape == (T, D) and sx.shape == (T, 1)
+    np.testing.assert_allclose(np.asarray(sx), np.asarray(want_s), rtol=2**-7)
+    got, want = np.asarray(xq, np.float32), np.asarray(want_q, np.float32)
+    assert (got != want).mean() < 0.05 and np.all(np.abs(got - want) <= np.abs(want) / 8 + 2**-9)
+    assert float(sx[0, 0]) == np.float32(quant.FP8_MIN_SCALE) and not got[0].any()
+    assert np.abs(got[1:]).max(-1).min() == quant.FP8_MAX  # each row's amax maps to 448
+
+
+def test_rms_norm_fp8_refuses_what_it_does_not_take():
+    from kernels_pallas import _rms_norm_fp8
+
+    kw = dict(eps=1e-6, min_scale=quant.FP8_MIN_SCALE, interpret=True)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        _rms_norm_fp8.rms_norm_fp8_kernel(jnp.zeros((2, 200), jnp.bfloat16), jnp.ones(200), **kw)
+    with pytest.raises(ValueError, match="weight"):
+        _rms_norm_fp8.rms_norm_fp8_kernel(jnp.zeros((2, 256), jnp.bfloat16), jnp.ones(128), **kw)
+    # quant.rms_norm_fp8 takes what the kernel refuses through the reference (D = 200; float32 x)
+    for x in (jnp.ones((2, 200), jnp.bfloat16), jnp.ones((2, 256), jnp.float32)):
+        assert not quant.rms_norm_fp8_supported(x)
+        w = jnp.full(x.shape[1], 0.5, jnp.bfloat16)
+        np.testing.assert_array_equal(
+            np.asarray(quant.rms_norm_fp8(x, w, 1e-6, interpret=True)[0], np.float32),
+            np.asarray(quant.rms_norm_fp8_ref(x, w, 1e-6)[0], np.float32),
+        )
+
+
+def test_fp8_silu_mlp_takes_rows_already_in_e4m3():
+    """fp8_silu_mlp of Fp8Rows (rms_norm_fp8's output) equals it of the normed h, which it rounds the same way."""
+    rng = np.random.default_rng(16)
+    D, F, T = 256, 384, 5
+    (wgu, sgu), (wd, sd) = (
+        quantize_fp8(rng.standard_normal(s).astype(np.float32) * 0.06) for s in ((2 * F, D), (D, F))
+    )
+    x, nw = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16), jnp.asarray(rng.uniform(0.5, 1.5, D), jnp.bfloat16)
+    rows = quant.Fp8Rows(*quant.rms_norm_fp8_ref(x, nw, 1e-5), jnp.bfloat16)
+    x32 = x.astype(jnp.float32)
+    h = nw * (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + 1e-5)).astype(jnp.bfloat16)
+    mlp = jax.jit(lambda h: quant.fp8_silu_mlp(h, wgu, sgu, wd, sd, interpret=True))
+    np.testing.assert_array_equal(np.asarray(mlp(rows), np.float32), np.asarray(mlp(h), np.float32))
+
+
 @pytest.mark.parametrize("per_channel", [True, False])
 def test_fp8_silu_mlp_matches_the_unfused_mlp(per_channel):
     """fp8_silu_mlp (h rounded to e4m3, the gate / up GEMM's product in bfloat16 unscaled, the Pallas silu * up +

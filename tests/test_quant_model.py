@@ -254,6 +254,7 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     # (the bfloat16 dot output and fp8_silu_mlp: test_decoder_runs_fp8_mlp_rows_through_silu_mul_fp8)
     monkeypatch.setattr(quant, "FP8_DOT_BF16", False)
     monkeypatch.setattr(quant_matmul, "FP8_SILU_MLP", False)
+    monkeypatch.setattr(quant_matmul, "FP8_NORM", False)  # XLA's norm: the reference's float32 sums' order
 
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
@@ -311,6 +312,47 @@ def test_fp8_mlp_of_more_than_two_rows_runs_silu_mul_fp8(checkpoints, monkeypatc
     assert _rel(got, unfused) < 4e-2 and _rel(got, ref) < 4e-2  # e4m3 boundaries of down's input (2^-3 steps)
     run(h[:2], "pallas", True)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fp8_norms_of_more_than_two_rows_run_rms_norm_fp8(checkpoints, monkeypatch, tp):
+    """quantization="fp8" on the "pallas" backend (interpret mode): a 27-row step (22 tokens + 5 padding) takes each
+    layer's two norms (attention, MLP) straight to e4m3 through kernels_pallas' rms_norm_fp8 pass (Fp8Rows into the
+    qkv projection and fp8_silu_mlp; under tp = 2 both column-parallel, the rows replicated), and its logits match
+    FP8_NORM off (XLA's norm, then the token quantization inside each projection) and the reference backend within
+    e4m3 rounding; a step of 2 rows (fp8_gemv's) keeps XLA's norm."""
+    from jaxllm.models import quant_matmul
+    from jaxllm.models.attention import AttentionConfig
+    from kernels_pallas import _rms_norm_fp8
+    from tests.model_harness import ragged_logits
+
+    dense_dir, _ = checkpoints
+    cfg, mesh, params = _load(dense_dir, tp, quantization="fp8")
+    calls: list = []
+    real = _rms_norm_fp8.rms_norm_fp8_kernel
+    monkeypatch.setattr(
+        _rms_norm_fp8, "rms_norm_fp8_kernel", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k)
+    )
+
+    def logits(backend, fused, seqs=SEQS, cached=(0, 0, 0), **pad):
+        monkeypatch.setattr(quant_matmul, "FP8_NORM", fused)
+        jax.clear_caches()  # the layer is jitted: trace it again with the switch and the spy
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, list(cached), block_size=8, attn=attn, **pad)
+        return [np.asarray(x, np.float32) for x in out]
+
+    got = logits("pallas", True)
+    D = cfg.hidden_size
+    assert calls == [(27, D), (27, D)], calls  # one layer trace: the attention norm, the MLP norm
+    off, ref = logits("pallas", False), logits("reference", True)
+    assert len(calls) == 2
+    for g, o, r in zip(got, off, ref, strict=True):
+        # e4m3 rounding boundaries that move (FP8_NORM off is 4.6% from the reference here; test_quant_kernels.py
+        # holds the pass to the reference's values)
+        assert _rel(g, o) < 6e-2 and _rel(g, r) < 6e-2
+    calls.clear()
+    logits("pallas", True, seqs=[[5, 9, 2, 77, 3], [11, 7, 40]], cached=(4, 2), pad_tokens=0, pad_seqs=0)
+    assert calls == [(6, D), (6, D)], calls  # the 6-row first step; the 2-row second one keeps XLA's norm
 
 
 @pytest.mark.parametrize("quantization,rows", [(None, 5), (None, 200), ("fp8", 5), ("fp8", 2)])
@@ -382,14 +424,14 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
 
 def test_quant_env_switches_parse_when_the_modules_load():
     """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1"),
-    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP) and JAXLLM_FP8_DOT_BF16 (kernels_pallas.quant.FP8_DOT_BF16), on
-    unless "0"; "0" / "1" / unset each."""
+    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP), JAXLLM_FP8_NORM (quant_matmul.FP8_NORM) and JAXLLM_FP8_DOT_BF16
+    (kernels_pallas.quant.FP8_DOT_BF16), on unless "0"; "0" / "1" / unset each."""
     code = (
         "from jaxllm.models import quant, quant_matmul; from kernels_pallas import quant as kq; "
-        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, kq.FP8_DOT_BF16)"
+        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, kq.FP8_DOT_BF16)"
     )
-    names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_DOT_BF16")
-    for value, want in (("0", ["False"] * 3), ("1", ["True"] * 3), (None, ["False", "True", "True"])):
+    names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_NORM", "JAXLLM_FP8_DOT_BF16")
+    for value, want in (("0", ["False"] * 4), ("1", ["True"] * 4), (None, ["False", "True", "True", "True"])):
         env = {k: v for k, v in os.environ.items() if k not in names}
         if value is not None:
             env.update(dict.fromkeys(names, value))

@@ -156,15 +156,27 @@ def _load(path, tp, nk, monkeypatch):
     return cfg, mesh, load_params(path, cfg, mesh)
 
 
+def _mgpu_reference(x, wt, scales, zeros=None, *, group_size, **_):
+    """qmatmul_mgpu's result (one split: partials [1, N, Mp] of y^T) from the dequantized weight. Under tp 2 the
+    tests call it in place of the kernel: Mosaic GPU's interpreter, running on both simulated devices at once, hung or
+    aborted the pytest worker in two CI runs (its shared memory is process-global); tp 1 runs the kernel itself."""
+    from jaxllm.models.quant_matmul import nk_dequantize
+
+    Mp = -(-x.shape[0] // 8) * 8
+    y = nk_dequantize(wt, scales, zeros, group_size, jnp.float32) @ x.astype(jnp.float32).T
+    return jnp.pad(y, ((0, 0), (0, Mp - x.shape[0])))[None]
+
+
 @pytest.mark.parametrize("sym,tp", [(True, 1), (False, 2)])
 def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeypatch, sym, tp):
     """With NK_LAYOUT on every projection of a GPTQ g128 checkpoint is laid out int4 [*O, I] (row-parallel wo /
     w_down split on I under tp 2), and qmatmul's reference path and kernels path (the Mosaic GPU kernel in the
-    interpreter, 5 rows; dequantize + dot, 200 rows) equal the planes layout's product and the dense weights'."""
+    interpreter, 5 rows, tp 1; its contract by _mgpu_reference under tp 2; dequantize + dot, 200 rows) equal the planes
+    layout's product and the dense weights'."""
     from jaxllm.models.quant_matmul import qmatmul
 
     calls = []
-    real = _qmatmul_mgpu.qmatmul_mgpu
+    real = _qmatmul_mgpu.qmatmul_mgpu if tp == 1 else _mgpu_reference
     monkeypatch.setattr(_qmatmul_mgpu, "qmatmul_mgpu", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
     _, _, dense = _load(gptq_g128["dense", sym], 1, False, monkeypatch)
     _, _, planes = _load(gptq_g128["gptq", sym], 1, False, monkeypatch)

@@ -6,23 +6,37 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, sample
+from jaxllm.engine.sampler import SAMPLE_CHUNK, SamplerFlags, SamplingMetadata, categorical, inverse_cdf, sample
 
 
 def reference(logits, md: SamplingMetadata, k: int):
-    V = logits.shape[-1]
     raw = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, -1)
     y = logits / jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
     probs = jax.nn.softmax(y, axis=-1)
     y = jnp.where(probs < md.min_p[:, None] * probs.max(-1, keepdims=True), -jnp.inf, y)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
-    gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (V,), jnp.float32))(keys)
-    tokens = jnp.where(md.temperature > 0, jnp.argmax(y + gumbel, -1), greedy)
+    tokens = jnp.where(md.temperature > 0, categorical_reference(y, keys), greedy)
     token_lp = jnp.take_along_axis(raw, tokens[:, None], -1)[:, 0]
     ranks = (raw > token_lp[:, None]).sum(-1) + 1
     top_lp, top_ids = jax.lax.top_k(raw, k)
     return tokens, token_lp, ranks, top_ids, top_lp
+
+
+def categorical_reference(y, keys):
+    """The draw in float64 numpy: two uniforms of the row's key; the chunk of SAMPLE_CHUNK tokens whose cumulative
+    mass first exceeds u0 * total, then the token of that chunk the same way with u1 (searchsorted on the sums)."""
+    u = np.asarray(jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys), np.float64)
+    p = np.exp(np.asarray(y, np.float64) - np.asarray(y, np.float64).max(-1, keepdims=True))
+    C = min(SAMPLE_CHUNK, p.shape[1])
+    tokens = []
+    for row, (u0, u1) in zip(p, u, strict=True):
+        chunks = [row[i : i + C] for i in range(0, len(row), C)]
+        masses = np.cumsum([c.sum() for c in chunks])
+        c = int(np.searchsorted(masses, u0 * masses[-1], side="right"))
+        within = np.cumsum(chunks[c])
+        tokens.append(c * C + int(np.searchsorted(within, u1 * within[-1], side="right")))
+    return jnp.asarray(tokens)
 
 
 def metadata(B, temperature, min_p, seed=0):
@@ -47,9 +61,9 @@ def metadata(B, temperature, min_p, seed=0):
     )
 
 
-@pytest.mark.parametrize("num_logprobs", [0, 3])
-def test_sample_matches_reference(num_logprobs):
-    B, V = 8, 1000
+@pytest.mark.parametrize("num_logprobs,V", [(0, 1000), (3, 1000), (0, 2 * SAMPLE_CHUNK + 300)])
+def test_sample_matches_reference(num_logprobs, V):
+    B = 8
     logits = jax.random.normal(jax.random.key(1), (B, V), jnp.float32) * 4
     md = metadata(B, [0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.1, 0.05, 0.3, 0.9, 0.0, 0.2])
     got = sample(logits, md, SamplerFlags(num_logprobs=num_logprobs))
@@ -116,3 +130,33 @@ def test_token_bitmask_allows_only_its_tokens():
     np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5)
     plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags())
     assert tokens[5] == plain[0][5]
+
+
+def test_categorical_draws_softmax_over_chunks():
+    """20,000 draws (a key each) from one row of V = 2.5 chunks: mass on 12 tokens spread over all three chunks (one
+    in the last, partial chunk; two adjacent at a chunk boundary), every other token -inf or 30 below: the empirical
+    distribution is softmax(y) (total variation under 0.02; its expected value here is ~0.01) and no -inf token is
+    ever drawn."""
+    V, N = 2 * SAMPLE_CHUNK + SAMPLE_CHUNK // 2, 20_000
+    rng = np.random.default_rng(7)
+    hot = np.array(
+        [3, 17, 400, SAMPLE_CHUNK - 1, SAMPLE_CHUNK, 1500, 1501, 2 * SAMPLE_CHUNK - 1, 2 * SAMPLE_CHUNK, V - 1]
+    )
+    hot = np.concatenate([hot, [900, 1800]])
+    y = np.where(rng.random(V) < 0.5, -np.inf, -30.0)
+    y[hot] = rng.normal(size=len(hot))
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(11), i))(jnp.arange(N))
+    draws = np.asarray(jax.jit(categorical)(jnp.broadcast_to(jnp.asarray(y, jnp.float32), (N, V)), keys))
+    assert np.isfinite(y[draws]).all()
+    p = np.exp(y - y.max()) / np.exp(y - y.max()).sum()
+    freq = np.bincount(draws, minlength=V) / N
+    assert 0.5 * np.abs(freq - p).sum() < 0.02
+
+
+def testinverse_cdf_never_picks_a_zero_weight():
+    """u at the top of [0, 1) where trailing weights are 0, leading zeros with u 0, one positive weight, and a row
+    of zeros (the index 0, no NaN)."""
+    w = jnp.asarray([[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0], [0.0, 5.0, 0.0, 0.0], [0.0] * 4])
+    u = jnp.asarray([np.nextafter(np.float32(1), np.float32(0)), 0.0, 0.5, 0.3], jnp.float32)
+    np.testing.assert_array_equal(inverse_cdf(w, u), [1, 2, 1, 0])
+    np.testing.assert_array_equal(inverse_cdf(w, jnp.zeros(4)), [0, 2, 1, 0])

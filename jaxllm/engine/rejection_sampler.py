@@ -27,9 +27,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, gumbel_noise, process_logits, row_keys, token_logprobs
+from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, categorical, process_logits, row_keys, token_logprobs
 
-_UNIFORM_FOLD = 0x5EC  # the acceptance test's uniform: fold_in(row key, this), apart from the Gumbel draw
+_UNIFORM_FOLD = 0x5EC  # the acceptance test's uniform: fold_in(row key, this), apart from categorical's two
 
 
 def expand_metadata(md: SamplingMetadata, drafts, K: int) -> SamplingMetadata:
@@ -69,9 +69,8 @@ def rejection_sample(logits, drafts, num_drafts, md: SamplingMetadata, flags: Sa
     nxt = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1).astype(jnp.int32)  # [B, K + 1]
     nxt = jnp.where(pos < num_drafts[:, None], nxt, V)
     nxt_flat = nxt.reshape(-1)
-    noise = gumbel_noise(mdr, V)
     is_next = jnp.arange(V)[None, :] == nxt_flat[:, None]
-    resid = jnp.argmax(jnp.where(is_next, -jnp.inf, y) + noise, -1).astype(jnp.int32).reshape(B, K1)
+    resid = categorical(jnp.where(is_next, -jnp.inf, y), row_keys(mdr)).reshape(B, K1)
     y_max = y.max(-1)
     y_lse = y_max + jnp.log(jnp.exp(y - y_max[:, None]).sum(-1))
     p_next = jnp.exp(jnp.take_along_axis(y, jnp.minimum(nxt_flat, V - 1)[:, None], -1)[:, 0] - y_lse)

@@ -27,7 +27,15 @@ from jaxllm.lora import ops as lora_ops
 from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
-from jaxllm.models.quant_matmul import fp8_silu_mlp_applies, qmatmul, silu_mlp, split_k
+from jaxllm.models.quant_matmul import (
+    Fp8Rows,
+    fp8_silu_mlp_applies,
+    norm_fp8,
+    norm_fp8_applies,
+    qmatmul,
+    silu_mlp,
+    split_k,
+)
 
 
 def rms_norm(x, weight, eps):
@@ -48,6 +56,14 @@ def _norm(x, weight, cfg: ModelConfig):
     return (gemma_rms_norm if cfg.norm_plus_one else rms_norm)(x, weight, cfg.rms_norm_eps)
 
 
+def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool):
+    """The norm of x as projection w's input: e4m3 rows with their token scales (Fp8Rows, quant_matmul.norm_fp8:
+    the norm and the rounding in one pass) where norm_fp8_applies and no LoRA term reads the norm; else _norm."""
+    if not lora and norm_fp8_applies(x, w, kernels=attn.backend == "pallas"):
+        return norm_fp8(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+    return _norm(x, weight, cfg)
+
+
 def _qk_norm(qkv, lp, cfg: ModelConfig):
     """Qwen3 / Gemma 3: RMSNorm over each q and k head of the fused projection [T, K, G + 2, H]; v as is."""
     G = qkv.shape[2] - 2
@@ -66,9 +82,8 @@ def activation(x, name: str):
 def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
         # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
-        y = qmatmul(
-            x.reshape(x.shape[0], -1), w, kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh
-        )
+        x = x if isinstance(x, Fp8Rows) else x.reshape(x.shape[0], -1)
+        y = qmatmul(x, w, kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh)
     else:
         y = jnp.einsum(eq, x, w)
     return y if b is None else y + b
@@ -102,7 +117,9 @@ def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
     """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
     (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
     weights of 1-2 rows (fp8_gemv's own partials) and int weight-only weights of 1-2 rows (the int kernel's split-K;
-    quant_matmul.split_k)."""
+    quant_matmul.split_k). h already in e4m3 (Fp8Rows, more than 2 rows): a plain projection."""
+    if isinstance(h, Fp8Rows):
+        return None
     if splits := qkv_splits(h.shape[0], lp, cfg, attn):
         return _split_k_qkv(h, lp["w_qkv"], splits)
     if not _partials_allowed(lp, attn):
@@ -163,7 +180,7 @@ def decoder_layer(
 ):
     """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
     ll = ll or {}
-    h = _norm(x, lp["attn_norm"], cfg)
+    h = _norm_into(x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
     elif (qkv := qkv_partials(h, lp, cfg, attn)) is not None:
@@ -208,7 +225,11 @@ def decoder_layer(
             x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
         else:
             x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
-    h = _norm(x, lp["mlp_norm"], cfg)
+    h = (
+        _norm(x, lp["mlp_norm"], cfg)
+        if kind.moe
+        else _norm_into(x, lp["mlp_norm"], lp.get("w_gate_up"), cfg, attn, bool(ll))
+    )
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:

@@ -21,7 +21,9 @@
 
 The decoder's MLP of fp8 W8A8 gate / up and down weights (dynamic scales) on the kernels path, more than 2 rows:
 silu_mlp (kernels_pallas.fp8_silu_mlp: silu(gate) * up and its e4m3 rounding for down in one Pallas pass between
-the two fp8 dots; reference and other weights: qmatmul, silu * up, qmatmul).
+the two fp8 dots; reference and other weights: qmatmul, silu * up, qmatmul). The same steps' inputs of such qkv and
+gate / up weights come from the norm already in e4m3 (norm_fp8: RMSNorm and the token quantization in one Pallas
+pass); qmatmul and silu_mlp take those Fp8Rows for column-parallel fp8 W8A8 weights.
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
 over both), so a step holds one projection's dequantized weight at a time, not every layer's.
@@ -53,13 +55,16 @@ from kernels_pallas import _qmatmul_mgpu, qlayout
 from kernels_pallas._common import on_gpu
 from kernels_pallas.quant import (
     FP8_WIDEN_MAX_ROWS,
+    Fp8Rows,
     fp8_gemv,
     fp8_gemv_partials,
     fp8_gemv_supported,
     fp8_matmul,
+    fp8_matmul_quantized,
     fp8_matmul_ref,
     fp8_silu_mlp,
     quantized_matmul,
+    rms_norm_fp8,
     tie_to_input,
     uses_kernel,
 )
@@ -77,6 +82,8 @@ def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = F
         return local(x, w)
     lay = w.layout
     row_parallel = lay.shards > 1
+    if row_parallel and isinstance(x, Fp8Rows):  # its token scales span all of I, a row shard's are its own
+        raise ValueError("Fp8Rows feed column-parallel weights only")
     x_spec = P(None, "tp") if row_parallel and w.perm is None else P()
     out_spec = P() if row_parallel else logical_to_spec((None, *lay.out_axes))
     return jax.shard_map(
@@ -153,6 +160,25 @@ def fp8_silu_mlp_applies(h, w_gate_up, w_down, *, kernels: bool) -> bool:
         and _dynamic_fp8(w_down)
         and h.shape[0] > FP8_WIDEN_MAX_ROWS
     )
+
+
+# The norm in front of an fp8 W8A8 qkv or gate / up weight (dynamic scales, column-parallel) of more than 2 rows on the
+# kernels path: kernels_pallas.rms_norm_fp8 (the norm and the e4m3 rounding in one Pallas pass, Fp8Rows) in place
+# of XLA's norm fusion and the token quantization's two. JAXLLM_FP8_NORM=0 turns it off (A/B runs).
+FP8_NORM = os.environ.get("JAXLLM_FP8_NORM", "1") == "1"
+
+
+def norm_fp8_applies(x, w, *, kernels: bool) -> bool:
+    """Whether norm_fp8 serves x's norm as w's input: the kernels path with FP8_NORM on, w fp8 W8A8 with dynamic
+    scales and column-parallel (one token scale over all of its input), more rows than fp8_gemv takes."""
+    return kernels and FP8_NORM and _dynamic_fp8(w) and w.layout.shards == 1 and x.shape[0] > FP8_WIDEN_MAX_ROWS
+
+
+def norm_fp8(x, weight, eps, *, plus_one: bool = False, interpret: bool = False) -> Fp8Rows:
+    """RMSNorm of the residual stream x [T, D] in e4m3 with its token scales (kernels_pallas.rms_norm_fp8): the
+    input qmatmul and silu_mlp take for the weight norm_fp8_applies names."""
+    q, scale = rms_norm_fp8(x, weight, eps, plus_one=plus_one, interpret=interpret)
+    return Fp8Rows(q, scale, x.dtype)
 
 
 def silu_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, interpret: bool = False, mesh=None):
@@ -244,6 +270,10 @@ def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
 
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
+    if isinstance(x, Fp8Rows):  # rounded to e4m3 with the norm (norm_fp8)
+        return fp8_matmul_quantized(
+            x.q, x.scale, w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1), x.dtype
+        )
     if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # the decode bucket's 1-2 rows
         return fp8_gemv(x, *gemv, interpret=interpret)
     wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
