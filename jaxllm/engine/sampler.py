@@ -81,18 +81,18 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     raw_max = logits.max(-1)
     lse = raw_max + jnp.log(jnp.exp(logits - raw_max[:, None]).sum(-1))
-    x, y = process_logits(logits, md, flags, raw_max)
+    x, y, y_max = process_logits(logits, md, flags, raw_max)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    random_tokens = categorical(y, row_keys(md))
+    random_tokens = categorical(y, row_keys(md), y_max)
     tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
     return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags, greedy_tokens if x is logits else None))
 
 
 def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=None):
-    """The request's processing of raw logits [B, V]: (x, y) with x the greedy space (penalties, logit biases,
-    allowed ids, grammar masks) and y the sampling space (x / temperature, top-k / top-p, min_p; -inf outside
-    what may be sampled). x is logits itself when nothing changed it. The rejection sampler runs the same
-    function on its per-position rows, so speculation samples from exactly these distributions."""
+    """The request's processing of raw logits [B, V]: (x, y, y_max) with x the greedy space (penalties, logit biases,
+    allowed ids, grammar masks), y the sampling space (x / temperature, top-k / top-p, min_p; -inf outside what may
+    be sampled) and y_max [B] its row maxima. x is logits itself when nothing changed it. The rejection sampler runs
+    the same function on its per-position rows, so speculation samples from exactly these distributions."""
     B, V = logits.shape
     x = logits
     if flags.penalties:
@@ -120,7 +120,7 @@ def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=No
     x_max = raw_max if x is logits and raw_max is not None else x.max(-1)
     y_max = x_max[:, None] / temp
     y = jnp.where(y < y_max + jnp.log(md.min_p)[:, None], -jnp.inf, y)
-    return x, y
+    return x, y, y_max[:, 0]
 
 
 def row_keys(md: SamplingMetadata):
@@ -132,18 +132,20 @@ def row_keys(md: SamplingMetadata):
 SAMPLE_CHUNK = 1024
 
 
-def categorical(y, keys):
+def categorical(y, keys, y_max=None):
     """One draw from softmax(y) in each row of y [B, V] (f32, -inf: never drawn) with that row's key: int32 [B].
+    y_max: y's row maxima [B] where known (process_logits'), else computed (a pass over [B, V]).
 
     Inverse-CDF sampling in two levels with two uniforms a row: a chunk of SAMPLE_CHUNK tokens by the chunks'
     masses (sum of exp(y - max y), one pass over [B, V]), then a token of that chunk by its cumulative mass. Gumbel-max
-    (argmax(y + Gumbel noise)) draws the same distribution but needs a random value per token: at B 500 x V 128k its
-    threefry noise took 376 us a step on an H100, ~1.5% of a decode step (throughput_fp8_h100_0652a39_prof.json)."""
+    (argmax(y + Gumbel noise)) draws the same distribution but needs a random value per token: at B 500 x V 128k on an
+    H100 its threefry noise and argmax took 373 us a step, the chunk masses take 104 us (bench/results/
+    throughput_fp8_h100_d3d7775{_old,}_prof.json)."""
     B, V = y.shape
     C = min(SAMPLE_CHUNK, V)
     nc = -(-V // C)
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
-    y_max = jnp.max(y, axis=-1, keepdims=True)
+    y_max = (jnp.max(y, axis=-1) if y_max is None else y_max)[:, None]
     yc = jnp.pad(y, ((0, 0), (0, nc * C - V)), constant_values=-jnp.inf).reshape(B, nc, C)
     chunk = inverse_cdf(_mass(yc, y_max[:, :, None]).sum(-1), u[:, 0])
     in_chunk = jnp.take_along_axis(yc, chunk[:, None, None], axis=1)[:, 0]  # [B, C]: y of the chosen chunk
