@@ -80,7 +80,8 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     raw_max = logits.max(-1)
-    lse = raw_max + jnp.log(jnp.exp(logits - raw_max[:, None]).sum(-1))
+    # summed by chunks, as categorical sums y: XLA reads the logits once for both (one fusion of two [B, C] outputs)
+    lse = raw_max + jnp.log(chunk_masses(logits, raw_max).sum(-1))
     x, y, y_max = process_logits(logits, md, flags, raw_max)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     random_tokens = categorical(y, row_keys(md), y_max)
@@ -141,15 +142,25 @@ def categorical(y, keys, y_max=None):
     (argmax(y + Gumbel noise)) draws the same distribution but needs a random value per token: at B 500 x V 128k on an
     H100 its threefry noise and argmax took 373 us a step, the chunk masses take 104 us (bench/results/
     throughput_fp8_h100_d3d7775{_old,}_prof.json)."""
-    B, V = y.shape
+    C = min(SAMPLE_CHUNK, y.shape[1])
+    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
+    y_max = jnp.max(y, axis=-1) if y_max is None else y_max
+    chunk = inverse_cdf(chunk_masses(y, y_max), u[:, 0])
+    in_chunk = jnp.take_along_axis(_chunks(y), chunk[:, None, None], axis=1)[:, 0]  # [B, C]: y of the chosen chunk
+    return (chunk * C + inverse_cdf(_mass(in_chunk, y_max[:, None]), u[:, 1])).astype(jnp.int32)
+
+
+def chunk_masses(v, v_max):
+    """[B, ceil(V / SAMPLE_CHUNK)]: sum of exp(v - v_max) over each chunk of SAMPLE_CHUNK columns of v [B, V]."""
+    return _mass(_chunks(v), v_max[:, None, None]).sum(-1)
+
+
+def _chunks(v):
+    """v [B, V] as [B, nc, C] chunks of C = min(SAMPLE_CHUNK, V) columns, the last padded with -inf."""
+    B, V = v.shape
     C = min(SAMPLE_CHUNK, V)
     nc = -(-V // C)
-    u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
-    y_max = (jnp.max(y, axis=-1) if y_max is None else y_max)[:, None]
-    yc = jnp.pad(y, ((0, 0), (0, nc * C - V)), constant_values=-jnp.inf).reshape(B, nc, C)
-    chunk = inverse_cdf(_mass(yc, y_max[:, :, None]).sum(-1), u[:, 0])
-    in_chunk = jnp.take_along_axis(yc, chunk[:, None, None], axis=1)[:, 0]  # [B, C]: y of the chosen chunk
-    return (chunk * C + inverse_cdf(_mass(in_chunk, y_max), u[:, 1])).astype(jnp.int32)
+    return jnp.pad(v, ((0, 0), (0, nc * C - V)), constant_values=-jnp.inf).reshape(B, nc, C)
 
 
 def _mass(v, v_max):
