@@ -127,7 +127,7 @@ def test_token_bitmask_allows_only_its_tokens():
     raw = np.asarray(logits)
     for i in (0, 2, 5):  # greedy rows: the best allowed token
         assert tokens[i] == np.argmax(np.where(allowed[i], raw[i], -np.inf))
-    np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5)
+    np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
     plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags())
     assert tokens[5] == plain[0][5]
 

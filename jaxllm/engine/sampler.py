@@ -80,11 +80,17 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     raw_max = logits.max(-1)
-    # summed by chunks, as categorical sums y: XLA reads the logits once for both (one fusion of two [B, C] outputs)
-    lse = raw_max + jnp.log(chunk_masses(logits, raw_max).sum(-1))
     x, y, y_max = process_logits(logits, md, flags, raw_max)
+    # the raw logits' and y's chunk masses in one variadic reduction: one pass over the logits for both
+    raw_masses, y_masses = jax.lax.reduce(
+        (_mass(_chunks(logits), raw_max[:, None, None]), _mass(_chunks(y), y_max[:, None, None])),
+        (np.float32(0), np.float32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (2,),
+    )
+    lse = raw_max + jnp.log(raw_masses.sum(-1))
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    random_tokens = categorical(y, row_keys(md), y_max)
+    random_tokens = categorical(y, row_keys(md), y_max, y_masses)
     tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
     return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags, greedy_tokens if x is logits else None))
 
@@ -133,9 +139,10 @@ def row_keys(md: SamplingMetadata):
 SAMPLE_CHUNK = 1024
 
 
-def categorical(y, keys, y_max=None):
+def categorical(y, keys, y_max=None, masses=None):
     """One draw from softmax(y) in each row of y [B, V] (f32, -inf: never drawn) with that row's key: int32 [B].
-    y_max: y's row maxima [B] where known (process_logits'), else computed (a pass over [B, V]).
+    y_max: y's row maxima [B] where known (process_logits'), else computed (a pass over [B, V]); masses: its
+    chunk_masses(y, y_max) where computed already.
 
     Inverse-CDF sampling in two levels with two uniforms a row: a chunk of SAMPLE_CHUNK tokens by the chunks'
     masses (sum of exp(y - max y), one pass over [B, V]), then a token of that chunk by its cumulative mass. Gumbel-max
@@ -145,7 +152,7 @@ def categorical(y, keys, y_max=None):
     C = min(SAMPLE_CHUNK, y.shape[1])
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
     y_max = jnp.max(y, axis=-1) if y_max is None else y_max
-    chunk = inverse_cdf(chunk_masses(y, y_max), u[:, 0])
+    chunk = inverse_cdf(chunk_masses(y, y_max) if masses is None else masses, u[:, 0])
     in_chunk = jnp.take_along_axis(_chunks(y), chunk[:, None, None], axis=1)[:, 0]  # [B, C]: y of the chosen chunk
     return (chunk * C + inverse_cdf(_mass(in_chunk, y_max[:, None]), u[:, 1])).astype(jnp.int32)
 
