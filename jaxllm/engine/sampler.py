@@ -81,7 +81,9 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     raw_max = logits.max(-1)
     x, y, y_max = process_logits(logits, md, flags, raw_max)
-    # the raw logits' and y's chunk masses in one variadic reduction: one pass over the logits for both
+    # the raw logits' and y's chunk masses in one variadic reduction: one pass over the logits for lse and the draw
+    # (H100, B 500 x V 128k: one 127 us kernel where the two reductions took 102 + 88 us; bench/results/
+    # throughput_fp8_h100_{229f0ef,7d6e529}_prof.json)
     raw_masses, y_masses = jax.lax.reduce(
         (_mass(_chunks(logits), raw_max[:, None, None]), _mass(_chunks(y), y_max[:, None, None])),
         (np.float32(0), np.float32(0)),
@@ -147,8 +149,8 @@ def categorical(y, keys, y_max=None, masses=None):
     Inverse-CDF sampling in two levels with two uniforms a row: a chunk of SAMPLE_CHUNK tokens by the chunks'
     masses (sum of exp(y - max y), one pass over [B, V]), then a token of that chunk by its cumulative mass. Gumbel-max
     (argmax(y + Gumbel noise)) draws the same distribution but needs a random value per token: at B 500 x V 128k on an
-    H100 its threefry noise and argmax took 373 us a step, the chunk masses take 104 us (bench/results/
-    throughput_fp8_h100_d3d7775{_old,}_prof.json)."""
+    H100 the sampler's reductions took 373 + 90 us a step with it, 127 + 90 with this draw (sample()'s variadic
+    reduction; bench/results/throughput_fp8_h100_{d3d7775_old,229f0ef}_prof.json)."""
     C = min(SAMPLE_CHUNK, y.shape[1])
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
     y_max = jnp.max(y, axis=-1) if y_max is None else y_max
