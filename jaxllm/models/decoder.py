@@ -60,7 +60,9 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
     """The norm of x as projection w's input: e4m3 rows with their token scales (Fp8Rows, quant_matmul.norm_fp8:
     the norm and the rounding in one pass) where norm_fp8_applies and no LoRA term reads the norm; else _norm."""
     if not lora and norm_fp8_applies(x, w, kernels=attn.backend == "pallas"):
-        return norm_fp8(x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+        return norm_fp8(
+            x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret, mesh=attn.mesh
+        )
     return _norm(x, weight, cfg)
 
 

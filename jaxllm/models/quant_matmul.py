@@ -174,10 +174,14 @@ def norm_fp8_applies(x, w, *, kernels: bool) -> bool:
     return kernels and FP8_NORM and _dynamic_fp8(w) and w.layout.shards == 1 and x.shape[0] > FP8_WIDEN_MAX_ROWS
 
 
-def norm_fp8(x, weight, eps, *, plus_one: bool = False, interpret: bool = False) -> Fp8Rows:
+def norm_fp8(x, weight, eps, *, plus_one: bool = False, interpret: bool = False, mesh=None) -> Fp8Rows:
     """RMSNorm of the residual stream x [T, D] in e4m3 with its token scales (kernels_pallas.rms_norm_fp8): the
-    input qmatmul and silu_mlp take for the weight norm_fp8_applies names."""
-    q, scale = rms_norm_fp8(x, weight, eps, plus_one=plus_one, interpret=interpret)
+    input qmatmul and silu_mlp take for the weight norm_fp8_applies names. Under tp every shard computes the whole
+    (replicated) rows inside shard_map, as the other Pallas calls run."""
+    norm = functools.partial(rms_norm_fp8, eps=eps, plus_one=plus_one, interpret=interpret)
+    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        norm = jax.shard_map(norm, mesh=mesh, in_specs=(P(), P()), out_specs=(P(), P()), check_vma=False)
+    q, scale = norm(x, weight)
     return Fp8Rows(q, scale, x.dtype)
 
 
