@@ -381,10 +381,10 @@ def fp8_silu_mlp(h, w_gate_up, gate_up_scale, w_down, down_scale, *, out_dtype=N
     """An fp8 W8A8 MLP with dynamic token scales: down(silu(gate) * up) for h [T, D] (16-bit, or Fp8Rows: h already
     rounded to e4m3 with its token scales), w_gate_up [2F, D] / w_down [D', F] e4m3 with channel scales [2F] / [D']
     (or per tensor) -> [T, D'] in out_dtype (h's).
-    h rounded to e4m3 by XLA (token scales) unless given so, its fp8 GEMM's product in bfloat16 unscaled, the scales, silu * up and
-    the e4m3 rounding of its result in one Pallas pass (silu_mul_fp8), the down projection's fp8 GEMM. Against
-    fp8_matmul, silu * up, fp8_matmul: gate / up stay float32 between the GEMM and silu * up (XLA's fusion of the
-    three keeps them so too where it fuses them)."""
+    h rounded to e4m3 by XLA (token scales) unless given so, its fp8 GEMM's product in bfloat16 unscaled, the scales,
+    silu * up and the e4m3 rounding of its result in one Pallas pass (silu_mul_fp8), the down projection's fp8 GEMM.
+    Against fp8_matmul, silu * up, fp8_matmul: gate / up stay float32 between the GEMM and silu * up (XLA's fusion of
+    the three keeps them so too where it fuses them)."""
     T = h.shape[0]
     out_dtype = out_dtype or h.dtype
     _fp8_check(h, w_gate_up, gate_up_scale)
