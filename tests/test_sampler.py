@@ -127,7 +127,8 @@ def test_token_bitmask_allows_only_its_tokens():
     raw = np.asarray(logits)
     for i in (0, 2, 5):  # greedy rows: the best allowed token
         assert tokens[i] == np.argmax(np.where(allowed[i], raw[i], -np.inf))
-    np.testing.assert_allclose(token_lp, raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+    want_lp = raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1)
+    np.testing.assert_allclose(token_lp, want_lp, rtol=1e-5, atol=1e-5)  # lse summed by chunks (lse_and_masses)
     plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags())
     assert tokens[5] == plain[0][5]
 
@@ -153,7 +154,7 @@ def test_categorical_draws_softmax_over_chunks():
     assert 0.5 * np.abs(freq - p).sum() < 0.02
 
 
-def testinverse_cdf_never_picks_a_zero_weight():
+def test_inverse_cdf_never_picks_a_zero_weight():
     """u at the top of [0, 1) where trailing weights are 0, leading zeros with u 0, one positive weight, and a row
     of zeros (the index 0, no NaN)."""
     w = jnp.asarray([[1.0, 2.0, 0.0, 0.0], [0.0, 0.0, 3.0, 1.0], [0.0, 5.0, 0.0, 0.0], [0.0] * 4])

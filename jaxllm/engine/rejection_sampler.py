@@ -27,7 +27,15 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxllm.engine.sampler import SamplerFlags, SamplingMetadata, categorical, process_logits, row_keys, token_logprobs
+from jaxllm.engine.sampler import (
+    SamplerFlags,
+    SamplingMetadata,
+    categorical,
+    lse_and_masses,
+    process_logits,
+    row_keys,
+    token_logprobs,
+)
 
 _UNIFORM_FOLD = 0x5EC  # the acceptance test's uniform: fold_in(row key, this), apart from categorical's two
 
@@ -60,8 +68,8 @@ def rejection_sample(logits, drafts, num_drafts, md: SamplingMetadata, flags: Sa
     rows = logits.reshape(B * K1, V)
     mdr = expand_metadata(md, drafts, K)
     raw_max = rows.max(-1)
-    lse = raw_max + jnp.log(jnp.exp(rows - raw_max[:, None]).sum(-1))
     x, y, y_max = process_logits(rows, mdr, flags, raw_max)
+    lse, y_masses = lse_and_masses(rows, raw_max, y, y_max)
     greedy = jnp.argmax(x, -1).astype(jnp.int32).reshape(B, K1)
 
     # Draft token at each row (the token row j verifies is d_{j+1}; the bonus row has none: V, out of range).
@@ -71,7 +79,7 @@ def rejection_sample(logits, drafts, num_drafts, md: SamplingMetadata, flags: Sa
     nxt_flat = nxt.reshape(-1)
     is_next = jnp.arange(V)[None, :] == nxt_flat[:, None]
     resid = categorical(jnp.where(is_next, -jnp.inf, y), row_keys(mdr)).reshape(B, K1)
-    y_lse = y_max + jnp.log(jnp.exp(y - y_max[:, None]).sum(-1))
+    y_lse = y_max + jnp.log(y_masses.sum(-1))
     p_next = jnp.exp(jnp.take_along_axis(y, jnp.minimum(nxt_flat, V - 1)[:, None], -1)[:, 0] - y_lse)
     keys = jax.vmap(lambda k: jax.random.fold_in(k, _UNIFORM_FOLD))(row_keys(mdr))
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys)

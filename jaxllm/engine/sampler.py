@@ -81,16 +81,7 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
     raw_max = logits.max(-1)
     x, y, y_max = process_logits(logits, md, flags, raw_max)
-    # the raw logits' and y's chunk masses in one variadic reduction: one pass over the logits for lse and the draw
-    # (H100, B 500 x V 128k: one 127 us kernel where the two reductions took 102 + 88 us; bench/results/
-    # throughput_fp8_h100_{229f0ef,7d6e529}_prof.json)
-    raw_masses, y_masses = jax.lax.reduce(
-        (_mass(_chunks(logits), raw_max[:, None, None]), _mass(_chunks(y), y_max[:, None, None])),
-        (np.float32(0), np.float32(0)),
-        lambda a, b: (a[0] + b[0], a[1] + b[1]),
-        (2,),
-    )
-    lse = raw_max + jnp.log(raw_masses.sum(-1))
+    lse, y_masses = lse_and_masses(logits, raw_max, y, y_max)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     random_tokens = categorical(y, row_keys(md), y_max, y_masses)
     tokens = jnp.where(md.temperature > 0, random_tokens, greedy_tokens)
@@ -132,6 +123,20 @@ def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=No
     return x, y, y_max[:, 0]
 
 
+def lse_and_masses(logits, raw_max, y, y_max):
+    """(logsumexp [B] of the raw logits [B, V], chunk_masses(y, y_max) [B, nc]) from one variadic reduction over
+    the logits' chunks: one pass for both (H100, B 500 x V 128k: one 127 us kernel where the two reductions took 102
+    + 88 us; bench/results/throughput_fp8_h100_{229f0ef,7d6e529}_prof.json). The sampler and the rejection sampler
+    both take lse from here, so their logprobs agree to the bit."""
+    raw_masses, y_masses = jax.lax.reduce(
+        (_mass(_chunks(logits), raw_max[:, None, None]), _mass(_chunks(y), y_max[:, None, None])),
+        (np.float32(0), np.float32(0)),
+        lambda a, b: (a[0] + b[0], a[1] + b[1]),
+        (2,),
+    )
+    return raw_max + jnp.log(raw_masses.sum(-1)), y_masses
+
+
 def row_keys(md: SamplingMetadata):
     """Each row's PRNG key: fold_in(key(seed), index of the token being sampled in the request's output)."""
     return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(md.seeds, md.steps)
@@ -149,8 +154,8 @@ def categorical(y, keys, y_max=None, masses=None):
     Inverse-CDF sampling in two levels with two uniforms a row: a chunk of SAMPLE_CHUNK tokens by the chunks'
     masses (sum of exp(y - max y), one pass over [B, V]), then a token of that chunk by its cumulative mass. Gumbel-max
     (argmax(y + Gumbel noise)) draws the same distribution but needs a random value per token: at B 500 x V 128k on an
-    H100 the sampler's reductions took 373 + 90 us a step with it, 127 + 90 with this draw (sample()'s variadic
-    reduction; bench/results/throughput_fp8_h100_{d3d7775_old,229f0ef}_prof.json)."""
+    H100 the sampler's reductions took 373 + 90 us a step with it, 127 + 90 with this draw (lse_and_masses;
+    bench/results/throughput_fp8_h100_{d3d7775_old,229f0ef}_prof.json)."""
     C = min(SAMPLE_CHUNK, y.shape[1])
     u = jax.vmap(lambda k: jax.random.uniform(k, (2,), jnp.float32))(keys)
     y_max = jnp.max(y, axis=-1) if y_max is None else y_max
