@@ -353,6 +353,13 @@ def test_fp8_norms_of_more_than_two_rows_run_rms_norm_fp8(checkpoints, monkeypat
     calls.clear()
     logits("pallas", True, seqs=[[5, 9, 2, 77, 3], [11, 7, 40]], cached=(4, 2), pad_tokens=0, pad_seqs=0)
     assert calls == [(6, D), (6, D)], calls  # the 6-row first step; the 2-row second one keeps XLA's norm
+    if tp == 2:  # a row-parallel weight takes per-shard token scales: one over all of I is refused
+        w_down = params["layers"][0]["w_down"]
+        F = w_down.packed.shape[-1]  # its input (the global array; each tp shard holds half)
+        x = jnp.asarray(np.random.default_rng(2).standard_normal((5, F)), jnp.bfloat16)
+        rows = quant_matmul.norm_fp8(x, jnp.ones(F, jnp.bfloat16), 1e-5, interpret=True, mesh=mesh)
+        with pytest.raises(ValueError, match="column-parallel"):
+            quant_matmul.qmatmul(rows, w_down, kernels=True, interpret=True, mesh=mesh)
 
 
 @pytest.mark.parametrize("quantization,rows", [(None, 5), (None, 200), ("fp8", 5), ("fp8", 2)])
