@@ -1,6 +1,9 @@
 """The sampler against a plain reference: the raw log-softmax materialized, min_p through softmax
 probabilities, ranks and top-k over the log-probabilities (what sample() avoids computing on the device)."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +164,39 @@ def test_inverse_cdf_never_picks_a_zero_weight():
     u = jnp.asarray([np.nextafter(np.float32(1), np.float32(0)), 0.0, 0.5, 0.3], jnp.float32)
     np.testing.assert_array_equal(inverse_cdf(w, u), [1, 2, 1, 0])
     np.testing.assert_array_equal(inverse_cdf(w, jnp.zeros(4)), [0, 2, 1, 0])
+
+
+@pytest.mark.parametrize("flags", [SamplerFlags(), SamplerFlags(filtering=True, num_logprobs=2)])
+def test_sampler_program_under_tp2_gathers_the_logits_once(flags):
+    """The sampler-only program (step_fns._sample_rows_fn) with the lm_head split over the vocabulary (tp 2): its
+    compiled program moves the logits between the devices once, as one all-gather of [B, V / 2] float32 shards,
+    and nothing else (no all-gather of the weight, no collective-permute: XLA partitioned the chunked draw's pad,
+    reshape, cumsum and reverse over V as collectives around each op, and a tp 2 decode step took twice tp 1's
+    time on two H200s); the tokens and logprobs are tp 1's."""
+    from jaxllm.config import ModelConfig
+    from jaxllm.engine.step_fns import _sample_rows_fn
+    from jaxllm.sharding import ParallelConfig
+
+    B, D, V = 8, 64, 2 * SAMPLE_CHUNK + 512
+    cfg = ModelConfig("llama", vocab_size=V, hidden_size=D, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, dtype="float32")  # fmt: skip
+    k = jax.random.split(jax.random.key(3), 2)
+    head = {"final_norm": jnp.ones((D,), jnp.float32), "lm_head": jax.random.normal(k[0], (V, D), jnp.float32)}
+    rows = jax.random.normal(k[1], (B, D), jnp.float32)
+    md = metadata(B, [0.0, 1.0, 0.7, 1.3, 0.0, 1.0, 2.0, 0.5], [0.0, 0.0, 0.1, 0.05, 0.3, 0.0, 0.0, 0.2])
+    prev = jnp.zeros((B,), jnp.int32)
+    fn = jax.jit(functools.partial(_sample_rows_fn, cfg=cfg, flags=flags), static_argnames=("mesh",))
+    want = fn(head, rows, prev, md)
+
+    mesh = ParallelConfig(2).make_mesh()
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp", None))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = (dict(head, lm_head=jax.device_put(head["lm_head"], split)), *jax.device_put((rows, prev, md), rep))
+    compiled = fn.lower(*args, mesh=mesh).compile()
+    collectives = re.findall(r"= (\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)\(",
+                             compiled.as_text())  # fmt: skip
+    assert [(re.sub(r"\{.*\}", "", t), op) for t, op in collectives] == [(f"f32[{B},{V}]", "all-gather")]
+    got = compiled(*args)
+    np.testing.assert_array_equal(got[1][0], want[1][0])  # tokens
+    np.testing.assert_allclose(got[1][1], want[1][1], rtol=1e-5, atol=1e-5)  # logprobs
+    np.testing.assert_array_equal(got[1][3], want[1][3])  # top ids

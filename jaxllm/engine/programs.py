@@ -131,11 +131,11 @@ class StepPrograms(SamplerPrograms):
             )
         # pp > 1: the last stage's logits and sampling (the stages are pipeline.py's jits)
         self.pipeline_head = (
-            jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k")) if pipeline else None
+            jax.jit(pipeline_head_fn, static_argnames=("cfg", "flags", "prompt_k", "mesh")) if pipeline else None
         )
         self.compiled: dict[StepVariant, object] = {}
         # Sampler-only programs for steps with non-default sampler flags, by (B, flags, row widths).
-        self._sampler_jit = jax.jit(packed_sample_rows_fn, static_argnames=("cfg", "flags"))
+        self._sampler_jit = jax.jit(packed_sample_rows_fn, static_argnames=("cfg", "flags", "mesh"))
         self.samplers: dict[tuple, object] = {}
         # Whole step programs for non-default sampler flags, compiling in the background (see runs_whole).
         self._background = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-compile")
@@ -294,6 +294,7 @@ class StepPrograms(SamplerPrograms):
                     cfg=self.cfg,
                     flags=v.flags,
                     prompt_k=v.prompt_logprobs,
+                    mesh=pipeline.meshes[-1],
                 )
         jax.block_until_ready((kv_caches, outputs))
         logger.info(

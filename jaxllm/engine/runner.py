@@ -424,6 +424,7 @@ class ModelRunner:
                 cfg=self.cfg,
                 flags=v.flags,
                 prompt_k=v.prompt_logprobs,
+                mesh=self.pipeline.meshes[-1],
             )
         elif mode == "whole":
             before_sample()

@@ -119,7 +119,7 @@ class SamplerPrograms:
     def _compile_sampler(self, v: StepVariant, args):
         """Compiles v's sampler program (storing it in the executable cache) and files it in self.samplers."""
         t0 = time.perf_counter()
-        compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags).compile
+        compile_fn = self._sampler_jit.lower(*args, cfg=self.cfg, flags=v.flags, mesh=self.attn.mesh).compile
         if self.exec_cache is None:
             exe = compile_fn()
         else:

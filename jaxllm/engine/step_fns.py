@@ -29,6 +29,7 @@ from jaxllm.engine.sampler import SamplerFlags, sample
 from jaxllm.lora.ops import LoRAInputs
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.decoder import compute_logits, forward
+from jaxllm.sharding import logical_to_spec
 from jaxllm.spec_decode.drafter import target_features
 
 
@@ -44,6 +45,20 @@ def _forward(params, kv_caches, token_ids, meta, cfg: ModelConfig, attn: Attenti
 
 def _replicated(attn: AttentionConfig):
     return jax.sharding.NamedSharding(attn.mesh, jax.sharding.PartitionSpec())
+
+
+def gathered_logits(logits, mesh):
+    """The sampled rows' logits [B, V] whole on every device of mesh (tp > 1: the lm_head's output is split over
+    the vocabulary). The samplers pad, reshape, cumsum and index V in chunks (sampler.categorical), which XLA
+    partitioned over tp as collectives around each op: a tp 2 decode step of 256 rows took ~47 ms on two H200s, most
+    of it idle between the collectives, where tp 1 took ~20 (bench/results/tp_{none,fp8}_tp{1,2}_b045587.json). One
+    all-gather of the float32 logits instead (B 512 x V 128k: 131 MB a device), as vLLM gathers them. The logits
+    are first pinned to the lm_head's split, or XLA may gather the weight instead (1 GB of bf16 for Llama-3)."""
+    if mesh is None or mesh.size == 1:
+        return logits
+    split = jax.sharding.NamedSharding(mesh, logical_to_spec((None, "vocab")))
+    logits = jax.lax.with_sharding_constraint(logits, split)
+    return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _step_fn(
@@ -72,7 +87,7 @@ def _step_fn(
     # instead cost 3.6% of the throughput workload's time on an H100): a step whose sampler flags are not the
     # default can run this program and a sampler-only program on them (ModelRunner.launch).
     lora_head = None if lora is None else lora.weights["lm_head"]
-    logits = compute_logits(params, rows, cfg, lora_head, smd.lora_slots)
+    logits = gathered_logits(compute_logits(params, rows, cfg, lora_head, smd.lora_slots), attn.mesh)
     out = (
         kv_caches,
         *_sample_fn(
@@ -144,7 +159,9 @@ def packed_spec_step_fn(
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
     B = drafts.shape[0]
-    logits = compute_logits(params, hidden[logits_indices], cfg).reshape(B, num_spec + 1, -1)
+    logits = gathered_logits(compute_logits(params, hidden[logits_indices], cfg), attn.mesh).reshape(
+        B, num_spec + 1, -1
+    )
     tokens, num_emitted, lp, ranks, top_ids, top_lp = rejection_sample(logits, drafts, num_drafts, smd, flags)
     last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
     next_prev = jnp.zeros_like(prev_tokens).at[:B].set(last)
@@ -162,19 +179,20 @@ def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
     return next_prev, (tokens, lp, ranks, top_ids, top_lp)
 
 
-def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags):
+def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags, mesh=None):
     """The sampler-only program: logits of the sampled rows' hidden states (head: the final norm and output
-    weights, and with LoRA the lm_head slot arrays as "lora_lm_head"), then sampling."""
-    logits = compute_logits(head, rows, cfg, head.get("lora_lm_head"), smd.lora_slots)
+    weights, and with LoRA the lm_head slot arrays as "lora_lm_head"; mesh: theirs), then sampling."""
+    logits = gathered_logits(compute_logits(head, rows, cfg, head.get("lora_lm_head"), smd.lora_slots), mesh)
     return _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
 
 
 def packed_sample_rows_fn(
-    head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig, flags: SamplerFlags
+    head, rows, prev_tokens, ints, floats, layout: PackedLayout, *, cfg: ModelConfig, flags: SamplerFlags, mesh=None
 ):
     """_sample_rows_fn on sampling arrays packed as pack_host_args packs a step's: two host-to-device transfers
     per call instead of one per array (~20)."""
-    return _sample_rows_fn(head, rows, prev_tokens, unpack_host_args(ints, floats, layout), cfg=cfg, flags=flags)
+    smd = unpack_host_args(ints, floats, layout)
+    return _sample_rows_fn(head, rows, prev_tokens, smd, cfg=cfg, flags=flags, mesh=mesh)
 
 
 def _sample_fn(
@@ -216,7 +234,9 @@ def pipeline_head_fn(
     cfg: ModelConfig,
     flags: SamplerFlags,
     prompt_k: int,
+    mesh=None,
 ):
-    """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage)."""
-    logits = compute_logits(params, hidden[logits_indices], cfg)
+    """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage; mesh:
+    that stage's)."""
+    logits = gathered_logits(compute_logits(params, hidden[logits_indices], cfg), mesh)
     return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k)
