@@ -63,7 +63,6 @@ JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # --compilation-cache-dir load the other side's programs (stop 51: JAXLLM_FP8_SILU_MLP was missing, and every fp8
 # A/B pair of that stop ran one program twice).
 PROGRAM_ENV = (
-    "JAXLLM_COLLECTIVE_GRAPHS",
     "JAXLLM_CUBLAS_MIN_DECODE_SEQS",
     "JAXLLM_DECODE_BACKEND",
     "JAXLLM_FP8_GEMV",

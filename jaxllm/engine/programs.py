@@ -58,12 +58,6 @@ from jaxllm.models.attention import AttentionConfig
 logger = logging.getLogger(__name__)
 
 
-def _num_devices(attn) -> int:
-    """The number of devices a step program runs on (its attention config's mesh; 1 without one)."""
-    mesh = getattr(attn, "mesh", None)
-    return 1 if mesh is None else mesh.size
-
-
 def _failed(future) -> bool:
     return future is not None and future.done() and future.exception() is not None
 
@@ -218,7 +212,7 @@ class StepPrograms(SamplerPrograms):
         static = (self.cfg, self.attn, v.flags, v.prompt_logprobs) + ((("spec", v.num_spec),) if v.num_spec else ())
         if self.drafter is not None:  # every program of a runner with a drafter differs (features, or the draft)
             static += (("drafter", self.drafter, v.draft, self.block_size),)
-        options = compile_options(v, _num_devices(self.attn))
+        options = compile_options(v)
         return self.exec_cache.key("step", args, static + ((tuple(sorted(options.items())),) if options else ()))
 
     def _load(self, v: StepVariant, args):
@@ -228,7 +222,7 @@ class StepPrograms(SamplerPrograms):
     def _compile(self, v: StepVariant, args, lowered, oom_none: bool = False):
         """Compiles (and stores in the executable cache); with oom_none, None when XLA's autotuner ran out
         of device memory (see _compile_or_none)."""
-        options = compile_options(v, _num_devices(self.attn))
+        options = compile_options(v)
         compile_fn = (
             functools.partial(_compile_or_none, lowered, options)
             if oom_none

@@ -11,15 +11,9 @@ from jaxllm.distributed import env_int
 # JAXLLM_CUBLAS_MIN_DECODE_SEQS overrides it (bench A/B runs: a large value keeps Triton GEMMs at every batch)
 _override = env_int("JAXLLM_CUBLAS_MIN_DECODE_SEQS")
 CUBLAS_MIN_DECODE_SEQS = 32 if _override is None else _override
-# decode-only and verify steps over several devices record their collectives into the command buffers (CUDA
-# graphs); JAXLLM_COLLECTIVE_GRAPHS=0 keeps XLA's default, which leaves them out (bench A/B runs)
-COLLECTIVE_GRAPHS = env_int("JAXLLM_COLLECTIVE_GRAPHS") != 0
-# XLA's default command buffer types (xla/debug_options_flags.cc) and COLLECTIVES: a compile option takes the whole
-# list (XLA_FLAGS' "+COLLECTIVES" form is not an enum value there)
-_GRAPHS_WITH_COLLECTIVES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES"
 
 
-def compile_options(v, num_devices: int = 1) -> dict:
+def compile_options(v) -> dict:
     """XLA options of v's step program on a GPU (none elsewhere).
 
     Steps with prompt tokens (prefill, mixed) are compiled without command buffers (CUDA graphs): a prefill that
@@ -43,22 +37,13 @@ def compile_options(v, num_devices: int = 1) -> dict:
     (500 live, ctx 600) 26.45 -> 26.08; at 8 and 16 rows Triton wins (5.67 vs 5.93, 5.89 vs 5.97).
 
     Speculative verify steps (B * (K + 1) rows, ragged but decode-sized) follow the decode-only rule on their
-    rows, command buffers included: they are the latency case.
-
-    Over several devices (num_devices: the step's mesh; tp > 1) those command buffers also hold the collectives
-    (XLA's default leaves them out). Each of a layer's two all-reduces otherwise ends a command buffer and runs
-    from the host: a tp 2 decode step of 256 rows on two H100s was ~66 command buffers and ~64 host-launched
-    all-reduces and GEMMs, 7 ms of host time a device for 7 ms of kernels (bench/results/
-    tp_none_tp2_54a37ef_host.json)."""
+    rows, command buffers included: they are the latency case."""
     if jax.default_backend() != "gpu":
         return {}
-    graphs = (
-        {"xla_gpu_enable_command_buffer": _GRAPHS_WITH_COLLECTIVES} if num_devices > 1 and COLLECTIVE_GRAPHS else {}
-    )
     if v.num_spec:  # a verify step: decode-sized (B * (K + 1) rows), latency-bound: command buffers kept
-        return graphs | ({"xla_gpu_enable_triton_gemm": False} if v.num_tokens >= CUBLAS_MIN_DECODE_SEQS else {})
+        return {"xla_gpu_enable_triton_gemm": False} if v.num_tokens >= CUBLAS_MIN_DECODE_SEQS else {}
     if not v.decode_only:
         return {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
     if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
-        return graphs | {"xla_gpu_enable_triton_gemm": False}
-    return graphs
+        return {"xla_gpu_enable_triton_gemm": False}
+    return {}
