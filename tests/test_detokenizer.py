@@ -178,6 +178,26 @@ def test_python_decode_path_matches_the_rust_one(qwen, llama_style):
         assert stream(Wrapped(tok), prompt, ids) == stream(tok, prompt, ids)
 
 
+@pytest.mark.parametrize("name", BYTE_LEVEL + SENTENCEPIECE)
+def test_held_tokens_decode_to_the_streamed_text(request, name):
+    """hold() (the engine's FINAL_ONLY requests: no decode per token) and then one flush, or an append after the held
+    tokens, give the text that appending them one at a time streams."""
+    tok = request.getfixturevalue(name)
+    ids = tok.encode(TEXT + " 🤖", add_special_tokens=False)
+    prompt = tok.encode("Prompt: 中文", add_special_tokens=False)
+    want = "".join(stream(tok, prompt, ids))
+    detok = IncrementalDetokenizer(tok, prompt)
+    for t in ids:
+        detok.hold(t)
+    assert detok.held == len(ids) and detok.text == ""
+    assert detok.flush() == want == detok.text and detok.held == 0
+    assert detok.output_token_ids == ids
+    detok = IncrementalDetokenizer(tok, prompt)
+    for t in ids[:-1]:
+        detok.hold(t)
+    assert detok.append(ids[-1]) + detok.flush() == want
+
+
 def test_incomplete_character_is_held_until_flush(gpt2):
     emoji = gpt2.encode("🤖", add_special_tokens=False)
     assert len(emoji) > 1

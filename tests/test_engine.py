@@ -206,9 +206,11 @@ def test_n_and_logprobs(llm):
     check_free(llm)
 
 
-def test_output_kinds_cumulative_delta_and_final_only(llm):
+@pytest.mark.parametrize("stop", [["never-in-this-vocab"], None])
+def test_output_kinds_cumulative_delta_and_final_only(llm, stop):
     """vLLM's RequestOutputKind: CUMULATIVE outputs carry everything so far, DELTA only what is new (joined, the
-    same as the final cumulative output; the prompt's logprobs once), FINAL_ONLY one output at the end.
+    same as the final cumulative output; the prompt's logprobs once), FINAL_ONLY one output at the end (without
+    stop strings its tokens are decoded once, when it finishes: the same text).
     LLM.generate asks for FINAL_ONLY on a copy: the caller's params are left as they were."""
     engine = llm.llm_engine
     base = dict(
@@ -219,7 +221,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
         logprobs=2,
         prompt_logprobs=1,
         ignore_eos=True,
-        stop=["never-in-this-vocab"],
+        stop=stop,
     )
     got = {}
     for kind in RequestOutputKind:
@@ -232,7 +234,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     assert [o.finished for o in delta] == [False] * (len(delta) - 1) + [True]
     end = cum[-1]
     assert [c.token_ids for c in final[0].outputs] == [c.token_ids for c in end.outputs]
-    assert final[0].outputs[0].text == end.outputs[0].text
+    assert [c.text for c in final[0].outputs] == [c.text for c in end.outputs]
     for c in end.outputs:
         parts = [p for o in delta for p in o.outputs if p.index == c.index]
         assert sum((p.token_ids for p in parts), []) == c.token_ids
@@ -253,6 +255,7 @@ def test_output_kinds_cumulative_delta_and_final_only(llm):
     (out,) = llm.generate({"prompt_token_ids": PROMPTS[0]}, sp, use_tqdm=False)
     assert sp.output_kind is RequestOutputKind.CUMULATIVE
     assert [c.token_ids for c in out.outputs] == [c.token_ids for c in end.outputs]
+    assert [c.text for c in out.outputs] == [c.text for c in end.outputs]
     check_free(llm)
 
 

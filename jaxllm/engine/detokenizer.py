@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(context)
         self.output_token_ids: list[int] = []
         self.text = ""  # output text so far (what append/flush returned, concatenated)
+        self.held = 0  # tokens added by hold() that no append/flush has decoded yet
 
     def _prompt_context(self, prompt: list[int]) -> list[int]:
         """The last few prompt tokens, extended (up to 24) past a leading partial character."""
@@ -71,10 +72,19 @@ class IncrementalDetokenizer:
             self._kwargs.pop("spaces_between_special_tokens", None)
             return self.tokenizer.decode(ids, **self._kwargs)
 
+    def hold(self, token_id: int) -> None:
+        """Adds an output token without decoding it: the next append() or flush() decodes it with the tokens after
+        it, in one decode of the window. The text is the same as appending them one at a time (tests/
+        test_detokenizer.py); the engine holds the tokens of requests that only want their final text."""
+        self.output_token_ids.append(token_id)
+        self._ids.append(token_id)
+        self.held += 1
+
     def append(self, token_ids: int | Sequence[int]) -> str:
         """Adds output tokens; returns the new text (possibly "")."""
         if isinstance(token_ids, int):
             token_ids = [token_ids]
+        self.held = 0
         self.output_token_ids.extend(token_ids)
         self._ids.extend(token_ids)
         new_text = self._decode(self._ids[self._prefix_offset :])
@@ -83,7 +93,9 @@ class IncrementalDetokenizer:
         return self._advance(new_text)
 
     def flush(self) -> str:
-        """Text held back because it ended in an incomplete character; call once when the sequence ends."""
+        """Text held back because it ended in an incomplete character (or by hold()); call once when the sequence
+        ends."""
+        self.held = 0
         if self._read_offset == len(self._ids):
             return ""
         new_text = self._decode(self._ids[self._prefix_offset :])

@@ -38,6 +38,7 @@ from jaxllm.engine.structured import Grammars
 from jaxllm.lora.engine import EngineLoRAMethods
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.sampling_params import (
+    RequestOutputKind,
     SamplingParams,
     truncate_prompt_ids,
 )
@@ -437,7 +438,11 @@ class LLMEngine(EngineLoRAMethods):
             model_eos = token == self.tokenizer.eos_token_id and token not in p.stop_token_ids
             self._finish(state, "stop", None if model_eos else token)
             return
-        delta = state.detok.append(token) if p.detokenize else ""
+        if p.detokenize and p.output_kind is RequestOutputKind.FINAL_ONLY and not state.stops.stop:
+            state.detok.hold(token)  # no one reads the text before the end: decoded in one go when it finishes
+            delta = ""
+        else:
+            delta = state.detok.append(token) if p.detokenize else ""
         state.text += delta
         if delta and state.stops.stop and n_out > p.min_tokens:  # vLLM V1: past min_tokens
             match = state.stops.check(state.text, len(delta))
@@ -450,6 +455,8 @@ class LLMEngine(EngineLoRAMethods):
             self._finish(state, "length", None)
 
     def _finish(self, state: _SeqState, reason: str, stop_reason) -> None:
+        if state.detok.held:
+            state.text += state.detok.flush()
         state.finish_reason, state.stop_reason = reason, stop_reason
         status = SequenceStatus.FINISHED_STOPPED if reason == "stop" else SequenceStatus.FINISHED_LENGTH
         self.scheduler.finish(state.seq.seq_id, status)
