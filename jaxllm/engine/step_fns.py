@@ -51,10 +51,10 @@ def gathered_logits(logits, mesh):
     """The sampled rows' logits [B, V] whole on every device of mesh (tp > 1: the lm_head's output is split over
     the vocabulary). The samplers pad, reshape, cumsum and index V in chunks (sampler.categorical), which XLA
     partitioned over tp as collectives around each op, the devices idle ~10 ms a step between them: on two H200s a
-    tp 2 decode step of 256 rows took 30-33 ms (13.6-14.8 with this), and tp 2 ran at about half tp 1's throughput (bench/results/
-    tp_{bf16,fp8}_tp{1,2}_h200x2_{b045587,54a37ef}.json). One all-gather of the float32 logits instead (B 512 x
-    V 128k: 131 MB a device), as vLLM gathers them. The logits are first pinned to the lm_head's split, or XLA may
-    gather the weight instead (1 GB of bf16 for Llama-3)."""
+    tp 2 decode step of 256 rows took 30-33 ms (13.6-14.8 with this), and tp 2 ran at about half tp 1's throughput
+    (bench/results/tp_{bf16,fp8}_tp{1,2}_h200x2_{b045587,54a37ef}.json). One all-gather of the float32 logits
+    instead (B 512 x V 128k: 131 MB a device), as vLLM gathers them. The logits are first pinned to the lm_head's
+    split, or XLA may gather the weight instead (1 GB of bf16 for Llama-3)."""
     if mesh is None or mesh.size == 1:
         return logits
     split = jax.sharding.NamedSharding(mesh, logical_to_spec((None, "vocab")))
