@@ -227,7 +227,7 @@ def decoder_layer(
             x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
         else:
             x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
-    h = _norm_into(x, lp["mlp_norm"], None if kind.moe else lp.get("w_gate_up"), cfg, attn, bool(ll))
+    h = _norm_into(x, lp["mlp_norm"], None if kind.moe else lp.get("w_gate_up"), cfg, attn, lora=bool(ll))
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
