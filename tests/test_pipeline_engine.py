@@ -48,6 +48,37 @@ def test_engine_greedy_equal_tp1(tiny, ref, tp, pp):
     assert greedy(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp) == ref
 
 
+def prompt_logprobs(model_dir, **kw):
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        num_gpu_blocks_override=64,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        block_size=8,
+        max_model_len=64,
+        compilation_cache_dir=None,
+        enforce_eager=True,
+        **kw,
+    )
+    sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    return [o.prompt_logprobs for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("tp, pp", [(2, 1), (2, 2)])
+def test_prompt_logprobs_equal_tp1(tiny, tp, pp):
+    """Prompt logprobs with the lm_head split over the vocabulary (step_fns.prompt_logprobs: each shard's top-k,
+    never the whole [T, V] gathered), in the step program and on the last pipeline stage: tp 1's tokens and ranks,
+    its logprobs to float32 rounding."""
+    want = prompt_logprobs(tiny)
+    got = prompt_logprobs(tiny, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    for g, w in zip(got, want, strict=True):
+        assert len(g) == len(w) and g[0] is None and w[0] is None
+        for gd, wd in zip(g[1:], w[1:]):
+            assert list(gd) == list(wd) and [x.rank for x in gd.values()] == [x.rank for x in wd.values()]
+            assert [x.logprob for x in gd.values()] == pytest.approx([x.logprob for x in wd.values()], abs=1e-5)
+
+
 def test_pipeline_warm_up_compiles_before_serving(tiny, ref):
     """pp > 1 with warm-up on (enforce_eager False, the default): start-up compiles every stage and the sampling
     head for each step shape (it used to lower the single-mesh step over the stages' devices and fail), and

@@ -200,3 +200,65 @@ def test_sampler_program_under_tp2_gathers_the_logits_once(flags):
     np.testing.assert_array_equal(got[1][0], want[1][0])  # tokens
     np.testing.assert_allclose(got[1][1], want[1][1], rtol=1e-5, atol=1e-5)  # logprobs
     np.testing.assert_array_equal(got[1][3], want[1][3])  # top ids
+
+
+@pytest.mark.parametrize("V,k", [(4096, 5), (64, 64)])
+def test_prompt_logprobs_under_tp2_never_gather_the_vocabulary(V, k):
+    """Prompt logprobs (step_fns._sample_fn through pipeline_head_fn) with the lm_head split over the vocabulary
+    (tp 2): no collective moves the prompt rows' [T, V] logits (XLA gathered them whole for the top-k: 8 GB a device
+    for a 16k-token chunk of a 128k vocabulary), only [T] rows and each shard's top-k; the sampled rows' one [B, V]
+    all-gather stays. The target's logprob and rank and the top-k are tp 1's, ties across and within the shards in
+    id order, and tp 1's are the float64 reference's. k = V: max_logprobs -1 (more than a shard's columns)."""
+    from jaxllm.config import ModelConfig
+    from jaxllm.engine.step_fns import pipeline_head_fn
+    from jaxllm.models.decoder import compute_logits
+    from jaxllm.sharding import ParallelConfig
+
+    B, T, D = 4, 64, 64
+    cfg = ModelConfig("llama", vocab_size=V, hidden_size=D, intermediate_size=96, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, dtype="float32")  # fmt: skip
+    key = jax.random.split(jax.random.key(5), 3)
+    u = jax.random.normal(key[0], (D,), jnp.float32)
+    # equal rows in both shards and within one: tokens that tie at the top of the rows whose hidden states lean on u
+    tied = np.array([V // 2 + 3, 1, 2, V - 1])
+    lm_head = jax.random.normal(key[1], (V, D), jnp.float32).at[tied].set(3 * u) / 8  # logits of a few units
+    head = {"final_norm": jnp.ones((D,), jnp.float32), "lm_head": lm_head}
+    hidden = jax.random.normal(key[2], (T, D), jnp.float32) + (jnp.arange(T) % 2 * 3.0)[:, None] * u
+    targets = np.random.default_rng(0).integers(0, V, T).astype(np.int32)
+    targets[:8] = np.r_[tied, -1, 0, V // 2, V // 2 - 1]
+    md, prev, idx = metadata(B, [0.0] * B, [0.0] * B), jnp.zeros((B,), jnp.int32), jnp.arange(B, dtype=jnp.int32) * 9
+    fn = jax.jit(functools.partial(pipeline_head_fn, cfg=cfg, flags=SamplerFlags(), prompt_k=k), static_argnames="mesh")
+    want = fn(head, hidden, prev, idx, md, jnp.asarray(targets))[2]
+
+    x = np.asarray(compute_logits(head, hidden, cfg), np.float64)
+    lp = x - x.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    tgt = np.maximum(targets, 0)  # -1 (no target): token 0's
+    t_x = np.take_along_axis(x, tgt[:, None], -1)
+    top_ids = np.argsort(-x, axis=-1, kind="stable")[:, :k]  # ties: the lower id first
+    assert (np.take_along_axis(x, top_ids[:, 1:2], -1) == x[:, tied[:1]]).all(-1)[1::2].all()  # the ties ran
+    np.testing.assert_array_equal(want[1], (x > t_x).sum(-1) + 1)
+    np.testing.assert_array_equal(want[2], top_ids)
+    np.testing.assert_allclose(want[0], np.take_along_axis(lp, tgt[:, None], -1)[:, 0], rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(want[3], np.take_along_axis(lp, top_ids, -1), rtol=1e-6, atol=1e-5)
+
+    mesh = ParallelConfig(2).make_mesh()
+    split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("tp", None))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = (dict(head, lm_head=jax.device_put(lm_head, split)), *jax.device_put((hidden, prev, idx, md, targets), rep))
+    compiled = fn.lower(*args, mesh=mesh).compile()
+    moved = []  # (op, shape) of every collective's result, the parts of a tuple one by one
+    for result, op in re.findall(r"= (\(.*?\)|\S+) (all-gather|all-reduce|collective-permute|all-to-all|reduce-scatter)"
+                                 r"(?:-start)?\(", compiled.as_text()):  # fmt: skip
+        moved += [(op, tuple(map(int, dims.split(",")))) for dims in re.findall(r"\[([\d,]+)\]", result)]
+    assert moved and all(op in ("all-gather", "all-reduce") for op, _ in moved), moved
+    assert ("all-gather", (B, V)) in moved, moved
+    if 2 * k < V:  # nothing as large as a shard's [T, V / 2] moves (with k = V the top-k is every column)
+        assert not [m for m in moved if np.prod(m[1]) >= T * V // 2], moved
+    got = compiled(*args)[2]
+    np.testing.assert_array_equal(got[1], want[1])  # ranks
+    np.testing.assert_array_equal(got[2], want[2])  # top ids
+    # the logsumexp's sum is two shards' sums added, and XLA tiles the logits' matmul by the shard's width: their
+    # rounding may differ in the last place
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-6, atol=1e-6)

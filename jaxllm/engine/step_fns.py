@@ -19,6 +19,8 @@ Which adapters a batch mixes is data: never a new program.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -92,7 +94,17 @@ def _step_fn(
     out = (
         kv_caches,
         *_sample_fn(
-            params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k, lora=lora
+            params,
+            hidden,
+            prev_tokens,
+            logits,
+            smd,
+            prompt_targets,
+            cfg=cfg,
+            flags=flags,
+            prompt_k=prompt_k,
+            lora=lora,
+            mesh=attn.mesh,
         ),
         rows,
     )
@@ -208,20 +220,64 @@ def _sample_fn(
     flags: SamplerFlags,
     prompt_k: int,
     lora: LoRAInputs | None = None,
+    mesh=None,
 ):
     """Sampling and prompt logprobs from the sampled rows' logits and the last layer's hidden states (also
-    the pipeline's tail)."""
+    the pipeline's tail; mesh: the lm_head's)."""
     next_prev, outputs = _sample_logits_fn(logits, prev_tokens, smd, flags=flags)
     prompt = None
     if prompt_k:
         lora_head = (None, None) if lora is None else (lora.weights["lm_head"], lora.token_slots)
-        all_lp = jax.nn.log_softmax(compute_logits(params, hidden, cfg, *lora_head), axis=-1)
-        tgt = jnp.maximum(prompt_targets, 0)
-        t_lp = jnp.take_along_axis(all_lp, tgt[:, None], axis=-1)[:, 0]
-        t_rank = (all_lp > t_lp[:, None]).sum(-1).astype(jnp.int32) + 1
-        p_lp, p_ids = jax.lax.top_k(all_lp, prompt_k)
-        prompt = (t_lp, t_rank, p_ids.astype(jnp.int32), p_lp)
+        prompt = prompt_logprobs(compute_logits(params, hidden, cfg, *lora_head), prompt_targets, prompt_k, mesh)
     return next_prev, outputs, prompt
+
+
+def prompt_logprobs(logits, targets, k: int, mesh=None):
+    """(logprob [T] and rank [T] of each row's target (-1: none; token 0's then), top ids [T, k], top logprobs
+    [T, k]) of the prompt rows' logits [T, V]. As in the sampler's token_logprobs, the rank and the top-k follow the
+    raw logits' order, so they do not depend on how the logsumexp's sum was rounded.
+
+    tp > 1 (mesh: the lm_head's, split over the vocabulary): each device works on its own columns and only [T]
+    rows and its top-k candidates cross devices, as gathered_logits must not do here: T is up to a prefill chunk,
+    and [T, V] float32 whole on every device is 8 GB for 16k tokens of a 128k vocabulary (XLA partitioned the
+    log-softmax over the shards but gathered the whole array for the top-k)."""
+    targets = jnp.maximum(targets, 0)
+    if mesh is None or mesh.size == 1:
+        return _prompt_logprobs_shard(logits, targets, k, None)
+    spec = logical_to_spec((None, "vocab"))
+    return jax.shard_map(
+        functools.partial(_prompt_logprobs_shard, k=k, axis=spec[1]),
+        mesh=mesh,
+        in_specs=(spec, jax.sharding.PartitionSpec()),
+        out_specs=jax.sharding.PartitionSpec(),
+        check_vma=False,  # the gathered top-k is the same on every device; lax.all_gather still calls it varying
+    )(logits, targets)
+
+
+def _prompt_logprobs_shard(x, targets, k: int, axis):
+    """prompt_logprobs on x [T, Vs]: the columns of the logits on this device of the mesh axis `axis` (None: all of
+    them, no collectives). The top-k is each shard's own top-k, gathered ([T, tp * k]) and reduced to k: ties keep
+    the lower id first, as one top_k over the whole row (lax.top_k keeps the lower index first; the candidates
+    are in shard order and each shard's in id order among equal logits)."""
+    Vs = x.shape[-1]
+
+    def across(op, a):
+        return a if axis is None else op(a, axis)
+
+    lo = 0 if axis is None else jax.lax.axis_index(axis) * Vs
+    m = across(jax.lax.pmax, x.max(-1))
+    log_s = jnp.log(across(jax.lax.psum, jnp.exp(x - m[:, None]).sum(-1)))  # as jax.nn.log_softmax: (x - m) - log_s
+    mine = (targets >= lo) & (targets < lo + Vs)  # the target's logit: from the one shard that holds it
+    t_x = jnp.take_along_axis(x, jnp.clip(targets - lo, 0, Vs - 1)[:, None], axis=-1)[:, 0]
+    t_x = across(jax.lax.psum, jnp.where(mine, t_x, 0.0))
+    rank = across(jax.lax.psum, (x > t_x[:, None]).sum(-1, dtype=jnp.int32)) + 1
+    top_x, top_ids = jax.lax.top_k(x, min(k, Vs))
+    if axis is not None:
+        top_x = jax.lax.all_gather(top_x, axis, axis=1, tiled=True)
+        top_ids = jax.lax.all_gather(top_ids + lo, axis, axis=1, tiled=True)
+        top_x, best = jax.lax.top_k(top_x, k)
+        top_ids = jnp.take_along_axis(top_ids, best, axis=-1)
+    return (t_x - m) - log_s, rank, top_ids.astype(jnp.int32), (top_x - m[:, None]) - log_s[:, None]
 
 
 def pipeline_head_fn(
@@ -240,4 +296,6 @@ def pipeline_head_fn(
     """pp > 1: the last stage's hidden states -> logits and sampling (one jit per flags on the last stage; mesh:
     that stage's)."""
     logits = gathered_logits(compute_logits(params, hidden[logits_indices], cfg), mesh)
-    return _sample_fn(params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k)
+    return _sample_fn(
+        params, hidden, prev_tokens, logits, smd, prompt_targets, cfg=cfg, flags=flags, prompt_k=prompt_k, mesh=mesh
+    )
