@@ -146,12 +146,14 @@ SWEEP += [
     )
 ]
 ROTATE_BYTES = 256 << 20
-MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl)
-    dict(scale_weight=False),
+MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl; --mgpu-configs replaces them)
     dict(nw=1),
     dict(ctas_per_sm=4),
     dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
+] + [  # qmatmul_mgpu_wide (x's rows tiled; the default above 256 rows)
+    dict(wide=True, tile_m=tm, block_k=bk, nw=nw)
+    for tm, bk, nw in ((128, 128, 2), (128, 64, 2), (256, 64, 2), (64, 128, 2))
 ]
 
 
@@ -355,7 +357,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         ws = [w0] + [make_impl(name, K, N, jax.random.fold_in(key, i))[1] for i in range(1, copies)]
         configs = [{}] + (sweep if sweep and name == "int4_sym" else [])
         if name.startswith("int4_mgpu") and sweep:
-            configs += MGPU_SWEEP
+            configs += json.loads(args.mgpu_configs) if args.mgpu_configs else MGPU_SWEEP
         if name == "fp8_gemv" and sweep:
             configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
         for M in ms:
@@ -530,6 +532,9 @@ def main(argv=None):
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--sweep", action="store_true", help="int4_sym kernel tilings at --sweep-m")
     p.add_argument("--sweep-m", default="1,16,64")
+    p.add_argument(
+        "--mgpu-configs", default=None, help="int4_mgpu's sweep entries as a JSON list (replaces MGPU_SWEEP)"
+    )
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
     p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
     p.add_argument(

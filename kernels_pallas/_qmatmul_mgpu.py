@@ -16,6 +16,13 @@ WGMMA_UPCAST_4X layout (8 int4 a 32-bit load), moves it to the WGMMA layout (two
 converts to 16 bits, subtracts the zero (asymmetric only: exact in 16 bits), runs one wgmma into a fresh float32
 accumulator and adds it times the group's scale to the running sum (the scale on the product, as _qmatmul does).
 Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller.
+
+More rows than one wgmma takes (offline decode batches, prefill chunks) run `qmatmul_mgpu_wide`: the same ring and
+register operand, with x's rows tiled as well (a program owns `tile_m` rows times BM * nw columns, the row tiles of a
+column block launched next to each other so they share its weight blocks in L2) and all of K in one program. There
+the group's scale multiplies the dequantized weight block before its wgmma (the 16-bit product rounds exactly as
+the dense path's float32 (q - z) * s rounded once), so one accumulator holds the whole sum. Output: y^T [N, Mp] in
+x's dtype.
 """
 
 from __future__ import annotations
@@ -257,15 +264,208 @@ def qmatmul_mgpu(
     )(*args)
 
 
-def matmul(x, wt, scales, zeros=None, *, group_size, interpret=False, **tuning):
-    """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp, the
-    kernel's split-K partials summed and transposed back (one XLA fusion after the kernel)."""
+WIDE_SMEM_BYTES = 216 << 10  # the wide kernel's shared memory (one program an SM; at most 227 KB)
+
+
+def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    z_ref = refs[0] if asym else None
+    o_ref, scoped = refs[-2], refs[-1]
+    (w_smem, x_smem, s_smem, z_smem, o_smem), (ready, free, sready) = scoped
+    row, col, wg = lax.axis_index("m"), lax.axis_index("n"), lax.axis_index("wg")
+    n0 = col * BM * nw
+    tm = x_smem.shape[1]
+    m0 = row * tm
+
+    @pl.when(wg < nw)
+    def _compute():
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+
+        def rows(ref, g):  # [BM] of a group row, broadcast over the block's K
+            if interpret:
+                r = ref[wg, g]
+            else:
+                r = plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
+            return lax.broadcast_in_dim(r, (BM, block_k), [0])
+
+        def weight(slot, g):  # the block's (q - z) * s in x's dtype: wgmma's register operand
+            if interpret:
+                a = w_smem[slot, wg].astype(dtype)
+            else:
+                q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                a = plgpu.layout_cast(q, wgmma_layout).astype(dtype)
+            if asym:
+                a = a - rows(z_smem, g)
+            return a * rows(s_smem, g)
+
+        plgpu.barrier_wait(sready.at[0])
+        if interpret:
+
+            def body(step, acc):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                a = weight(slot, step // group_blocks)
+                acc = acc + jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((BM, tm), jnp.float32))
+        else:
+
+            def scope(acc_ref):
+                def body(step, carry):
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(ready.at[slot])
+                    plgpu.wgmma(
+                        acc_ref, weight(slot, step // group_blocks), plgpu.transpose_ref(x_smem.at[slot], (1, 0))
+                    )
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                lax.fori_loop(0, steps, body, None)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(scope, plgpu.ACC((BM, tm), jnp.float32))
+        o_smem[wg] = acc.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(n0 + wg * BM, BM), pl.ds(m0, tm)])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == nw)
+    def _memory():
+        ng = s_smem.shape[1]
+        for h in range(nw):
+            hcols = pl.ds(n0 + h * BM, BM)
+            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(0, ng), hcols], s_smem.at[h], sready.at[0])
+            if asym:
+                plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(0, ng), hcols], z_smem.at[h], sready.at[0])
+
+        @pl.loop(0, steps)
+        def _(step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            k = pl.ds(step * block_k, block_k)
+            for h in range(nw):
+                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, tm), k], x_smem.at[slot], ready.at[slot])
+
+        @pl.loop(max(steps - stages, 0), steps)
+        def _(step):
+            plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+
+
+def wide_supported(x_dtype, n, kp, bits, group_size, *, nw=2, block_k=128) -> bool:
+    """What qmatmul_mgpu_wide takes: as `supported`, and at most MAX_SCALE_ROWS group rows over all of K."""
+    groups = 1 if group_size == -1 else kp // max(group_size, 1)
+    return supported(x_dtype, n, kp, bits, group_size, block_k, nw) and groups <= MAX_SCALE_ROWS
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("group_size", "nw", "tile_m", "block_k", "stages", "interpret"),
+)
+def qmatmul_mgpu_wide(
+    x, wt, scales, zeros=None, *, group_size, nw=2, tile_m=128, block_k=128, stages=None, interpret=False
+):
+    """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
+    y^T [N, Mp] in x's dtype, Mp = M rounded up to whole tiles of tile_m rows (at most 256, a multiple of 8). See
+    the module docstring."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    M, Kp = x.shape
+    N = wt.shape[0]
+    if not wide_supported(x.dtype, N, Kp, 4, group_size, nw=nw, block_k=block_k):
+        raise ValueError(f"qmatmul_mgpu_wide does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    if tile_m % 8 or not 8 <= tile_m <= MAX_ROWS:
+        raise ValueError(f"tile_m={tile_m} must be a multiple of 8 in [8, {MAX_ROWS}]")
+    steps = Kp // block_k
+    group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
+    ng = 1 if group_size == -1 else Kp // group_size
+    Mp = -(-M // tile_m) * tile_m
+    if Mp != M:
+        x = jnp.pad(x, ((0, Mp - M), (0, 0)))
+    asym = zeros is not None
+    dtype = x.dtype
+    if stages is None:  # as many ring slots as fit beside the scales and the output tile, 2..8
+        fixed = nw * BM * tile_m * 2 + nw * ng * BM * 2 * (2 if asym else 1)
+        per_stage = nw * BM * block_k // 2 + tile_m * block_k * 2
+        stages = min(8, steps, (WIDE_SMEM_BYTES - fixed) // per_stage)
+        if stages < 2:
+            raise ValueError(f"qmatmul_mgpu_wide: tile_m={tile_m} leaves no room for two ring slots (K={Kp})")
+    kernel = functools.partial(
+        _wide_kernel,
+        asym=asym,
+        nw=nw,
+        block_k=block_k,
+        steps=steps,
+        stages=stages,
+        group_blocks=group_blocks,
+        dtype=dtype,
+        interpret=interpret,
+    )
+    x_swizzle = min(128, block_k * 2)
+    w_swizzle = min(128, block_k // 2)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
+            plgpu.SMEM(
+                (stages, nw, BM, block_k),
+                jnp.int4,
+                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
+            ),
+            plgpu.SMEM(
+                (stages, tile_m, block_k),
+                dtype,
+                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
+            ),
+            plgpu.SMEM((nw, ng, BM), dtype),
+            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
+            plgpu.SMEM((nw, BM, tile_m), dtype),
+            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
+            collective_axes="wg",
+        )
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    args = (x, wt, scales) + ((zeros,) if asym else ())
+    # The row tiles first: the programs of one column block (its weight blocks) run side by side.
+    return plgpu.kernel(
+        entry,
+        out_type=jax.ShapeDtypeStruct((N, Mp), dtype),
+        grid=(Mp // tile_m, N // (BM * nw)),
+        grid_names=("m", "n"),
+        num_threads=nw + 1,
+        thread_name="wg",
+        **kw,
+    )(*args)
+
+
+def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False, **tuning):
+    """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp; wide (default:
+    more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials summed and
+    transposed back (one XLA fusion after the kernel)."""
     lead, K = x.shape[:-1], x.shape[-1]
     N, Kp = wt.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if Kp != K:
         x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
+    if wide if wide is not None else M > MAX_ROWS:
+        yt = qmatmul_mgpu_wide(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
+        return yt[:, :M].T.reshape(*lead, N)
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
     parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)

@@ -346,9 +346,13 @@ def test_key_changes_with_the_program_env_overrides(monkeypatch):
     base = exec_cache._environment(devices)
     monkeypatch.setenv("JAXLLM_SOMETHING_ELSE", "1")
     assert exec_cache._environment(devices) == base
-    assert {"JAXLLM_FP8_DOT_BF16", "JAXLLM_FP8_NORM", "JAXLLM_FP8_SILU_MLP", "JAXLLM_INT4_NK"} <= set(
-        exec_cache.PROGRAM_ENV
-    )
+    assert {
+        "JAXLLM_FP8_DOT_BF16",
+        "JAXLLM_FP8_NORM",
+        "JAXLLM_FP8_SILU_MLP",
+        "JAXLLM_INT4_NK",
+        "JAXLLM_INT4_NK_WIDE",
+    } <= set(exec_cache.PROGRAM_ENV)
     for name in exec_cache.PROGRAM_ENV:
         monkeypatch.setenv(name, "0")
         assert exec_cache._environment(devices) != base, name

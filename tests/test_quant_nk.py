@@ -52,6 +52,29 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
+@pytest.mark.parametrize(
+    "K,N,M,group,sym,tile_m,block_k",
+    [
+        (256, 128, 20, 128, True, 16, 128),  # two row tiles, the last padded
+        (512, 256, 40, -1, False, 24, 64),  # per channel, asymmetric, 8 K blocks
+        (512, 128, 8, 256, False, 8, 128),  # a group of two K blocks
+    ],
+)
+def test_wide_kernel_matches_the_reference(K, N, M, group, sym, tile_m, block_k):
+    """qmatmul_mgpu_wide (interpreter): x's rows tiled, all of K in one program, the scale on the weight block; y^T
+    equals x @ W (quantized_matmul_ref on the planes layout of the same integers) up to bf16 rounding, and matmul
+    takes it above MAX_ROWS rows or when asked."""
+    w = _weight(K, N, group, sym, seed=K + M)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
+    yt = _qmatmul_mgpu.qmatmul_mgpu_wide(x, wt, s, z, group_size=group, tile_m=tile_m, block_k=block_k, interpret=True)
+    assert yt.shape == (N, -(-M // tile_m) * tile_m) and yt.dtype == x.dtype
+    ref = quantized_matmul_ref(x, w)
+    assert _rel(yt[:, :M].T, ref) < 5e-3
+    y = _qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, wide=True, tile_m=tile_m, block_k=block_k, interpret=True)
+    assert y.shape == (M, N) and _rel(y, ref) < 5e-3
+
+
 def test_plan_and_refusals():
     """plan: splits that divide K's blocks into whole groups and give ~2 programs an SM (8B shapes); supported /
     qmatmul_mgpu refuse what the kernel does not take."""
@@ -70,6 +93,21 @@ def test_plan_and_refusals():
         _qmatmul_mgpu.qmatmul_mgpu(jnp.zeros((300, 256), jnp.bfloat16), wt, s, group_size=128, interpret=True)
     with pytest.raises(ValueError, match="splits=3"):
         _qmatmul_mgpu.qmatmul_mgpu(jnp.zeros((1, 256), jnp.bfloat16), wt, s, group_size=128, splits=3, interpret=True)
+
+
+@pytest.mark.parametrize("M,sym,K,N", [(512, True, 4096, 28672), (300, False, 14336, 4096)])
+def test_wide_kernel_lowers_for_cuda(M, sym, K, N):
+    """The wide kernel's Mosaic GPU lowering (CPU) at 8B shapes: gate_up over an offline decode batch, down with
+    asymmetric groups (112 group rows of scales and zeros in shared memory beside the ring and the output tile)."""
+    wt = jnp.zeros((N, K), jnp.int4)
+    s = jnp.ones((K // 128, N), jnp.bfloat16)
+    z = None if sym else s
+    x = jnp.zeros((M, K), jnp.bfloat16)
+    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu_wide, group_size=128))
+    assert "mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+    if not sym:  # 256-row tiles: 120 KB of output tile, scales and zeros leave room for one 72 KB ring slot
+        with pytest.raises(ValueError, match="no room"):
+            _qmatmul_mgpu.qmatmul_mgpu_wide(x, wt, s, z, group_size=128, tile_m=256)
 
 
 @pytest.mark.parametrize("M,sym", [(1, True), (16, False)])

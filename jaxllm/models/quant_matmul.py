@@ -16,8 +16,8 @@
                    its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
   int4 nk layout   (JAXLLM_INT4_NK=1) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
-                   _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: the        one float32 dot
-                   weight dequantized by XLA + its GEMM
+                   _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: its wide   one float32 dot
+                   variant (x's rows tiled; NK_WIDE)
 
 The decoder's MLP of fp8 W8A8 gate / up and down weights (dynamic scales) on the kernels path, more than 2 rows:
 silu_mlp (kernels_pallas.fp8_silu_mlp: silu(gate) * up and its e4m3 rounding for down in one Pallas pass between
@@ -232,6 +232,9 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
 # (kernels_pallas/_qmatmul_mgpu.py); above, the weight is dequantized for XLA's GEMM. H100, 8B GPTQ, batch-1 TTFT of a
 # 128-token prompt: 13.0 ms at 128 against 19.5 at 64 (planes 15.3; bench/results/int4_nk_ab_h100_5f8d838.json).
 NK_KERNEL_MAX_ROWS = 128
+# Above NK_KERNEL_MAX_ROWS: the wide Mosaic GPU kernel (qmatmul_mgpu_wide: x's rows tiled, the scale on the weight
+# block) instead of the dequantized weight + XLA's GEMM. JAXLLM_INT4_NK_WIDE=0 turns it off.
+NK_WIDE = os.environ.get("JAXLLM_INT4_NK_WIDE", "1") == "1"
 
 
 def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
@@ -240,14 +243,15 @@ def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
     scales, zeros = flat(w.scales), flat(w.zeros)
     group = w.layout.group_size
-    if (
-        kernels
-        and x.shape[0] <= NK_KERNEL_MAX_ROWS
-        and (interpret or on_gpu())
-        and _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
-    ):
-        zeros = None if zeros is None else zeros.astype(x.dtype)
-        return _qmatmul_mgpu.matmul(x, wt, scales.astype(x.dtype), zeros, group_size=group, interpret=interpret)
+    if kernels and (interpret or on_gpu()):
+        narrow = x.shape[0] <= NK_KERNEL_MAX_ROWS
+        if (narrow and _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)) or (
+            not narrow and NK_WIDE and _qmatmul_mgpu.wide_supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
+        ):
+            zeros = None if zeros is None else zeros.astype(x.dtype)
+            return _qmatmul_mgpu.matmul(
+                x, wt, scales.astype(x.dtype), zeros, group_size=group, wide=not narrow, interpret=interpret
+            )
     x, (wt, scales, zeros) = tie_to_input(x, (wt, scales, zeros))
     dense = nk_dequantize(wt, scales, zeros, group, x.dtype)  # [N, k]
     if kernels:
