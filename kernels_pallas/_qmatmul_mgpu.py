@@ -267,7 +267,7 @@ def qmatmul_mgpu(
 WIDE_SMEM_BYTES = 216 << 10  # the wide kernel's shared memory (one program an SM; at most 227 KB)
 
 
-def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
+def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, regs, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
@@ -280,6 +280,8 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
 
     @pl.when(wg < nw)
     def _compute():
+        if regs and not interpret:  # the memory warpgroup's registers to the accumulators (512 a lane in all)
+            plgpu.set_max_registers(min(232, (512 - 40) // nw // 8 * 8), action="increase")
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = wgmma_layout.reduce(1)
 
@@ -336,6 +338,8 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
 
     @pl.when(wg == nw)
     def _memory():
+        if regs and not interpret:
+            plgpu.set_max_registers(40, action="decrease")
         ng = s_smem.shape[1]
         for h in range(nw):
             hcols = pl.ds(n0 + h * BM, BM)
@@ -369,10 +373,10 @@ def wide_supported(x_dtype, n, kp, bits, group_size, *, nw=2, block_k=128) -> bo
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group_size", "nw", "tile_m", "block_k", "stages", "interpret"),
+    static_argnames=("group_size", "nw", "tile_m", "block_k", "stages", "regs", "interpret"),
 )
 def qmatmul_mgpu_wide(
-    x, wt, scales, zeros=None, *, group_size, nw=2, tile_m=128, block_k=128, stages=None, interpret=False
+    x, wt, scales, zeros=None, *, group_size, nw=2, tile_m=128, block_k=128, stages=None, regs=False, interpret=False
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     y^T [N, Mp] in x's dtype, Mp = M rounded up to whole tiles of tile_m rows (at most 256, a multiple of 8). See
@@ -408,6 +412,7 @@ def qmatmul_mgpu_wide(
         stages=stages,
         group_blocks=group_blocks,
         dtype=dtype,
+        regs=regs,
         interpret=interpret,
     )
     x_swizzle = min(128, block_k * 2)

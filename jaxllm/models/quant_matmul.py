@@ -235,6 +235,9 @@ NK_KERNEL_MAX_ROWS = 128
 # Above NK_KERNEL_MAX_ROWS: the wide Mosaic GPU kernel (qmatmul_mgpu_wide: x's rows tiled, the scale on the weight
 # block) instead of the dequantized weight + XLA's GEMM. JAXLLM_INT4_NK_WIDE=0 turns it off.
 NK_WIDE = os.environ.get("JAXLLM_INT4_NK_WIDE", "1") == "1"
+# Above this many rows (prefill chunks) the dense weight + XLA's GEMM again: its dequantization is shared by the rows,
+# and the wide kernel took 1.37x bf16's GEMM time at 512 rows (bench/results/quant_kernels_h100_1a39a82_wide.json).
+NK_WIDE_MAX_ROWS = 1024
 
 
 def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
@@ -246,7 +249,10 @@ def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     if kernels and (interpret or on_gpu()):
         narrow = x.shape[0] <= NK_KERNEL_MAX_ROWS
         if (narrow and _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)) or (
-            not narrow and NK_WIDE and _qmatmul_mgpu.wide_supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
+            not narrow
+            and NK_WIDE
+            and x.shape[0] <= NK_WIDE_MAX_ROWS
+            and _qmatmul_mgpu.wide_supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
         ):
             zeros = None if zeros is None else zeros.astype(x.dtype)
             return _qmatmul_mgpu.matmul(
