@@ -365,6 +365,27 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
             plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
 
+def wide_tiling(m, n, kp, group_size, asym=False, nw=2) -> dict:
+    """The wide kernel's default tiling for x [m, kp] and N = n: 256-row tiles of 64-wide K blocks where they still
+    give ~0.7 programs an SM, pad m little more than 128-row tiles and fit shared memory, else 128-row tiles of 128; the compute warpgroups take the memory
+    warpgroup's registers either way. H100, M = 512 (bench/results/quant_kernels_h100_653e6ec_wide2.json, us, 128
+    against 256 rows): qkv 62.3 / 51.4, gate_up 224.4 / 209.3; o 33.2 / 49.3, down 103.5 / 158.3 (64 and 32 column
+    blocks: half the SMs)."""
+    wide = dict(tile_m=256, block_k=64, nw=nw, regs=True)
+    padded = -(-m // 256) * 256 <= 1.15 * (-(-m // 128) * 128)  # not many more padding rows than 128-row tiles
+    if padded and (n // (BM * nw)) * -(-m // 256) >= 0.7 * NUM_SMS and _wide_stages(kp, group_size, asym, **wide) >= 2:
+        return wide
+    return dict(tile_m=128, block_k=128, nw=nw, regs=True)
+
+
+def _wide_stages(kp, group_size, asym, *, tile_m, block_k, nw, **_):
+    """Ring slots that fit WIDE_SMEM_BYTES beside the scales (and zeros) and the output tile, at most 8."""
+    ng = 1 if group_size == -1 else kp // group_size
+    fixed = nw * BM * tile_m * 2 + nw * ng * BM * 2 * (2 if asym else 1)
+    per_stage = nw * BM * block_k // 2 + tile_m * block_k * 2
+    return min(8, kp // block_k, (WIDE_SMEM_BYTES - fixed) // per_stage)
+
+
 def wide_supported(x_dtype, n, kp, bits, group_size, *, nw=2, block_k=128) -> bool:
     """What qmatmul_mgpu_wide takes: as `supported`, and at most MAX_SCALE_ROWS group rows over all of K."""
     groups = 1 if group_size == -1 else kp // max(group_size, 1)
@@ -397,10 +418,8 @@ def qmatmul_mgpu_wide(
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
     asym = zeros is not None
     dtype = x.dtype
-    if stages is None:  # as many ring slots as fit beside the scales and the output tile, 2..8
-        fixed = nw * BM * tile_m * 2 + nw * ng * BM * 2 * (2 if asym else 1)
-        per_stage = nw * BM * block_k // 2 + tile_m * block_k * 2
-        stages = min(8, steps, (WIDE_SMEM_BYTES - fixed) // per_stage)
+    if stages is None:
+        stages = _wide_stages(Kp, group_size, asym, tile_m=tile_m, block_k=block_k, nw=nw)
         if stages < 2:
             raise ValueError(f"qmatmul_mgpu_wide: tile_m={tile_m} leaves no room for two ring slots (K={Kp})")
     kernel = functools.partial(
@@ -469,6 +488,7 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False,
     if Kp != K:
         x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
     if wide if wide is not None else M > MAX_ROWS:
+        tuning = {**wide_tiling(M, N, Kp, group_size, zeros is not None), **tuning}
         yt = qmatmul_mgpu_wide(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
         return yt[:, :M].T.reshape(*lead, N)
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked

@@ -83,6 +83,10 @@ def test_plan_and_refusals():
     assert _qmatmul_mgpu.plan(4096, 4096, -1) == 8
     splits = _qmatmul_mgpu.plan(4096, 4096, 512)  # groups of 4 K blocks: each split holds whole groups
     assert splits > 1 and (32 // splits) % 4 == 0
+    tiles = lambda m, n, k: _qmatmul_mgpu.wide_tiling(m, n, k, 128)["tile_m"]  # noqa: E731
+    assert (tiles(512, 6144, 4096), tiles(512, 28672, 4096)) == (256, 256)  # qkv, gate_up: enough column blocks
+    assert (tiles(512, 4096, 4096), tiles(512, 4096, 14336)) == (128, 128)  # o, down: 32 column blocks
+    assert tiles(300, 28672, 4096) == 128  # 256-row tiles would pad 300 rows to 512
     assert not _qmatmul_mgpu.supported(jnp.float32, 128, 256, 4, 128)
     assert not _qmatmul_mgpu.supported(jnp.bfloat16, 96, 256, 4, 128)  # N not whole 64-column blocks
     assert not _qmatmul_mgpu.supported(jnp.bfloat16, 128, 256, 4, 64)  # groups smaller than a K block
@@ -103,7 +107,8 @@ def test_wide_kernel_lowers_for_cuda(M, sym, K, N):
     s = jnp.ones((K // 128, N), jnp.bfloat16)
     z = None if sym else s
     x = jnp.zeros((M, K), jnp.bfloat16)
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu_wide, group_size=128))
+    tiling = _qmatmul_mgpu.wide_tiling(M, N, K, 128, not sym)  # 256 x 64 tiles for gate_up, 128 x 128 for down
+    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu_wide, group_size=128, **tiling))
     assert "mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
     if not sym:  # 256-row tiles: 120 KB of output tile, scales and zeros leave room for one 72 KB ring slot
         with pytest.raises(ValueError, match="no room"):
