@@ -86,7 +86,6 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
     col, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
     n0 = col * BM * nw
     first = split * steps  # the split's first K block
-    ng = s_smem.shape[1]
     g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
     Mp = x_smem.shape[1]
 
@@ -139,29 +138,91 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
     @pl.when(wg == nw)
     def _memory():
+        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=slice(None), n0=n0, g0=g0, first=first, steps=steps)
+
+
+def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
+    """The memory warpgroup of both kernels: the program's group rows of scales (and zeros) from g0, then K blocks
+    first .. first + steps of its nw x BM weight columns and of x's rows x_rows into the ring, each slot reused once
+    the compute warpgroups release it."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    (w_smem, x_smem, s_smem, z_smem, _), (ready, free, sready) = scoped
+    stages, nw, _, block_k = w_smem.shape
+    ng = s_smem.shape[1]
+    for h in range(nw):
+        hcols = pl.ds(n0 + h * BM, BM)
+        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(g0, ng), hcols], s_smem.at[h], sready.at[0])
+        if z_ref is not None:
+            plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(g0, ng), hcols], z_smem.at[h], sready.at[0])
+
+    @pl.loop(0, steps)
+    def _(step):
+        slot = lax.rem(step, stages)
+
+        @pl.when(step >= stages)
+        def _():
+            plgpu.barrier_wait(free.at[slot])
+
+        k = pl.ds((first + step) * block_k, block_k)
         for h in range(nw):
-            hcols = pl.ds(n0 + h * BM, BM)
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(g0, ng), hcols], s_smem.at[h], sready.at[0])
-            if asym:
-                plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(g0, ng), hcols], z_smem.at[h], sready.at[0])
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
+        plgpu.copy_gmem_to_smem(x_ref.at[x_rows, k], x_smem.at[slot], ready.at[slot])
 
-        @pl.loop(0, steps)
-        def _(step):
-            slot = lax.rem(step, stages)
+    # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
+    @pl.loop(max(steps - stages, 0), steps)
+    def _(step):
+        plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
 
-            k = pl.ds((first + step) * block_k, block_k)
-            for h in range(nw):
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[:, k], x_smem.at[slot], ready.at[slot])
+def _launch(kernel, args, *, stages, nw, block_k, x_rows, ng, out_dtype, out_type, grid, grid_names, interpret):
+    """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup. Shared
+    memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
+    args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype; barriers: a slot filled, a slot
+    released, the scales copied."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
 
-        # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
-        @pl.loop(max(steps - stages, 0), steps)
-        def _(step):
-            plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+    asym = len(args) == 4
+    dtype = args[0].dtype
+    x_swizzle = min(128, block_k * 2)
+    w_swizzle = min(128, block_k // 2)
+
+    def entry(*refs):
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
+            plgpu.SMEM(
+                (stages, nw, BM, block_k),
+                jnp.int4,
+                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
+            ),
+            plgpu.SMEM(
+                (stages, x_rows, block_k),
+                dtype,
+                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
+            ),
+            plgpu.SMEM((nw, ng, BM), dtype),
+            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
+            plgpu.SMEM((nw, BM, x_rows), out_dtype),
+            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
+            collective_axes="wg",
+        )
+
+    kw = {}
+    if interpret:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+        kw["interpret"] = InterpretGPUParams()
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=grid_names,
+        num_threads=nw + 1,
+        thread_name="wg",
+        **kw,
+    )(*args)
 
 
 @functools.partial(
@@ -184,8 +245,6 @@ def qmatmul_mgpu(
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     M, Kp = x.shape
     N = wt.shape[0]
     if M > MAX_ROWS:
@@ -222,46 +281,20 @@ def qmatmul_mgpu(
         dtype=dtype,
         interpret=interpret,
     )
-    x_swizzle = min(128, block_k * 2)
-    w_swizzle = min(128, block_k // 2)
-
-    def entry(*refs):
-        pl.run_scoped(
-            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
-            plgpu.SMEM(
-                (stages, nw, BM, block_k),
-                jnp.int4,
-                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
-            ),
-            plgpu.SMEM(
-                (stages, Mp, block_k),
-                dtype,
-                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
-            ),
-            plgpu.SMEM((nw, ng, BM), dtype),
-            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
-            plgpu.SMEM((nw, BM, Mp), jnp.float32),
-            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
-            collective_axes="wg",
-        )
-
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        kw["interpret"] = InterpretGPUParams()
-    args = (x, wt, scales) + ((zeros,) if asym else ())
-    return plgpu.kernel(
-        entry,
+    return _launch(
+        kernel,
+        (x, wt, scales) + ((zeros,) if asym else ()),
+        stages=stages,
+        nw=nw,
+        block_k=block_k,
+        x_rows=Mp,
+        ng=ng,
+        out_dtype=jnp.float32,
         out_type=jax.ShapeDtypeStruct((S, N, Mp), jnp.float32),
         grid=(N // (BM * nw), S),
         grid_names=("n", "s"),
-        num_threads=nw + 1,
-        thread_name="wg",
-        **kw,
-    )(*args)
+        interpret=interpret,
+    )
 
 
 WIDE_SMEM_BYTES = 216 << 10  # the wide kernel's shared memory (one program an SM; at most 227 KB)
@@ -340,35 +373,13 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
     def _memory():
         if regs and not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        ng = s_smem.shape[1]
-        for h in range(nw):
-            hcols = pl.ds(n0 + h * BM, BM)
-            plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(0, ng), hcols], s_smem.at[h], sready.at[0])
-            if asym:
-                plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(0, ng), hcols], z_smem.at[h], sready.at[0])
-
-        @pl.loop(0, steps)
-        def _(step):
-            slot = lax.rem(step, stages)
-
-            @pl.when(step >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            k = pl.ds(step * block_k, block_k)
-            for h in range(nw):
-                plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(m0, tm), k], x_smem.at[slot], ready.at[slot])
-
-        @pl.loop(max(steps - stages, 0), steps)
-        def _(step):
-            plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(m0, tm), n0=n0, g0=0, first=0, steps=steps)
 
 
 def wide_tiling(m, n, kp, group_size, asym=False, nw=2) -> dict:
     """The wide kernel's default tiling for x [m, kp] and N = n: 256-row tiles of 64-wide K blocks where they still
-    give ~0.7 programs an SM, pad m little more than 128-row tiles and fit shared memory, else 128-row tiles of 128; the compute warpgroups take the memory
-    warpgroup's registers either way. H100, M = 512 (bench/results/quant_kernels_h100_653e6ec_wide2.json, us, 128
+    give ~0.7 programs an SM, pad m little more than 128-row tiles and fit shared memory, else 128-row tiles of 128;
+    the compute warpgroups take the memory warpgroup's registers either way. H100, M = 512 (bench/results/quant_kernels_h100_653e6ec_wide2.json, us, 128
     against 256 rows): qkv 62.3 / 51.4, gate_up 224.4 / 209.3; o 33.2 / 49.3, down 103.5 / 158.3 (64 and 32 column
     blocks: half the SMs)."""
     wide = dict(tile_m=256, block_k=64, nw=nw, regs=True)
@@ -402,8 +413,6 @@ def qmatmul_mgpu_wide(
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     y^T [N, Mp] in x's dtype, Mp = M rounded up to whole tiles of tile_m rows (at most 256, a multiple of 8). See
     the module docstring."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
     M, Kp = x.shape
     N = wt.shape[0]
     if not wide_supported(x.dtype, N, Kp, 4, group_size, nw=nw, block_k=block_k):
@@ -434,47 +443,21 @@ def qmatmul_mgpu_wide(
         regs=regs,
         interpret=interpret,
     )
-    x_swizzle = min(128, block_k * 2)
-    w_swizzle = min(128, block_k // 2)
-
-    def entry(*refs):
-        pl.run_scoped(
-            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
-            plgpu.SMEM(
-                (stages, nw, BM, block_k),
-                jnp.int4,
-                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
-            ),
-            plgpu.SMEM(
-                (stages, tile_m, block_k),
-                dtype,
-                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
-            ),
-            plgpu.SMEM((nw, ng, BM), dtype),
-            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
-            plgpu.SMEM((nw, BM, tile_m), dtype),
-            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
-            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
-            collective_axes="wg",
-        )
-
-    kw = {}
-    if interpret:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-
-        kw["interpret"] = InterpretGPUParams()
-    args = (x, wt, scales) + ((zeros,) if asym else ())
     # The row tiles first: the programs of one column block (its weight blocks) run side by side.
-    return plgpu.kernel(
-        entry,
+    return _launch(
+        kernel,
+        (x, wt, scales) + ((zeros,) if asym else ()),
+        stages=stages,
+        nw=nw,
+        block_k=block_k,
+        x_rows=tile_m,
+        ng=ng,
+        out_dtype=dtype,
         out_type=jax.ShapeDtypeStruct((N, Mp), dtype),
         grid=(Mp // tile_m, N // (BM * nw)),
         grid_names=("m", "n"),
-        num_threads=nw + 1,
-        thread_name="wg",
-        **kw,
-    )(*args)
+        interpret=interpret,
+    )
 
 
 def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False, **tuning):

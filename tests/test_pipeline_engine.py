@@ -21,9 +21,9 @@ def tiny(tmp_path_factory):
     return make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))[0]
 
 
-def greedy(model_dir, **kw):
+def engine(model_dir, **kw):
     kw.setdefault("enforce_eager", True)
-    llm = LLM(
+    return LLM(
         model_dir,
         dtype="float32",
         num_gpu_blocks_override=64,
@@ -34,6 +34,10 @@ def greedy(model_dir, **kw):
         compilation_cache_dir=None,
         **kw,
     )
+
+
+def greedy(model_dir, **kw):
+    llm = engine(model_dir, **kw)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -49,18 +53,7 @@ def test_engine_greedy_equal_tp1(tiny, ref, tp, pp):
 
 
 def prompt_logprobs(model_dir, **kw):
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        num_gpu_blocks_override=64,
-        max_num_seqs=8,
-        max_num_batched_tokens=32,
-        block_size=8,
-        max_model_len=64,
-        compilation_cache_dir=None,
-        enforce_eager=True,
-        **kw,
-    )
+    llm = engine(model_dir, **kw)
     sp = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
     return [o.prompt_logprobs for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)]
 

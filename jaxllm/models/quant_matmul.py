@@ -229,7 +229,7 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
 
 
 # int4 nk-layout weights (jaxllm/models/quant.py NK_LAYOUT) of up to this many rows run the Mosaic GPU kernel
-# (kernels_pallas/_qmatmul_mgpu.py); above, the weight is dequantized for XLA's GEMM. H100, 8B GPTQ, batch-1 TTFT of a
+# (kernels_pallas/_qmatmul_mgpu.py); above, its wide variant or the dequantized weight + XLA's GEMM (below). H100, 8B GPTQ, batch-1 TTFT of a
 # 128-token prompt: 13.0 ms at 128 against 19.5 at 64 (planes 15.3; bench/results/int4_nk_ab_h100_5f8d838.json).
 NK_KERNEL_MAX_ROWS = 128
 # Above NK_KERNEL_MAX_ROWS: the wide Mosaic GPU kernel (qmatmul_mgpu_wide: x's rows tiled, the scale on the weight
