@@ -210,17 +210,31 @@ def _mgpu_reference(x, wt, scales, zeros=None, *, group_size, **_):
     return jnp.pad(y, ((0, 0), (0, Mp - x.shape[0])))[None]
 
 
+def _mgpu_wide_reference(x, wt, scales, zeros=None, *, group_size, tile_m=128, **_):
+    """qmatmul_mgpu_wide's result (y^T [N, Mp] in x's dtype) from the dequantized weight: its stand-in under tp 2,
+    for the reason _mgpu_reference gives."""
+    from jaxllm.models.quant_matmul import nk_dequantize
+
+    Mp = -(-x.shape[0] // tile_m) * tile_m
+    y = nk_dequantize(wt, scales, zeros, group_size, jnp.float32) @ x.astype(jnp.float32).T
+    return jnp.pad(y, ((0, 0), (0, Mp - x.shape[0]))).astype(x.dtype)
+
+
 @pytest.mark.parametrize("sym,tp", [(True, 1), (False, 2)])
 def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeypatch, sym, tp):
     """With NK_LAYOUT on every projection of a GPTQ g128 checkpoint is laid out int4 [*O, I] (row-parallel wo /
     w_down split on I under tp 2), and qmatmul's reference path and kernels path (the Mosaic GPU kernel in the
-    interpreter, 5 rows, tp 1; its contract by _mgpu_reference under tp 2; dequantize + dot, 200 rows) equal the planes
-    layout's product and the dense weights'."""
+    interpreter, 5 rows, tp 1; its contract by _mgpu_reference under tp 2; the wide kernel, 200 rows, likewise by
+    _mgpu_wide_reference under tp 2) equal the planes layout's product and the dense weights'."""
     from jaxllm.models.quant_matmul import qmatmul
 
-    calls = []
+    calls, wide_calls = [], []
     real = _qmatmul_mgpu.qmatmul_mgpu if tp == 1 else _mgpu_reference
+    real_wide = _qmatmul_mgpu.qmatmul_mgpu_wide if tp == 1 else _mgpu_wide_reference
     monkeypatch.setattr(_qmatmul_mgpu, "qmatmul_mgpu", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k))
+    monkeypatch.setattr(
+        _qmatmul_mgpu, "qmatmul_mgpu_wide", lambda x, *a, **k: wide_calls.append(x.shape) or real_wide(x, *a, **k)
+    )
     _, _, dense = _load(gptq_g128["dense", sym], 1, False, monkeypatch)
     _, _, planes = _load(gptq_g128["gptq", sym], 1, False, monkeypatch)
     _, mesh, nk = _load(gptq_g128["gptq", sym], tp, True, monkeypatch)
@@ -240,7 +254,8 @@ def test_projections_in_the_nk_layout_match_the_planes_layout(gptq_g128, monkeyp
                 got = jax.jit(functools.partial(qmatmul, kernels=kernels, interpret=True, mesh=mesh))(x, w)
                 assert got.shape == base.shape
                 assert _rel(got, base) < 1e-2 and _rel(got.reshape(rows, -1), want) < 1e-2, (key, rows, kernels)
-    assert len(calls) == 4, calls  # the 5-row kernels-path products (one trace each); 200 rows dequantize
+    assert len(calls) == 4, calls  # the 5-row kernels-path products (one trace each)
+    assert len(wide_calls) == 4 and all(r == 200 for r, _ in wide_calls), wide_calls  # the 200-row ones (NK_WIDE)
 
 
 def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypatch):
