@@ -134,8 +134,8 @@ def _weight_block(w_smem, s_smem, z_smem, slot, g, *, wg, asym, dtype, interpret
 def _mainloop(weight, x_smem, ready, free, *, steps, group_blocks, interpret):
     """The compute warpgroup's K loop over the ring: y^T [BM, rows] = sum over blocks of weight(slot, g) @ x_block^T
     in one float32 accumulator. Software-pipelined: block i + 1 is waited for and dequantized while block i's wgmma
-    runs; the wgmma is waited for before the loop carries block i + 1's registers into block i's (a wgmma in flight
-    reads its register operand until then) and before slot i is released to the memory warpgroup."""
+    runs, into registers of its own; the wgmma is waited for before the loop carries them into block i's (a wgmma in
+    flight reads its register operand until then) and before slot i is released to the memory warpgroup."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     stages, rows = x_smem.shape[0], x_smem.shape[1]
@@ -167,7 +167,9 @@ def _mainloop(weight, x_smem, ready, free, *, steps, group_blocks, interpret):
             issue(step, a)
             nxt = load(step + 1)  # while the wgmma runs
             retire(step)
-            return nxt
+            # a stays live up to here, so LLVM cannot compute nxt into the loop-carried registers that the wgmma
+            # still reads (ptxas then serializes every wgmma: C7513); the carry is copied after the wait.
+            return lax.optimization_barrier((a, nxt))[1]
 
         a = lax.fori_loop(0, steps - 1, body, load(0))
         issue(steps - 1, a)
