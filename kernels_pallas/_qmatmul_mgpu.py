@@ -87,14 +87,50 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
     n0 = col * BM * nw
     first = split * steps  # the split's first K block
     g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
+    Mp = x_smem.shape[1]
 
     @pl.when(wg < nw)
     def _compute():
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+
+        def rows(ref, g):  # a group row of scales / zeros for this warpgroup's 64 columns, [BM] in the row layout
+            if interpret:
+                return ref[wg, g]
+            return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
+
+        def weight(slot):
+            if interpret:
+                return w_smem[slot, wg].astype(dtype)
+            q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+            return plgpu.layout_cast(q, wgmma_layout).astype(dtype)
+
+        def mma(a, slot):
+            if interpret:
+                return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+
+            def scope(acc_ref):
+                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                return acc_ref[...]
+
+            return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
+
         plgpu.barrier_wait(sready.at[0])
-        weight = functools.partial(
-            _weight_block, w_smem, s_smem, z_smem, wg=wg, asym=asym, dtype=dtype, interpret=interpret
-        )
-        acc = _mainloop(weight, x_smem, ready, free, steps=steps, group_blocks=group_blocks, interpret=interpret)
+
+        def body(step, acc):
+            slot = lax.rem(step, stages)
+            g = step // group_blocks
+            plgpu.barrier_wait(ready.at[slot])
+            a = weight(slot)
+            if asym:
+                a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
+            part = mma(a, slot)
+            plgpu.barrier_arrive(free.at[slot])
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+
+        acc0 = jnp.zeros((BM, Mp), jnp.float32)
+        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
         o_smem[wg] = acc
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(n0 + wg * BM, BM)])
@@ -103,80 +139,6 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
     @pl.when(wg == nw)
     def _memory():
         _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=slice(None), n0=n0, g0=g0, first=first, steps=steps)
-
-
-def _weight_block(w_smem, s_smem, z_smem, slot, g, *, wg, asym, dtype, interpret):
-    """Warpgroup wg's [BM, block_k] weight block in ring slot `slot` as (q - z) * s in x's dtype, group row g of the
-    scales (and zeros): wgmma's register operand. The int4 block is loaded in WGMMA_UPCAST_4X layout (8 values a
-    32-bit load), moved to the WGMMA layout and converted by Mosaic GPU's int4 -> 16-bit path; q - z is exact in 16
-    bits, and the product with the scale rounds once, as the dense path's float32 (q - z) * s."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    block_k = w_smem.shape[-1]
-
-    def rows(ref):  # [BM] of group row g, broadcast over the block's K
-        if interpret:
-            r = ref[wg, g]
-        else:
-            r = plgpu.load(ref.at[wg, g], (), layout=plgpu.Layout.WGMMA.reduce(1), optimized=False)
-        return lax.broadcast_in_dim(r, (BM, block_k), [0])
-
-    if interpret:
-        a = w_smem[slot, wg].astype(dtype)
-    else:
-        q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-        a = plgpu.layout_cast(q, plgpu.Layout.WGMMA).astype(dtype)
-    if asym:
-        a = a - rows(z_smem)
-    return a * rows(s_smem)
-
-
-def _mainloop(weight, x_smem, ready, free, *, steps, group_blocks, interpret):
-    """The compute warpgroup's K loop over the ring: y^T [BM, rows] = sum over blocks of weight(slot, g) @ x_block^T
-    in one float32 accumulator. Software-pipelined: block i + 1 is waited for and dequantized while block i's wgmma
-    runs, into registers of its own; the wgmma is waited for before the loop carries them into block i's (a wgmma in
-    flight reads its register operand until then) and before slot i is released to the memory warpgroup."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    stages, rows = x_smem.shape[0], x_smem.shape[1]
-
-    def load(step):
-        slot = lax.rem(step, stages)
-        plgpu.barrier_wait(ready.at[slot])
-        return weight(slot, step // group_blocks)
-
-    if interpret:
-
-        def body(step, acc):
-            a = load(step)
-            acc = acc + jnp.dot(a, x_smem[lax.rem(step, stages)].T, preferred_element_type=jnp.float32)
-            plgpu.barrier_arrive(free.at[lax.rem(step, stages)])
-            return acc
-
-        return lax.fori_loop(0, steps, body, jnp.zeros((BM, rows), jnp.float32))
-
-    def scope(acc_ref):
-        def issue(step, a):
-            plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[lax.rem(step, stages)], (1, 0)))
-
-        def retire(step):
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[lax.rem(step, stages)])
-
-        def body(step, a):
-            issue(step, a)
-            nxt = load(step + 1)  # while the wgmma runs
-            retire(step)
-            # a stays live up to here, so LLVM cannot compute nxt into the loop-carried registers that the wgmma
-            # still reads (ptxas then serializes every wgmma: C7513); the carry is copied after the wait.
-            return lax.optimization_barrier((a, nxt))[1]
-
-        a = lax.fori_loop(0, steps - 1, body, load(0))
-        issue(steps - 1, a)
-        retire(steps - 1)
-        return acc_ref[...]
-
-    return pl.run_scoped(scope, plgpu.ACC((BM, rows), jnp.float32))
 
 
 def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
@@ -353,11 +315,55 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
     def _compute():
         if regs and not interpret:  # the memory warpgroup's registers to the accumulators (512 a lane in all)
             plgpu.set_max_registers(min(232, (512 - 40) // nw // 8 * 8), action="increase")
+        wgmma_layout = plgpu.Layout.WGMMA
+        row_layout = wgmma_layout.reduce(1)
+
+        def rows(ref, g):  # [BM] of a group row, broadcast over the block's K
+            if interpret:
+                r = ref[wg, g]
+            else:
+                r = plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
+            return lax.broadcast_in_dim(r, (BM, block_k), [0])
+
+        def weight(slot, g):  # the block's (q - z) * s in x's dtype: wgmma's register operand
+            if interpret:
+                a = w_smem[slot, wg].astype(dtype)
+            else:
+                q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                a = plgpu.layout_cast(q, wgmma_layout).astype(dtype)
+            if asym:
+                a = a - rows(z_smem, g)
+            return a * rows(s_smem, g)
+
         plgpu.barrier_wait(sready.at[0])
-        weight = functools.partial(
-            _weight_block, w_smem, s_smem, z_smem, wg=wg, asym=asym, dtype=dtype, interpret=interpret
-        )
-        acc = _mainloop(weight, x_smem, ready, free, steps=steps, group_blocks=group_blocks, interpret=interpret)
+        if interpret:
+
+            def body(step, acc):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                a = weight(slot, step // group_blocks)
+                acc = acc + jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+                plgpu.barrier_arrive(free.at[slot])
+                return acc
+
+            acc = lax.fori_loop(0, steps, body, jnp.zeros((BM, tm), jnp.float32))
+        else:
+
+            def scope(acc_ref):
+                def body(step, carry):
+                    slot = lax.rem(step, stages)
+                    plgpu.barrier_wait(ready.at[slot])
+                    plgpu.wgmma(
+                        acc_ref, weight(slot, step // group_blocks), plgpu.transpose_ref(x_smem.at[slot], (1, 0))
+                    )
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return carry
+
+                lax.fori_loop(0, steps, body, None)
+                return acc_ref[...]
+
+            acc = pl.run_scoped(scope, plgpu.ACC((BM, tm), jnp.float32))
         o_smem[wg] = acc.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[pl.ds(n0 + wg * BM, BM), pl.ds(m0, tm)])
