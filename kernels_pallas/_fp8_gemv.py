@@ -60,20 +60,16 @@ def plan(n: int, k: int, block_n=None, block_k=None, splits=None):
     return bn, bk, -(-tiles // per), per
 
 
-def _kernel(x_ref, w_ref, ws_ref, *refs, bk, per_split, tiles, min_scale, per_tensor):
-    o_ref = refs[-1]
+def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per_tensor):
     M, K = x_ref.shape
     f32, op = jnp.float32, jnp.float16
 
-    if len(refs) == 2:  # the token scales, computed by the caller
-        s = refs[0][...]
-    else:
-        # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then
-        # one row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
-        amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
-        for i in range(1, K // bk):
-            amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
-        s = token_scales(amax, min_scale)  # [M, 1]
+    # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then one
+    # row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
+    amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
+    for i in range(1, K // bk):
+        amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
+    s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
     R = 16 // M
 
     def body(t, acc):
@@ -90,11 +86,6 @@ def _kernel(x_ref, w_ref, ws_ref, *refs, bk, per_split, tiles, min_scale, per_te
     o_ref[...] = (y * s) * ws
 
 
-def token_scales(x, min_scale):
-    """x's per-row e4m3 scales [M, 1]: max |x| / 448, at least min_scale (the kernel's and its callers' formula)."""
-    return jnp.maximum(jnp.abs(x.astype(jnp.float32)).max(axis=1, keepdims=True) / FP8_MAX, min_scale)
-
-
 _STATIC = ("min_scale", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret")
 
 
@@ -103,7 +94,6 @@ def fp8_gemv_kernel(
     x,
     w,
     w_scale,
-    token_scale=None,
     *,
     min_scale,
     block_n=None,
@@ -114,9 +104,8 @@ def fp8_gemv_kernel(
     interpret=False,
 ):
     """x [M, K] (16-bit, M <= MAX_ROWS), w [N, K] float8_e4m3fn, w_scale [N] or [1] (per tensor) float32 ->
-    float32 partials [splits, M, N] whose sum is the scaled product (see the module docstring). token_scale: x's
-    token scales [M, 1] float32 (token_scales(x, min_scale)) computed by the caller, in place of the pass over x's
-    whole row in every program. Tuning (static): block_n, block_k, splits (plan()), num_warps, num_stages."""
+    float32 partials [splits, M, N] whose sum is the scaled product (see the module docstring). Tuning (static):
+    block_n, block_k, splits (plan()), num_warps, num_stages."""
     M, K = x.shape
     N = w.shape[0]
     if not supported(x.dtype, M, N, K) or w.shape[1] != K or jnp.dtype(w.dtype) != jnp.dtype(FP8):
@@ -134,11 +123,10 @@ def fp8_gemv_kernel(
             pl.BlockSpec((M, K), lambda n, s: (0, 0)),
             pl.BlockSpec((BN, K), lambda n, s: (n, 0)),
             pl.BlockSpec((1,), lambda n, s: (0,)) if per_tensor else pl.BlockSpec((BN,), lambda n, s: (n,)),
-        ]
-        + ([] if token_scale is None else [pl.BlockSpec((M, 1), lambda n, s: (0, 0))]),
+        ],
         out_specs=pl.BlockSpec((None, M, BN), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
         name=f"fp8_gemv_{BN=}_{BK=}_{S=}",
-    )(x, w, ws, *(() if token_scale is None else (jnp.asarray(token_scale, jnp.float32).reshape(M, 1),)))
+    )(x, w, ws)

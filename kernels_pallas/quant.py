@@ -91,10 +91,6 @@ FP8_WIDEN_MAX_ROWS = 2
 # against once with a float32 GEMM output; bfloat16 keeps float32's range, so float16 models do not overflow.
 # JAXLLM_FP8_DOT_BF16=0 turns it off (A/B runs).
 FP8_DOT_BF16 = os.environ.get("JAXLLM_FP8_DOT_BF16", "1") == "1"
-# fp8_gemv's token scales: "xla" computes them in the step's XLA program (a row reduction beside x's producer)
-# and hands them to the kernel; "kernel" has every program of the kernel reduce x's whole row itself (for down,
-# 14336 values of each row read again from L2 by each of its ~500 programs). JAXLLM_FP8_GEMV_TOKEN_SCALE.
-FP8_GEMV_TOKEN_SCALE = os.environ.get("JAXLLM_FP8_GEMV_TOKEN_SCALE", "kernel")
 
 
 def _split(y, w: QuantizedWeight, split: bool):
@@ -444,10 +440,8 @@ def fp8_gemv_partials(x, w, w_scale, *, interpret=False, **tuning):
     if not fp8_gemv_supported(x, w):
         raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
     lead, K = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, K)
-    ts = _fp8_gemv.token_scales(x2, FP8_MIN_SCALE) if FP8_GEMV_TOKEN_SCALE == "xla" else None
     parts = _fp8_gemv.fp8_gemv_kernel(
-        x2, w, jnp.asarray(w_scale, jnp.float32), ts, min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
+        x.reshape(-1, K), w, jnp.asarray(w_scale, jnp.float32), min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
     )
     return parts.reshape(parts.shape[0], *lead, w.shape[0])
 

@@ -728,29 +728,6 @@ def test_fp8_gemv_is_fp8_matmul_with_the_quantization_in_the_kernel(rows, N, K, 
     assert not np.asarray(zero, np.float32).any()
 
 
-def test_fp8_gemv_token_scales_from_the_caller_are_the_kernels(monkeypatch):
-    """JAXLLM_FP8_GEMV_TOKEN_SCALE=xla: the token scales come from the step's XLA program (token_scales) and the
-    kernel skips its own pass over the row; the partials are bitwise those of the in-kernel scales (interpret)."""
-    from kernels_pallas import _fp8_gemv
-
-    rng = np.random.default_rng(21)
-    wq, ws = quantize_fp8(rng.standard_normal((64, 512)).astype(np.float32) * 0.05)
-    x = rng.standard_normal((2, 512)).astype(np.float32) * np.array([[30.0], [0.01]])
-    x = jnp.asarray(x, jnp.bfloat16)
-    kernel_side = quant.fp8_gemv_partials(x, wq, ws, interpret=True, block_n=16, block_k=128, splits=2)
-    seen = []
-    real = _fp8_gemv.fp8_gemv_kernel
-    monkeypatch.setattr(
-        _fp8_gemv, "fp8_gemv_kernel", lambda x, w, s, ts, **k: seen.append(ts) or real(x, w, s, ts, **k)
-    )
-    monkeypatch.setattr(quant, "FP8_GEMV_TOKEN_SCALE", "xla")
-    caller_side = quant.fp8_gemv_partials(x, wq, ws, interpret=True, block_n=16, block_k=128, splits=2)
-    assert seen[0].shape == (2, 1) and float(seen[0][1, 0]) == np.float32(
-        np.abs(np.asarray(x[1], np.float32)).max()
-    ) / np.float32(448)
-    assert (np.asarray(caller_side) == np.asarray(kernel_side)).all()
-
-
 def test_fp8_gemv_takes_the_decode_bucket_only():
     rng = np.random.default_rng(13)
     wq, ws = quantize_fp8(rng.standard_normal((48, 256)) * 0.05)
@@ -779,9 +756,6 @@ def test_fp8_gemv_lowers_for_cuda(rows, N, K):
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     bn, bk, splits, _ = plan(N, K)
     assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text
-    ts = jax.ShapeDtypeStruct((rows, 1), jnp.float32)  # the token scales from the caller
-    f = jax.jit(lambda x, w, s, t: fp8_gemv_kernel(x, w, s, t, min_scale=quant.FP8_MIN_SCALE))
-    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in f.trace(*args, ts).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_quantized_matmul_partials():
