@@ -75,7 +75,6 @@ IMPLS = (
     "int4_xla",
     "int4_mgpu",
     "int4_mgpu_asym",
-    "int4_mgpu_blocked",
     "fp8_widened",
     "fp8_res",
     "fp8_gemv",
@@ -282,10 +281,8 @@ def make_impl(name, K, N, key):
     if name.startswith("int4_mgpu"):  # the Mosaic GPU kernel on the nk layout (_qmatmul_mgpu.nk_layout of planes)
         from kernels_pallas import _qmatmul_mgpu
 
-        w = int_weight(key, K, N, 4, 128, name != "int4_mgpu_asym")
+        w = int_weight(key, K, N, 4, 128, name == "int4_mgpu")
         nk = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
-        if name == "int4_mgpu_blocked":  # contiguous [64, 128] weight blocks (1-256 rows only: the narrow kernel)
-            nk = (_qmatmul_mgpu.blocked(nk[0]), *nk[1:])
 
         def mgpu(x, w, **cfg):
             return _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)

@@ -62,18 +62,6 @@ def nk_layout(qweight, scales, zeros, *, plane, dtype):
     return wt, scales.astype(dtype), z
 
 
-def blocked(wt, block_k=128):
-    """The nk weight int4 [N, Kp] as contiguous [BM, block_k] blocks: [N / BM, Kp / block_k, BM, block_k], so each
-    ring slot's TMA reads 4 KB in one run instead of BM rows of block_k / 2 bytes each."""
-    N, Kp = wt.shape
-    return wt.reshape(N // BM, BM, Kp // block_k, block_k).transpose(0, 2, 1, 3)
-
-
-def _dims(wt):
-    """(N, Kp) of an nk weight, flat [N, Kp] or blocked [N / BM, Kp / bk, BM, bk]."""
-    return (wt.shape[0], wt.shape[1]) if wt.ndim == 2 else (wt.shape[0] * wt.shape[2], wt.shape[1] * wt.shape[3])
-
-
 def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
     at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
@@ -178,11 +166,7 @@ def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
 
         k = pl.ds((first + step) * block_k, block_k)
         for h in range(nw):
-            if len(w_ref.shape) == 4:  # blocked: one contiguous block
-                src = w_ref.at[n0 // BM + h, first + step]
-            else:
-                src = w_ref.at[pl.ds(n0 + h * BM, BM), k]
-            plgpu.copy_gmem_to_smem(src, w_smem.at[slot, h], ready.at[slot])
+            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
         plgpu.copy_gmem_to_smem(x_ref.at[x_rows, k], x_smem.at[slot], ready.at[slot])
 
     # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
@@ -262,9 +246,7 @@ def qmatmul_mgpu(
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring."""
     M, Kp = x.shape
-    N = _dims(wt)[0]
-    if wt.ndim == 4 and wt.shape[3] != block_k:
-        raise ValueError(f"a blocked weight of {wt.shape[3]}-wide K blocks needs block_k={wt.shape[3]}")
+    N = wt.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
@@ -483,7 +465,7 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False,
     more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials summed and
     transposed back (one XLA fusion after the kernel)."""
     lead, K = x.shape[:-1], x.shape[-1]
-    N, Kp = _dims(wt)
+    N, Kp = wt.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if Kp != K:
