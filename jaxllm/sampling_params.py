@@ -111,6 +111,10 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before v0.11: moved to structured_outputs
+    # jaxllm's, not vLLM's: the caller reads the text only from the finished output (FINAL_ONLY implies it; the
+    # server's non-streaming routes set it, as they read cumulative outputs for metrics). Without stop strings the
+    # engine then decodes the tokens once, when the sequence finishes, and earlier outputs carry no text.
+    final_text_only: bool = False
     # Filled by the engine, not by users: EOS ids from generation_config (stop unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

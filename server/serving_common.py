@@ -276,6 +276,9 @@ def make_sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             structured_outputs=constraint or structured_outputs(req),
+            # A whole response reads the finished output's text alone: tool calls, reasoning and echo are parsed
+            # from it, logprobs name tokens by id (per_token.logprob_dict). Streams need the text as it grows.
+            final_text_only=not req.stream,
         )
         params.verify_for_model(state.engine.vocab_size, state.engine.max_logprobs)
     except ValueError as e:

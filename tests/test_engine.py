@@ -259,6 +259,35 @@ def test_output_kinds_cumulative_delta_and_final_only(llm, stop):
     check_free(llm)
 
 
+@pytest.mark.parametrize("stop", [["never-in-this-vocab"], None])
+def test_final_text_only_outputs_carry_the_tokens_and_the_text_at_the_end(llm, stop):
+    """SamplingParams.final_text_only (the server's whole responses): cumulative outputs still come every step with
+    the tokens so far (the server's metrics and admission count them). Without stop strings the tokens are held
+    and decoded once, when each sequence finishes, so earlier outputs carry no text; the final text is the same."""
+    engine = llm.llm_engine
+    base = dict(n=2, temperature=1.0, seed=5, max_tokens=9, ignore_eos=True, stop=stop)
+    got = {}
+    for name, final_text_only in (("streamed", False), ("whole", True)):
+        params = SamplingParams(final_text_only=final_text_only, **base)
+        engine.add_request(name, {"prompt_token_ids": PROMPTS[0]}, params)
+    held = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got.setdefault(out.request_id, []).append(out)
+        req = engine._requests.get("whole")
+        held += [s.detok.held for s in req.seqs] if req is not None else []
+    streamed, whole = got["streamed"], got["whole"]
+    assert [[c.token_ids for c in o.outputs] for o in whole] == [[c.token_ids for c in o.outputs] for o in streamed]
+    assert [c.text for c in whole[-1].outputs] == [c.text for c in streamed[-1].outputs]
+    assert whole[-1].finished and all(c.text for c in whole[-1].outputs)
+    early = [c.text for o in whole[:-1] for c in o.outputs]
+    if stop is None:
+        assert set(early) == {""} and max(held) == base["max_tokens"] - 1
+    else:
+        assert early == [c.text for o in streamed[:-1] for c in o.outputs] and set(held) == {0}
+    check_free(llm)
+
+
 def test_delta_outputs_send_each_completion_when_it_has_news_and_its_finish_once(llm):
     """n=2 where one sequence stops early (a stop token only it samples, found from a seeded first run): in
     DELTA outputs the stopped completion is not sent again, and a running one only with new tokens."""

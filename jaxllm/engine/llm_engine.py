@@ -438,7 +438,8 @@ class LLMEngine(EngineLoRAMethods):
             model_eos = token == self.tokenizer.eos_token_id and token not in p.stop_token_ids
             self._finish(state, "stop", None if model_eos else token)
             return
-        if p.detokenize and p.output_kind is RequestOutputKind.FINAL_ONLY and not state.stops.stop:
+        final_text_only = p.final_text_only or p.output_kind is RequestOutputKind.FINAL_ONLY
+        if p.detokenize and final_text_only and not state.stops.stop:
             state.detok.hold(token)  # no one reads the text before the end: decoded in one go when it finishes
             delta = ""
         else:
