@@ -11,37 +11,16 @@ import aiohttp
 import openai
 import pytest
 
-from server.args import parse_args
 from server.server_thread import ServerThread
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     from server.serve import build_engine
-    from tests.tiny_models import make_tiny_model_dir
+    from tests.tiny_models import make_tiny_model_dir, tiny_serve_args
 
     model_dir, _ = make_tiny_model_dir("llama", str(tmp_path_factory.mktemp("tiny")))
-    args = parse_args(
-        [
-            model_dir,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "--enforce-eager",
-            "--num-gpu-blocks-override",
-            "96",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--block-size",
-            "8",
-            "--served-model-name",
-            "tiny",
-            "--disable-access-log",
-        ]
-    )
+    args = tiny_serve_args(model_dir)
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from server.args import parse_args
 from server.server_thread import ServerThread
-from tests.tiny_models import hf_config
+from tests.tiny_models import hf_config, tiny_serve_args
 
 
 @pytest.fixture(scope="module")
@@ -41,27 +40,7 @@ def served(tmp_path_factory):
     cfg.bos_token_id, cfg.eos_token_id = None, tok.eos_token_id
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(model_dir)
-    args = parse_args(
-        [
-            model_dir,
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "--enforce-eager",
-            "--num-gpu-blocks-override",
-            "96",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--block-size",
-            "8",
-            "--served-model-name",
-            "tiny",
-            "--disable-access-log",
-        ]
-    )
+    args = tiny_serve_args(model_dir)
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -16,7 +16,7 @@ import torch
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.sampling_params import GuidedDecodingParams, StructuredOutputsParams
-from tests.tiny_models import make_tiny_model_dir
+from tests.tiny_models import make_tiny_model_dir, tiny_serve_args
 
 SCHEMA = {
     "type": "object",
@@ -331,31 +331,10 @@ def test_tokenizer_without_a_decoder_llguidance_reads(llm):
 
 
 def test_server_structured_outputs(tiny, tmp_path):
-    from server.args import parse_args
     from server.serve import build_engine
     from server.server_thread import ServerThread
 
-    args = parse_args(
-        [
-            tiny[0],
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "128",
-            "--enforce-eager",
-            "--num-gpu-blocks-override",
-            "96",
-            "--max-num-seqs",
-            "8",
-            "--max-num-batched-tokens",
-            "64",
-            "--block-size",
-            "8",
-            "--served-model-name",
-            "tiny",
-            "--disable-access-log",
-        ]
-    )
+    args = tiny_serve_args(tiny[0])
     engine = build_engine(args)
     with ServerThread(engine, args=args) as srv:
         client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0, timeout=120)

@@ -295,3 +295,18 @@ def make_tiny_model_dir(arch: str, out_dir: str, seed: int = 0, json_text: bool 
     save_checkpoint(model, arch, out_dir)
     save_tiny_tokenizer(out_dir, model.config.vocab_size, json_text, tool_text)
     return out_dir, model
+
+
+def tiny_serve_args(model_dir: str, *extra: str):
+    """The server flags the real-engine server tests share for a tiny model: float32, eager, 128 positions, 96 KV
+    blocks of 8, 8 sequences, 64 batched tokens, served as "tiny" (extra flags appended)."""
+    from server.args import parse_args
+
+    return parse_args(
+        [
+            model_dir,
+            *("--dtype", "float32", "--max-model-len", "128", "--enforce-eager", "--num-gpu-blocks-override", "96"),
+            *("--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "8"),
+            *("--served-model-name", "tiny", "--disable-access-log", *extra),
+        ]
+    )
