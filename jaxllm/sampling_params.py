@@ -112,8 +112,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     guided_decoding: StructuredOutputsParams | None = None  # vLLM's name before v0.11: moved to structured_outputs
     # jaxllm's, not vLLM's: the caller reads the text only from the finished output (FINAL_ONLY implies it; the
-    # server's non-streaming routes set it, as they read cumulative outputs for metrics). Without stop strings the
-    # engine then decodes the tokens once, when the sequence finishes, and earlier outputs carry no text.
+    # server's non-streaming routes set it, as they read every output for metrics). Without stop strings the
+    # engine then decodes the tokens once, when the sequence finishes, and earlier outputs carry no text (a DELTA
+    # request's finished output carries all of it).
     final_text_only: bool = False
     # Filled by the engine, not by users: EOS ids from generation_config (stop unless ignore_eos).
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)

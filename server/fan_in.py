@@ -1,8 +1,13 @@
 """The engine fan-in of the generation routes: EngineRunner, admitted by server.admission, adds a route's
-EngineRequests to the engine and merges their cumulative RequestOutputs into one ordered event stream, tracking
-per-choice state (RequestState, ChoiceState) so streaming code can compute deltas. Leaving the runner any way
-(done, error, client gone, handler cancelled, shutdown) closes every engine iterator and aborts what is
-unfinished; engine errors become APIErrors (to_api_error).
+EngineRequests to the engine and merges their RequestOutputs into one ordered event stream, tracking per-choice
+state (RequestState, ChoiceState) so streaming code can compute deltas. Leaving the runner any way (done, error,
+client gone, handler cancelled, shutdown) closes every engine iterator and aborts what is unfinished; engine
+errors become APIErrors (to_api_error).
+
+The engine sends DELTA outputs (RequestOutputKind.DELTA, as vLLM's OpenAI server asks for them): each carries
+only the text, tokens and logprobs that are new since the request's previous output, and only the choices that
+have something new (their finish once), so a request of L tokens costs O(L) to hand over, not O(L^2).
+ChoiceState joins them back into each choice's output so far, the one place the routes read it from.
 
 Separate from serving_common.py (server state, request checks, sampling params), which prepares requests;
 this module runs them. Both generation routes use it.
@@ -13,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.engine.protocol import EngineClient, EngineDeadError
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 from server.admission import Ticket
 from server.errors import APIError
@@ -39,38 +44,44 @@ class EngineRequest:
 
 @dataclass
 class ChoiceState:
-    """One choice's cumulative output, and how much of it a stream has sent."""
+    """One choice's output so far (its DELTA outputs joined), and how much of it a stream has sent."""
 
-    output: CompletionOutput | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: SampleLogprobs = field(default_factory=list)  # one entry per token when the request asks for them
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
     sent_text: int = 0
     sent_tokens: int = 0
     finish_sent: bool = False
 
-    @property
-    def text(self) -> str:
-        return self.output.text if self.output else ""
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.output.token_ids if self.output else []
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.output.finish_reason if self.output else None
+    def add(self, o: CompletionOutput) -> None:
+        """Appends a DELTA output's new text, tokens and logprobs; its finish comes with the last one."""
+        self.text += o.text
+        self.token_ids.extend(o.token_ids)
+        self.logprobs.extend(o.logprobs or ())
+        self.finish_reason, self.stop_reason = o.finish_reason, o.stop_reason
 
 
 @dataclass
 class RequestState:
     request: EngineRequest
     choices: list[ChoiceState]
-    last: RequestOutput | None = None
+    last: RequestOutput | None = None  # the latest output: its prompt and metrics (its completions are deltas)
+    prompt_logprobs: PromptLogprobs | None = None  # a DELTA output carries them once
     finished: bool = False
 
     def apply(self, out: RequestOutput) -> None:
         self.last = out
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for o in out.outputs:
-            self.choices[o.index].output = o
+            self.choices[o.index].add(o)
         self.finished = self.finished or out.finished
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
 
 
 _DONE = object()
@@ -181,7 +192,7 @@ class EngineRunner:
         finally:
             if not rs.finished:
                 if got_output or not failed:  # abandoned running or still waiting (vLLM counts both), or failed
-                    tracker.on_abort(rs.last, req.params.n)
+                    tracker.on_abort(rs.last, req.params.n, rs.completion_tokens)
                 if not failed:
                     await _close_and_abort(self.engine, gen, req.request_id)
 
@@ -223,7 +234,7 @@ def output_size(states: list[RequestState]) -> int:
 
 def usage_of(states: list[RequestState]) -> UsageInfo:
     prompt = sum(len(rs.request.prompt_ids) for rs in states)
-    completion = sum(len(c.token_ids) for rs in states for c in rs.choices)
+    completion = sum(rs.completion_tokens for rs in states)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

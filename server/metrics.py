@@ -362,10 +362,11 @@ def _merge(stats: list[EngineStats]) -> EngineStats:
 
 
 class RequestTracker:
-    """Observes one engine request's latencies and sizes as its outputs arrive, under the label of the replica
-    that serves it (known once the engine has it: looked up at its first output)."""
+    """Observes one engine request's latencies and sizes as its DELTA outputs arrive (each carries only its new
+    tokens, and each sequence's finish once), under the label of the replica that serves it (known once the
+    engine has it: looked up at its first output)."""
 
-    __slots__ = ("m", "request_id", "h", "arrival", "first_token", "last_token", "num_tokens", "done")
+    __slots__ = ("m", "request_id", "h", "arrival", "first_token", "last_token", "num_tokens", "reasons", "done")
 
     def __init__(self, metrics: ServerMetrics, request_id: str = ""):
         self.m = metrics
@@ -374,7 +375,8 @@ class RequestTracker:
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.last_token: float | None = None
-        self.num_tokens = 0
+        self.num_tokens = 0  # of all its sequences, so far
+        self.reasons: list[str] = []  # the finish reasons of its sequences that have finished
         self.done = False
 
     def _histograms(self) -> _EngineHistograms:
@@ -386,7 +388,7 @@ class RequestTracker:
     def on_output(self, out: RequestOutput) -> None:
         n = sum(len(o.token_ids) for o in out.outputs)
         now = time.monotonic()
-        if n > self.num_tokens:
+        if n:
             if self.first_token is None:
                 self.first_token = now
                 self._histograms().ttft.observe(now - self.arrival)
@@ -394,15 +396,18 @@ class RequestTracker:
                 self._histograms().itl.observe(now - self.last_token)
                 self._histograms().tpot.observe(now - self.last_token)
             self.last_token = now
-            self.num_tokens = n
+            self.num_tokens += n
+        self.reasons += [o.finish_reason for o in out.outputs if o.finish_reason is not None]
         if out.finished:
-            self._finish(out, [o.finish_reason or "stop" for o in out.outputs])
+            self._finish(out, self.reasons, self.num_tokens)
 
-    def on_abort(self, out: RequestOutput | None, n: int) -> None:
+    def on_abort(self, out: RequestOutput | None, n: int, num_tokens: int) -> None:
+        """out: the latest output the route read (None: none yet); num_tokens: its sequences' tokens in the
+        outputs the route read."""
         if not self.done:
-            self._finish(out, ["abort"] * n)
+            self._finish(out, ["abort"] * n, num_tokens)
 
-    def _finish(self, out: RequestOutput | None, reasons: list[str]) -> None:
+    def _finish(self, out: RequestOutput | None, reasons: list[str], num_tokens: int) -> None:
         self.done = True
         h = self._histograms()
         h.e2e.observe(time.monotonic() - self.arrival)
@@ -413,7 +418,7 @@ class RequestTracker:
         if out is None:
             return
         h.prompt_tokens.observe(len(out.prompt_token_ids or []))
-        h.generation_tokens.observe(sum(len(o.token_ids) for o in out.outputs))
+        h.generation_tokens.observe(num_tokens)
         rm = out.metrics
         if rm is not None and rm.first_scheduled_time is not None and rm.arrival_time is not None:
             h.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from jaxllm.entrypoints.chat_utils import flatten_content
 from server.errors import APIError, parse_json, parse_model, read_body
-from server.fan_in import EngineRequest, EngineRunner, RequestState, output_size, usage_of
+from server.fan_in import ChoiceState, EngineRequest, EngineRunner, RequestState, output_size, usage_of
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from server.protocol import (
     ChatChoice,
@@ -227,7 +227,7 @@ def _final_response(ctx: _Ctx, rs: RequestState) -> str:
         choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))],
     )
     if req.prompt_logprobs is not None and rs.last is not None:
-        resp.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
+        resp.prompt_logprobs = prompt_logprobs_json(rs.prompt_logprobs)
     if req.return_token_ids:
         resp.prompt_token_ids = list(rs.request.prompt_ids)
     return resp.to_json()
@@ -260,15 +260,14 @@ class _Ctx:
         self.name = TokenNamer(state.engine.get_tokenizer(), bool(as_ids))
         self.top = (req.top_logprobs or 0) if req.logprobs else 0
 
-    def _logprobs(self, c, start: int, ids: list[int]) -> ChatLogprobs | None:
+    def _logprobs(self, c: ChoiceState, start: int, ids: list[int]) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
-        entries = ((c.output.logprobs or []) if c.output is not None else [])[start : start + len(ids)]
+        entries = c.logprobs[start : start + len(ids)]
         return ChatLogprobs(content=chat_logprobs(self.name, ids, entries, self.top))
 
     def final_choice(self, rs: RequestState, j: int) -> ChatChoice:
         c = rs.choices[j]
-        out = c.output
         text, fields = c.text, {}
         if self.reasoning is not None:
             reasoning, text = self.reasoning.message(c.text)
@@ -284,7 +283,7 @@ class _Ctx:
             message=message,
             logprobs=self._logprobs(c, 0, c.token_ids),
             finish_reason=finish,
-            stop_reason=out.stop_reason if out is not None else None,
+            stop_reason=c.stop_reason,
         )
         if self.req.return_token_ids:
             choice.token_ids = list(c.token_ids)
@@ -334,7 +333,7 @@ class _Ctx:
             delta=delta,
             logprobs=self._logprobs(c, start, ids),
             finish_reason=finish,
-            stop_reason=c.output.stop_reason if finish else None,
+            stop_reason=c.stop_reason if finish else None,
         )
         if self.req.return_token_ids:
             choice.token_ids = ids
@@ -364,7 +363,7 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
                         await sse.send(ctx.chunk([echo], usage_run))
                 async for _, rs in run.events():
                     for j, c in enumerate(rs.choices):
-                        if c.output is None or c.finish_sent:
+                        if c.finish_sent:
                             continue
                         choice = ctx.delta(rs, j)
                         if choice is not None:

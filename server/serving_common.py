@@ -4,8 +4,8 @@ fan_in.py, the logprobs shapes in logprobs.py).
 A route reads its body on the event loop, then turns it into EngineRequests (prompt token ids +
 SamplingParams + engine request id) in a worker thread (`Workers`: JSON decoding, validation, chat
 templates and tokenization cost seconds for large requests and must not stall other clients' streams). Then
-EngineRunner (fan_in.py), admitted by server.admission, adds them all to the engine and merges their
-cumulative RequestOutputs into one ordered event stream.
+EngineRunner (fan_in.py), admitted by server.admission, adds them all to the engine and merges their DELTA
+RequestOutputs into one ordered event stream.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient
-from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams, truncate_prompt_ids
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt_ids
 from server.admission import Admission, ServerLimits
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
@@ -276,6 +276,9 @@ def make_sampling_params(
             allowed_token_ids=req.allowed_token_ids,
             bad_words=req.bad_words,
             structured_outputs=constraint or structured_outputs(req),
+            # Each output carries only what is new (vLLM's OpenAI server asks for DELTA too); fan_in.ChoiceState
+            # joins them, streaming or not.
+            output_kind=RequestOutputKind.DELTA,
             # A whole response reads the finished output's text alone: tool calls, reasoning and echo are parsed
             # from it, logprobs name tokens by id (per_token.logprob_dict). Streams need the text as it grows.
             final_text_only=not req.stream,

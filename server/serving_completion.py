@@ -149,7 +149,7 @@ class _Ctx:
             text = r.prompt_text if r.prompt_text is not None else self.tokenizer.decode(r.prompt_ids)
             ids = list(r.prompt_ids)
             if req.logprobs is not None:
-                pl = rs.last.prompt_logprobs if rs.last is not None else None
+                pl = rs.prompt_logprobs
                 entries = list(pl) if pl is not None else [None] * len(ids)
         new_ids: list[int] = []
         if not self.echo_only:
@@ -157,8 +157,7 @@ class _Ctx:
             new_ids = c.token_ids[c.sent_tokens :]
             ids += new_ids
             if req.logprobs is not None:
-                lps = (c.output.logprobs or []) if c.output is not None else []
-                entries += lps[c.sent_tokens : c.sent_tokens + len(new_ids)]
+                entries += c.logprobs[c.sent_tokens : c.sent_tokens + len(new_ids)]
         c.sent_text, c.sent_tokens = len(c.text), len(c.token_ids)
         finish = None if c.finish_sent else c.finish_reason
         c.finish_sent = c.finish_sent or finish is not None
@@ -174,14 +173,14 @@ class _Ctx:
             text=text,
             logprobs=logprobs,
             finish_reason=finish,
-            stop_reason=c.output.stop_reason if finish is not None else None,
+            stop_reason=c.stop_reason if finish is not None else None,
         )
         if req.return_token_ids:
             choice.token_ids = new_ids
             if first:
                 choice.prompt_token_ids = list(rs.request.prompt_ids)
         if req.prompt_logprobs is not None and first and rs.last is not None:
-            choice.prompt_logprobs = prompt_logprobs_json(rs.last.prompt_logprobs)
+            choice.prompt_logprobs = prompt_logprobs_json(rs.prompt_logprobs)
         return choice
 
 
@@ -198,7 +197,7 @@ async def _stream(request: web.Request, ctx: _Ctx, requests: list[EngineRequest]
             try:
                 async for i, rs in run.events():
                     for j, c in enumerate(rs.choices):
-                        if c.output is None or c.finish_sent:
+                        if c.finish_sent:
                             continue
                         choice = ctx.piece(i, rs, j, first=(i, j) not in started)
                         if choice is None:

@@ -5,7 +5,8 @@ max_num_seqs and the free KV blocks, prefills them in one step, then appends one
 per step (a short asyncio sleep). Output is deterministic: each sequence replays a fixed script of tokens
 from an offset hashed from (prompt, sample index, seed). Stop strings, stop token ids, EOS, min/max tokens,
 logprobs, prompt logprobs, n, abort and the block accounting use real logic, so tests can check them and
-check that nothing leaks (`live_requests()`, `used_blocks`).
+check that nothing leaks (`live_requests()`, `used_blocks`). Outputs are cumulative, or DELTA ones as the real
+engine builds them (jaxllm/engine/request_state.py) where the request asks for them (the server does).
 
 Fault injection through the prompt text: "FAIL_MID_STREAM" raises RuntimeError after two tokens;
 "ENGINE_REJECTS" raises ValueError before the first output.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.engine.protocol import EngineDeadError, EngineStats
 from jaxllm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -92,6 +93,11 @@ class _Seq:
     text: str = ""
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # RequestOutputKind.DELTA: how much of the text and tokens earlier outputs carried, and whether one carried
+    # the finish
+    sent_text: int = 0
+    sent_tokens: int = 0
+    sent_finish: bool = False
 
 
 @dataclass
@@ -108,6 +114,7 @@ class _Req:
     prefilled: bool = False
     blocks: int = 0
     prompt_logprobs: list | None = None
+    prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them
     finished: bool = False
 
 
@@ -417,23 +424,36 @@ class FakeEngine:
     def _emit(self, req: _Req, now: float) -> None:
         sp = req.params
         holdback = max((len(s) for s in sp.stop), default=1) - 1 if sp.stop and not sp.include_stop_str_in_output else 0
+        delta = sp.output_kind is RequestOutputKind.DELTA
         outputs = []
         for seq in req.seqs:
             text = seq.text
-            if seq.finish_reason is None and holdback:
+            done = seq.finish_reason is not None
+            if not done and holdback:
                 text = text[: max(0, len(text) - holdback)]
+            t0 = n0 = 0
+            if delta:  # a sequence only when it has something new, its finish once
+                if seq.sent_finish or (not done and len(text) == seq.sent_text and len(seq.ids) == seq.sent_tokens):
+                    continue
+                t0, n0 = seq.sent_text, seq.sent_tokens
+                seq.sent_text, seq.sent_tokens, seq.sent_finish = len(text), len(seq.ids), done
             outputs.append(
                 CompletionOutput(
                     index=seq.index,
-                    text=text,
-                    token_ids=list(seq.ids),
+                    text=text[t0:],
+                    token_ids=seq.ids[n0:],
                     cumulative_logprob=seq.cumulative if sp.logprobs is not None else None,
-                    logprobs=list(seq.logprobs) if sp.logprobs is not None else None,
+                    logprobs=seq.logprobs[n0:] if sp.logprobs is not None else None,
                     finish_reason=seq.finish_reason,
                     stop_reason=seq.stop_reason,
                 )
             )
         finished = all(s.finish_reason is not None for s in req.seqs)
+        prompt_logprobs = None if delta and req.prompt_logprobs_sent else req.prompt_logprobs  # DELTA: once
+        if delta:
+            req.prompt_logprobs_sent = True
+            if not outputs and prompt_logprobs is None and not finished:
+                return  # nothing new
         if finished:
             req.metrics.finished_time = now
             self._finish_request(req)
@@ -443,7 +463,7 @@ class FakeEngine:
                 request_id=req.request_id,
                 prompt=req.prompt,
                 prompt_token_ids=list(req.prompt_ids),
-                prompt_logprobs=req.prompt_logprobs,
+                prompt_logprobs=prompt_logprobs,
                 outputs=outputs,
                 finished=finished,
                 metrics=req.metrics,

@@ -10,6 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from server.arg_types import human_readable_int
 from server.args import engine_kwargs, parse_args
 from server.server_thread import ServerThread
@@ -388,6 +390,59 @@ def test_old_metric_names(server, client):
     assert delta("vllm:request_params_n_bucket", le="1.0") == 1 and delta("vllm:request_params_n_bucket", le="2.0") == 2
     for name in ("vllm:avg_prompt_throughput_toks_per_s", "vllm:avg_generation_throughput_toks_per_s"):
         assert _value(after, name) >= 0
+
+
+class _StallingEngine(FakeEngine):
+    """Sends DELTA outputs the way the real engine does when a sequence stalls (LLMEngine._finish_stalled): choice
+    0 finishes with its last tokens, then choice 1 finishes in an output that carries no new token."""
+
+    async def generate(self, prompt, sampling_params: SamplingParams, request_id: str, *, priority: int = 0):
+        assert sampling_params.output_kind is RequestOutputKind.DELTA and sampling_params.n == 2
+        ids = self.tokenizer.encode(" quick brown fox", add_special_tokens=False)
+        prompt_ids = self._prompt(prompt)[1]
+
+        def piece(index: int, start: int, end: int, finish: str | None = None) -> CompletionOutput:
+            return CompletionOutput(index, self.tokenizer.decode(ids[start:end]), ids[start:end], None, None, finish)
+
+        steps = [
+            [piece(0, 0, 1), piece(1, 0, 1)],
+            [piece(0, 1, 3, "length"), piece(1, 1, 2)],
+            [piece(1, 2, 2, "length")],
+        ]
+        for k, completions in enumerate(steps):
+            await asyncio.sleep(0.01)
+            finished = k == len(steps) - 1
+            yield RequestOutput(request_id, None, prompt_ids, None, completions, finished, RequestMetrics(time.time()))
+
+
+def test_a_choice_finished_by_an_output_without_tokens(tok):
+    """A choice whose finish comes in a DELTA output with no new token (a stalled sequence) still finishes, whole
+    and streamed, with the tokens it had; usage and the metrics count every choice's tokens and finish."""
+    ids = tok.encode(" quick brown fox", add_special_tokens=False)
+    text = tok.decode(ids[:2])
+    with ServerThread(_StallingEngine(tok), "--served-model-name", MODEL) as srv:
+        body = {"model": MODEL, "n": 2, "max_tokens": 3}
+        status, raw = http("POST", srv.base_url + "/v1/completions", json={**body, "prompt": "The"})
+        assert status == 200, raw
+        whole = json.loads(raw)
+        assert [(c["text"], c["finish_reason"]) for c in whole["choices"]] == [
+            (tok.decode(ids[:3]), "length"),
+            (text, "length"),
+        ]
+        assert whole["usage"]["completion_tokens"] == 5
+        messages = [{"role": "user", "content": "The"}]
+        status, raw = http(
+            "POST", srv.base_url + "/v1/chat/completions", json={**body, "messages": messages, "stream": True}
+        )
+        assert status == 200, raw
+        chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+        second = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == 1]
+        assert "".join(c["delta"].get("content") or "" for c in second) == text
+        assert second[-1] == {**second[-1], "delta": {"content": ""}, "finish_reason": "length"}
+        samples = _scrape(srv.base_url)
+    assert _value(samples, "vllm:request_success_total", finished_reason="length") == 4
+    assert _value(samples, "vllm:request_generation_tokens_sum") == 10
+    assert _value(samples, "vllm:request_params_n_sum") == 4
 
 
 def test_avg_throughput_gauges_are_the_last_whole_intervals_rates():

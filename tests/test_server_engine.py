@@ -118,6 +118,58 @@ def test_real_engine_routes(served):
     assert wait_until(lambda: blocks_free(engine)), "KV blocks leaked"
 
 
+def test_real_engine_hands_the_server_delta_outputs(served, monkeypatch):
+    """The server asks the engine for DELTA outputs: over a request of L tokens per choice the outputs it receives
+    carry L tokens (and logprobs) per choice, not the L (L + 1) / 2 of cumulative outputs, and joined they are the
+    response, streamed or whole, with n 2, logprobs and echo."""
+    srv, engine, client = served
+    received: dict[str, list] = {}
+    generate = engine.generate
+
+    async def recording(prompt, params, request_id, **kw):  # runs on the server's loop
+        outputs = received.setdefault(request_id, [])
+        gen = generate(prompt, params, request_id, **kw)
+        try:
+            async for out in gen:
+                outputs.append(out)
+                yield out
+        finally:
+            await gen.aclose()
+
+    monkeypatch.setattr(engine, "generate", recording)
+    L = 20
+    body = dict(
+        model="tiny",
+        prompt=[5, 9, 2, 77],
+        max_tokens=L,
+        n=2,
+        seed=1,
+        logprobs=2,
+        echo=True,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    whole = client.completions.create(**body)
+    chunks = list(client.completions.create(**body, stream=True))
+    assert len(received) == 2  # the whole request's outputs, then the stream's
+    echo = engine.get_tokenizer().decode([5, 9, 2, 77])
+    for outputs in received.values():
+        assert len(outputs) > 1 and outputs[-1].finished  # one output per step, not one at the end
+        for c in whole.choices:
+            mine = [o for out in outputs for o in out.outputs if o.index == c.index]
+            assert sum(len(o.token_ids) for o in mine) == L  # cumulative outputs: L (L + 1) / 2 = 210
+            assert sum(len(o.logprobs) for o in mine) == L
+            assert sum((o.token_ids for o in mine), []) == c.model_extra["token_ids"]  # the same seed: the same
+            assert echo + "".join(o.text for o in mine) == c.text
+            assert [o.finish_reason for o in mine[:-1]] == [None] * (len(mine) - 1)
+            assert mine[-1].finish_reason == "length"
+    for c in whole.choices:
+        parts = [p for ch in chunks for p in ch.choices if p.index == c.index]
+        assert "".join(p.text for p in parts) == c.text
+        assert sum((p.logprobs.tokens for p in parts), []) == c.logprobs.tokens
+    assert whole.usage.completion_tokens == 2 * L
+    assert wait_until(lambda: blocks_free(engine)), "KV blocks leaked"
+
+
 def test_real_engine_disconnect_frees_blocks(served):
     srv, engine, client = served
     aborted = []
