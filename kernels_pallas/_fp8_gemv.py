@@ -13,10 +13,6 @@ Grid (N / BN, splits). A program owns BN output columns and one contiguous run o
    [splits, M, N]; the caller sums them in x's dtype's rounding (in a fusion with whatever comes next: a residual
    add, silu * up, or the fused qkv/RoPE/write kernel, which takes split-K partials).
 
-x may also come already rounded (x e4m3 with its token scales x_scale [M, 1], from the pass that produced it: the
-norm's rms_norm_fp8, silu * up's silu_mul_fp8). Then step 1 is gone and step 2 only widens x's tile: every program
-otherwise reads x's whole row for the scales (down: 640 programs x 57 KB of L2 reads against a 59 MB weight).
-
 What it replaces at the engine's batch-1 bucket (H100 trace, 8B fp8, b42ec8a): per projection an XLA reduce for
 the token scales and a convert that writes the rounded x before XLA's GEMM (~1.2-1.6 us each). Measured on an H100
 (bench/results/quant_kernels_h100_6755320_fp8_gemv.json, M 2, the call with its partials' sum): qkv 13.4, o 10.4,
@@ -41,10 +37,9 @@ NUM_SMS = 132  # H100 / H200: sizes split-K statically
 
 
 def supported(x_dtype, m: int, n: int, k: int) -> bool:
-    """Inputs the kernel takes: 16-bit x (or e4m3 with its scales) of at most MAX_ROWS rows, N a multiple of 16, K
-    of 128."""
+    """Inputs the kernel takes: 16-bit x of at most MAX_ROWS rows, N a multiple of 16, K of 128."""
     return (
-        jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(FP8))
+        jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and 1 <= m <= MAX_ROWS
         and n % 16 == 0
         and k % 128 == 0
@@ -65,28 +60,22 @@ def plan(n: int, k: int, block_n=None, block_k=None, splits=None):
     return bn, bk, -(-tiles // per), per
 
 
-def _kernel(x_ref, *refs, bk, per_split, tiles, min_scale, per_tensor, rounded):
-    xs_ref, w_ref, ws_ref, o_ref = refs if rounded else (None, *refs)
+def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per_tensor):
     M, K = x_ref.shape
     f32, op = jnp.float32, jnp.float16
 
-    if rounded:  # x in e4m3 already, its token scales beside it
-        s = xs_ref[...]
-    else:  # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then
-        # one row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
-        amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
-        for i in range(1, K // bk):
-            amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
-        s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
+    # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then one
+    # row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
+    amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
+    for i in range(1, K // bk):
+        amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
+    s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
     R = 16 // M
 
     def body(t, acc):
         k0 = t * bk
-        if rounded:
-            x = x_ref[:, pl.ds(k0, bk)].astype(op)
-        else:
-            v = jnp.clip(x_ref[:, pl.ds(k0, bk)].astype(f32) / s, -FP8_MAX, FP8_MAX)
-            x = v.astype(FP8).astype(op)  # W8A8's x: rounded to e4m3 (exact in float16)
+        v = jnp.clip(x_ref[:, pl.ds(k0, bk)].astype(f32) / s, -FP8_MAX, FP8_MAX)
+        x = v.astype(FP8).astype(op)  # W8A8's x: rounded to e4m3 (exact in float16)
         x16 = jnp.broadcast_to(x[None], (R, M, bk)).reshape(16, bk)
         return acc + mma(x16, w_ref[:, pl.ds(k0, bk)].astype(op), trans_b=True)
 
@@ -105,7 +94,6 @@ def fp8_gemv_kernel(
     x,
     w,
     w_scale,
-    x_scale=None,
     *,
     min_scale,
     block_n=None,
@@ -115,31 +103,24 @@ def fp8_gemv_kernel(
     num_stages=3,
     interpret=False,
 ):
-    """x [M, K] (16-bit, M <= MAX_ROWS; or e4m3 with x_scale [M, 1] float32, its token scales), w [N, K]
-    float8_e4m3fn, w_scale [N] or [1] (per tensor) float32 -> float32 partials [splits, M, N] whose sum is the scaled
-    product (see the module docstring). Tuning (static): block_n, block_k, splits (plan()), num_warps, num_stages."""
+    """x [M, K] (16-bit, M <= MAX_ROWS), w [N, K] float8_e4m3fn, w_scale [N] or [1] (per tensor) float32 ->
+    float32 partials [splits, M, N] whose sum is the scaled product (see the module docstring). Tuning (static):
+    block_n, block_k, splits (plan()), num_warps, num_stages."""
     M, K = x.shape
     N = w.shape[0]
-    rounded = jnp.dtype(x.dtype) == jnp.dtype(FP8)
     if not supported(x.dtype, M, N, K) or w.shape[1] != K or jnp.dtype(w.dtype) != jnp.dtype(FP8):
         raise ValueError(f"fp8_gemv_kernel does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
-    if rounded != (x_scale is not None) or (rounded and x_scale.shape != (M, 1)):
-        raise ValueError("x in e4m3 comes with x_scale [M, 1] (its token scales), 16-bit x without")
     BN, BK, S, per = plan(N, K, block_n, block_k, splits)
     if N % BN or K % BK:
         raise ValueError(f"N={N} must be a multiple of block_n={BN} and K={K} of block_k={BK}")
     per_tensor = w_scale.size == 1
     ws = jnp.asarray(w_scale, jnp.float32).reshape(-1)
-    kernel = functools.partial(
-        _kernel, bk=BK, per_split=per, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor, rounded=rounded
-    )
-    operands = (x, x_scale.astype(jnp.float32), w, ws) if rounded else (x, w, ws)
+    kernel = functools.partial(_kernel, bk=BK, per_split=per, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor)
     return pl.pallas_call(
         kernel,
         grid=(N // BN, S),
         in_specs=[
             pl.BlockSpec((M, K), lambda n, s: (0, 0)),
-            *([pl.BlockSpec((M, 1), lambda n, s: (0, 0))] if rounded else []),
             pl.BlockSpec((BN, K), lambda n, s: (n, 0)),
             pl.BlockSpec((1,), lambda n, s: (0,)) if per_tensor else pl.BlockSpec((BN,), lambda n, s: (n,)),
         ],
@@ -147,5 +128,5 @@ def fp8_gemv_kernel(
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"fp8_gemv_{BN=}_{BK=}_{S=}" + ("_xq" if rounded else ""),
-    )(*operands)
+        name=f"fp8_gemv_{BN=}_{BK=}_{S=}",
+    )(x, w, ws)

@@ -4,7 +4,7 @@ of an fp8 W8A8 down projection, from the gate / up projection's output (quant.fp
     g, u = gu * row_scale * col_scale (the fp8 GEMM's unscaled product and its scales; or gu as given)
     a = silu(g) * u (float32), s = max(max|a_m| / 448, min_scale) per row, xq = round_e4m3(clip(a / s, +-448))
 
-One program per row of gu [T, 2, F] (16-bit, or float32), over F in tiles of `block` columns. resident (the default up to
+One program per row of gu [T, 2, F] (16-bit), over F in tiles of `block` columns. resident (the default up to
 RESIDENT_MAX_F columns): every tile's a is computed once and held in registers through the row's amax and the
 e4m3 stores (one read of the row); else two loops over the tiles, the amax and then the stores, each computing a
 from gu (the second read from L2). a stays in float32 from the GEMM's product to the rounding, as XLA's fusion of
@@ -36,9 +36,8 @@ def block_for(f: int) -> int | None:
 
 
 def supported(dtype, f: int) -> bool:
-    """16-bit gate / up values (or float32: fp8_gemv's product at 1-2 rows) and F a multiple of 128."""
-    dtypes = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-    return jnp.dtype(dtype) in dtypes and block_for(f) is not None
+    """16-bit gate / up values and F a multiple of 128."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and block_for(f) is not None
 
 
 def _kernel(*refs, block, min_scale, scaled, resident):
@@ -89,14 +88,14 @@ def silu_mul_fp8_kernel(
     num_stages=2,
     interpret=False,
 ):
-    """gu [T, 2, F] (gate, up: 16-bit, or float32) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32). row_scale [T, 1] and
+    """gu [T, 2, F] (16-bit: gate, up) -> (xq [T, F] float8_e4m3fn, scales [T, 1] float32). row_scale [T, 1] and
     col_scale [2, F] (float32, both or neither): gu is an fp8 GEMM's unscaled product, gate / up = gu * row_scale *
     col_scale. Tuning (static): block (columns a tile, block_for(F) by default), resident (None: F <= RESIDENT_MAX_F),
     num_warps, num_stages."""
     T, C, F = gu.shape
     if C != 2 or not supported(gu.dtype, F):
         raise ValueError(
-            f"silu_mul_fp8_kernel takes 16-bit or float32 [T, 2, F] with F a multiple of 128; got {gu.dtype} {gu.shape}"
+            f"silu_mul_fp8_kernel takes 16-bit [T, 2, F] with F a multiple of 128; got {gu.dtype} {gu.shape}"
         )
     scaled = row_scale is not None
     if scaled != (col_scale is not None) or (scaled and (row_scale.shape != (T, 1) or col_scale.shape != (2, F))):

@@ -35,7 +35,6 @@
       The same function (dynamic per-token scales) with the scales' reduction and x's e4m3 rounding inside one
       split-K Pallas GEMV (_fp8_gemv.py), its float32 partials summed (and added to the residual) in the XLA fusion
       after it; fp8_gemv_partials returns the partials for a consumer that sums them (the qkv/RoPE/write kernel).
-      x may be Fp8Rows (rms_norm_fp8's or silu_mul_fp8's output): the kernel then reads e4m3 x and its scales.
       The decoder's fp8 W8A8 projections of the batch-1 decode bucket run it (H100, 8B: four kernels a projection
       become two; batch-1 ITL 3.54 vs 3.65 ms, bench/KERNELS_NOTES.md "Measured in stop 47").
 
@@ -331,7 +330,7 @@ def fp8_matmul_quantized(xq, sx, w, w_scale, out_dtype):
 
 
 def silu_mul_fp8(gu, row_scale=None, col_scale=None, *, interpret=False, **tuning):
-    """gu [T, 2, F] (gate, up; 16-bit, or float32) -> (xq [T, F] e4m3, sx [T, 1] float32): silu(gate) * up in float32 rounded
+    """gu [T, 2, F] (gate, up; 16-bit) -> (xq [T, F] e4m3, sx [T, 1] float32): silu(gate) * up in float32 rounded
     to e4m3 with dynamic per-token scales (quantize_activations' "token"), one Pallas pass (_silu_mul_fp8.py) where
     silu_mul_fp8_supported, else the jnp reference. row_scale [T, 1] / col_scale [2, F]: gu is an fp8 GEMM's
     unscaled product (fp8_silu_mlp), gate / up = gu * row_scale * col_scale in float32."""
@@ -411,8 +410,8 @@ def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=
 
 
 def fp8_gemv_supported(x, w, *, x_scale=None, act_scale="token") -> bool:
-    """Whether fp8_gemv's kernel takes this call: dynamic per-token scales, 16-bit x (or Fp8Rows standing for it)
-    of at most _fp8_gemv.MAX_ROWS rows (after flattening its leading axes), N a multiple of 16 and K of 128."""
+    """Whether fp8_gemv's kernel takes this call: dynamic per-token scales, 16-bit x of at most
+    _fp8_gemv.MAX_ROWS rows (after flattening its leading axes), N a multiple of 16 and K of 128."""
     return (
         x_scale is None
         and act_scale == "token"
@@ -427,7 +426,6 @@ def fp8_gemv(x, w, w_scale, *, residual=None, interpret=False, **tuning):
     quantization inside the GEMM's Pallas kernel (_fp8_gemv.py), for the decode step's few rows (fp8_gemv_supported):
     the kernel's float32 split-K partials are summed, rounded to x's dtype and added to the residual in one XLA
     fusion after it. Same rounding as fp8_matmul then `residual + y`; the float32 sums run in another order.
-    x may be Fp8Rows (already in e4m3 with its token scales): the kernel then only widens it.
     tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, splits, num_warps, num_stages."""
     parts = fp8_gemv_partials(x, w, w_scale, interpret=interpret, **tuning)
     y = parts.sum(0).astype(x.dtype)
@@ -442,25 +440,13 @@ def fp8_gemv_partials(x, w, w_scale, *, interpret=False, **tuning):
     if not fp8_gemv_supported(x, w):
         raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
     lead, K = x.shape[:-1], x.shape[-1]
-    xs = (x.q.reshape(-1, K), x.scale.reshape(-1, 1)) if isinstance(x, Fp8Rows) else (x.reshape(-1, K), None)
     parts = _fp8_gemv.fp8_gemv_kernel(
-        xs[0],
-        w,
-        jnp.asarray(w_scale, jnp.float32),
-        x_scale=xs[1],
-        min_scale=FP8_MIN_SCALE,
-        interpret=interpret,
-        **tuning,
+        x.reshape(-1, K), w, jnp.asarray(w_scale, jnp.float32), min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
     )
     return parts.reshape(parts.shape[0], *lead, w.shape[0])
 
 
 def fp8_gemv_ref(x, w, w_scale, *, residual=None):
-    """fp8_gemv's function unfused: fp8_matmul_ref (for Fp8Rows the float32 dot of its e4m3 values, then its
-    scales), then residual + y in x's dtype."""
-    if isinstance(x, Fp8Rows):
-        dot = jnp.dot(x.q.astype(jnp.float32), w.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
-        y = _scaled(dot, x.scale, w_scale, x.dtype)
-    else:
-        y = fp8_matmul_ref(x, w, w_scale)
+    """fp8_gemv's function unfused: fp8_matmul_ref, then residual + y in x's dtype."""
+    y = fp8_matmul_ref(x, w, w_scale)
     return y if residual is None else (residual.astype(x.dtype) + y)

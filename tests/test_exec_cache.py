@@ -348,7 +348,6 @@ def test_key_changes_with_the_program_env_overrides(monkeypatch):
     assert exec_cache._environment(devices) == base
     assert {
         "JAXLLM_FP8_DOT_BF16",
-        "JAXLLM_FP8_GEMV_XQ",
         "JAXLLM_FP8_NORM",
         "JAXLLM_FP8_SILU_MLP",
         "JAXLLM_INT4_NK",

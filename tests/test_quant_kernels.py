@@ -539,19 +539,16 @@ def test_fp8_matmul_widens_small_batches_to_the_same_function(rows):
         (5, 640, True, dict(resident=True)),  # 5 tiles held in registers
         (4, 1024, True, dict(block=256, num_warps=8)),
         (2, 4096, True, dict(resident=True, num_warps=16)),
-        (2, 640, False, {"dtype": jnp.float32}),  # fp8_gemv's float32 product (quant_matmul.gemv_mlp)
     ],
 )
 def test_silu_mul_fp8_kernel_matches_reference(T, F, scaled, tuning):
     """_silu_mul_fp8's Pallas pass (interpret mode) against silu_mul_fp8_ref: the same e4m3 values and token scales
-    bit for bit (both compute in float32 in the same order), with and without the GEMM's token / channel scales,
-    from 16-bit or float32 gate / up; an all-zero row gets the floor scale and zeros."""
+    bit for bit (both compute in float32 in the same order), with and without the GEMM's token / channel scales;
+    an all-zero row gets the floor scale and zeros."""
     from kernels_pallas import _silu_mul_fp8
 
     rng = np.random.default_rng(13)
-    tuning = dict(tuning)
-    dtype = tuning.pop("dtype", jnp.bfloat16)
-    gu = jnp.asarray(rng.standard_normal((T, 2, F)) * 4, dtype).at[0].set(0.0)
+    gu = jnp.asarray(rng.standard_normal((T, 2, F)) * 4, jnp.bfloat16).at[0].set(0.0)
     scales = ()
     if scaled:
         scales = (
@@ -577,8 +574,8 @@ def test_silu_mul_fp8_refuses_what_it_does_not_take():
         _silu_mul_fp8.silu_mul_fp8_kernel(jnp.zeros((2, 2, 200), jnp.bfloat16), **kw)
     with pytest.raises(ValueError, match="come together"):
         _silu_mul_fp8.silu_mul_fp8_kernel(jnp.zeros((2, 2, 256), jnp.bfloat16), jnp.ones((2, 1)), **kw)
-    # quant.silu_mul_fp8 takes what the kernel refuses through the reference (F = 200; integer gate / up)
-    for gu in (jnp.ones((2, 2, 200), jnp.bfloat16), jnp.ones((2, 2, 256), jnp.int32)):
+    # quant.silu_mul_fp8 takes what the kernel refuses through the reference (F = 200, float32)
+    for gu in (jnp.ones((2, 2, 200), jnp.bfloat16), jnp.ones((2, 2, 256), jnp.float32)):
         assert not quant.silu_mul_fp8_supported(gu)
         np.testing.assert_array_equal(
             np.asarray(quant.silu_mul_fp8(gu, interpret=True)[0], np.float32),
@@ -731,39 +728,6 @@ def test_fp8_gemv_is_fp8_matmul_with_the_quantization_in_the_kernel(rows, N, K, 
     assert not np.asarray(zero, np.float32).any()
 
 
-@pytest.mark.parametrize(
-    "rows,N,K,per_channel,tuning",
-    [
-        (1, 64, 512, True, dict(block_n=16, block_k=128)),
-        (2, 96, 640, True, dict(block_n=32, block_k=128, splits=2)),
-        (2, 48, 384, False, dict(block_n=16, block_k=128, splits=3)),
-    ],
-)
-def test_fp8_gemv_of_rows_already_in_e4m3(rows, N, K, per_channel, tuning):
-    """fp8_gemv of Fp8Rows (x rounded to e4m3 with its token scales before the call: the kernel only widens it)
-    equals fp8_gemv of the 16-bit x it stands for bit for bit (the same e4m3 values, scales and float32 sums), and
-    fp8_gemv_ref of the rows; the kernel refuses e4m3 x without its scales and 16-bit x with them."""
-    from kernels_pallas._fp8_gemv import fp8_gemv_kernel
-
-    rng = np.random.default_rng(rows * N + K + 1)
-    wq, ws = quantize_fp8(rng.standard_normal((N, K)).astype(np.float32) * 0.05, per_channel=per_channel)
-    x = rng.standard_normal((rows, K)).astype(np.float32) * np.array([[30.0], [0.01]])[:rows]
-    x = jnp.asarray(x, jnp.bfloat16)
-    r = jnp.asarray(rng.standard_normal((rows, N)), jnp.bfloat16)
-    xq = quant.Fp8Rows(*quant.quantize_activations(x), jnp.bfloat16)
-    got = quant.fp8_gemv(xq, wq, ws, residual=r, interpret=True, **tuning)
-    assert got.shape == (rows, N) and got.dtype == jnp.bfloat16
-    same = quant.fp8_gemv(x, wq, ws, residual=r, interpret=True, **tuning)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(same, np.float32))
-    want = np.asarray(quant.fp8_gemv_ref(xq, wq, ws, residual=r), np.float32)
-    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=1e-2, atol=1e-2 * np.abs(want).max())
-    kw = dict(min_scale=quant.FP8_MIN_SCALE, interpret=True)
-    with pytest.raises(ValueError, match="x_scale"):
-        fp8_gemv_kernel(xq.q, wq, jnp.asarray(ws, jnp.float32), **kw)
-    with pytest.raises(ValueError, match="x_scale"):
-        fp8_gemv_kernel(x, wq, jnp.asarray(ws, jnp.float32), xq.scale, **kw)
-
-
 def test_fp8_gemv_takes_the_decode_bucket_only():
     rng = np.random.default_rng(13)
     wq, ws = quantize_fp8(rng.standard_normal((48, 256)) * 0.05)
@@ -777,26 +741,21 @@ def test_fp8_gemv_takes_the_decode_bucket_only():
         quant.fp8_gemv(jnp.zeros((3, 256), jnp.bfloat16), wq, ws)
 
 
-@pytest.mark.parametrize(
-    "rows,N,K,rounded",
-    [(2, 4096, 14336, False), (1, 28672, 4096, False), (2, 6144, 4096, False), (2, 4096, 14336, True)],
-)
-def test_fp8_gemv_lowers_for_cuda(rows, N, K, rounded):
-    """The kernel lowers to Triton IR for CUDA on CPU at the 8B shapes with its default plan, from 16-bit x or
-    from e4m3 x with its scales (what the GPU compiles; the H100 runs are in bench/results/
-    quant_kernels_h100_*_fp8_gemv*.json)."""
+@pytest.mark.parametrize("rows,N,K", [(2, 4096, 14336), (1, 28672, 4096), (2, 6144, 4096)])
+def test_fp8_gemv_lowers_for_cuda(rows, N, K):
+    """The kernel lowers to Triton IR for CUDA on CPU at the 8B shapes with its default plan (what the GPU
+    compiles; the H100 runs are in bench/results/quant_kernels_h100_*_fp8_gemv*.json)."""
     from kernels_pallas._fp8_gemv import fp8_gemv_kernel, plan
 
     args = (
-        jax.ShapeDtypeStruct((rows, K), jnp.float8_e4m3fn if rounded else jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows, K), jnp.bfloat16),
         jax.ShapeDtypeStruct((N, K), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((N,), jnp.float32),
-        jax.ShapeDtypeStruct((rows, 1), jnp.float32) if rounded else None,
     )
-    f = jax.jit(lambda x, w, s, xs: fp8_gemv_kernel(x, w, s, xs, min_scale=quant.FP8_MIN_SCALE))
+    f = jax.jit(lambda x, w, s: fp8_gemv_kernel(x, w, s, min_scale=quant.FP8_MIN_SCALE))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     bn, bk, splits, _ = plan(N, K)
-    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" + ("_xq" if rounded else "") in text
+    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text
 
 
 def test_quantized_matmul_partials():

@@ -255,7 +255,6 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     monkeypatch.setattr(quant, "FP8_DOT_BF16", False)
     monkeypatch.setattr(quant_matmul, "FP8_SILU_MLP", False)
     monkeypatch.setattr(quant_matmul, "FP8_NORM", False)  # XLA's norm: the reference's float32 sums' order
-    monkeypatch.setattr(quant_matmul, "FP8_GEMV_XQ", False)  # x rounded in the kernel (e4m3 x: the test below)
 
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
@@ -273,49 +272,6 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
         assert calls == [(2, 256), (2, 512), (2, 256), (2, 512)], calls  # qkv, o, gate_up, down (one layer trace)
         for k, r in zip(got, ref, strict=True):
             assert _rel(k, r) <= tol
-
-
-def test_decoder_runs_fp8_decode_rows_in_e4m3_through_the_gemv_kernel(checkpoints, monkeypatch):
-    """FP8_GEMV_XQ (the default): the 2-row step's norms write e4m3 rows (rms_norm_fp8) that qkv's and gate / up's
-    GEMV kernels read as they are, silu * up of gate / up's float32 product is rounded to e4m3 by silu_mul_fp8's
-    pass for down's GEMV (quant_matmul.gemv_mlp), and o's GEMV still rounds the attention output itself; the logits
-    match the reference path and the 16-bit-input GEMVs (FP8_GEMV_XQ off) within e4m3's rounding."""
-    from jaxllm.models import quant_matmul
-    from jaxllm.models.attention import AttentionConfig
-    from kernels_pallas import _rms_norm_fp8, _silu_mul_fp8
-    from tests.model_harness import ragged_logits
-
-    dense_dir, _ = checkpoints
-    cfg, mesh, params = _load(dense_dir, 1, quantization="fp8")
-    seqs, cached = [[5, 9, 2, 77, 3], [11, 7, 40]], [4, 2]
-    calls: dict = {"gemv": [], "norm": [], "silu": []}
-    for mod, name, key in (
-        (_fp8_gemv, "fp8_gemv_kernel", "gemv"),
-        (_rms_norm_fp8, "rms_norm_fp8_kernel", "norm"),
-        (_silu_mul_fp8, "silu_mul_fp8_kernel", "silu"),
-    ):
-        real = getattr(mod, name)
-        spy = lambda x, *a, f=real, c=calls[key], **k: c.append((x.shape, jnp.dtype(x.dtype).name)) or f(x, *a, **k)
-        monkeypatch.setattr(mod, name, spy)
-
-    def logits(backend, xq=True):
-        monkeypatch.setattr(quant_matmul, "FP8_GEMV_XQ", xq)
-        jax.clear_caches()  # the layer is jitted: trace it again with the switch and the spies
-        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
-        return [np.asarray(x, np.float32) for x in out]
-
-    got = logits("pallas")
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    e4m3, bf16 = "float8_e4m3fn", "bfloat16"
-    # one layer trace: qkv, o, gate / up, down; the norms and silu * up of the 2-row step only (the 6-row step's
-    # norms are rms_norm_fp8's too, its MLP fp8_silu_mlp's pass over bfloat16)
-    assert calls["gemv"] == [((2, D), e4m3), ((2, 512), bf16), ((2, D), e4m3), ((2, F), e4m3)], calls
-    assert calls["norm"] == [((6, D), bf16), ((6, D), bf16), ((2, D), bf16), ((2, D), bf16)], calls
-    assert calls["silu"] == [((6, 2, F), bf16), ((2, 2, F), "float32")], calls
-    off, ref = logits("pallas", xq=False), logits("reference")
-    for g, o, r in zip(got, off, ref, strict=True):
-        assert _rel(g, o) < 6e-2 and _rel(g, r) < 6e-2  # e4m3 rounding boundaries that move
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -354,8 +310,8 @@ def test_fp8_mlp_of_more_than_two_rows_runs_silu_mul_fp8(checkpoints, monkeypatc
     unfused, ref = run(h, "pallas", False), run(h, "reference", True)
     assert len(calls) == 1 and got.shape == (7, D)
     assert _rel(got, unfused) < 4e-2 and _rel(got, ref) < 4e-2  # e4m3 boundaries of down's input (2^-3 steps)
-    run(h[:2], "pallas", True)  # tp 1: gemv_mlp's pass over the GEMV's float32 gate / up (FP8_GEMV_XQ); tp 2: unfused
-    assert calls[1:] == ([(2, 2, F)] if tp == 1 else []), calls
+    run(h[:2], "pallas", True)
+    assert len(calls) == 1
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -396,11 +352,7 @@ def test_fp8_norms_of_more_than_two_rows_run_rms_norm_fp8(checkpoints, monkeypat
         assert _rel(g, o) < 6e-2 and _rel(g, r) < 6e-2
     calls.clear()
     logits("pallas", True, seqs=[[5, 9, 2, 77, 3], [11, 7, 40]], cached=(4, 2), pad_tokens=0, pad_seqs=0)
-    assert calls == [(6, D), (6, D), (2, D), (2, D)], calls  # the 6-row first step; the 2-row one (FP8_GEMV_XQ) too
-    calls.clear()
-    monkeypatch.setattr(quant_matmul, "FP8_GEMV_XQ", False)  # 16-bit rows into fp8_gemv: XLA's norm at 2 rows
-    logits("pallas", True, seqs=[[5, 9, 2, 77, 3], [11, 7, 40]], cached=(4, 2), pad_tokens=0, pad_seqs=0)
-    assert calls == [(6, D), (6, D)], calls
+    assert calls == [(6, D), (6, D)], calls  # the 6-row first step; the 2-row second one keeps XLA's norm
     if tp == 2:  # a row-parallel weight takes per-shard token scales: one over all of I is refused
         w_down = params["layers"][0]["w_down"]
         F = w_down.packed.shape[-1]  # its input (the global array; each tp shard holds half)
@@ -479,16 +431,14 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
 
 def test_quant_env_switches_parse_when_the_modules_load():
     """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1"),
-    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP), JAXLLM_FP8_NORM (quant_matmul.FP8_NORM), JAXLLM_FP8_GEMV_XQ
-    (quant_matmul.FP8_GEMV_XQ) and JAXLLM_FP8_DOT_BF16 (kernels_pallas.quant.FP8_DOT_BF16), on unless "0"; "0" / "1"
-    / unset each."""
+    JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP), JAXLLM_FP8_NORM (quant_matmul.FP8_NORM) and JAXLLM_FP8_DOT_BF16
+    (kernels_pallas.quant.FP8_DOT_BF16), on unless "0"; "0" / "1" / unset each."""
     code = (
         "from jaxllm.models import quant, quant_matmul; from kernels_pallas import quant as kq; "
-        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, quant_matmul.FP8_GEMV_XQ, "
-        "kq.FP8_DOT_BF16)"
+        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, kq.FP8_DOT_BF16)"
     )
-    names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_NORM", "JAXLLM_FP8_GEMV_XQ", "JAXLLM_FP8_DOT_BF16")
-    for value, want in (("0", ["False"] * 5), ("1", ["True"] * 5), (None, ["False"] + ["True"] * 4)):
+    names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_NORM", "JAXLLM_FP8_DOT_BF16")
+    for value, want in (("0", ["False"] * 4), ("1", ["True"] * 4), (None, ["False", "True", "True", "True"])):
         env = {k: v for k, v in os.environ.items() if k not in names}
         if value is not None:
             env.update(dict.fromkeys(names, value))

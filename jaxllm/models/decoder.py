@@ -30,8 +30,6 @@ from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import (
     Fp8Rows,
     fp8_silu_mlp_applies,
-    gemv_mlp,
-    gemv_mlp_applies,
     norm_fp8,
     norm_fp8_applies,
     qmatmul,
@@ -121,10 +119,9 @@ def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
     """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
     (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
     weights of 1-2 rows (fp8_gemv's own partials) and int weight-only weights of 1-2 rows (the int kernel's split-K;
-    quant_matmul.split_k). h already in e4m3 (Fp8Rows): fp8_gemv's partials of those rows at 1-2 rows, else a plain
-    projection."""
+    quant_matmul.split_k). h already in e4m3 (Fp8Rows, more than 2 rows): a plain projection."""
     if isinstance(h, Fp8Rows):
-        return split_k(h, lp["w_qkv"], interpret=attn.interpret) if _partials_allowed(lp, attn) else None
+        return None
     if splits := qkv_splits(h.shape[0], lp, cfg, attn):
         return _split_k_qkv(h, lp["w_qkv"], splits)
     if not _partials_allowed(lp, attn):
@@ -150,9 +147,6 @@ def mlp(
         out = silu_mlp(h, w_gate_up, w_down, interpret=attn.interpret, mesh=attn.mesh)  # fp8 W8A8, > 2 rows
         out = out if b_down is None else out + b_down
         return out if residual is None else residual + out
-    simple = act == "silu" and b_gate_up is None and b_down is None and not ll
-    if simple and gemv_mlp_applies(h, w_gate_up, w_down, kernels=kernels, mesh=attn.mesh):  # fp8 W8A8, 1-2 rows
-        return gemv_mlp(h, w_gate_up, w_down, residual=residual, interpret=attn.interpret)
     if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
         gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
     else:

@@ -23,9 +23,7 @@ The decoder's MLP of fp8 W8A8 gate / up and down weights (dynamic scales) on the
 silu_mlp (kernels_pallas.fp8_silu_mlp: silu(gate) * up and its e4m3 rounding for down in one Pallas pass between
 the two fp8 dots; reference and other weights: qmatmul, silu * up, qmatmul). The same steps' inputs of such qkv and
 gate / up weights come from the norm already in e4m3 (norm_fp8: RMSNorm and the token quantization in one Pallas
-pass); qmatmul and silu_mlp take those Fp8Rows for column-parallel fp8 W8A8 weights. At 1-2 rows (FP8_GEMV_XQ) the
-norms give fp8_gemv Fp8Rows too, and the MLP is gemv_mlp: gate / up's GEMV, silu * up rounded to e4m3 in one Pallas
-pass, down's GEMV on those rows.
+pass); qmatmul and silu_mlp take those Fp8Rows for column-parallel fp8 W8A8 weights.
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
 over both), so a step holds one projection's dequantized weight at a time, not every layer's.
@@ -67,8 +65,6 @@ from kernels_pallas.quant import (
     fp8_silu_mlp,
     quantized_matmul,
     rms_norm_fp8,
-    silu_mul_fp8,
-    silu_mul_fp8_supported,
     tie_to_input,
     uses_kernel,
 )
@@ -76,11 +72,6 @@ from kernels_pallas.quant import (
 # fp8 W8A8 (dynamic scales) of 1-2 rows on the kernels path: kernels_pallas.quant.fp8_gemv (the activation
 # quantization inside the GEMV's kernel) instead of fp8_matmul; JAXLLM_FP8_GEMV=0 / 1 overrides it for A/B runs
 FP8_GEMV = os.environ.get("JAXLLM_FP8_GEMV", "1") == "1"
-# With FP8_GEMV, the 1-2-row inputs of qkv and gate / up come from the norm in e4m3 (norm_fp8) and down's from one
-# Pallas pass of silu * up (gemv_mlp), so that fp8_gemv's kernel reads e4m3 x and its scales instead of every
-# program reducing x's whole row for them; o's input (the attention output) is still rounded in its kernel.
-# JAXLLM_FP8_GEMV_XQ=0 / 1 overrides it for A/B runs.
-FP8_GEMV_XQ = os.environ.get("JAXLLM_FP8_GEMV_XQ", "1") == "1"
 
 
 def qmatmul(x, w: QuantizedWeight, *, kernels: bool = False, interpret: bool = False, mesh=None):
@@ -179,41 +170,8 @@ FP8_NORM = os.environ.get("JAXLLM_FP8_NORM", "1") == "1"
 
 def norm_fp8_applies(x, w, *, kernels: bool) -> bool:
     """Whether norm_fp8 serves x's norm as w's input: the kernels path with FP8_NORM on, w fp8 W8A8 with dynamic
-    scales and column-parallel (one token scale over all of its input); more rows than fp8_gemv takes, or rows it
-    takes with FP8_GEMV_XQ on (its kernel then reads them in e4m3)."""
-    if not (kernels and FP8_NORM and _dynamic_fp8(w) and w.layout.shards == 1):
-        return False
-    return x.shape[0] > FP8_WIDEN_MAX_ROWS or (FP8_GEMV_XQ and _fp8_gemv_operands(x, w, kernels) is not None)
-
-
-def gemv_mlp_applies(h, w_gate_up, w_down, *, kernels: bool, mesh=None) -> bool:
-    """Whether gemv_mlp runs the MLP of h (16-bit or Fp8Rows): the kernels path with FP8_GEMV_XQ on, fp8 W8A8
-    gate / up and down with dynamic scales on one device (no tp), rows fp8_gemv takes, F silu_mul_fp8's kernel
-    takes."""
-    if not (kernels and FP8_GEMV_XQ and _dynamic_fp8(w_gate_up) and _dynamic_fp8(w_down)):
-        return False
-    if (mesh is not None and mesh.shape.get("tp", 1) > 1) or w_gate_up.packed.ndim != 3:
-        return False
-    F = w_gate_up.packed.shape[1]
-    x_down = jax.ShapeDtypeStruct((h.shape[0], F), h.dtype)
-    return (
-        _fp8_gemv_operands(h, w_gate_up, kernels) is not None
-        and _fp8_gemv_operands(x_down, w_down, kernels) is not None
-        and silu_mul_fp8_supported(jax.ShapeDtypeStruct((h.shape[0], 2, F), jnp.float32))
-    )
-
-
-def gemv_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, residual=None, interpret: bool = False):
-    """residual + down(silu(gate) * up) of 1-2 rows (gemv_mlp_applies): gate / up by fp8_gemv (h 16-bit, or Fp8Rows
-    from norm_fp8), its float32 product into silu_mul_fp8's Pallas pass (silu * up rounded to e4m3 per token, as
-    fp8_silu_mlp does above 2 rows), then down by fp8_gemv on those e4m3 rows, its partials summed with the
-    residual. h [T, D] -> [T, D']."""
-    T, F = h.shape[0], w_gate_up.packed.shape[1]
-    parts = fp8_gemv_partials(h, *_fp8_gemv_operands(h, w_gate_up, True), interpret=interpret)  # [S, T, 2F] float32
-    gu = parts[0] if parts.shape[0] == 1 else parts.sum(0)
-    aq, sa = silu_mul_fp8(gu.reshape(T, 2, F), interpret=interpret)
-    a = Fp8Rows(aq, sa, h.dtype)
-    return fp8_gemv(a, *_fp8_gemv_operands(a, w_down, True), residual=residual, interpret=interpret)
+    scales and column-parallel (one token scale over all of its input), more rows than fp8_gemv takes."""
+    return kernels and FP8_NORM and _dynamic_fp8(w) and w.layout.shards == 1 and x.shape[0] > FP8_WIDEN_MAX_ROWS
 
 
 def norm_fp8(x, weight, eps, *, plus_one: bool = False, interpret: bool = False, mesh=None) -> Fp8Rows:
@@ -327,8 +285,6 @@ def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     if isinstance(x, Fp8Rows):  # rounded to e4m3 with the norm (norm_fp8)
-        if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # 1-2 rows (FP8_GEMV_XQ)
-            return fp8_gemv(x, *gemv, interpret=interpret)
         return fp8_matmul_quantized(
             x.q, x.scale, w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1), x.dtype
         )
