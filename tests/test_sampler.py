@@ -262,3 +262,35 @@ def test_prompt_logprobs_under_tp2_never_gather_the_vocabulary(V, k):
     # rounding may differ in the last place
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(got[3], want[3], rtol=1e-6, atol=1e-6)
+
+
+def test_step_outputs_packed_into_one_array_round_trip_bit_for_bit():
+    """step_fns.with_packed appends the step's sampled outputs packed into one int32 array (float32 as their bits),
+    the host's one device-to-host copy a step; step_io.unpack_outputs splits it back into arrays equal bit for bit
+    to the device ones (-inf / nan / -0.0 logprobs included), plain steps' [B] / [B, k] and speculative steps'
+    [B, K + 1] / [B, K + 1, k] shapes alike; other dtypes are refused at trace time."""
+    from jaxllm.engine.step_fns import with_packed
+    from jaxllm.engine.step_io import unpack_outputs
+
+    rng = np.random.default_rng(0)
+    B, K, k = 4, 3, 5
+    lp = rng.standard_normal((B, K + 1)).astype(np.float32)
+    lp[0, 0], lp[1, 1], lp[2, 2] = -np.inf, np.nan, -0.0
+    spec = (
+        rng.integers(0, 50_000, (B, K + 1)).astype(np.int32),
+        lp,
+        rng.integers(1, 9, (B, K + 1)).astype(np.int32),
+        rng.integers(0, 50_000, (B, K + 1, k)).astype(np.int32),
+        rng.standard_normal((B, K + 1, k)).astype(np.float32),
+        rng.integers(1, K + 2, (B,)).astype(np.int32),
+    )
+    plain = (spec[0][:, 0], lp[:, 0], spec[2][:, 0], spec[3][:, 0, :1], spec[4][:, 0, :1])
+    for outputs in (plain, spec):
+        device = jax.jit(with_packed)(tuple(map(jnp.asarray, outputs)))
+        assert len(device) == len(outputs) + 1 and device[-1].dtype == jnp.int32 and device[-1].shape[0] == B
+        got = unpack_outputs(np.asarray(device[-1]), device[:-1])
+        for g, want in zip(got, outputs, strict=True):
+            assert g.dtype == want.dtype and g.shape == want.shape
+            np.testing.assert_array_equal(np.ascontiguousarray(g).view(np.uint32), want.view(np.uint32))  # the bits
+    with pytest.raises(TypeError, match="cannot be packed"):
+        jax.jit(with_packed)((jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.bfloat16)))

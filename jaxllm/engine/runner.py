@@ -46,6 +46,7 @@ from jaxllm.engine.step_io import (
     draft_args,
     dummy_host_inputs,
     step_args,
+    unpack_outputs,
 )
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
@@ -395,6 +396,8 @@ class ModelRunner:
             before_sample = None
             self.multihost.send_step(v, mode, p.host_args)
         outputs, prompt, feats = self.run_step(v, mode, p.host_args, before_sample)
+        if self.multihost is None:  # the copy starts when the step ends, not when collect asks for it
+            outputs[-1].copy_to_host_async()
         drafts = None
         if self.drafter is not None:
             drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
@@ -471,6 +474,13 @@ class ModelRunner:
         return drafts
 
     def collect(self, handle: StepHandle) -> StepResult:
-        get = jax.device_get if self.multihost is None else self.multihost.fetch
-        outputs, prompt, drafts = get(handle.outputs)
-        return StepResult(*outputs[:5], prompt, *outputs[5:], draft_tokens=drafts)
+        """The step's results on the host. One process: the packed copy of its sampled outputs (one device-to-host
+        copy, started at launch) split by the others' shapes; several: process 0 fetches them (multihost.fetch)."""
+        outputs, prompt, drafts = handle.outputs
+        if self.multihost is None:
+            arrays = unpack_outputs(np.asarray(outputs[-1]), outputs[:-1])
+            if prompt is not None or drafts is not None:
+                prompt, drafts = jax.device_get((prompt, drafts))
+        else:
+            arrays, prompt, drafts = self.multihost.fetch((outputs[:-1], prompt, drafts))
+        return StepResult(*arrays[:5], prompt, *arrays[5:], draft_tokens=drafts)

@@ -166,8 +166,8 @@ def packed_spec_step_fn(
     """A speculative decode step: the model over each sequence's last token and its proposals, logits at every
     proposed position ([B * (K + 1)] rows, logits_indices), and the rejection sampler. Its host inputs are a plain
     step's with (logits_indices [B * (K + 1)], drafts [B, K], num_drafts [B]) in the logits_indices slot.
-    Returns a plain step's outputs with num_emitted [B] appended to the sampled ones ([B, K + 1] each) (and the
-    drafter's features)."""
+    Returns a plain step's outputs with num_emitted [B] appended to the sampled ones ([B, K + 1] each), then their
+    packed copy (with_packed) (and the drafter's features)."""
     token_ids, src_rows, meta, (logits_indices, drafts, num_drafts), smd, *_ = unpack_host_args(ints, floats, layout)
     token_ids = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], token_ids)
     kv_caches, hidden, feats = _forward(params, kv_caches, token_ids, meta, cfg, attn, drafter)
@@ -179,17 +179,34 @@ def packed_spec_step_fn(
     last = jnp.take_along_axis(tokens, (num_emitted - 1)[:, None], axis=1)[:, 0]
     next_prev = jnp.zeros_like(prev_tokens).at[:B].set(last)
     if drafter is None:
-        return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp, num_emitted), None, None
+        return kv_caches, next_prev, with_packed((tokens, lp, ranks, top_ids, top_lp, num_emitted)), None, None
     rep = _replicated(attn)  # the draft program reads them, compiled for replicated inputs
     tokens, num_emitted = (jax.lax.with_sharding_constraint(a, rep) for a in (tokens, num_emitted))
-    return kv_caches, next_prev, (tokens, lp, ranks, top_ids, top_lp, num_emitted), None, None, feats
+    return kv_caches, next_prev, with_packed((tokens, lp, ranks, top_ids, top_lp, num_emitted)), None, None, feats
 
 
 def _sample_logits_fn(logits, prev_tokens, smd, *, flags: SamplerFlags):
     """Sampling from the logits of the B sampled rows; prev_tokens only gives the next one's shape."""
     tokens, lp, ranks, top_ids, top_lp = sample(logits, smd, flags)
     next_prev = jnp.zeros_like(prev_tokens).at[: tokens.shape[0]].set(tokens)
-    return next_prev, (tokens, lp, ranks, top_ids, top_lp)
+    return next_prev, with_packed((tokens, lp, ranks, top_ids, top_lp))
+
+
+def with_packed(outputs: tuple) -> tuple:
+    """A step's sampled outputs (int32 / float32 arrays [B, ...]) with all of them packed into one int32 array
+    [B, W] appended (float32 values as their bits; step_io.unpack_outputs splits it by the others' shapes): the host
+    reads a step's results in one device-to-host copy instead of one per array. At batch 1 each copy cost ~0.1 ms
+    of host time per step (copy_to_host_async, its callback, np.asarray), and the quantized batch-1 steps are
+    host-bound on some machines (bench/HISTORY.md "Stop 56")."""
+    B = outputs[0].shape[0]
+    cols = []
+    for a in outputs:
+        if a.dtype == jnp.float32:
+            a = jax.lax.bitcast_convert_type(a, jnp.int32)
+        elif a.dtype != jnp.int32:
+            raise TypeError(f"a step output of dtype {a.dtype} cannot be packed (int32, float32)")
+        cols.append(a.reshape(B, -1))
+    return (*outputs, jnp.concatenate(cols, axis=1))
 
 
 def _sample_rows_fn(head, rows, prev_tokens, smd, *, cfg: ModelConfig, flags: SamplerFlags, mesh=None):

@@ -68,13 +68,26 @@ def dummy_host_inputs(
     return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32), token_slots
 
 
+def unpack_outputs(packed: np.ndarray, like: tuple) -> list[np.ndarray]:
+    """step_fns.with_packed's int32 [B, W] on the host, split back into arrays of the shapes and dtypes of like
+    (the step's device outputs; only their metadata is read)."""
+    out, at = [], 0
+    for a in like:
+        dt, tail = np.dtype(a.dtype), tuple(a.shape[1:])
+        w = int(np.prod(tail, dtype=np.int64))
+        out.append(packed[:, at : at + w].view(dt).reshape(packed.shape[0], *tail))
+        at += w
+    return out
+
+
 @dataclass
 class StepHandle:
     """A dispatched step: device results plus what is needed to read them."""
 
     sched: SchedulerOutput
     rows: dict[str, int]  # seq_id -> row of the sampled outputs (sample=True chunks only)
-    outputs: tuple  # device arrays
+    outputs: tuple  # device arrays: (sampled outputs, their packed copy last (step_fns.with_packed); prompt
+    # logprobs or None; the drafter's proposals or None)
     prompt_rows: dict[str, tuple[int, int, int]]  # seq_id -> (first token index, count, first prompt position)
     num_logprobs: int
 
