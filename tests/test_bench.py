@@ -1020,3 +1020,27 @@ def test_lora_bench_smoke(tmp_path):
     assert set(rows) == {("base", 0), ("lora8", 1), ("lora8", 2)}
     assert rows[("lora8", 2)]["slot_swaps"] == 2 and rows[("lora8", 2)]["compiles_after_warmup"] == 0
     assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0
+
+
+def test_graph_launch_probe_modes(tmp_path):
+    """bench/probes/graph_launch_probe.py runs each mode (CPU: no command buffers, only the plumbing) and writes
+    one row per mode; its "stable" program reads the fresh int input through a single select and computes the same
+    outputs as the plain program."""
+    import jax
+    import numpy as np
+
+    from bench.probes import graph_launch_probe as probe
+
+    out = tmp_path / "glp.json"
+    res = probe.main(["--layers", "3", "--width", "16", "--calls", "2", "--sync", "--out", str(out)])
+    assert [r["mode"] for r in res["rows"]] == ["same", "fresh", "fresh_chain", "stable", "same"]
+    assert json.loads(out.read_text())["rows"] == res["rows"]
+    assert all(r["host_ms_median"] > 0 and r["wall_ms_per_call"] > 0 for r in res["rows"])
+    ws = jax.numpy.ones((16, 16, 16), jax.numpy.bfloat16) * 0.05
+    ints = np.arange(17, dtype=np.int32)
+    x = jax.numpy.ones((8, 16), jax.numpy.bfloat16)
+    plain, stable = (probe.build(3, 16, s) for s in (False, True))
+    a = plain(ws, ints, x, jax.numpy.zeros((64, 64), jax.numpy.bfloat16))
+    b = stable(ws, ints, x, jax.numpy.zeros((64, 64), jax.numpy.bfloat16))
+    np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
+    assert "select" in stable.lower(ws, ints, x, jax.numpy.zeros((64, 64), jax.numpy.bfloat16)).as_text()
