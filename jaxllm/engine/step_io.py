@@ -7,6 +7,7 @@ start-up compiles trace (dummy_host_inputs).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,13 +72,19 @@ def dummy_host_inputs(
 def unpack_outputs(packed: np.ndarray, like: tuple) -> list[np.ndarray]:
     """step_fns.with_packed's int32 [B, W] on the host, split back into arrays of the shapes and dtypes of like
     (the step's device outputs; only their metadata is read)."""
-    out, at = [], 0
+    out, at, B = [], 0, packed.shape[0]
     for a in like:
-        dt, tail = np.dtype(a.dtype), tuple(a.shape[1:])
-        w = int(np.prod(tail, dtype=np.int64))
-        out.append(packed[:, at : at + w].view(dt).reshape(packed.shape[0], *tail))
+        tail = a.shape[1:]
+        w = math.prod(tail)
+        col = packed[:, at : at + w]
+        if a.dtype == _F32:
+            col = col.view(np.float32)
+        out.append(col[:, 0] if not tail else col if len(tail) == 1 else col.reshape(B, *tail))
         at += w
     return out
+
+
+_F32 = np.dtype(np.float32)
 
 
 @dataclass
