@@ -69,6 +69,9 @@ def dummy_host_inputs(
     return z(T), np.full(T, -1, np.int32), meta, logits, smd, np.full(T, -1, np.int32), token_slots
 
 
+_F32 = np.dtype(np.float32)
+
+
 def unpack_outputs(packed: np.ndarray, like: tuple) -> list[np.ndarray]:
     """step_fns.with_packed's int32 [B, W] on the host, split back into arrays of the shapes and dtypes of like
     (the step's device outputs; only their metadata is read)."""
@@ -77,14 +80,9 @@ def unpack_outputs(packed: np.ndarray, like: tuple) -> list[np.ndarray]:
         tail = a.shape[1:]
         w = math.prod(tail)
         col = packed[:, at : at + w]
-        if a.dtype == _F32:
-            col = col.view(np.float32)
-        out.append(col[:, 0] if not tail else col if len(tail) == 1 else col.reshape(B, *tail))
+        out.append((col.view(np.float32) if a.dtype == _F32 else col).reshape(B, *tail))
         at += w
     return out
-
-
-_F32 = np.dtype(np.float32)
 
 
 @dataclass
