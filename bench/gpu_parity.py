@@ -274,7 +274,7 @@ def counting_quant_kernels(counts: dict):
 
     saved = [
         (_qmatmul, "qmatmul_kernel", _qmatmul.qmatmul_kernel),
-        (_qmatmul_mgpu, "qmatmul_mgpu", _qmatmul_mgpu.qmatmul_mgpu),  # int4 weights in the nk layout (JAXLLM_INT4_NK)
+        (_qmatmul_mgpu, "qmatmul_mgpu", _qmatmul_mgpu.qmatmul_mgpu),  # int4 weights in the nk layout (sm_90's default)
         (_qmatmul_mgpu, "qmatmul_mgpu_wide", _qmatmul_mgpu.qmatmul_mgpu_wide),  # ... of 129-1024 rows (NK_WIDE)
         (quant_matmul, "fp8_matmul", quant_matmul.fp8_matmul),
         (_fp8_gemv, "fp8_gemv_kernel", _fp8_gemv.fp8_gemv_kernel),

@@ -430,15 +430,17 @@ def test_llama3_8b_dummy_gptq_fits_the_kernel_at_every_tp():
 
 
 def test_quant_env_switches_parse_when_the_modules_load():
-    """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT, off unless "1"),
+    """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT: True / False for "1" / "0", None unset:
+    then nk_layout_on() follows the device, off on this CPU),
     JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP), JAXLLM_FP8_NORM (quant_matmul.FP8_NORM) and JAXLLM_FP8_DOT_BF16
     (kernels_pallas.quant.FP8_DOT_BF16), on unless "0"; "0" / "1" / unset each."""
     code = (
         "from jaxllm.models import quant, quant_matmul; from kernels_pallas import quant as kq; "
-        "print(quant.NK_LAYOUT, quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, kq.FP8_DOT_BF16)"
+        "print(quant.NK_LAYOUT, quant.nk_layout_on(), quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, "
+        "kq.FP8_DOT_BF16)"
     )
     names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_NORM", "JAXLLM_FP8_DOT_BF16")
-    for value, want in (("0", ["False"] * 4), ("1", ["True"] * 4), (None, ["False", "True", "True", "True"])):
+    for value, want in (("0", ["False"] * 5), ("1", ["True"] * 5), (None, ["None", "False", "True", "True", "True"])):
         env = {k: v for k, v in os.environ.items() if k not in names}
         if value is not None:
             env.update(dict.fromkeys(names, value))

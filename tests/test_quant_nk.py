@@ -310,3 +310,14 @@ def test_nk_relayout_on_host_and_device(sym, shards):
     dense = nk_dequantize(jnp.asarray(wt), jnp.asarray(s), None if sym else zz, G, jnp.float32)
     zero = 8 if sym else np.repeat(z, G, 0)
     np.testing.assert_allclose(np.asarray(dense), ((q - zero) * np.repeat(s, G, 0)).T, rtol=1e-6)
+
+
+@pytest.mark.parametrize("env,hopper,want", [(None, True, True), (None, False, False), (False, True, False)])
+def test_nk_layout_is_the_default_on_hopper(gptq_g128, monkeypatch, env, hopper, want):
+    """Unset (NK_LAYOUT None), int4 weights take the nk layout exactly when the device is a Hopper GPU
+    (kernels_pallas.on_hopper, patched here: this machine has none); JAXLLM_INT4_NK=0 (False) keeps planes there."""
+    import kernels_pallas
+
+    monkeypatch.setattr(kernels_pallas, "on_hopper", lambda: hopper)
+    _, _, params = _load(gptq_g128["gptq", True], 1, env, monkeypatch)
+    assert all(params["layers"][0][k].layout.nk == want for k in ("w_qkv", "wo", "w_gate_up", "w_down"))

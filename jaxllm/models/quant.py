@@ -74,8 +74,11 @@ EXPERT_LINEARS = ("w_experts_gate_up", "w_experts_down")  # a MoE layer's expert
 ROW_PARALLEL_AXES = ("heads", "ffn")  # logical input axes that tp splits (wo, w_down)
 # int4 weight-only linears in the "nk" device layout (kernels_pallas/_qmatmul_mgpu.py: int4 [*O, I] holding q - 8,
 # read by the Mosaic GPU kernel for up to quant_matmul.NK_KERNEL_MAX_ROWS rows) instead of qlayout's planes, where
-# nk_layout_fits; JAXLLM_INT4_NK=1 turns it on (off by default until measured in the engine).
-NK_LAYOUT = os.environ.get("JAXLLM_INT4_NK", "0") == "1"
+# nk_layout_fits: the default on Hopper GPUs (sm_90, where those kernels run; nk_layout_on), planes elsewhere.
+# JAXLLM_INT4_NK=1 / 0 forces it on / off (A/B runs; None: unset). Measured on one H200 at 3f6aa5b (call 70), GPTQ
+# g128 8B batch-1 ITL nk 2.87 ms against planes 3.20, gpu_parity gptq_int4 passing with it; offline (nk + the wide
+# kernel) 36.4 against 35.9 req/s on an H100 (stop 54).
+NK_LAYOUT: bool | None = {"1": True, "0": False}.get(os.environ.get("JAXLLM_INT4_NK", ""))
 NK_BLOCK = 128  # the nk kernel's K block: groups and each shard's rows are multiples of it
 
 
@@ -294,11 +297,20 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     )
 
 
+def nk_layout_on() -> bool:
+    """Whether int4 weights take the nk layout where they fit: JAXLLM_INT4_NK if set, else on a Hopper GPU."""
+    if NK_LAYOUT is not None:
+        return NK_LAYOUT
+    from kernels_pallas import on_hopper
+
+    return on_hopper()
+
+
 def nk_layout_fits(q: QuantConfig, k: int, group: int) -> bool:
-    """Whether an int weight of k rows per shard (device groups of `group` rows) takes the nk layout: NK_LAYOUT on,
+    """Whether an int weight of k rows per shard (device groups of `group` rows) takes the nk layout: nk_layout_on(),
     int4 weight-only without act-order, groups (or per channel) and k whole NK_BLOCKs."""
     return (
-        NK_LAYOUT
+        nk_layout_on()
         and q.weight_type == "int"
         and q.bits == 4
         and q.activations is None

@@ -15,7 +15,7 @@
                    and x's rounding inside one split-K Pallas GEMV (split_k:
                    its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
-  int4 nk layout   (JAXLLM_INT4_NK=1) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
+  int4 nk layout   (sm_90 default) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
                    _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: its wide   one float32 dot
                    variant (x's rows tiled; NK_WIDE)
 
@@ -228,7 +228,7 @@ def _int_weight(w: QuantizedWeight) -> qlayout.QuantizedWeight:
     )
 
 
-# int4 nk-layout weights (jaxllm/models/quant.py NK_LAYOUT) of up to this many rows run the Mosaic GPU kernel
+# int4 nk-layout weights (jaxllm/models/quant.py nk_layout_on) of up to this many rows run the Mosaic GPU kernel
 # (kernels_pallas/_qmatmul_mgpu.py); above, its wide variant or the dequantized weight + XLA's GEMM (below). H100, 8B GPTQ, batch-1 TTFT of a
 # 128-token prompt: 13.0 ms at 128 against 19.5 at 64 (planes 15.3; bench/results/int4_nk_ab_h100_5f8d838.json).
 NK_KERNEL_MAX_ROWS = 128
