@@ -3,9 +3,10 @@ register operand), for the decode step's few rows.
 
 y = x @ W with W [K, N] = (q - z) * s, q int4, groups of `group_size` rows of K (or one per channel). The kernel
 computes y^T = W^T x^T: wgmma's 64-row operand is a 64-column slice of W, transposed, held in registers; the rows of
-x (up to 256, padded to a multiple of 8: wgmma's smallest N) are its shared-memory operand. So one row of x needs
-no padding to wgmma's 64 rows, and the dequantization is Mosaic GPU's int4 -> 16-bit conversion in registers (two
-values a PRMT + LOP3, FragmentedArray.astype), with no shared-memory round trip of the dequantized weight.
+x (up to 256, in blocks of a multiple of 8: wgmma's smallest N; the TMA copies zero-fill the rows past x's) are its
+shared-memory operand. So one row of x needs no padding to wgmma's 64 rows, and the dequantization is Mosaic GPU's
+int4 -> 16-bit conversion in registers (two values a PRMT + LOP3, FragmentedArray.astype), with no shared-memory
+round trip of the dequantized weight.
 
 The layout it reads ("nk", made from qlayout's planes by `nk_layout`): the weight transposed, int4 [N, Kp], K
 contiguous, values q - 8 (signed int4: GPTQ's symmetric z = 8 becomes 0); scales [G, N] in x's dtype; asymmetric
@@ -138,7 +139,7 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
     @pl.when(wg == nw)
     def _memory():
-        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=slice(None), n0=n0, g0=g0, first=first, steps=steps)
+        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(0, Mp), n0=n0, g0=g0, first=first, steps=steps)
 
 
 def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
@@ -244,7 +245,11 @@ def qmatmul_mgpu(
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
-    float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring."""
+    float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring.
+
+    x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
+    M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
+    its projections (the interpreter gets the padded array)."""
     M, Kp = x.shape
     N = wt.shape[0]
     if M > MAX_ROWS:
@@ -263,7 +268,7 @@ def qmatmul_mgpu(
     if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):
         raise ValueError(f"splits={S}: each split must hold whole groups, at most {MAX_SCALE_ROWS}")
     Mp = -(-M // 8) * 8
-    if Mp != M:
+    if Mp != M and interpret:  # on a GPU the TMA copies of x's Mp-row blocks read zeros past its M rows
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
     if stages is None:  # as many slots as fit ~96 KB (two programs an SM), 2..8
         per_stage = nw * BM * block_k // 2 + Mp * block_k * 2
