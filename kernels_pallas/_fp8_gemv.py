@@ -4,8 +4,7 @@ rows with the activation quantization inside the GEMM's kernel.
     y = (round_e4m3(x / s) @ W^T) * s * w_scale, s = max(max|x_m| / 448, FP8_MIN_SCALE) per row
 
 Grid (N / BN, splits). A program owns BN output columns and one contiguous run of K (split-K):
-1. the token scales: max |x_m| over x's whole row (a few KB, read from L2 by every program), while the run's first
-   weight tile is on its way from HBM (loaded before this pass);
+1. the token scales: max |x_m| over x's whole row (a few KB, read from L2 by every program);
 2. per K tile: x's [M, BK] slice divided by its scale, clipped to e4m3's range, rounded to e4m3 and widened to
    float16 (every e4m3 value is a float16: exact), its M rows stacked to the MMA's 16; the [BN, BK] e4m3 weight tile
    widened to float16 (one conversion per two values on sm_89+, exact); one MMA into a float32 [16, BN] accumulator
@@ -64,10 +63,6 @@ def plan(n: int, k: int, block_n=None, block_k=None, splits=None):
 def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per_tensor):
     M, K = x_ref.shape
     f32, op = jnp.float32, jnp.float16
-    lo = pl.program_id(1) * per_split  # the split's first K tile (every split has at least one)
-    # Its weight tile is loaded first, so that its HBM latency overlaps the token-scale pass below (which reads x
-    # from L2) instead of following it: at 2 tiles a program (o, qkv) that pass is a good part of the kernel.
-    w_first = w_ref[:, pl.ds(lo * bk, bk)]
 
     # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then one
     # row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
@@ -77,16 +72,15 @@ def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per
     s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
     R = 16 // M
 
-    def tile(t, w, acc):
+    def body(t, acc):
         k0 = t * bk
         v = jnp.clip(x_ref[:, pl.ds(k0, bk)].astype(f32) / s, -FP8_MAX, FP8_MAX)
         x = v.astype(FP8).astype(op)  # W8A8's x: rounded to e4m3 (exact in float16)
         x16 = jnp.broadcast_to(x[None], (R, M, bk)).reshape(16, bk)
-        return acc + mma(x16, w.astype(op), trans_b=True)
+        return acc + mma(x16, w_ref[:, pl.ds(k0, bk)].astype(op), trans_b=True)
 
-    acc = tile(lo, w_first, jnp.zeros((16, o_ref.shape[-1]), f32))
-    body = lambda t, acc: tile(t, w_ref[:, pl.ds(t * bk, bk)], acc)  # noqa: E731
-    acc = jax.lax.fori_loop(lo + 1, jnp.minimum(lo + per_split, tiles), body, acc)
+    lo = pl.program_id(1) * per_split
+    acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, jnp.zeros((16, o_ref.shape[-1]), f32))
     y = acc.reshape(R, M, -1).max(axis=0)  # the copies are bitwise equal: max keeps them exact
     ws = ws_ref[0] if per_tensor else ws_ref[...].astype(f32)[None, :]
     o_ref[...] = (y * s) * ws
