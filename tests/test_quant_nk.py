@@ -312,12 +312,22 @@ def test_nk_relayout_on_host_and_device(sym, shards):
     np.testing.assert_allclose(np.asarray(dense), ((q - zero) * np.repeat(s, G, 0)).T, rtol=1e-6)
 
 
-@pytest.mark.parametrize("env,hopper,want", [(None, True, True), (None, False, False), (False, True, False)])
-def test_nk_layout_is_the_default_on_hopper(gptq_g128, monkeypatch, env, hopper, want):
+@pytest.mark.parametrize(
+    "env,hopper,tp,want",
+    [
+        (None, True, 1, True),
+        (None, False, 1, False),
+        (False, True, 1, False),
+        (None, True, 2, False),
+        (True, True, 2, True),
+    ],
+)
+def test_nk_layout_is_the_default_on_hopper_at_tp_1(gptq_g128, monkeypatch, env, hopper, tp, want):
     """Unset (NK_LAYOUT None), int4 weights take the nk layout exactly when the device is a Hopper GPU
-    (kernels_pallas.on_hopper, patched here: this machine has none); JAXLLM_INT4_NK=0 (False) keeps planes there."""
+    (kernels_pallas.on_hopper, patched here: this machine has none) and tp is 1; JAXLLM_INT4_NK=0 (False) keeps
+    planes there, =1 (True) gives nk under tp 2 as well."""
     import kernels_pallas
 
     monkeypatch.setattr(kernels_pallas, "on_hopper", lambda: hopper)
-    _, _, params = _load(gptq_g128["gptq", True], 1, env, monkeypatch)
+    _, _, params = _load(gptq_g128["gptq", True], tp, env, monkeypatch)
     assert all(params["layers"][0][k].layout.nk == want for k in ("w_qkv", "wo", "w_gate_up", "w_down"))

@@ -74,7 +74,8 @@ EXPERT_LINEARS = ("w_experts_gate_up", "w_experts_down")  # a MoE layer's expert
 ROW_PARALLEL_AXES = ("heads", "ffn")  # logical input axes that tp splits (wo, w_down)
 # int4 weight-only linears in the "nk" device layout (kernels_pallas/_qmatmul_mgpu.py: int4 [*O, I] holding q - 8,
 # read by the Mosaic GPU kernel for up to quant_matmul.NK_KERNEL_MAX_ROWS rows) instead of qlayout's planes, where
-# nk_layout_fits: the default on Hopper GPUs (sm_90, where those kernels run; nk_layout_on), planes elsewhere.
+# nk_layout_fits: the default on Hopper GPUs (sm_90, where those kernels run; nk_layout_on) without tensor parallelism
+# (the kernel inside tp's shard_map has not run on a GPU yet), planes elsewhere.
 # JAXLLM_INT4_NK=1 / 0 forces it on / off (A/B runs; None: unset). Measured on one H200 at 3f6aa5b (call 70), GPTQ
 # g128 8B batch-1 ITL nk 2.87 ms against planes 3.20, gpu_parity gptq_int4 passing with it; offline (nk + the wide
 # kernel) 36.4 against 35.9 req/s on an H100 (stop 54).
@@ -258,7 +259,7 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     # (tiny test models) are one exact tile of k / P-row planes instead of a mostly padded one; the kernel declines
     # those too.
     P = 32 // q.bits
-    nk = nk_layout_fits(q, k, group)
+    nk = nk_layout_fits(q, k, group, tp)
     if nk:
         plane, kp = 0, k
     else:
@@ -297,20 +298,20 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
     )
 
 
-def nk_layout_on() -> bool:
-    """Whether int4 weights take the nk layout where they fit: JAXLLM_INT4_NK if set, else on a Hopper GPU."""
+def nk_layout_on(tp: int = 1) -> bool:
+    """Whether int4 weights take the nk layout where they fit: JAXLLM_INT4_NK if set, else on a Hopper GPU at tp 1."""
     if NK_LAYOUT is not None:
         return NK_LAYOUT
     from kernels_pallas import on_hopper
 
-    return on_hopper()
+    return tp == 1 and on_hopper()
 
 
-def nk_layout_fits(q: QuantConfig, k: int, group: int) -> bool:
-    """Whether an int weight of k rows per shard (device groups of `group` rows) takes the nk layout: nk_layout_on(),
+def nk_layout_fits(q: QuantConfig, k: int, group: int, tp: int = 1) -> bool:
+    """Whether an int weight of k rows per shard (device groups of `group` rows) takes the nk layout: nk_layout_on(tp),
     int4 weight-only without act-order, groups (or per channel) and k whole NK_BLOCKs."""
     return (
-        nk_layout_on()
+        nk_layout_on(tp)
         and q.weight_type == "int"
         and q.bits == 4
         and q.activations is None
