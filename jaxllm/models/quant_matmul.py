@@ -15,7 +15,7 @@
                    and x's rounding inside one split-K Pallas GEMV (split_k:
                    its partials, for the decoder's qkv)
   fp8 weight-only  dequantize + dot (both)
-  int4 nk layout   (sm_90 default) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
+  int4 nk layout   (sm_90, tp 1) the Mosaic GPU kernel (kernels_pallas/         the nk weight dequantized,
                    _qmatmul_mgpu.py) for T <= NK_KERNEL_MAX_ROWS, above: its wide   one float32 dot
                    variant (x's rows tiled; NK_WIDE)
 
