@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.sampling_params import StructuredOutputsParams
@@ -57,6 +58,10 @@ class ToolChoice:
         if self.mode == "auto":
             return self.parser.parse(text, final)
         return Parsed("", [Call(self.name, text)])
+
+    def streamer(self) -> Callable[[str, bool], Parsed]:
+        """parse for one stream's growing text (server.tool_parsers: the auto parser's streamer)."""
+        return self.parser.streamer() if self.mode == "auto" else self.parse
 
     def message_fields(self, text: str) -> dict[str, Any]:
         """content and tool_calls of the whole response's message."""
@@ -196,6 +201,10 @@ class ToolStream:
     sent_content: int = 0
     sent_calls: int = 0
     sent_args: int = 0  # named: arguments text sent so far
+    parse: Callable[[str, bool], Parsed] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.parse = self.choice.streamer()
 
     def step(self, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """The content delta and tool-call deltas since the last step."""
@@ -209,7 +218,7 @@ class ToolStream:
                 self.sent_calls = 1
             self.sent_args = len(text)
             return "", [call]
-        parsed = self.choice.parse(text, final)
+        parsed = self.parse(text, final)
         calls = parsed.calls if self.choice.parallel else parsed.calls[:1]
         content = parsed.content[self.sent_content :]
         self.sent_content = max(self.sent_content, len(parsed.content))

@@ -11,7 +11,10 @@ model's own tool-call format back into OpenAI tool calls, as vLLM's parser of th
 A parser is one function of the text generated so far: parse(text, final) -> Parsed. `content` is the text
 that is certainly not part of a call and `calls` the calls complete so far. A stream sends what grew since its
 last step, and a whole response is parse(text, final=True), so a stream adds up to the same message: content
-only ever grows, and a call, once complete, never changes.
+only ever grows, and a call, once complete, never changes. A stream calls its parser's `streamer()` once and then
+that function at every step: the same Parsed as `parse` on the same text, where a parser can reuse its earlier
+steps' work because the text only grows (pythonic: its character scan resumes where it stopped, so a stream of L
+characters costs O(L) there, not O(L^2); the others' per-step work is C-level string and JSON scanning).
 
 When no call parses, the whole output is the content (vLLM: `tools_called` false). A call that does not parse
 among others that do is dropped with a warning (vLLM would return the whole output as content; a stream here
@@ -46,6 +49,11 @@ class ToolParser:
     name: str
     parse: Callable[[str, bool], Parsed]
     keep_special_tokens: bool  # vLLM's adjust_request: the call markers are special tokens in some vocabularies
+    stream: Callable[[], Callable[[str, bool], Parsed]] | None = None  # a stateful parse for one growing text
+
+    def streamer(self) -> Callable[[str, bool], Parsed]:
+        """parse for one stream's text, which only grows from call to call (module docstring)."""
+        return self.parse if self.stream is None else self.stream()
 
 
 def held_suffix(text: str, marker: str) -> int:
@@ -170,31 +178,50 @@ def parse_mistral(text: str, final: bool) -> Parsed:
 # ---------------------------------------------------------------------------------------------- pythonic
 
 
+class _ListScan:
+    """The complete top-level elements (their source text) of the Python list literal a text starts with, and the
+    end of the list (None while it is open); brackets inside strings do not count. feed(s) scans s from where the
+    previous feed stopped: s must extend the text fed before (a stream's output so far)."""
+
+    def __init__(self):
+        self.items: list[str] = []
+        self.end: int | None = None
+        self.scanned = 0  # characters looked at over all feeds (each once: tests/test_tool_calls.py)
+        self._depth, self._quote, self._start, self._i = 0, None, 1, 1
+
+    def feed(self, s: str) -> tuple[list[str], int | None]:
+        if self.end is not None:
+            return self.items, self.end
+        items, depth, quote, start, i = self.items, self._depth, self._quote, self._start, self._i
+        while i < len(s):
+            c = s[i]
+            if quote:
+                if c == "\\":
+                    i += 1
+                elif c == quote:
+                    quote = None
+            elif c in "'\"":
+                quote = c
+            elif c in "([{":
+                depth += 1
+            elif c in ")]}" and depth:
+                depth -= 1
+            elif c == "]" or (c == "," and depth == 0):
+                if s[start:i].strip():
+                    items.append(s[start:i])
+                if c == "]":
+                    self.end = i + 1
+                    break
+                start = i + 1
+            i += 1
+        self.scanned += i - self._i
+        self._depth, self._quote, self._start, self._i = depth, quote, start, i
+        return items, self.end
+
+
 def _list_elements(s: str) -> tuple[list[str], int | None]:
-    """The complete top-level elements (their source text) of the Python list literal s starts with, and the
-    end of the list (None while it is open); brackets inside strings do not count."""
-    items, depth, quote, start, i = [], 0, None, 1, 1
-    while i < len(s):
-        c = s[i]
-        if quote:
-            if c == "\\":
-                i += 1
-            elif c == quote:
-                quote = None
-        elif c in "'\"":
-            quote = c
-        elif c in "([{":
-            depth += 1
-        elif c in ")]}" and depth:
-            depth -= 1
-        elif c == "]" or (c == "," and depth == 0):
-            if s[start:i].strip():
-                items.append(s[start:i])
-            if c == "]":
-                return items, i + 1
-            start = i + 1
-        i += 1
-    return items, None
+    """_ListScan's elements and end of s, scanned whole."""
+    return _ListScan().feed(s)
 
 
 def _python_call(source: str) -> Call | None:
@@ -215,16 +242,29 @@ def _python_call(source: str) -> Call | None:
 
 
 def parse_pythonic(text: str, final: bool) -> Parsed:
-    body = text.strip()
-    if not body:
-        return Parsed(text if final else "")
-    if not body.startswith("["):
-        return Parsed(text)
-    items, end = _list_elements(body)
-    if final and end is not None and body[end:].strip():
-        return Parsed(text)  # a list followed by more text is prose, not calls
-    calls = [c for c in map(_python_call, items) if c is not None]
-    return _finish(text, "", calls, len(items) - len(calls) + (final and end is None), final)
+    return _PythonicStream().parse(text, final)
+
+
+class _PythonicStream:
+    """parse_pythonic for one growing text: the list's scan resumes where it stopped and each element is parsed
+    once (its source text is final once the scan has passed it)."""
+
+    def __init__(self):
+        self.scan = _ListScan()
+        self.calls: list[Call | None] = []  # per element of scan.items
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()  # its start stays put once there is any: the scan runs over it
+        if not body:
+            return Parsed(text if final else "")
+        if not body.startswith("["):
+            return Parsed(text)
+        items, end = self.scan.feed(body)
+        if final and end is not None and body[end:].strip():
+            return Parsed(text)  # a list followed by more text is prose, not calls
+        self.calls += map(_python_call, items[len(self.calls) :])
+        calls = [c for c in self.calls if c is not None]
+        return _finish(text, "", calls, len(items) - len(calls) + (final and end is None), final)
 
 
 TOOL_PARSERS = {
@@ -233,6 +273,6 @@ TOOL_PARSERS = {
         ToolParser("hermes", parse_hermes, keep_special_tokens=True),
         ToolParser("llama3_json", parse_llama3_json, keep_special_tokens=False),
         ToolParser("mistral", parse_mistral, keep_special_tokens=True),
-        ToolParser("pythonic", parse_pythonic, keep_special_tokens=False),
+        ToolParser("pythonic", parse_pythonic, keep_special_tokens=False, stream=lambda: _PythonicStream().parse),
     )
 }
