@@ -2,7 +2,8 @@
 GPU busy time vs the traced wall time (host gaps), the kernels that take the time, the XLA module runs
 (one per engine step) and any compilation inside the trace (recompiles). With sequence=N, also N consecutive kernels
 from the middle of the trace in launch order (name, microseconds, the HLO op XProf names): which kernels one
-layer runs, for telling apart kernels of the same name.
+layer runs, for telling apart kernels of the same name; and "layer": the sequence's repeating unit (one decoder
+layer of a decode step) with each position's median time and the unit's median total.
 
   python bench/profile_summary.py TRACE_DIR_OR_FILE   -> prints the JSON summary
 """
@@ -58,6 +59,43 @@ def kernel_category(name: str) -> str:
 
 
 _GAP_SIZES = (("under_2us", 0, 2e3), ("2_10us", 2e3, 1e4), ("10_100us", 1e4, 1e5), ("over_100us", 1e5, float("inf")))
+
+
+def repeating_unit(names: list[str]) -> tuple[int, int] | None:
+    """(p, start): the shortest period p whose longest streak of names[i] == names[i + p] spans at least three units,
+    and where that streak starts: the kernels of one decoder layer in a decode step's launch sequence (a step's own
+    first and last kernels, or another step's, end the streak)."""
+    n = len(names)
+    for p in range(2, n // 3 + 1):
+        best, start, run = 0, 0, 0
+        for i in range(n - p):
+            run = run + 1 if names[i] == names[i + p] else 0
+            if run > best:
+                best, start = run, i - run + 1
+        if best >= 2 * p:
+            return p, start
+    return None
+
+
+def layer_summary(seq: list) -> dict | None:
+    """One repeating unit of a sequence of [name, us, op] (repeating_unit): its kernels in launch order, each
+    position's median us over the whole units of the streak, and their median total."""
+    found = repeating_unit([k[0] for k in seq])
+    if found is None:
+        return None
+    p, start = found
+    units = []
+    for i in range(start, len(seq) - p + 1, p):
+        if [k[0] for k in seq[i : i + p]] != [k[0] for k in seq[start : start + p]]:
+            break
+        units.append(seq[i : i + p])
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return {
+        "kernels": p,
+        "us": med([sum(k[1] for k in u) for u in units]),
+        "units": len(units),
+        "sequence": [[units[0][j][0], med([u[j][1] for u in units])] for j in range(p)],
+    }
 
 
 def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
@@ -119,6 +157,7 @@ def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
                 events.sort()
                 mid = max(0, len(events) // 2 - sequence // 2)
                 dev["sequence"] = [[n[:80], d / 1e3, op] for _, n, d, op in events[mid : mid + sequence]]
+                dev["layer"] = layer_summary(dev["sequence"])
             if modules:
                 dev["xla_modules"] = [
                     {"name": k[:120], "runs": modules[k], "ms": module_time[k] / 1e6}

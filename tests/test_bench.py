@@ -353,6 +353,27 @@ def test_profile_kernel_categories():
     assert kernel_category("loop_multiply_fusion_31") == "other"
 
 
+def test_profile_layer_is_the_sequence_repeating_unit():
+    """profile_summary's "layer": the shortest period of a decode step's kernel sequence, despite a step's own first
+    and last kernels in it, with the median time per position (one layer of the H200 nk trace, 14 kernels)."""
+    from bench.profile_summary import layer_summary, repeating_unit
+
+    layer = [("paged_decode", 4.4), ("combine", 1.3), ("mgpu", 5.8), ("add", 1.4), ("norm", 1.3), ("mul", 1.3)]
+    layer += [("mgpu", 26.0), ("mul2", 1.6), ("mgpu", 14.5), ("add2", 1.5), ("norm", 1.3), ("mul", 1.2)]
+    layer += [("mgpu", 7.7), ("reduce", 1.3)]
+    seq = []
+    for i in range(6):
+        seq += [[n, t + 0.1 * (i % 2), "op"] for n, t in layer]
+        if i == 2:
+            seq += [["gemm_fusion_dot_1", 240.0, "op"], ["sampler", 3.0, "op"]]  # a step boundary
+    assert repeating_unit([k[0] for k in seq])[0] == 14
+    got = layer_summary(seq)
+    assert got["kernels"] == 14 and [k[0] for k in got["sequence"]] == [n for n, _ in layer]
+    assert min(abs(got["us"] - sum(t for _, t in layer) - d) for d in (0.0, 1.4)) < 1e-6  # one of the two timings
+    assert repeating_unit(["a", "b", "c", "d", "e", "f"]) is None
+    assert layer_summary([["a", 1.0, ""], ["b", 2.0, ""]]) is None
+
+
 def test_plot_reads_the_mosaic_prefill_row_at_the_kernels_defaults():
     """bench/plot_results.py names the Mosaic GPU prefill kernel's defaults to find the entry point's row."""
     import inspect
