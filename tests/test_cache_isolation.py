@@ -61,9 +61,12 @@ def test_key_engine_tests_pass_twice_on_one_cache_and_never_touch_the_users(tmp_
     run_key_tests(JAXLLM_TEST_CACHE_ROOT=str(shared), HOME=str(home))  # everything the first run stored is found
     assert snapshot(home) == before  # the user's cache: nothing written (the demo model would be, were it used)
 
-    # conftest's default root (what CI and a developer's plain `pytest` get): one engine test, which stores
-    # compiled programs in whatever cache it is given, leaves an empty home empty. (The six tests cold once more
-    # here cost ~60 s and checked nothing more: the root is the only difference between the two branches.)
+
+def test_an_engine_test_on_the_default_root_leaves_an_empty_home_empty(tmp_path):
+    """conftest's default root (what CI and a developer's plain `pytest` get): one engine test, which stores
+    compiled programs in whatever cache it is given, leaves an empty home empty. (The six tests cold once more
+    here cost ~60 s and checked nothing more: the root is the only difference between the two branches.) A test of
+    its own, independent of the two runs above: xdist can give it to the other worker."""
     empty = tmp_path / "empty_home"
     empty.mkdir()
     run_key_tests(KEY_TESTS[:1], HOME=str(empty))
