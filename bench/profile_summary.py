@@ -84,9 +84,10 @@ def layer_summary(seq: list) -> dict | None:
     if found is None:
         return None
     p, start = found
+    names = [k[0] for k in seq[start : start + p]]
     units = []
     for i in range(start, len(seq) - p + 1, p):
-        if [k[0] for k in seq[i : i + p]] != [k[0] for k in seq[start : start + p]]:
+        if [k[0] for k in seq[i : i + p]] != names:
             break
         units.append(seq[i : i + p])
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731

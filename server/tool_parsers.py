@@ -186,7 +186,7 @@ class _ListScan:
     def __init__(self):
         self.items: list[str] = []
         self.end: int | None = None
-        self.scanned = 0  # characters looked at over all feeds (each once: tests/test_tool_calls.py)
+        self.scanned = 0  # characters looked at over all feeds (each once: tests/test_tool_parser_streams.py)
         self._depth, self._quote, self._start, self._i = 0, None, 1, 1
 
     def feed(self, s: str) -> tuple[list[str], int | None]:
@@ -217,11 +217,6 @@ class _ListScan:
         self.scanned += i - self._i
         self._depth, self._quote, self._start, self._i = depth, quote, start, i
         return items, self.end
-
-
-def _list_elements(s: str) -> tuple[list[str], int | None]:
-    """_ListScan's elements and end of s, scanned whole."""
-    return _ListScan().feed(s)
 
 
 def _python_call(source: str) -> Call | None:
