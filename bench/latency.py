@@ -39,6 +39,12 @@ def parse(argv=None):
         default=None,
         help="trace one batch-1 run with jax.profiler and sum it up (with 200 decode kernels in launch order)",
     )
+    p.add_argument(
+        "--smallest-seq-bucket",
+        type=int,
+        default=None,
+        help="A/B of the smallest decode bucket: replaces runner.SMALLEST_SEQ_BUCKET and SMALLEST_SEQ_BUCKET_INT",
+    )
     return p.parse_args(argv)
 
 
@@ -62,6 +68,10 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> di
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
+    if args.smallest_seq_bucket is not None:
+        from jaxllm.engine import runner as runner_mod
+
+        runner_mod.SMALLEST_SEQ_BUCKET = runner_mod.SMALLEST_SEQ_BUCKET_INT = args.smallest_seq_bucket
     llm, t0, t_ready = common.build_llm(args)
     env = common.environment()
     runner = llm.llm_engine.runner
