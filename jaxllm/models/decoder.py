@@ -68,10 +68,7 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
         return norm_fp8(
             x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret, mesh=attn.mesh
         )
-    if NORM_PAD_ONE_ROW and x.shape[0] == 1 and isinstance(w, QuantizedWeight) and w.layout.nk and x.ndim == 2:
-        # x materialized first: else XLA fuses the residual adds into the pad and recomputes the whole residual
-        # chain in every layer's pad fusion (their time grew layer by layer in call 76's trace)
-        x = jax.lax.optimization_barrier(x)
+    if NORM_PAD_ONE_ROW and attn.backend == "pallas" and x.ndim == 2 and x.shape[0] == 1:
         return _norm(jnp.pad(x, ((0, 1), (0, 0))), weight, cfg)[:1]
     return _norm(x, weight, cfg)
 
