@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +56,6 @@ def _norm(x, weight, cfg: ModelConfig):
     return (gemma_rms_norm if cfg.norm_plus_one else rms_norm)(x, weight, cfg.rms_norm_eps)
 
 
-# Probe (A/B by env): a one-row norm on the Pallas backend computed over two rows, the second zero.
-NORM_PAD_ONE_ROW = os.environ.get("JAXLLM_NORM_PAD_ROW", "1") != "0"
-
-
 def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool):
     """The norm of x as projection w's input: e4m3 rows with their token scales (Fp8Rows, quant_matmul.norm_fp8:
     the norm and the rounding in one pass) where norm_fp8_applies and no LoRA term reads the norm; else _norm."""
@@ -68,8 +63,6 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
         return norm_fp8(
             x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret, mesh=attn.mesh
         )
-    if NORM_PAD_ONE_ROW and attn.backend == "pallas" and x.ndim == 2 and x.shape[0] == 1:
-        return _norm(jnp.pad(x, ((0, 1), (0, 0))), weight, cfg)[:1]
     return _norm(x, weight, cfg)
 
 
