@@ -151,23 +151,13 @@ def fused_decode_attention(
     soft_cap=None,
     dtype=None,
     interpret=False,
-    rows_last=False,
     **tuning,
 ):
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
     sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
-    launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages).
-
-    rows_last: qkv is split-K partials with the token axis last, [S, K, G + 2, H, Tp] (float32, Tp >= B; rows past
-    B are not read), as the nk int4 kernel writes y^T: the kernel reads them so, with no transpose before it."""
-    if rows_last:
-        if qkv.ndim != 5 or qkv.shape[-1] < seq_lens.shape[0]:
-            raise ValueError(f"rows_last partials are [S, K, G + 2, H, Tp >= {seq_lens.shape[0]}], got {qkv.shape}")
-        _check_partials(qkv, dtype)
-        T, (K, G2, H) = seq_lens.shape[0], qkv.shape[1:4]
-    else:
-        _check_partials(qkv, dtype)
-        T, K, G2, H = qkv.shape[-4:]
+    launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
+    _check_partials(qkv, dtype)
+    T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
         raise ValueError(
             f"fused_decode_attention needs one token per sequence: {T} tokens, {seq_lens.shape[0]} sequences"
@@ -182,8 +172,6 @@ def fused_decode_attention(
     )
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
     if not (_use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)):
-        if rows_last:
-            qkv = jnp.moveaxis(qkv, -1, 1)[:, :T]
         q, k_pages, v_pages = qkv_write_kv(
             qkv,
             positions,
@@ -212,7 +200,6 @@ def fused_decode_attention(
         block_tables,
         dtype=dtype,
         interpret=interpret,
-        rows_last=rows_last,
         **kw,
         **tuning,
     )

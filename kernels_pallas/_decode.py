@@ -81,7 +81,7 @@ def _decode_kernel(
     S, ppb = page_size, pages_per_block
     BK = S * ppb
     P = k_ref.shape[0]
-    Gq, H = (fused["Gq"], k_ref.shape[-1]) if fused else q_ref.shape
+    Gq, H = (fused["Gq"], q_ref.shape[-1]) if fused else q_ref.shape
     R = replicas
 
     seq_len = lens_ref[b]
@@ -117,18 +117,7 @@ def _decode_kernel(
         return jnp.broadcast_to(q[None], (R, Gq, H)).reshape(Gp, H) if R > 1 else q
 
     if fused:
-        finish = fused_qkv(
-            q_ref,
-            pos_ref,
-            freq_ref,
-            b,
-            h,
-            Gq=Gq,
-            group=fused["group"],
-            rope=fused["rope"],
-            dt=cdt,
-            rows_last=fused.get("rows_last", False),
-        )
+        finish = fused_qkv(q_ref, pos_ref, freq_ref, b, h, Gq=Gq, group=fused["group"], rope=fused["rope"], dt=cdt)
         # The program whose pages hold q_pos writes the new token's slot (at the end) and takes its key from
         # registers; every program reads the cache only below q_pos (another program may be writing it).
         own = (seq_len > 0) & (lo_page * S <= q_pos) & (q_pos < hi_page * S)
@@ -274,7 +263,7 @@ def paged_decode_attention_kernel(
     )
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("dtype", "rows_last"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("dtype",))
 def fused_decode_attention_kernel(
     qkv,
     positions,
@@ -293,25 +282,21 @@ def fused_decode_attention_kernel(
     soft_cap=None,
     dtype=None,
     interpret=False,
-    rows_last=False,
     **tuning,
 ):
     """The decode step's attention from the projection's output: qkv [B, K, G + 2, H] (token b is sequence
-    b's one new token), or its split-K partials [S, B, K, G + 2, H] (f32; dtype: the model's), or with rows_last
-    those partials as [S, K, G + 2, H, Tp] (Tp >= B). RoPE on q and k, the new k / v written into slot_mapping's
-    slots and attention over the cache plus that token, in one launch: what reference.qkv_write_kv followed by
-    paged_decode_attention does. -> (out [B, N, H], k_pages, v_pages); in place where the pages are donated."""
-    if rows_last:
-        B, (K, G2, H) = seq_lens.shape[0], qkv.shape[1:4]
-    else:
-        B, K, G2, H = qkv.shape[-4:]
+    b's one new token), or its split-K partials [S, B, K, G + 2, H] (f32; dtype: the model's). RoPE on q and
+    k, the new k / v written into slot_mapping's slots and attention over the cache plus that token, in one
+    launch: what reference.qkv_write_kv followed by paged_decode_attention does. -> (out [B, N, H], k_pages,
+    v_pages); in place where the pages are donated."""
+    B, K, G2, H = qkv.shape[-4:]
     dt = jnp.dtype(qkv.dtype if qkv.ndim == 4 else dtype)
     rope = inv_freq is not None
     freq = jnp.tile(jnp.asarray(inv_freq if rope else jnp.zeros((H // 2,)), jnp.float32), 2)
     extra = (slot_mapping.astype(jnp.int32), positions.astype(jnp.int32), freq)
     return _decode(
         qkv,
-        (extra, dict(group=G2 - 2, rope=rope, dt=dt, rows_last=rows_last)),
+        (extra, dict(group=G2 - 2, rope=rope, dt=dt)),
         k_pages,
         v_pages,
         seq_lens,

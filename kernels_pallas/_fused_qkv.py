@@ -14,18 +14,17 @@ import jax.numpy as jnp
 from ._common import sum_partials
 
 
-def fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt, rows_last=False):
+def fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt):
     """The fused path's inputs of program (b, h): the G query rows of kv head h ([Gq, H], rows past G repeat
     the last one) and the new token's k and v ([H]) from the projection's output qkv [T, K, G + 2, H] (or its
-    split-K partials [S, T, K, G + 2, H], f32, summed and rounded to dt; with rows_last [S, K, G + 2, H, Tp], the
-    token axis last as the nk int4 kernel writes them), RoPE applied to q and k with the
+    split-K partials [S, T, K, G + 2, H], f32, summed and rounded to dt), RoPE applied to q and k with the
     same roundings as reference.apply_rope. Rotate-half reads each row twice, the second time with its
     halves swapped (a gather load), so no register tile has to be split or joined.
 
     Issues the loads now and returns finish() -> (q, k, v), the math: the kernel calls it once its first
     KV loads are issued, so these L2 reads overlap the block-table -> KV round trips instead of preceding
     them."""
-    H = qkv_ref.shape[-2 if rows_last else -1]
+    H = qkv_ref.shape[-1]
     half = H // 2
     cols = jnp.arange(H, dtype=jnp.int32)
     swapped = jnp.where(cols < half, cols + half, cols - half)
@@ -33,8 +32,6 @@ def fused_qkv(qkv_ref, pos_ref, freq_ref, b, h, *, Gq, group, rope, dt, rows_las
     def load(rows, cols):  # the partials, each loaded (summed in finish)
         if len(qkv_ref.shape) == 4:
             return [qkv_ref[b, h, rows, cols]]
-        if rows_last:  # strided loads (the token axis is the fastest): a few KB from L2
-            return [qkv_ref[s, h, rows, cols, b] for s in range(qkv_ref.shape[0])]
         return [qkv_ref[s, b, h, rows, cols] for s in range(qkv_ref.shape[0])]  # static: a handful of splits
 
     rows = jnp.broadcast_to(jnp.minimum(jnp.arange(Gq, dtype=jnp.int32), group - 1)[:, None], (Gq, H))

@@ -465,19 +465,16 @@ def qmatmul_mgpu_wide(
     )
 
 
-def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, interpret=False, **tuning):
+def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False, **tuning):
     """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp; wide (default:
     more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials summed and
-    transposed back (one XLA fusion after the kernel). partials: qmatmul_mgpu's float32 partials [S, N, Mp] of
-    x [M, K] as they are, for a consumer that reads them so (the fused decode attention's qkv)."""
+    transposed back (one XLA fusion after the kernel)."""
     lead, K = x.shape[:-1], x.shape[-1]
     N, Kp = wt.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if Kp != K:
         x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
-    if partials and (wide or M > MAX_ROWS or x.ndim != 2):
-        raise ValueError("partials=True takes x [M <= MAX_ROWS, K] and the narrow kernel")
     if wide if wide is not None else M > MAX_ROWS:
         tuning = {**wide_tiling(M, N, Kp, group_size, zeros is not None), **tuning}
         yt = qmatmul_mgpu_wide(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
@@ -485,8 +482,6 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, 
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
     parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
-    if partials:
-        return parts
     # Rows first, then the sum over splits: at one row the [N, 1] sum is a bitcast of [1, N], and XLA fuses the slice
     # and the sum into the consumer's fusion instead of transposing [N, Mp] in a kernel of its own.
     return parts[:, :, :M].sum(0).T.astype(x.dtype).reshape(*lead, N)

@@ -428,30 +428,6 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
             np.testing.assert_array_equal(got, ref)
 
 
-@pytest.mark.parametrize("lens,G", [([1, 16, 17, 100, 0], 4), ([31, 90], 7)])
-def test_fused_decode_reads_rows_last_partials(lens, G):
-    """rows_last=True: the split-K partials as [S, K, G + 2, H, Tp] (the token axis last, as the nk int4 kernel
-    writes y^T; Tp rounded up to 8, rows past B holding NaN, never read) give the same output and pages bit for bit
-    as the same partials as [S, B, K, G + 2, H]; G = 7 pads the q rows."""
-    rng = np.random.default_rng(len(lens) + G)
-    B, K, H, S, splits = len(lens), 2, 64, 16, 3
-    k, v, bt = make_cache(rng, K, H, S, lens)
-    slots = np.array([int(bt[b, (n - 1) // S]) * S + (n - 1) % S if n else -1 for b, n in enumerate(lens)], np.int32)
-    parts = jnp.asarray(rng.standard_normal((splits, B, K, G + 2, H)) * 2, jnp.float32)
-    Tp = -(-B // 8) * 8
-    rows_last = jnp.pad(jnp.moveaxis(parts, 1, -1), ((0, 0),) * 4 + ((0, Tp - B),), constant_values=np.nan)
-    pos = jnp.asarray([max(n - 1, 0) for n in lens], jnp.int32)
-    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
-    args = (pos, inv_freq, k, v, jnp.asarray(slots), jnp.asarray(lens, jnp.int32), bt)
-    kw = dict(scale=H**-0.5, dtype=jnp.bfloat16, interpret=True, num_splits=2, block_k=32)
-    want = kp.fused_decode_attention(parts, *args, **kw)
-    got = kp.fused_decode_attention(rows_last, *args, rows_last=True, **kw)
-    for g, w in zip(got, want, strict=True):
-        np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)), np.asarray(w.astype(jnp.float32)))
-    with pytest.raises(ValueError, match="rows_last partials are"):
-        kp.fused_decode_attention(rows_last[..., : B - 1], *args, rows_last=True, **kw)
-
-
 def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     rng = np.random.default_rng(0)
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])

@@ -285,48 +285,6 @@ def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypat
         assert _rel(k, r) < 2e-2
 
 
-def test_nk_qkv_partials_reach_the_attention_kernel_rows_last(gptq_g128, monkeypatch):
-    """A decode-only step of 1 row (the int models' batch-1 bucket) with NK_LAYOUT on, "pallas" backend (interpret
-    mode): the qkv projection reaches the fused qkv/RoPE/write + decode kernel as the nk kernel's float32 split-K
-    partials with the token axis last (RowsLastPartials: no transposing sum in front of it), and the logits equal
-    the reference backend's to bf16 rounding. 3 rows: split_k gives None (a plain projection)."""
-    import kernels_pallas as kp
-    from jaxllm.models import quant_matmul
-    from jaxllm.models.attention import AttentionConfig, RowsLastPartials
-    from tests.model_harness import ragged_logits
-
-    cfg, mesh, params = _load(gptq_g128["gptq", False], 1, True, monkeypatch)
-    seqs, cached = [[5, 9, 2, 77, 3]], [4]  # a second, decode-only step of one sequence and no padding row
-    seen = []
-    real = kp.fused_decode_attention
-
-    def spy(qkv, *a, rows_last=False, **k):
-        seen.append((qkv.shape, rows_last))
-        return real(qkv, *a, rows_last=rows_last, **k)
-
-    monkeypatch.setattr(kp, "fused_decode_attention", spy)
-    jax.clear_caches()
-
-    def logits(backend):
-        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
-        return [np.asarray(x, np.float32) for x in out]
-
-    got = logits("pallas")
-    w = params["layers"][0]["w_qkv"]
-    assert w.layout.nk
-    assert seen == [((1, *w.packed.shape[:-1], 8), True)], seen  # [S, K, G + 2, H, Tp]: one split at these widths
-    ref = logits("reference")
-    for k, r in zip(got, ref, strict=True):
-        assert _rel(k, r) < 2e-2
-    h = jnp.asarray(np.random.default_rng(6).standard_normal((1, w.layout.k)), jnp.bfloat16)
-    parts = quant_matmul.split_k(h, w, interpret=True)
-    assert isinstance(parts, RowsLastPartials) and parts.parts.dtype == jnp.float32
-    whole = quant_matmul.qmatmul(h, w, kernels=True, interpret=True)
-    assert _rel(parts.standard(1).sum(0), whole) < 1e-2
-    assert quant_matmul.split_k(jnp.concatenate([h] * 3), w, interpret=True) is None
-
-
 @pytest.mark.parametrize("sym,shards", [(True, 1), (False, 2)])
 def test_nk_relayout_on_host_and_device(sym, shards):
     """The nk device layout of a checkpoint's words (numpy while loading, jax for dummy weights and Orbax restores):

@@ -60,20 +60,6 @@ class AttentionMetadata:
     decode_only: bool = False  # static: every sequence has exactly one new token
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["parts"], meta_fields=[])
-@dataclass(frozen=True)
-class RowsLastPartials:
-    """The qkv projection's split-K partials with the token axis last: parts [S, K, G + 2, H, Tp] float32 (Tp >= the
-    step's T tokens; rows past T are not read), as the nk int4 kernel writes y^T (quant_matmul.split_k). The fused
-    decode kernel reads them as they are, which saves the transposing sum in front of it; other paths take
-    standard(T), the usual [S, T, K, G + 2, H]."""
-
-    parts: jax.Array
-
-    def standard(self, num_tokens: int):
-        return jnp.moveaxis(self.parts, -1, 1)[:, :num_tokens]
-
-
 @dataclass(frozen=True)
 class AttentionConfig:
     backend: str = "reference"  # reference | pallas
@@ -105,13 +91,12 @@ def paged_attention(
     """qkv: [T, K, G + 2, H] (per kv head: its G query heads, then k, v), kv_cache: (k_pages, v_pages)
     [K, P, S, H] -> ([T, K * G, H], kv_cache). RoPE (rope_inv_freq [H / 2]) is applied to q and k here, in
     the same kernel that writes k and v on GPU. qkv may be the projection's split-K partials [S, T, K, G + 2,
-    H] (float32, one tp shard only; or RowsLastPartials), summed and rounded to dtype first (in that kernel on
-    GPU). sliding_window
+    H] (float32, one tp shard only), summed and rounded to dtype first (in that kernel on GPU). sliding_window
     (keys within that many positions of the query) and soft_cap (Gemma 2: scores -> cap * tanh(scores / cap))
     are static, per layer."""
     mesh = config.mesh
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
-        if isinstance(qkv, RowsLastPartials) or qkv.ndim != 4:
+        if qkv.ndim != 4:
             raise ValueError("split-K qkv partials are for one tp shard only (decoder.qkv_partials)")
         from jax.sharding import PartitionSpec as P
 
@@ -185,14 +170,10 @@ def _paged_attention(
         sliding_window=sliding_window,
         soft_cap=soft_cap,
     )
-    T, rows_last = meta.positions.shape[0], isinstance(qkv, RowsLastPartials)
-    fused = config.backend == "pallas" and meta.decode_only and FUSED_DECODE and T == meta.seq_lens.shape[0]
-    if rows_last:
-        qkv = qkv.parts if fused else qkv.standard(T)
-    if fused:
+    if config.backend == "pallas" and meta.decode_only and FUSED_DECODE and qkv.shape[-4] == meta.seq_lens.shape[0]:
         import kernels_pallas
 
-        tuning = dict(FUSED_DECODE_TUNING, rows_last=rows_last)
+        tuning = dict(FUSED_DECODE_TUNING)
         if meta.seq_lens.shape[0] == ONE_SEQ_DECODE_ROWS == config.smallest_decode_rows:
             tuning.setdefault("plan_seqs", 1)
         out, k_pages, v_pages = kernels_pallas.fused_decode_attention(

@@ -24,13 +24,7 @@ import jax.numpy as jnp
 
 from jaxllm.config import LayerKind, ModelConfig
 from jaxllm.lora import ops as lora_ops
-from jaxllm.models.attention import (
-    AttentionConfig,
-    AttentionMetadata,
-    RowsLastPartials,
-    alibi_slopes,
-    paged_attention,
-)
+from jaxllm.models.attention import AttentionConfig, AttentionMetadata, alibi_slopes, paged_attention
 from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import (
@@ -125,8 +119,7 @@ def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
     """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
     (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
     weights of 1-2 rows (fp8_gemv's own partials) and int weight-only weights of 1-2 rows (the int kernel's split-K;
-    quant_matmul.split_k; the nk layout's as RowsLastPartials). h already in e4m3 (Fp8Rows, more than 2 rows): a
-    plain projection."""
+    quant_matmul.split_k). h already in e4m3 (Fp8Rows, more than 2 rows): a plain projection."""
     if isinstance(h, Fp8Rows):
         return None
     if splits := qkv_splits(h.shape[0], lp, cfg, attn):
@@ -194,8 +187,6 @@ def decoder_layer(
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
     elif (qkv := qkv_partials(h, lp, cfg, attn)) is not None:
         if "qkv" in ll:  # the partials are summed in the attention kernel: the LoRA term joins the first
-            if isinstance(qkv, RowsLastPartials):
-                qkv = qkv.standard(h.shape[0])
             qkv = qkv.at[0].add(lora_ops.delta("qkv", h, *ll["qkv"], lw))
     else:
         qkv = _proj(h, lp["w_qkv"], lp.get("b_qkv"), "TD,DKGH->TKGH", attn)  # per kv head: G q heads, then k, v
