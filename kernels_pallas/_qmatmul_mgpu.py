@@ -16,7 +16,10 @@ into a ring of `stages` shared-memory slots. Per block the compute warpgroup loa
 WGMMA_UPCAST_4X layout (8 int4 a 32-bit load), moves it to the WGMMA layout (two warp shuffles per 8 values),
 converts to 16 bits, subtracts the zero (asymmetric only: exact in 16 bits), runs one wgmma into a fresh float32
 accumulator and adds it times the group's scale to the running sum (the scale on the product, as _qmatmul does).
-Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller.
+Output: float32 split-K partials [S, M, N] (y per split, rows first): the y^T tile goes to shared memory transposed
+(the WGMMA_TRANSPOSED layout, a shuffle and a permute a register pair), and its TMA store drops the rows past M. So a
+1-2-row step's partials need no transpose: the caller's sum over S fuses into its consumer, and the decoder's qkv
+partials go to the attention kernel as they are.
 
 More rows than one wgmma takes (offline decode batches, prefill chunks) run `qmatmul_mgpu_wide`: the same ring and
 register operand, with x's rows tiled as well (a program owns `tile_m` rows times BM * nw columns, the row tiles of a
@@ -132,9 +135,13 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
         acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
-        o_smem[wg] = acc
+        if interpret:
+            o_smem[wg] = acc.T
+        else:  # the [BM, Mp] tile stored as [Mp, BM]: y's rows, each BM contiguous columns
+            tile = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
+            tile[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(n0 + wg * BM, BM)])
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(0, Mp), pl.ds(n0 + wg * BM, BM)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == nw)
@@ -176,11 +183,13 @@ def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
         plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
 
-def _launch(kernel, args, *, stages, nw, block_k, x_rows, ng, out_dtype, out_type, grid, grid_names, interpret):
+def _launch(
+    kernel, args, *, stages, nw, block_k, x_rows, ng, out_dtype, out_type, grid, grid_names, interpret, rows_first=False
+):
     """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup. Shared
     memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
-    args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype; barriers: a slot filled, a slot
-    released, the scales copied."""
+    args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first);
+    barriers: a slot filled, a slot released, the scales copied."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     asym = len(args) == 4
@@ -203,7 +212,7 @@ def _launch(kernel, args, *, stages, nw, block_k, x_rows, ng, out_dtype, out_typ
             ),
             plgpu.SMEM((nw, ng, BM), dtype),
             plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
-            plgpu.SMEM((nw, BM, x_rows), out_dtype),
+            plgpu.SMEM((nw, x_rows, BM) if rows_first else (nw, BM, x_rows), out_dtype),
             plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
             plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
             plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
@@ -245,7 +254,7 @@ def qmatmul_mgpu(
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
-    float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8). See the module docstring.
+    float32 split-K partials [S, M, N] of y. See the module docstring.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -286,7 +295,8 @@ def qmatmul_mgpu(
         dtype=dtype,
         interpret=interpret,
     )
-    return _launch(
+    # On a GPU the TMA store of each [Mp, BM] tile drops its rows past M; the interpreter writes them.
+    parts = _launch(
         kernel,
         (x, wt, scales) + ((zeros,) if asym else ()),
         stages=stages,
@@ -295,11 +305,13 @@ def qmatmul_mgpu(
         x_rows=Mp,
         ng=ng,
         out_dtype=jnp.float32,
-        out_type=jax.ShapeDtypeStruct((S, N, Mp), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((S, Mp if interpret else M, N), jnp.float32),
         grid=(N // (BM * nw), S),
         grid_names=("n", "s"),
         interpret=interpret,
+        rows_first=True,
     )
+    return parts[:, :M] if interpret else parts
 
 
 WIDE_SMEM_BYTES = 216 << 10  # the wide kernel's shared memory (one program an SM; at most 227 KB)
@@ -465,16 +477,19 @@ def qmatmul_mgpu_wide(
     )
 
 
-def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False, **tuning):
+def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, interpret=False, **tuning):
     """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp; wide (default:
-    more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials summed and
-    transposed back (one XLA fusion after the kernel)."""
+    more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials [S, M, N] summed (an
+    XLA reduce, which fuses into its consumer). partials: those partials unsummed, for x [M, K] (a consumer that sums
+    them itself: the fused decode attention's qkv)."""
     lead, K = x.shape[:-1], x.shape[-1]
     N, Kp = wt.shape
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
     if Kp != K:
         x2 = jnp.pad(x2, ((0, 0), (0, Kp - K)))
+    if partials and (wide or M > MAX_ROWS or x.ndim != 2):
+        raise ValueError("partials=True takes x [M <= MAX_ROWS, K] and the narrow kernel")
     if wide if wide is not None else M > MAX_ROWS:
         tuning = {**wide_tiling(M, N, Kp, group_size, zeros is not None), **tuning}
         yt = qmatmul_mgpu_wide(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
@@ -482,6 +497,6 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, interpret=False,
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
     parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
-    # Rows first, then the sum over splits: at one row the [N, 1] sum is a bitcast of [1, N], and XLA fuses the slice
-    # and the sum into the consumer's fusion instead of transposing [N, Mp] in a kernel of its own.
-    return parts[:, :, :M].sum(0).T.astype(x.dtype).reshape(*lead, N)
+    if partials:
+        return parts
+    return parts.sum(0).astype(x.dtype).reshape(*lead, N)

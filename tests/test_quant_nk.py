@@ -46,9 +46,9 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
     assert wt.shape == (N, K) and wt.dtype == jnp.int4 and (z is None) == sym
     parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, interpret=True)
-    assert parts.shape == (splits, N, -(-M // 8) * 8)
+    assert parts.shape == (splits, M, N)
     ref = quantized_matmul_ref(x, w)
-    assert _rel(parts.sum(0).T[:M], ref) < 5e-3
+    assert _rel(parts.sum(0), ref) < 5e-3
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
@@ -203,14 +203,12 @@ def _load(path, tp, nk, monkeypatch):
 
 
 def _mgpu_reference(x, wt, scales, zeros=None, *, group_size, **_):
-    """qmatmul_mgpu's result (one split: partials [1, N, Mp] of y^T) from the dequantized weight. Under tp 2 the
+    """qmatmul_mgpu's result (one split: partials [1, M, N]) from the dequantized weight. Under tp 2 the
     tests call it in place of the kernel: Mosaic GPU's interpreter, running on both simulated devices at once, hung or
     aborted the pytest worker in two CI runs (its shared memory is process-global); tp 1 runs the kernel itself."""
     from jaxllm.models.quant_matmul import nk_dequantize
 
-    Mp = -(-x.shape[0] // 8) * 8
-    y = nk_dequantize(wt, scales, zeros, group_size, jnp.float32) @ x.astype(jnp.float32).T
-    return jnp.pad(y, ((0, 0), (0, Mp - x.shape[0])))[None]
+    return (x.astype(jnp.float32) @ nk_dequantize(wt, scales, zeros, group_size, jnp.float32).T)[None]
 
 
 def _mgpu_wide_reference(x, wt, scales, zeros=None, *, group_size, tile_m=128, **_):
@@ -283,6 +281,43 @@ def test_decoder_with_nk_weights_matches_the_reference_path(gptq_g128, monkeypat
     ref = logits("reference")
     for k, r in zip(kernel, ref, strict=True):
         assert _rel(k, r) < 2e-2
+
+
+def test_nk_qkv_partials_reach_the_attention_kernel(gptq_g128, monkeypatch):
+    """A decode-only step of 1 row (the int models' batch-1 bucket) with NK_LAYOUT on, "pallas" backend (interpret
+    mode): the qkv projection reaches the fused qkv/RoPE/write + decode kernel as the nk kernel's float32 split-K
+    partials [S, T, K, G + 2, H] (rows first as the kernel writes them: no XLA sum or transpose in front of it), and
+    the logits equal the reference backend's to bf16 rounding. 3 rows: split_k gives None (a plain projection)."""
+    import kernels_pallas as kp
+    from jaxllm.models import quant_matmul
+    from jaxllm.models.attention import AttentionConfig
+    from tests.model_harness import ragged_logits
+
+    cfg, mesh, params = _load(gptq_g128["gptq", False], 1, True, monkeypatch)
+    seqs, cached = [[5, 9, 2, 77, 3]], [4]  # a second, decode-only step of one sequence and no padding row
+    seen = []
+    real = kp.fused_decode_attention
+    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+    jax.clear_caches()
+
+    def logits(backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
+        return [np.asarray(x, np.float32) for x in out]
+
+    got = logits("pallas")
+    w = params["layers"][0]["w_qkv"]
+    assert w.layout.nk
+    assert seen == [(1, 1, *w.packed.shape[:-1])], seen  # one split at these widths
+    ref = logits("reference")
+    for k, r in zip(got, ref, strict=True):
+        assert _rel(k, r) < 2e-2
+    h = jnp.asarray(np.random.default_rng(6).standard_normal((2, w.layout.k)), jnp.bfloat16)
+    parts = quant_matmul.split_k(h, w, interpret=True)
+    whole = quant_matmul.qmatmul(h, w, kernels=True, interpret=True)
+    assert parts.dtype == jnp.float32 and parts.shape[1:] == whole.shape
+    assert _rel(parts.sum(0), whole) < 1e-2
+    assert quant_matmul.split_k(jnp.concatenate([h] * 2)[:3], w, interpret=True) is None
 
 
 @pytest.mark.parametrize("sym,shards", [(True, 1), (False, 2)])

@@ -267,6 +267,19 @@ def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     return _dot_f32(x, dense.T)
 
 
+def _nk_partials(x, w: QuantizedWeight, interpret: bool):
+    """The nk kernel's float32 split-K partials [S, T, N] of x [T, k] times w where _nk runs that kernel (the narrow
+    one); else None."""
+    wt = w.packed.reshape(-1, w.packed.shape[-1])
+    group = w.layout.group_size
+    if not (interpret or on_gpu()) or not _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group):
+        return None
+    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1).astype(x.dtype)  # noqa: E731
+    return _qmatmul_mgpu.matmul(
+        x, wt, flat(w.scales), flat(w.zeros), group_size=group, partials=True, interpret=interpret
+    )
+
+
 def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
     """The nk layout's [N, k] weight in dtype: (q - z) * s computed in float32 and rounded once (as
     qlayout.dequantize), from wt int4 [N, k] (q - 8), scales / zeros (z - 8) [ng, N]."""
@@ -324,15 +337,16 @@ INT_SPLIT_K_MAX_ROWS = 2
 def split_k(x, w, *, interpret: bool = False):
     """x [T, I] times w on one device as float32 split-K partials [S, T, *O] where qmatmul's kernels path makes them:
     fp8 W8A8 of 1-2 rows (fp8_gemv, _fp8_gemv_operands) and int weight-only weights of up to INT_SPLIT_K_MAX_ROWS rows
-    (the int kernel's own split-K); else None. For the decoder's qkv, whose partials the attention kernel sums
-    (decoder.qkv_partials) instead of an XLA reduce of their own."""
+    (the int kernel's own split-K, the nk layout's included); else None. For the decoder's qkv, whose partials the
+    attention kernel sums (decoder.qkv_partials) instead of an XLA reduce of their own."""
     if not isinstance(w, QuantizedWeight):
         return None
     if w.perm is not None:  # act-order (int weights only): the stored rows are x's columns perm, as in _local_qmatmul
         x = jnp.take(x, w.perm, axis=1)
     s = w.scheme
-    if w.layout.nk:  # the nk kernel's partials are y transposed: the caller's qmatmul sums them
-        return None
+    if w.layout.nk:
+        parts = _nk_partials(x, w, interpret) if x.shape[0] <= INT_SPLIT_K_MAX_ROWS else None
+        return None if parts is None else parts.reshape(parts.shape[0], x.shape[0], *w.packed.shape[:-1])
     if s.weight_type == "int" and s.activations is None and x.shape[0] <= INT_SPLIT_K_MAX_ROWS:
         qw = _int_weight(w)
         if not uses_kernel(x, qw, interpret=interpret):
