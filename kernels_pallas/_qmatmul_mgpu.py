@@ -16,10 +16,12 @@ into a ring of `stages` shared-memory slots. Per block the compute warpgroup loa
 WGMMA_UPCAST_4X layout (8 int4 a 32-bit load), moves it to the WGMMA layout (two warp shuffles per 8 values),
 converts to 16 bits, subtracts the zero (asymmetric only: exact in 16 bits), runs one wgmma into a fresh float32
 accumulator and adds it times the group's scale to the running sum (the scale on the product, as _qmatmul does).
-Output: float32 split-K partials [S, M, N] (y per split, rows first): the y^T tile goes to shared memory transposed
-(the WGMMA_TRANSPOSED layout, a shuffle and a permute a register pair), and its TMA store drops the rows past M. So a
-1-2-row step's partials need no transpose: the caller's sum over S fuses into its consumer, and the decoder's qkv
-partials go to the attention kernel as they are.
+Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller; or with rows_first
+[S, M, N] (y per split): the y^T tile goes to shared memory transposed (the WGMMA_TRANSPOSED layout, a shuffle and a
+permute a register pair) and its TMA store drops the rows past M, so the decoder's 1-2-row qkv partials reach the
+attention kernel with no XLA sum or transpose in front of it (quant_matmul.split_k). Only there: on one H200 the
+rows-first store made o's and down's kernel 1.6 us slower (7.47 / 16.11 against 5.86 / 14.52 us at M = 1; qkv 7.78
+against 7.76, gate_up 26.47 against 26.67; bench/results/quant_kernels_nk_h200_6deb82c_*.json).
 
 More rows than one wgmma takes (offline decode batches, prefill chunks) run `qmatmul_mgpu_wide`: the same ring and
 register operand, with x's rows tiled as well (a program owns `tile_m` rows times BM * nw columns, the row tiles of a
@@ -81,7 +83,7 @@ def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     return fits[-1] if fits else blocks
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, interpret):
+def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, rows_first, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
@@ -135,13 +137,19 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
         acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
-        if interpret:
+        cols = pl.ds(n0 + wg * BM, BM)
+        if not rows_first:
+            o_smem[wg] = acc
+            out = o_ref.at[split, cols]
+        elif interpret:
             o_smem[wg] = acc.T
+            out = o_ref.at[split, pl.ds(0, Mp), cols]
         else:  # the [BM, Mp] tile stored as [Mp, BM]: y's rows, each BM contiguous columns
             tile = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
             tile[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            out = o_ref.at[split, pl.ds(0, Mp), cols]
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem.at[wg], o_ref.at[split, pl.ds(0, Mp), pl.ds(n0 + wg * BM, BM)])
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == nw)
@@ -237,7 +245,7 @@ def _launch(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "interpret"),
+    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "rows_first", "interpret"),
 )
 def qmatmul_mgpu(
     x,
@@ -251,10 +259,12 @@ def qmatmul_mgpu(
     splits=None,
     stages=None,
     ctas_per_sm=None,
+    rows_first=False,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
-    float32 split-K partials [S, M, N] of y. See the module docstring.
+    float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
+    rows_first. See the module docstring.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -293,9 +303,13 @@ def qmatmul_mgpu(
         stages=stages,
         group_blocks=group_blocks,
         dtype=dtype,
+        rows_first=rows_first,
         interpret=interpret,
     )
-    # On a GPU the TMA store of each [Mp, BM] tile drops its rows past M; the interpreter writes them.
+    if not rows_first:
+        out_type = jax.ShapeDtypeStruct((S, N, Mp), jnp.float32)
+    else:  # on a GPU the TMA store of each [Mp, BM] tile drops its rows past M; the interpreter writes them
+        out_type = jax.ShapeDtypeStruct((S, Mp if interpret else M, N), jnp.float32)
     parts = _launch(
         kernel,
         (x, wt, scales) + ((zeros,) if asym else ()),
@@ -305,13 +319,13 @@ def qmatmul_mgpu(
         x_rows=Mp,
         ng=ng,
         out_dtype=jnp.float32,
-        out_type=jax.ShapeDtypeStruct((S, Mp if interpret else M, N), jnp.float32),
+        out_type=out_type,
         grid=(N // (BM * nw), S),
         grid_names=("n", "s"),
         interpret=interpret,
-        rows_first=True,
+        rows_first=rows_first,
     )
-    return parts[:, :M] if interpret else parts
+    return parts[:, :M] if rows_first and interpret else parts
 
 
 WIDE_SMEM_BYTES = 216 << 10  # the wide kernel's shared memory (one program an SM; at most 227 KB)
@@ -479,9 +493,9 @@ def qmatmul_mgpu_wide(
 
 def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, interpret=False, **tuning):
     """x [..., K] @ W for a weight in this kernel's layout -> [..., N] in x's dtype: K padded to wt's Kp; wide (default:
-    more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials [S, M, N] summed (an
-    XLA reduce, which fuses into its consumer). partials: those partials unsummed, for x [M, K] (a consumer that sums
-    them itself: the fused decode attention's qkv)."""
+    more than MAX_ROWS rows) runs qmatmul_mgpu_wide, else qmatmul_mgpu with its split-K partials summed and
+    transposed back (one XLA fusion after the kernel). partials: qmatmul_mgpu's rows-first partials [S, M, N] of
+    x [M, K], unsummed, for a consumer that sums them itself (the fused decode attention's qkv)."""
     lead, K = x.shape[:-1], x.shape[-1]
     N, Kp = wt.shape
     x2 = x.reshape(-1, K)
@@ -496,7 +510,11 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, 
         return yt[:, :M].T.reshape(*lead, N)
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
-    parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
     if partials:
-        return parts
-    return parts.sum(0).astype(x.dtype).reshape(*lead, N)
+        return qmatmul_mgpu(
+            x2, wt, scales, zeros, group_size=group_size, rows_first=True, interpret=interpret, **tuning
+        )
+    parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
+    # Rows first, then the sum over splits: at one row the [N, 1] sum is a bitcast of [1, N], and XLA fuses the slice
+    # and the sum into the consumer's fusion instead of transposing [N, Mp] in a kernel of its own.
+    return parts[:, :, :M].sum(0).T.astype(x.dtype).reshape(*lead, N)

@@ -46,9 +46,12 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
     assert wt.shape == (N, K) and wt.dtype == jnp.int4 and (z is None) == sym
     parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, interpret=True)
-    assert parts.shape == (splits, M, N)
+    assert parts.shape == (splits, N, -(-M // 8) * 8)
     ref = quantized_matmul_ref(x, w)
-    assert _rel(parts.sum(0), ref) < 5e-3
+    assert _rel(parts.sum(0).T[:M], ref) < 5e-3
+    rows = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, rows_first=True, interpret=True)
+    assert rows.shape == (splits, M, N)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(parts[:, :, :M].transpose(0, 2, 1)))
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
@@ -118,15 +121,18 @@ def test_wide_kernel_lowers_for_cuda(M, sym, K, N):
 @pytest.mark.parametrize("M,sym", [(1, True), (16, False)])
 def test_kernel_lowers_for_cuda(M, sym):
     """The Mosaic GPU lowering (run on CPU; ptxas is the GPU's) of gate_up's shape at 1 and 16 rows: the int4 TMA,
-    the WGMMA_UPCAST_4X load and relayout, the int4 -> bf16 conversion and wgmma with the weight in registers."""
+    the WGMMA_UPCAST_4X load and relayout, the int4 -> bf16 conversion and wgmma with the weight in registers; with
+    rows_first, the WGMMA_TRANSPOSED store of the output tile and its TMA store of M rows."""
     K, N = 4096, 2048
     wt = jnp.zeros((N, K), jnp.int4)
     s = jnp.ones((K // 128, N), jnp.bfloat16)
     z = None if sym else s
     x = jnp.zeros((M, K), jnp.bfloat16)
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128))
-    text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for rows_first in (False, True):
+        f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, rows_first=rows_first))
+        assert f.eval_shape(x, wt, s, z).shape[1:] == ((M, N) if rows_first else (N, -(-M // 8) * 8))
+        text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
@@ -203,12 +209,14 @@ def _load(path, tp, nk, monkeypatch):
 
 
 def _mgpu_reference(x, wt, scales, zeros=None, *, group_size, **_):
-    """qmatmul_mgpu's result (one split: partials [1, M, N]) from the dequantized weight. Under tp 2 the
+    """qmatmul_mgpu's result (one split: partials [1, N, Mp] of y^T) from the dequantized weight. Under tp 2 the
     tests call it in place of the kernel: Mosaic GPU's interpreter, running on both simulated devices at once, hung or
     aborted the pytest worker in two CI runs (its shared memory is process-global); tp 1 runs the kernel itself."""
     from jaxllm.models.quant_matmul import nk_dequantize
 
-    return (x.astype(jnp.float32) @ nk_dequantize(wt, scales, zeros, group_size, jnp.float32).T)[None]
+    Mp = -(-x.shape[0] // 8) * 8
+    y = nk_dequantize(wt, scales, zeros, group_size, jnp.float32) @ x.astype(jnp.float32).T
+    return jnp.pad(y, ((0, 0), (0, Mp - x.shape[0])))[None]
 
 
 def _mgpu_wide_reference(x, wt, scales, zeros=None, *, group_size, tile_m=128, **_):
