@@ -47,7 +47,9 @@ def kernel_category(name: str) -> str:
     n = name.lower()
     if "paged_decode" in n:
         return "decode_attention"
-    if "ragged" in n or "prefill" in n or "mosaic" in n:
+    if "qmatmul" in n or "gemv" in n:  # the quantized GEMMs' Pallas kernels (Triton, Mosaic GPU: qmatmul_nk*)
+        return "gemm"
+    if "ragged" in n or "prefill" in n or "mosaic" in n:  # entry_mosaic_gpu_kernel: any Mosaic GPU kernel until stop 58
         return "prefill_attention"
     if "qkv_write" in n or "write_kv" in n:
         return "kv_write"

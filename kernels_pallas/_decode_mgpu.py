@@ -291,6 +291,9 @@ def paged_decode_mgpu(
             collective_axes="wg",
         )
 
+    entry.__name__ = entry.__qualname__ = (
+        "paged_decode_mgpu"  # traces show the CUDA kernel as paged_decode_mgpu_mosaic_gpu_kernel
+    )
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

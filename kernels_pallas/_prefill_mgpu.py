@@ -319,6 +319,9 @@ def ragged_prefill_mgpu(
             collective_axes="wg",
         )
 
+    entry.__name__ = entry.__qualname__ = (
+        "ragged_prefill_mgpu"  # traces show the CUDA kernel as ragged_prefill_mgpu_mosaic_gpu_kernel
+    )
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams

@@ -192,12 +192,27 @@ def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
 
 
 def _launch(
-    kernel, args, *, stages, nw, block_k, x_rows, ng, out_dtype, out_type, grid, grid_names, interpret, rows_first=False
+    kernel,
+    args,
+    *,
+    name,
+    stages,
+    nw,
+    block_k,
+    x_rows,
+    ng,
+    out_dtype,
+    out_type,
+    grid,
+    grid_names,
+    interpret,
+    rows_first=False,
 ):
     """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup. Shared
     memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
     args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first);
-    barriers: a slot filled, a slot released, the scales copied."""
+    barriers: a slot filled, a slot released, the scales copied. name: the kernel's, as traces show it
+    (NAME_mosaic_gpu_kernel)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     asym = len(args) == 4
@@ -227,6 +242,7 @@ def _launch(
             collective_axes="wg",
         )
 
+    entry.__name__ = entry.__qualname__ = name  # Mosaic GPU names the CUDA kernel after the body function
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -313,6 +329,7 @@ def qmatmul_mgpu(
     parts = _launch(
         kernel,
         (x, wt, scales) + ((zeros,) if asym else ()),
+        name="qmatmul_nk",
         stages=stages,
         nw=nw,
         block_k=block_k,
@@ -478,6 +495,7 @@ def qmatmul_mgpu_wide(
     return _launch(
         kernel,
         (x, wt, scales) + ((zeros,) if asym else ()),
+        name="qmatmul_nk_wide",
         stages=stages,
         nw=nw,
         block_k=block_k,

@@ -345,7 +345,11 @@ def test_profile_kernel_categories():
     assert kernel_category("paged_decode_S_16_ppb_2_splits_1") == "decode_attention"
     assert kernel_category("paged_decode_combine_splits_6") == "decode_attention"
     assert kernel_category("paged_decode_S_16_ppb_2_splits_8_fused") == "decode_attention"
-    assert kernel_category("entry_mosaic_gpu_kernel") == "prefill_attention"
+    assert kernel_category("entry_mosaic_gpu_kernel") == "prefill_attention"  # traces before the kernels were named
+    assert kernel_category("ragged_prefill_mgpu_mosaic_gpu_kernel") == "prefill_attention"
+    assert kernel_category("paged_decode_mgpu_mosaic_gpu_kernel") == "decode_attention"
+    assert kernel_category("qmatmul_nk_mosaic_gpu_kernel") == "gemm"
+    assert kernel_category("fp8_gemv_BN_64_BK_256_S_8_xq") == "gemm"
     assert kernel_category("qkv_write_kv_S_16_G_4") == "kv_write"
     assert kernel_category("nvjet_sm90_tst_320x128_64x3_2x4_h_bz_coopB_NNT") == "gemm"
     assert kernel_category("gemm_fusion_dot_33") == "gemm"

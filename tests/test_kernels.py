@@ -7,6 +7,8 @@ shapes are small and the ragged cases use small tiles (the tile sizes are static
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -671,6 +673,30 @@ def test_mosaic_prefill_through_the_entry_point_mixed_batch():
     out = kp.ragged_paged_attention(q, k, v, lens, qsl, bt, scale=0.125, prefill_backend="mosaic", interpret=True)
     check(out, reference.ragged_paged_attention_ref(q, k, v, lens, qsl, bt, scale=0.125), jnp.float16)
     assert not np.asarray(out[int(qsl[-1]) :], np.float32).any()
+
+
+def test_mosaic_kernels_are_named_for_traces():
+    """Each Mosaic GPU kernel's CUDA name (NAME_mosaic_gpu_kernel in XProf traces) says what it is, so that
+    bench/profile_summary.kernel_category files it: until stop 58 the attention kernels and the nk int4 GEMM were all
+    entry_mosaic_gpu_kernel. Checked in the CUDA lowering, run on CPU."""
+    from bench.profile_summary import kernel_category
+    from kernels_pallas._decode_mgpu import paged_decode_mgpu
+    from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
+
+    rng = np.random.default_rng(5)
+    args = _ragged_args(rng, 4, 2, 64, 16, jnp.bfloat16, [70, 5], [100, 40])
+    prefill = jax.jit(functools.partial(ragged_prefill_mgpu, scale=0.125, block_kv=64))
+    k, v, bt = make_cache(rng, 1, 64, 16, [100, 1])
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    decode = jax.jit(functools.partial(paged_decode_mgpu, scale=0.125, num_splits=2, slots=4))
+    lens = jnp.asarray([100, 1], jnp.int32)
+    for f, a, name, category in (
+        (prefill, args, "ragged_prefill_mgpu", "prefill_attention"),
+        (decode, (q, k, v, lens, bt), "paged_decode_mgpu", "decode_attention"),
+    ):
+        text = f.trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+        assert f"{name}_mosaic_gpu" in text and "entry_mosaic_gpu" not in text
+        assert kernel_category(f"{name}_mosaic_gpu_kernel") == category
 
 
 # ---- Mosaic GPU decode kernel (_decode_mgpu.py), in the interpreter (slow: small grids) ----

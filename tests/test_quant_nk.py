@@ -132,7 +132,7 @@ def test_kernel_lowers_for_cuda(M, sym):
         f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, rows_first=rows_first))
         assert f.eval_shape(x, wt, s, z).shape[1:] == ((M, N) if rows_first else (N, -(-M // 8) * 8))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
