@@ -6,6 +6,12 @@ import tempfile
 
 # 8 simulated CPU devices for the sharding tests; must be set before jax is imported anywhere.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# The CPU backend's LLVM at -O0 (XLA's HLO passes, fusion and layouts, run as always): the tests' programs are small
+# and most are compiled once, so compiling dominates their time. tests/test_engine.py on the 2-core VM, one after the
+# other: 155.8 s (user 240 s) at the default level, 113.6 s (user 160 s) at 0. Subprocesses (servers, several hosts)
+# inherit it.
+if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Under pytest-xdist the workers share the cores. torch's intra-op pool (OpenMP, whose idle threads spin) sized to
 # the whole machine in every worker made a torch-bound test take 21.6 s in a CI run against 1.5 s alone; each
