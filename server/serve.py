@@ -206,7 +206,18 @@ def main(argv: list[str] | None = None) -> None:
         args.served_model_name = args.served_model_name or [DEMO_MODEL_NAME]
         logger.info("No MODEL given: serving the demo model at %s as %s", args.model, args.served_model_name[0])
     if (args.num_processes or 1) > 1 and args.process_id:
-        sys.exit(run_headless(args))
+        code = run_headless(args)
+        # Leave the cluster with process 0 (distributed.shutdown, what atexit would run), then exit without the
+        # interpreter's teardown: its C++ destructors (the CPU collectives' gloo context) may throw once process 0 is
+        # gone, and the worker aborted (-6, "terminate called ... exception not rethrown") in one CI run of
+        # tests/test_multihost_faults.py::test_sigterm_on_process_0_stops_the_workers after a clean shutdown.
+        from jaxllm.distributed import shutdown
+
+        shutdown()
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     fatal = None
     try:
         fatal = asyncio.run(run_server(args))

@@ -8,8 +8,8 @@ import tempfile
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # The CPU backend's LLVM at -O0 (XLA's HLO passes, fusion and layouts, run as always): the tests' programs are small
 # and most are compiled once, so compiling dominates their time. tests/test_engine.py on the 2-core VM, one after the
-# other: 155.8 s (user 240 s) at the default level, 113.6 s (user 160 s) at 0. Subprocesses (servers, several hosts)
-# inherit it.
+# other: 155.8 s (user 240 s) at the default level, 113.6 s (user 160 s) at 0. Subprocesses started with os.environ
+# inherit it (tests/test_multihost_engine.process_env sets XLA_FLAGS of its own).
 if "xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
