@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import next_pow2, whole_blocks_table
+from ._common import kernel_named, next_pow2, whole_blocks_table
 from ._splitk import NUM_SMS, combine_splits
 
 BQ = 64  # wgmma rows
@@ -291,9 +291,6 @@ def paged_decode_mgpu(
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = (
-        "paged_decode_mgpu"  # traces show the CUDA kernel as paged_decode_mgpu_mosaic_gpu_kernel
-    )
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
@@ -306,7 +303,7 @@ def paged_decode_mgpu(
         partial_shape = jax.ShapeDtypeStruct((B, K, SP, G), jnp.float32)
         out_type = (jax.ShapeDtypeStruct((B, K, SP, G, H), jnp.float32), partial_shape, partial_shape)
     outs = plgpu.kernel(
-        entry,
+        kernel_named(entry, "paged_decode_mgpu"),
         out_type=out_type,
         grid=(B, K, splits),
         grid_names=("b", "h", "s"),

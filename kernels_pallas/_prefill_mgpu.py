@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from ._common import pad_block_tables
+from ._common import kernel_named, pad_block_tables
 
 BQ = 64  # query rows per compute warpgroup
 TILE = 2 * BQ  # tokens per CTA
@@ -319,16 +319,13 @@ def ragged_prefill_mgpu(
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = (
-        "ragged_prefill_mgpu"  # traces show the CUDA kernel as ragged_prefill_mgpu_mosaic_gpu_kernel
-    )
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
     out = plgpu.kernel(
-        entry,
+        kernel_named(entry, "ragged_prefill_mgpu"),
         out_type=jax.ShapeDtypeStruct((T + (-T % 8), N, H), dtype),
         grid=(N, nt),
         grid_names=("heads", "tiles"),

@@ -41,6 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from . import qlayout
+from ._common import kernel_named
 from ._splitk import NUM_SMS
 
 BM = 64  # wgmma rows: weight columns per compute warpgroup
@@ -141,12 +142,12 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
         if not rows_first:
             o_smem[wg] = acc
             out = o_ref.at[split, cols]
-        elif interpret:
-            o_smem[wg] = acc.T
-            out = o_ref.at[split, pl.ds(0, Mp), cols]
         else:  # the [BM, Mp] tile stored as [Mp, BM]: y's rows, each BM contiguous columns
-            tile = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
-            tile[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            if interpret:
+                o_smem[wg] = acc.T
+            else:
+                tile = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
+                tile[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
             out = o_ref.at[split, pl.ds(0, Mp), cols]
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
@@ -242,14 +243,13 @@ def _launch(
             collective_axes="wg",
         )
 
-    entry.__name__ = entry.__qualname__ = name  # Mosaic GPU names the CUDA kernel after the body function
     kw = {}
     if interpret:
         from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
         kw["interpret"] = InterpretGPUParams()
     return plgpu.kernel(
-        entry,
+        kernel_named(entry, name),
         out_type=out_type,
         grid=grid,
         grid_names=grid_names,
@@ -528,11 +528,11 @@ def matmul(x, wt, scales, zeros=None, *, group_size, wide=None, partials=False, 
         return yt[:, :M].T.reshape(*lead, N)
     if interpret:  # the interpreter runs programs one by one: K unsplit unless asked
         tuning.setdefault("splits", 1)
+    parts = qmatmul_mgpu(
+        x2, wt, scales, zeros, group_size=group_size, rows_first=partials, interpret=interpret, **tuning
+    )
     if partials:
-        return qmatmul_mgpu(
-            x2, wt, scales, zeros, group_size=group_size, rows_first=True, interpret=interpret, **tuning
-        )
-    parts = qmatmul_mgpu(x2, wt, scales, zeros, group_size=group_size, interpret=interpret, **tuning)
+        return parts
     # Rows first, then the sum over splits: at one row the [N, 1] sum is a bitcast of [1, N], and XLA fuses the slice
     # and the sum into the consumer's fusion instead of transposing [N, Mp] in a kernel of its own.
     return parts[:, :, :M].sum(0).T.astype(x.dtype).reshape(*lead, N)

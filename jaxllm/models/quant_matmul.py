@@ -240,12 +240,16 @@ NK_WIDE = os.environ.get("JAXLLM_INT4_NK_WIDE", "1") == "1"
 NK_WIDE_MAX_ROWS = 1024
 
 
+def _nk_operands(w: QuantizedWeight):
+    """An nk-layout weight as the kernel's 2-D operands: (wt int4 [N, k], scales [ng, N], zeros [ng, N] or None,
+    group size)."""
+    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
+    return w.packed.reshape(-1, w.packed.shape[-1]), flat(w.scales), flat(w.zeros), w.layout.group_size
+
+
 def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
     """x [T, k] times an nk-layout int4 weight (packed int4 [*O, k] of q - 8, scales / zeros - 8 [ng, *O])."""
-    wt = w.packed.reshape(-1, w.packed.shape[-1])  # [N, k]
-    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1)  # noqa: E731
-    scales, zeros = flat(w.scales), flat(w.zeros)
-    group = w.layout.group_size
+    wt, scales, zeros, group = _nk_operands(w)
     if kernels and (interpret or on_gpu()):
         narrow = x.shape[0] <= NK_KERNEL_MAX_ROWS
         if (narrow and _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)) or (
@@ -270,13 +274,12 @@ def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
 def _nk_partials(x, w: QuantizedWeight, interpret: bool):
     """The nk kernel's float32 split-K partials [S, T, N] of x [T, k] times w where _nk runs that kernel (the narrow
     one); else None."""
-    wt = w.packed.reshape(-1, w.packed.shape[-1])
-    group = w.layout.group_size
+    wt, scales, zeros, group = _nk_operands(w)
     if not (interpret or on_gpu()) or not _qmatmul_mgpu.supported(x.dtype, wt.shape[0], wt.shape[1], 4, group):
         return None
-    flat = lambda a: None if a is None else a.reshape(a.shape[0], -1).astype(x.dtype)  # noqa: E731
+    zeros = None if zeros is None else zeros.astype(x.dtype)
     return _qmatmul_mgpu.matmul(
-        x, wt, flat(w.scales), flat(w.zeros), group_size=group, partials=True, interpret=interpret
+        x, wt, scales.astype(x.dtype), zeros, group_size=group, partials=True, interpret=interpret
     )
 
 
