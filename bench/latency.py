@@ -68,11 +68,15 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> di
 def main(argv=None) -> dict:
     args = parse(argv)
     common.setup_logging(args.log_level)
-    if args.smallest_seq_bucket is not None:
-        from jaxllm.engine import runner as runner_mod
+    from jaxllm.engine import runner as runner_mod
 
+    defaults = runner_mod.SMALLEST_SEQ_BUCKET, runner_mod.SMALLEST_SEQ_BUCKET_INT
+    if args.smallest_seq_bucket is not None:  # read while the engine is built (its bucket lists), then restored
         runner_mod.SMALLEST_SEQ_BUCKET = runner_mod.SMALLEST_SEQ_BUCKET_INT = args.smallest_seq_bucket
-    llm, t0, t_ready = common.build_llm(args)
+    try:
+        llm, t0, t_ready = common.build_llm(args)
+    finally:
+        runner_mod.SMALLEST_SEQ_BUCKET, runner_mod.SMALLEST_SEQ_BUCKET_INT = defaults
     env = common.environment()
     runner = llm.llm_engine.runner
     compiled_before = len(runner.programs.compiled)

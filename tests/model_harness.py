@@ -59,3 +59,24 @@ def ragged_logits(
     assert np.isfinite(logits[: inp.num_tokens]).all()
     qsl = inp.query_start_loc  # step 2 holds every sequence, in order
     return [logits[qsl[b] : qsl[b + 1]] for b in range(len(seqs))]
+
+
+def one_row_decode_logits(params, cfg, mesh, monkeypatch):
+    """A decode-only step of one sequence and no padding row (the int models' batch-1 bucket, after a 4-token prefix
+    step), run on the "pallas" backend (interpret mode) and on the reference backend: (the shapes of the qkv the fused
+    decode attention kernel was given on the pallas run, its logits, the reference's logits)."""
+    import kernels_pallas as kp
+
+    seqs, cached = [[5, 9, 2, 77, 3]], [4]
+    seen = []
+    real = kp.fused_decode_attention
+    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
+    jax.clear_caches()  # an earlier trace at these shapes would skip the spy
+
+    def logits(backend):
+        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
+        return [np.asarray(x, np.float32) for x in out]
+
+    got = logits("pallas")
+    return seen, got, logits("reference")

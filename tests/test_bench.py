@@ -868,12 +868,15 @@ def test_softcap_kernels_probe_smoke(tmp_path):
 @pytest.mark.filterwarnings("ignore")
 def test_latency_and_throughput_take_quantization(tmp_path):
     """--quantization with --shape --load-format dummy: gptq writes a GPTQ int4 config into the generated folder
-    (group 32 here: the tiny widths) and the JSON names the scheme the engine ran; fp8 needs no config (quantized
+    (group 32 here: the tiny widths) and the JSON names the scheme the engine ran (and --smallest-seq-bucket's bucket
+    list); fp8 needs no config (quantized
     while loading) and reaches LLM(...) as quantization="fp8" (tests/test_quant.py runs it through the engine)."""
     import argparse
 
     from bench import latency
+    from jaxllm.engine import runner
 
+    defaults = runner.SMALLEST_SEQ_BUCKET, runner.SMALLEST_SEQ_BUCKET_INT
     tiny = [
         "--shape",
         "tiny",
@@ -908,10 +911,14 @@ def test_latency_and_throughput_take_quantization(tmp_path):
             "1",
             "--num-iters-warmup",
             "0",
+            "--smallest-seq-bucket",
+            "4",
             "--out",
             str(tmp_path / "lat.json"),
         ]
     )
+    assert res["engine"]["seq_buckets"] == [4]  # --smallest-seq-bucket, for that engine only:
+    assert (runner.SMALLEST_SEQ_BUCKET, runner.SMALLEST_SEQ_BUCKET_INT) == defaults
     assert res["engine"]["quantization"] == "gptq int4 (group 32, sym)"
     assert res["workload"]["quantization"] == "gptq" and res["results"][0]["itl_s"]["p50"] > 0
     assert res["engine"]["step_temp_bytes"] > 0  # the compiled steps' largest temporary buffer (memory_analysis)

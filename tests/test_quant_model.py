@@ -200,27 +200,13 @@ def test_decoder_gives_int_qkv_partials_to_the_attention_kernel(checkpoints, mon
     the qkv projection reaches the fused qkv/RoPE/write + decode kernel as the int kernel's float32 split-K
     partials (quant_matmul.split_k), which it sums; the logits equal the reference backend's to bf16 rounding.
     Without kernels (the reference backend) and for more rows split_k gives None."""
-    import kernels_pallas as kp
     from jaxllm.models import quant_matmul
-    from jaxllm.models.attention import AttentionConfig
-    from tests.model_harness import ragged_logits
+    from tests.model_harness import one_row_decode_logits
 
     _, gptq_dir = checkpoints
     cfg, mesh, params = _load(gptq_dir, 1)
-    seqs, cached = [[5, 9, 2, 77, 3]], [4]  # a second, decode-only step of one sequence and no padding row
-    seen = []
-    real = kp.fused_decode_attention
-    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
-    jax.clear_caches()
-
-    def logits(backend):
-        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
-        return [np.asarray(x, np.float32) for x in out]
-
-    got = logits("pallas")
+    seen, got, ref = one_row_decode_logits(params, cfg, mesh, monkeypatch)
     assert len(seen) == 1 and len(seen[0]) == 5, seen  # [S, T, K, G + 2, H] partials (S = 1 at these widths)
-    ref = logits("reference")
     for k, r in zip(got, ref, strict=True):
         assert _rel(k, r) < 2e-2
     w = params["layers"][0]["w_qkv"]

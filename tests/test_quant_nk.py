@@ -296,28 +296,14 @@ def test_nk_qkv_partials_reach_the_attention_kernel(gptq_g128, monkeypatch):
     mode): the qkv projection reaches the fused qkv/RoPE/write + decode kernel as the nk kernel's float32 split-K
     partials [S, T, K, G + 2, H] (rows first as the kernel writes them: no XLA sum or transpose in front of it), and
     the logits equal the reference backend's to bf16 rounding. 3 rows: split_k gives None (a plain projection)."""
-    import kernels_pallas as kp
     from jaxllm.models import quant_matmul
-    from jaxllm.models.attention import AttentionConfig
-    from tests.model_harness import ragged_logits
+    from tests.model_harness import one_row_decode_logits
 
     cfg, mesh, params = _load(gptq_g128["gptq", False], 1, True, monkeypatch)
-    seqs, cached = [[5, 9, 2, 77, 3]], [4]  # a second, decode-only step of one sequence and no padding row
-    seen = []
-    real = kp.fused_decode_attention
-    monkeypatch.setattr(kp, "fused_decode_attention", lambda qkv, *a, **k: seen.append(qkv.shape) or real(qkv, *a, **k))
-    jax.clear_caches()
-
-    def logits(backend):
-        attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
-        return [np.asarray(x, np.float32) for x in out]
-
-    got = logits("pallas")
+    seen, got, ref = one_row_decode_logits(params, cfg, mesh, monkeypatch)
     w = params["layers"][0]["w_qkv"]
     assert w.layout.nk
     assert seen == [(1, 1, *w.packed.shape[:-1])], seen  # one split at these widths
-    ref = logits("reference")
     for k, r in zip(got, ref, strict=True):
         assert _rel(k, r) < 2e-2
     h = jnp.zeros((3, w.layout.k), jnp.bfloat16)
