@@ -147,10 +147,9 @@ SWEEP += [
 ]
 ROTATE_BYTES = 256 << 20
 MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl; --mgpu-configs replaces them)
-    dict(ctas_per_sm=1),
-    dict(ctas_per_sm=3),
+    dict(nw=1),
     dict(ctas_per_sm=4),
-    dict(nw=2),
+    dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
 ] + [  # qmatmul_mgpu_wide (x's rows tiled; the default above 256 rows)
     dict(wide=True, tile_m=tm, block_k=bk, nw=nw)

@@ -69,49 +69,31 @@ def nk_layout(qweight, scales, zeros, *, plane, dtype):
     return wt, scales.astype(dtype), z
 
 
-def plan(n, kp, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
-    """(splits of K, programs) for qmatmul_mgpu: every program resident at once (at most ctas_per_sm an SM) and given
-    the same number of (column block, split) tiles; the most programs that allows, then the fewest splits. Each split
-    at least min_steps K blocks (all of K where it has fewer)."""
+def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
+    """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
+    at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
     blocks = kp // block_k
+    group_blocks = blocks if group_size == -1 else group_size // block_k
     cols = n // (BM * nw)
-    cap = ctas_per_sm * NUM_SMS
-    best = (1, 1)
-    for s in range(1, blocks + 1):
-        if blocks % s or blocks // s < min(min_steps, blocks):
-            continue
-        tiles = cols * s
-        programs = max(p for p in range(1, min(cap, tiles) + 1) if tiles % p == 0)
-        if programs > best[1]:
-            best = (s, programs)
-    return best
+    choices = [s for s in range(1, blocks + 1) if blocks % s == 0 and (blocks // s) % group_blocks in (0, blocks // s)]
+    ok = [s for s in choices if blocks // s >= min(min_steps, blocks)]
+    fits = [s for s in ok if -(-blocks // s // group_blocks) <= MAX_SCALE_ROWS]
+    for s in fits:
+        if cols * s >= ctas_per_sm * NUM_SMS:
+            return s
+    return fits[-1] if fits else blocks
 
 
-def _kernel(
-    x_ref,
-    w_ref,
-    s_ref,
-    *refs,
-    asym,
-    nw,
-    block_k,
-    steps,
-    splits,
-    programs,
-    stages,
-    group_blocks,
-    dtype,
-    rows_first,
-    interpret,
-):
+def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, rows_first, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
     o_ref, scoped = refs[-2], refs[-1]
-    (w_smem, x_smem, s_smem, z_smem, o_smem), (ready, free) = scoped
-    p, wg = lax.axis_index("p"), lax.axis_index("wg")
-    tiles = (o_ref.shape[2 if rows_first else 1] // (BM * nw)) * splits
-    count = lax.div(tiles - p + programs - 1, programs)  # this program's tiles: p, p + programs, ...
+    (w_smem, x_smem, s_smem, z_smem, o_smem), (ready, free, sready) = scoped
+    col, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
+    n0 = col * BM * nw
+    first = split * steps  # the split's first K block
+    g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
     Mp = x_smem.shape[1]
 
     @pl.when(wg < nw)
@@ -119,10 +101,10 @@ def _kernel(
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = wgmma_layout.reduce(1)
 
-        def rows(ref, slot):  # the slot's group row of scales / zeros for this warpgroup's 64 columns, [BM]
+        def rows(ref, g):  # a group row of scales / zeros for this warpgroup's 64 columns, [BM] in the row layout
             if interpret:
-                return ref[slot, wg, 0]
-            return plgpu.load(ref.at[slot, wg, 0], (), layout=row_layout, optimized=False)
+                return ref[wg, g]
+            return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
         def weight(slot):
             if interpret:
@@ -140,71 +122,40 @@ def _kernel(
 
             return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
 
-        def tile(i, carry):
-            t = p + i * programs
-            col, split = lax.div(t, splits), lax.rem(t, splits)
+        plgpu.barrier_wait(sready.at[0])
 
-            def body(step, acc):
-                slot = lax.rem(i * steps + step, stages)
-                plgpu.barrier_wait(ready.at[slot])
-                a = weight(slot)
-                if asym:
-                    a = a - lax.broadcast_in_dim(rows(z_smem, slot), (BM, block_k), [0])
-                s = rows(s_smem, slot).astype(jnp.float32)
-                part = mma(a, slot)
-                plgpu.barrier_arrive(free.at[slot])
-                return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+        def body(step, acc):
+            slot = lax.rem(step, stages)
+            g = step // group_blocks
+            plgpu.barrier_wait(ready.at[slot])
+            a = weight(slot)
+            if asym:
+                a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
+            part = mma(a, slot)
+            plgpu.barrier_arrive(free.at[slot])
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
-            acc0 = jnp.zeros((BM, Mp), jnp.float32)
-            acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
-            cols = pl.ds((col * nw + wg) * BM, BM)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's store has read o_smem
-            if not rows_first:
-                o_smem[wg] = acc
-                out = o_ref.at[split, cols]
-            else:  # the [BM, Mp] tile stored as [Mp, BM]: y's rows, each BM contiguous columns
-                if interpret:
-                    o_smem[wg] = acc.T
-                else:
-                    tile_ref = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
-                    tile_ref[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
-                out = o_ref.at[split, pl.ds(0, Mp), cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
-            return carry
-
-        lax.fori_loop(0, count, tile, None)
+        acc0 = jnp.zeros((BM, Mp), jnp.float32)
+        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
+        cols = pl.ds(n0 + wg * BM, BM)
+        if not rows_first:
+            o_smem[wg] = acc
+            out = o_ref.at[split, cols]
+        else:  # the [BM, Mp] tile stored as [Mp, BM]: y's rows, each BM contiguous columns
+            if interpret:
+                o_smem[wg] = acc.T
+            else:
+                tile = plgpu.transpose_ref(o_smem.at[wg], (1, 0))
+                tile[...] = plgpu.layout_cast(acc, plgpu.Layout.WGMMA_TRANSPOSED)
+            out = o_ref.at[split, pl.ds(0, Mp), cols]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == nw)
     def _memory():
-        total = count * steps
-
-        @pl.loop(0, total)
-        def _(n):  # the n-th K block of this program: tile n // steps, its block n % steps
-            t = p + lax.div(n, steps) * programs
-            col, split = lax.div(t, splits), lax.rem(t, splits)
-            kb = split * steps + lax.rem(n, steps)
-            g = lax.div(kb, group_blocks)
-            slot = lax.rem(n, stages)
-
-            @pl.when(n >= stages)
-            def _():
-                plgpu.barrier_wait(free.at[slot])
-
-            k = pl.ds(kb * block_k, block_k)
-            for h in range(nw):
-                hcols = pl.ds((col * nw + h) * BM, BM)
-                plgpu.copy_gmem_to_smem(w_ref.at[hcols, k], w_smem.at[slot, h], ready.at[slot])
-                plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(g, 1), hcols], s_smem.at[slot, h], ready.at[slot])
-                if asym:
-                    plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(g, 1), hcols], z_smem.at[slot, h], ready.at[slot])
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(0, Mp), k], x_smem.at[slot], ready.at[slot])
-
-        # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
-        @pl.loop(lax.max(total - stages, 0), total)
-        def _(n):
-            plgpu.barrier_wait(free.at[lax.rem(n, stages)])
+        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(0, Mp), n0=n0, g0=g0, first=first, steps=steps)
 
 
 def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
@@ -260,30 +211,19 @@ def _launch(
 ):
     """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup. Shared
     memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
-    args hold them) [nw, ng, BM] or, with ng None, a group row of them [nw, 1, BM] in each ring slot, the output
-    tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first); barriers: a slot filled, a slot released
-    and (ng given) the scales copied. name: the kernel's, as traces show it (NAME_mosaic_gpu_kernel)."""
+    args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first);
+    barriers: a slot filled, a slot released, the scales copied. name: the kernel's, as traces show it
+    (NAME_mosaic_gpu_kernel)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     asym = len(args) == 4
     dtype = args[0].dtype
     x_swizzle = min(128, block_k * 2)
     w_swizzle = min(128, block_k // 2)
-    ring_scales = ng is None
-    if ring_scales:
-        scales = [plgpu.SMEM((stages, nw, 1, BM), dtype), plgpu.SMEM((stages if asym else 1, nw, 1, BM), dtype)]
-        fills = nw * (3 if asym else 2) + 1  # copies into a slot: weight, scales (zeros) per warpgroup, and x
-        barriers = [plgpu.Barrier(num_arrivals=fills, num_barriers=stages)]
-    else:
-        scales = [plgpu.SMEM((nw, ng, BM), dtype), plgpu.SMEM((nw, ng if asym else 1, BM), dtype)]
-        barriers = [plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages)]
-    barriers.append(plgpu.Barrier(num_arrivals=nw, num_barriers=stages))
-    if not ring_scales:
-        barriers.append(plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1))
 
     def entry(*refs):
         pl.run_scoped(
-            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:])),
+            lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
             plgpu.SMEM(
                 (stages, nw, BM, block_k),
                 jnp.int4,
@@ -294,9 +234,12 @@ def _launch(
                 dtype,
                 transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
             ),
-            *scales,
+            plgpu.SMEM((nw, ng, BM), dtype),
+            plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
             plgpu.SMEM((nw, x_rows, BM) if rows_first else (nw, BM, x_rows), out_dtype),
-            *barriers,
+            plgpu.Barrier(num_arrivals=nw + 1, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw, num_barriers=stages),
+            plgpu.Barrier(num_arrivals=nw * (2 if asym else 1), num_barriers=1),
             collective_axes="wg",
         )
 
@@ -318,17 +261,7 @@ def _launch(
 
 @functools.partial(
     jax.jit,
-    static_argnames=(
-        "group_size",
-        "nw",
-        "block_k",
-        "splits",
-        "programs",
-        "stages",
-        "ctas_per_sm",
-        "rows_first",
-        "interpret",
-    ),
+    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "rows_first", "interpret"),
 )
 def qmatmul_mgpu(
     x,
@@ -340,16 +273,14 @@ def qmatmul_mgpu(
     nw=1,
     block_k=128,
     splits=None,
-    programs=None,
     stages=None,
-    ctas_per_sm=2,
+    ctas_per_sm=None,
     rows_first=False,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
-    rows_first. See the module docstring. splits / programs: plan()'s unless given (programs need not divide the
-    tiles: the first ones then take one more).
+    rows_first. See the module docstring.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -360,20 +291,23 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
+        ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
     blocks = Kp // block_k
-    S, P = plan(N, Kp, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
-    if splits is not None:
-        S, P = splits, min(P, N // (BM * nw) * splits)
-    P = programs or P
+    group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
+    S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
     if blocks % S:
         raise ValueError(f"splits={S} must divide K's {blocks} blocks of {block_k}")
     steps = blocks // S
+    ng = 1 if group_size == -1 else steps // group_blocks
+    if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):
+        raise ValueError(f"splits={S}: each split must hold whole groups, at most {MAX_SCALE_ROWS}")
     Mp = -(-M // 8) * 8
     if Mp != M and interpret:  # on a GPU the TMA copies of x's Mp-row blocks read zeros past its M rows
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
-    if stages is None:  # as many slots as fit the program's share of shared memory (ctas_per_sm an SM), 2..8
+    if stages is None:  # as many slots as fit ~96 KB (two programs an SM), 2..8
         per_stage = nw * BM * block_k // 2 + Mp * block_k * 2
-        stages = max(2, min(8, (200 << 10) // ctas_per_sm // per_stage))
+        stages = max(2, min(8, steps, (96 << 10) // per_stage))
     asym = zeros is not None
     dtype = x.dtype
     kernel = functools.partial(
@@ -382,10 +316,8 @@ def qmatmul_mgpu(
         nw=nw,
         block_k=block_k,
         steps=steps,
-        splits=S,
-        programs=P,
         stages=stages,
-        group_blocks=(1 << 30) if group_size == -1 else group_size // block_k,
+        group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
         interpret=interpret,
@@ -402,11 +334,11 @@ def qmatmul_mgpu(
         nw=nw,
         block_k=block_k,
         x_rows=Mp,
-        ng=None,
+        ng=ng,
         out_dtype=jnp.float32,
         out_type=out_type,
-        grid=(P,),
-        grid_names=("p",),
+        grid=(N // (BM * nw), S),
+        grid_names=("n", "s"),
         interpret=interpret,
         rows_first=rows_first,
     )

@@ -29,15 +29,15 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(
-    "K,N,M,group,sym,splits,programs",
+    "K,N,M,group,sym,splits",
     [
-        (256, 128, 1, 128, True, 2, 3),  # 4 tiles over 3 programs: the first takes two
-        (512, 192, 3, 128, False, 2, None),
-        (256, 64, 9, -1, True, 2, 1),  # one program, both tiles
-        (512, 128, 16, 256, False, 4, 3),  # a group of two K blocks over two splits
+        (256, 128, 1, 128, True, 2),
+        (512, 192, 3, 128, False, 2),
+        (256, 64, 9, -1, True, 2),
+        (512, 128, 16, 256, False, 1),
     ],
 )
-def test_kernel_matches_the_reference(K, N, M, group, sym, splits, programs):
+def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     """qmatmul_mgpu's split-K partials (interpreter) sum to x @ W: symmetric and asymmetric, per channel, a group of
     two K blocks, rows padded to 8 and to 16; against quantized_matmul_ref on the planes layout of the same integers
     (bf16 output rounding apart)."""
@@ -45,12 +45,11 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits, programs):
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
     wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
     assert wt.shape == (N, K) and wt.dtype == jnp.int4 and (z is None) == sym
-    kw = dict(group_size=group, splits=splits, programs=programs, interpret=True)
-    parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, **kw)
+    parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, interpret=True)
     assert parts.shape == (splits, N, -(-M // 8) * 8)
     ref = quantized_matmul_ref(x, w)
     assert _rel(parts.sum(0).T[:M], ref) < 5e-3
-    rows = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, rows_first=True, **kw)
+    rows = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, rows_first=True, interpret=True)
     assert rows.shape == (splits, M, N)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(parts[:, :, :M].transpose(0, 2, 1)))
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
@@ -80,17 +79,13 @@ def test_wide_kernel_matches_the_reference(K, N, M, group, sym, tile_m, block_k)
 
 
 def test_plan_and_refusals():
-    """plan: (splits, programs) with every program resident at once (ctas_per_sm an SM) and the same number of
-    tiles each (8B shapes); supported / qmatmul_mgpu refuse what the kernel does not take."""
-    plan = _qmatmul_mgpu.plan
-    assert plan(28672, 4096) == (4, 256)  # gate_up: 448 column blocks x 4 splits = 7 tiles a program
-    assert plan(4096, 14336) == plan(4096, 4096) == (4, 256)  # down, o: 64 x 4, one tile a program
-    assert plan(6144, 4096) == (8, 256)  # qkv: 96 x 8 = 3 tiles a program
-    assert plan(6144, 4096, ctas_per_sm=1) == (4, 128)
-    for n, kp in [(128, 256), (6144, 4096), (28672, 4096), (4096, 14336), (192, 512)]:
-        for cps in (1, 2, 3, 4):
-            s, p = plan(n, kp, ctas_per_sm=cps)
-            assert (kp // 128) % s == 0 and (n // 64 * s) % p == 0 and p <= cps * 132
+    """plan: splits that divide K's blocks into whole groups and give ~2 programs an SM (8B shapes); supported /
+    qmatmul_mgpu refuse what the kernel does not take."""
+    assert _qmatmul_mgpu.plan(28672, 4096, 128, ctas_per_sm=4) == 2  # 448 column blocks x 2 >= 4 x 132
+    assert _qmatmul_mgpu.plan(4096, 14336, 128, ctas_per_sm=4) == 14  # 64 x 14 >= 528 (112 blocks)
+    assert _qmatmul_mgpu.plan(4096, 4096, -1) == 8
+    splits = _qmatmul_mgpu.plan(4096, 4096, 512)  # groups of 4 K blocks: each split holds whole groups
+    assert splits > 1 and (32 // splits) % 4 == 0
     tiles = lambda m, n, k: _qmatmul_mgpu.wide_tiling(m, n, k, 128)["tile_m"]  # noqa: E731
     assert (tiles(512, 6144, 4096), tiles(512, 28672, 4096)) == (256, 256)  # qkv, gate_up: enough column blocks
     assert (tiles(512, 4096, 4096), tiles(512, 4096, 14336)) == (128, 128)  # o, down: 32 column blocks
