@@ -57,6 +57,7 @@ def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
         and bits == 4
         and n % (BM * nw) == 0
         and kp % block_k == 0
+        and block_k % NK_GROUP == 0
         and (group_size == -1 or group_size % block_k == 0)
     )
 
@@ -64,9 +65,96 @@ def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
 def nk_layout(qweight, scales, zeros, *, plane, dtype):
     """qlayout's planes (qweight [Kp / 8, N] int32, scales / zeros [G, N]) -> this kernel's layout: (wt int4 [N, Kp]
     holding q - 8, scales [G, N] in dtype, zeros - 8 [G, N] in dtype or None). jnp, for load time and benchmarks."""
-    wt = (qlayout.unpack_planes(qweight, 4, plane) - 8).astype(jnp.int4).T
+    wt = nk_permute((qlayout.unpack_planes(qweight, 4, plane) - 8).T).astype(jnp.int4)
     z = None if zeros is None else (zeros.astype(jnp.float32) - 8).astype(dtype)
     return wt, scales.astype(dtype), z
+
+
+NK_GROUP = 64  # K values a permutation group of the nk layout spans (block_k is a multiple of it)
+
+
+def nk_permute(q):
+    """[..., K] in K order -> the nk layout's order (K a multiple of NK_GROUP; numpy or jax arrays). In each group of
+    64 values, k = 32 j + 8 m + 2 p + e (chunk c = 4 j + m of wgmma's 8-column chunks, p the lane's column pair, e the
+    pair's element) is stored at 16 p + 8 j + 4 e + m: lane p's 16 values of a row lie in two 32-bit words, word j's
+    nibbles m and 4 + m (bits 4m and 16 + 4m) holding chunk 4 j + m's pair. See _biased_weight."""
+    *lead, K = q.shape
+    n = len(lead) + 1
+    x = q.reshape(*lead, K // NK_GROUP, 2, 4, 4, 2)  # (j, m, p, e)
+    return x.transpose(*range(n), n + 2, n, n + 3, n + 1).reshape(*lead, K)  # (p, j, e, m)
+
+
+def nk_unpermute(q):
+    """nk_permute's inverse."""
+    *lead, K = q.shape
+    n = len(lead) + 1
+    x = q.reshape(*lead, K // NK_GROUP, 4, 2, 2, 4)  # (p, j, e, m)
+    return x.transpose(*range(n), n + 1, n + 3, n, n + 2).reshape(*lead, K)  # (j, m, p, e)
+
+
+def _bias(dtype) -> float:
+    """_biased_weight's offset: its values are bias + q, exact in dtype (bf16: 128 + q; f16: 1024 + q)."""
+    return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
+
+
+def _biased_weight(w_ref, dtype):
+    """A [BM, block_k] block of nk-layout int4 (nk_permute's order, values q - 8) in shared memory (row-major, no
+    swizzle) -> bias + q in dtype (_bias), in the WGMMA layout wgmma takes as its register operand. Each thread loads
+    its two rows' words with 64-bit loads (two 32-bit words a row and 64-value group: nk_permute puts them side by
+    side) and makes each pair of values with one shift and one LOP3: the two nibbles masked into the low mantissa
+    bits of the two halves of bias's bit pattern, their sign bit (q - 8 stored as int4) flipped back (the pattern's
+    bit 3). No shuffles or permutes: the layout was permuted once at load time."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax.experimental.mosaic.gpu import utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm
+
+    block_k = w_ref.shape[-1]
+    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
+    magic = 0x43084308 if bf16 else 0x64086408  # bias's halves, bit 3 set: (x & 0x000f000f) ^ magic = bias + q
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.RefType(),),
+        return_type=plgpu.ShapeDtypeStruct((BM, block_k), dtype, layout=plgpu.Layout.WGMMA),
+    )
+    def biased(ctx, ref):
+        del ctx
+        i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
+        c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+        layout = mgpu.WGMMA_LAYOUT
+        tid = arith.index_cast(i32, utils.thread_idx()) if utils.thread_idx().type != i32 else utils.thread_idx()
+        lane = arith.remui(tid, c32(32))
+        warp = arith.remui(arith.divui(tid, c32(32)), c32(4))
+        row = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))
+        pair = arith.remui(lane, c32(4))
+        base = utils.memref_ptr(ref)
+        row_bytes = block_k // 2
+        words = {}
+        for h in range(2):  # the thread's rows: row, row + 8
+            off = arith.addi(arith.muli(arith.addi(row, c32(8 * h)), c32(row_bytes)), arith.muli(pair, c32(8)))
+            for g in range(block_k // NK_GROUP):
+                byte = arith.extui(i64, arith.addi(off, c32(32 * g)))
+                v = llvm.load(ir.VectorType.get((2,), i32), utils.getelementptr(base, [byte], i8))
+                for j in range(2):
+                    words[h, g, j] = llvm.extractelement(v, arith.constant(i32, j))
+        reg_ty = ir.VectorType.get((2,), utils.dtype_to_ir_type(dtype))
+        shape = (BM, block_k)
+        regs = np.empty(layout.registers_shape(shape), dtype=object)
+        strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
+        for idx in np.ndindex(regs.shape):
+            dr, dc = divmod(sum(i * s for i, s in zip(idx, strides)), block_k)  # the register's 8x8 submatrix
+            g, rem = divmod(dc // 8, 8)
+            j, m = divmod(rem, 4)
+            w = words[dr // 8, g, j]
+            if m:
+                w = arith.shrui(w, c32(4 * m))
+            v = arith.xori(arith.andi(w, c32(0x000F000F)), c32(magic))
+            regs[idx] = utils.bitcast(v, reg_ty)
+        return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
+
+    return biased(w_ref)
 
 
 def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
@@ -106,11 +194,14 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
                 return ref[wg, g]
             return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
-        def weight(slot):
+        def weight(slot, g):  # the block's q - z in x's dtype (z = 8 symmetric)
             if interpret:
-                return w_smem[slot, wg].astype(dtype)
-            q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-            return plgpu.layout_cast(q, wgmma_layout).astype(dtype)
+                a = nk_unpermute(w_smem[slot, wg]).astype(dtype)
+                return a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0]) if asym else a
+            a = _biased_weight(w_smem.at[slot, wg], dtype)
+            if asym:
+                return a - lax.broadcast_in_dim(rows(z_smem, g) + (_bias(dtype) + 8), (BM, block_k), [0])
+            return a - (_bias(dtype) + 8)
 
         def mma(a, slot):
             if interpret:
@@ -128,10 +219,7 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
             slot = lax.rem(step, stages)
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
-            a = weight(slot)
-            if asym:
-                a = a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0])
-            part = mma(a, slot)
+            part = mma(weight(slot, g), slot)
             plgpu.barrier_arrive(free.at[slot])
             s = rows(s_smem, g).astype(jnp.float32)
             return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
@@ -219,16 +307,11 @@ def _launch(
     asym = len(args) == 4
     dtype = args[0].dtype
     x_swizzle = min(128, block_k * 2)
-    w_swizzle = min(128, block_k // 2)
 
     def entry(*refs):
         pl.run_scoped(
             lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
-            plgpu.SMEM(
-                (stages, nw, BM, block_k),
-                jnp.int4,
-                transforms=(plgpu.TilingTransform((8, w_swizzle * 2)), plgpu.SwizzleTransform(w_swizzle)),
-            ),
+            plgpu.SMEM((stages, nw, BM, block_k), jnp.int4),  # row-major: _biased_weight's own loads
             plgpu.SMEM(
                 (stages, x_rows, block_k),
                 dtype,
@@ -375,12 +458,13 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
 
         def weight(slot, g):  # the block's (q - z) * s in x's dtype: wgmma's register operand
             if interpret:
-                a = w_smem[slot, wg].astype(dtype)
+                a = nk_unpermute(w_smem[slot, wg]).astype(dtype)
+                if asym:
+                    a = a - rows(z_smem, g)
+            elif asym:
+                a = _biased_weight(w_smem.at[slot, wg], dtype) - (rows(z_smem, g) + (_bias(dtype) + 8))
             else:
-                q = plgpu.load(w_smem.at[slot, wg], (), layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                a = plgpu.layout_cast(q, wgmma_layout).astype(dtype)
-            if asym:
-                a = a - rows(z_smem, g)
+                a = _biased_weight(w_smem.at[slot, wg], dtype) - (_bias(dtype) + 8)
             return a * rows(s_smem, g)
 
         plgpu.barrier_wait(sready.at[0])

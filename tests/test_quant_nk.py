@@ -332,7 +332,8 @@ def test_nk_relayout_on_host_and_device(sym, shards):
     for x in (words, jnp.asarray(words)):
         wt = relayout("packed", x, "int4")
         assert wt.shape == (O, I) and wt.dtype == jnp.int4
-        np.testing.assert_array_equal(np.asarray(wt).astype(np.int32), q.T - 8)
+        np.testing.assert_array_equal(np.asarray(_qmatmul_mgpu.nk_unpermute(wt)).astype(np.int32), q.T - 8)
+        assert not np.array_equal(np.asarray(wt).astype(np.int32), q.T - 8)  # the kernel's order, not I's
     zz = relayout("zeros", jnp.asarray(z), "float32")
     np.testing.assert_array_equal(np.asarray(zz), z - 8)
     dense = nk_dequantize(jnp.asarray(wt), jnp.asarray(s), None if sym else zz, G, jnp.float32)

@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.quantization import QuantConfig
+from kernels_pallas._qmatmul_mgpu import nk_permute
 from kernels_pallas.qlayout import PLANES, choose_plane, num_groups, padded_k
 
 FP8_MAX = 448.0  # float8_e4m3fn
@@ -196,7 +197,7 @@ class Relayout:
         kp = lay.k if lay.nk else padded_k(lay.k, s.bits, lay.plane)
         if lay.nk and self.field == "packed":  # [I, *O] values -> [*O, I] int4 q - 8 (row shards stay contiguous)
             q = xp.moveaxis(unpack_int(x, s.bits), 0, -1).astype(xp.int32) - 8
-            return q.astype(jnp.int4)
+            return nk_permute(q).astype(jnp.int4)  # the kernel's order within each 64 inputs
         if self.field == "packed":
             q = _shard_rows(unpack_int(x, s.bits), lay.shards, lay.k, kp)
             q = q.reshape(lay.shards, kp // (lay.plane * P), P, lay.plane, *q.shape[2:])

@@ -285,7 +285,7 @@ def _nk_partials(x, w: QuantizedWeight, interpret: bool):
 
 def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
     """The nk layout's [N, k] weight in dtype: (q - z) * s computed in float32 and rounded once (as
-    qlayout.dequantize), from wt int4 [N, k] (q - 8), scales / zeros (z - 8) [ng, N]."""
+    qlayout.dequantize), from wt int4 [N, k] (q - 8 in nk_permute's order), scales / zeros (z - 8) [ng, N]."""
     N, k = wt.shape
     g = k if group_size == -1 else group_size
 
@@ -293,7 +293,7 @@ def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
         a = a.astype(jnp.float32).T
         return jnp.broadcast_to(a[:, :, None], (N, k // g, g)).reshape(N, k)
 
-    q = wt.astype(jnp.float32)
+    q = _qmatmul_mgpu.nk_unpermute(wt).astype(jnp.float32)
     if zeros is not None:
         q = q - rows(zeros)
     return (q * rows(scales)).astype(dtype)
