@@ -97,6 +97,14 @@ def _bias(dtype) -> float:
     return 128.0 if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else 1024.0
 
 
+def _w_tiling(block_k):
+    """The weight ring's shared-memory transforms: tiles of 8 rows x block_k, i.e. row-major bytes, unswizzled (the
+    tiling makes Mosaic GPU address the TMA copy of int4 boxes by tile; untiled, its int4 column offsets doubled)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, block_k)),)
+
+
 def _biased_weight(w_ref, dtype):
     """A [BM, block_k] block of nk-layout int4 (nk_permute's order, values q - 8) in shared memory (row-major, no
     swizzle) -> bias + q in dtype (_bias), in the WGMMA layout wgmma takes as its register operand. Each thread loads
@@ -116,7 +124,7 @@ def _biased_weight(w_ref, dtype):
     magic = 0x43084308 if bf16 else 0x64086408  # bias's halves, bit 3 set: (x & 0x000f000f) ^ magic = bias + q
 
     @plgpu.inline_mgpu(
-        arg_types=(plgpu.RefType(),),
+        arg_types=(plgpu.RefType(_w_tiling(block_k)),),
         return_type=plgpu.ShapeDtypeStruct((BM, block_k), dtype, layout=plgpu.Layout.WGMMA),
     )
     def biased(ctx, ref):
@@ -311,7 +319,7 @@ def _launch(
     def entry(*refs):
         pl.run_scoped(
             lambda *scoped: kernel(*refs, (scoped[0:5], scoped[5:8])),
-            plgpu.SMEM((stages, nw, BM, block_k), jnp.int4),  # row-major: _biased_weight's own loads
+            plgpu.SMEM((stages, nw, BM, block_k), jnp.int4, transforms=_w_tiling(block_k)),
             plgpu.SMEM(
                 (stages, x_rows, block_k),
                 dtype,
