@@ -4,18 +4,23 @@ register operand), for the decode step's few rows.
 y = x @ W with W [K, N] = (q - z) * s, q int4, groups of `group_size` rows of K (or one per channel). The kernel
 computes y^T = W^T x^T: wgmma's 64-row operand is a 64-column slice of W, transposed, held in registers; the rows of
 x (up to 256, in blocks of a multiple of 8: wgmma's smallest N; the TMA copies zero-fill the rows past x's) are its
-shared-memory operand. So one row of x needs no padding to wgmma's 64 rows, and the dequantization is Mosaic GPU's
-int4 -> 16-bit conversion in registers (two values a PRMT + LOP3, FragmentedArray.astype), with no shared-memory
-round trip of the dequantized weight.
+shared-memory operand. So one row of x needs no padding to wgmma's 64 rows, and the dequantization happens in
+registers, with no shared-memory round trip of the dequantized weight.
 
-The layout it reads ("nk", made from qlayout's planes by `nk_layout`): the weight transposed, int4 [N, Kp], K
-contiguous, values q - 8 (signed int4: GPTQ's symmetric z = 8 becomes 0); scales [G, N] in x's dtype; asymmetric
-weights also zeros [G, N] as z - 8 in x's dtype. A program owns BM * nw columns of W (one compute warpgroup per 64)
-and a split of K; a memory warpgroup copies [64, block_k] weight blocks and the matching [Mp, block_k] block of x
-into a ring of `stages` shared-memory slots. Per block the compute warpgroup loads its weight block in
-WGMMA_UPCAST_4X layout (8 int4 a 32-bit load), moves it to the WGMMA layout (two warp shuffles per 8 values),
-converts to 16 bits, subtracts the zero (asymmetric only: exact in 16 bits), runs one wgmma into a fresh float32
-accumulator and adds it times the group's scale to the running sum (the scale on the product, as _qmatmul does).
+The layout it reads ("nk", made from qlayout's planes by `nk_layout`, or by jaxllm.models.quant while loading): the
+weight transposed, int4 [N, Kp], values q - 8 (signed int4: GPTQ's symmetric z = 8 becomes 0), K permuted within
+each 64 inputs (`nk_permute`: each lane's 16 values of a row for wgmma's register operand side by side, in the order
+the conversion below makes pairs); scales [G, N] in x's dtype; asymmetric weights also zeros [G, N] as z - 8 in x's
+dtype. A program owns BM * nw columns of W (one compute warpgroup per 64) and a split of K; a memory warpgroup
+copies [64, block_k] weight blocks (row-major in shared memory) and the matching [Mp, block_k] block of x into a ring
+of `stages` shared-memory slots. Per block the compute warpgroup loads each thread's two rows with 64-bit loads and
+turns each value pair into 16 bits with one shift and one LOP3 (`_biased_weight`: the two nibbles masked into the
+mantissa of bias = 128 (bf16) / 1024 (f16), their sign bit flipped back) and one subtract of bias + z; runs one wgmma
+into a fresh float32 accumulator and adds it times the group's scale to the running sum (the scale on the product,
+as _qmatmul does). Mosaic GPU's own path (an int4 load in WGMMA_UPCAST_4X layout, its relayout to WGMMA and
+FragmentedArray.astype) took ~200 instructions a block a thread, 32 of them the relayout's warp shuffles and permutes
+(ncu, bench/results/nk_ncu_source_h200_69729e3_gate_up.csv); the permuted layout made each kernel 4 % faster at one
+row, 7-10 % asymmetric (one H200, bench/results/quant_kernels_nk_h200_340bf3d_m1_*.json).
 Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller; or with rows_first
 [S, M, N] (y per split): the y^T tile goes to shared memory transposed (the WGMMA_TRANSPOSED layout, a shuffle and a
 permute a register pair) and its TMA store drops the rows past M, so the decoder's 1-2-row qkv partials reach the
@@ -132,7 +137,7 @@ def _biased_weight(w_ref, dtype):
         i32, i64, i8 = (ir.IntegerType.get_signless(b) for b in (32, 64, 8))
         c32 = lambda v: arith.constant(i32, v)  # noqa: E731
         layout = mgpu.WGMMA_LAYOUT
-        tid = arith.index_cast(i32, utils.thread_idx()) if utils.thread_idx().type != i32 else utils.thread_idx()
+        tid = utils.thread_idx()  # i32, the block's
         lane = arith.remui(tid, c32(32))
         warp = arith.remui(arith.divui(tid, c32(32)), c32(4))
         row = arith.addi(arith.muli(warp, c32(16)), arith.divui(lane, c32(4)))

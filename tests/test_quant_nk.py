@@ -6,6 +6,7 @@ weights."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 
 import jax
@@ -308,6 +309,31 @@ def test_nk_qkv_partials_reach_the_attention_kernel(gptq_g128, monkeypatch):
         assert _rel(k, r) < 2e-2
     h = jnp.zeros((3, w.layout.k), jnp.bfloat16)
     assert quant_matmul.split_k(h, w, interpret=True) is None
+
+
+@pytest.mark.parametrize("block_k", [128, 64])
+def test_nk_permute_puts_each_lanes_pairs_where_the_kernel_reads_them(block_k):
+    """What _biased_weight does on a GPU (the interpreter unpermutes instead), in numpy on nk_permute's bytes (int4
+    element 2i in byte i's low nibble): lane l of warp w reads rows 16 w + l // 4 (+ 8) with 64-bit loads at byte
+    32 g + 8 (l % 4) of each 64-value group g, and word j >> 4 m, masked 0x000f000f and xor'd with bias's pattern,
+    must be bias + q at the pair of columns 8 (8 g + 4 j + m) + 2 (l % 4) (+ 1) that WGMMA's layout gives that
+    register."""
+    q = np.random.default_rng(block_k).integers(0, 16, (64, block_k))
+    nib = np.asarray(_qmatmul_mgpu.nk_permute(q - 8)) & 0xF
+    raw = (nib[:, 0::2] | (nib[:, 1::2] << 4)).astype(np.uint8)  # [64, block_k / 2] bytes
+
+    def word(row, byte):
+        return int.from_bytes(raw[row, byte : byte + 4].tobytes(), "little")
+
+    def bf16(bits):
+        return float(np.frombuffer(np.uint32(bits << 16).tobytes(), np.float32)[0])
+
+    for w, lane, h in itertools.product(range(4), range(32), range(2)):
+        row, pair = 16 * w + lane // 4 + 8 * h, lane % 4
+        for g, j, m in itertools.product(range(block_k // 64), range(2), range(4)):
+            v = ((word(row, 32 * g + 8 * pair + 4 * j) >> (4 * m)) & 0x000F000F) ^ 0x43084308
+            col = 8 * (8 * g + 4 * j + m) + 2 * pair
+            assert (bf16(v & 0xFFFF), bf16(v >> 16)) == (128 + q[row, col], 128 + q[row, col + 1])
 
 
 @pytest.mark.parametrize("sym,shards", [(True, 1), (False, 2)])
