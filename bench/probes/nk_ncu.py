@@ -47,7 +47,7 @@ def main(argv=None):
         K, N = SHAPES[shape]
         x, wt, scales = operands(K, N, args.m, list(SHAPES).index(shape))
         for cfg in configs:
-            for launch in range(2):
+            for _ in range(2):
                 t = time.perf_counter()
                 jax.block_until_ready(_qmatmul_mgpu.qmatmul_mgpu(x, wt, scales, group_size=128, **cfg))
                 us = (time.perf_counter() - t) * 1e6
