@@ -185,7 +185,9 @@ def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     return fits[-1] if fits else blocks
 
 
-def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, rows_first, interpret):
+def _kernel(
+    x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, rows_first, pipelined, interpret
+):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     z_ref = refs[0] if asym else None
@@ -237,8 +239,41 @@ def _kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_
             s = rows(s_smem, g).astype(jnp.float32)
             return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
+        def scaled(slot, g):  # (q - z) * s in x's dtype (pipelined: one accumulator for all of K)
+            return weight(slot, g) * lax.broadcast_in_dim(rows(s_smem, g), (BM, block_k), [0])
+
+        def pipelined_body(acc_ref):  # block i's wgmma in flight while block i + 1 is dequantized
+            def step_(step, carry):
+                slot = lax.rem(step, stages)
+                plgpu.barrier_wait(ready.at[slot])
+                plgpu.wgmma(acc_ref, scaled(slot, step // group_blocks), plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                plgpu.wgmma_wait(1)  # block step - 1's wgmma is done with its slot
+
+                @pl.when(step > 0)
+                def _():
+                    plgpu.barrier_arrive(free.at[lax.rem(step + stages - 1, stages)])
+
+                return carry
+
+            lax.fori_loop(0, steps, step_, None)
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
+            return acc_ref[...]
+
+        def body_scaled(step, acc):  # the interpreter's pipelined loop: the same sum, one block at a time
+            slot = lax.rem(step, stages)
+            plgpu.barrier_wait(ready.at[slot])
+            part = mma(scaled(slot, step // group_blocks), slot)
+            plgpu.barrier_arrive(free.at[slot])
+            return acc + part
+
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
-        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
+        if pipelined and interpret:
+            acc = lax.fori_loop(0, steps, body_scaled, acc0)
+        elif pipelined:
+            acc = pl.run_scoped(pipelined_body, plgpu.ACC((BM, Mp), jnp.float32))
+        else:
+            acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
         cols = pl.ds(n0 + wg * BM, BM)
         if not rows_first:
             o_smem[wg] = acc
@@ -357,7 +392,17 @@ def _launch(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("group_size", "nw", "block_k", "splits", "stages", "ctas_per_sm", "rows_first", "interpret"),
+    static_argnames=(
+        "group_size",
+        "nw",
+        "block_k",
+        "splits",
+        "stages",
+        "ctas_per_sm",
+        "rows_first",
+        "pipelined",
+        "interpret",
+    ),
 )
 def qmatmul_mgpu(
     x,
@@ -372,11 +417,14 @@ def qmatmul_mgpu(
     stages=None,
     ctas_per_sm=None,
     rows_first=False,
+    pipelined=False,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
-    rows_first. See the module docstring.
+    rows_first. See the module docstring. pipelined (a tuning to measure; off by default): the group's scale on the
+    dequantized block in x's dtype (as qmatmul_mgpu_wide) and one accumulator for the split, each block's wgmma left
+    in flight while the next block is dequantized (wgmma_wait(1)) instead of waited for.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -416,6 +464,7 @@ def qmatmul_mgpu(
         group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
+        pipelined=pipelined,
         interpret=interpret,
     )
     if not rows_first:

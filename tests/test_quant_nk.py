@@ -54,6 +54,9 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert rows.shape == (splits, M, N)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(parts[:, :, :M].transpose(0, 2, 1)))
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
+    if M in (1, 16):  # pipelined: the scale on the weight block, one accumulator (a tuning, off by default)
+        piped = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, pipelined=True, interpret=True)
+        assert _rel(piped.sum(0).T[:M], ref) < 5e-3
 
 
 @pytest.mark.parametrize(
@@ -134,6 +137,8 @@ def test_kernel_lowers_for_cuda(M, sym):
         assert f.eval_shape(x, wt, s, z).shape[1:] == ((M, N) if rows_first else (N, -(-M // 8) * 8))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
+    piped = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, pipelined=True))
+    assert "qmatmul_nk_mosaic_gpu" in piped.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
