@@ -3,7 +3,8 @@ projection shape of Llama-3-8B and batch size, every quantized path beside the b
 
   python bench/quant_kernels.py --out $OUT/quant_kernels_h100.json [--m 1,2,4,8,16,32,64,256]
       [--shapes qkv,o,gate_up,down] [--impls bf16,int4_sym,int4_asym,int8,int4_dequant,fp8] [--sweep]
-  --tiny: CPU smoke run (small shapes, kernels in interpret mode, no XProf).
+  --tiny: CPU smoke run (small shapes, kernels in interpret mode, no XProf; one call per timed chain unless --reps:
+  an int4_mgpu row interprets the Mosaic GPU kernel at ~7 s a call, ~1 minute a shape and M on the 2-core VM).
 
 impls: bf16 = x @ W (XLA's GEMM); int4_sym / int4_asym = int4 g128 through kernels_pallas.quantized_matmul with
 the kernel forced (backend="kernel", also above its default batch limit, to find where the dequantize path wins);
@@ -546,12 +547,19 @@ def main(argv=None):
     )
     p.add_argument("--check", action="store_true", help="first, every kernel variant against the reference")
     p.add_argument("--no-bench", action="store_true", help="only the --check stage")
-    p.add_argument("--reps", type=int, default=10, help="calls per timed chain")
+    p.add_argument(
+        "--reps",
+        type=int,
+        default=None,
+        help="calls per timed chain (default 10; 1 with --tiny: the Mosaic GPU interpreter takes seconds a call)",
+    )
     p.add_argument("--hlo-dir", default=None, help="write the optimized HLO of the fp8 / dequant calls here")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, interpret mode")
     p.add_argument("--silu-m", default=None, help="only fp8_silu_mlp's silu * up stage at these M (bench_silu)")
     p.add_argument("--silu-configs", default="[{}]", help="its kernel tunings, a JSON list")
     args = p.parse_args(argv)
+    if args.reps is None:
+        args.reps = 1 if args.tiny else 10
     if args.silu_m:
         rows = []
         copy = copy_bw(1 << 20 if args.tiny else 1 << 29, args.reps)
