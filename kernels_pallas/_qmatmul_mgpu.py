@@ -186,7 +186,21 @@ def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
 
 
 def _kernel(
-    x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, group_blocks, dtype, rows_first, pipelined, interpret
+    x_ref,
+    w_ref,
+    s_ref,
+    *refs,
+    asym,
+    nw,
+    block_k,
+    steps,
+    stages,
+    group_blocks,
+    dtype,
+    rows_first,
+    pipelined,
+    acc_split,
+    interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -222,11 +236,16 @@ def _kernel(
             if interpret:
                 return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
 
-            def scope(acc_ref):
-                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-                return acc_ref[...]
+            def scope(*acc_refs):  # acc_split independent wgmma chains over the block's K, summed
+                kc = block_k // acc_split
+                for j, acc_ref in enumerate(acc_refs):
+                    xs = x_smem.at[slot] if acc_split == 1 else x_smem.at[slot, :, pl.ds(j * kc, kc)]
+                    aj = a if acc_split == 1 else a[:, j * kc : (j + 1) * kc]
+                    plgpu.wgmma(acc_ref, aj, plgpu.transpose_ref(xs, (1, 0)))
+                parts = [acc_ref[...] for acc_ref in acc_refs]
+                return functools.reduce(lambda u, v: u + v, parts)
 
-            return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
+            return pl.run_scoped(scope, *[plgpu.ACC((BM, Mp), jnp.float32)] * acc_split)
 
         plgpu.barrier_wait(sready.at[0])
 
@@ -401,6 +420,7 @@ def _launch(
         "ctas_per_sm",
         "rows_first",
         "pipelined",
+        "acc_split",
         "interpret",
     ),
 )
@@ -418,13 +438,16 @@ def qmatmul_mgpu(
     ctas_per_sm=None,
     rows_first=False,
     pipelined=False,
+    acc_split=1,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
     rows_first. See the module docstring. pipelined (a tuning to measure; off by default): the group's scale on the
     dequantized block in x's dtype (as qmatmul_mgpu_wide) and one accumulator for the split, each block's wgmma left
-    in flight while the next block is dequantized (wgmma_wait(1)) instead of waited for.
+    in flight while the next block is dequantized (wgmma_wait(1)) instead of waited for. acc_split (a tuning to
+    measure; 1 by default): each block's wgmma as acc_split independent chains over parts of its K into their own
+    accumulators, summed after the wait (a 64 x 8 x 128 block is 8 dependent 64 x 8 x 16 instructions).
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -437,6 +460,8 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
         ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
+    if acc_split < 1 or block_k % acc_split or (block_k // acc_split) % 64 or (pipelined and acc_split > 1):
+        raise ValueError(f"acc_split={acc_split}: parts of block_k={block_k} must be 64-wide (and not pipelined)")
     blocks = Kp // block_k
     group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
@@ -465,6 +490,7 @@ def qmatmul_mgpu(
         dtype=dtype,
         rows_first=rows_first,
         pipelined=pipelined,
+        acc_split=acc_split,
         interpret=interpret,
     )
     if not rows_first:

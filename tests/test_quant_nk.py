@@ -137,8 +137,11 @@ def test_kernel_lowers_for_cuda(M, sym):
         assert f.eval_shape(x, wt, s, z).shape[1:] == ((M, N) if rows_first else (N, -(-M // 8) * 8))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
-    piped = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, pipelined=True))
-    assert "qmatmul_nk_mosaic_gpu" in piped.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+    for tuning in (dict(pipelined=True), dict(acc_split=2)):  # tunings to measure, off by default
+        f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, **tuning))
+        assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+    with pytest.raises(ValueError, match="acc_split=4"):  # 32-wide parts: x's shared-memory tiles are 64 wide
+        _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=128, acc_split=4)
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
