@@ -74,7 +74,8 @@ QUANT_LINEARS = {"w_qkv": 1, "wo": 2, "w_gate_up": 1, "w_down": 1, "w_shared_gat
 EXPERT_LINEARS = ("w_experts_gate_up", "w_experts_down")  # a MoE layer's experts (jaxllm/models/moe_quant.py)
 ROW_PARALLEL_AXES = ("heads", "ffn")  # logical input axes that tp splits (wo, w_down)
 # int4 weight-only linears in the "nk" device layout (kernels_pallas/_qmatmul_mgpu.py: int4 [*O, I] holding q - 8,
-# read by the Mosaic GPU kernel for up to quant_matmul.NK_KERNEL_MAX_ROWS rows) instead of qlayout's planes, where
+# I permuted within each 64 inputs by _qmatmul_mgpu.nk_permute into the order the kernel's registers take, read by
+# the Mosaic GPU kernel for up to quant_matmul.NK_KERNEL_MAX_ROWS rows) instead of qlayout's planes, where
 # nk_layout_fits: the default on Hopper GPUs (sm_90, where those kernels run; nk_layout_on) without tensor parallelism
 # (the kernel inside tp's shard_map has not run on a GPU yet), planes elsewhere.
 # JAXLLM_INT4_NK=1 / 0 forces it on / off (A/B runs; None: unset). Measured on one H200 at 3f6aa5b (call 70), GPTQ
