@@ -125,8 +125,8 @@ def _biased_weight(w_ref, dtype):
     from jaxlib.mlir.dialects import arith, llvm
 
     block_k = w_ref.shape[-1]
-    bf16 = jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16)
-    magic = 0x43084308 if bf16 else 0x64086408  # bias's halves, bit 3 set: (x & 0x000f000f) ^ magic = bias + q
+    half = int(np.array(_bias(dtype), dtype).view(np.uint16)) | 8  # bias's bit pattern, bit 3 set (bf16 0x4308)
+    magic = half * 0x10001  # both halves: (x & 0x000f000f) ^ magic = bias + q in each
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(_w_tiling(block_k)),),
@@ -168,6 +168,19 @@ def _biased_weight(w_ref, dtype):
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
     return biased(w_ref)
+
+
+def _q_minus_z(w_slot, z_row, dtype, interpret):
+    """A ring slot's weight block ([BM, block_k] nk-layout int4 in shared memory) -> q - z in dtype, wgmma's register
+    operand; z_row: the block's group row of zeros - 8 ([BM]; asymmetric) or None (symmetric, z = 8). On a GPU
+    _biased_weight's bias + q minus bias + 8 (+ z - 8): one subtract a value pair; the interpreter unpermutes."""
+    if interpret:
+        a, off = nk_unpermute(w_slot[...]).astype(dtype), 0.0
+    else:
+        a, off = _biased_weight(w_slot, dtype), _bias(dtype) + 8
+    if z_row is None:
+        return a - off if off else a
+    return a - lax.broadcast_in_dim(z_row + off, a.shape, [0])
 
 
 def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
@@ -223,14 +236,8 @@ def _kernel(
                 return ref[wg, g]
             return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
-        def weight(slot, g):  # the block's q - z in x's dtype (z = 8 symmetric)
-            if interpret:
-                a = nk_unpermute(w_smem[slot, wg]).astype(dtype)
-                return a - lax.broadcast_in_dim(rows(z_smem, g), (BM, block_k), [0]) if asym else a
-            a = _biased_weight(w_smem.at[slot, wg], dtype)
-            if asym:
-                return a - lax.broadcast_in_dim(rows(z_smem, g) + (_bias(dtype) + 8), (BM, block_k), [0])
-            return a - (_bias(dtype) + 8)
+        def weight(slot, g):  # the block's q - z in x's dtype
+            return _q_minus_z(w_smem.at[slot, wg], rows(z_smem, g) if asym else None, dtype, interpret)
 
         def mma(a, slot):
             if interpret:
@@ -537,23 +544,14 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
         wgmma_layout = plgpu.Layout.WGMMA
         row_layout = wgmma_layout.reduce(1)
 
-        def rows(ref, g):  # [BM] of a group row, broadcast over the block's K
+        def rows(ref, g):  # [BM] of a group row
             if interpret:
-                r = ref[wg, g]
-            else:
-                r = plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
-            return lax.broadcast_in_dim(r, (BM, block_k), [0])
+                return ref[wg, g]
+            return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
         def weight(slot, g):  # the block's (q - z) * s in x's dtype: wgmma's register operand
-            if interpret:
-                a = nk_unpermute(w_smem[slot, wg]).astype(dtype)
-                if asym:
-                    a = a - rows(z_smem, g)
-            elif asym:
-                a = _biased_weight(w_smem.at[slot, wg], dtype) - (rows(z_smem, g) + (_bias(dtype) + 8))
-            else:
-                a = _biased_weight(w_smem.at[slot, wg], dtype) - (_bias(dtype) + 8)
-            return a * rows(s_smem, g)
+            a = _q_minus_z(w_smem.at[slot, wg], rows(z_smem, g) if asym else None, dtype, interpret)
+            return a * lax.broadcast_in_dim(rows(s_smem, g), (BM, block_k), [0])
 
         plgpu.barrier_wait(sready.at[0])
         if interpret:

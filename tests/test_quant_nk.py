@@ -142,6 +142,8 @@ def test_kernel_lowers_for_cuda(M, sym):
         assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
     with pytest.raises(ValueError, match="acc_split=4"):  # 32-wide parts: x's shared-memory tiles are 64 wide
         _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=128, acc_split=4)
+    with pytest.raises(ValueError, match="acc_split=2"):  # the pipelined loop keeps one accumulator
+        _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=128, acc_split=2, pipelined=True)
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
