@@ -163,7 +163,8 @@ def _biased_weight(w_ref, dtype):
             w = words[dr // 8, g, j]
             if m:
                 w = arith.shrui(w, c32(4 * m))
-            v = arith.xori(arith.andi(w, c32(0x000F000F)), c32(magic))
+            # (w & 0x000f000f) ^ magic as one LOP3: from arith's and + xor ptxas made two (ncu at 76d4880)
+            v = llvm.inline_asm(i32, [w], f"lop3.b32 $0, $1, 0x000f000f, {magic:#010x}, 0x6a;", "=r,r")
             regs[idx] = utils.bitcast(v, reg_ty)
         return mgpu.FragmentedArray(_registers=regs, _layout=layout, _is_signed=None)
 
@@ -211,8 +212,7 @@ def _kernel(
     group_blocks,
     dtype,
     rows_first,
-    pipelined,
-    acc_split,
+    bias_sum,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -236,23 +236,36 @@ def _kernel(
                 return ref[wg, g]
             return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
-        def weight(slot, g):  # the block's q - z in x's dtype
-            return _q_minus_z(w_smem.at[slot, wg], rows(z_smem, g) if asym else None, dtype, interpret)
-
-        def mma(a, slot):
+        def mma(a, slot):  # a @ x_block^T, and with bias_sum also ones @ x_block^T: [BM, Mp] float32 each
             if interpret:
-                return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+                xb = x_smem[slot].astype(jnp.float32)
+                part = jnp.dot(a.astype(jnp.float32), xb.T)
+                return part, jnp.broadcast_to(xb.sum(1), part.shape) if bias_sum else None
+            xt = plgpu.transpose_ref(x_smem.at[slot], (1, 0))
 
-            def scope(*acc_refs):  # acc_split independent wgmma chains over the block's K, summed
-                kc = block_k // acc_split
-                for j, acc_ref in enumerate(acc_refs):
-                    xs = x_smem.at[slot] if acc_split == 1 else x_smem.at[slot, :, pl.ds(j * kc, kc)]
-                    aj = a if acc_split == 1 else a[:, j * kc : (j + 1) * kc]
-                    plgpu.wgmma(acc_ref, aj, plgpu.transpose_ref(xs, (1, 0)))
-                parts = [acc_ref[...] for acc_ref in acc_refs]
-                return functools.reduce(lambda u, v: u + v, parts)
+            def scope(acc_ref, xs_ref=None):
+                plgpu.wgmma(acc_ref, a, xt)
+                if xs_ref is None:
+                    return acc_ref[...], None
+                plgpu.wgmma(xs_ref, plgpu.layout_cast(jnp.ones((BM, block_k), dtype), wgmma_layout), xt)
+                return acc_ref[...], xs_ref[...]
 
-            return pl.run_scoped(scope, *[plgpu.ACC((BM, Mp), jnp.float32)] * acc_split)
+            return pl.run_scoped(scope, *[plgpu.ACC((BM, Mp), jnp.float32)] * (2 if bias_sum else 1))
+
+        def weight(slot, g):  # bias_sum: the block's bias + q (the bias and z taken off the product); else q - z
+            z = rows(z_smem, g) if asym else None
+            if not bias_sum:
+                return _q_minus_z(w_smem.at[slot, wg], z, dtype, interpret)
+            if interpret:
+                return (nk_unpermute(w_smem[slot, wg]).astype(jnp.float32) + (_bias(dtype) + 8)).astype(dtype)
+            return _biased_weight(w_smem.at[slot, wg], dtype)
+
+        def offset(g):  # [BM, Mp]: bias + z a column (z = 8 symmetric), what bias_sum's product holds times sum(x)
+            c = _bias(dtype) + 8
+            if not asym:
+                return jnp.full((BM, Mp), c, jnp.float32)
+            z = rows(z_smem, g).astype(jnp.float32) + c  # zeros are stored as z - 8
+            return lax.broadcast_in_dim(z, (BM, Mp), [0])
 
         plgpu.barrier_wait(sready.at[0])
 
@@ -260,46 +273,15 @@ def _kernel(
             slot = lax.rem(step, stages)
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
-            part = mma(weight(slot, g), slot)
+            part, xs = mma(weight(slot, g), slot)
             plgpu.barrier_arrive(free.at[slot])
+            if bias_sum:  # sum_k (bias + q_k) x_k - (bias + z) sum_k x_k = sum_k (q_k - z) x_k
+                part = part - offset(g) * xs
             s = rows(s_smem, g).astype(jnp.float32)
             return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
-        def scaled(slot, g):  # (q - z) * s in x's dtype (pipelined: one accumulator for all of K)
-            return weight(slot, g) * lax.broadcast_in_dim(rows(s_smem, g), (BM, block_k), [0])
-
-        def pipelined_body(acc_ref):  # block i's wgmma in flight while block i + 1 is dequantized
-            def step_(step, carry):
-                slot = lax.rem(step, stages)
-                plgpu.barrier_wait(ready.at[slot])
-                plgpu.wgmma(acc_ref, scaled(slot, step // group_blocks), plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
-                plgpu.wgmma_wait(1)  # block step - 1's wgmma is done with its slot
-
-                @pl.when(step > 0)
-                def _():
-                    plgpu.barrier_arrive(free.at[lax.rem(step + stages - 1, stages)])
-
-                return carry
-
-            lax.fori_loop(0, steps, step_, None)
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(free.at[(steps - 1) % stages])
-            return acc_ref[...]
-
-        def body_scaled(step, acc):  # the interpreter's pipelined loop: the same sum, one block at a time
-            slot = lax.rem(step, stages)
-            plgpu.barrier_wait(ready.at[slot])
-            part = mma(scaled(slot, step // group_blocks), slot)
-            plgpu.barrier_arrive(free.at[slot])
-            return acc + part
-
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
-        if pipelined and interpret:
-            acc = lax.fori_loop(0, steps, body_scaled, acc0)
-        elif pipelined:
-            acc = pl.run_scoped(pipelined_body, plgpu.ACC((BM, Mp), jnp.float32))
-        else:
-            acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
+        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
         cols = pl.ds(n0 + wg * BM, BM)
         if not rows_first:
             o_smem[wg] = acc
@@ -426,8 +408,7 @@ def _launch(
         "stages",
         "ctas_per_sm",
         "rows_first",
-        "pipelined",
-        "acc_split",
+        "bias_sum",
         "interpret",
     ),
 )
@@ -444,17 +425,14 @@ def qmatmul_mgpu(
     stages=None,
     ctas_per_sm=None,
     rows_first=False,
-    pipelined=False,
-    acc_split=1,
+    bias_sum=True,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
-    rows_first. See the module docstring. pipelined (a tuning to measure; off by default): the group's scale on the
-    dequantized block in x's dtype (as qmatmul_mgpu_wide) and one accumulator for the split, each block's wgmma left
-    in flight while the next block is dequantized (wgmma_wait(1)) instead of waited for. acc_split (a tuning to
-    measure; 1 by default): each block's wgmma as acc_split independent chains over parts of its K into their own
-    accumulators, summed after the wait (a 64 x 8 x 128 block is 8 dependent 64 x 8 x 16 instructions).
+    rows_first. See the module docstring. bias_sum (default): the register operand is bias + q, and the bias and
+    the zero come off the product, (bias + z) times each row's sum of the x block (a second wgmma chain, of ones),
+    instead of a subtract a value pair; False: q - z in registers (as the wide kernel).
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -467,8 +445,6 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
         ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
-    if acc_split < 1 or block_k % acc_split or (block_k // acc_split) % 64 or (pipelined and acc_split > 1):
-        raise ValueError(f"acc_split={acc_split}: parts of block_k={block_k} must be 64-wide (and not pipelined)")
     blocks = Kp // block_k
     group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
@@ -496,8 +472,7 @@ def qmatmul_mgpu(
         group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
-        pipelined=pipelined,
-        acc_split=acc_split,
+        bias_sum=bias_sum,
         interpret=interpret,
     )
     if not rows_first:
