@@ -152,7 +152,6 @@ MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl; --mgpu-
     dict(ctas_per_sm=4),
     dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
-    dict(bias_sum=False),
     dict(ctas_per_sm=2),
 ] + [  # qmatmul_mgpu_wide (x's rows tiled; the default above 256 rows)
     dict(wide=True, tile_m=tm, block_k=bk, nw=nw)

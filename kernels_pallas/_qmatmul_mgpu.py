@@ -212,7 +212,6 @@ def _kernel(
     group_blocks,
     dtype,
     rows_first,
-    bias_sum,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -236,36 +235,18 @@ def _kernel(
                 return ref[wg, g]
             return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
-        def mma(a, slot):  # a @ x_block^T, and with bias_sum also ones @ x_block^T: [BM, Mp] float32 each
+        def weight(slot, g):  # the block's q - z in x's dtype
+            return _q_minus_z(w_smem.at[slot, wg], rows(z_smem, g) if asym else None, dtype, interpret)
+
+        def mma(a, slot):
             if interpret:
-                xb = x_smem[slot].astype(jnp.float32)
-                part = jnp.dot(a.astype(jnp.float32), xb.T)
-                return part, jnp.broadcast_to(xb.sum(1), part.shape) if bias_sum else None
-            xt = plgpu.transpose_ref(x_smem.at[slot], (1, 0))
+                return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
 
-            def scope(acc_ref, xs_ref=None):
-                plgpu.wgmma(acc_ref, a, xt)
-                if xs_ref is None:
-                    return acc_ref[...], None
-                plgpu.wgmma(xs_ref, plgpu.layout_cast(jnp.ones((BM, block_k), dtype), wgmma_layout), xt)
-                return acc_ref[...], xs_ref[...]
+            def scope(acc_ref):
+                plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
+                return acc_ref[...]
 
-            return pl.run_scoped(scope, *[plgpu.ACC((BM, Mp), jnp.float32)] * (2 if bias_sum else 1))
-
-        def weight(slot, g):  # bias_sum: the block's bias + q (the bias and z taken off the product); else q - z
-            z = rows(z_smem, g) if asym else None
-            if not bias_sum:
-                return _q_minus_z(w_smem.at[slot, wg], z, dtype, interpret)
-            if interpret:
-                return (nk_unpermute(w_smem[slot, wg]).astype(jnp.float32) + (_bias(dtype) + 8)).astype(dtype)
-            return _biased_weight(w_smem.at[slot, wg], dtype)
-
-        def offset(g):  # [BM, Mp]: bias + z a column (z = 8 symmetric), what bias_sum's product holds times sum(x)
-            c = _bias(dtype) + 8
-            if not asym:
-                return jnp.full((BM, Mp), c, jnp.float32)
-            z = rows(z_smem, g).astype(jnp.float32) + c  # zeros are stored as z - 8
-            return lax.broadcast_in_dim(z, (BM, Mp), [0])
+            return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
 
         plgpu.barrier_wait(sready.at[0])
 
@@ -273,10 +254,8 @@ def _kernel(
             slot = lax.rem(step, stages)
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
-            part, xs = mma(weight(slot, g), slot)
+            part = mma(weight(slot, g), slot)
             plgpu.barrier_arrive(free.at[slot])
-            if bias_sum:  # sum_k (bias + q_k) x_k - (bias + z) sum_k x_k = sum_k (q_k - z) x_k
-                part = part - offset(g) * xs
             s = rows(s_smem, g).astype(jnp.float32)
             return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
@@ -408,7 +387,6 @@ def _launch(
         "stages",
         "ctas_per_sm",
         "rows_first",
-        "bias_sum",
         "interpret",
     ),
 )
@@ -425,14 +403,11 @@ def qmatmul_mgpu(
     stages=None,
     ctas_per_sm=None,
     rows_first=False,
-    bias_sum=True,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
-    rows_first. See the module docstring. bias_sum (default): the register operand is bias + q, and the bias and
-    the zero come off the product, (bias + z) times each row's sum of the x block (a second wgmma chain, of ones),
-    instead of a subtract a value pair; False: q - z in registers (as the wide kernel).
+    rows_first. See the module docstring.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -472,7 +447,6 @@ def qmatmul_mgpu(
         group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
-        bias_sum=bias_sum,
         interpret=interpret,
     )
     if not rows_first:

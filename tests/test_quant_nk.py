@@ -54,9 +54,6 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert rows.shape == (splits, M, N)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(parts[:, :, :M].transpose(0, 2, 1)))
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
-    # bias_sum=False: q - z in registers instead of bias + q with (bias + z) * sum(x) off the product
-    sub = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, bias_sum=False, interpret=True)
-    assert _rel(sub.sum(0).T[:M], ref) < 5e-3 and _rel(sub, parts) < 1e-5
 
 
 @pytest.mark.parametrize(
@@ -137,8 +134,6 @@ def test_kernel_lowers_for_cuda(M, sym):
         assert f.eval_shape(x, wt, s, z).shape[1:] == ((M, N) if rows_first else (N, -(-M // 8) * 8))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, bias_sum=False))
-    assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
     assert "lop3.b32" in text  # the dequantization's one LOP3 a value pair
 
 
