@@ -20,7 +20,9 @@ into a fresh float32 accumulator and adds it times the group's scale to the runn
 as _qmatmul does). Mosaic GPU's own path (an int4 load in WGMMA_UPCAST_4X layout, its relayout to WGMMA and
 FragmentedArray.astype) took ~200 instructions a block a thread, 32 of them the relayout's warp shuffles and permutes
 (ncu, bench/results/nk_ncu_source_h200_69729e3_gate_up.csv); the permuted layout made each kernel 4 % faster at one
-row, 7-10 % asymmetric (one H200, bench/results/quant_kernels_nk_h200_340bf3d_m1_*.json).
+row, 7-10 % asymmetric (one H200, bench/results/quant_kernels_nk_h200_340bf3d_m1_*.json), and the LOP3 written as
+inline PTX (ptxas had made arith's and + xor two instructions) 3-8 % more at 1-16 rows: the loop is 154 instructions
+a block, 34 LOP3, 27 SHF, 32 HADD2, 8 HGMMA (bench/results/quant_kernels_nk_h200_cacc39c_*.json, nk_ncu_*_cacc39c_*).
 Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller; or with rows_first
 [S, M, N] (y per split): the y^T tile goes to shared memory transposed (the WGMMA_TRANSPOSED layout, a shuffle and a
 permute a register pair) and its TMA store drops the rows past M, so the decoder's 1-2-row qkv partials reach the
