@@ -54,6 +54,7 @@ from ._splitk import NUM_SMS
 BM = 64  # wgmma rows: weight columns per compute warpgroup
 MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
+SYNC_ROWS = 16  # qmatmul_mgpu's rows (Mp) up to which a block's product is per-warp mma.sync (_mma_sync), not wgmma
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
@@ -173,6 +174,81 @@ def _biased_weight(w_ref, dtype):
     return biased(w_ref)
 
 
+def _x_transforms():
+    """x's ring slots in shared memory: 8 x 64 tiles, 128-byte swizzle (wgmma's shared-memory operand)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _mma_sync(a, x_slot, dtype):
+    """a [BM, block_k] (q - z in x's dtype, WGMMA layout) times the x block [Mp, block_k] in shared memory
+    (_x_transforms) transposed -> [BM, Mp] float32 in the WGMMA layout, with per-warp mma.sync.m16n8k16 instead of one
+    warpgroup wgmma: each warp's 16 rows of a are already mma.sync's A fragments (registers (dr, dc), (8 + dr, dc),
+    (dr, dc + 8), (8 + dr, dc + 8) of a 16-column step), each B fragment two 32-bit loads of x (rows 8 nt + lane / 4,
+    columns 2 (lane % 4) and 8 more; the swizzle XORs the 16-byte chunk with the row), and the accumulators' layout is
+    the WGMMA layout's. Two accumulator chains (even and odd steps), summed. No warpgroup arrive / wait a block."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax.experimental.mosaic.gpu import utils
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    Mp, block_k = x_slot.shape
+    ty = "bf16" if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else "f16"
+    asm = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};"
+
+    @plgpu.inline_mgpu(
+        arg_types=(plgpu.Layout.WGMMA, plgpu.RefType(_x_transforms())),
+        return_type=plgpu.ShapeDtypeStruct((BM, Mp), jnp.float32, layout=plgpu.Layout.WGMMA),
+    )
+    def mma(ctx, a_frag, ref):
+        del ctx
+        i32, i8, f32 = ir.IntegerType.get_signless(32), ir.IntegerType.get_signless(8), ir.F32Type.get()
+        c32 = lambda v: arith.constant(i32, v)  # noqa: E731
+        layout = mgpu.WGMMA_LAYOUT
+
+        def by_submatrix(shape, regs):  # register index -> the (row, column) its 8 x 8 submatrix starts at
+            strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
+            return {idx: divmod(sum(i * s for i, s in zip(idx, strides)), shape[1]) for idx in np.ndindex(regs.shape)}
+
+        a_regs = {
+            rc: utils.bitcast(a_frag.registers[idx], i32)
+            for idx, rc in by_submatrix((BM, block_k), a_frag.registers).items()
+        }
+        lane = arith.remui(utils.thread_idx(), c32(32))
+        g, t = arith.divui(lane, c32(4)), arith.remui(lane, c32(4))
+        base = utils.memref_ptr(ref)
+        row = arith.addi(arith.muli(g, c32(128)), arith.muli(t, c32(4)))  # bytes into a tile: row g, column pair t
+
+        def x_word(nt, c):  # x[8 nt + g, 8 c + 2 t : + 2] as an i32: tile (nt, c // 8), chunk c % 8 swizzled with g
+            tile = (nt * (block_k // 64) + c // 8) * 1024
+            chunk = arith.muli(arith.xori(g, c32(c % 8)), c32(16))
+            byte = arith.extui(ir.IntegerType.get_signless(64), arith.addi(arith.addi(row, chunk), c32(tile)))
+            return llvm.load(i32, utils.getelementptr(base, [byte], i8))
+
+        struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
+        zero = arith.constant(f32, 0.0)
+        acc = {}
+        for nt in range(Mp // 8):
+            chains = [[zero] * 4, [zero] * 4]
+            for kk in range(block_k // 16):
+                a = [a_regs[0, 16 * kk], a_regs[8, 16 * kk], a_regs[0, 16 * kk + 8], a_regs[8, 16 * kk + 8]]
+                b = [x_word(nt, 2 * kk), x_word(nt, 2 * kk + 1)]
+                d = llvm.inline_asm(struct, [*a, *b, *chains[kk % 2]], asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                chains[kk % 2] = [llvm.extractvalue(f32, d, [i]) for i in range(4)]
+            acc[nt] = [arith.addf(u, v) for u, v in zip(*chains, strict=True)]
+        out = np.empty(layout.registers_shape((BM, Mp)), dtype=object)
+        vec = ir.VectorType.get((2,), f32)
+        for idx, (dr, dc) in by_submatrix((BM, Mp), out).items():
+            d = acc[dc // 8]
+            out[idx] = vector.from_elements(vec, d[0:2] if dr == 0 else d[2:4])
+        return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
+
+    return mma(a, x_slot)
+
+
 def _q_minus_z(w_slot, z_row, dtype, interpret):
     """A ring slot's weight block ([BM, block_k] nk-layout int4 in shared memory) -> q - z in dtype, wgmma's register
     operand; z_row: the block's group row of zeros - 8 ([BM]; asymmetric) or None (symmetric, z = 8). On a GPU
@@ -214,6 +290,7 @@ def _kernel(
     group_blocks,
     dtype,
     rows_first,
+    sync_rows,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -243,6 +320,8 @@ def _kernel(
         def mma(a, slot):
             if interpret:
                 return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
+            if Mp <= sync_rows:
+                return _mma_sync(a, x_smem.at[slot], dtype)
 
             def scope(acc_ref):
                 plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
@@ -343,7 +422,6 @@ def _launch(
 
     asym = len(args) == 4
     dtype = args[0].dtype
-    x_swizzle = min(128, block_k * 2)
 
     def entry(*refs):
         pl.run_scoped(
@@ -352,7 +430,7 @@ def _launch(
             plgpu.SMEM(
                 (stages, x_rows, block_k),
                 dtype,
-                transforms=(plgpu.TilingTransform((8, x_swizzle // 2)), plgpu.SwizzleTransform(x_swizzle)),
+                transforms=_x_transforms(),
             ),
             plgpu.SMEM((nw, ng, BM), dtype),
             plgpu.SMEM((nw, ng if asym else 1, BM), dtype),
@@ -389,6 +467,7 @@ def _launch(
         "stages",
         "ctas_per_sm",
         "rows_first",
+        "sync_rows",
         "interpret",
     ),
 )
@@ -405,11 +484,13 @@ def qmatmul_mgpu(
     stages=None,
     ctas_per_sm=None,
     rows_first=False,
+    sync_rows=SYNC_ROWS,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
-    rows_first. See the module docstring.
+    rows_first. See the module docstring. sync_rows: up to this many rows (Mp) each block's product runs as per-warp
+    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -449,6 +530,7 @@ def qmatmul_mgpu(
         group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
+        sync_rows=sync_rows,
         interpret=interpret,
     )
     if not rows_first:

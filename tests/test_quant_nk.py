@@ -122,8 +122,8 @@ def test_wide_kernel_lowers_for_cuda(M, sym, K, N):
 @pytest.mark.parametrize("M,sym", [(1, True), (16, False)])
 def test_kernel_lowers_for_cuda(M, sym):
     """The Mosaic GPU lowering (run on CPU; ptxas is the GPU's) of gate_up's shape at 1 and 16 rows: the int4 TMA,
-    the WGMMA_UPCAST_4X load and relayout, the int4 -> bf16 conversion and wgmma with the weight in registers; with
-    rows_first, the WGMMA_TRANSPOSED store of the output tile and its TMA store of M rows."""
+    the inline dequantization (_biased_weight) and the product with the weight in registers (mma.sync up to SYNC_ROWS
+    rows, else wgmma); with rows_first, the WGMMA_TRANSPOSED store of the output tile and its TMA store of M rows."""
     K, N = 4096, 2048
     wt = jnp.zeros((N, K), jnp.int4)
     s = jnp.ones((K // 128, N), jnp.bfloat16)
@@ -135,6 +135,9 @@ def test_kernel_lowers_for_cuda(M, sym):
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
     assert "lop3.b32" in text  # the dequantization's one LOP3 a value pair
+    assert "mma.sync.aligned.m16n8k16" in text  # up to SYNC_ROWS rows: per-warp mma.sync, not wgmma
+    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=0))
+    assert "mma.sync" not in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
