@@ -193,7 +193,7 @@ def _mma_sync(a, x_slot, dtype):
     import numpy as np
     from jax.experimental.mosaic.gpu import utils
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
+    from jaxlib.mlir.dialects import arith, llvm
 
     Mp, block_k = x_slot.shape
     ty = "bf16" if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else "f16"
@@ -228,7 +228,7 @@ def _mma_sync(a, x_slot, dtype):
             byte = arith.extui(ir.IntegerType.get_signless(64), arith.addi(arith.addi(row, chunk), c32(tile)))
             return llvm.load(i32, utils.getelementptr(base, [byte], i8))
 
-        struct = ir.Type.parse("!llvm.struct<(f32, f32, f32, f32)>")
+        struct = llvm.StructType.get_literal([f32] * 4)
         zero = arith.constant(f32, 0.0)
         acc = {}
         for nt in range(Mp // 8):
@@ -243,7 +243,10 @@ def _mma_sync(a, x_slot, dtype):
         vec = ir.VectorType.get((2,), f32)
         for idx, (dr, dc) in by_submatrix((BM, Mp), out).items():
             d = acc[dc // 8]
-            out[idx] = vector.from_elements(vec, d[0:2] if dr == 0 else d[2:4])
+            v = llvm.mlir_undef(vec)
+            for i, e in enumerate(d[0:2] if dr == 0 else d[2:4]):
+                v = llvm.insertelement(v, e, c32(i))
+            out[idx] = v
         return mgpu.FragmentedArray(_registers=out, _layout=layout, _is_signed=None)
 
     return mma(a, x_slot)
