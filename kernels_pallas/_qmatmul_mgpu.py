@@ -54,7 +54,7 @@ from ._splitk import NUM_SMS
 BM = 64  # wgmma rows: weight columns per compute warpgroup
 MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
-SYNC_ROWS = 16  # qmatmul_mgpu's rows (Mp) up to which a block's product is per-warp mma.sync (_mma_sync), not wgmma
+SYNC_ROWS = 0  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mma.sync (_mma_sync); 0: wgmma always
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:

@@ -135,9 +135,10 @@ def test_kernel_lowers_for_cuda(M, sym):
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert "qmatmul_nk_mosaic_gpu" in text  # its name in traces: qmatmul_nk_mosaic_gpu_kernel
     assert "lop3.b32" in text  # the dequantization's one LOP3 a value pair
-    assert "mma.sync.aligned.m16n8k16" in text  # up to SYNC_ROWS rows: per-warp mma.sync, not wgmma
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=0))
-    assert "mma.sync" not in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+    for sync_rows in (0, 16):  # up to sync_rows rows (Mp) per-warp mma.sync instead of wgmma
+        f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=sync_rows))
+        text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
+        assert ("mma.sync.aligned.m16n8k16" in text) == (sync_rows > 0)
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
