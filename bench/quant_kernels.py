@@ -153,6 +153,7 @@ MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl; --mgpu-
     dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
     dict(ctas_per_sm=2),
+    dict(sync_rows=16),  # per-warp mma.sync instead of wgmma up to 16 rows (not measured yet)
 ] + [  # qmatmul_mgpu_wide (x's rows tiled; the default above 256 rows)
     dict(wide=True, tile_m=tm, block_k=bk, nw=nw)
     for tm, bk, nw in ((128, 128, 2), (128, 64, 2), (256, 64, 2), (64, 128, 2))

@@ -23,6 +23,10 @@ FragmentedArray.astype) took ~200 instructions a block a thread, 32 of them the 
 row, 7-10 % asymmetric (one H200, bench/results/quant_kernels_nk_h200_340bf3d_m1_*.json), and the LOP3 written as
 inline PTX (ptxas had made arith's and + xor two instructions) 3-8 % more at 1-16 rows: the loop is 154 instructions
 a block, 34 LOP3, 27 SHF, 32 HADD2, 8 HGMMA (bench/results/quant_kernels_nk_h200_cacc39c_*.json, nk_ncu_*_cacc39c_*).
+A second wgmma chain a block (d988207's bias_sum: ones times the x block, to take the bias off the product instead
+of 32 HADD2) made every kernel 30-40 % slower, so the 8 register-operand HGMMAs and their wait are a large part of a
+block's time. `sync_rows` (off by default; lowered on CPU, not yet run on a GPU) multiplies with per-warp
+mma.sync.m16n8k16 instead, as Marlin does (_mma_sync).
 Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller; or with rows_first
 [S, M, N] (y per split): the y^T tile goes to shared memory transposed (the WGMMA_TRANSPOSED layout, a shuffle and a
 permute a register pair) and its TMA store drops the rows past M, so the decoder's 1-2-row qkv partials reach the
