@@ -117,6 +117,21 @@ def _w_tiling(block_k):
     return (plgpu.TilingTransform((8, block_k)),)
 
 
+def _submatrices(shape):
+    """Mosaic GPU's WGMMA layout of a [BM, n] array: each of a thread's register indices -> (row, column) where the
+    8 x 8 submatrix that register holds a row pair of starts (row 0 or 8 within the warp's 16 rows)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import numpy as np
+    from jax.experimental.mosaic.gpu import utils
+
+    layout = mgpu.WGMMA_LAYOUT
+    strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
+    return {
+        idx: divmod(sum(i * s for i, s in zip(idx, strides)), shape[1])
+        for idx in np.ndindex(layout.registers_shape(shape))
+    }
+
+
 def _biased_weight(w_ref, dtype):
     """A [BM, block_k] block of nk-layout int4 (nk_permute's order, values q - 8) in shared memory (row-major, no
     swizzle) -> bias + q in dtype (_bias), in the WGMMA layout wgmma takes as its register operand. Each thread loads
@@ -160,11 +175,8 @@ def _biased_weight(w_ref, dtype):
                 for j in range(2):
                     words[h, g, j] = llvm.extractelement(v, arith.constant(i32, j))
         reg_ty = ir.VectorType.get((2,), utils.dtype_to_ir_type(dtype))
-        shape = (BM, block_k)
-        regs = np.empty(layout.registers_shape(shape), dtype=object)
-        strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
-        for idx in np.ndindex(regs.shape):
-            dr, dc = divmod(sum(i * s for i, s in zip(idx, strides)), block_k)  # the register's 8x8 submatrix
+        regs = np.empty(layout.registers_shape((BM, block_k)), dtype=object)
+        for idx, (dr, dc) in _submatrices((BM, block_k)).items():
             g, rem = divmod(dc // 8, 8)
             j, m = divmod(rem, 4)
             w = words[dr // 8, g, j]
@@ -213,14 +225,7 @@ def _mma_sync(a, x_slot, dtype):
         c32 = lambda v: arith.constant(i32, v)  # noqa: E731
         layout = mgpu.WGMMA_LAYOUT
 
-        def by_submatrix(shape, regs):  # register index -> the (row, column) its 8 x 8 submatrix starts at
-            strides = layout.tiling.tile_strides(tuple(utils.get_contiguous_strides(shape)))
-            return {idx: divmod(sum(i * s for i, s in zip(idx, strides)), shape[1]) for idx in np.ndindex(regs.shape)}
-
-        a_regs = {
-            rc: utils.bitcast(a_frag.registers[idx], i32)
-            for idx, rc in by_submatrix((BM, block_k), a_frag.registers).items()
-        }
+        a_regs = {rc: utils.bitcast(a_frag.registers[idx], i32) for idx, rc in _submatrices((BM, block_k)).items()}
         lane = arith.remui(utils.thread_idx(), c32(32))
         g, t = arith.divui(lane, c32(4)), arith.remui(lane, c32(4))
         base = utils.memref_ptr(ref)
@@ -245,7 +250,7 @@ def _mma_sync(a, x_slot, dtype):
             acc[nt] = [arith.addf(u, v) for u, v in zip(*chains, strict=True)]
         out = np.empty(layout.registers_shape((BM, Mp)), dtype=object)
         vec = ir.VectorType.get((2,), f32)
-        for idx, (dr, dc) in by_submatrix((BM, Mp), out).items():
+        for idx, (dr, dc) in _submatrices((BM, Mp)).items():
             d = acc[dc // 8]
             v = llvm.mlir_undef(vec)
             for i, e in enumerate(d[0:2] if dr == 0 else d[2:4]):
