@@ -1,6 +1,8 @@
 """Reads an XProf trace (*.xplane.pb from jax.profiler.trace) and sums up what a miss needs explained:
 GPU busy time vs the traced wall time (host gaps), the kernels that take the time, the XLA module runs
-(one per engine step) and any compilation inside the trace (recompiles). With sequence=N, also N consecutive kernels
+(one per engine step), any compilation inside the trace (recompiles) and the host threads' events by name (count
+and total time: where a host-bound step's time goes, e.g. the executable call's argument handling, command-buffer
+update and graph launch). With sequence=N, also N consecutive kernels
 from the middle of the trace in launch order (name, microseconds, the HLO op XProf names): which kernels one
 layer runs, for telling apart kernels of the same name; and "layer": the sequence's repeating unit (one decoder
 layer of a decode step) with each position's median time and the unit's median total.
@@ -101,6 +103,9 @@ def layer_summary(seq: list) -> dict | None:
     }
 
 
+_HOST_EVENT_MAX_NS = 1_000_000_000  # host events longer than this (compiles, the trace's own span) are left out
+
+
 def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
     from jax.profiler import ProfileData
 
@@ -111,6 +116,7 @@ def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
     out: dict = {"file": f, "devices": []}
     compiles = collections.Counter()
     compile_ns = collections.Counter()
+    host_runs, host_ns = collections.Counter(), collections.Counter()  # (thread, event name) off the compiles
     for plane in pd.planes:
         if plane.name.startswith("/device:"):
             dev = {"plane": plane.name}
@@ -174,8 +180,16 @@ def summarize(path: str, top: int = 40, sequence: int = 0) -> dict:
                     if "compile" in n and "cache" not in n:
                         compiles[e.name] += 1
                         compile_ns[e.name] += e.duration_ns
+                    elif e.duration_ns < _HOST_EVENT_MAX_NS:
+                        key = (line.name[:60], e.name.split("#")[0][:120])
+                        host_runs[key] += 1
+                        host_ns[key] += e.duration_ns
     out["host_compile_events"] = [
         {"name": k[:120], "count": c, "ms": compile_ns[k] / 1e6} for k, c in compiles.most_common(top)
+    ]
+    out["host_events"] = [
+        {"thread": t, "name": n, "count": host_runs[t, n], "ms": ns / 1e6, "us_per_call": ns / 1e3 / host_runs[t, n]}
+        for (t, n), ns in host_ns.most_common(2 * top)
     ]
     return out
 
