@@ -25,8 +25,11 @@ inline PTX (ptxas had made arith's and + xor two instructions) 3-8 % more at 1-1
 a block, 34 LOP3, 27 SHF, 32 HADD2, 8 HGMMA (bench/results/quant_kernels_nk_h200_cacc39c_*.json, nk_ncu_*_cacc39c_*).
 A second wgmma chain a block (d988207's bias_sum: ones times the x block, to take the bias off the product instead
 of 32 HADD2) made every kernel 30-40 % slower, so the 8 register-operand HGMMAs and their wait are a large part of a
-block's time. `sync_rows` (off by default; lowered on CPU, not yet run on a GPU) multiplies with per-warp
-mma.sync.m16n8k16 instead, as Marlin does (_mma_sync).
+block's time. Up to `sync_rows` rows (SYNC_ROWS = 16 by default) each block's product is per-warp
+mma.sync.m16n8k16 instead, as Marlin does (_mma_sync): no warpgroup arrive and wait. One H200, M = 1, us against
+wgmma: qkv 6.58 / 6.92, o 5.09 / 5.29, gate_up 23.21 / 24.31, down 12.13 / 12.78; at M = 16 within 1.5 % either way
+(bench/results/quant_kernels_nk_h200_b66bf74_syncrows.json; gpu_parity gptq_int4 passes with it:
+gpu_parity_gptq_h200_b66bf74_sync16.json).
 Output: float32 split-K partials [S, N, Mp] (y^T per split), summed and transposed by the caller; or with rows_first
 [S, M, N] (y per split): the y^T tile goes to shared memory transposed (the WGMMA_TRANSPOSED layout, a shuffle and a
 permute a register pair) and its TMA store drops the rows past M, so the decoder's 1-2-row qkv partials reach the
@@ -58,7 +61,7 @@ from ._splitk import NUM_SMS
 BM = 64  # wgmma rows: weight columns per compute warpgroup
 MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
-SYNC_ROWS = 0  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mma.sync (_mma_sync); 0: wgmma always
+SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mma.sync (_mma_sync); 0: wgmma always
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
