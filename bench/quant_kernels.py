@@ -153,7 +153,7 @@ MGPU_SWEEP = [  # _qmatmul_mgpu tilings (--sweep with an int4_mgpu impl; --mgpu-
     dict(nw=1, ctas_per_sm=4),
     dict(stages=4),
     dict(ctas_per_sm=2),
-    dict(sync_rows=16),  # per-warp mma.sync instead of wgmma up to 16 rows (not measured yet)
+    dict(sync_rows=0),  # wgmma at every row count (the default: per-warp mma.sync up to 16 rows, SYNC_ROWS)
 ] + [  # qmatmul_mgpu_wide (x's rows tiled; the default above 256 rows)
     dict(wide=True, tile_m=tm, block_k=bk, nw=nw)
     for tm, bk, nw in ((128, 128, 2), (128, 64, 2), (256, 64, 2), (64, 128, 2))
@@ -288,7 +288,9 @@ def make_impl(name, K, N, key):
         nk = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
 
         def mgpu(x, w, **cfg):
-            return _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)
+            y = _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)
+            # partials: the rows-first [S, M, N] partials the decoder's split_k consumers take, summed here for the check
+            return y.sum(0).astype(x.dtype) if cfg.get("partials") else y
 
         return (
             mgpu,

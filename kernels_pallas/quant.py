@@ -53,7 +53,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _fp8_gemv, _qmatmul, _qunpack, _rms_norm_fp8, _silu_mul_fp8, qlayout
+from . import _add_rms_norm, _fp8_gemv, _qmatmul, _qunpack, _rms_norm_fp8, _silu_mul_fp8, qlayout
 from ._common import on_gpu
 from .qlayout import QuantizedWeight, padded_k
 
@@ -350,6 +350,31 @@ def rms_norm_fp8(x, weight, eps, *, plus_one=False, interpret=False, **tuning):
     return _rms_norm_fp8.rms_norm_fp8_kernel(
         x, weight, eps=float(eps), min_scale=FP8_MIN_SCALE, plus_one=plus_one, interpret=interpret, **tuning
     )
+
+
+def add_rms_norm(x, parts, weight, eps, *, plus_one=False, interpret=False, **tuning):
+    """The residual add of split-K partials and the RMSNorm after it: x [T, D] (16-bit), parts [S, T, D] float32 ->
+    (r = x + sum(parts) [T, D], h = norm(r) [T, D]) in one Pallas pass (_add_rms_norm.py) where add_rms_norm_supported,
+    else add_rms_norm_ref. plus_one: Gemma's norm (r scaled by 1 + weight in float32)."""
+    if not add_rms_norm_supported(x, parts) or not (interpret or on_gpu()):
+        return add_rms_norm_ref(x, parts, weight, eps, plus_one=plus_one)
+    return _add_rms_norm.add_rms_norm_kernel(
+        x, parts, weight, eps=float(eps), plus_one=plus_one, interpret=interpret, **tuning
+    )
+
+
+def add_rms_norm_supported(x, parts) -> bool:
+    return x.ndim == 2 and parts.ndim == 3 and _add_rms_norm.supported(x.dtype, x.shape[1], parts.shape[0])
+
+
+def add_rms_norm_ref(x, parts, weight, eps, *, plus_one=False):
+    """The decoder's residual add of a projection summed from its partials (rounded to x's dtype, as the kernels'
+    wrappers sum them) and its RMSNorm (HF's rounding; Gemma's with plus_one)."""
+    r = x + parts.sum(0).astype(x.dtype)
+    r32 = r.astype(jnp.float32)
+    n = r32 * jax.lax.rsqrt(jnp.mean(r32 * r32, axis=-1, keepdims=True) + eps)
+    h = (n * (1.0 + weight.astype(jnp.float32))).astype(x.dtype) if plus_one else weight * n.astype(x.dtype)
+    return r, h
 
 
 def rms_norm_fp8_supported(x) -> bool:

@@ -61,6 +61,18 @@ def ragged_logits(
     return [logits[qsl[b] : qsl[b + 1]] for b in range(len(seqs))]
 
 
+def spy_add_rms_norm(monkeypatch) -> list:
+    """The shapes of x each add_rms_norm kernel call (traced) is given."""
+    from kernels_pallas import _add_rms_norm
+
+    calls: list = []
+    real = _add_rms_norm.add_rms_norm_kernel
+    monkeypatch.setattr(
+        _add_rms_norm, "add_rms_norm_kernel", lambda x, *a, **k: calls.append(x.shape) or real(x, *a, **k)
+    )
+    return calls
+
+
 def one_row_decode_logits(params, cfg, mesh, monkeypatch):
     """A decode-only step of one sequence and no padding row (the int models' batch-1 bucket, after a 4-token prefix
     step), run on the "pallas" backend (interpret mode) and on the reference backend: (the shapes of the qkv the fused

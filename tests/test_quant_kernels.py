@@ -633,6 +633,77 @@ def test_rms_norm_fp8_refuses_what_it_does_not_take():
         )
 
 
+@pytest.mark.parametrize(
+    "S,T,D,dtype,w_dtype,plus_one,tuning",
+    [
+        (8, 1, 4096, jnp.bfloat16, jnp.bfloat16, False, {}),  # the 8B shape's o at batch 1 (8 partials)
+        (7, 2, 4096, jnp.bfloat16, jnp.bfloat16, False, dict(num_warps=8)),  # down's 7 partials, 2 rows
+        (1, 3, 640, jnp.float16, jnp.float32, False, dict(block=128)),  # one partial; a float32 weight: h in float32
+        (4, 2, 768, jnp.bfloat16, jnp.float32, True, {}),  # Gemma's 1 + w
+    ],
+)
+def test_add_rms_norm_kernel_matches_reference(S, T, D, dtype, w_dtype, plus_one, tuning):
+    """_add_rms_norm's Pallas pass (interpret mode) against add_rms_norm_ref (the partials' sum rounded to x's dtype,
+    the residual add, the decoder's norm): the new residual stream and the norm's output to the 16-bit rounding, which
+    XLA's CPU compiler may leave out of the jitted interpreter (xla_allow_excess_precision; the Triton lowering
+    rounds): equal but for a few values one 16-bit step apart."""
+    from kernels_pallas import _add_rms_norm
+
+    rng = np.random.default_rng(17)
+    x = jnp.asarray(rng.standard_normal((T, D)) * 2, dtype)
+    parts = jnp.asarray(rng.standard_normal((S, T, D)), jnp.float32)
+    w = jnp.asarray(rng.uniform(-1.5, 1.5, D), w_dtype)
+    r, h = _add_rms_norm.add_rms_norm_kernel(x, parts, w, eps=1e-6, plus_one=plus_one, interpret=True, **tuning)
+    want_r, want_h = quant.add_rms_norm_ref(x, parts, w, 1e-6, plus_one=plus_one)
+    assert r.dtype == x.dtype and h.dtype == want_h.dtype and r.shape == h.shape == (T, D)
+    for got, want in ((r, want_r), (h, want_h)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert (got != want).mean() < 0.02
+        np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
+
+
+def test_add_rms_norm_refuses_what_it_does_not_take():
+    from kernels_pallas import _add_rms_norm
+
+    kw = dict(eps=1e-6, interpret=True)
+    x, parts, w = jnp.zeros((2, 256), jnp.bfloat16), jnp.zeros((3, 2, 256)), jnp.ones(256)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        _add_rms_norm.add_rms_norm_kernel(
+            jnp.zeros((2, 200), jnp.bfloat16), jnp.zeros((3, 2, 200)), jnp.ones(200), **kw
+        )
+    with pytest.raises(ValueError, match="parts"):
+        _add_rms_norm.add_rms_norm_kernel(x, jnp.zeros((3, 1, 256)), w, **kw)
+    with pytest.raises(ValueError, match="weight"):
+        _add_rms_norm.add_rms_norm_kernel(x, parts, jnp.ones(128), **kw)
+    with pytest.raises(ValueError, match="S <= 32"):
+        _add_rms_norm.add_rms_norm_kernel(x, jnp.zeros((33, 2, 256)), w, **kw)
+    # quant.add_rms_norm takes what the kernel refuses through the reference (D = 200; float32 x)
+    for x, p in ((jnp.ones((2, 200), jnp.bfloat16), jnp.ones((3, 2, 200))), (jnp.ones((2, 256)), parts)):
+        assert not quant.add_rms_norm_supported(x, p)
+        w = jnp.full(x.shape[1], 0.5, jnp.bfloat16)
+        for got, want in zip(
+            quant.add_rms_norm(x, p, w, 1e-6, interpret=True),
+            quant.add_rms_norm_ref(x, p, w, 1e-6),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("S", [1, 7, 8])
+def test_add_rms_norm_lowers_for_cuda(S):
+    """The pass lowers to Triton IR for CUDA (on CPU) at the 8B shape's partial counts (o 8, down 7, gate_up 1)."""
+    from kernels_pallas import _add_rms_norm
+
+    args = (
+        jax.ShapeDtypeStruct((1, 4096), jnp.bfloat16),
+        jax.ShapeDtypeStruct((S, 1, 4096), jnp.float32),
+        jax.ShapeDtypeStruct((4096,), jnp.bfloat16),
+    )
+    f = jax.jit(lambda x, p, w: _add_rms_norm.add_rms_norm_kernel(x, p, w, eps=1e-5))
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"add_rms_norm_S{S}_b2048" in text and "__gpu$xla.gpu.triton" in text
+
+
 def test_fp8_silu_mlp_takes_rows_already_in_e4m3():
     """fp8_silu_mlp of Fp8Rows (rms_norm_fp8's output) equals it of the normed h, which it rounds the same way."""
     rng = np.random.default_rng(16)

@@ -201,12 +201,18 @@ def test_decoder_gives_int_qkv_partials_to_the_attention_kernel(checkpoints, mon
     partials (quant_matmul.split_k), which it sums; the logits equal the reference backend's to bf16 rounding.
     Without kernels (the reference backend) and for more rows split_k gives None."""
     from jaxllm.models import quant_matmul
-    from tests.model_harness import one_row_decode_logits
+    from tests.model_harness import one_row_decode_logits, spy_add_rms_norm
 
     _, gptq_dir = checkpoints
     cfg, mesh, params = _load(gptq_dir, 1)
+    norms = spy_add_rms_norm(monkeypatch)
     seen, got, ref = one_row_decode_logits(params, cfg, mesh, monkeypatch)
-    assert len(seen) == 1 and len(seen[0]) == 5, seen  # [S, T, K, G + 2, H] partials (S = 1 at these widths)
+    # [S, T, K, G + 2, H] partials (S = 1 at these widths), once a layer trace: layer 0's, and the later layers' (they
+    # take the previous layer's down partials unsummed)
+    assert len(seen) == 2 and all(len(s) == 5 for s in seen), seen
+    # o's partials summed with the residual and the MLP norm in one pass (both traces), down's with the next attention
+    # norm (the second trace)
+    assert norms == [(1, cfg.hidden_size)] * 3, norms
     for k, r in zip(got, ref, strict=True):
         assert _rel(k, r) < 2e-2
     w = params["layers"][0]["w_qkv"]
@@ -221,7 +227,8 @@ def test_decoder_gives_int_qkv_partials_to_the_attention_kernel(checkpoints, mon
 def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monkeypatch):
     """quantization="fp8" on the "pallas" backend (interpret mode), a step of 2 token rows (the engine's batch-1
     bucket): each layer's four projections run kernels_pallas' fp8 GEMV kernel (qkv's split-K partials summed by
-    the attention kernel, o / down summed with the residual), the step before it (7 rows) fp8_matmul's dot.
+    the attention kernel, o / down's summed with the residual and the norm after it: add_norm), the step before it
+    (7 rows) fp8_matmul's dot.
     With the kernel replaced by the reference product as one partial, the logits equal the reference path's
     exactly (the plumbing: partials, shapes, scales); with the kernel itself they differ by its float32 sums'
     order, which the next projection's e4m3 rounding of x amplifies (2.2-2.4% here; the kernel against the
@@ -230,7 +237,7 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     from jaxllm.models.attention import AttentionConfig
     from kernels_pallas import quant
     from kernels_pallas.quant import fp8_matmul_ref
-    from tests.model_harness import ragged_logits
+    from tests.model_harness import ragged_logits, spy_add_rms_norm
 
     dense_dir, _ = checkpoints
     cfg, mesh, params = _load(dense_dir, 1, quantization="fp8")
@@ -248,14 +255,22 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
         return [np.asarray(x, np.float32) for x in out]
 
     ref = logits("reference")
-    for kernel, tol in ((lambda x, w, s, **k: fp8_matmul_ref(x, w, s, out_dtype=jnp.float32)[None], 0.0), (real, 5e-2)):
+    ref_kernel = lambda x, w, s, **k: fp8_matmul_ref(x, w, s, out_dtype=jnp.float32)[None]  # noqa: E731
+    # add_norm off first: XLA's residual add and norm, the reference's float32 sums' order; on: o / down's partials
+    # summed with the residual and the next norm in one Pallas pass (quant_matmul.add_norm), within the kernel's tol
+    for kernel, tol, add_norm in ((ref_kernel, 0.0, False), (real, 5e-2, False), (real, 5e-2, True)):
+        monkeypatch.setattr(quant_matmul, "ADD_NORM", add_norm)
         calls: list = []
         monkeypatch.setattr(
             _fp8_gemv, "fp8_gemv_kernel", lambda x, *a, f=kernel, c=calls, **k: c.append(x.shape) or f(x, *a, **k)
         )
+        norms = spy_add_rms_norm(monkeypatch)
         jax.clear_caches()  # the layer is jitted: trace it again with the spy
         got = logits("pallas")
-        assert calls == [(2, 256), (2, 512), (2, 256), (2, 512)], calls  # qkv, o, gate_up, down (one layer trace)
+        # qkv, o, gate_up, down in one layer trace; with add_norm in two (layer 0, and the later layers, which take
+        # the previous layer's down partials unsummed: decoder_layer)
+        assert calls == [(2, 256), (2, 512), (2, 256), (2, 512)] * (1 + add_norm), calls
+        assert norms == [(2, cfg.hidden_size)] * 3 * add_norm, norms
         for k, r in zip(got, ref, strict=True):
             assert _rel(k, r) <= tol
 

@@ -303,13 +303,17 @@ def test_nk_qkv_partials_reach_the_attention_kernel(gptq_g128, monkeypatch):
     partials [S, T, K, G + 2, H] (rows first as the kernel writes them: no XLA sum or transpose in front of it), and
     the logits equal the reference backend's to bf16 rounding. 3 rows: split_k gives None (a plain projection)."""
     from jaxllm.models import quant_matmul
-    from tests.model_harness import one_row_decode_logits
+    from tests.model_harness import one_row_decode_logits, spy_add_rms_norm
 
     cfg, mesh, params = _load(gptq_g128["gptq", False], 1, True, monkeypatch)
+    norms = spy_add_rms_norm(monkeypatch)
     seen, got, ref = one_row_decode_logits(params, cfg, mesh, monkeypatch)
     w = params["layers"][0]["w_qkv"]
     assert w.layout.nk
-    assert seen == [(1, 1, *w.packed.shape[:-1])], seen  # one split at these widths
+    # one split at these widths; two layer traces (layer 0, and the later layers: they take the previous layer's down
+    # partials unsummed)
+    assert seen == [(1, 1, *w.packed.shape[:-1])] * 2, seen
+    assert norms == [(1, cfg.hidden_size)] * 3, norms  # o + residual + MLP norm twice, down + attention norm once
     for k, r in zip(got, ref, strict=True):
         assert _rel(k, r) < 2e-2
     h = jnp.zeros((3, w.layout.k), jnp.bfloat16)

@@ -29,10 +29,12 @@ from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import (
     Fp8Rows,
+    add_norm,
     fp8_silu_mlp_applies,
     norm_fp8,
     norm_fp8_applies,
     qmatmul,
+    residual_partials,
     silu_mlp,
     split_k,
 )
@@ -64,6 +66,18 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
             x, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret, mesh=attn.mesh
         )
     return _norm(x, weight, cfg)
+
+
+def _partials_into_residual(x, w, lp: dict, attn: AttentionConfig, ll: dict, bias: str, post_norm: str):
+    """x [T, I] times w (the o or down projection) as float32 split-K partials [S, T, D] for the residual add and the
+    norm after it to sum in one pass (add_norm), or None. Where a quantized kernel makes them (quant_matmul.split_k:
+    decode steps of 1-2 rows) on the Pallas backend at tp 1, without a bias, post-norm or LoRA term on the
+    projection. At batch 1 this runs one kernel where XLA ran three (the sum with the add, the norm's reduction and
+    its scaling), twice a layer: fewer nodes in the step's CUDA graph, each of which costs host time every step."""
+    tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
+    if attn.backend != "pallas" or tp != 1 or ll or bias in lp or post_norm in lp:
+        return None
+    return residual_partials(x.reshape(x.shape[0], -1), w, interpret=attn.interpret)
 
 
 def _qk_norm(qkv, lp, cfg: ModelConfig):
@@ -137,10 +151,22 @@ def _split_k_qkv(h, w, splits):
 
 
 def mlp(
-    h, w_gate_up, w_down, act: str, attn: AttentionConfig, b_gate_up=None, b_down=None, ll=None, lw=None, residual=None
+    h,
+    w_gate_up,
+    w_down,
+    act: str,
+    attn: AttentionConfig,
+    b_gate_up=None,
+    b_down=None,
+    ll=None,
+    lw=None,
+    residual=None,
+    down_partials=None,
 ):
     """ll: the layer's LoRA slot arrays and lw [T, S] each token's slot weights (lora_ops.select), or None.
-    residual: the residual stream to add the output to (returned summed), or None."""
+    residual: the residual stream to add the output to (returned summed), or None. down_partials(a, w_down): the
+    down projection as split-K partials or None (_partials_into_residual); where it gives them, mlp returns
+    (residual, partials) unsummed, for the next layer's norm to add (decoder_layer)."""
     ll = ll or {}
     kernels = attn.backend == "pallas"
     if act == "silu" and b_gate_up is None and not ll and fp8_silu_mlp_applies(h, w_gate_up, w_down, kernels=kernels):
@@ -156,6 +182,8 @@ def mlp(
         d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
         gate, up = gate + d[0], up + d[1]
     a = activation(gate, act) * up
+    if residual is not None and down_partials is not None and (parts := down_partials(a, w_down)) is not None:
+        return residual, parts
     if "down_fused" in ll:  # the base weight and the slots' B in one
         out = lora_ops.fused_out(a, *ll["down_fused"], lw)
         out = out if b_down is None else out + b_down
@@ -180,9 +208,14 @@ def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
 def decoder_layer(
     lp, x, kv_cache, meta: AttentionMetadata, cfg: ModelConfig, attn: AttentionConfig, kind: LayerKind, ll=None, lw=None
 ):
-    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA."""
+    """ll: this layer's LoRA slot arrays, lw [T, S]: each token's slot (lora_ops.select); None without LoRA.
+    x: the residual stream [T, D], or (x, partials [S, T, D]) where the previous layer left its down projection's
+    partials unsummed (_partials_into_residual); the returned stream is in the same two forms (forward sums the last)."""
     ll = ll or {}
-    h = _norm_into(x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
+    if isinstance(x, tuple):
+        x, h = add_norm(*x, lp["attn_norm"], cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+    else:
+        h = _norm_into(x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
         qkv = lora_ops.fused_qkv(h, *ll["qkv_fused"], lw, lp.get("b_qkv"))
     elif (qkv := qkv_partials(h, lp, cfg, attn)) is not None:
@@ -217,7 +250,12 @@ def decoder_layer(
     # (lora_h100_797b2f2.json), or made cuBLAS pick a split-K o GEMM with a reduce kernel after it
     # (lora_h100_7efd0bb.json); this order runs 20 kernels a layer, 219 us (lora_h100_e3a7cfd.json).
     attn_out = out
-    if "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
+    o_parts = _partials_into_residual(attn_out, lp["wo"], lp, attn, ll, "bo", "post_attn_norm")
+    if o_parts is not None:
+        x, h = add_norm(
+            x, o_parts, lp["mlp_norm"], cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret
+        )
+    elif "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
         out = lora_ops.fused_out(attn_out, *ll["o_fused"], lw)
         out = out if "bo" not in lp else out + lp["bo"]
         x = x + (_norm(out, lp["post_attn_norm"], cfg) if "post_attn_norm" in lp else out)
@@ -227,7 +265,8 @@ def decoder_layer(
             x = x + _norm(lora_ops.add(out, "o", attn_out, ll.get("o"), lw), lp["post_attn_norm"], cfg)
         else:
             x = lora_ops.add(x + out, "o", attn_out, ll.get("o"), lw)
-    h = _norm_into(x, lp["mlp_norm"], None if kind.moe else lp.get("w_gate_up"), cfg, attn, lora=bool(ll))
+    if o_parts is None:
+        h = _norm_into(x, lp["mlp_norm"], None if kind.moe else lp.get("w_gate_up"), cfg, attn, lora=bool(ll))
     if kind.moe:
         out = _moe(lp, h, cfg, attn)
     else:
@@ -242,7 +281,10 @@ def decoder_layer(
             ll,
             lw,
         )
-        out = mlp(h, *args, residual=residual)
+        down_partials = functools.partial(
+            _partials_into_residual, lp=lp, attn=attn, ll=ll, bias="b_down", post_norm="post_mlp_norm"
+        )
+        out = mlp(h, *args, residual=residual, down_partials=down_partials)
         if residual is not None:
             return out, kv_cache
     if "post_mlp_norm" in lp:
@@ -296,10 +338,20 @@ def forward(
     captured = {}
     for i in layers:
         if i in capture:
+            x = _summed(x)
             captured[i] = x
         ll = None if lora is None else lora.weights["layers"][i]
         x, kv_caches[i] = layer(params["layers"][i], x, kv_caches[i], meta, cfg, attn, cfg.layer_kind(i), ll, lw)
+    x = _summed(x)
     return (kv_caches, x, [captured[i] for i in capture]) if capture else (kv_caches, x)
+
+
+def _summed(x):
+    """The residual stream from a layer's output: x, or x + its down projection's partials summed (decoder_layer)."""
+    if not isinstance(x, tuple):
+        return x
+    x, parts = x
+    return x + parts.sum(0).astype(x.dtype)
 
 
 def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
