@@ -529,6 +529,53 @@ def bench_silu(ms, F, configs, copy, reps, rows, interpret=False):
             print(json.dumps(row), flush=True)
 
 
+def bench_add_norm(splits, ms, D, configs, reps, rows, interpret=False):
+    """The decoder's residual add of o / down's split-K partials [S, M, D] (float32) and the RMSNorm after it: XLA's
+    fusions of add_rms_norm_ref ("add_norm_xla") against the Pallas pass (_add_rms_norm.py, "add_norm_kernel" with
+    each tuning in configs). The partials are few MB at most, so they sit in L2 as in the decode step, where the
+    projection has just written them."""
+    from kernels_pallas import _add_rms_norm, quant
+
+    for S in splits:
+        for M in ms:
+            key = jax.random.key(1000 * S + M)
+            xs = [jax.random.normal(jax.random.fold_in(key, i), (M, D), jnp.bfloat16) for i in range(2)]
+            ps = [jax.random.normal(jax.random.fold_in(key, 10 + i), (S, M, D), jnp.float32) for i in range(2)]
+            w = jnp.ones((D,), jnp.bfloat16)
+            want = quant.add_rms_norm_ref(xs[0], ps[0], w, 1e-5)
+            variants = [("add_norm_xla", {}, functools.partial(quant.add_rms_norm_ref, eps=1e-5))] + [
+                (
+                    "add_norm_kernel",
+                    cfg,
+                    functools.partial(_add_rms_norm.add_rms_norm_kernel, eps=1e-5, interpret=interpret, **cfg),
+                )
+                for cfg in configs
+            ]
+            for name, cfg, fn in variants:
+
+                def build(n, fn=fn, w=w):
+                    def f(xa, pa):
+                        return [
+                            fn(jax.lax.optimization_barrier(xa[i % 2]), jax.lax.optimization_barrier(pa[i % 2]), w)
+                            for i in range(n)
+                        ]
+
+                    return jax.jit(f)
+
+                try:
+                    got = jax.jit(fn)(xs[0], ps[0], w)
+                    bad = sum(
+                        int((np.asarray(g, np.float32) != np.asarray(t, np.float32)).sum()) for g, t in zip(got, want)
+                    )
+                    us, kernels = xprof_us(runner(build, xs, ps), reps) if not interpret else (float("nan"), [])
+                    row = dict(stage="add_norm", S=S, M=M, D=D, impl=name, cfg=cfg, time_us=round(us, 2))
+                    row.update(mismatches=bad, kernels=kernels)
+                except Exception as e:  # noqa: BLE001 - a tuning that does not compile is a row, not the end of the run
+                    row = dict(stage="add_norm", S=S, M=M, D=D, impl=name, cfg=cfg, error=repr(e)[:300])
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=None)
@@ -559,9 +606,28 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="CPU smoke run: small shapes, interpret mode")
     p.add_argument("--silu-m", default=None, help="only fp8_silu_mlp's silu * up stage at these M (bench_silu)")
     p.add_argument("--silu-configs", default="[{}]", help="its kernel tunings, a JSON list")
+    p.add_argument(
+        "--add-norm-splits", default=None, help="only the residual add + norm pass at these S (bench_add_norm)"
+    )
+    p.add_argument("--add-norm-configs", default="[{}]", help="its kernel tunings, a JSON list")
     args = p.parse_args(argv)
     if args.reps is None:
         args.reps = 1 if args.tiny else 10
+    if args.add_norm_splits:
+        rows: list = []
+        splits = [int(x) for x in args.add_norm_splits.split(",")]
+        D = 256 if args.tiny else 4096
+        bench_add_norm(
+            splits,
+            [int(m) for m in args.m.split(",")],
+            D,
+            json.loads(args.add_norm_configs),
+            args.reps,
+            rows,
+            args.tiny,
+        )
+        write_result("quant_kernels", dict(env=environment(), rows=rows), args.out)
+        return rows
     if args.silu_m:
         rows = []
         copy = copy_bw(1 << 20 if args.tiny else 1 << 29, args.reps)
