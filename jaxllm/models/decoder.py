@@ -75,8 +75,8 @@ def _partials_into_residual(x, w, lp: dict, attn: AttentionConfig, ll: dict, bia
     projection. At batch 1 this runs one kernel where XLA ran three (the sum with the add, the norm's reduction and
     its scaling), twice a layer: fewer nodes in the step's CUDA graph, each of which costs host time every step."""
     tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
-    if attn.backend != "pallas" or tp != 1 or ll or bias in lp or post_norm in lp:
-        return None
+    if w is None or attn.backend != "pallas" or tp != 1 or ll or bias in lp or post_norm in lp:
+        return None  # w None: LoRA's fused weights (in ll) in its place
     return residual_partials(x.reshape(x.shape[0], -1), w, interpret=attn.interpret)
 
 
@@ -250,7 +250,7 @@ def decoder_layer(
     # (lora_h100_797b2f2.json), or made cuBLAS pick a split-K o GEMM with a reduce kernel after it
     # (lora_h100_7efd0bb.json); this order runs 20 kernels a layer, 219 us (lora_h100_e3a7cfd.json).
     attn_out = out
-    o_parts = _partials_into_residual(attn_out, lp["wo"], lp, attn, ll, "bo", "post_attn_norm")
+    o_parts = _partials_into_residual(attn_out, lp.get("wo"), lp, attn, ll, "bo", "post_attn_norm")
     if o_parts is not None:
         x, h = add_norm(
             x, o_parts, lp["mlp_norm"], cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret
