@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from ._common import triton_params
+from ._rms_norm_fp8 import normed_tiles
 from ._silu_mul_fp8 import block_for
 
 MAX_D = 16384  # a row's float32 values in registers: D / (32 * num_warps) values a thread
@@ -44,12 +45,8 @@ def _kernel(x_ref, p_ref, w_ref, r_ref, h_ref, *, block, eps, plus_one):
         r = (x_ref[c].astype(f32) + y.astype(dtype).astype(f32)).astype(dtype)
         r_ref[c] = r
         rs.append(r.astype(f32))
-    inv = jax.lax.rsqrt(sum(jnp.sum(r * r) for r in rs) / D + eps)
-    for r, c in zip(rs, cols, strict=True):
-        if plus_one:  # Gemma: (1 + w) in float32, rounded once
-            h_ref[c] = (r * inv * (1.0 + w_ref[c].astype(f32))).astype(h_ref.dtype)
-        else:  # HF: n rounded to x's dtype, times w in w's and x's common dtype
-            h_ref[c] = (w_ref[c] * (r * inv).astype(dtype)).astype(h_ref.dtype)
+    for h, c in zip(normed_tiles(rs, w_ref, cols, eps=eps, dtype=dtype, plus_one=plus_one), cols, strict=True):
+        h_ref[c] = h.astype(h_ref.dtype)
 
 
 _STATIC = ("eps", "plus_one", "block", "num_warps", "num_stages", "interpret")

@@ -35,16 +35,22 @@ def _kernel(x_ref, w_ref, xq_ref, s_ref, *, block, eps, min_scale, plus_one):
     f32, dtype = jnp.float32, x_ref.dtype
     cols = [pl.ds(i * block, block) for i in range(D // block)]
     xs = [x_ref[c].astype(f32) for c in cols]
-    inv = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / D + eps)
-    if plus_one:  # Gemma: (1 + w) in float32, rounded once
-        hs = [(x * inv * (1.0 + w_ref[c].astype(f32))).astype(dtype) for x, c in zip(xs, cols, strict=True)]
-    else:  # HF: n rounded to x's dtype, times w in w's and x's common dtype
-        hs = [w_ref[c] * (x * inv).astype(dtype) for x, c in zip(xs, cols, strict=True)]
-    hs = [h.astype(f32) for h in hs]
+    hs = [h.astype(f32) for h in normed_tiles(xs, w_ref, cols, eps=eps, dtype=dtype, plus_one=plus_one)]
     s = jnp.maximum(functools.reduce(jnp.maximum, [jnp.abs(h) for h in hs]).max() / FP8_MAX, min_scale)
     for h, c in zip(hs, cols, strict=True):
         xq_ref[c] = jnp.clip(h / s, -FP8_MAX, FP8_MAX).astype(FP8)
     s_ref[...] = jnp.full(s_ref.shape, s, f32)
+
+
+def normed_tiles(xs, w_ref, cols, *, eps, dtype, plus_one):
+    """The RMSNorm of one row held as float32 tiles xs (columns cols of w_ref): n = x * rsqrt(mean(x^2) + eps) in
+    float32; HF: n rounded to dtype, times w in w's and dtype's common dtype; plus_one (Gemma): n * (1 + w) in float32,
+    rounded once to dtype. Shared with _add_rms_norm's kernel."""
+    f32 = jnp.float32
+    inv = jax.lax.rsqrt(sum(jnp.sum(x * x) for x in xs) / sum(x.size for x in xs) + eps)
+    if plus_one:
+        return [(x * inv * (1.0 + w_ref[c].astype(f32))).astype(dtype) for x, c in zip(xs, cols, strict=True)]
+    return [w_ref[c] * (x * inv).astype(dtype) for x, c in zip(xs, cols, strict=True)]
 
 
 _STATIC = ("eps", "min_scale", "plus_one", "block", "num_warps", "num_stages", "interpret")

@@ -371,10 +371,15 @@ def add_rms_norm_ref(x, parts, weight, eps, *, plus_one=False):
     """The decoder's residual add of a projection summed from its partials (rounded to x's dtype, as the kernels'
     wrappers sum them) and its RMSNorm (HF's rounding; Gemma's with plus_one)."""
     r = x + parts.sum(0).astype(x.dtype)
-    r32 = r.astype(jnp.float32)
-    n = r32 * jax.lax.rsqrt(jnp.mean(r32 * r32, axis=-1, keepdims=True) + eps)
-    h = (n * (1.0 + weight.astype(jnp.float32))).astype(x.dtype) if plus_one else weight * n.astype(x.dtype)
-    return r, h
+    return r, _rms_norm_ref(r, weight, eps, plus_one)
+
+
+def _rms_norm_ref(x, weight, eps, plus_one):
+    """The decoder's RMSNorm: n in float32, rounded to x's dtype, times the weight (HF); plus_one: times 1 + weight in
+    float32, rounded once (Gemma)."""
+    x32 = x.astype(jnp.float32)
+    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (n * (1.0 + weight.astype(jnp.float32))).astype(x.dtype) if plus_one else weight * n.astype(x.dtype)
 
 
 def rms_norm_fp8_supported(x) -> bool:
@@ -384,10 +389,7 @@ def rms_norm_fp8_supported(x) -> bool:
 def rms_norm_fp8_ref(x, weight, eps, *, plus_one=False):
     """The decoder's RMSNorm (HF's rounding: n in float32 rounded to x's dtype, times the weight; Gemma's: times
     1 + weight in float32, rounded once), then quantize_activations' per-token e4m3."""
-    x32 = x.astype(jnp.float32)
-    n = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    h = (n * (1.0 + weight.astype(jnp.float32))).astype(x.dtype) if plus_one else weight * n.astype(x.dtype)
-    return quantize_activations(h)
+    return quantize_activations(_rms_norm_ref(x, weight, eps, plus_one))
 
 
 def silu_mul_fp8_supported(gu) -> bool:

@@ -227,8 +227,8 @@ def test_decoder_gives_int_qkv_partials_to_the_attention_kernel(checkpoints, mon
 def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monkeypatch):
     """quantization="fp8" on the "pallas" backend (interpret mode), a step of 2 token rows (the engine's batch-1
     bucket): each layer's four projections run kernels_pallas' fp8 GEMV kernel (qkv's split-K partials summed by
-    the attention kernel, o / down's summed with the residual and the norm after it: add_norm), the step before it
-    (7 rows) fp8_matmul's dot.
+    the attention kernel, o / down's summed with the residual and the norm after it: quant.add_rms_norm), the step
+    before it (7 rows) fp8_matmul's dot.
     With the kernel replaced by the reference product as one partial, the logits equal the reference path's
     exactly (the plumbing: partials, shapes, scales); with the kernel itself they differ by its float32 sums'
     order, which the next projection's e4m3 rounding of x amplifies (2.2-2.4% here; the kernel against the
@@ -257,7 +257,7 @@ def test_decoder_runs_fp8_decode_rows_through_the_gemv_kernel(checkpoints, monke
     ref = logits("reference")
     ref_kernel = lambda x, w, s, **k: fp8_matmul_ref(x, w, s, out_dtype=jnp.float32)[None]  # noqa: E731
     # add_norm off first: XLA's residual add and norm, the reference's float32 sums' order; on: o / down's partials
-    # summed with the residual and the next norm in one Pallas pass (quant_matmul.add_norm), within the kernel's tol
+    # summed with the residual and the next norm in one Pallas pass (quant.add_rms_norm), within the kernel's tol
     for kernel, tol, add_norm in ((ref_kernel, 0.0, False), (real, 5e-2, False), (real, 5e-2, True)):
         monkeypatch.setattr(quant_matmul, "ADD_NORM", add_norm)
         calls: list = []

@@ -59,9 +59,9 @@ JAX_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # Environment overrides (bench A/B runs) that change what a step traces to or how it compiles: xla_options'
 # cuBLAS cutoff, the decode attention backend, the fp8 GEMV of the batch-1 bucket, the fp8 dot's bfloat16 output,
-# the fp8 MLP's fused silu * up pass, the int4 nk layout, the residual add + norm pass. A switch missing here makes an A/B run that shares a
-# --compilation-cache-dir load the other side's programs (stop 51: JAXLLM_FP8_SILU_MLP was missing, and every fp8
-# A/B pair of that stop ran one program twice).
+# the fp8 MLP's fused silu * up pass, the int4 nk layout, the residual add + norm pass. A switch missing here makes an
+# A/B run that shares a --compilation-cache-dir load the other side's programs (stop 51: JAXLLM_FP8_SILU_MLP was
+# missing, and every fp8 A/B pair of that stop ran one program twice; stop 60: JAXLLM_ADD_NORM).
 PROGRAM_ENV = (
     "JAXLLM_ADD_NORM",
     "JAXLLM_CUBLAS_MIN_DECODE_SEQS",

@@ -29,7 +29,6 @@ from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import (
     Fp8Rows,
-    add_norm,
     fp8_silu_mlp_applies,
     norm_fp8,
     norm_fp8_applies,
@@ -38,6 +37,7 @@ from jaxllm.models.quant_matmul import (
     silu_mlp,
     split_k,
 )
+from kernels_pallas.quant import add_rms_norm
 
 
 def rms_norm(x, weight, eps):
@@ -68,14 +68,19 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
     return _norm(x, weight, cfg)
 
 
+def _add_norm(x, parts, weight, cfg: ModelConfig, attn: AttentionConfig):
+    """(x + parts summed, its norm): the residual add of a projection's split-K partials and the norm after it in one
+    pass (kernels_pallas.quant.add_rms_norm)."""
+    return add_rms_norm(x, parts, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+
+
 def _partials_into_residual(x, w, lp: dict, attn: AttentionConfig, ll: dict, bias: str, post_norm: str):
     """x [T, I] times w (the o or down projection) as float32 split-K partials [S, T, D] for the residual add and the
-    norm after it to sum in one pass (add_norm), or None. Where a quantized kernel makes them (quant_matmul.split_k:
+    norm after it to sum in one pass (_add_norm), or None. Where a quantized kernel makes them (quant_matmul.split_k:
     decode steps of 1-2 rows) on the Pallas backend at tp 1, without a bias, post-norm or LoRA term on the
     projection. At batch 1 this runs one kernel where XLA ran three (the sum with the add, the norm's reduction and
     its scaling), twice a layer: fewer nodes in the step's CUDA graph, each of which costs host time every step."""
-    tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
-    if w is None or attn.backend != "pallas" or tp != 1 or ll or bias in lp or post_norm in lp:
+    if w is None or ll or not _partials_allowed(lp, attn, after=(bias, post_norm)):
         return None  # w None: LoRA's fused weights (in ll) in its place
     return residual_partials(x.reshape(x.shape[0], -1), w, interpret=attn.interpret)
 
@@ -122,11 +127,12 @@ def qkv_splits(num_tokens: int, lp: dict, cfg: ModelConfig, attn: AttentionConfi
     return math.gcd(QKV_SPLITS, cfg.hidden_size)
 
 
-def _partials_allowed(lp: dict, attn: AttentionConfig) -> bool:
-    """Whether the attention kernel may take the qkv projection as split-K partials: the Pallas backend, no qkv bias
-    or q/k norms (they apply to the summed projection), tp 1 (the partials would cross shard_map's specs)."""
+def _partials_allowed(lp: dict, attn: AttentionConfig, after=("b_qkv", "q_norm")) -> bool:
+    """Whether a projection may be handed on as split-K partials: the Pallas backend, none of the layer's parameters
+    `after` that apply to the summed projection (qkv's bias and q/k norms by default), tp 1 (the partials would
+    cross shard_map's specs)."""
     tp = 1 if attn.mesh is None else attn.mesh.shape.get("tp", 1)
-    return attn.backend == "pallas" and "b_qkv" not in lp and "q_norm" not in lp and tp == 1
+    return attn.backend == "pallas" and not any(k in lp for k in after) and tp == 1
 
 
 def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
@@ -213,7 +219,7 @@ def decoder_layer(
     partials unsummed (_partials_into_residual); the returned stream is in the same two forms (forward sums the last)."""
     ll = ll or {}
     if isinstance(x, tuple):
-        x, h = add_norm(*x, lp["attn_norm"], cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+        x, h = _add_norm(*x, lp["attn_norm"], cfg, attn)
     else:
         h = _norm_into(x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
@@ -252,9 +258,7 @@ def decoder_layer(
     attn_out = out
     o_parts = _partials_into_residual(attn_out, lp.get("wo"), lp, attn, ll, "bo", "post_attn_norm")
     if o_parts is not None:
-        x, h = add_norm(
-            x, o_parts, lp["mlp_norm"], cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret
-        )
+        x, h = _add_norm(x, o_parts, lp["mlp_norm"], cfg, attn)
     elif "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
         out = lora_ops.fused_out(attn_out, *ll["o_fused"], lw)
         out = out if "bo" not in lp else out + lp["bo"]

@@ -56,7 +56,6 @@ from kernels_pallas._common import on_gpu
 from kernels_pallas.quant import (
     FP8_WIDEN_MAX_ROWS,
     Fp8Rows,
-    add_rms_norm,
     fp8_gemv,
     fp8_gemv_partials,
     fp8_gemv_supported,
@@ -187,19 +186,13 @@ def norm_fp8(x, weight, eps, *, plus_one: bool = False, interpret: bool = False,
 
 
 # The o / down projections of 1-2-row decode steps as split-K partials (split_k) that the residual add and the norm
-# after it sum in one Pallas pass (add_norm; decoder._partials_into_residual); JAXLLM_ADD_NORM=0 turns it off (A/B).
+# after it sum in one Pallas pass (kernels_pallas.quant.add_rms_norm; decoder._partials_into_residual); JAXLLM_ADD_NORM=0 turns it off (A/B).
 ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "1") == "1"
 
 
 def residual_partials(x, w, *, interpret: bool = False):
-    """split_k's partials of x [T, I] times w for add_norm (ADD_NORM on), or None."""
+    """split_k's partials of x [T, I] times w for the add + norm pass (ADD_NORM on), or None."""
     return split_k(x, w, interpret=interpret) if ADD_NORM else None
-
-
-def add_norm(x, parts, weight, eps, *, plus_one: bool = False, interpret: bool = False):
-    """(x + sum(parts), its RMSNorm) for x [T, D] and a projection's split-K partials [S, T, D] (split_k): one Pallas
-    pass on the GPU or in interpret mode (kernels_pallas.quant.add_rms_norm), its jnp reference elsewhere."""
-    return add_rms_norm(x, parts, weight, eps, plus_one=plus_one, interpret=interpret)
 
 
 def silu_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, interpret: bool = False, mesh=None):
