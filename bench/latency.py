@@ -40,6 +40,12 @@ def parse(argv=None):
         help="trace one batch-1 run with jax.profiler and sum it up (with 200 decode kernels in launch order)",
     )
     p.add_argument(
+        "--host-timing",
+        action="store_true",
+        help="one more batch-1 run with the runner's prepare / launch / collect timed: host ms a step in each, and "
+        "collect's wait for the device (near 0: the host is the bottleneck)",
+    )
+    p.add_argument(
         "--smallest-seq-bucket",
         type=int,
         default=None,
@@ -63,6 +69,37 @@ def run_batch(llm, batch: int, input_len: int, output_len: int, seed: int) -> di
     ]
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     return dict(e2e_s=e2e, ttft_s=ttft, itl_s=itl, output_tokens=n_out)
+
+
+def host_timing(llm, input_len: int, output_len: int) -> dict:
+    """One batch-1 run with ModelRunner's prepare, launch and collect wrapped in timers (instance attributes,
+    removed after): mean ms a call of each, and of the whole engine step. The engine keeps one step in flight, so
+    collect mostly waits for the device: when its mean is near the unpacking's ~0.1 ms, the device waits for the
+    host instead."""
+    runner, engine = llm.llm_engine.runner, llm.llm_engine
+    spent: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        def call(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent.setdefault(name, []).append(time.perf_counter() - t)
+
+        return call
+
+    names = ("prepare", "launch", "collect")
+    for name in names:
+        setattr(runner, name, timed(name, getattr(runner, name)))
+    engine.step = timed("step", engine.step)
+    try:
+        run_batch(llm, 1, input_len, output_len, seed=77)
+    finally:
+        for name in names:
+            delattr(runner, name)
+        del engine.step
+    return {name: dict(calls=len(t), ms=1e3 * sum(t) / len(t)) for name, t in spent.items() if t}
 
 
 def main(argv=None) -> dict:
@@ -122,6 +159,9 @@ def main(argv=None) -> dict:
         compiles_during_run=len(runner.programs.compiled) - compiled_before,
         compiles_after_warmup=runner.programs.num_compiles_after_warmup,
     )
+    if args.host_timing:
+        res["host_timing"] = host_timing(llm, args.input_len, args.output_len)
+        print(f"host timing (ms a call): {res['host_timing']}", flush=True)
     if args.profile_dir:
         from bench.throughput import profile_run
 

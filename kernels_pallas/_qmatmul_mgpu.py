@@ -306,6 +306,7 @@ def _kernel(
     dtype,
     rows_first,
     sync_rows,
+    unroll,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -346,17 +347,23 @@ def _kernel(
 
         plgpu.barrier_wait(sready.at[0])
 
-        def body(step, acc):
-            slot = lax.rem(step, stages)
-            g = step // group_blocks
-            plgpu.barrier_wait(ready.at[slot])
-            part = mma(weight(slot, g), slot)
-            plgpu.barrier_arrive(free.at[slot])
-            s = rows(s_smem, g).astype(jnp.float32)
-            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+        def blocks(first_step, n, acc):  # n consecutive K blocks: their waits, then their products, then releases
+            group = [(first_step + i, lax.rem(first_step + i, stages)) for i in range(n)]
+            for _, slot in group:
+                plgpu.barrier_wait(ready.at[slot])
+            parts = [mma(weight(slot, step // group_blocks), slot) for step, slot in group]
+            for _, slot in group:
+                plgpu.barrier_arrive(free.at[slot])
+            for (step, _), part in zip(group, parts, strict=True):
+                s = rows(s_smem, step // group_blocks).astype(jnp.float32)
+                acc = acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+            return acc
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
-        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
+        acc = acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout)
+        acc = lax.fori_loop(0, steps // unroll, lambda j, acc: blocks(j * unroll, unroll, acc), acc)
+        if steps % unroll:
+            acc = blocks(steps - steps % unroll, steps % unroll, acc)
         cols = pl.ds(n0 + wg * BM, BM)
         if not rows_first:
             o_smem[wg] = acc
@@ -483,6 +490,7 @@ def _launch(
         "ctas_per_sm",
         "rows_first",
         "sync_rows",
+        "unroll",
         "interpret",
     ),
 )
@@ -500,12 +508,15 @@ def qmatmul_mgpu(
     ctas_per_sm=None,
     rows_first=False,
     sync_rows=SYNC_ROWS,
+    unroll=1,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
     rows_first. See the module docstring. sync_rows: up to this many rows (Mp) each block's product runs as per-warp
-    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma.
+    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma. unroll (1 .. stages): K blocks
+    an iteration of the compute loop, their ring waits first, then their products, then their releases, so that the
+    dequantization of one block can overlap the products of another.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -533,6 +544,8 @@ def qmatmul_mgpu(
     if stages is None:  # as many slots as fit ~96 KB (two programs an SM), 2..8
         per_stage = nw * BM * block_k // 2 + Mp * block_k * 2
         stages = max(2, min(8, steps, (96 << 10) // per_stage))
+    if not 1 <= unroll <= stages:
+        raise ValueError(f"unroll={unroll} must be 1 .. stages ({stages})")
     asym = zeros is not None
     dtype = x.dtype
     kernel = functools.partial(
@@ -546,6 +559,7 @@ def qmatmul_mgpu(
         dtype=dtype,
         rows_first=rows_first,
         sync_rows=sync_rows,
+        unroll=unroll,
         interpret=interpret,
     )
     if not rows_first:

@@ -56,6 +56,22 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
+@pytest.mark.parametrize("unroll,K,splits,group", [(2, 640, 1, 128), (3, 1024, 1, 256), (2, 1024, 2, -1)])
+def test_unrolled_kernel_gives_the_same_partials(unroll, K, splits, group):
+    """unroll: the compute loop takes `unroll` K blocks an iteration (their waits, products and releases side by
+    side), the steps left over in one more group (5 blocks by 2: 2 + 2 + 1; 8 by 3 with groups of two blocks, one
+    group across two iterations: 3 + 3 + 2). Same partials as one block an iteration, bit for bit (same order of the float32 sums)."""
+    N, M = 128, 3
+    w = _weight(K, N, group, False, seed=7)
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((M, K)), jnp.bfloat16)
+    wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
+    run = functools.partial(_qmatmul_mgpu.qmatmul_mgpu, x, wt, s, z, group_size=group, splits=splits, interpret=True)
+    np.testing.assert_array_equal(np.asarray(run(unroll=unroll)), np.asarray(run()))
+    assert _rel(run(unroll=unroll).sum(0).T[:M], quantized_matmul_ref(x, w)) < 5e-3
+    with pytest.raises(ValueError, match="unroll"):
+        run(unroll=9)
+
+
 @pytest.mark.parametrize(
     "K,N,M,group,sym,tile_m,block_k",
     [
@@ -139,6 +155,8 @@ def test_kernel_lowers_for_cuda(M, sym):
         f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=sync_rows))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert ("mma.sync.aligned.m16n8k16" in text) == (sync_rows > 0)
+    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, unroll=2))  # two blocks an iteration
+    assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
