@@ -314,6 +314,17 @@ def test_gpu_step_compile_options(tmp_path, monkeypatch):
     ]
     gpu_keys = [programs_mod.StepPrograms._cache_key(fake, v, args) for v in variants]
     assert gpu_keys[0] != cpu_keys[0] and gpu_keys[1] == cpu_keys[1] and gpu_keys[2] != cpu_keys[2]
+    # JAXLLM_DECODE_COMMAND_BUFFER (A/B runs): the decode-only steps' command types, in their keys too
+    from jaxllm.engine import xla_options
+
+    monkeypatch.setattr(xla_options, "DECODE_COMMAND_BUFFER", "FUSION,CUBLAS,CUBLASLT,CUDNN")
+    no_custom = [programs_mod.compile_options(v) for v in variants]
+    assert no_custom[0] == options[0] and no_custom[1] == {
+        "xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUDNN"
+    }
+    assert no_custom[2] == {**no_custom[1], "xla_gpu_enable_triton_gemm": False}
+    assert programs_mod.StepPrograms._cache_key(fake, small_decode, args) != gpu_keys[1]
+    options += no_custom[1:]
     monkeypatch.undo()
     # real XLA options (an unknown name is an INVALID_ARGUMENT at compile time)
     for opts in options:

@@ -3,6 +3,8 @@ programs.py to its life cycle). compile_options reads a StepVariant's shape fiel
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxllm.distributed import env_int
@@ -11,6 +13,10 @@ from jaxllm.distributed import env_int
 # JAXLLM_CUBLAS_MIN_DECODE_SEQS overrides it (bench A/B runs: a large value keeps Triton GEMMs at every batch)
 _override = env_int("JAXLLM_CUBLAS_MIN_DECODE_SEQS")
 CUBLAS_MIN_DECODE_SEQS = 32 if _override is None else _override
+# decode-only steps' command buffers (CUDA graphs): XLA's default command types when unset; JAXLLM_DECODE_COMMAND_BUFFER
+# replaces them for A/B runs: "" (none: one launch a kernel) or a comma list of XLA's types (FUSION, CUBLAS, CUBLASLT,
+# CUDNN, CUSTOM_CALL, ...; without CUSTOM_CALL the Mosaic GPU calls run outside the graphs)
+DECODE_COMMAND_BUFFER = os.environ.get("JAXLLM_DECODE_COMMAND_BUFFER")
 
 
 def compile_options(v) -> dict:
@@ -44,6 +50,7 @@ def compile_options(v) -> dict:
         return {"xla_gpu_enable_triton_gemm": False} if v.num_tokens >= CUBLAS_MIN_DECODE_SEQS else {}
     if not v.decode_only:
         return {"xla_gpu_enable_command_buffer": "", "xla_gpu_enable_triton_gemm": False}
+    options = {} if DECODE_COMMAND_BUFFER is None else {"xla_gpu_enable_command_buffer": DECODE_COMMAND_BUFFER}
     if v.num_seqs >= CUBLAS_MIN_DECODE_SEQS:
-        return {"xla_gpu_enable_triton_gemm": False}
-    return {}
+        options["xla_gpu_enable_triton_gemm"] = False
+    return options
