@@ -94,12 +94,17 @@ def host_timing(llm, input_len: int, output_len: int) -> dict:
         setattr(runner, name, timed(name, getattr(runner, name)))
     engine.step = timed("step", engine.step)
     try:
-        run_batch(llm, 1, input_len, output_len, seed=77)
+        run = run_batch(llm, 1, input_len, output_len, seed=77)
     finally:
         for name in names:
             delattr(runner, name)
         del engine.step
-    return {name: dict(calls=len(t), ms=1e3 * sum(t) / len(t)) for name, t in spent.items() if t}
+    out = {name: dict(calls=len(t), ms=1e3 * sum(t) / len(t)) for name, t in spent.items() if t}
+    decode = spent.get("step", [])[2:-1]  # decode steps: not the first two (the prefill's dispatch, then its output)
+    if decode:
+        out["decode_step_ms_p50"] = 1e3 * sorted(decode)[len(decode) // 2]
+    out["itl_ms"] = 1e3 * run["itl_s"][0]  # this run's own ITL, beside its timings
+    return out
 
 
 def main(argv=None) -> dict:
