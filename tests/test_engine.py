@@ -80,28 +80,6 @@ def test_greedy_batch_matches_hf(llm, hf_refs):
     check_free(llm)
 
 
-def test_decode_steps_reading_copies_of_their_inputs_keep_greedy(tiny, hf_refs, monkeypatch):
-    """JAXLLM_COPY_INPUTS=1 (step_fns.COPY_INPUTS, read at import): decode-only steps read their host inputs from
-    copies in their own memory; batched greedy tokens stay HF's."""
-    from jaxllm.engine import step_fns
-
-    copied = []
-    unpack = step_fns.unpack_host_args
-
-    def spy(*args, copy=False):
-        copied.append(copy)
-        return unpack(*args, copy=copy)
-
-    monkeypatch.setenv("JAXLLM_COPY_INPUTS", "1")  # the executable cache's key (PROGRAM_ENV)
-    monkeypatch.setattr(step_fns, "COPY_INPUTS", True)
-    monkeypatch.setattr(step_fns, "unpack_host_args", spy)
-    llm = make_llm(tiny[0])
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert token_ids(outs) == [hf_refs[tuple(p)] for p in PROMPTS]
-    assert True in copied  # a decode-only program was traced with the copies
-    check_free(llm)
-
-
 def test_chunked_prefill_tiny_budget(tiny, hf_refs):
     llm = make_llm(tiny[0], max_num_batched_tokens=8, max_num_seqs=4)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
