@@ -64,7 +64,6 @@ JAX_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # missing, and every fp8 A/B pair of that stop ran one program twice; stop 60: JAXLLM_ADD_NORM).
 PROGRAM_ENV = (
     "JAXLLM_ADD_NORM",
-    "JAXLLM_COPY_INPUTS",
     "JAXLLM_CUBLAS_MIN_DECODE_SEQS",
     "JAXLLM_DECODE_COMMAND_BUFFER",
     "JAXLLM_DECODE_BACKEND",

@@ -204,35 +204,15 @@ def _append_aligned(parts: list, flat: np.ndarray) -> int:
     return flat.size + pad
 
 
-def unpack_host_args(ints, floats, layout: PackedLayout, copy: bool = False):
-    """pack_host_args inverted inside the jitted step (static slices of the two buffers). copy: each slice as a
-    buffer of the step's own (temporary) memory, made by one fusion at the step's start, instead of a slice of the
-    argument buffers: the argument buffers are new every step, and each command of a step's command buffer (CUDA
-    graph) that reads them directly is updated before every launch (JAXLLM_COPY_INPUTS A/B runs)."""
-    xs = []
-    for _, shape, buf, off in layout.leaves:
-        n = int(np.prod(shape, dtype=np.int64))
-        xs.append(jax.lax.slice(ints if buf == "i" else floats, (off,), (off + n,)).reshape(shape))
-    if copy:
-        xs = _copies(xs)
+def unpack_host_args(ints, floats, layout: PackedLayout):
+    """pack_host_args inverted inside the jitted step (static slices of the two buffers)."""
     out = []
-    for (dtype, *_), x in zip(layout.leaves, xs, strict=True):
+    for dtype, shape, buf, off in layout.leaves:
+        n = int(np.prod(shape, dtype=np.int64))
+        x = jax.lax.slice(ints if buf == "i" else floats, (off,), (off + n,)).reshape(shape)
         if dtype == "uint32":
             x = jax.lax.bitcast_convert_type(x, jnp.uint32)
         elif dtype == "bool":
             x = x != 0
         out.append(x)
     return jax.tree.unflatten(layout.treedef, out)
-
-
-def _copies(xs: list) -> list:
-    """xs (int32 / float32 arrays) as new buffers: plus a zero XLA cannot see through (an optimization barrier's
-    output; float32 values through their bits, so every value, -0.0 and NaNs included, is kept), the sums behind a
-    barrier of their own, so that no consumer fuses the add and reads the argument instead."""
-    zero = jax.lax.optimization_barrier(jnp.zeros((), jnp.int32))
-    bits = [jax.lax.bitcast_convert_type(x, jnp.int32) if x.dtype == jnp.float32 else x for x in xs]
-    summed = jax.lax.optimization_barrier([b + zero for b in bits])
-    return [
-        jax.lax.bitcast_convert_type(b, jnp.float32) if x.dtype == jnp.float32 else b
-        for x, b in zip(xs, summed, strict=True)
-    ]

@@ -20,7 +20,6 @@ Which adapters a batch mixes is data: never a new program.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +33,6 @@ from jaxllm.models.attention import AttentionConfig
 from jaxllm.models.decoder import compute_logits, forward
 from jaxllm.sharding import logical_to_spec
 from jaxllm.spec_decode.drafter import target_features
-
-# A/B runs: decode-only steps read their host inputs from copies in their own memory (unpack_host_args' copy)
-COPY_INPUTS = os.environ.get("JAXLLM_COPY_INPUTS", "") == "1"
 
 
 def _forward(params, kv_caches, token_ids, meta, cfg: ModelConfig, attn: AttentionConfig, drafter, lora=None):
@@ -131,12 +127,8 @@ def packed_step_fn(
     drafter=None,
 ):
     """_step_fn on the host inputs as pack_host_args made them; with LoRA, lora_weights are the slot arrays
-    (jaxllm/lora/slots.py) and the host inputs' last item each token's slot (None without LoRA). With
-    JAXLLM_COPY_INPUTS=1 a decode-only step reads copies of them in its own memory (unpack_host_args' copy)."""
-    host = unpack_host_args(ints, floats, layout)
-    if COPY_INPUTS and host[2].decode_only:
-        host = unpack_host_args(ints, floats, layout, copy=True)
-    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = host
+    (jaxllm/lora/slots.py) and the host inputs' last item each token's slot (None without LoRA)."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = unpack_host_args(ints, floats, layout)
     lora = None if lora_weights is None else LoRAInputs(lora_weights, token_slots)
     return _step_fn(
         params,
