@@ -62,6 +62,12 @@ BM = 64  # wgmma rows: weight columns per compute warpgroup
 MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
 SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mma.sync (_mma_sync); 0: wgmma always
+# Ring slots of qmatmul_mgpu's mma.sync row counts with K up to SHORT_K (8B shapes: qkv, o, gate_up; not down's K
+# 14336). One H200, M = 1, kernel us, two sweeps in one call (bench/results/quant_kernels_nk_h200_6b44981_stages_m1_*
+# .json): 4 slots against 8, qkv 6.20 / 6.20 against 6.62 / 6.45, gate_up 21.41 / 21.43 against 22.78 / 22.76; down
+# 12.32 / 12.35 against 12.24 / 12.16 with 4 (so it keeps 8); o has 4 steps a split, so 4 slots either way. At 16
+# rows (quant_kernels_nk_h200_c6787c2_unroll.json) qkv 7.09 against 7.29, gate_up 26.20 against 26.12.
+SHORT_K, SHORT_K_STAGES = 8192, 4
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
@@ -277,6 +283,14 @@ def _q_minus_z(w_slot, z_row, dtype, interpret):
     return a - lax.broadcast_in_dim(z_row + off, a.shape, [0])
 
 
+def default_stages(mp, kp, steps, *, nw=1, block_k=128, sync_rows=SYNC_ROWS) -> int:
+    """qmatmul_mgpu's ring slots: as many as fit ~96 KB (two programs an SM), 2..8, at most one a K block of the
+    split (steps); SHORT_K_STAGES at the mma.sync row counts (mp <= sync_rows) with K up to SHORT_K."""
+    per_stage = nw * BM * block_k // 2 + mp * block_k * 2
+    most = SHORT_K_STAGES if mp <= sync_rows and kp <= SHORT_K else 8
+    return max(2, min(most, steps, (96 << 10) // per_stage))
+
+
 def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
     at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
@@ -306,7 +320,6 @@ def _kernel(
     dtype,
     rows_first,
     sync_rows,
-    unroll,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -347,23 +360,17 @@ def _kernel(
 
         plgpu.barrier_wait(sready.at[0])
 
-        def blocks(first_step, n, acc):  # n consecutive K blocks: their waits, then their products, then releases
-            group = [(first_step + i, lax.rem(first_step + i, stages)) for i in range(n)]
-            for _, slot in group:
-                plgpu.barrier_wait(ready.at[slot])
-            parts = [mma(weight(slot, step // group_blocks), slot) for step, slot in group]
-            for _, slot in group:
-                plgpu.barrier_arrive(free.at[slot])
-            for (step, _), part in zip(group, parts, strict=True):
-                s = rows(s_smem, step // group_blocks).astype(jnp.float32)
-                acc = acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
-            return acc
+        def body(step, acc):
+            slot = lax.rem(step, stages)
+            g = step // group_blocks
+            plgpu.barrier_wait(ready.at[slot])
+            part = mma(weight(slot, g), slot)
+            plgpu.barrier_arrive(free.at[slot])
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
-        acc = acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout)
-        acc = lax.fori_loop(0, steps // unroll, lambda j, acc: blocks(j * unroll, unroll, acc), acc)
-        if steps % unroll:
-            acc = blocks(steps - steps % unroll, steps % unroll, acc)
+        acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
         cols = pl.ds(n0 + wg * BM, BM)
         if not rows_first:
             o_smem[wg] = acc
@@ -490,7 +497,6 @@ def _launch(
         "ctas_per_sm",
         "rows_first",
         "sync_rows",
-        "unroll",
         "interpret",
     ),
 )
@@ -508,15 +514,12 @@ def qmatmul_mgpu(
     ctas_per_sm=None,
     rows_first=False,
     sync_rows=SYNC_ROWS,
-    unroll=1,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
     rows_first. See the module docstring. sync_rows: up to this many rows (Mp) each block's product runs as per-warp
-    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma. unroll (1 .. stages): K blocks
-    an iteration of the compute loop, their ring waits first, then their products, then their releases, so that the
-    dequantization of one block can overlap the products of another.
+    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma.
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -541,11 +544,8 @@ def qmatmul_mgpu(
     Mp = -(-M // 8) * 8
     if Mp != M and interpret:  # on a GPU the TMA copies of x's Mp-row blocks read zeros past its M rows
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
-    if stages is None:  # as many slots as fit ~96 KB (two programs an SM), 2..8
-        per_stage = nw * BM * block_k // 2 + Mp * block_k * 2
-        stages = max(2, min(8, steps, (96 << 10) // per_stage))
-    if not 1 <= unroll <= stages:
-        raise ValueError(f"unroll={unroll} must be 1 .. stages ({stages})")
+    if stages is None:
+        stages = default_stages(Mp, Kp, steps, nw=nw, block_k=block_k, sync_rows=sync_rows)
     asym = zeros is not None
     dtype = x.dtype
     kernel = functools.partial(
@@ -559,7 +559,6 @@ def qmatmul_mgpu(
         dtype=dtype,
         rows_first=rows_first,
         sync_rows=sync_rows,
-        unroll=unroll,
         interpret=interpret,
     )
     if not rows_first:

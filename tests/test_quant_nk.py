@@ -56,22 +56,6 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
-@pytest.mark.parametrize("unroll,K,splits,group", [(2, 640, 1, 128), (3, 1024, 1, 256), (2, 1024, 2, -1)])
-def test_unrolled_kernel_gives_the_same_partials(unroll, K, splits, group):
-    """unroll: the compute loop takes `unroll` K blocks an iteration (their waits, products and releases side by
-    side), the steps left over in one more group (5 blocks by 2: 2 + 2 + 1; 8 by 3 with groups of two blocks, one
-    group across two iterations: 3 + 3 + 2). Same partials as one block an iteration, bit for bit (same order of the float32 sums)."""
-    N, M = 128, 3
-    w = _weight(K, N, group, False, seed=7)
-    x = jnp.asarray(np.random.default_rng(1).standard_normal((M, K)), jnp.bfloat16)
-    wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
-    run = functools.partial(_qmatmul_mgpu.qmatmul_mgpu, x, wt, s, z, group_size=group, splits=splits, interpret=True)
-    np.testing.assert_array_equal(np.asarray(run(unroll=unroll)), np.asarray(run()))
-    assert _rel(run(unroll=unroll).sum(0).T[:M], quantized_matmul_ref(x, w)) < 5e-3
-    with pytest.raises(ValueError, match="unroll"):
-        run(unroll=9)
-
-
 @pytest.mark.parametrize(
     "K,N,M,group,sym,tile_m,block_k",
     [
@@ -93,6 +77,16 @@ def test_wide_kernel_matches_the_reference(K, N, M, group, sym, tile_m, block_k)
     assert _rel(yt[:, :M].T, ref) < 5e-3
     y = _qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, wide=True, tile_m=tile_m, block_k=block_k, interpret=True)
     assert y.shape == (M, N) and _rel(y, ref) < 5e-3
+
+
+def test_default_ring_slots():
+    """qmatmul_mgpu's default ring: 8 slots (fewer when the split has fewer blocks or ~96 KB holds fewer); 4 at the
+    mma.sync row counts with K up to SHORT_K (measured faster for the 8B qkv and gate_up at 1 and 16 rows)."""
+    stages = _qmatmul_mgpu.default_stages
+    assert stages(8, 4096, 16) == stages(16, 4096, 8) == 4  # gate_up, qkv at 1-16 rows
+    assert stages(8, 14336, 8) == 8 and stages(8, 4096, 4) == 4  # down (long K), o (4 blocks a split)
+    assert stages(24, 4096, 16) == 8 and stages(8, 4096, 16, sync_rows=0) == 8  # wgmma rows
+    assert stages(256, 4096, 32) == 2  # 256 rows: 68 KB a slot
 
 
 def test_plan_and_refusals():
@@ -155,8 +149,6 @@ def test_kernel_lowers_for_cuda(M, sym):
         f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=sync_rows))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert ("mma.sync.aligned.m16n8k16" in text) == (sync_rows > 0)
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, unroll=2))  # two blocks an iteration
-    assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
