@@ -62,12 +62,14 @@ BM = 64  # wgmma rows: weight columns per compute warpgroup
 MAX_ROWS = 256  # wgmma's largest N
 MAX_SCALE_ROWS = 256  # a TMA box's largest dimension: group rows a program copies at its start
 SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mma.sync (_mma_sync); 0: wgmma always
-# Ring slots of qmatmul_mgpu's mma.sync row counts with K up to SHORT_K (8B shapes: qkv, o, gate_up; not down's K
-# 14336). One H200, M = 1, kernel us, two sweeps in one call (bench/results/quant_kernels_nk_h200_6b44981_stages_m1_*
-# .json): 4 slots against 8, qkv 6.20 / 6.20 against 6.62 / 6.45, gate_up 21.41 / 21.43 against 22.78 / 22.76; down
-# 12.32 / 12.35 against 12.24 / 12.16 with 4 (so it keeps 8); o has 4 steps a split, so 4 slots either way. At 16
-# rows (quant_kernels_nk_h200_c6787c2_unroll.json) qkv 7.09 against 7.29, gate_up 26.20 against 26.12.
-SHORT_K, SHORT_K_STAGES = 8192, 4
+# Ring slots of qmatmul_mgpu up to SHORT_K_ROWS rows (Mp) with K up to SHORT_K (8B shapes: qkv, o, gate_up; not
+# down's K 14336). One H200, M = 1, kernel us, two sweeps in one call (bench/results/quant_kernels_nk_h200_6b44981_
+# stages_m1_*.json): 4 slots against 8, qkv 6.20 / 6.20 against 6.62 / 6.45, gate_up 21.41 / 21.43 against 22.78 /
+# 22.76; down 12.32 / 12.35 against 12.24 / 12.16 with 4 (so it keeps 8); o has 4 steps a split, so 4 slots either
+# way. GPTQ 8B batch 1 in one call, ITL 2.29 / 2.31 ms against 2.41 (latency_h200_bb5edb6_stages_ab.json). Not at
+# 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
+# ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
+SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
@@ -285,9 +287,10 @@ def _q_minus_z(w_slot, z_row, dtype, interpret):
 
 def default_stages(mp, kp, steps, *, nw=1, block_k=128, sync_rows=SYNC_ROWS) -> int:
     """qmatmul_mgpu's ring slots: as many as fit ~96 KB (two programs an SM), 2..8, at most one a K block of the
-    split (steps); SHORT_K_STAGES at the mma.sync row counts (mp <= sync_rows) with K up to SHORT_K."""
+    split (steps); SHORT_K_STAGES up to SHORT_K_ROWS rows on the mma.sync path (mp <= sync_rows) with K up to
+    SHORT_K."""
     per_stage = nw * BM * block_k // 2 + mp * block_k * 2
-    most = SHORT_K_STAGES if mp <= sync_rows and kp <= SHORT_K else 8
+    most = SHORT_K_STAGES if mp <= SHORT_K_ROWS and mp <= sync_rows and kp <= SHORT_K else 8
     return max(2, min(most, steps, (96 << 10) // per_stage))
 
 

@@ -80,11 +80,12 @@ def test_wide_kernel_matches_the_reference(K, N, M, group, sym, tile_m, block_k)
 
 
 def test_default_ring_slots():
-    """qmatmul_mgpu's default ring: 8 slots (fewer when the split has fewer blocks or ~96 KB holds fewer); 4 at the
-    mma.sync row counts with K up to SHORT_K (measured faster for the 8B qkv and gate_up at 1 and 16 rows)."""
+    """qmatmul_mgpu's default ring: 8 slots (fewer when the split has fewer blocks or ~96 KB holds fewer); 4 up to 8
+    rows on the mma.sync path with K up to SHORT_K (measured faster for the 8B qkv and gate_up at one row)."""
     stages = _qmatmul_mgpu.default_stages
-    assert stages(8, 4096, 16) == stages(16, 4096, 8) == 4  # gate_up, qkv at 1-16 rows
+    assert stages(8, 4096, 16) == stages(8, 4096, 8) == 4  # gate_up, qkv at 1-8 rows
     assert stages(8, 14336, 8) == 8 and stages(8, 4096, 4) == 4  # down (long K), o (4 blocks a split)
+    assert stages(16, 4096, 16) == 8  # 9-16 rows
     assert stages(24, 4096, 16) == 8 and stages(8, 4096, 16, sync_rows=0) == 8  # wgmma rows
     assert stages(256, 4096, 32) == 2  # 256 rows: 68 KB a slot
 
