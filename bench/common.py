@@ -212,6 +212,25 @@ def timed(fn, record: dict, key: str):
     return call
 
 
+def call_seconds(obj, names) -> dict[str, list[float]]:
+    """Wraps obj's methods `names` (instance attributes; `del obj.name` undoes one) to append each call's wall
+    seconds to the returned lists, one per name (clear them to start over): calls, totals and percentiles of where a
+    step's host time goes."""
+    out: dict[str, list[float]] = {}
+    for name in names:
+        fn, spent = getattr(obj, name), out.setdefault(name, [])
+
+        def call(*a, _fn=fn, _spent=spent, **k):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                _spent.append(time.perf_counter() - t0)
+
+        setattr(obj, name, call)
+    return out
+
+
 def time_calls(obj, name: str, record: dict, key: str):
     """Replaces obj.name with timed(obj.name, record, key); returns the original (setattr(obj, name,
     original) undoes it)."""

@@ -77,22 +77,8 @@ def host_timing(llm, input_len: int, output_len: int) -> dict:
     collect mostly waits for the device: when its mean is near the unpacking's ~0.1 ms, the device waits for the
     host instead."""
     runner, engine = llm.llm_engine.runner, llm.llm_engine
-    spent: dict[str, list[float]] = {}
-
-    def timed(name, fn):
-        def call(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                spent.setdefault(name, []).append(time.perf_counter() - t)
-
-        return call
-
     names = ("prepare", "launch", "collect")
-    for name in names:
-        setattr(runner, name, timed(name, getattr(runner, name)))
-    engine.step = timed("step", engine.step)
+    spent = {**common.call_seconds(runner, names), **common.call_seconds(engine, ("step",))}
     try:
         run = run_batch(llm, 1, input_len, output_len, seed=77)
     finally:

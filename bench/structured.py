@@ -86,25 +86,6 @@ def _follows(text: str) -> bool:
     )
 
 
-def _time_calls(obj, names) -> dict:
-    """Wraps obj's methods `names` to add up their calls and seconds (reset per run): where the host time goes."""
-    timers = {}
-    for name in names:
-        fn, acc = getattr(obj, name), [0, 0.0]
-
-        def timed(*a, _fn=fn, _acc=acc, **kw):
-            t = time.perf_counter()
-            try:
-                return _fn(*a, **kw)
-            finally:
-                _acc[0] += 1
-                _acc[1] += time.perf_counter() - t
-
-        setattr(obj, name, timed)
-        timers[name] = acc
-    return timers
-
-
 def _top_functions(profile, n=30) -> list[dict]:
     """The n functions with the most own time in a cProfile run, with their calls and cumulative time."""
     import pstats
@@ -153,8 +134,9 @@ def main(argv=None) -> dict:
             for i in range(len(prompts))
         ], k
 
-    timers = _time_calls(engine, ("_advance_grammars", "_fill_masks", "_process"))
-    timers.update(_time_calls(engine.runner, ("prepare", "launch", "collect")))
+    # each call's seconds (cleared per run): where the host time goes
+    timers = common.call_seconds(engine, ("_advance_grammars", "_fill_masks", "_process"))
+    timers.update(common.call_seconds(engine.runner, ("prepare", "launch", "collect")))
     # warm-up: one short constrained and unconstrained batch (sampler programs with the mask compile here)
     warm, _ = params(0.5)
     for sp in warm:
@@ -172,7 +154,7 @@ def main(argv=None) -> dict:
         engine.runner.overlap_min_masked = overlap_min_masked
         ps, k = params(f)
         for t in timers.values():
-            t[:] = [0, 0.0]
+            t.clear()
         compiles = engine.runner.programs.num_compiles_after_warmup
         profile = None
         if r == "profile":
@@ -197,7 +179,7 @@ def main(argv=None) -> dict:
             output_tokens_per_s=n_out / elapsed,
             constrained_complete_json=sum(map(_follows, texts)),
             compiles_during_run=engine.runner.programs.num_compiles_after_warmup - compiles,
-            host_s={name: dict(calls=n, seconds=sec) for name, (n, sec) in timers.items()},
+            host_s={name: dict(calls=len(t), seconds=sum(t)) for name, t in timers.items()},
         )
         if profile is not None:
             row["host_profile_top"] = _top_functions(profile)
@@ -209,7 +191,7 @@ def main(argv=None) -> dict:
             f"round {r} fraction {f:.2f} ({k} constrained, overlap_min_masked {overlap_min_masked}): "
             f"{row['requests_per_s']:.2f} req/s, "
             f"{row['output_tokens_per_s']:.0f} out tok/s; {row['constrained_complete_json']} complete "
-            f"JSON; host s: " + ", ".join(f"{n} {v[1]:.2f}" for n, v in timers.items()),
+            f"JSON; host s: " + ", ".join(f"{n} {sum(t):.2f}" for n, t in timers.items()),
             flush=True,
         )
     res = dict(
