@@ -19,7 +19,8 @@ handling, no Pallas kernel); fp8_res = fp8_matmul then XLA's residual add of a [
 bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the residual) as one Pallas kernel
 (kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
 FP8_GEMV_SWEEP tilings); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
-kernels_pallas/_qdequant.py).
+kernels_pallas/_qdequant.py); int4_mgpu / int4_mgpu_asym / int4_mgpu_pc = the Mosaic GPU kernel on the nk layout
+(_qmatmul_mgpu), int4 g128 sym / asym and per-channel sym (no group: any block_k, e.g. {"block_k": 256}).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
 --sweep-m. --check first runs every CHECK_CASES kernel variant against the reference with each dequant path.
 Timing: R = --reps calls chained in one jit, each on its own x and on rotating copies of the weight (>= 256 MB
@@ -76,6 +77,7 @@ IMPLS = (
     "int4_xla",
     "int4_mgpu",
     "int4_mgpu_asym",
+    "int4_mgpu_pc",
     "fp8_widened",
     "fp8_res",
     "fp8_gemv",
@@ -284,11 +286,12 @@ def make_impl(name, K, N, key):
     if name.startswith("int4_mgpu"):  # the Mosaic GPU kernel on the nk layout (_qmatmul_mgpu.nk_layout of planes)
         from kernels_pallas import _qmatmul_mgpu
 
-        w = int_weight(key, K, N, 4, 128, name == "int4_mgpu")
+        group = -1 if name == "int4_mgpu_pc" else 128
+        w = int_weight(key, K, N, 4, group, name != "int4_mgpu_asym")
         nk = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
 
         def mgpu(x, w, **cfg):
-            y = _qmatmul_mgpu.matmul(x, *w[1], group_size=128, **cfg)
+            y = _qmatmul_mgpu.matmul(x, *w[1], group_size=group, **cfg)
             # partials: the rows-first [S, M, N] partials the decoder's split_k consumers take, summed here for the check
             return y.sum(0).astype(x.dtype) if cfg.get("partials") else y
 
