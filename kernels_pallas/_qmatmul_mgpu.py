@@ -70,9 +70,13 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
-# qmatmul_mgpu's K block on the mma.sync path (default_block_k): each ring slot's weight rows 128 contiguous bytes
-# (one L2 line) instead of 64, and half the slots' barrier waits and releases; g128 groups are multiplied two a slot.
-WIDE_BLOCK_K = 256
+# qmatmul_mgpu's K block for the 8B gate_up at 1-8 rows (default_block_k), in WIDE_BLOCK_K_STAGES ring slots: each
+# slot's weight rows 128 contiguous bytes (one L2 line) instead of 64, half the barrier waits and releases; g128
+# groups are multiplied two a slot. One H200, M = 1, kernel us (bench/results/quant_kernels_nk_h200_8c85a6c_bk256.json):
+# gate_up 22.12 (2 slots) / 22.62 (3) / 23.22 (4) against 23.23 with 128-wide blocks, asymmetric 22.96 against 23.93;
+# qkv 7.79 / o 6.53 against 7.36 / 6.34, down 13.51 against 14.03 but asymmetric 14.88 against 14.26 (they keep 128);
+# at 16 rows every shape was 7-30 % slower (gate_up 30.48 against 27.75).
+WIDE_BLOCK_K, WIDE_BLOCK_K_STAGES = 256, 2
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1, sub_groups=False) -> bool:
@@ -98,12 +102,13 @@ def _sub_block(block_k, group_size) -> int:
     return block_k if group_size == -1 or group_size >= block_k else group_size
 
 
-def default_block_k(mp, kp, group_size, *, sync_rows=SYNC_ROWS) -> int:
-    """qmatmul_mgpu's K block (a ring slot's columns): WIDE_BLOCK_K on the mma.sync path (mp <= sync_rows) where K
-    and the groups allow it, else 128."""
+def default_block_k(mp, n, kp, group_size, *, sync_rows=SYNC_ROWS) -> int:
+    """qmatmul_mgpu's K block (a ring slot's columns): WIDE_BLOCK_K up to SHORT_K_ROWS rows on the mma.sync path for
+    large weights (N * K >= 2^25) with K up to SHORT_K (the 8B gate_up), where K and the groups allow it; else 128."""
     wide = WIDE_BLOCK_K
-    ok = mp <= sync_rows and kp % wide == 0 and (group_size == -1 or group_size % NK_GROUP == 0)
-    return wide if ok and (group_size == -1 or wide % group_size == 0 or group_size % wide == 0) else 128
+    shape_ok = mp <= min(SHORT_K_ROWS, sync_rows) and n * kp >= 1 << 25 and kp <= SHORT_K and kp % wide == 0
+    groups_ok = group_size == -1 or (group_size % NK_GROUP == 0 and (wide % group_size == 0 or group_size % wide == 0))
+    return wide if shape_ok and groups_ok else 128
 
 
 def nk_layout(qweight, scales, zeros, *, plane, dtype):
@@ -317,9 +322,10 @@ def _q_minus_z(w_slot, z_row, dtype, interpret, col0=0, width=None):
 def default_stages(mp, kp, steps, *, nw=1, block_k=128, sync_rows=SYNC_ROWS) -> int:
     """qmatmul_mgpu's ring slots: as many as fit ~96 KB (two programs an SM), 2..8, at most one a K block of the
     split (steps); SHORT_K_STAGES up to SHORT_K_ROWS rows on the mma.sync path (mp <= sync_rows) with K up to
-    SHORT_K."""
+    SHORT_K; WIDE_BLOCK_K_STAGES for WIDE_BLOCK_K-wide blocks."""
     per_stage = nw * BM * block_k // 2 + mp * block_k * 2
     most = SHORT_K_STAGES if mp <= SHORT_K_ROWS and mp <= sync_rows and kp <= SHORT_K else 8
+    most = WIDE_BLOCK_K_STAGES if block_k >= WIDE_BLOCK_K else most
     return max(2, min(most, steps, (96 << 10) // per_stage))
 
 
@@ -569,7 +575,7 @@ def qmatmul_mgpu(
     if M > MAX_ROWS:
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     Mp = -(-M // 8) * 8
-    block_k = block_k or default_block_k(Mp, Kp, group_size, sync_rows=sync_rows)
+    block_k = block_k or default_block_k(Mp, N, Kp, group_size, sync_rows=sync_rows)
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw, sub_groups=Mp <= sync_rows):
         raise ValueError(
             f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}, block_k={block_k}"
