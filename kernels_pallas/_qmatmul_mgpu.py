@@ -70,45 +70,24 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
-# qmatmul_mgpu's K block for the 8B gate_up at 1-8 rows (default_block_k), in WIDE_BLOCK_K_STAGES ring slots: each
-# slot's weight rows 128 contiguous bytes (one L2 line) instead of 64, half the barrier waits and releases; g128
-# groups are multiplied two a slot. One H200, M = 1, kernel us (bench/results/quant_kernels_nk_h200_8c85a6c_bk256.json):
-# gate_up 22.12 (2 slots) / 22.62 (3) / 23.22 (4) against 23.23 with 128-wide blocks, asymmetric 22.96 against 23.93;
-# qkv 7.79 / o 6.53 against 7.36 / 6.34, down 13.51 against 14.03 but asymmetric 14.88 against 14.26 (they keep 128);
-# at 16 rows every shape was 7-30 % slower (gate_up 30.48 against 27.75).
-WIDE_BLOCK_K, WIDE_BLOCK_K_STAGES = 256, 2
+# Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
+# multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
+# 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
+# runs each in three calls (bench/results/latency_h200_3199f25_bk256_ab.json, latency_b1_b8_b16_h200_77b562d_ab.json,
+# latency_h200_77b562d_bk256_ab3.json); qkv, o, and 16 rows were slower as kernels (quant_kernels_nk_h200_8c85a6c_*).
 
 
-def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1, sub_groups=False) -> bool:
+def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
     """The inputs this kernel takes: 16-bit x, int4, N a multiple of BM * nw, groups a multiple of block_k (or per
-    channel), Kp a multiple of block_k. sub_groups (qmatmul_mgpu's mma.sync rows): also groups that divide block_k,
-    each a multiple of NK_GROUP (a ring slot then holds several groups; _sub_block)."""
-    groups_ok = group_size == -1 or group_size % block_k == 0
-    if sub_groups and group_size != -1:
-        groups_ok |= block_k % group_size == 0 and group_size % NK_GROUP == 0
+    channel), Kp a multiple of block_k."""
     return (
         jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and bits == 4
         and n % (BM * nw) == 0
         and kp % block_k == 0
         and block_k % NK_GROUP == 0
-        and groups_ok
+        and (group_size == -1 or group_size % block_k == 0)
     )
-
-
-def _sub_block(block_k, group_size) -> int:
-    """K columns one product of qmatmul_mgpu's compute loop covers: a ring slot's block_k, or a group where groups
-    are smaller (the slot's groups multiplied one by one, each by its scale)."""
-    return block_k if group_size == -1 or group_size >= block_k else group_size
-
-
-def default_block_k(mp, n, kp, group_size, *, sync_rows=SYNC_ROWS) -> int:
-    """qmatmul_mgpu's K block (a ring slot's columns): WIDE_BLOCK_K up to SHORT_K_ROWS rows on the mma.sync path for
-    large weights (N * K >= 2^25) with K up to SHORT_K (the 8B gate_up), where K and the groups allow it; else 128."""
-    wide = WIDE_BLOCK_K
-    shape_ok = mp <= min(SHORT_K_ROWS, sync_rows) and n * kp >= 1 << 25 and kp <= SHORT_K and kp % wide == 0
-    groups_ok = group_size == -1 or (group_size % NK_GROUP == 0 and (wide % group_size == 0 or group_size % wide == 0))
-    return wide if shape_ok and groups_ok else 128
 
 
 def nk_layout(qweight, scales, zeros, *, plane, dtype):
@@ -169,10 +148,9 @@ def _submatrices(shape):
     }
 
 
-def _biased_weight(w_ref, dtype, col0=0, width=None):
+def _biased_weight(w_ref, dtype):
     """A [BM, block_k] block of nk-layout int4 (nk_permute's order, values q - 8) in shared memory (row-major, no
-    swizzle), its columns col0 .. col0 + width (multiples of NK_GROUP; all by default) -> bias + q in dtype (_bias),
-    in the WGMMA layout wgmma takes as its register operand. Each thread loads
+    swizzle) -> bias + q in dtype (_bias), in the WGMMA layout wgmma takes as its register operand. Each thread loads
     its two rows' words with 64-bit loads (two 32-bit words a row and 64-value group: nk_permute puts them side by
     side) and makes each pair of values with one shift and one LOP3: the two nibbles masked into the low mantissa
     bits of the two halves of bias's bit pattern, their sign bit (q - 8 stored as int4) flipped back (the pattern's
@@ -185,13 +163,12 @@ def _biased_weight(w_ref, dtype, col0=0, width=None):
     from jaxlib.mlir.dialects import arith, llvm
 
     block_k = w_ref.shape[-1]
-    width = width or block_k
     half = int(np.array(_bias(dtype), dtype).view(np.uint16)) | 8  # bias's bit pattern, bit 3 set (bf16 0x4308)
     magic = half * 0x10001  # both halves: (x & 0x000f000f) ^ magic = bias + q in each
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(_w_tiling(block_k)),),
-        return_type=plgpu.ShapeDtypeStruct((BM, width), dtype, layout=plgpu.Layout.WGMMA),
+        return_type=plgpu.ShapeDtypeStruct((BM, block_k), dtype, layout=plgpu.Layout.WGMMA),
     )
     def biased(ctx, ref):
         del ctx
@@ -208,15 +185,14 @@ def _biased_weight(w_ref, dtype, col0=0, width=None):
         words = {}
         for h in range(2):  # the thread's rows: row, row + 8
             off = arith.addi(arith.muli(arith.addi(row, c32(8 * h)), c32(row_bytes)), arith.muli(pair, c32(8)))
-            off = arith.addi(off, c32(col0 // 2))
-            for g in range(width // NK_GROUP):
+            for g in range(block_k // NK_GROUP):
                 byte = arith.extui(i64, arith.addi(off, c32(32 * g)))
                 v = llvm.load(ir.VectorType.get((2,), i32), utils.getelementptr(base, [byte], i8))
                 for j in range(2):
                     words[h, g, j] = llvm.extractelement(v, arith.constant(i32, j))
         reg_ty = ir.VectorType.get((2,), utils.dtype_to_ir_type(dtype))
-        regs = np.empty(layout.registers_shape((BM, width)), dtype=object)
-        for idx, (dr, dc) in _submatrices((BM, width)).items():
+        regs = np.empty(layout.registers_shape((BM, block_k)), dtype=object)
+        for idx, (dr, dc) in _submatrices((BM, block_k)).items():
             g, rem = divmod(dc // 8, 8)
             j, m = divmod(rem, 4)
             w = words[dr // 8, g, j]
@@ -237,10 +213,9 @@ def _x_transforms():
     return (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 
-def _mma_sync(a, x_slot, dtype, col0=0):
-    """a [BM, width] (q - z in x's dtype, WGMMA layout) times columns col0 .. col0 + width (col0 a multiple of 64) of
-    the x block [Mp, block_k] in shared memory (_x_transforms) transposed -> [BM, Mp] float32 in the WGMMA layout,
-    with per-warp mma.sync.m16n8k16 instead of one
+def _mma_sync(a, x_slot, dtype):
+    """a [BM, block_k] (q - z in x's dtype, WGMMA layout) times the x block [Mp, block_k] in shared memory
+    (_x_transforms) transposed -> [BM, Mp] float32 in the WGMMA layout, with per-warp mma.sync.m16n8k16 instead of one
     warpgroup wgmma: each warp's 16 rows of a are already mma.sync's A fragments (registers (dr, dc), (8 + dr, dc),
     (dr, dc + 8), (8 + dr, dc + 8) of a 16-column step), each B fragment two 32-bit loads of x (rows 8 nt + lane / 4,
     columns 2 (lane % 4) and 8 more; the swizzle XORs the 16-byte chunk with the row), and the accumulators' layout is
@@ -253,7 +228,6 @@ def _mma_sync(a, x_slot, dtype, col0=0):
     from jaxlib.mlir.dialects import arith, llvm
 
     Mp, block_k = x_slot.shape
-    width = a.shape[1]
     ty = "bf16" if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16) else "f16"
     asm = f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{$0,$1,$2,$3}}, {{$4,$5,$6,$7}}, {{$8,$9}}, {{$10,$11,$12,$13}};"
 
@@ -267,14 +241,13 @@ def _mma_sync(a, x_slot, dtype, col0=0):
         c32 = lambda v: arith.constant(i32, v)  # noqa: E731
         layout = mgpu.WGMMA_LAYOUT
 
-        a_regs = {rc: utils.bitcast(a_frag.registers[idx], i32) for idx, rc in _submatrices((BM, width)).items()}
+        a_regs = {rc: utils.bitcast(a_frag.registers[idx], i32) for idx, rc in _submatrices((BM, block_k)).items()}
         lane = arith.remui(utils.thread_idx(), c32(32))
         g, t = arith.divui(lane, c32(4)), arith.remui(lane, c32(4))
         base = utils.memref_ptr(ref)
         row = arith.addi(arith.muli(g, c32(128)), arith.muli(t, c32(4)))  # bytes into a tile: row g, column pair t
 
         def x_word(nt, c):  # x[8 nt + g, 8 c + 2 t : + 2] as an i32: tile (nt, c // 8), chunk c % 8 swizzled with g
-            c += col0 // 8
             tile = (nt * (block_k // 64) + c // 8) * 1024
             chunk = arith.muli(arith.xori(g, c32(c % 8)), c32(16))
             byte = arith.extui(ir.IntegerType.get_signless(64), arith.addi(arith.addi(row, chunk), c32(tile)))
@@ -285,7 +258,7 @@ def _mma_sync(a, x_slot, dtype, col0=0):
         acc = {}
         for nt in range(Mp // 8):
             chains = [[zero] * 4, [zero] * 4]
-            for kk in range(width // 16):
+            for kk in range(block_k // 16):
                 a = [a_regs[0, 16 * kk], a_regs[8, 16 * kk], a_regs[0, 16 * kk + 8], a_regs[8, 16 * kk + 8]]
                 b = [x_word(nt, 2 * kk), x_word(nt, 2 * kk + 1)]
                 d = llvm.inline_asm(struct, [*a, *b, *chains[kk % 2]], asm, "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
@@ -304,16 +277,14 @@ def _mma_sync(a, x_slot, dtype, col0=0):
     return mma(a, x_slot)
 
 
-def _q_minus_z(w_slot, z_row, dtype, interpret, col0=0, width=None):
-    """A ring slot's weight block ([BM, block_k] nk-layout int4 in shared memory), its columns col0 .. col0 + width
-    (all by default) -> q - z in dtype, wgmma's register operand; z_row: the columns' group row of zeros - 8 ([BM];
-    asymmetric) or None (symmetric, z = 8). On a GPU _biased_weight's bias + q minus bias + 8 (+ z - 8): one subtract
-    a value pair; the interpreter unpermutes."""
+def _q_minus_z(w_slot, z_row, dtype, interpret):
+    """A ring slot's weight block ([BM, block_k] nk-layout int4 in shared memory) -> q - z in dtype, wgmma's register
+    operand; z_row: the block's group row of zeros - 8 ([BM]; asymmetric) or None (symmetric, z = 8). On a GPU
+    _biased_weight's bias + q minus bias + 8 (+ z - 8): one subtract a value pair; the interpreter unpermutes."""
     if interpret:
-        width = width or w_slot.shape[-1]
-        a, off = nk_unpermute(w_slot[...][:, col0 : col0 + width]).astype(dtype), 0.0
+        a, off = nk_unpermute(w_slot[...]).astype(dtype), 0.0
     else:
-        a, off = _biased_weight(w_slot, dtype, col0, width), _bias(dtype) + 8
+        a, off = _biased_weight(w_slot, dtype), _bias(dtype) + 8
     if z_row is None:
         return a - off if off else a
     return a - lax.broadcast_in_dim(z_row + off, a.shape, [0])
@@ -322,10 +293,9 @@ def _q_minus_z(w_slot, z_row, dtype, interpret, col0=0, width=None):
 def default_stages(mp, kp, steps, *, nw=1, block_k=128, sync_rows=SYNC_ROWS) -> int:
     """qmatmul_mgpu's ring slots: as many as fit ~96 KB (two programs an SM), 2..8, at most one a K block of the
     split (steps); SHORT_K_STAGES up to SHORT_K_ROWS rows on the mma.sync path (mp <= sync_rows) with K up to
-    SHORT_K; WIDE_BLOCK_K_STAGES for WIDE_BLOCK_K-wide blocks."""
+    SHORT_K."""
     per_stage = nw * BM * block_k // 2 + mp * block_k * 2
     most = SHORT_K_STAGES if mp <= SHORT_K_ROWS and mp <= sync_rows and kp <= SHORT_K else 8
-    most = WIDE_BLOCK_K_STAGES if block_k >= WIDE_BLOCK_K else most
     return max(2, min(most, steps, (96 << 10) // per_stage))
 
 
@@ -333,12 +303,11 @@ def plan(n, kp, group_size, *, block_k=128, nw=1, ctas_per_sm=2, min_steps=2):
     """Splits of K: the fewest (dividing K's blocks, whole groups each) that give about ctas_per_sm programs an SM,
     at least min_steps blocks each, and at most MAX_SCALE_ROWS group rows a program."""
     blocks = kp // block_k
-    group_blocks = blocks if group_size == -1 else max(1, group_size // block_k)
-    block_groups = block_k // _sub_block(block_k, group_size)  # group rows a block (groups smaller than a block)
+    group_blocks = blocks if group_size == -1 else group_size // block_k
     cols = n // (BM * nw)
     choices = [s for s in range(1, blocks + 1) if blocks % s == 0 and (blocks // s) % group_blocks in (0, blocks // s)]
     ok = [s for s in choices if blocks // s >= min(min_steps, blocks)]
-    fits = [s for s in ok if -(-blocks // s // group_blocks) * block_groups <= MAX_SCALE_ROWS]
+    fits = [s for s in ok if -(-blocks // s // group_blocks) <= MAX_SCALE_ROWS]
     for s in fits:
         if cols * s >= ctas_per_sm * NUM_SMS:
             return s
@@ -353,10 +322,9 @@ def _kernel(
     asym,
     nw,
     block_k,
-    sub,
     steps,
     stages,
-    group_subs,
+    group_blocks,
     dtype,
     rows_first,
     sync_rows,
@@ -370,8 +338,7 @@ def _kernel(
     col, split, wg = lax.axis_index("n"), lax.axis_index("s"), lax.axis_index("wg")
     n0 = col * BM * nw
     first = split * steps  # the split's first K block
-    nsub = block_k // sub  # products a slot (_sub_block): its groups where they are smaller than block_k
-    g0 = first * nsub // group_subs  # the split's first group row (per channel: group_subs > K's subs, so 0)
+    g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
     Mp = x_smem.shape[1]
 
     @pl.when(wg < nw)
@@ -384,15 +351,14 @@ def _kernel(
                 return ref[wg, g]
             return plgpu.load(ref.at[wg, g], (), layout=row_layout, optimized=False)
 
-        def weight(slot, g, j):  # sub-block j of the slot: q - z in x's dtype
-            z = rows(z_smem, g) if asym else None
-            return _q_minus_z(w_smem.at[slot, wg], z, dtype, interpret, col0=j * sub, width=sub)
+        def weight(slot, g):  # the block's q - z in x's dtype
+            return _q_minus_z(w_smem.at[slot, wg], rows(z_smem, g) if asym else None, dtype, interpret)
 
-        def mma(a, slot, j):
+        def mma(a, slot):
             if interpret:
-                return jnp.dot(a, x_smem[slot][:, j * sub : (j + 1) * sub].T, preferred_element_type=jnp.float32)
+                return jnp.dot(a, x_smem[slot].T, preferred_element_type=jnp.float32)
             if Mp <= sync_rows:
-                return _mma_sync(a, x_smem.at[slot], dtype, col0=j * sub)
+                return _mma_sync(a, x_smem.at[slot], dtype)
 
             def scope(acc_ref):
                 plgpu.wgmma(acc_ref, a, plgpu.transpose_ref(x_smem.at[slot], (1, 0)))
@@ -404,16 +370,12 @@ def _kernel(
 
         def body(step, acc):
             slot = lax.rem(step, stages)
+            g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
-            parts = []
-            for j in range(nsub):
-                g = (step * nsub + j) // group_subs
-                parts.append((g, mma(weight(slot, g, j), slot, j)))
+            part = mma(weight(slot, g), slot)
             plgpu.barrier_arrive(free.at[slot])
-            for g, part in parts:
-                s = rows(s_smem, g).astype(jnp.float32)
-                acc = acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
-            return acc
+            s = rows(s_smem, g).astype(jnp.float32)
+            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
         acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
@@ -554,7 +516,7 @@ def qmatmul_mgpu(
     *,
     group_size,
     nw=1,
-    block_k=None,
+    block_k=128,
     splits=None,
     stages=None,
     ctas_per_sm=None,
@@ -574,25 +536,20 @@ def qmatmul_mgpu(
     N = wt.shape[0]
     if M > MAX_ROWS:
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
-    Mp = -(-M // 8) * 8
-    block_k = block_k or default_block_k(Mp, N, Kp, group_size, sync_rows=sync_rows)
-    if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw, sub_groups=Mp <= sync_rows):
-        raise ValueError(
-            f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}, block_k={block_k}"
-        )
+    if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
+        raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
         ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
     blocks = Kp // block_k
-    sub = _sub_block(block_k, group_size)
-    group_subs = (1 << 30) if group_size == -1 else group_size // sub
+    group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
     if blocks % S:
         raise ValueError(f"splits={S} must divide K's {blocks} blocks of {block_k}")
     steps = blocks // S
-    subs = steps * (block_k // sub)
-    ng = 1 if group_size == -1 else subs // group_subs
-    if group_size != -1 and (subs % group_subs or ng > MAX_SCALE_ROWS):
+    ng = 1 if group_size == -1 else steps // group_blocks
+    if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):
         raise ValueError(f"splits={S}: each split must hold whole groups, at most {MAX_SCALE_ROWS}")
+    Mp = -(-M // 8) * 8
     if Mp != M and interpret:  # on a GPU the TMA copies of x's Mp-row blocks read zeros past its M rows
         x = jnp.pad(x, ((0, Mp - M), (0, 0)))
     if stages is None:
@@ -604,10 +561,9 @@ def qmatmul_mgpu(
         asym=asym,
         nw=nw,
         block_k=block_k,
-        sub=sub,
         steps=steps,
         stages=stages,
-        group_subs=group_subs,
+        group_blocks=group_blocks,
         dtype=dtype,
         rows_first=rows_first,
         sync_rows=sync_rows,

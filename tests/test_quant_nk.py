@@ -30,30 +30,27 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize(
-    "K,N,M,group,sym,splits,block_k",
+    "K,N,M,group,sym,splits",
     [
-        (256, 128, 1, 128, True, 2, 128),
-        (512, 192, 3, 128, False, 2, 128),
-        (256, 64, 9, -1, True, 2, 128),
-        (512, 128, 16, 256, False, 1, 128),
-        (1024, 128, 2, 128, False, 2, 256),  # two groups a ring slot (the 8B gate_up's blocks at 1-8 rows)
-        (512, 64, 16, 64, True, 1, 256),  # four groups a slot, 16 rows
+        (256, 128, 1, 128, True, 2),
+        (512, 192, 3, 128, False, 2),
+        (256, 64, 9, -1, True, 2),
+        (512, 128, 16, 256, False, 1),
     ],
 )
-def test_kernel_matches_the_reference(K, N, M, group, sym, splits, block_k):
+def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     """qmatmul_mgpu's split-K partials (interpreter) sum to x @ W: symmetric and asymmetric, per channel, a group of
-    two K blocks, groups smaller than a K block (each multiplied by its own scale), rows padded to 8 and to 16;
-    against quantized_matmul_ref on the planes layout of the same integers (bf16 output rounding apart)."""
+    two K blocks, rows padded to 8 and to 16; against quantized_matmul_ref on the planes layout of the same integers
+    (bf16 output rounding apart)."""
     w = _weight(K, N, group, sym, seed=K + M)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
     wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
     assert wt.shape == (N, K) and wt.dtype == jnp.int4 and (z is None) == sym
-    kw = dict(group_size=group, splits=splits, block_k=block_k, interpret=True)
-    parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, **kw)
+    parts = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, interpret=True)
     assert parts.shape == (splits, N, -(-M // 8) * 8)
     ref = quantized_matmul_ref(x, w)
     assert _rel(parts.sum(0).T[:M], ref) < 5e-3
-    rows = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, rows_first=True, **kw)
+    rows = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, group_size=group, splits=splits, rows_first=True, interpret=True)
     assert rows.shape == (splits, M, N)
     np.testing.assert_array_equal(np.asarray(rows), np.asarray(parts[:, :, :M].transpose(0, 2, 1)))
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
@@ -91,24 +88,6 @@ def test_default_ring_slots():
     assert stages(16, 4096, 16) == 8  # 9-16 rows
     assert stages(24, 4096, 16) == 8 and stages(8, 4096, 16, sync_rows=0) == 8  # wgmma rows
     assert stages(256, 4096, 32) == 2  # 256 rows: 68 KB a slot
-    assert stages(8, 4096, 8, block_k=256) == 2  # gate_up's 256-wide blocks
-
-
-def test_default_block_k():
-    """256-wide K blocks only for the 8B gate_up shape (N * K >= 2^25, K <= SHORT_K) at 1-8 rows, with groups that
-    divide them or that they divide; 128 for qkv, o, down, 9+ rows and wgmma rows."""
-    bk = _qmatmul_mgpu.default_block_k
-    assert bk(8, 28672, 4096, 128) == bk(8, 28672, 4096, -1) == bk(8, 28672, 4096, 512) == 256
-    assert bk(8, 6144, 4096, 128) == bk(8, 4096, 4096, 128) == bk(8, 4096, 14336, 128) == 128  # qkv, o, down
-    assert bk(16, 28672, 4096, 128) == bk(8, 28672, 4096, 128, sync_rows=0) == 128
-    assert bk(8, 28672, 4096, 32) == 128  # groups below NK_GROUP
-    assert _qmatmul_mgpu.plan(28672, 4096, 128, block_k=256, ctas_per_sm=4) == 2  # 8 blocks of two groups a split
-    assert _qmatmul_mgpu.supported(jnp.bfloat16, 128, 512, 4, 128, 256, sub_groups=True)
-    assert not _qmatmul_mgpu.supported(jnp.bfloat16, 128, 512, 4, 128, 256)  # the wgmma path: whole blocks a group
-    w = _weight(512, 64, 128, True)
-    wt, s, _ = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, None, plane=w.plane, dtype=jnp.bfloat16)
-    with pytest.raises(ValueError, match="block_k=256"):  # 24 rows: wgmma
-        _qmatmul_mgpu.qmatmul_mgpu(jnp.zeros((24, 512), jnp.bfloat16), wt, s, group_size=128, block_k=256)
 
 
 def test_plan_and_refusals():
@@ -171,9 +150,6 @@ def test_kernel_lowers_for_cuda(M, sym):
         f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=sync_rows))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert ("mma.sync.aligned.m16n8k16" in text) == (sync_rows > 0)
-    # 256-wide blocks of two groups (default_block_k's, for the 8B gate_up at 1-8 rows)
-    f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, block_k=256, rows_first=True))
-    assert "qmatmul_nk_mosaic_gpu" in f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
@@ -355,7 +331,7 @@ def test_nk_qkv_partials_reach_the_attention_kernel(gptq_g128, monkeypatch):
     assert quant_matmul.split_k(h, w, interpret=True) is None
 
 
-@pytest.mark.parametrize("block_k", [128, 64, 256])
+@pytest.mark.parametrize("block_k", [128, 64])
 def test_nk_permute_puts_each_lanes_pairs_where_the_kernel_reads_them(block_k):
     """What _biased_weight does on a GPU (the interpreter unpermutes instead), in numpy on nk_permute's bytes (int4
     element 2i in byte i's low nibble): lane l of warp w reads rows 16 w + l // 4 (+ 8) with 64-bit loads at byte
