@@ -1,14 +1,15 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,goal,b1,decode,prefill,mgpu,write,qkv,fused,fp8_decode,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,pool,goal,b1,decode,prefill,mgpu,write,qkv,fused,fp8_decode,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
   steps through the entry point with and without split_decode; trace = an XProf split of a decode call (kernel
   vs the ops around it, written to <out>_trace.json); profile = one launch per goal shape for ncu; causal =
   the ragged prefill defaults vs the previous tiles plus an XProf split of the goal-shape call; combine =
-  XProf times of the split-K combine's tilings at B1 x 32k; inflight = decode configs with more KV bytes in
+  XProf times of the split-K combine's tilings at B1 x 32k; pool = B1 x 32k with the engine's padding row
+  and KV pool size; inflight = decode configs with more KV bytes in
   flight; b1 = decode configs over the engine's padded batch-1 as it was before stop 17 (8 sequences, 1 live;
   2 since).
 
@@ -896,6 +897,19 @@ def main():
                     cfg=cfg,
                 )
                 xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
+    if "pool" in only:  # B1 x 32k through the entry point as the engine calls it: the bucket's padding row (length
+        # 0) and a KV pool of the engine's size (55,690 pages of 16 tokens: the H200's at max_model_len 32768), the
+        # sequence's pages shuffled over it, against the goal shape's one row over a pool of its own pages only
+        import kernels_pallas as kp
+
+        call = lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)  # noqa: E731
+        for B, pool in ((1, None), (1, 55690), (2, None), (2, 55690)):
+            q, k, v, lens, _, bt = make_case(B, 32768, total_pages=pool)
+            lens = jnp.asarray(np.array([32768] + [0] * (B - 1), np.int32))
+            nbytes = 32768 * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
+            row = dict(kind="decode_pool", label=f"b{B}_ctx32768_pool{int(k.shape[1])}", live=1)
+            xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
+            del q, k, v
     if "goal" in only:  # the decode goal shapes through the entry point (the backend it picks), the Triton kernel
         # and JAX's shipped kernel, each by chain difference and by XProf kernel time, twice
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
