@@ -902,14 +902,11 @@ def main():
         # sequence's pages shuffled over it, against the goal shape's one row over a pool of its own pages only
         import kernels_pallas as kp
 
-        call = lambda q, k, v, lens, bt: kp.paged_decode_attention(q, k, v, lens, bt, scale=0.088)  # noqa: E731
         for B, pool in ((1, None), (1, 55690), (2, None), (2, 55690)):
-            q, k, v, lens, _, bt = make_case(B, 32768, total_pages=pool)
-            lens = jnp.asarray(np.array([32768] + [0] * (B - 1), np.int32))
-            nbytes = 32768 * k.shape[0] * k.shape[-1] * 2 * 2 + 2 * q.size * 2
-            row = dict(kind="decode_pool", label=f"b{B}_ctx32768_pool{int(k.shape[1])}", live=1)
-            xprof_row(results, row, call, (q, k, v, lens, bt), nbytes, copy)
-            del q, k, v
+            label = f"pool_b{B}_ctx32768_pages{pool or 'own'}"
+            bench_engine_like(
+                results, copy, label, B=B, ctx=32768, live=1, total_pages=pool, fn=kp.paged_decode_attention
+            )
     if "goal" in only:  # the decode goal shapes through the entry point (the backend it picks), the Triton kernel
         # and JAX's shipped kernel, each by chain difference and by XProf kernel time, twice
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
