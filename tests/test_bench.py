@@ -802,6 +802,19 @@ def test_quant_kernels_smoke(tmp_path):
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
 
 
+def test_quant_kernels_mgpu_per_channel(tmp_path):
+    """bench/quant_kernels.py's int4_mgpu_pc row (the Mosaic GPU int4 kernel in interpret mode on a per-channel
+    weight): its default and a 256-wide K block both match the reference."""
+    from bench import quant_kernels
+
+    out = tmp_path / "q.json"
+    argv = ["--tiny", "--m", "1", "--shapes", "o", "--impls", "int4_mgpu_pc", "--sweep", "--sweep-m", "1"]
+    quant_kernels.main(argv + ["--sweep-shapes", "o", "--mgpu-configs", '[{"block_k": 256}]', "--out", str(out)])
+    rows = [r for r in json.loads(out.read_text())["rows"] if r.get("impl") == "int4_mgpu_pc"]
+    assert [r["cfg"] for r in rows] == [{}, {"block_k": 256}]
+    assert all("error" not in r and r["rel_err"] < 1e-2 for r in rows), rows
+
+
 def test_moe_matmul_smoke(tmp_path):
     """bench/moe_matmul.py: grouped vs dense GEMM rows, the Pallas grouped GEMM (interpret mode here) timed and
     checked against ragged_dot, and expert_mlp (both impls) checked against the all-experts einsum."""
