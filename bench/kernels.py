@@ -42,7 +42,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from kernels_pallas import reference  # noqa: E402
+from kernels_pallas._common import on_hopper  # noqa: E402
 from kernels_pallas._decode import fused_decode_attention_kernel, paged_decode_attention_kernel  # noqa: E402
+from kernels_pallas._decode_mgpu import paged_decode_mgpu  # noqa: E402
 from kernels_pallas._prefill_mgpu import ragged_prefill_mgpu
 from kernels_pallas._ragged import ragged_paged_attention_kernel  # noqa: E402
 from kernels_pallas._write import qkv_write_kv_kernel, write_kv_kernel  # noqa: E402
@@ -516,8 +518,10 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
 
 def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
     """A decode step's attention from the qkv projection ([B, K, G + 2, H], bf16): the qkv/RoPE/write kernel then
-    the decode kernel (the engine before 5f73bd6) vs the fused decode kernel (one launch). B sequences of ctx
-    tokens in M-page tables, the first `live` of them live (the engine's padded batch-1 bucket: 2 rows, 1 live)."""
+    the Triton decode kernel (the engine before 5f73bd6), the fused Triton decode kernel (one launch), and the
+    qkv/RoPE/write kernel then the Mosaic GPU decode kernel (Hopper). B sequences of ctx tokens in M-page tables,
+    the first `live` of them live (the engine's padded batch-1 bucket: 2 rows, 1 live, splits planned for one
+    sequence as the engine plans them)."""
     rng = np.random.default_rng(6)
     live = B if live is None else live
     P = B * M + 1
@@ -535,11 +539,20 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
         q, kp, vp = qkv_write_kv_kernel(qkv, pos, inv_freq, kp, vp, slots)
         return paged_decode_attention_kernel(q, kp, vp, lens, bt, scale=scale), kp, vp
 
-    def fused(qkv, kp, vp):
-        return fused_decode_attention_kernel(qkv, pos, inv_freq, kp, vp, slots, lens, bt, scale=scale)
+    plan = dict(plan_seqs=live) if live < B else {}
 
+    def fused(qkv, kp, vp):
+        return fused_decode_attention_kernel(qkv, pos, inv_freq, kp, vp, slots, lens, bt, scale=scale, **plan)
+
+    def mosaic(qkv, kp, vp):
+        q, kp, vp = qkv_write_kv_kernel(qkv, pos, inv_freq, kp, vp, slots)
+        return paged_decode_mgpu(q, kp, vp, lens, bt, scale=scale, **plan), kp, vp
+
+    impls = [("qkv_write_then_decode", separate), ("pallas_fused_decode", fused)]
+    if on_hopper():
+        impls.append(("qkv_write_then_mosaic_decode", mosaic))
     outs = {}
-    for impl, fn in (("qkv_write_then_decode", separate), ("pallas_fused_decode", fused)):
+    for impl, fn in impls:
         row = dict(kind="fused_decode", impl=impl, B=B, live=live, ctx=ctx, M=M, K=K, G=G, H=H)
         try:
 
@@ -560,10 +573,9 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         results.append(row)
         print(json.dumps(row), flush=True)
-    if len(outs) == 2:
-        results[-1]["max_abs_diff_vs_separate"] = float(
-            np.abs(outs["pallas_fused_decode"] - outs["qkv_write_then_decode"]).max()
-        )
+    for row in results[-len(impls) + 1 :]:
+        if row["impl"] in outs and "qkv_write_then_decode" in outs:
+            row["max_abs_diff_vs_separate"] = float(np.abs(outs[row["impl"]] - outs["qkv_write_then_decode"]).max())
 
 
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
@@ -769,8 +781,6 @@ def main():
             cfgs = [dict()] + [dict(num_splits=n) for n in splits] + [dict()]
             bench_decode(results, B, ctx, copy, f"waves_b{B}_ctx{ctx}", cfgs, shipped=False, check=ctx <= 32768)
     if "mgpu_decode" in only:  # the Mosaic GPU decode kernel (_decode_mgpu.py) against the Triton one, same inputs
-        from kernels_pallas._decode_mgpu import paged_decode_mgpu
-
         deep = [dict(slots=4, ctas_per_sm=1), dict(slots=5, ctas_per_sm=1), dict(slots=4, num_splits=17)]
         wide = [dict(slots=2), dict(block_kv=128, slots=2), dict(slots=3)]
         for B, ctx, mg in (
@@ -810,7 +820,6 @@ def main():
             )
     if "mgpu_xprof" in only:  # the same comparison by XProf kernel time (the chain difference of short Mosaic GPU
         # calls moved by 2x between repeats in 88e7d4d): per call, the summed kernels (combine included)
-        from kernels_pallas._decode_mgpu import paged_decode_mgpu
 
         impls = dict(triton=paged_decode_attention_kernel, mosaic=paged_decode_mgpu)
         cases = {
@@ -865,7 +874,6 @@ def main():
                 print(json.dumps(row), flush=True)
     if "decode_backend" in only:  # where the Mosaic GPU decode kernel beats the Triton one (XProf kernel time and
         # chain time per call, same inputs, same run): the goal shapes, shorter contexts, the engine's batch
-        from kernels_pallas._decode_mgpu import paged_decode_mgpu
 
         deep, wide = dict(slots=4, ctas_per_sm=1), dict(slots=2, ctas_per_sm=2)
         cases = [
@@ -1039,8 +1047,17 @@ def main():
         for T in (8, 512, 2048, 4096, 8192):
             bench_qkv(results, T)
     if "fused" in only:
-        for B, ctx, live in ((2, 200, 1), (8, 200, 8), (64, 2048, 64), (256, 700, 256), (512, 600, 500)):
-            bench_fused_decode(results, B, ctx, live=live, M=128 if ctx > 1024 else 64)
+        for B, ctx, live, M in (
+            (2, 200, 1, 64),
+            (2, 200, 1, 2048),  # batch 1 at max_model_len 32k: the table is max_model_len wide
+            (8, 200, 8, 64),
+            (64, 2048, 64, 128),
+            (256, 700, 256, 64),
+            (512, 600, 500, 64),
+            (2, 32640, 1, 2048),
+            (16, 8064, 16, 512),
+        ):
+            bench_fused_decode(results, B, ctx, live=live, M=M)
     if "backend" in only:
         bench_backends(results, mm)
 

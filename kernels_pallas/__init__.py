@@ -150,12 +150,15 @@ def fused_decode_attention(
     sliding_window=None,
     soft_cap=None,
     dtype=None,
+    decode_backend=None,
     interpret=False,
     **tuning,
 ):
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
-    sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does, in one
-    launch on GPU (_decode.fused_decode_attention_kernel). -> (out [B, N, H], k_pages, v_pages)."""
+    sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does.
+    -> (out [B, N, H], k_pages, v_pages). decode_backend (see _decode_backend): "triton" runs it as one launch
+    (_decode.fused_decode_attention_kernel, tuning: its static arguments); "mosaic" runs the qkv/RoPE/write
+    launch, then the Mosaic GPU decode kernel (tuning: plan_seqs only)."""
     _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
@@ -189,6 +192,30 @@ def fused_decode_attention(
             k_pages,
             v_pages,
         )
+    if _decode_backend(probe, k_pages, kw, decode_backend, interpret) == "mosaic":
+        q, k_pages, v_pages = qkv_write_kv(
+            qkv,
+            positions,
+            inv_freq,
+            k_pages,
+            v_pages,
+            slot_mapping,
+            k_scale=k_scale,
+            v_scale=v_scale,
+            dtype=dtype,
+            interpret=interpret,
+        )
+        out = _decode_mgpu.paged_decode_mgpu(
+            q,
+            k_pages,
+            v_pages,
+            seq_lens,
+            block_tables,
+            scale=scale,
+            plan_seqs=tuning.get("plan_seqs"),
+            interpret=interpret,
+        )
+        return out, k_pages, v_pages
     return fused_decode_attention_kernel(
         qkv,
         positions,

@@ -221,7 +221,8 @@ def _kernel(
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_kv", "slots", "num_splits", "ctas_per_sm", "regs", "interpret")
+    jax.jit,
+    static_argnames=("scale", "block_kv", "slots", "num_splits", "ctas_per_sm", "plan_seqs", "regs", "interpret"),
 )
 def paged_decode_mgpu(
     q,
@@ -235,11 +236,14 @@ def paged_decode_mgpu(
     slots=4,
     num_splits=None,
     ctas_per_sm=1,
+    plan_seqs=None,
     regs=None,
     interpret=False,
 ):
     """q [B, N, H] over the paged cache -> [B, N, H]; see the module docstring. regs: (compute, memory)
     registers per thread for the two warpgroups (setmaxnreg), or None to leave them to the compiler.
+    plan_seqs: the live sequences the splits are planned for (default B), as the Triton kernel's: the engine's
+    batch-1 step has a padding row (seq_len 0), whose CTAs exit at once.
 
     Defaults by measurement (H100 runs at cd90f98 / 88e7d4d / ebd9225 / 3baf4dc, XProf kernel time; their JSON
     was lost with the session that made them, bench/KERNELS_NOTES.md "Stop 22"): a 4-slot ring of 64-key
@@ -252,7 +256,7 @@ def paged_decode_mgpu(
     K, P, S, _ = k_pages.shape
     G = N // K
     ppb = block_kv // S
-    splits = num_splits or choose_splits(B, K, block_tables.shape[1], ppb, S, ctas_per_sm)
+    splits = num_splits or choose_splits(plan_seqs or B, K, block_tables.shape[1], ppb, S, ctas_per_sm)
     SP = next_pow2(splits)
     bt = whole_blocks_table(block_tables, ppb)
     q2 = q.reshape(B * N, H)

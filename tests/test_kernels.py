@@ -430,6 +430,48 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
             np.testing.assert_array_equal(got, ref)
 
 
+@pytest.mark.parametrize("lens,parts,plan", [([200, 0], 0, 1), ([40, 9, 33], 2, None)])
+def test_fused_decode_mosaic_backend(lens, parts, plan):
+    """decode_backend="mosaic": the decode step's attention as the qkv/RoPE/write launch then the Mosaic GPU decode
+    kernel (the Hopper default), same results as the reference's; plan_seqs plans the splits for the live
+    sequences (the engine's batch-1 step: one live row and a padding row, which gives zeros)."""
+    G, K, H, S = 4, 2, 64, 16
+    rng = np.random.default_rng(sum(lens))
+    B = len(lens)
+    k, v, bt = make_cache(rng, K, H, S, lens, M=16)
+    slots = jnp.asarray(
+        [int(bt[b, (n - 1) // S]) * S + (n - 1) % S if n else -1 for b, n in enumerate(lens)], jnp.int32
+    )
+    shape = (parts, B, K, G + 2, H) if parts else (B, K, G + 2, H)
+    qkv = jnp.asarray(rng.standard_normal(shape) * 2, jnp.float32 if parts else jnp.bfloat16)
+    pos = jnp.asarray([max(n - 1, 0) for n in lens], jnp.int32)
+    inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
+    lens_a = jnp.asarray(lens, jnp.int32)
+    q, k_ref, v_ref = reference.qkv_write_kv(qkv, pos, inv_freq, k, v, slots, dtype=jnp.bfloat16)
+    want = reference.paged_decode_attention_ref(q, k_ref, v_ref, lens_a, bt, scale=H**-0.5)
+    tuning = {} if plan is None else dict(plan_seqs=plan)
+    out, k_out, v_out = kp.fused_decode_attention(
+        qkv,
+        pos,
+        inv_freq,
+        k,
+        v,
+        slots,
+        lens_a,
+        bt,
+        scale=H**-0.5,
+        dtype=jnp.bfloat16,
+        decode_backend="mosaic",
+        interpret=True,
+        **tuning,
+    )
+    live = np.asarray(lens) > 0
+    check(out[live], want[live], jnp.bfloat16)
+    assert not np.asarray(out[~live], np.float32).any()
+    for got, ref in ((k_out, k_ref), (v_out, v_ref)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
+
+
 def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     rng = np.random.default_rng(0)
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])
