@@ -16,7 +16,8 @@ Entry points (same keyword arguments as the reference):
   paged_decode_attention(q [B, N, H], k_pages, v_pages, seq_lens, block_tables, *, ...) -> [B, N, H]: the
       split-K decode kernel, Mosaic GPU (_decode_mgpu.py) on H100 / H200 for bf16 / fp16 pages without ALiBi,
       window or fp8, the Triton one (_decode.py) for everything else; the decode tokens of ragged batches too.
-      The engine's decode-only steps call fused_decode_attention (Triton: RoPE and the KV write folded in).
+      The engine's decode-only steps call fused_decode_attention (Triton: RoPE and the KV write folded in; the
+      qkv/RoPE/write launch then the Mosaic GPU kernel with decode_backend="mosaic").
   write_kv(k_pages, v_pages, k, v, slot_mapping, *, k_scale, v_scale, interpret=False): the new tokens' K/V
       into their slots; on GPU one Pallas launch for both caches (_write.py), else the reference's scatter.
   qkv_write_kv(qkv [T, K, G + 2, H], positions [T], inv_freq [H / 2] | None, k_pages, v_pages, slot_mapping,
@@ -156,9 +157,17 @@ def fused_decode_attention(
 ):
     """A decode step's attention from the qkv projection (token b is sequence b's one new token; padding
     sequences, seq_len 0 and slot -1, come last): what qkv_write_kv followed by the decode kernel does.
-    -> (out [B, N, H], k_pages, v_pages). decode_backend (see _decode_backend): "triton" runs it as one launch
-    (_decode.fused_decode_attention_kernel, tuning: its static arguments); "mosaic" runs the qkv/RoPE/write
-    launch, then the Mosaic GPU decode kernel (tuning: plan_seqs only)."""
+    -> (out [B, N, H], k_pages, v_pages). decode_backend: None ($JAXLLM_DECODE_BACKEND, else "auto"), "auto" or
+    "triton" run it as one launch (_decode.fused_decode_attention_kernel; tuning: its static arguments);
+    "mosaic" runs the qkv/RoPE/write launch, then the Mosaic GPU decode kernel (tuning: plan_seqs only).
+
+    "auto" keeps the fused launch on Hopper too, by measurement (H200, chain time per call with the write,
+    bench/results/kernels_h200_a2a5b98_fused_pool.json; fused vs write + Mosaic): 2 rows (1 live) x 200 tokens
+    6.1 vs 8.5 us, 8 x 200 9.2 vs 10.3, 2 (1 live) x 32k 42.8 vs 48.1; Mosaic is faster with many long
+    sequences (64 x 2k 165.7 vs 140.8, 16 x 8k 149.3 vs 133.2, 512 (500 live) x 600 364.2 vs 356.5), but the
+    table's width (max_model_len) is all a step program knows of its contexts, and at short contexts the
+    engine's steps were slower with it (8B bf16, 128 + 128 tokens: batch-1 ITL 4.18 vs 4.06 ms, batch 64 5.99
+    vs 5.81; latency_bf16_h200_a2a5b98_decode_backend_ab.json)."""
     _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
@@ -192,7 +201,8 @@ def fused_decode_attention(
             k_pages,
             v_pages,
         )
-    if _decode_backend(probe, k_pages, kw, decode_backend, interpret) == "mosaic":
+    requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
+    if requested != "auto" and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic":
         q, k_pages, v_pages = qkv_write_kv(
             qkv,
             positions,
@@ -272,7 +282,9 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     H100 at 3baf4dc (bench/KERNELS_NOTES.md "Stop 22": that run's JSON was lost with its session) B1 x 32k
     51.9 vs 53.8, B64 x 2k 185.2 vs 202.5, B16 x 16k 361.9 vs 381.7, B128 x 1k 188.8 vs 205.9, and the throughput
     run's batch (500 of 512 sequences of ~600 tokens) 451.3 vs 449.8: equal. The engine's throughput is the
-    same with either (H200, 500 x 462 / 256: 41.5-41.6 vs 41.4-42.3 req/s, throughput_h200_*_{auto,triton})."""
+    same with either (H200, 500 x 462 / 256: 41.5-41.6 vs 41.4-42.3 req/s, throughput_h200_*_{auto,triton}),
+    but in those runs the choice reached only the mixed steps' decode tokens: the decode-only steps ran
+    fused_decode_attention's one Triton launch either way (see there for when they take the Mosaic kernel)."""
     if requested is None:  # the default: JAXLLM_DECODE_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND), else auto
         requested = os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
     if requested not in ("auto", "mosaic", "triton"):

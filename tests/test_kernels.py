@@ -472,6 +472,26 @@ def test_fused_decode_mosaic_backend(lens, parts, plan):
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(ref.astype(jnp.float32)))
 
 
+def test_fused_decode_backend_routing(monkeypatch):
+    """The decode-only steps' backend: the fused Triton launch by default ("auto") and for "triton";
+    the write then the Mosaic GPU kernel for "mosaic", given as an argument or as $JAXLLM_DECODE_BACKEND (which
+    before a2a5b98 reached only the mixed steps' decode tokens); plan_seqs goes with it."""
+    seen = []
+    monkeypatch.setattr(kp, "fused_decode_attention_kernel", lambda qkv, *a, **k: seen.append("triton") or (qkv, 0, 0))
+    monkeypatch.setattr(kp._decode_mgpu, "paged_decode_mgpu", lambda q, *a, **k: seen.append(k["plan_seqs"]) or q)
+    rng = np.random.default_rng(0)
+    k, v, bt = make_cache(rng, 2, 64, 16, [5, 0])
+    args = (jnp.zeros((2, 2, 6, 64), jnp.bfloat16), jnp.asarray([4, 0]), None, k, v, jnp.asarray([3, -1]))
+    call = lambda **kw: kp.fused_decode_attention(*args, jnp.asarray([5, 0]), bt, scale=0.1, interpret=True, **kw)  # noqa: E731
+    monkeypatch.delenv("JAXLLM_DECODE_BACKEND", raising=False)
+    call(), call(decode_backend="auto"), call(decode_backend="triton"), call(decode_backend="mosaic", plan_seqs=1)
+    monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "mosaic")
+    call()
+    assert seen == ["triton", "triton", "triton", 1, None]
+    with pytest.raises(ValueError, match="decode_backend='flash'"):
+        call(decode_backend="flash")
+
+
 def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     rng = np.random.default_rng(0)
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])
