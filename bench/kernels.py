@@ -1,10 +1,11 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,pool,goal,b1,decode,prefill,mgpu,write,qkv,fused,fp8_decode,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,pool,goal,b1,decode,prefill,mgpu,write,qkv,fused,fused_sweep,fp8_decode,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
-  qkv/RoPE/write kernel then the decode kernel, at the engine's decode shapes; mixed = mixed prefill + decode
+  qkv/RoPE/write kernel then the decode kernel (Triton, and Mosaic GPU on Hopper), at the engine's decode shapes;
+  fused_sweep = the fused kernel vs the write then the Mosaic GPU kernel over 512-4k contexts x 1-64 rows; mixed = mixed prefill + decode
   steps through the entry point with and without split_decode; trace = an XProf split of a decode call (kernel
   vs the ops around it, written to <out>_trace.json); profile = one launch per goal shape for ncu; causal =
   the ragged prefill defaults vs the previous tiles plus an XProf split of the goal-shape call; combine =
@@ -516,12 +517,13 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(diff).max())
 
 
-def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
+def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, separate_too=True):
     """A decode step's attention from the qkv projection ([B, K, G + 2, H], bf16): the qkv/RoPE/write kernel then
     the Triton decode kernel (the engine before 5f73bd6), the fused Triton decode kernel (one launch), and the
     qkv/RoPE/write kernel then the Mosaic GPU decode kernel (Hopper). B sequences of ctx tokens in M-page tables,
     the first `live` of them live (the engine's padded batch-1 bucket: 2 rows, 1 live, splits planned for one
-    sequence as the engine plans them)."""
+    sequence as the engine plans them). separate_too=False leaves out the first (the max |diff| columns then
+    compare against the fused kernel)."""
     rng = np.random.default_rng(6)
     live = B if live is None else live
     P = B * M + 1
@@ -548,7 +550,8 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
         q, kp, vp = qkv_write_kv_kernel(qkv, pos, inv_freq, kp, vp, slots)
         return paged_decode_mgpu(q, kp, vp, lens, bt, scale=scale, **plan), kp, vp
 
-    impls = [("qkv_write_then_decode", separate), ("pallas_fused_decode", fused)]
+    impls = [("qkv_write_then_decode", separate)] if separate_too else []
+    impls.append(("pallas_fused_decode", fused))
     if on_hopper():
         impls.append(("qkv_write_then_mosaic_decode", mosaic))
     outs = {}
@@ -573,9 +576,10 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16):
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         results.append(row)
         print(json.dumps(row), flush=True)
+    base = "qkv_write_then_decode" if separate_too else "pallas_fused_decode"
     for row in results[-len(impls) + 1 :]:
-        if row["impl"] in outs and "qkv_write_then_decode" in outs:
-            row["max_abs_diff_vs_separate"] = float(np.abs(outs[row["impl"]] - outs["qkv_write_then_decode"]).max())
+        if row["impl"] in outs and base in outs:
+            row[f"max_abs_diff_vs_{base}"] = float(np.abs(outs[row["impl"]] - outs[base]).max())
 
 
 def bench_mixed(results, n_prefill, chunk, n_decode, ctx, N=32, K=8, H=128, S=16):
@@ -1058,6 +1062,10 @@ def main():
             (16, 8064, 16, 512),
         ):
             bench_fused_decode(results, B, ctx, live=live, M=M)
+    if "fused_sweep" in only:  # where the write + Mosaic path overtakes the fused launch: contexts x rows
+        for B, live in ((2, 1), (8, 8), (16, 16), (64, 64)):
+            for ctx in (512, 1024, 2048, 4096):
+                bench_fused_decode(results, B, ctx, live=live, M=256, separate_too=False)
     if "backend" in only:
         bench_backends(results, mm)
 
