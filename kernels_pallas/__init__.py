@@ -164,10 +164,10 @@ def fused_decode_attention(
     "auto" keeps the fused launch on Hopper too, by measurement (H200, chain time per call with the write,
     bench/results/kernels_h200_a2a5b98_fused_pool.json; fused vs write + Mosaic): 2 rows (1 live) x 200 tokens
     6.1 vs 8.5 us, 8 x 200 9.2 vs 10.3, 2 (1 live) x 32k 42.8 vs 48.1; Mosaic is faster with many long
-    sequences (64 x 2k 165.7 vs 140.8, 16 x 8k 149.3 vs 133.2, 512 (500 live) x 600 364.2 vs 356.5), but the
-    table's width (max_model_len) is all a step program knows of its contexts, and at short contexts the
-    engine's steps were slower with it (8B bf16, 128 + 128 tokens: batch-1 ITL 4.18 vs 4.06 ms, batch 64 5.99
-    vs 5.81; latency_bf16_h200_a2a5b98_decode_backend_ab.json)."""
+    sequences (64 x 2k 165.7 vs 140.8, 16 x 8k 149.3 vs 133.2, 512 (500 live) x 600 364.2 vs 356.5). In the
+    engine's steps Mosaic was faster at contexts of 2k and more (1.6-8 %; batch 1 at 32k too: ITL 5.17 vs 5.28
+    ms) and slower at short ones (8B bf16, 128 + 128 tokens: batch-1 ITL 4.18 vs 4.06 ms, batch 64 5.99 vs 5.81;
+    bench/HISTORY.md "Stop 63"). A step program knows only the table's width (max_model_len), not its contexts."""
     _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
