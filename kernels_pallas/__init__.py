@@ -183,26 +183,10 @@ def fused_decode_attention(
         soft_cap=soft_cap,
     )
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
-    if not (_use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)):
-        q, k_pages, v_pages = qkv_write_kv(
-            qkv,
-            positions,
-            inv_freq,
-            k_pages,
-            v_pages,
-            slot_mapping,
-            dtype=dtype,
-            k_scale=k_scale,
-            v_scale=v_scale,
-            interpret=interpret,
-        )
-        return (
-            paged_decode_attention(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw),
-            k_pages,
-            v_pages,
-        )
     requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
-    if requested != "auto" and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic":
+    kernels = _use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)
+    if not kernels or (requested != "auto" and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic"):
+        # two launches (the reference off GPU): the qkv/RoPE/write, then the decode entry point
         q, k_pages, v_pages = qkv_write_kv(
             qkv,
             positions,
@@ -210,20 +194,21 @@ def fused_decode_attention(
             k_pages,
             v_pages,
             slot_mapping,
+            dtype=dtype,
             k_scale=k_scale,
             v_scale=v_scale,
-            dtype=dtype,
             interpret=interpret,
         )
-        out = _decode_mgpu.paged_decode_mgpu(
+        out = paged_decode_attention(
             q,
             k_pages,
             v_pages,
             seq_lens,
             block_tables,
-            scale=scale,
+            decode_backend=requested,
             plan_seqs=tuning.get("plan_seqs"),
             interpret=interpret,
+            **kw,
         )
         return out, k_pages, v_pages
     return fused_decode_attention_kernel(
@@ -256,11 +241,13 @@ def paged_decode_attention(
     sliding_window=None,
     soft_cap=None,
     decode_backend=None,
+    plan_seqs=None,
     interpret=False,
 ):
     """One query token per sequence (q: [B, N, H]); sequences with seq_len 0 give zeros.
     decode_backend: "auto" | "mosaic" | "triton", or None: $JAXLLM_DECODE_BACKEND, else "auto" (see
-    _decode_backend)."""
+    _decode_backend). plan_seqs: the live sequences the kernel plans its splits for (default B; the engine's
+    batch-1 step has a padding row)."""
     kw = dict(
         scale=scale,
         k_scale=k_scale,
@@ -271,7 +258,7 @@ def paged_decode_attention(
     )
     if not _use_kernel(q, k_pages, interpret):
         return paged_decode_attention_ref(q, k_pages, v_pages, seq_lens, block_tables, **kw)
-    return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret)
+    return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret, plan_seqs)
 
 
 def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
@@ -297,13 +284,12 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     return requested
 
 
-def _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret):
+def _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, requested, interpret, plan_seqs=None):
     """The decode kernel _decode_backend picks (named apart from the _decode module, which it would shadow)."""
+    args = (q, k_pages, v_pages, seq_lens, block_tables)
     if _decode_backend(q, k_pages, kw, requested, interpret) == "mosaic":
-        return _decode_mgpu.paged_decode_mgpu(
-            q, k_pages, v_pages, seq_lens, block_tables, scale=kw["scale"], interpret=interpret
-        )
-    return paged_decode_attention_kernel(q, k_pages, v_pages, seq_lens, block_tables, interpret=interpret, **kw)
+        return _decode_mgpu.paged_decode_mgpu(*args, scale=kw["scale"], plan_seqs=plan_seqs, interpret=interpret)
+    return paged_decode_attention_kernel(*args, plan_seqs=plan_seqs, interpret=interpret, **kw)
 
 
 def _prefill_backend(q, k_pages, kw, requested, interpret) -> str:
