@@ -577,7 +577,7 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, 
         results.append(row)
         print(json.dumps(row), flush=True)
     base = "qkv_write_then_decode" if separate_too else "pallas_fused_decode"
-    for row in results[-len(impls) + 1 :]:
+    for row in results[len(results) - len(impls) + 1 :]:  # this call's rows after the base's
         if row["impl"] in outs and base in outs:
             row[f"max_abs_diff_vs_{base}"] = float(np.abs(outs[row["impl"]] - outs[base]).max())
 

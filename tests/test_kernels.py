@@ -432,9 +432,10 @@ def test_fused_decode_matches_qkv_write_then_decode(G, K, H, S, kv_dtype, lens, 
 
 @pytest.mark.parametrize("lens,parts,plan", [([200, 0], 0, 1), ([40, 9, 33], 2, None)])
 def test_fused_decode_mosaic_backend(lens, parts, plan):
-    """decode_backend="mosaic": the decode step's attention as the qkv/RoPE/write launch then the Mosaic GPU decode
-    kernel (the Hopper default), same results as the reference's; plan_seqs plans the splits for the live
-    sequences (the engine's batch-1 step: one live row and a padding row, which gives zeros)."""
+    """decode_backend="mosaic" (JAXLLM_DECODE_BACKEND=mosaic; "auto" keeps the fused Triton launch): the decode
+    step's attention as the qkv/RoPE/write launch then the Mosaic GPU decode kernel, same results as the
+    reference's; plan_seqs plans the splits for the live sequences (the engine's batch-1 step: one live row and a
+    padding row, which gives zeros)."""
     G, K, H, S = 4, 2, 64, 16
     rng = np.random.default_rng(sum(lens))
     B = len(lens)
