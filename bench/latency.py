@@ -112,6 +112,7 @@ def main(argv=None) -> dict:
     for batch in args.batch_size or [1, 8]:
         for i in range(args.num_iters_warmup):
             run_batch(llm, batch, args.input_len, args.output_len, seed=1000 + i)
+        runner.programs.wait_for_background_compiles()  # e.g. long-context decode programs (runner.py)
         runs = [run_batch(llm, batch, args.input_len, args.output_len, seed=i) for i in range(args.num_iters)]
         ttft = [t for r in runs for t in r["ttft_s"]]
         itl = [t for r in runs for t in r["itl_s"]]
@@ -149,6 +150,8 @@ def main(argv=None) -> dict:
         results=results,
         compiles_during_run=len(runner.programs.compiled) - compiled_before,
         compiles_after_warmup=runner.programs.num_compiles_after_warmup,
+        long_decode_from=runner.host.long_decode_from,
+        long_context_programs=sorted(v.shape_name for v in runner.programs.compiled if v.long_context),
     )
     if args.host_timing:
         res["host_timing"] = host_timing(llm, args.input_len, args.output_len)

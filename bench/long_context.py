@@ -156,6 +156,8 @@ def main(argv=None) -> dict:
     B, n_in, n_out = args.batch_size, args.input_len, args.output_len
     for i in range(args.num_iters_warmup):
         run_batch(llm, B, n_in, n_out, seed=1000 + i)
+    # the long-context decode programs (runner.long_decode_from) compile in the background at their first step
+    eng.runner.programs.wait_for_background_compiles()
     runs = [run_batch(llm, B, n_in, n_out, seed=i) for i in range(args.num_iters)]
     ttft = [t for r in runs for t in r["ttft_s"]]
     itl = [t for r in runs for t in r["itl_s"]]
@@ -195,6 +197,8 @@ def main(argv=None) -> dict:
         prefill_flops_per_s=rate,
         ttft_matmul_frac=rate / ceil["matmul_flops_per_s"],
         compiles_after_warmup=eng.runner.programs.num_compiles_after_warmup,
+        long_decode_from=eng.runner.host.long_decode_from,
+        long_context_programs=sorted(v.shape_name for v in eng.runner.programs.compiled if v.long_context),
     )
     print(
         f"batch {B} x {n_in} in / {n_out} out: TTFT p50 {res['ttft_s']['p50'] * 1e3:.1f} ms "

@@ -152,6 +152,7 @@ def fused_decode_attention(
     soft_cap=None,
     dtype=None,
     decode_backend=None,
+    long_context=False,
     interpret=False,
     **tuning,
 ):
@@ -160,14 +161,18 @@ def fused_decode_attention(
     -> (out [B, N, H], k_pages, v_pages). decode_backend: None ($JAXLLM_DECODE_BACKEND, else "auto"), "auto" or
     "triton" run it as one launch (_decode.fused_decode_attention_kernel; tuning: its static arguments);
     "mosaic" runs the qkv/RoPE/write launch, then the Mosaic GPU decode kernel (tuning: plan_seqs only).
+    long_context: the caller's hint that the step's longest live context is long (the engine's
+    AttentionMetadata.long_context, set per step from the host's sequence lengths): "auto" then takes the Mosaic
+    path where _decode_backend would (Hopper, inputs it supports), else the fused launch as without it.
 
-    "auto" keeps the fused launch on Hopper too, by measurement (H200, chain time per call with the write,
-    bench/results/kernels_h200_a2a5b98_fused_pool.json; fused vs write + Mosaic): 2 rows (1 live) x 200 tokens
+    "auto" keeps the fused launch on Hopper for short contexts, by measurement (H200, chain time per call with the
+    write, bench/results/kernels_h200_a2a5b98_fused_pool.json; fused vs write + Mosaic): 2 rows (1 live) x 200 tokens
     6.1 vs 8.5 us, 8 x 200 9.2 vs 10.3, 2 (1 live) x 32k 42.8 vs 48.1; Mosaic is faster with many long
     sequences (64 x 2k 165.7 vs 140.8, 16 x 8k 149.3 vs 133.2, 512 (500 live) x 600 364.2 vs 356.5). In the
     engine's steps Mosaic was faster at contexts of 2k and more (1.6-8 %; batch 1 at 32k too: ITL 5.17 vs 5.28
     ms) and slower at short ones (8B bf16, 128 + 128 tokens: batch-1 ITL 4.18 vs 4.06 ms, batch 64 5.99 vs 5.81;
-    bench/HISTORY.md "Stop 63"). A step program knows only the table's width (max_model_len), not its contexts."""
+    bench/HISTORY.md "Stop 63"). A step program knows only the table's width (max_model_len), not its contexts,
+    hence long_context: the engine compiles a second decode program per bucket for its long steps."""
     _check_partials(qkv, dtype)
     T, K, G2, H = qkv.shape[-4:]
     if T != seq_lens.shape[0]:
@@ -185,7 +190,8 @@ def fused_decode_attention(
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
     requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
     kernels = _use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)
-    if not kernels or (requested != "auto" and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic"):
+    choose = requested != "auto" or long_context  # "auto" alone is the fused launch (see above)
+    if not kernels or (choose and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic"):
         # two launches (the reference off GPU): the qkv/RoPE/write, then the decode entry point
         q, k_pages, v_pages = qkv_write_kv(
             qkv,

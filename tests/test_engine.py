@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.engine.sampler import SamplerFlags
+from jaxllm.engine.step_io import StepVariant
 from jaxllm.sampling_params import RequestOutputKind
 from tests.tiny_models import make_tiny_model_dir
 
@@ -938,6 +940,76 @@ def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs
         check_free(llm)
     runner.programs.wait_for_background_compiles()
     assert tries and len(tries) == len(set(tries))  # each failed variant is not compiled again
+
+
+def test_long_context_decode_steps_run_their_own_program_once_compiled(tiny, hf_refs):
+    """Decode-only steps whose longest live context reaches runner.host.long_decode_from run their bucket's
+    long-context program (StepVariant.long_context; on Hopper its decode attention is the Mosaic GPU kernel, on
+    CPU the same computation): the bucket's first such step starts that program's compile in the background
+    and runs the start-up program meanwhile; once it is filed, long steps run it, shorter and mixed steps never,
+    and a step with other sampler flags runs split on it. Greedy tokens equal HF's throughout."""
+    import threading
+
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None)
+    runner, programs = llm.llm_engine.runner, llm.llm_engine.runner.programs
+    assert runner.host.long_decode_from == 0  # off on CPU (long_decode_from)
+    ran = []
+    run_step = runner.run_step
+    runner.run_step = lambda v, mode, host_args, *a: (
+        ran.append((v, mode, host_args[2])) or run_step(v, mode, host_args, *a)
+    )
+    release, compile_step = threading.Event(), programs._compile_in_background
+    programs._compile_in_background = lambda v, args: release.wait(60) and compile_step(v, args)
+    runner.host.long_decode_from = 24  # prompt 0 (20 tokens) reaches it after 4 of its 10 tokens
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    expected = [hf_refs[tuple(p)] for p in PROMPTS]
+
+    def is_long(meta):
+        return meta.decode_only and int(meta.seq_lens.max()) >= 24
+
+    assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    assert sum(is_long(meta) for _, _, meta in ran) >= 5  # ... which ran the start-up programs meanwhile
+    assert not any(v.long_context or meta.long_context for v, _, meta in ran)
+    long_v = [v for v in programs.pending if v.long_context]
+    assert long_v == [StepVariant(8, 8, True, SamplerFlags(), 0, long_context=True)]
+    release.set()
+    programs.wait_for_background_compiles()
+    assert long_v[0] in programs.compiled
+    for params in (GREEDY, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)):
+        ran.clear()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert token_ids(outs) == expected
+        check_free(llm)
+        assert all(v.long_context == meta.long_context == is_long(meta) for v, _, meta in ran)
+        assert sum(v.long_context for v, _, _ in ran) >= 5
+    assert "split" in {mode for v, mode, _ in ran if v.long_context}  # logprobs: their whole program compiling
+    programs.wait_for_background_compiles()
+
+
+def test_long_decode_from_only_where_the_long_program_differs(monkeypatch):
+    """The long-context programs exist on Hopper with the Pallas backend, 16-bit KV pages and the decode backend
+    left to "auto", for sequences that can reach the length ($JAXLLM_LONG_DECODE_CONTEXT, default 2048)."""
+    from jaxllm.engine import runner as runner_mod
+    from jaxllm.models.attention import AttentionConfig
+
+    pallas, bf16 = AttentionConfig(backend="pallas"), jnp.bfloat16
+    monkeypatch.delenv("JAXLLM_DECODE_BACKEND", raising=False)
+    monkeypatch.delenv("JAXLLM_LONG_DECODE_CONTEXT", raising=False)
+    assert runner_mod.long_decode_from(pallas, 8192, bf16) == 0  # not on Hopper
+    monkeypatch.setattr(runner_mod, "on_hopper", lambda: True)
+    assert runner_mod.long_decode_from(pallas, 8192, bf16) == 2048
+    assert runner_mod.long_decode_from(pallas, 8192, jnp.float16) == 2048
+    assert runner_mod.long_decode_from(pallas, 2047, bf16) == 0
+    assert runner_mod.long_decode_from(pallas, 8192, jnp.float8_e4m3fn) == 0
+    assert runner_mod.long_decode_from(AttentionConfig(), 8192, bf16) == 0
+    assert runner_mod.long_decode_from(AttentionConfig(backend="pallas", interpret=True), 8192, bf16) == 0
+    monkeypatch.setenv("JAXLLM_LONG_DECODE_CONTEXT", "4096")
+    assert runner_mod.long_decode_from(pallas, 8192, bf16) == 4096
+    monkeypatch.setenv("JAXLLM_LONG_DECODE_CONTEXT", "0")
+    assert runner_mod.long_decode_from(pallas, 8192, bf16) == 0
+    monkeypatch.delenv("JAXLLM_LONG_DECODE_CONTEXT")
+    monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "triton")
+    assert runner_mod.long_decode_from(pallas, 8192, bf16) == 0
 
 
 def test_exit_does_not_wait_for_queued_background_compiles(tiny):

@@ -493,6 +493,29 @@ def test_fused_decode_backend_routing(monkeypatch):
         call(decode_backend="flash")
 
 
+def test_fused_decode_long_context_takes_the_mosaic_kernel_on_hopper(monkeypatch):
+    """long_context (the engine's long decode steps, AttentionMetadata.long_context) makes "auto" take the write
+    then the Mosaic GPU kernel where _decode_backend picks it (Hopper, inputs it supports), and nothing else:
+    the fused launch without it, off Hopper, for inputs Mosaic does not take (ALiBi) and for "triton"."""
+    seen = []
+    monkeypatch.setattr(kp, "fused_decode_attention_kernel", lambda qkv, *a, **k: seen.append("fused") or (qkv, 0, 0))
+    monkeypatch.setattr(kp, "qkv_write_kv", lambda qkv, pos, f, k, v, *a, **kw: (qkv[:, :, :2].reshape(2, 4, 64), k, v))
+    monkeypatch.setattr(kp._decode_mgpu, "paged_decode_mgpu", lambda q, *a, **k: seen.append("mosaic") or q)
+    monkeypatch.setattr(kp, "paged_decode_attention_kernel", lambda q, *a, **k: seen.append("triton") or q)
+    monkeypatch.setattr(kp, "_use_kernel", lambda *a: True)
+    monkeypatch.setattr(kp, "_use_write_kernel", lambda *a: True)
+    monkeypatch.delenv("JAXLLM_DECODE_BACKEND", raising=False)
+    rng = np.random.default_rng(0)
+    k, v, bt = make_cache(rng, 2, 64, 16, [5, 0])
+    args = (jnp.zeros((2, 2, 6, 64), jnp.bfloat16), jnp.asarray([4, 0]), None, k, v, jnp.asarray([3, -1]))
+    call = lambda **kw: kp.fused_decode_attention(*args, jnp.asarray([5, 0]), bt, scale=0.1, **kw)  # noqa: E731
+    call(long_context=True)  # not on Hopper
+    monkeypatch.setattr(kp, "on_hopper", lambda: True)
+    call(), call(long_context=True), call(long_context=True, decode_backend="triton")
+    call(long_context=True, alibi_slopes=jnp.ones(4, jnp.float32))
+    assert seen == ["fused", "fused", "mosaic", "fused", "fused"]
+
+
 def test_fused_decode_and_qkv_write_refuse_bad_inputs():
     rng = np.random.default_rng(0)
     k, v, bt = make_cache(rng, 2, 64, 16, [5, 7])

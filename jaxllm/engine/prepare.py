@@ -57,6 +57,10 @@ class StepPreparer:
         # Each sequence's row in the device's prev_tokens after the last launched step (its sampled rows): where
         # a step reads a token that is still on the device.
         self.prev_rows: dict[str, int] = {}
+        # Decode-only steps whose longest live context (seq_len after the step) is at least this many tokens run
+        # their bucket's long-context program (StepVariant.long_context); 0: never. The runner sets it
+        # (runner.long_decode_from: Hopper, the Pallas backend, one process, no pipeline or drafter).
+        self.long_decode_from = 0
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
@@ -131,10 +135,12 @@ class StepPreparer:
         if not features.all():  # some sequences have no sampling params: they take padding rows
             live = live[(features[live] & HAS_PARAMS) != 0]
         smd = sampling_arrays(batch, self.vocab_size, B, flags, seqs, rows, live)
+        long = decode_only and 0 < self.long_decode_from <= int(inp.seq_lens.max())
         meta = AttentionMetadata(
-            inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, decode_only
+            inp.positions, inp.slot_mapping, inp.seq_lens, inp.query_start_loc, inp.block_tables, decode_only, long
         )
-        v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), self.programs.num_spec if spec else 0)
+        num_spec = self.programs.num_spec if spec else 0
+        v = StepVariant(T, B, decode_only, flags, prompt_k, row_widths(smd), num_spec, long_context=long)
         logits_slot = self._spec_rows(scheduled, inp.query_start_loc, B) if spec else inp.logits_indices
         token_slots, loads = None, []
         if self.lora is not None:  # each token's adapter slot (-1: the base model, padding); the sampled rows' too

@@ -383,6 +383,24 @@ class StepPrograms(SamplerPrograms):
             return True
         if self.eager or not self.warmed_up:
             return True
+        return self._ready_or_compiling(v, host_args, params, kv_caches, prev_tokens)
+
+    def long_program_ready(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
+        """Whether the long-context program of v's decode bucket (StepVariant.long_context, default sampler
+        flags) can run v's step: compiled, or loaded now from the executable cache. Otherwise its compile starts
+        in the background (at the bucket's first long step, not at start-up: most deployments' long steps use
+        few buckets, and start-up would compile every bucket twice) and the step runs the bucket's start-up
+        program meanwhile, whose decode kernel gives the same attention up to rounding. In eager mode and
+        before warm-up it is compiled when asked, as any program. host_args: the step's, with plain sampling
+        arrays (the bucket program's; only shapes, dtypes and shardings are read)."""
+        base = StepVariant(v.num_tokens, v.num_seqs, True, SamplerFlags(), 0, long_context=True)
+        if base in self.compiled or self.eager or not self.warmed_up:
+            return True
+        return self._ready_or_compiling(base, host_args, params, kv_caches, prev_tokens)
+
+    def _ready_or_compiling(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
+        """True when v's program is ready (loaded from the executable cache, or its background compile filed);
+        else starts its background compile if none is running (or failed) and returns False."""
         if v in self._split_only:
             return False
         job = self.pending.get(v)
@@ -409,7 +427,9 @@ class StepPrograms(SamplerPrograms):
             self.compiled[v] = job.result()
             return True
         except Exception:  # noqa: BLE001 - an optimisation failed; the split programs still serve v
-            logger.exception("Compiling step %s in the background failed; its steps keep running split", v)
+            logger.exception(
+                "Compiling step %s in the background failed; its steps keep running as they did meanwhile", v
+            )
             self._split_only.add(v)
             return False
 
@@ -418,7 +438,10 @@ class StepPrograms(SamplerPrograms):
         exe = self._compile(v, args, self._lower(v, args))
         self.num_compiles_after_warmup += 1
         logger.info(
-            "Compiled step %s in %.1f s in the background (its steps ran split until then)", v, time.perf_counter() - t0
+            "Compiled step %s in %.1f s in the background (its steps ran split, or a long-context decode step the "
+            "bucket's start-up program, until then)",
+            v,
+            time.perf_counter() - t0,
         )
         return exe
 

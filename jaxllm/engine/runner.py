@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 from collections.abc import Callable
 
 import jax
@@ -50,6 +51,7 @@ from jaxllm.engine.step_io import (
 )
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
+from kernels_pallas import on_hopper
 from kernels_pallas.reference import FP8_MAX
 
 logger = logging.getLogger(__name__)
@@ -118,6 +120,42 @@ def step_buckets(
         pow2_buckets(min(smallest, max_num_seqs), max_num_seqs),
         pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens),
     )
+
+
+# Decode-only steps whose longest live context reaches this many tokens run their bucket's long-context program
+# (StepVariant.long_context: the Mosaic GPU decode kernel instead of the fused Triton launch of RoPE, KV write and
+# attention). H200, 8B bf16, each backend for every decode-only step (bench/HISTORY.md "Stop 63"): Mosaic was
+# faster from 2k tokens of context (ITL 2k batch 16 / 64 8.46 / 29.98 ms against 8.60 / 31.20, 8k batch 16 7.95
+# against 8.66, 32k batch 1 5.17 against 5.28) and slower at 128-256 (batch 1 / 64 4.18 / 5.99 against 4.06 /
+# 5.81). $JAXLLM_LONG_DECODE_CONTEXT sets another length (0: off).
+LONG_DECODE_CONTEXT = 2048
+
+
+def long_decode_from(attn: AttentionConfig, max_model_len: int, kv_dtype) -> int:
+    """The longest-context length from which a decode-only step runs its bucket's long-context program, or 0:
+    where that program differs (the Pallas backend on a Hopper GPU, 16-bit KV pages, $JAXLLM_DECODE_BACKEND unset
+    or "auto": a forced backend runs every step) and sequences can reach it. The caller rules out several
+    processes, pipeline stages and drafters, whose programs are chosen elsewhere."""
+    length = int(os.environ.get("JAXLLM_LONG_DECODE_CONTEXT", LONG_DECODE_CONTEXT))
+    if length <= 0 or length > max_model_len or os.environ.get("JAXLLM_DECODE_BACKEND", "auto") != "auto":
+        return 0
+    if attn.backend != "pallas" or attn.interpret or not on_hopper():
+        return 0
+    return length if jnp.dtype(kv_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) else 0
+
+
+def _plain_sampling(host_args: tuple) -> tuple:
+    """A step's host inputs with default sampling arrays (packing.plain): those of its bucket's start-up program."""
+    token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = host_args
+    return token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets, token_slots
+
+
+def _short_context(p: PreparedStep) -> PreparedStep:
+    """p as its bucket's start-up program runs it (StepVariant.long_context and the metadata's flag off)."""
+    token_ids, src_rows, meta, *rest = p.host_args
+    meta = dataclasses.replace(meta, long_context=False)
+    variant = dataclasses.replace(p.variant, long_context=False)
+    return dataclasses.replace(p, variant=variant, host_args=(token_ids, src_rows, meta, *rest))
 
 
 class ModelRunner:
@@ -234,6 +272,10 @@ class ModelRunner:
         )
         # Which sampler program a step runs must not depend on one process's compile state (multihost.py).
         self.programs.exact_samplers = multihost is not None
+        # Nor which decode program: long-context steps run their own with one process only (and none of the
+        # programs pipeline stages or drafters choose themselves).
+        if multihost is None and self.pipeline is None and drafter is None:
+            self.host.long_decode_from = long_decode_from(self.attn, max_model_len, self.kv_dtype)
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
@@ -376,6 +418,11 @@ class ModelRunner:
         v, programs = p.variant, self.programs
         if self.lora is not None:  # dispatched after the steps in flight, which the device finishes first
             self.lora.write(p.lora_loads)
+        if v.long_context and not programs.long_program_ready(
+            v, _plain_sampling(p.host_args), self.params, self.kv_caches, self.prev_tokens
+        ):
+            p = _short_context(p)  # the bucket's start-up program while the long one compiles
+            v = p.variant
         if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
             return self._launch_unverified(p, before_sample)
         overlap = (
@@ -439,8 +486,8 @@ class ModelRunner:
             # and returns the sampled rows' hidden states, and a sampler-only program samples them with v's
             # flags. For non-default flags whose step program is still compiling in the background, and for
             # overlap.
-            base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0)
-            args = self._step_args((token_ids, src_rows, meta, logits_indices, plain(smd), prompt_targets, token_slots))
+            base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0, long_context=v.long_context)
+            args = self._step_args(_plain_sampling(host_args))
             self.kv_caches, _, _, _, rows, *feats = programs.executable(base, args)(*args)
             before_sample()
             exe, sargs = programs.sampler_call(v, head, rows, self.prev_tokens, smd)

@@ -30,11 +30,16 @@ class StepVariant:
     # structured-output masks (SamplingMetadata.token_bitmask)
     num_spec: int = 0  # speculative decoding: K proposals verified per sequence (spec_step_fn); 0 = a plain step
     draft: bool = False  # the draft program that follows this shape's steps (spec_decode/drafter.py); flags unused
+    # A decode-only step whose longest live context is long (prepare.py, StepPreparer.long_decode_from): the
+    # bucket's second program, whose decode attention is the kernel that is faster at long contexts
+    # (AttentionMetadata.long_context). Compiled in the background at the bucket's first long step.
+    long_context: bool = False
 
     @property
     def shape_name(self) -> str:
-        """B x T, with a trailing d for decode-only steps (logs, benchmark rows)."""
-        return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}"
+        """B x T, with a trailing d for decode-only steps and L for their long-context program (logs, benchmark
+        rows)."""
+        return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}{'L' if self.long_context else ''}"
 
 
 def step_args(host_args, params, kv_caches, prev_tokens, lora=None) -> tuple:
@@ -60,7 +65,9 @@ def dummy_host_inputs(
     What the start-up compiles trace (StepPrograms' dummy_host)."""
     T, B = v.num_tokens, v.num_seqs
     z = lambda *shape, dt=np.int32: np.zeros(shape, dt)  # noqa: E731
-    meta = AttentionMetadata(z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, max_pages), v.decode_only)
+    meta = AttentionMetadata(
+        z(T), np.full(T, -1, np.int32), z(B), z(B + 1), z(B, max_pages), v.decode_only, v.long_context
+    )
     smd = sampling_arrays(batch, vocab_size, B, v.flags)
     logits = (z(B * (v.num_spec + 1)), z(B, v.num_spec), z(B)) if v.num_spec else z(B)  # see _spec_rows
     token_slots = None

@@ -48,7 +48,7 @@ ONE_SEQ_DECODE_ROWS = 2
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["positions", "slot_mapping", "seq_lens", "query_start_loc", "block_tables"],
-    meta_fields=["decode_only"],
+    meta_fields=["decode_only", "long_context"],
 )
 @dataclass(frozen=True)
 class AttentionMetadata:
@@ -58,6 +58,9 @@ class AttentionMetadata:
     query_start_loc: jax.Array  # [B+1] int32 offset of each sequence's first token in the batch
     block_tables: jax.Array  # [B, M] int32 page ids of each sequence
     decode_only: bool = False  # static: every sequence has exactly one new token
+    # static: a decode-only step whose longest live context is long (the runner's long_decode_from): its decode
+    # attention takes the kernel that is faster there (kernels_pallas.fused_decode_attention's long_context)
+    long_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -186,6 +189,7 @@ def _paged_attention(
             meta.seq_lens,
             meta.block_tables,
             dtype=dtype,
+            long_context=meta.long_context,
             interpret=config.interpret,
             **kwargs,
             **tuning,
