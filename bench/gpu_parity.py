@@ -223,17 +223,17 @@ def run_config(args, model_dir: str, name: str) -> dict:
         ready = time.perf_counter() - t0
         runner = llm.llm_engine.runner
         steps: dict[str, int] = {}
-        prepare = runner.prepare
+        run_step = runner.run_step
 
-        def counting_prepare(sched):  # which step programs ran, and which of them compile with cuBLAS GEMMs
-            p = prepare(sched)
-            key = p.variant.shape_name
-            if programs.compile_options(p.variant).get("xla_gpu_enable_triton_gemm") is False:
+        def counting_run_step(v, mode, *a, **k):  # which step programs ran (a long-context decode step's start-up
+            # program while its own compiles), and which of them compile with cuBLAS GEMMs
+            key = v.shape_name + ("_split" if mode == "split" else "")
+            if programs.compile_options(v).get("xla_gpu_enable_triton_gemm") is False:
                 key += "_cublas"
             steps[key] = steps.get(key, 0) + 1
-            return p
+            return run_step(v, mode, *a, **k)
 
-        runner.prepare = counting_prepare
+        runner.run_step = counting_run_step
         sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, logprobs=1)
         seqs = []
         for prompts in batches:
