@@ -372,7 +372,7 @@ def test_key_changes_with_the_program_env_overrides(monkeypatch):
 
 def test_every_jaxllm_switch_in_the_code_is_a_program_env_or_known_not_to_change_a_step():
     """Every JAXLLM_* variable the engine's code reads is in PROGRAM_ENV or in the short list of those that change no
-    step program (paths, the hub to download from): a new switch left out of PROGRAM_ENV made A/B runs sharing a cache
+    step program (paths, the hub to download from, which program a step picks): a new switch left out of PROGRAM_ENV made A/B runs sharing a cache
     run one side's program twice (stop 51's JAXLLM_FP8_SILU_MLP, stop 60's JAXLLM_ADD_NORM)."""
     import pathlib
     import re
@@ -384,6 +384,8 @@ def test_every_jaxllm_switch_in_the_code_is_a_program_env_or_known_not_to_change
         for f in (root / d).rglob("*.py")
         for m in re.findall(r'"(JAXLLM_[A-Z0-9_]+)"', f.read_text())
     }
-    not_programs = {"JAXLLM_CACHE_ROOT", "JAXLLM_USE_MODELSCOPE"}
+    # paths, the hub, and the context length from which decode steps pick their bucket's long-context program (a
+    # program of its own, keyed apart by its static metadata: runner.long_decode_from)
+    not_programs = {"JAXLLM_CACHE_ROOT", "JAXLLM_USE_MODELSCOPE", "JAXLLM_LONG_DECODE_CONTEXT"}
     assert "JAXLLM_ADD_NORM" in names and len(names) >= 10, names
     assert names - not_programs <= set(exec_cache.PROGRAM_ENV), names - not_programs - set(exec_cache.PROGRAM_ENV)
