@@ -127,7 +127,9 @@ def step_buckets(
 # attention). H200, 8B bf16, each backend for every decode-only step (bench/HISTORY.md "Stop 63"): Mosaic was
 # faster from 2k tokens of context (ITL 2k batch 16 / 64 8.46 / 29.98 ms against 8.60 / 31.20, 8k batch 16 7.95
 # against 8.66, 32k batch 1 5.17 against 5.28) and slower at 128-256 (batch 1 / 64 4.18 / 5.99 against 4.06 /
-# 5.81). $JAXLLM_LONG_DECODE_CONTEXT sets another length (0: off).
+# 5.81). With this switch on and off ("Stop 64"): batch 1 loses 0.4-0.6 % at 1-2k, is even at 8k and gains 2 % at
+# 32k; 16-64 sequences gain 1-2 % from 1k, where the longest context alone cannot tell them apart from batch 1.
+# $JAXLLM_LONG_DECODE_CONTEXT sets another length (0: off).
 LONG_DECODE_CONTEXT = 2048
 
 
