@@ -188,7 +188,7 @@ def fused_decode_attention(
         soft_cap=soft_cap,
     )
     probe = jax.ShapeDtypeStruct((T, K * (G2 - 2), H), qkv.dtype if qkv.ndim == 4 else dtype)
-    requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
+    requested = requested_decode_backend(decode_backend)
     kernels = _use_kernel(probe, k_pages, interpret) and _use_write_kernel(k_pages, interpret)
     choose = requested != "auto" or long_context  # "auto" alone is the fused launch (see above)
     if not kernels or (choose and _decode_backend(probe, k_pages, kw, requested, interpret) == "mosaic"):
@@ -267,6 +267,15 @@ def paged_decode_attention(
     return _run_decode(q, k_pages, v_pages, seq_lens, block_tables, kw, decode_backend, interpret, plan_seqs)
 
 
+def requested_decode_backend(decode_backend: str | None = None) -> str:
+    """The decode backend asked for: decode_backend, else $JAXLLM_DECODE_BACKEND (as vLLM's
+    VLLM_ATTENTION_BACKEND), else "auto"; ValueError for anything but "auto", "mosaic" or "triton"."""
+    requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND") or "auto"
+    if requested not in ("auto", "mosaic", "triton"):
+        raise ValueError(f"decode_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
+    return requested
+
+
 def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     """ "mosaic" (Mosaic GPU kernel, _decode_mgpu.py) on sm_90 GPUs for what it supports (bf16 / fp16, no ALiBi,
     window or fp8); "triton" otherwise (and by default in interpret mode: the Mosaic GPU interpreter is much
@@ -278,10 +287,7 @@ def _decode_backend(q, k_pages, kw, requested, interpret) -> str:
     same with either (H200, 500 x 462 / 256: 41.5-41.6 vs 41.4-42.3 req/s, throughput_h200_*_{auto,triton}),
     but in those runs the choice reached only the mixed steps' decode tokens: the decode-only steps ran
     fused_decode_attention's one Triton launch either way (see there for when they take the Mosaic kernel)."""
-    if requested is None:  # the default: JAXLLM_DECODE_BACKEND (as vLLM's VLLM_ATTENTION_BACKEND), else auto
-        requested = os.environ.get("JAXLLM_DECODE_BACKEND", "auto")
-    if requested not in ("auto", "mosaic", "triton"):
-        raise ValueError(f"decode_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
+    requested = requested_decode_backend(requested)
     ok = _decode_mgpu.supported(q, k_pages, **kw)
     if requested == "mosaic" and not ok:
         raise ValueError("the Mosaic GPU decode kernel does not take these inputs (see _decode_mgpu.supported)")

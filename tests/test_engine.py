@@ -972,6 +972,14 @@ def test_long_context_decode_steps_run_their_own_program_once_compiled(tiny, hf_
     assert not any(v.long_context or meta.long_context for v, _, meta in ran)
     long_v = [v for v in programs.pending if v.long_context]
     assert long_v == [StepVariant(8, 8, True, SamplerFlags(), 0, long_context=True)]
+    # With logprobs and every decode step long, those steps run split on the start-up program meanwhile and start
+    # no whole program for their flags (the long one would leave it unused once ready)
+    runner.host.long_decode_from, ran[:] = 21, []  # prompt 0's first decode step has 21 tokens
+    logprobs = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    assert token_ids(llm.generate(prompts, logprobs, use_tqdm=False)) == expected
+    assert {mode for v, mode, meta in ran if meta.decode_only} == {"split"}
+    assert not [v for v in (*programs.pending, *programs.compiled) if v.decode_only and v.flags != SamplerFlags()]
+    runner.host.long_decode_from = 24
     release.set()
     programs.wait_for_background_compiles()
     assert long_v[0] in programs.compiled
@@ -1010,6 +1018,13 @@ def test_long_decode_from_only_where_the_long_program_differs(monkeypatch):
     monkeypatch.delenv("JAXLLM_LONG_DECODE_CONTEXT")
     monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "triton")
     assert runner_mod.long_decode_from(pallas, 8192, bf16) == 0
+    monkeypatch.setenv("JAXLLM_DECODE_BACKEND", "flash")
+    with pytest.raises(ValueError, match="'flash' is not one of"):
+        runner_mod.long_decode_from(pallas, 8192, bf16)
+    monkeypatch.delenv("JAXLLM_DECODE_BACKEND")
+    monkeypatch.setenv("JAXLLM_LONG_DECODE_CONTEXT", "2k")
+    with pytest.raises(ValueError, match="JAXLLM_LONG_DECODE_CONTEXT='2k' is not an integer"):
+        runner_mod.long_decode_from(pallas, 8192, bf16)
 
 
 def test_exit_does_not_wait_for_queued_background_compiles(tiny):

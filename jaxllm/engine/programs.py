@@ -372,18 +372,20 @@ class StepPrograms(SamplerPrograms):
         )
 
     # ---- whole step programs for other sampler flags, compiled in the background ----
-    def runs_whole(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
+    def runs_whole(self, v: StepVariant, host_args, params, kv_caches, prev_tokens, start: bool = True) -> bool:
         """Whether v runs as one step program: default flags, prompt logprobs (rare; they need every token's
         logits), eager mode and warm-up do. Other flags do once their program is ready: the first step that
         needs it loads it from the executable cache or, on a miss, starts compiling it in the background (a
         whole 8B step takes seconds to compile, and every running request would wait) and runs split until
         then (the model, then a sampler-only program: one more output-head GEMM per step). host_args and the
-        device state are v's step's (only their shapes, dtypes and shardings are read)."""
+        device state are v's step's (only their shapes, dtypes and shardings are read). start=False: a step that
+        runs its bucket's short program only while the long-context one compiles (long_program_ready) loads or
+        compiles nothing for v: v's whole program may never be needed once the long one is ready."""
         if v in self.compiled or v.flags == SamplerFlags() or v.prompt_logprobs or not self.split_sampler:
             return True
         if self.eager or not self.warmed_up:
             return True
-        return self._ready_or_compiling(v, host_args, params, kv_caches, prev_tokens)
+        return start and self._ready_or_compiling(v, host_args, params, kv_caches, prev_tokens)
 
     def long_program_ready(self, v: StepVariant, host_args, params, kv_caches, prev_tokens) -> bool:
         """Whether the long-context program of v's decode bucket (StepVariant.long_context, default sampler

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import os
 from collections.abc import Callable
 
 import jax
@@ -33,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxllm.config import ModelConfig
+from jaxllm.distributed import env_int
 from jaxllm.engine.input_batch import InputBatch
 from jaxllm.engine.packing import plain
 from jaxllm.engine.prepare import PAD_PAGE, StepPreparer
@@ -51,7 +51,7 @@ from jaxllm.engine.step_io import (
 )
 from jaxllm.models.attention import AttentionConfig
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
-from kernels_pallas import on_hopper
+from kernels_pallas import on_hopper, requested_decode_backend
 from kernels_pallas.reference import FP8_MAX
 
 logger = logging.getLogger(__name__)
@@ -138,8 +138,9 @@ def long_decode_from(attn: AttentionConfig, max_model_len: int, kv_dtype) -> int
     where that program differs (the Pallas backend on a Hopper GPU, 16-bit KV pages, $JAXLLM_DECODE_BACKEND unset
     or "auto": a forced backend runs every step) and sequences can reach it. The caller rules out several
     processes, pipeline stages and drafters, whose programs are chosen elsewhere."""
-    length = int(os.environ.get("JAXLLM_LONG_DECODE_CONTEXT", LONG_DECODE_CONTEXT))
-    if length <= 0 or length > max_model_len or os.environ.get("JAXLLM_DECODE_BACKEND", "auto") != "auto":
+    length = env_int("JAXLLM_LONG_DECODE_CONTEXT")
+    length = LONG_DECODE_CONTEXT if length is None else length
+    if length <= 0 or length > max_model_len or requested_decode_backend() != "auto":
         return 0
     if attn.backend != "pallas" or attn.interpret or not on_hopper():
         return 0
@@ -420,9 +421,10 @@ class ModelRunner:
         v, programs = p.variant, self.programs
         if self.lora is not None:  # dispatched after the steps in flight, which the device finishes first
             self.lora.write(p.lora_loads)
-        if v.long_context and not programs.long_program_ready(
+        meanwhile = v.long_context and not programs.long_program_ready(
             v, _plain_sampling(p.host_args), self.params, self.kv_caches, self.prev_tokens
-        ):
+        )
+        if meanwhile:
             p = _short_context(p)  # the bucket's start-up program while the long one compiles
             v = p.variant
         if v.num_spec and not programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
@@ -436,7 +438,9 @@ class ModelRunner:
         prev_in = self.prev_tokens
         if self.pipeline is not None:
             mode = "pipeline"
-        elif not overlap and programs.runs_whole(v, p.host_args, self.params, self.kv_caches, self.prev_tokens):
+        elif not overlap and programs.runs_whole(
+            v, p.host_args, self.params, self.kv_caches, self.prev_tokens, start=not meanwhile
+        ):
             mode = "whole"
         else:
             mode = "split"
