@@ -423,7 +423,7 @@ def test_decode_tail_probe_kernels_match_the_reference():
 
 def test_gpu_parity_smoke(tmp_path):
     """bench/gpu_parity.py end to end on CPU (reference attention): the engine's greedy tokens pass against HF
-    float32, and the preemption configuration does preempt."""
+    float32, and the preemption configuration does preempt (in two passes on one LLM: the second is checked)."""
     from bench import gpu_parity
 
     out = tmp_path / "gp.json"
@@ -436,6 +436,8 @@ def test_gpu_parity_smoke(tmp_path):
             "--scale",
             "0.1",
             "--enforce-eager",
+            "--passes",
+            "2",
             "--configs",
             "batch",
             "preemption",
@@ -447,7 +449,9 @@ def test_gpu_parity_smoke(tmp_path):
     )
     assert res["passed"] and json.loads(out.read_text())["passed"]
     batch, pre = res["configs"]["batch"], res["configs"]["preemption"]
+    # the second pass's sequences are checked (the first pass's are not kept)
     assert batch["parity"]["positions"] == (6 + 4 + 3) * 32 and batch["parity"]["hf_baseline"]
+    assert batch["passes"] == 2
     assert pre["preemptions"] > 0 and pre["parity"]["passed"]
     # the quantized configurations also decode one prompt alone (the smallest bucket: 1 row for int weights)
     assert [len(b) for b in gpu_parity.workloads("gptq_int4", 512, 1.0, 0)] == [16, 1]
