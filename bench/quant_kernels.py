@@ -367,7 +367,8 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         if name.startswith("int4_mgpu") and sweep:
             configs += json.loads(args.mgpu_configs) if args.mgpu_configs else MGPU_SWEEP
         if name == "fp8_gemv" and sweep:
-            configs += [c for c in FP8_GEMV_SWEEP if K % c["block_k"] == 0 and N % c["block_n"] == 0]
+            fp8_sweep = json.loads(args.fp8_gemv_configs) if args.fp8_gemv_configs else FP8_GEMV_SWEEP
+            configs += [c for c in fp8_sweep if K % c.get("block_k", 128) == 0 and N % c.get("block_n", 16) == 0]
         for M in ms:
             if name in TWO_ROW_IMPLS and M > 2:
                 continue  # the fused GEMV takes the decode bucket's 1-2 rows
@@ -589,6 +590,9 @@ def main(argv=None):
     p.add_argument("--sweep-m", default="1,16,64")
     p.add_argument(
         "--mgpu-configs", default=None, help="int4_mgpu's sweep entries as a JSON list (replaces MGPU_SWEEP)"
+    )
+    p.add_argument(
+        "--fp8-gemv-configs", default=None, help="fp8_gemv's sweep entries as a JSON list (replaces FP8_GEMV_SWEEP)"
     )
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
     p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
