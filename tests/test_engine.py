@@ -1027,6 +1027,20 @@ def test_long_decode_from_only_where_the_long_program_differs(monkeypatch):
         runner_mod.long_decode_from(pallas, 8192, bf16)
 
 
+@pytest.mark.parametrize(
+    "var,value,message",
+    [
+        ("JAXLLM_DECODE_BACKEND", "flash", "decode_backend='flash' is not one of"),
+        ("JAXLLM_LONG_DECODE_CONTEXT", "2k", "JAXLLM_LONG_DECODE_CONTEXT='2k' is not an integer"),
+    ],
+)
+def test_bad_decode_switches_fail_before_the_model_loads(monkeypatch, tmp_path, var, value, message):
+    """A bad decode-attention switch is named before anything loads (here the model folder does not even exist)."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path / "no-model"))
+
+
 def test_exit_does_not_wait_for_queued_background_compiles(tiny):
     """At interpreter exit the background compiles still queued are dropped (only the one running finishes):
     the process waited for every one of them (a whole step each: seconds to minutes on a large model, for

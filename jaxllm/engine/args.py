@@ -172,9 +172,14 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        from jaxllm.distributed import env_int
         from jaxllm.reasoning import check_name
+        from kernels_pallas import requested_decode_backend
 
         check_name(self.reasoning_parser)
+        # the decode-attention switches, read again where they act: a bad value fails here, before anything loads
+        requested_decode_backend()
+        env_int("JAXLLM_LONG_DECODE_CONTEXT")
         spec = self.speculative()
         if spec is not None:
             spec.check_parallel(self.tensor_parallel_size)
