@@ -247,6 +247,7 @@ def run_config(args, model_dir: str, name: str) -> dict:
                 llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             runner.programs.wait_for_background_compiles()
         steps.clear()
+        before = llm.llm_engine.stats()  # totals since start: the checked pass's are the difference
         seqs = []
         for prompts in batches:
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
@@ -268,8 +269,8 @@ def run_config(args, model_dir: str, name: str) -> dict:
         steps=steps,
         quant_kernel_traces=traces,
         passes=args.passes,
-        preemptions=st.num_preemptions,
-        prefix_cache_hit_tokens=st.prefix_cache_hits,
+        preemptions=st.num_preemptions - before.num_preemptions,
+        prefix_cache_hit_tokens=st.prefix_cache_hits - before.prefix_cache_hits,
         kv_cache_dtype=str(runner.kv_values_dtype),
     )
     del llm, runner
