@@ -270,9 +270,11 @@ def paged_decode_attention(
 def requested_decode_backend(decode_backend: str | None = None) -> str:
     """The decode backend asked for: decode_backend, else $JAXLLM_DECODE_BACKEND (as vLLM's
     VLLM_ATTENTION_BACKEND), else "auto"; ValueError for anything but "auto", "mosaic" or "triton"."""
-    requested = decode_backend or os.environ.get("JAXLLM_DECODE_BACKEND") or "auto"
+    name, requested = "decode_backend", decode_backend
+    if not requested:
+        name, requested = "JAXLLM_DECODE_BACKEND", os.environ.get("JAXLLM_DECODE_BACKEND") or "auto"
     if requested not in ("auto", "mosaic", "triton"):
-        raise ValueError(f"decode_backend={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
+        raise ValueError(f"{name}={requested!r} is not one of 'auto', 'mosaic', 'triton'.")
     return requested
 
 

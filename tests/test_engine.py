@@ -1030,7 +1030,7 @@ def test_long_decode_from_only_where_the_long_program_differs(monkeypatch):
 @pytest.mark.parametrize(
     "var,value,message",
     [
-        ("JAXLLM_DECODE_BACKEND", "flash", "decode_backend='flash' is not one of"),
+        ("JAXLLM_DECODE_BACKEND", "flash", "JAXLLM_DECODE_BACKEND='flash' is not one of"),
         ("JAXLLM_LONG_DECODE_CONTEXT", "2k", "JAXLLM_LONG_DECODE_CONTEXT='2k' is not an integer"),
     ],
 )
