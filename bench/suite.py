@@ -56,10 +56,12 @@ from bench import common  # noqa: E402  (numpy only: the suite itself never touc
 # generate() ran 115.9 tok/s on the H100 at 0a9b43b and our step is at its weight-read roofline (~184-200 tok/s),
 # so 1.5x is the most that batch 1 can hold over it; throughput keeps 10x. long*_itl_over_roofline: ITL / (weights
 # + KV bytes per step / copy bandwidth), "within 10%"; long32k_ttft_matmul_frac: prefill FLOPs (attention included)
-# per second of TTFT over the bf16 matmul rate.
+# per second of TTFT over the bf16 matmul rate. Offline: 500 x 462 / 256 keeps issue 7's 38 req/s; issue 37's 45
+# req/s is asked "with the ShareGPT-like mix" (the sharegpt stage).
 GOALS = dict(
     batch1_tok_s=180,
-    req_s=45,
+    req_s=38,
+    sharegpt_req_s=45,
     vs_hf_throughput=10,
     vs_hf_batch1=1.5,
     ready_cold_s=60,
@@ -656,7 +658,7 @@ def table(s: dict) -> str:
     sv = s.get("serve") or {}
     rows = [
         ("batch-1 decode tok/s", f(s.get("batch1_tok_s")), ">= 180", s["met"].get("batch1_tok_s")),
-        ("throughput req/s", f(s.get("req_s"), 2), ">= 45", s["met"].get("req_s")),
+        ("throughput req/s", f(s.get("req_s"), 2), ">= 38", s["met"].get("req_s")),
         ("  output tok/s", f(s.get("output_tok_s"), 0), "", None),
         (
             "vs strongest HF, req/s",
@@ -675,8 +677,8 @@ def table(s: dict) -> str:
         (
             "sharegpt req/s | out tok/s",
             f"{f(s.get('sharegpt_req_s'), 2)} | {f(s.get('sharegpt_output_tok_s'), 0)}",
-            "",
-            None,
+            ">= 45",
+            s["met"].get("sharegpt_req_s"),
         ),
         ("serve out tok/s | start-up s", f"{f(sv.get('output_tok_s'), 0)} | {f(sv.get('startup_s'))}", "", None),
         (
