@@ -1,10 +1,11 @@
 """Benchmarks of kernels_pallas on one GPU: decode, ragged prefill, KV write, ceilings measured in the same run.
 
   python bench/kernels.py --out bench/results/kernels_<device>.json [--sweep]
-      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,pool,goal,b1,decode,prefill,mgpu,write,qkv,fused,fused_sweep,fp8_decode,mixed,backend,trace,profile]
+      [--only ceil,tune,causal,combine,inflight,waves,mgpu_decode,mgpu_xprof,decode_backend,pool,goal,b1,decode,prefill,mgpu,write,qkv,fused,fused_engine,fused_sweep,fp8_decode,mixed,backend,trace,profile]
   stages: tune = current defaults vs their predecessors and neighbours; qkv = the fused qkv/RoPE/KV-write
   kernel vs XLA RoPE + the write kernel; fused = the fused decode kernel (RoPE + KV write + attention) vs the
   qkv/RoPE/write kernel then the decode kernel (Triton, and Mosaic GPU on Hopper), at the engine's decode shapes;
+  fused_engine = the same at the offline run's decode steps (varied lengths, the engine's KV pool);
   fused_sweep = the fused kernel vs the write then the Mosaic GPU kernel over 512-4k contexts x 1-64 rows; mixed = mixed prefill + decode
   steps through the entry point with and without split_decode; trace = an XProf split of a decode call (kernel
   vs the ops around it, written to <out>_trace.json); profile = one launch per goal shape for ncu; causal =
@@ -517,21 +518,29 @@ def bench_qkv(results, T, K=8, G=4, H=128, S=16, P=16384):
         results[-1]["q_max_abs_diff_vs_xla"] = float(np.abs(diff).max())
 
 
-def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, separate_too=True):
+def bench_fused_decode(
+    results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, separate_too=True, ctxs=None, pool=None, label=None
+):
     """A decode step's attention from the qkv projection ([B, K, G + 2, H], bf16): the qkv/RoPE/write kernel then
     the Triton decode kernel (the engine before 5f73bd6), the fused Triton decode kernel (one launch), and the
     qkv/RoPE/write kernel then the Mosaic GPU decode kernel (Hopper). B sequences of ctx tokens in M-page tables,
     the first `live` of them live (the engine's padded batch-1 bucket: 2 rows, 1 live, splits planned for one
     sequence as the engine plans them). separate_too=False leaves out the first (the max |diff| columns then
-    compare against the fused kernel)."""
+    compare against the fused kernel). ctxs: the live sequences' lengths instead (live = len(ctxs)); pool: the
+    pages' pool (the engine's KV cache size in pages), the tables' pages drawn from all of it, instead of exactly
+    B * M pages. Each row has kv_bytes (the live tokens' K and V, read once) and kv_tb_s."""
     rng = np.random.default_rng(6)
-    live = B if live is None else live
-    P = B * M + 1
+    lengths = list(ctxs) if ctxs is not None else [ctx] * (B if live is None else live)
+    live = len(lengths)
+    P = (pool or B * M) + 1
     kp = jnp.asarray(rng.standard_normal((K, P, S, H)), jnp.bfloat16)
     vp = jnp.asarray(rng.standard_normal((K, P, S, H)), jnp.bfloat16)
-    bt = jnp.asarray(1 + rng.permutation(B * M).reshape(B, M).astype(np.int32))
-    lens = jnp.asarray([ctx] * live + [0] * (B - live), jnp.int32)
-    slots = jnp.where(lens > 0, bt[:, (ctx - 1) // S] * S + (ctx - 1) % S, -1)
+    pages = rng.permutation(B * M) if pool is None else rng.choice(pool, size=B * M, replace=False)
+    bt = jnp.asarray(1 + pages.reshape(B, M).astype(np.int32))
+    lens = jnp.asarray(lengths + [0] * (B - live), jnp.int32)
+    last = jnp.maximum(lens - 1, 0)
+    slots = jnp.where(lens > 0, jnp.take_along_axis(bt, (last // S)[:, None], axis=1)[:, 0] * S + last % S, -1)
+    kv_bytes = sum(lengths) * K * H * 2 * 2
     pos = jnp.maximum(lens - 1, 0)
     qkv = jnp.asarray(rng.standard_normal((B, K, G + 2, H)), jnp.bfloat16)
     inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
@@ -556,7 +565,8 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, 
         impls.append(("qkv_write_then_mosaic_decode", mosaic))
     outs = {}
     for impl, fn in impls:
-        row = dict(kind="fused_decode", impl=impl, B=B, live=live, ctx=ctx, M=M, K=K, G=G, H=H)
+        row = dict(kind="fused_decode", label=label, impl=impl, B=B, live=live, ctx=ctx, M=M, K=K, G=G, H=H)
+        row.update(pool_pages=pool, kv_bytes=kv_bytes)
         try:
 
             def build(n, fn=fn):
@@ -570,7 +580,7 @@ def bench_fused_decode(results, B, ctx, live=None, M=64, K=8, G=4, H=128, S=16, 
 
             outs[impl] = np.asarray(fn(qkv, kp, vp)[0].astype(jnp.float32))
             state = [kp, vp]
-            time_row(row, runner(build, qkv, state=state))
+            row["kv_tb_s"] = kv_bytes / time_row(row, runner(build, qkv, state=state)) / 1e12
             kp, vp = state
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
@@ -1062,6 +1072,17 @@ def main():
             (16, 8064, 16, 512),
         ):
             bench_fused_decode(results, B, ctx, live=live, M=M)
+    if "fused_engine" in only:  # the offline run's decode steps (500 x 462 / 256, 8B, max_model_len 1024): its trace
+        # has the fused launch at ~2.84 TB/s where the (512, 600, 500) row above ran ~3.38 (HISTORY "Stop 66").
+        # Here: that row again; ~470 live rows of 462-718 tokens (the run's decode steps) over their own pages; the
+        # same over the engine's 55,204-page pool (the H200's KV cache at gpu_memory_utilization 0.9)
+        ctxs = [int(c) for c in np.random.default_rng(1).integers(462, 719, 470)]
+        for lab, kw in (
+            ("b512_ctx600_live500", dict(live=500)),
+            ("b512_live470_ctx462to718", dict(ctxs=ctxs)),
+            ("b512_live470_ctx462to718_pool55204", dict(ctxs=ctxs, pool=55204)),
+        ):
+            bench_fused_decode(results, 512, 600, M=64, label=lab, **kw)
     if "fused_sweep" in only:  # where the write + Mosaic path overtakes the fused launch: contexts x rows
         for B, live in ((2, 1), (8, 8), (16, 16), (64, 64)):
             for ctx in (512, 1024, 2048, 4096):

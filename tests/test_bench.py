@@ -819,6 +819,25 @@ def test_quant_kernels_mgpu_per_channel(tmp_path):
     assert all("error" not in r and r["rel_err"] < 1e-2 for r in rows), rows
 
 
+def test_kernels_fused_decode_rows_with_varied_lengths_over_a_pool(monkeypatch):
+    """bench/kernels.py's fused-decode rows (the fused_engine stage's varied lengths over a larger page pool), with
+    the kernels interpreted on CPU and the timing stubbed: each row runs, the fused launch agrees with the write
+    then decode kernels, and kv_bytes counts the live tokens' K and V only."""
+    import functools
+
+    from bench import kernels as kb
+
+    for name in ("qkv_write_kv_kernel", "paged_decode_attention_kernel", "fused_decode_attention_kernel"):
+        monkeypatch.setattr(kb, name, functools.partial(getattr(kb, name), interpret=True))
+    monkeypatch.setattr(kb, "per_call", lambda run, runs=5: (run(1) or 1e-3,) * 4)
+    rows = []
+    kb.bench_fused_decode(rows, 4, 20, M=4, K=2, G=2, H=64, ctxs=[5, 17, 30], pool=40, label="pool")
+    assert [r["impl"] for r in rows] == ["qkv_write_then_decode", "pallas_fused_decode"]
+    assert all("error" not in r and r["live"] == 3 and r["pool_pages"] == 40 for r in rows), rows
+    assert rows[0]["kv_bytes"] == (5 + 17 + 30) * 2 * 64 * 2 * 2 and rows[0]["kv_tb_s"] > 0
+    assert rows[1]["max_abs_diff_vs_qkv_write_then_decode"] < 2e-2
+
+
 def test_moe_matmul_smoke(tmp_path):
     """bench/moe_matmul.py: grouped vs dense GEMM rows, the Pallas grouped GEMM (interpret mode here) timed and
     checked against ragged_dot, and expert_mlp (both impls) checked against the all-experts einsum."""
