@@ -538,10 +538,9 @@ def bench_fused_decode(
     pages = rng.permutation(B * M) if pool is None else rng.choice(pool, size=B * M, replace=False)
     bt = jnp.asarray(1 + pages.reshape(B, M).astype(np.int32))
     lens = jnp.asarray(lengths + [0] * (B - live), jnp.int32)
-    last = jnp.maximum(lens - 1, 0)
-    slots = jnp.where(lens > 0, jnp.take_along_axis(bt, (last // S)[:, None], axis=1)[:, 0] * S + last % S, -1)
+    pos = jnp.maximum(lens - 1, 0)  # each row's new token: its position, and its slot in its last page
+    slots = jnp.where(lens > 0, jnp.take_along_axis(bt, (pos // S)[:, None], axis=1)[:, 0] * S + pos % S, -1)
     kv_bytes = sum(lengths) * K * H * 2 * 2
-    pos = jnp.maximum(lens - 1, 0)
     qkv = jnp.asarray(rng.standard_normal((B, K, G + 2, H)), jnp.bfloat16)
     inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
     scale = H**-0.5
