@@ -1095,6 +1095,22 @@ def test_lora_bench_smoke(tmp_path):
     assert rows[("base", 0)]["vs_base"]["batch4"] == 1 and rows[("lora8", 2)]["vs_base"]["offline"] > 0
 
 
+def test_dispatch_probe_rows(tmp_path):
+    """bench/probes/dispatch_probe.py on the tiny model (CPU): each row is given the arrays it names (the params,
+    the KV cache, half the params' arrays, plus the ints), both call paths are timed, and the JSON is written."""
+    from bench.probes import dispatch_probe as probe
+
+    out = tmp_path / "dp.json"
+    res = probe.main(["--shape", "tiny", "--load-format", "dummy", "--calls", "2", "--out", str(out)])
+    n, kv, rows = res["param_arrays"], res["kv_arrays"], res["rows"]
+    assert n > 0 and kv > 0
+    assert {k: r["arrays"] for k, r in rows.items()} == dict(
+        ints=1, params=n + 1, params_kv=n + kv + 1, half_params=n // 2 + 1
+    )
+    assert all(r["jit_ms"] > 0 and r["compiled_ms"] > 0 for r in rows.values())
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_graph_launch_probe_modes(tmp_path):
     """bench/probes/graph_launch_probe.py runs each mode (CPU: no command buffers, only the plumbing) and writes
     one row per mode; its "stable" program reads the fresh int input through a single select and computes the same

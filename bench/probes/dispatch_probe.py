@@ -93,6 +93,7 @@ def main(argv=None):
     )
     print(json.dumps({k: v for k, v in result.items() if k != "env"}, indent=1))
     common.write_result("dispatch_probe", result, args.out)
+    return result
 
 
 if __name__ == "__main__":
