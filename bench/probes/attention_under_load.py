@@ -77,14 +77,14 @@ class SmiLog:
             self.proc.terminate()
 
 
-def engine_shapes(rows: int, live: int, seed: int = 1):
-    """The offline run's decode step (bench/kernels.py's fused_engine): `live` rows of 462-718 tokens in a `rows`
-    bucket, each sequence's pages a run of the pool's first pages in a random order (the engine's LIFO free list
+def engine_shapes(rows: int, live: int, lo: int = 462, hi: int = 718, seed: int = 1):
+    """The offline run's decode step (bench/kernels.py's fused_engine): `live` rows of lo-hi tokens (462-718: the run's
+    whole decode phase) in a `rows` bucket, each sequence's pages a run of the pool's first pages in a random order (the engine's LIFO free list
     keeps the pages it hands out low). -> (lens, pos, slots, block table, pool pages, KV bytes a layer)."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    ctxs = [int(c) for c in rng.integers(462, 719, live)]
+    ctxs = [int(c) for c in rng.integers(lo, hi + 1, live)]
     M = 1024 // S  # max_model_len 1024
     need = [-(-c // S) for c in ctxs]
     order = 1 + rng.permutation(sum(need))
@@ -104,6 +104,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--rows", type=int, default=512)
     p.add_argument("--live", type=int, default=470)
+    p.add_argument("--ctx", default="462-718", help="the live rows' contexts: lo-hi tokens, uniform")
+    p.add_argument("--sustain-s", type=float, default=0.0, help="steps back to back this long before timing")
+    p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--modes", default="attn:one,attn:each,gemm:each,full:one,full:each")
     p.add_argument("--interpret", action="store_true", help="CPU: the kernels in interpret mode (tests)")
@@ -118,7 +121,7 @@ def main(argv=None):
     from bench.profile_summary import summarize
 
     B, L = args.rows, args.layers
-    lens, pos, slots, bt, pool, kv_bytes = engine_shapes(B, args.live)
+    lens, pos, slots, bt, pool, kv_bytes = engine_shapes(B, args.live, *map(int, args.ctx.split("-")))
     lens, pos, slots, bt = (jnp.asarray(a) for a in (lens, pos, slots, bt))
     inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
     key = jax.random.PRNGKey(0)
@@ -175,25 +178,33 @@ def main(argv=None):
         x = x0
         x, kps, vps = fn(x, W, kps, vps)  # compile + warm
         jax.block_until_ready(x)
-        times = []
         t_start = time.time()
+        if args.sustain_s:  # back to back for sustain_s seconds: the GPU at its sustained power and clock
+            while time.time() - t_start < args.sustain_s:
+                for _ in range(10):
+                    x, kps, vps = fn(x, W, kps, vps)
+                jax.block_until_ready(x)
+        times = []
         for _ in range(args.steps):
             t = time.perf_counter()
             x, kps, vps = fn(x, W, kps, vps)
             jax.block_until_ready(x)
             times.append(time.perf_counter() - t)
-        t_end = time.time()
         d = tempfile.mkdtemp()
+        t_prof = time.time()
         with jax.profiler.trace(d):
-            for _ in range(2):
+            for _ in range(args.profile_steps):  # back to back, as the timed loop before them was not
                 x, kps, vps = fn(x, W, kps, vps)
             jax.block_until_ready(x)
+        t_end = time.time()
         cache["kv"] = (kps, vps)
         summary = summarize(d)
         kernels = summary["devices"][0]["top_kernels"] if summary.get("devices") else []
         per_step = [
             dict(
-                name=k["name"][:70], ms_per_step=round(k["ms"] / 2, 4), us_per_call=round(k["ms"] * 1e3 / k["runs"], 2)
+                name=k["name"][:70],
+                ms_per_step=round(k["ms"] / args.profile_steps, 4),
+                us_per_call=round(k["ms"] * 1e3 / k["runs"], 2),
             )
             for k in kernels[:8]
             if "runs" in k and k["runs"]
@@ -205,15 +216,19 @@ def main(argv=None):
             layers=L,
             rows=B,
             live=args.live,
+            ctx=args.ctx,
             pool_pages=pool,
             kv_bytes_per_layer=kv_bytes,
             step_ms=statistics.median(times) * 1e3,
             step_ms_all=[round(t * 1e3, 3) for t in times],
-            busy_ms_per_step=summary["devices"][0].get("busy_ms", 0) / 2 if summary.get("devices") else None,
+            busy_ms_per_step=summary["devices"][0].get("busy_ms", 0) / args.profile_steps
+            if summary.get("devices")
+            else None,
             attention_us_per_call=attn[0]["us_per_call"] if attn else None,
             attention_tb_s=round(kv_bytes / (attn[0]["us_per_call"] * 1e-6) / 1e12, 3) if attn else None,
             kernels=per_step,
             gpu=smi.window(t_start, t_end),
+            gpu_profiled=smi.window(t_prof, t_end),
         )
         results.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "kernels"}), flush=True)
