@@ -135,19 +135,23 @@ def main(argv=None):
             qkv, pos, inv_freq, kp, vp, slots, lens, bt, scale=H**-0.5, interpret=args.interpret
         )
 
+    def norm(x):  # the layer's RMS norms (no weight): keeps the stream's values, and the GPU's power, as a model's
+        xf = x.astype(jnp.float32)
+        return (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
     def layer(mode, W, x, kp, vp):
         Wqkv, Wo, Wgu, Wd = W
         if mode == "attn":
             qkv = jnp.broadcast_to(x[:, : (G + 2) * H].reshape(B, 1, G + 2, H), (B, KV, G + 2, H))
             out, kp, vp = attention(qkv, kp, vp)
             return out.reshape(B, D), kp, vp
-        qkv = (x @ Wqkv).reshape(B, KV, G + 2, H)
+        qkv = (norm(x) @ Wqkv).reshape(B, KV, G + 2, H)
         if mode == "gemm":
             out = qkv[:, :, :G].reshape(B, D)
         else:
             out, kp, vp = attention(qkv, kp, vp)
         h = out.reshape(B, D) @ Wo + x
-        gu = h @ Wgu
+        gu = norm(h) @ Wgu
         a = jax.nn.silu(gu[:, :F]) * gu[:, F:]
         return a @ Wd + h, kp, vp
 
@@ -167,11 +171,12 @@ def main(argv=None):
     for spec in args.modes.split(","):
         mode, pools = spec.split(":")
         n = L if pools == "each" else 1
-        if cache.get("n") != n:  # KV pools: [KV, pool, S, H] per layer, zeros (the values do not change the time)
+        if cache.get("n") != n:  # KV pools: [KV, pool, S, H] per layer, random (zeros draw less power)
             cache.clear()
             jax.clear_caches()
-            kps = tuple(jnp.zeros((KV, pool, S, H), jnp.bfloat16) for _ in range(n))
-            vps = tuple(jnp.zeros((KV, pool, S, H), jnp.bfloat16) for _ in range(n))
+            kvs = [jax.random.normal(k, (KV, pool, S, H), jnp.bfloat16) for k in jax.random.split(ks[5], 2 * n)]
+            kps, vps = tuple(kvs[:n]), tuple(kvs[n:])
+            del kvs
             cache.update(n=n, kv=(kps, vps))
         kps, vps = cache.pop("kv")
         fn = step_fn(mode, pools)
