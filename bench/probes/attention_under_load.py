@@ -1,10 +1,17 @@
 """The offline run's decode attention alone and between the layer's GEMMs, over one layer's KV pool or each layer's.
 
+Finding (one H200, stop 67, bench/results/attention_under_load_*_h200_*.json): the GPU's 700 W power cap. The
+500 x 462 / 256 run holds the GPU at ~691 W with the SM clock at ~1555 MHz (nvidia-smi: reason "SW power cap"),
+where short calls run at 1980 MHz. Here, 500 live rows of 462-718 tokens, the launch takes 366-367 us a call when
+the GPU is cool (alone or between the GEMMs, one pool or one a layer: neither matters) and 396 us when full layers
+on random data have run back to back for 10 s (~690 W, ~1690 MHz): the engine trace's 400 us. The kernel bench's
+340-350 us was 470 live rows at full clock.
+
 The question (bench/HISTORY.md "Stop 66"): the H200 trace of the 500 x 462 / 256 run has the fused decode launch at
 ~400 us a layer a step, where bench/kernels.py --only fused_engine runs the same launch at the same shape (470 live
 rows of 462-718 tokens in a 512-row bucket) in 340.7-349.8 us. The kernel bench chains the launch on one layer's
 pages; the engine runs it between the layer's GEMMs and on a different layer's pages each time. Which of the two
-costs the ~13 %?
+costs the ~13 %? (Neither: the clock, above.)
 
     python bench/probes/attention_under_load.py --out P.json [--layers 32] [--steps 3]
 
@@ -16,8 +23,10 @@ jaxllm/models/attention.py calls it), o GEMM + residual, gate/up GEMM, silu * up
 and pools: "each" (a KV pool per layer, as the engine's cache) or "one" (every layer on the same pool, as the
 kernel bench). Each row: the step's wall time (median of --steps timed steps), the XProf time per step of every
 kernel kind (the attention launch's mean us a call among them), and the GPU's SM clock / power from nvidia-smi
-(sampled every 50 ms while the row ran) where nvidia-smi is there. The attention's cost inside the layer is also
-the difference full - gemm.
+(sampled every 50 ms while the row ran, and while its profiled steps ran) where nvidia-smi is there. The attention's
+cost inside the layer is also the difference full - gemm. --sustain-s S runs the steps back to back for S seconds
+first (the clock the power cap allows); the pools hold random values and the layer normalizes its stream, since
+zeros and a stream that overflows draw less power (call J's zero pools reached ~600 W and kept 1980 MHz).
 """
 
 from __future__ import annotations
