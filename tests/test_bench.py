@@ -1111,6 +1111,31 @@ def test_dispatch_probe_rows(tmp_path):
     assert json.loads(out.read_text())["rows"] == rows
 
 
+def test_attention_under_load_shapes_and_rows(tmp_path):
+    """bench/probes/attention_under_load.py: its decode step's tables give each live row its own pages out of the
+    pool's first ones, its new token's slot in its last page, and padding rows nothing; a 1-layer run (CPU,
+    interpret mode, a narrow MLP) writes a row per mode and the full - gemm difference."""
+    import numpy as np
+
+    from bench.probes import attention_under_load as probe
+
+    lens, pos, slots, bt, pool, kv_bytes = probe.engine_shapes(8, 5, 20, 40)
+    live = bt[:5][bt[:5] > 0]
+    assert len(set(live.tolist())) == live.size == pool - 1 and live.max() == pool - 1  # pages 1..pool-1, once each
+    assert (lens[5:] == 0).all() and (slots[5:] == -1).all() and (bt[5:] == 0).all()
+    for b in range(5):
+        assert (bt[b] > 0).sum() == -(-lens[b] // probe.S) and 20 <= lens[b] <= 40
+        assert slots[b] == bt[b, pos[b] // probe.S] * probe.S + pos[b] % probe.S
+    assert kv_bytes == int(np.sum(lens)) * probe.KV * probe.H * 4
+    out = tmp_path / "aul.json"
+    args = "--layers 1 --rows 8 --live 5 --ctx 20-40 --ffn 256 --steps 1 --profile-steps 1 --interpret"
+    res = probe.main([*args.split(), "--modes", "full:each,gemm:each", "--out", str(out)])
+    assert [(r["mode"], r["pools"]) for r in res["rows"]] == [("full", "each"), ("gemm", "each")]
+    assert all(r["step_ms"] > 0 and r["kv_bytes_per_layer"] == kv_bytes for r in res["rows"])
+    assert "full_minus_gemm_us_per_layer" in res["derived"]
+    assert json.loads(out.read_text())["rows"][0]["mode"] == "full"
+
+
 def test_graph_launch_probe_modes(tmp_path):
     """bench/probes/graph_launch_probe.py runs each mode (CPU: no command buffers, only the plumbing) and writes
     one row per mode; its "stable" program reads the fresh int input through a single select and computes the same

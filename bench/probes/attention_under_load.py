@@ -118,6 +118,7 @@ def main(argv=None):
     p.add_argument("--profile-steps", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--modes", default="attn:one,attn:each,gemm:each,full:one,full:each")
+    p.add_argument("--ffn", type=int, default=F, help="the MLP's width (tests: small)")
     p.add_argument("--interpret", action="store_true", help="CPU: the kernels in interpret mode (tests)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -129,14 +130,14 @@ def main(argv=None):
     import kernels_pallas
     from bench.profile_summary import summarize
 
-    B, L = args.rows, args.layers
+    B, L, ffn = args.rows, args.layers, args.ffn
     lens, pos, slots, bt, pool, kv_bytes = engine_shapes(B, args.live, *map(int, args.ctx.split("-")))
     lens, pos, slots, bt = (jnp.asarray(a) for a in (lens, pos, slots, bt))
     inv_freq = jnp.asarray(500000.0 ** -(np.arange(0, H, 2) / H), jnp.float32)
     key = jax.random.PRNGKey(0)
     ks = jax.random.split(key, 6)
     w = lambda k, shape: jax.random.normal(k, shape, jnp.bfloat16) * (shape[0] ** -0.5)  # noqa: E731
-    W = w(ks[0], (D, KV * (G + 2) * H)), w(ks[1], (D, D)), w(ks[2], (D, 2 * F)), w(ks[3], (F, D))
+    W = w(ks[0], (D, KV * (G + 2) * H)), w(ks[1], (D, D)), w(ks[2], (D, 2 * ffn)), w(ks[3], (ffn, D))
     x0 = jax.random.normal(ks[4], (B, D), jnp.bfloat16)
 
     def attention(qkv, kp, vp):
@@ -161,7 +162,7 @@ def main(argv=None):
             out, kp, vp = attention(qkv, kp, vp)
         h = out.reshape(B, D) @ Wo + x
         gu = norm(h) @ Wgu
-        a = jax.nn.silu(gu[:, :F]) * gu[:, F:]
+        a = jax.nn.silu(gu[:, :ffn]) * gu[:, ffn:]
         return a @ Wd + h, kp, vp
 
     def step_fn(mode, pools):
