@@ -20,10 +20,21 @@ def _step(params, kv_caches, token_ids, meta, cfg, attn):
 
 
 def ragged_logits(
-    params, cfg, seqs, cached, block_size=4, num_pages=64, attn=AttentionConfig(), seed=0, pad_tokens=5, pad_seqs=2
+    params,
+    cfg,
+    seqs,
+    cached,
+    block_size=4,
+    num_pages=64,
+    attn=AttentionConfig(),
+    seed=0,
+    pad_tokens=5,
+    pad_seqs=2,
+    prefix_attn=None,
 ):
     """Logits [len(seq) - cached, V] per sequence: a first step writes each sequence's first cached[i]
-    tokens, a second step computes the rest over the cache (prefix-cache hits / chunked prefill)."""
+    tokens, a second step computes the rest over the cache (prefix-cache hits / chunked prefill). prefix_attn: the
+    first step's attention config, where it is not attn's (a test of the second step alone)."""
     rng = np.random.default_rng(seed)
     dtype = jnp.dtype(cfg.dtype)
     K, H = cfg.num_kv_heads, cfg.head_dim
@@ -53,7 +64,8 @@ def ragged_logits(
             jnp.asarray(inp.block_tables),
             inp.decode_only,
         )
-        kv, logits = _step(params, kv, jnp.asarray(inp.token_ids), meta, cfg, attn)
+        step_attn = attn if step == 1 or prefix_attn is None else prefix_attn
+        kv, logits = _step(params, kv, jnp.asarray(inp.token_ids), meta, cfg, step_attn)
         out = (np.asarray(logits), inp)
     logits, inp = out
     assert np.isfinite(logits[: inp.num_tokens]).all()
@@ -75,8 +87,10 @@ def spy_add_rms_norm(monkeypatch) -> list:
 
 def one_row_decode_logits(params, cfg, mesh, monkeypatch):
     """A decode-only step of one sequence and no padding row (the int models' batch-1 bucket, after a 4-token prefix
-    step), run on the "pallas" backend (interpret mode) and on the reference backend: (the shapes of the qkv the fused
-    decode attention kernel was given on the pallas run, its logits, the reference's logits)."""
+    step on the reference backend), run on the "pallas" backend (interpret mode) and on the reference backend: (the
+    shapes of the qkv the fused decode attention kernel was given on the pallas run, its logits, the reference's
+    logits). The prefix step stays on the reference backend both times: the Mosaic GPU interpreter's 4-row prefix
+    step doubled the nk test's time, and multi-row steps through the kernels have tests of their own."""
     import kernels_pallas as kp
 
     seqs, cached = [[5, 9, 2, 77, 3]], [4]
@@ -87,7 +101,8 @@ def one_row_decode_logits(params, cfg, mesh, monkeypatch):
 
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0)
+        prefix = AttentionConfig(backend="reference", mesh=mesh)
+        out = ragged_logits(params, cfg, seqs, cached, 4, attn=attn, pad_tokens=0, pad_seqs=0, prefix_attn=prefix)
         return [np.asarray(x, np.float32) for x in out]
 
     got = logits("pallas")
