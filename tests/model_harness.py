@@ -102,7 +102,9 @@ def one_row_decode_logits(params, cfg, mesh, monkeypatch):
     def logits(backend):
         attn = AttentionConfig(backend=backend, interpret=backend == "pallas", mesh=mesh)
         prefix = AttentionConfig(backend="reference", mesh=mesh)
-        out = ragged_logits(params, cfg, seqs, cached, 4, attn=attn, pad_tokens=0, pad_seqs=0, prefix_attn=prefix)
+        out = ragged_logits(
+            params, cfg, seqs, cached, block_size=4, attn=attn, pad_tokens=0, pad_seqs=0, prefix_attn=prefix
+        )
         return [np.asarray(x, np.float32) for x in out]
 
     got = logits("pallas")

@@ -177,18 +177,16 @@ def main(argv=None):
 
     smi = SmiLog()
     results = []
-    cache: dict[str, tuple] = {}
+    kps = vps = ()  # KV pools, [KV, pool, S, H] each: one a layer, or one; donated to each step, kept across rows
     for spec in args.modes.split(","):
         mode, pools = spec.split(":")
         n = L if pools == "each" else 1
-        if cache.get("n") != n:  # KV pools: [KV, pool, S, H] per layer, random (zeros draw less power)
-            cache.clear()
+        if len(kps) != n:  # random values: zeros draw less power
+            kps = vps = ()  # the old pools go before the new ones are made
             jax.clear_caches()
             kvs = [jax.random.normal(k, (KV, pool, S, H), jnp.bfloat16) for k in jax.random.split(ks[5], 2 * n)]
             kps, vps = tuple(kvs[:n]), tuple(kvs[n:])
             del kvs
-            cache.update(n=n, kv=(kps, vps))
-        kps, vps = cache.pop("kv")
         fn = step_fn(mode, pools)
         x = x0
         x, kps, vps = fn(x, W, kps, vps)  # compile + warm
@@ -212,9 +210,9 @@ def main(argv=None):
                 x, kps, vps = fn(x, W, kps, vps)
             jax.block_until_ready(x)
         t_end = time.time()
-        cache["kv"] = (kps, vps)
         summary = summarize(d)
-        kernels = summary["devices"][0]["top_kernels"] if summary.get("devices") else []
+        dev = summary["devices"][0] if summary.get("devices") else {}
+        kernels = dev.get("top_kernels", [])
         per_step = [
             dict(
                 name=k["name"][:70],
@@ -236,9 +234,7 @@ def main(argv=None):
             kv_bytes_per_layer=kv_bytes,
             step_ms=statistics.median(times) * 1e3,
             step_ms_all=[round(t * 1e3, 3) for t in times],
-            busy_ms_per_step=summary["devices"][0].get("busy_ms", 0) / args.profile_steps
-            if summary.get("devices")
-            else None,
+            busy_ms_per_step=dev["busy_ms"] / args.profile_steps if "busy_ms" in dev else None,
             attention_us_per_call=attn[0]["us_per_call"] if attn else None,
             attention_tb_s=round(kv_bytes / (attn[0]["us_per_call"] * 1e-6) / 1e12, 3) if attn else None,
             kernels=per_step,
