@@ -70,6 +70,7 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
+INLINE_COPIES = False  # qmatmul_mgpu's default: the compute warpgroup issues the ring's copies (no memory warpgroup)
 # Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
 # multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
 # 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
@@ -328,6 +329,7 @@ def _kernel(
     dtype,
     rows_first,
     sync_rows,
+    inline_copies,
     interpret,
 ):
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -340,6 +342,9 @@ def _kernel(
     first = split * steps  # the split's first K block
     g0 = first // group_blocks  # the split's first group row (per channel: group_blocks > K's blocks, so 0)
     Mp = x_smem.shape[1]
+    feed = functools.partial(
+        _Feed, x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(0, Mp), n0=n0, g0=g0, first=first, steps=steps
+    )
 
     @pl.when(wg < nw)
     def _compute():
@@ -366,6 +371,11 @@ def _kernel(
 
             return pl.run_scoped(scope, plgpu.ACC((BM, Mp), jnp.float32))
 
+        if inline_copies:  # this warpgroup copies too: the scales and the ring's first blocks, then one a step
+            copies = feed()
+            copies.scales()
+            for step in range(min(stages, steps)):
+                copies.block(step, step)
         plgpu.barrier_wait(sready.at[0])
 
         def body(step, acc):
@@ -373,9 +383,18 @@ def _kernel(
             g = step // group_blocks
             plgpu.barrier_wait(ready.at[slot])
             part = mma(weight(slot, g), slot)
-            plgpu.barrier_arrive(free.at[slot])
+            if not inline_copies:
+                plgpu.barrier_arrive(free.at[slot])
             s = rows(s_smem, g).astype(jnp.float32)
-            return acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+            acc = acc + part * lax.broadcast_in_dim(s, (BM, Mp), [0])
+            if inline_copies:
+
+                @pl.when(step + stages < steps)
+                def _():  # every warp has read the slot: refill it with block step + stages
+                    _warpgroup_sync(interpret)
+                    copies.block(step + stages, slot)
+
+            return acc
 
         acc0 = jnp.zeros((BM, Mp), jnp.float32)
         acc = lax.fori_loop(0, steps, body, acc0 if interpret else plgpu.layout_cast(acc0, wgmma_layout))
@@ -394,43 +413,80 @@ def _kernel(
         plgpu.copy_smem_to_gmem(o_smem.at[wg], out)
         plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == nw)
-    def _memory():
-        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(0, Mp), n0=n0, g0=g0, first=first, steps=steps)
+    if not inline_copies:
+
+        @pl.when(wg == nw)
+        def _memory():
+            feed().run()
 
 
-def _feed(x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
-    """The memory warpgroup of both kernels: the program's group rows of scales (and zeros) from g0, then K blocks
-    first .. first + steps of its nw x BM weight columns and of x's rows x_rows into the ring, each slot reused once
-    the compute warpgroups release it."""
+def _warpgroup_sync(interpret):
+    """bar.sync over the warpgroup's 128 threads (the interpreter runs a warpgroup as one thread: nothing)."""
+    if interpret:
+        return
     import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax.experimental.mosaic.gpu import utils
 
-    (w_smem, x_smem, s_smem, z_smem, _), (ready, free, sready) = scoped
-    stages, nw, _, block_k = w_smem.shape
-    ng = s_smem.shape[1]
-    for h in range(nw):
-        hcols = pl.ds(n0 + h * BM, BM)
-        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(g0, ng), hcols], s_smem.at[h], sready.at[0])
-        if z_ref is not None:
-            plgpu.copy_gmem_to_smem(z_ref.at[pl.ds(g0, ng), hcols], z_smem.at[h], sready.at[0])
+    @plgpu.inline_mgpu()
+    def sync(ctx):
+        del ctx
+        utils.warpgroup_barrier()
 
-    @pl.loop(0, steps)
-    def _(step):
-        slot = lax.rem(step, stages)
+    sync()
 
-        @pl.when(step >= stages)
-        def _():
-            plgpu.barrier_wait(free.at[slot])
 
-        k = pl.ds((first + step) * block_k, block_k)
-        for h in range(nw):
-            plgpu.copy_gmem_to_smem(w_ref.at[pl.ds(n0 + h * BM, BM), k], w_smem.at[slot, h], ready.at[slot])
-        plgpu.copy_gmem_to_smem(x_ref.at[x_rows, k], x_smem.at[slot], ready.at[slot])
+class _Feed:
+    """The copies into a program's shared memory, for both kernels: its group rows of scales (and zeros) from g0,
+    and K blocks first .. first + steps of its nw x BM weight columns and of x's rows x_rows into the ring. `run` is
+    the memory warpgroup: all of them, each slot reused once the compute warpgroups release it."""
 
-    # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
-    @pl.loop(max(steps - stages, 0), steps)
-    def _(step):
-        plgpu.barrier_wait(free.at[lax.rem(step, stages)])
+    def __init__(self, x_ref, w_ref, s_ref, z_ref, scoped, *, x_rows, n0, g0, first, steps):
+        (self.w_smem, self.x_smem, self.s_smem, self.z_smem, _), (self.ready, self.free, self.sready) = scoped
+        self.x_ref, self.w_ref, self.s_ref, self.z_ref = x_ref, w_ref, s_ref, z_ref
+        self.x_rows, self.n0, self.g0, self.first, self.steps = x_rows, n0, g0, first, steps
+        self.stages, self.nw, _, self.block_k = self.w_smem.shape
+
+    def scales(self):
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        ng = self.s_smem.shape[1]
+        for h in range(self.nw):
+            hcols = pl.ds(self.n0 + h * BM, BM)
+            plgpu.copy_gmem_to_smem(self.s_ref.at[pl.ds(self.g0, ng), hcols], self.s_smem.at[h], self.sready.at[0])
+            if self.z_ref is not None:
+                z = self.z_ref.at[pl.ds(self.g0, ng), hcols]
+                plgpu.copy_gmem_to_smem(z, self.z_smem.at[h], self.sready.at[0])
+
+    def block(self, step, slot):
+        """K block first + step of the weight columns and of x into ring slot `slot`."""
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        k = pl.ds((self.first + step) * self.block_k, self.block_k)
+        for h in range(self.nw):
+            w = self.w_ref.at[pl.ds(self.n0 + h * BM, BM), k]
+            plgpu.copy_gmem_to_smem(w, self.w_smem.at[slot, h], self.ready.at[slot])
+        plgpu.copy_gmem_to_smem(self.x_ref.at[self.x_rows, k], self.x_smem.at[slot], self.ready.at[slot])
+
+    def run(self):
+        import jax.experimental.pallas.mosaic_gpu as plgpu
+
+        stages, steps, free = self.stages, self.steps, self.free
+        self.scales()
+
+        @pl.loop(0, steps)
+        def _(step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)
+            def _():
+                plgpu.barrier_wait(free.at[slot])
+
+            self.block(step, slot)
+
+        # The last `stages` releases, so every barrier phase is observed (the interpreter checks it).
+        @pl.loop(max(steps - stages, 0), steps)
+        def _(step):
+            plgpu.barrier_wait(free.at[lax.rem(step, stages)])
 
 
 def _launch(
@@ -449,8 +505,10 @@ def _launch(
     grid_names,
     interpret,
     rows_first=False,
+    memory_wg=True,
 ):
-    """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup. Shared
+    """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup (none
+    with memory_wg=False: the compute warpgroup copies). Shared
     memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
     args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first);
     barriers: a slot filled, a slot released, the scales copied. name: the kernel's, as traces show it
@@ -488,7 +546,7 @@ def _launch(
         out_type=out_type,
         grid=grid,
         grid_names=grid_names,
-        num_threads=nw + 1,
+        num_threads=nw + 1 if memory_wg else nw,
         thread_name="wg",
         **kw,
     )(*args)
@@ -505,6 +563,7 @@ def _launch(
         "ctas_per_sm",
         "rows_first",
         "sync_rows",
+        "inline_copies",
         "interpret",
     ),
 )
@@ -522,12 +581,15 @@ def qmatmul_mgpu(
     ctas_per_sm=None,
     rows_first=False,
     sync_rows=SYNC_ROWS,
+    inline_copies=INLINE_COPIES,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
     rows_first. See the module docstring. sync_rows: up to this many rows (Mp) each block's product runs as per-warp
-    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma.
+    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma. inline_copies (nw = 1 only):
+    no memory warpgroup; the compute warpgroup issues the ring's copies itself, each slot refilled after a warpgroup
+    barrier once its block is multiplied (half the threads and registers a program, so twice the programs fit an SM).
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -545,6 +607,8 @@ def qmatmul_mgpu(
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
     if blocks % S:
         raise ValueError(f"splits={S} must divide K's {blocks} blocks of {block_k}")
+    if inline_copies and nw != 1:
+        raise ValueError(f"inline_copies takes one compute warpgroup (nw=1), got nw={nw}")
     steps = blocks // S
     ng = 1 if group_size == -1 else steps // group_blocks
     if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):
@@ -567,6 +631,7 @@ def qmatmul_mgpu(
         dtype=dtype,
         rows_first=rows_first,
         sync_rows=sync_rows,
+        inline_copies=inline_copies,
         interpret=interpret,
     )
     if not rows_first:
@@ -588,6 +653,7 @@ def qmatmul_mgpu(
         grid_names=("n", "s"),
         interpret=interpret,
         rows_first=rows_first,
+        memory_wg=not inline_copies,
     )
     return parts[:, :M] if rows_first and interpret else parts
 
@@ -660,7 +726,7 @@ def _wide_kernel(x_ref, w_ref, s_ref, *refs, asym, nw, block_k, steps, stages, g
     def _memory():
         if regs and not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        _feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(m0, tm), n0=n0, g0=0, first=0, steps=steps)
+        _Feed(x_ref, w_ref, s_ref, z_ref, scoped, x_rows=pl.ds(m0, tm), n0=n0, g0=0, first=0, steps=steps).run()
 
 
 def wide_tiling(m, n, kp, group_size, asym=False, nw=2) -> dict:

@@ -72,6 +72,7 @@ PROGRAM_ENV = (
     "JAXLLM_FP8_NORM",
     "JAXLLM_FP8_SILU_MLP",
     "JAXLLM_INT4_NK",
+    "JAXLLM_INT4_NK_INLINE",
     "JAXLLM_INT4_NK_WIDE",
 )
 # jax options that change what a traced step lowers to.

@@ -248,6 +248,9 @@ NK_WIDE = os.environ.get("JAXLLM_INT4_NK_WIDE", "1") == "1"
 # Above this many rows (prefill chunks) the dense weight + XLA's GEMM again: its dequantization is shared by the rows,
 # and the wide kernel took 1.37x bf16's GEMM time at 512 rows (bench/results/quant_kernels_h100_1a39a82_wide.json).
 NK_WIDE_MAX_ROWS = 1024
+# The narrow kernel without a memory warpgroup (qmatmul_mgpu(inline_copies=True): the compute warpgroup issues its
+# ring's copies). JAXLLM_INT4_NK_INLINE=1 turns it on (an A/B switch while it is measured).
+NK_INLINE = os.environ.get("JAXLLM_INT4_NK_INLINE", "0") == "1"
 
 
 def _nk_operands(w: QuantizedWeight):
@@ -269,8 +272,9 @@ def _nk(x, w: QuantizedWeight, kernels: bool, interpret: bool):
             and _qmatmul_mgpu.wide_supported(x.dtype, wt.shape[0], wt.shape[1], 4, group)
         ):
             zeros = None if zeros is None else zeros.astype(x.dtype)
+            tuning = dict(inline_copies=NK_INLINE) if narrow else {}
             return _qmatmul_mgpu.matmul(
-                x, wt, scales.astype(x.dtype), zeros, group_size=group, wide=not narrow, interpret=interpret
+                x, wt, scales.astype(x.dtype), zeros, group_size=group, wide=not narrow, interpret=interpret, **tuning
             )
     x, (wt, scales, zeros) = tie_to_input(x, (wt, scales, zeros))
     dense = nk_dequantize(wt, scales, zeros, group, x.dtype)  # [N, k]
@@ -289,7 +293,14 @@ def _nk_partials(x, w: QuantizedWeight, interpret: bool):
         return None
     zeros = None if zeros is None else zeros.astype(x.dtype)
     return _qmatmul_mgpu.matmul(
-        x, wt, scales.astype(x.dtype), zeros, group_size=group, partials=True, interpret=interpret
+        x,
+        wt,
+        scales.astype(x.dtype),
+        zeros,
+        group_size=group,
+        partials=True,
+        interpret=interpret,
+        inline_copies=NK_INLINE,
     )
 
 
