@@ -71,6 +71,7 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
 INLINE_COPIES = False  # qmatmul_mgpu's default: the compute warpgroup issues the ring's copies (no memory warpgroup)
+INLINE_CTAS_PER_SM = 8  # with inline_copies, programs an SM that plan() aims at for gate_up / down (qkv / o: 2)
 # Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
 # multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
 # 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
@@ -601,7 +602,7 @@ def qmatmul_mgpu(
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
-        ctas_per_sm = 4 if N * Kp >= 1 << 25 else 2
+        ctas_per_sm = (INLINE_CTAS_PER_SM if inline_copies else 4) if N * Kp >= 1 << 25 else 2
     blocks = Kp // block_k
     group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
