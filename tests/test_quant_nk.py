@@ -56,6 +56,21 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
+@pytest.mark.parametrize("K,N,M,group,sym,splits,stages", [(512, 192, 3, 128, False, 1, 2), (256, 64, 9, -1, True, 1, None)])
+def test_kernel_without_a_memory_warpgroup(K, N, M, group, sym, splits, stages):
+    """inline_copies: the compute warpgroup issues the ring's copies itself (each slot refilled after its block's
+    product; 2 slots over 4 K blocks reuse each twice). Same partials as the memory warpgroup's, bit for bit."""
+    w = _weight(K, N, group, sym, seed=K + M)
+    x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
+    wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
+    kw = dict(group_size=group, splits=splits, stages=stages, interpret=True)
+    want = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, **kw)
+    np.testing.assert_array_equal(np.asarray(_qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, inline_copies=True, **kw)), want)
+    with pytest.raises(ValueError, match="nw=1"):
+        wide = jnp.zeros((128, K), jnp.int4), jnp.ones((s.shape[0], 128), jnp.bfloat16)
+        _qmatmul_mgpu.qmatmul_mgpu(x, *wide, inline_copies=True, nw=2, **kw)
+
+
 @pytest.mark.parametrize(
     "K,N,M,group,sym,tile_m,block_k",
     [
@@ -150,6 +165,11 @@ def test_kernel_lowers_for_cuda(M, sym):
         f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, sync_rows=sync_rows))
         text = f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text()
         assert ("mma.sync.aligned.m16n8k16" in text) == (sync_rows > 0)
+    texts = []
+    for inline in (False, True):  # no memory warpgroup: the compute warpgroup's own copies lower as well
+        f = jax.jit(functools.partial(_qmatmul_mgpu.qmatmul_mgpu, group_size=128, inline_copies=inline))
+        texts.append(f.trace(x, wt, s, z).lower(lowering_platforms=("cuda",)).as_text())
+    assert "qmatmul_nk_mosaic_gpu" in texts[1] and texts[1] != texts[0]
 
 
 # --- the model -----------------------------------------------------------------------------------------------------
