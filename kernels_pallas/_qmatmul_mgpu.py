@@ -70,8 +70,22 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
-INLINE_COPIES = False  # qmatmul_mgpu's default: the compute warpgroup issues the ring's copies (no memory warpgroup)
-INLINE_CTAS_PER_SM = 8  # with inline_copies, programs an SM that plan() aims at for gate_up / down (qkv / o: 2)
+# No memory warpgroup (qmatmul_mgpu(inline_copies=True)): the compute warpgroup issues its ring's copies, so a program
+# is 4 warps instead of 8. One H200, kernel us, default against inline (bench/results/quant_kernels_nk_h200_
+# e23ba51_inline.json, ..._2dae8b5_inline2.json, two calls): M = 1 qkv 6.26 / 6.32, o 5.05 / 4.86, gate_up 22.89 /
+# 21.34 with 8 programs an SM (26.04 with 4), down 12.22 / 11.48 with 8 (12.56 with 4); M = 16 qkv 7.34 / 7.09, o 7.25
+# / 5.55, gate_up 25.92 / 26.75, down 15.16 / 15.25. In the engine's batch-1 step (latency_gptq_b1_h200_26fc03c_
+# inline*_prof.json) down's 8 programs an SM (28 splits) cost the add + norm pass over its partials 2.0 us more than
+# the kernel saved. So by default (inline_copies=None, `default_inline`): the shapes one wave holds at 2 programs an
+# SM (N * K < 2^25: qkv, o) at every row count, and up to SHORT_K_ROWS rows the short-K shapes (gate_up) with
+# INLINE_CTAS_PER_SM programs an SM; not down.
+INLINE_SMALL = 1 << 25
+INLINE_CTAS_PER_SM = 8
+
+
+def default_inline(mp, n, kp) -> bool:
+    """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL)."""
+    return n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K)
 # Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
 # multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
 # 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
@@ -582,15 +596,15 @@ def qmatmul_mgpu(
     ctas_per_sm=None,
     rows_first=False,
     sync_rows=SYNC_ROWS,
-    inline_copies=INLINE_COPIES,
+    inline_copies=None,
     interpret=False,
 ):
     """x [M, Kp] (16-bit, K zero-padded to wt's Kp), wt int4 [N, Kp] (q - 8), scales / zeros [G, N] (nk_layout) ->
     float32 split-K partials [S, N, Mp] of y^T (Mp = M rounded up to a multiple of 8), or [S, M, N] of y with
     rows_first. See the module docstring. sync_rows: up to this many rows (Mp) each block's product runs as per-warp
-    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma. inline_copies (nw = 1 only):
-    no memory warpgroup; the compute warpgroup issues the ring's copies itself, each slot refilled after a warpgroup
-    barrier once its block is multiplied (half the threads and registers a program, so twice the programs fit an SM).
+    mma.sync instructions (_mma_sync) instead of one warpgroup wgmma; 0: always wgmma. inline_copies (nw = 1 only;
+    None: default_inline): no memory warpgroup; the compute warpgroup issues the ring's copies itself, each slot
+    refilled after a warpgroup barrier once its block is multiplied (half the threads a program).
 
     x is not padded to Mp rows on a GPU: each K block of x is one TMA copy of an [Mp, block_k] box, whose rows past
     M the TMA unit fills with zeros (out-of-bounds reads), so a 1-row decode step runs no pad kernel before each of
@@ -601,8 +615,10 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    if inline_copies is None:
+        inline_copies = nw == 1 and default_inline(-(-M // 8) * 8, N, Kp)
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
-        ctas_per_sm = (INLINE_CTAS_PER_SM if inline_copies else 4) if N * Kp >= 1 << 25 else 2
+        ctas_per_sm = (INLINE_CTAS_PER_SM if inline_copies else 4) if N * Kp >= INLINE_SMALL else 2
     blocks = Kp // block_k
     group_blocks = (1 << 30) if group_size == -1 else group_size // block_k
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)

@@ -59,13 +59,18 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
 @pytest.mark.parametrize("K,N,M,group,sym,splits,stages", [(512, 192, 3, 128, False, 1, 2), (256, 64, 9, -1, True, 1, None)])
 def test_kernel_without_a_memory_warpgroup(K, N, M, group, sym, splits, stages):
     """inline_copies: the compute warpgroup issues the ring's copies itself (each slot refilled after its block's
-    product; 2 slots over 4 K blocks reuse each twice). Same partials as the memory warpgroup's, bit for bit."""
+    product; 2 slots over 4 K blocks reuse each twice). Same partials as the memory warpgroup's, bit for bit; and
+    where it is the default."""
     w = _weight(K, N, group, sym, seed=K + M)
     x = jnp.asarray(np.random.default_rng(M).standard_normal((M, K)), jnp.bfloat16)
     wt, s, z = _qmatmul_mgpu.nk_layout(w.qweight, w.scales, w.zeros, plane=w.plane, dtype=jnp.bfloat16)
     kw = dict(group_size=group, splits=splits, stages=stages, interpret=True)
-    want = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, **kw)
+    want = _qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, inline_copies=False, **kw)
     np.testing.assert_array_equal(np.asarray(_qmatmul_mgpu.qmatmul_mgpu(x, wt, s, z, inline_copies=True, **kw)), want)
+    # by default where it measured faster: qkv and o at any row count, gate_up up to 8 rows, never down
+    assert [_qmatmul_mgpu.default_inline(mp, n, k) for mp, n, k in ((8, 6144, 4096), (16, 4096, 4096))] == [True] * 2
+    assert [_qmatmul_mgpu.default_inline(mp, 28672, 4096) for mp in (8, 16)] == [True, False]
+    assert not _qmatmul_mgpu.default_inline(8, 4096, 14336)
     with pytest.raises(ValueError, match="nw=1"):
         wide = jnp.zeros((128, K), jnp.int4), jnp.ones((s.shape[0], 128), jnp.bfloat16)
         _qmatmul_mgpu.qmatmul_mgpu(x, *wide, inline_copies=True, nw=2, **kw)

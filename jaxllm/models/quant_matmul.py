@@ -248,9 +248,9 @@ NK_WIDE = os.environ.get("JAXLLM_INT4_NK_WIDE", "1") == "1"
 # Above this many rows (prefill chunks) the dense weight + XLA's GEMM again: its dequantization is shared by the rows,
 # and the wide kernel took 1.37x bf16's GEMM time at 512 rows (bench/results/quant_kernels_h100_1a39a82_wide.json).
 NK_WIDE_MAX_ROWS = 1024
-# The narrow kernel without a memory warpgroup (qmatmul_mgpu(inline_copies=True): the compute warpgroup issues its
-# ring's copies). JAXLLM_INT4_NK_INLINE=1 turns it on (an A/B switch while it is measured).
-NK_INLINE = os.environ.get("JAXLLM_INT4_NK_INLINE", "0") == "1"
+# The narrow kernel without a memory warpgroup (qmatmul_mgpu's inline_copies): by default where it measured faster
+# (_qmatmul_mgpu.default_inline); JAXLLM_INT4_NK_INLINE=0 / 1 turns it off / on for every shape (an A/B switch).
+NK_INLINE = {"0": False, "1": True}.get(os.environ.get("JAXLLM_INT4_NK_INLINE", ""))
 
 
 def _nk_operands(w: QuantizedWeight):
