@@ -13,7 +13,8 @@ each 64 inputs (`nk_permute`: each lane's 16 values of a row for wgmma's registe
 the conversion below makes pairs); scales [G, N] in x's dtype; asymmetric weights also zeros [G, N] as z - 8 in x's
 dtype. A program owns BM * nw columns of W (one compute warpgroup per 64) and a split of K; a memory warpgroup
 copies [64, block_k] weight blocks (row-major in shared memory) and the matching [Mp, block_k] block of x into a ring
-of `stages` shared-memory slots. Per block the compute warpgroup loads each thread's two rows with 64-bit loads and
+of `stages` shared-memory slots (with inline_copies, the default for some shapes: `default_inline`, the one compute
+warpgroup issues those copies itself). Per block the compute warpgroup loads each thread's two rows with 64-bit loads and
 turns each value pair into 16 bits with one shift and one LOP3 (`_biased_weight`: the two nibbles masked into the
 mantissa of bias = 128 (bf16) / 1024 (f16), their sign bit flipped back) and one subtract of bias + z; runs one wgmma
 into a fresh float32 accumulator and adds it times the group's scale to the running sum (the scale on the product,
@@ -70,6 +71,11 @@ SYNC_ROWS = 16  # rows (Mp) up to which qmatmul_mgpu multiplies with per-warp mm
 # 16 rows: the kernels alone were within 3 % (quant_kernels_nk_h200_c6787c2_unroll.json), but the engine's batch 16
 # ran 3.73 against 3.12 ms in one run each (latency_b16_h200_bb5edb6_stages_ab.json).
 SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
+# Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
+# multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
+# 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
+# runs each in three calls (bench/results/latency_h200_3199f25_bk256_ab.json, latency_b1_b8_b16_h200_77b562d_ab.json,
+# latency_h200_77b562d_bk256_ab3.json); qkv, o, and 16 rows were slower as kernels (quant_kernels_nk_h200_8c85a6c_*).
 # No memory warpgroup (qmatmul_mgpu(inline_copies=True)): the compute warpgroup issues its ring's copies, so a program
 # is 4 warps instead of 8. One H200, kernel us, default against inline (bench/results/quant_kernels_nk_h200_
 # e23ba51_inline.json, ..._2dae8b5_inline2.json, two calls): M = 1 qkv 6.26 / 6.32, o 5.05 / 4.86, gate_up 22.89 /
@@ -78,7 +84,8 @@ SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
 # inline*_prof.json) down's 8 programs an SM (28 splits) cost the add + norm pass over its partials 2.0 us more than
 # the kernel saved. So by default (inline_copies=None, `default_inline`): the shapes one wave holds at 2 programs an
 # SM (N * K < 2^25: qkv, o) at every row count, and up to SHORT_K_ROWS rows the short-K shapes (gate_up) with
-# INLINE_CTAS_PER_SM programs an SM; not down.
+# INLINE_CTAS_PER_SM programs an SM; not down. With it the engine's batch-1 layer took 58.78 us against 58.91, the
+# batch-16 ITL 3.00-3.04 ms against 3.06-3.10 (latency_gptq_b{1,16}_h200_bc59ff2_inline*.json).
 INLINE_SMALL = 1 << 25
 INLINE_CTAS_PER_SM = 8
 
@@ -86,11 +93,6 @@ INLINE_CTAS_PER_SM = 8
 def default_inline(mp, n, kp) -> bool:
     """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL)."""
     return n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K)
-# Tried and reverted (8c85a6c, 3199f25): 256-wide K blocks for gate_up at 1-8 rows, two g128 groups a ring slot each
-# multiplied by its scale, in 2 slots. The kernel alone was 3-5 % faster at one row (22.12 / 22.30 against 23.23 /
-# 22.94 us in two calls), but the engine's GPTQ batch 1 was not: ITL p50 2.40 ms against 2.34 over six alternated
-# runs each in three calls (bench/results/latency_h200_3199f25_bk256_ab.json, latency_b1_b8_b16_h200_77b562d_ab.json,
-# latency_h200_77b562d_bk256_ab3.json); qkv, o, and 16 rows were slower as kernels (quant_kernels_nk_h200_8c85a6c_*).
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:

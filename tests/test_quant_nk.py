@@ -56,7 +56,9 @@ def test_kernel_matches_the_reference(K, N, M, group, sym, splits):
     assert _rel(_qmatmul_mgpu.matmul(x, wt, s, z, group_size=group, interpret=True), ref) < 5e-3
 
 
-@pytest.mark.parametrize("K,N,M,group,sym,splits,stages", [(512, 192, 3, 128, False, 1, 2), (256, 64, 9, -1, True, 1, None)])
+@pytest.mark.parametrize(
+    "K,N,M,group,sym,splits,stages", [(512, 192, 3, 128, False, 1, 2), (256, 64, 9, -1, True, 1, None)]
+)
 def test_kernel_without_a_memory_warpgroup(K, N, M, group, sym, splits, stages):
     """inline_copies: the compute warpgroup issues the ring's copies itself (each slot refilled after its block's
     product; 2 slots over 4 K blocks reuse each twice). Same partials as the memory warpgroup's, bit for bit; and
