@@ -82,8 +82,8 @@ SHORT_K, SHORT_K_ROWS, SHORT_K_STAGES = 8192, 8, 4
 # 21.34 with 8 programs an SM (26.04 with 4), down 12.22 / 11.48 with 8 (12.56 with 4); M = 16 qkv 7.34 / 7.09, o 7.25
 # / 5.55, gate_up 25.92 / 26.75, down 15.16 / 15.25. In the engine's batch-1 step (latency_gptq_b1_h200_26fc03c_
 # inline*_prof.json) down's 8 programs an SM (28 splits) cost the add + norm pass over its partials 2.0 us more than
-# the kernel saved. So by default (inline_copies=None, `default_inline`): the shapes one wave holds at 2 programs an
-# SM (N * K < 2^25: qkv, o) at every row count, and up to SHORT_K_ROWS rows the short-K shapes (gate_up) with
+# the kernel saved. So by default (inline_copies=None, `default_inline`), up to SYNC_ROWS rows: the shapes one wave
+# holds at 2 programs an SM (N * K < 2^25: qkv, o), and up to SHORT_K_ROWS rows the short-K shapes (gate_up) with
 # INLINE_CTAS_PER_SM programs an SM; not down. With it the engine's batch-1 layer took 58.78 us against 58.91, the
 # batch-16 ITL 3.00-3.04 ms against 3.06-3.10 (latency_gptq_b{1,16}_h200_bc59ff2_inline*.json).
 INLINE_SMALL = 1 << 25
@@ -91,8 +91,9 @@ INLINE_CTAS_PER_SM = 8
 
 
 def default_inline(mp, n, kp) -> bool:
-    """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL)."""
-    return n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K)
+    """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL), on the mma.sync path only (up to SYNC_ROWS
+    rows: the row counts measured, 1 and 16; above, the wgmma path keeps its memory warpgroup)."""
+    return mp <= SYNC_ROWS and (n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K))
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
