@@ -90,10 +90,10 @@ INLINE_SMALL = 1 << 25
 INLINE_CTAS_PER_SM = 8
 
 
-def default_inline(mp, n, kp) -> bool:
-    """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL), on the mma.sync path only (up to SYNC_ROWS
-    rows: the row counts measured, 1 and 16; above, the wgmma path keeps its memory warpgroup)."""
-    return mp <= SYNC_ROWS and (n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K))
+def default_inline(mp, n, kp, *, sync_rows=SYNC_ROWS) -> bool:
+    """qmatmul_mgpu's inline_copies when not given (see INLINE_SMALL), on the mma.sync path only (mp <= sync_rows:
+    the row counts measured, 1 and 16; the wgmma path keeps its memory warpgroup)."""
+    return mp <= sync_rows and (n * kp < INLINE_SMALL or (mp <= SHORT_K_ROWS and kp <= SHORT_K))
 
 
 def supported(x_dtype, n, kp, bits, group_size, block_k=128, nw=1) -> bool:
@@ -526,10 +526,9 @@ def _launch(
     memory_wg=True,
 ):
     """Runs kernel(*refs, (smem, barriers)) on the grid with nw compute warpgroups and one memory warpgroup (none
-    with memory_wg=False: the compute warpgroup copies). Shared
-    memory: the ring (int4 weight blocks [nw, BM, block_k], x blocks [x_rows, block_k]), scales (and zeros, when
-    args hold them) [nw, ng, BM], the output tile [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first);
-    barriers: a slot filled, a slot released, the scales copied. name: the kernel's, as traces show it
+    with memory_wg=False: the compute warpgroup copies). Shared memory: the ring (int4 weight blocks [nw, BM,
+    block_k], x blocks [x_rows, block_k]), scales (and zeros, when args hold them) [nw, ng, BM], the output tile
+    [nw, BM, x_rows] in out_dtype ([nw, x_rows, BM] with rows_first); barriers: a slot filled, a slot released, the scales copied. name: the kernel's, as traces show it
     (NAME_mosaic_gpu_kernel)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -618,8 +617,10 @@ def qmatmul_mgpu(
         raise ValueError(f"qmatmul_mgpu takes at most {MAX_ROWS} rows, got {M}")
     if not supported(x.dtype, N, Kp, 4, group_size, block_k, nw):
         raise ValueError(f"qmatmul_mgpu does not take x {x.dtype} [{M}, {Kp}], N={N}, group_size={group_size}")
+    if inline_copies and nw != 1:
+        raise ValueError(f"inline_copies takes one compute warpgroup (nw=1), got nw={nw}")
     if inline_copies is None:
-        inline_copies = nw == 1 and default_inline(-(-M // 8) * 8, N, Kp)
+        inline_copies = nw == 1 and default_inline(-(-M // 8) * 8, N, Kp, sync_rows=sync_rows)
     if ctas_per_sm is None:  # H100 (quant_kernels_h100_*_mgpu*.json): 4 for gate_up / down, 2 for qkv / o
         ctas_per_sm = (INLINE_CTAS_PER_SM if inline_copies else 4) if N * Kp >= INLINE_SMALL else 2
     blocks = Kp // block_k
@@ -627,8 +628,6 @@ def qmatmul_mgpu(
     S = splits or plan(N, Kp, group_size, block_k=block_k, nw=nw, ctas_per_sm=ctas_per_sm)
     if blocks % S:
         raise ValueError(f"splits={S} must divide K's {blocks} blocks of {block_k}")
-    if inline_copies and nw != 1:
-        raise ValueError(f"inline_copies takes one compute warpgroup (nw=1), got nw={nw}")
     steps = blocks // S
     ng = 1 if group_size == -1 else steps // group_blocks
     if group_size != -1 and (steps % group_blocks or ng > MAX_SCALE_ROWS):

@@ -72,6 +72,7 @@ def test_kernel_without_a_memory_warpgroup(K, N, M, group, sym, splits, stages):
     # by default where it measured faster: qkv and o up to 16 rows (mma.sync), gate_up up to 8 rows, never down
     assert [_qmatmul_mgpu.default_inline(mp, n, k) for mp, n, k in ((8, 6144, 4096), (16, 4096, 4096))] == [True] * 2
     assert not _qmatmul_mgpu.default_inline(24, 4096, 4096)
+    assert not _qmatmul_mgpu.default_inline(8, 6144, 4096, sync_rows=0)  # wgmma at every row count: not measured
     assert [_qmatmul_mgpu.default_inline(mp, 28672, 4096) for mp in (8, 16)] == [True, False]
     assert not _qmatmul_mgpu.default_inline(8, 4096, 14336)
     with pytest.raises(ValueError, match="nw=1"):
