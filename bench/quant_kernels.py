@@ -18,7 +18,10 @@ int4_xla = an int4 [K, N] array (jnp.int4) widened and scaled per 128-row group 
 handling, no Pallas kernel); fp8_res = fp8_matmul then XLA's residual add of a [M, N] bf16 residual (M <= 2: the decode
 bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the residual) as one Pallas kernel
 (kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
-FP8_GEMV_SWEEP tilings); NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
+FP8_GEMV_SWEEP tilings); fp8_gemv_e4m3 / fp8_gemv_amax = fp8_gemv given x already in e4m3 with its token scales
+(Fp8Rows) / with K / 16 partial maxima a row (RowsWithMax), so the kernel skips its pass over the row;
+fp8_gemv_silu = silu(gate) * up of the gate_up shape in one kernel (fp8_gemv_silu, F = N / 2 columns out), against
+fp8_gemv_silu_xla = fp8_gemv, then XLA's silu * up; NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py); int4_mgpu / int4_mgpu_asym / int4_mgpu_pc = the Mosaic GPU kernel on the nk layout
 (_qmatmul_mgpu), int4 g128 sym / asym and per-channel sym (no group: any block_k, e.g. {"block_k": 256}).
 --sweep adds kernel tilings of int4_sym (every dequant path: float, asm, asm_sub; --sweep-dequant picks) at
@@ -53,10 +56,15 @@ from bench.common import environment, write_result  # noqa: E402
 from kernels_pallas._qmatmul import DEQUANT  # noqa: E402
 from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
 from kernels_pallas.quant import (  # noqa: E402
+    Fp8Rows,
+    RowsWithMax,
     fp8_gemv,
     fp8_gemv_ref,
+    fp8_gemv_silu,
+    fp8_gemv_silu_ref,
     fp8_matmul,
     fp8_matmul_ref,
+    quantize_activations,
     quantized_matmul,
     quantized_matmul_ref,
 )
@@ -82,9 +90,17 @@ IMPLS = (
     "fp8_res",
     "fp8_gemv",
     "fp8_gemv_res",
+    "fp8_gemv_e4m3",
+    "fp8_gemv_amax",
+    "fp8_gemv_silu",
+    "fp8_gemv_silu_xla",
 )
 # rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
-TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res")
+TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res", "fp8_gemv_e4m3", "fp8_gemv_amax", "fp8_gemv_silu")
+TWO_ROW_IMPLS += ("fp8_gemv_silu_xla",)
+# fp8_gemv's forms of x (timed with x already in that form): e4m3 rows with their token scales (the add + norm pass
+# writes them), x with K / 16 partial maxima a row (the silu kernel's pieces)
+GEMV_X = {"fp8_gemv_e4m3": "e4m3", "fp8_gemv_amax": "amax"}
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
@@ -257,6 +273,16 @@ def make_impl(name, K, N, key):
             if name == "fp8_res":  # fp8_matmul (its default: widened up to 2 rows), then XLA's residual add
                 return (lambda x, w: w[2][: x.shape[0]] + fp8_matmul(x, w[0], w[1])), (w, s, r), N * K + N * 4
             res = name == "fp8_gemv_res"
+            if name.startswith("fp8_gemv_silu"):  # gate / up: [2F, K] -> silu(gate) * up [M, F]
+                xla = name.endswith("_xla")
+
+                def silu(x, w, **cfg):
+                    if xla:  # fp8_gemv's gate / up, then XLA's silu * up fusion (the decoder's path before)
+                        gu = fp8_gemv(x, w[0], w[1], **cfg)
+                        return jax.nn.silu(gu[:, : N // 2]) * gu[:, N // 2 :]
+                    return fp8_gemv_silu(x, w[0], w[1], **cfg).x
+
+                return silu, (w, s, r), N * K + N * 4
 
             def gemv(x, w, **cfg):
                 return fp8_gemv(x, w[0], w[1], residual=w[2][: x.shape[0]] if res else None, **cfg)
@@ -312,8 +338,10 @@ def reference(name, x, w):
         return jnp.dot(x, w, preferred_element_type=jnp.float32)
     if name in ("fp8", "fp8_widened"):
         return fp8_matmul_ref(x, *w)
+    if name.startswith("fp8_gemv_silu"):
+        return fp8_gemv_silu_ref(x, w[0], w[1]).x
     if name in TWO_ROW_IMPLS:
-        return fp8_gemv_ref(x, w[0], w[1], residual=None if name == "fp8_gemv" else w[2][: x.shape[0]])
+        return fp8_gemv_ref(x, w[0], w[1], residual=w[2][: x.shape[0]] if name.endswith("res") else None)
     if name == "fp8_w8a16":
         return jnp.dot(x.astype(jnp.float32), w[0].astype(jnp.float32).T) * w[1][None, :]
     if name == "int4_xla":
@@ -324,6 +352,18 @@ def reference(name, x, w):
     if name.startswith("int4_mgpu"):
         return quantized_matmul_ref(x, w[0])
     return quantized_matmul_ref(x, w)
+
+
+def gemv_x(name, x):
+    """x as impl `name` takes it: Fp8Rows (e4m3 and token scales) or RowsWithMax (K / 16 partial maxima a row) for
+    GEMV_X's rows, else x."""
+    form = GEMV_X.get(name)
+    if form == "e4m3":
+        return Fp8Rows(*quantize_activations(x), x.dtype)
+    if form == "amax":
+        M, K = x.shape
+        return RowsWithMax(x, jnp.abs(x.astype(jnp.float32)).reshape(M, K // 16, 16).max(-1))
+    return x
 
 
 def measure(row, call, xs, ws, nbytes, copy, args):
@@ -376,8 +416,9 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
                 jax.random.normal(jax.random.fold_in(key, 1000 * M + i), (M, K), jnp.float32).astype(jnp.bfloat16)
                 for i in range(args.reps)
             ]
+            want = reference(name, xs[0], w0)
+            xs = [gemv_x(name, x) for x in xs]
             x = xs[0]
-            want = reference(name, x, w0)
             for cfg in configs:
                 if cfg and (
                     M not in sweep_m

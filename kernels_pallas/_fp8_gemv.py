@@ -13,6 +13,18 @@ Grid (N / BN, splits). A program owns BN output columns and one contiguous run o
    [splits, M, N]; the caller sums them in x's dtype's rounding (in a fusion with whatever comes next: a residual
    add, silu * up, or the fused qkv/RoPE/write kernel, which takes split-K partials).
 
+x may come in two other forms (X_MODES), each skipping step 1's pass over x's row, which every program makes (down:
+57 KB of L2 reads a program at 2 rows): already in e4m3 with its token scales (the add + norm pass in front of qkv /
+gate-up wrote them, quant.add_rms_norm(fp8=True)), or 16-bit with partial maxima of |x| whose max is the row's
+(fp8_gemv_silu_kernel's output, for down).
+
+fp8_gemv_silu_kernel: gate / up's GEMV with silu(gate) * up as its epilogue. Grid (F / BN,): program n multiplies
+gate's rows n * BN.. and up's F + n * BN.. of the one [2F, K] weight over all of K (no split-K: the epilogue needs the
+sums), rounds both to the output's dtype, writes silu(gate) * up [M, BN] and its rows' max of |a| [M, 1] (down's
+token scales without a pass over a's row). It replaces fp8_gemv_kernel's gate / up call and XLA's silu * up fusion.
+Neither form is measured on a GPU yet: the decoder takes them only with quant_matmul's FP8_ADD_NORM_E4M3 /
+FP8_GEMV_SILU switches on.
+
 What it replaces at the engine's batch-1 bucket (H100 trace, 8B fp8, b42ec8a): per projection an XLA reduce for
 the token scales and a convert that writes the rounded x before XLA's GEMM (~1.2-1.6 us each). Measured on an H100
 (bench/results/quant_kernels_h100_6755320_fp8_gemv.json, M 2, the call with its partials' sum): qkv 13.4, o 10.4,
@@ -62,33 +74,126 @@ def plan(n: int, k: int, block_n=None, block_k=None, splits=None):
     return bn, bk, -(-tiles // per), per
 
 
-def _kernel(x_ref, w_ref, ws_ref, o_ref, *, bk, per_split, tiles, min_scale, per_tensor):
-    M, K = x_ref.shape
-    f32, op = jnp.float32, jnp.float16
+# How the kernels take x (static): "row" 16-bit x whose token scales each program reduces from the whole row; "e4m3"
+# x already rounded, xs its token scales [M, 1] (quant.Fp8Rows: the add + norm pass before it wrote them); "amax"
+# 16-bit x with xs [M, P] partial maxima of |x| whose max is the row's (quant.RowsWithMax: the gate / up kernel's
+# programs below wrote them), so a program reads P values a row instead of K.
+X_MODES = ("row", "e4m3", "amax")
 
-    # the token scales over the whole row: a static unroll of independent loads into an elementwise max, then one
-    # row reduction (a reduction per tile costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
-    amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
-    for i in range(1, K // bk):
-        amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
-    s = jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)  # [M, 1]
-    R = 16 // M
+
+def _token_scales(x_ref, xs_ref, *, bk, min_scale, x_mode):
+    """s [M, 1] float32: max(max|x_m| / 448, min_scale), or xs itself for e4m3 rows."""
+    if x_mode == "e4m3":
+        return xs_ref[...]
+    f32 = jnp.float32
+    # a static unroll of independent loads into an elementwise max, then one row reduction (a reduction per tile
+    # costs a shared-memory round trip and a barrier each: ~0.5 us a tile)
+    if x_mode == "amax":
+        P = xs_ref.shape[1]
+        c = P & -P  # the largest power of two dividing P: Triton's blocks are powers of two
+        amax = xs_ref[:, pl.ds(0, c)]
+        for i in range(1, P // c):
+            amax = jnp.maximum(amax, xs_ref[:, pl.ds(i * c, c)])
+    else:
+        amax = jnp.abs(x_ref[:, pl.ds(0, bk)].astype(f32))
+        for i in range(1, x_ref.shape[1] // bk):
+            amax = jnp.maximum(amax, jnp.abs(x_ref[:, pl.ds(i * bk, bk)].astype(f32)))
+    return jnp.maximum(amax.max(axis=1, keepdims=True) / FP8_MAX, min_scale)
+
+
+def _x_tile(x_ref, k0, bk, s, x_mode):
+    """x's [M, BK] slice at k0 rounded to e4m3 (W8A8's x) and widened to float16 (every e4m3 value is a float16:
+    exact), its M rows stacked to the MMA's 16."""
+    M = x_ref.shape[0]
+    if x_mode == "e4m3":
+        x = x_ref[:, pl.ds(k0, bk)]
+    else:
+        x = jnp.clip(x_ref[:, pl.ds(k0, bk)].astype(jnp.float32) / s, -FP8_MAX, FP8_MAX).astype(FP8)
+    return jnp.broadcast_to(x.astype(jnp.float16)[None], (16 // M, M, bk)).reshape(16, bk)
+
+
+def _scaled(acc, s, ws_ref, per_tensor):
+    """A float32 [16, BN] accumulator of stacked rows as [M, BN] times the token and channel (or tensor) scales."""
+    M = s.shape[0]
+    y = acc.reshape(16 // M, M, -1).max(axis=0)  # the copies are bitwise equal: max keeps them exact
+    ws = ws_ref[0] if per_tensor else ws_ref[...].astype(jnp.float32)[None, :]
+    return (y * s) * ws
+
+
+def _split(refs, x_mode):
+    """(xs_ref or None, the output refs) of a kernel's trailing refs."""
+    return (None, refs) if x_mode == "row" else (refs[0], refs[1:])
+
+
+def _kernel(x_ref, w_ref, ws_ref, *refs, bk, per_split, tiles, min_scale, per_tensor, x_mode):
+    xs_ref, (o_ref,) = _split(refs, x_mode)
+    s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)  # [M, 1]
 
     def body(t, acc):
         k0 = t * bk
-        v = jnp.clip(x_ref[:, pl.ds(k0, bk)].astype(f32) / s, -FP8_MAX, FP8_MAX)
-        x = v.astype(FP8).astype(op)  # W8A8's x: rounded to e4m3 (exact in float16)
-        x16 = jnp.broadcast_to(x[None], (R, M, bk)).reshape(16, bk)
-        return acc + mma(x16, w_ref[:, pl.ds(k0, bk)].astype(op), trans_b=True)
+        return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), w_ref[:, pl.ds(k0, bk)].astype(jnp.float16), trans_b=True)
 
     lo = pl.program_id(1) * per_split
-    acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, jnp.zeros((16, o_ref.shape[-1]), f32))
-    y = acc.reshape(R, M, -1).max(axis=0)  # the copies are bitwise equal: max keeps them exact
-    ws = ws_ref[0] if per_tensor else ws_ref[...].astype(f32)[None, :]
-    o_ref[...] = (y * s) * ws
+    acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, jnp.zeros((16, o_ref.shape[-1]), jnp.float32))
+    o_ref[...] = _scaled(acc, s, ws_ref, per_tensor)
 
 
-_STATIC = ("min_scale", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret")
+def _silu_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, *refs, bk, tiles, min_scale, per_tensor, x_mode):
+    xs_ref, (a_ref, amax_ref) = _split(refs, x_mode)
+    s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)
+    f32, op = jnp.float32, jnp.float16
+
+    def body(t, accs):
+        k0 = t * bk
+        x = _x_tile(x_ref, k0, bk, s, x_mode)
+        g = accs[0] + mma(x, wg_ref[:, pl.ds(k0, bk)].astype(op), trans_b=True)
+        return g, accs[1] + mma(x, wu_ref[:, pl.ds(k0, bk)].astype(op), trans_b=True)
+
+    zero = jnp.zeros((16, a_ref.shape[-1]), f32)
+    g, u = jax.lax.fori_loop(0, tiles, body, (zero, zero))
+    # gate and up rounded to a's 16-bit dtype (the unfused GEMV's output), then HF's silu(gate) * up in that dtype:
+    # silu in float32 rounded, times up in float32 rounded
+    dtype = a_ref.dtype
+    g = _scaled(g, s, sg_ref, per_tensor).astype(dtype).astype(f32)
+    u = _scaled(u, s, su_ref, per_tensor).astype(dtype).astype(f32)
+    a = ((g * jax.nn.sigmoid(g)).astype(dtype).astype(f32) * u).astype(dtype)
+    a_ref[...] = a
+    amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
+
+
+def _x_operands(x, xs, x_mode, M, K):
+    """The x operands' block specs and arrays for a grid whose index maps take two program ids (or one)."""
+    if x_mode not in X_MODES:
+        raise ValueError(f"x_mode must be one of {X_MODES}, got {x_mode!r}")
+    specs, args = [pl.BlockSpec((M, K), lambda *_: (0, 0))], [x]
+    if x_mode != "row":
+        specs.append(pl.BlockSpec(xs.shape, lambda *_: (0, 0)))
+        args.append(xs)
+    return specs, args
+
+
+def _check_x(x, xs, w, x_mode):
+    M, K = x.shape
+    want_x = FP8 if x_mode == "e4m3" else None
+    ok = (
+        w.ndim == 2
+        and w.shape[1] == K
+        and jnp.dtype(w.dtype) == jnp.dtype(FP8)
+        and 1 <= M <= MAX_ROWS
+        and K % 128 == 0
+        and (jnp.dtype(x.dtype) == jnp.dtype(want_x) if want_x else supported(x.dtype, M, 16, K))
+        and (x_mode == "row" or (xs is not None and xs.ndim == 2 and xs.shape[0] == M))
+        and (x_mode != "e4m3" or xs.shape[1] == 1)
+    )
+    if not ok:
+        xs_shape = None if xs is None else xs.shape
+        raise ValueError(
+            f"the fp8 GEMV kernels do not take x {x.dtype} {x.shape} (x_mode={x_mode!r}, xs {xs_shape}) with w "
+            f"{w.dtype} {w.shape}"
+        )
+
+
+_STATIC = ("min_scale", "x_mode", "block_n", "block_k", "splits", "num_warps", "num_stages", "interpret")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -96,8 +201,10 @@ def fp8_gemv_kernel(
     x,
     w,
     w_scale,
+    xs=None,
     *,
     min_scale,
+    x_mode="row",
     block_n=None,
     block_k=None,
     splits=None,
@@ -105,30 +212,106 @@ def fp8_gemv_kernel(
     num_stages=3,
     interpret=False,
 ):
-    """x [M, K] (16-bit, M <= MAX_ROWS), w [N, K] float8_e4m3fn, w_scale [N] or [1] (per tensor) float32 ->
-    float32 partials [splits, M, N] whose sum is the scaled product (see the module docstring). Tuning (static):
-    block_n, block_k, splits (plan()), num_warps, num_stages."""
+    """x [M, K] (16-bit, or e4m3 for x_mode "e4m3"; M <= MAX_ROWS), w [N, K] float8_e4m3fn, w_scale [N] or [1] (per
+    tensor) float32, xs: x's token scales [M, 1] ("e4m3") or partial maxima [M, P] ("amax"; X_MODES) -> float32
+    partials [splits, M, N] whose sum is the scaled product (see the module docstring). Tuning (static): block_n,
+    block_k, splits (plan()), num_warps, num_stages."""
+    _check_x(x, xs, w, x_mode)
     M, K = x.shape
     N = w.shape[0]
-    if not supported(x.dtype, M, N, K) or w.shape[1] != K or jnp.dtype(w.dtype) != jnp.dtype(FP8):
-        raise ValueError(f"fp8_gemv_kernel does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
     BN, BK, S, per = plan(N, K, block_n, block_k, splits)
     if N % BN or K % BK:
         raise ValueError(f"N={N} must be a multiple of block_n={BN} and K={K} of block_k={BK}")
     per_tensor = w_scale.size == 1
     ws = jnp.asarray(w_scale, jnp.float32).reshape(-1)
-    kernel = functools.partial(_kernel, bk=BK, per_split=per, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor)
+    kernel = functools.partial(
+        _kernel, bk=BK, per_split=per, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor, x_mode=x_mode
+    )
+    x_specs, x_args = _x_operands(x, xs, x_mode, M, K)
     return pl.pallas_call(
         kernel,
         grid=(N // BN, S),
         in_specs=[
-            pl.BlockSpec((M, K), lambda n, s: (0, 0)),
+            x_specs[0],
             pl.BlockSpec((BN, K), lambda n, s: (n, 0)),
             pl.BlockSpec((1,), lambda n, s: (0,)) if per_tensor else pl.BlockSpec((BN,), lambda n, s: (n,)),
+            *x_specs[1:],
         ],
         out_specs=pl.BlockSpec((None, M, BN), lambda n, s: (s, 0, n)),
         out_shape=jax.ShapeDtypeStruct((S, M, N), jnp.float32),
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"fp8_gemv_{BN=}_{BK=}_{S=}",
-    )(x, w, ws)
+        name=f"fp8_gemv_{BN=}_{BK=}_{S=}" + ("" if x_mode == "row" else f"_{x_mode}"),
+    )(x_args[0], w, ws, *x_args[1:])
+
+
+def silu_plan(f: int, k: int, block_n=None, block_k=None):
+    """Static (block_n, block_k) of fp8_gemv_silu_kernel: a program owns block_n gate and block_n up columns over the
+    whole of K (no split: its epilogue needs the sums); 32 columns of each where that gives ~4 programs an SM, else
+    16 (the 8B shape's F 14336: 896 programs of 16 + 16 columns, as many as fp8_gemv_kernel's plan runs for the
+    same weight)."""
+    bk = block_k or next(b for b in (256, 128) if k % b == 0)
+    return block_n or (32 if f // 32 >= 4 * NUM_SMS and f % 32 == 0 else 16), bk
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("min_scale", "x_mode", "out_dtype", "block_n", "block_k", "num_warps", "num_stages", "interpret"),
+)
+def fp8_gemv_silu_kernel(
+    x,
+    w,
+    w_scale,
+    xs=None,
+    *,
+    min_scale,
+    x_mode="row",
+    out_dtype=None,
+    block_n=None,
+    block_k=None,
+    num_warps=4,
+    num_stages=3,
+    interpret=False,
+):
+    """silu(gate) * up of an fp8 W8A8 gate / up weight w [2F, K] (gate's rows, then up's), w_scale [2F] or [1], for
+    x [M, K] as fp8_gemv_kernel takes it (x_mode, xs) -> (a [M, F] in out_dtype (16-bit; x's dtype by default,
+    required for e4m3 x), amax [M, F / block_n] float32): gate and up each rounded to that dtype, silu(gate) rounded, times up rounded
+    (HF's ops in a 16-bit dtype), and the max of |a| over each program's columns (the next projection's token scales in x_mode "amax"). Program n
+    multiplies gate's rows n * block_n.. and up's F + n * block_n.. (two blocks of the one weight): no split-K.
+    Tuning (static): block_n, block_k (silu_plan()), num_warps, num_stages."""
+    _check_x(x, xs, w, x_mode)
+    M, K = x.shape
+    F = w.shape[0] // 2
+    BN, BK = silu_plan(F, K, block_n, block_k)
+    if w.shape[0] % 2 or F % BN or K % BK:
+        raise ValueError(f"w's rows {w.shape[0]} must be 2 F with F a multiple of block_n={BN}, K={K} of block_k={BK}")
+    per_tensor = w_scale.size == 1
+    ws = jnp.asarray(w_scale, jnp.float32).reshape(-1)
+    P = F // BN
+    if per_tensor:
+        scale_specs = [pl.BlockSpec((1,), lambda n: (0,))] * 2
+    else:
+        scale_specs = [pl.BlockSpec((BN,), lambda n: (n,)), pl.BlockSpec((BN,), lambda n: (n + P,))]
+    kernel = functools.partial(
+        _silu_kernel, bk=BK, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor, x_mode=x_mode
+    )
+    x_specs, x_args = _x_operands(x, xs, x_mode, M, K)
+    dtype = jnp.dtype(out_dtype or x.dtype)
+    if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        raise ValueError(f"fp8_gemv_silu_kernel writes a 16-bit a: out_dtype={out_dtype} for x {x.dtype}")
+    return pl.pallas_call(
+        kernel,
+        grid=(P,),
+        in_specs=[
+            x_specs[0],
+            pl.BlockSpec((BN, K), lambda n: (n, 0)),
+            pl.BlockSpec((BN, K), lambda n: (n + P, 0)),
+            *scale_specs,
+            *x_specs[1:],
+        ],
+        out_specs=[pl.BlockSpec((M, BN), lambda n: (0, n)), pl.BlockSpec((M, 1), lambda n: (0, n))],
+        out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((M, P), jnp.float32)],
+        interpret=interpret,
+        compiler_params=triton_params(num_warps, num_stages),
+        name=f"fp8_gemv_silu_{BN=}_{BK=}" + ("" if x_mode == "row" else f"_{x_mode}"),
+    )(x_args[0], w, w, ws, ws, *x_args[1:])

@@ -32,14 +32,22 @@ def supported(dtype, d: int) -> bool:
 
 def _kernel(x_ref, w_ref, xq_ref, s_ref, *, block, eps, min_scale, plus_one):
     D = x_ref.shape[-1]
-    f32, dtype = jnp.float32, x_ref.dtype
     cols = [pl.ds(i * block, block) for i in range(D // block)]
-    xs = [x_ref[c].astype(f32) for c in cols]
-    hs = [h.astype(f32) for h in normed_tiles(xs, w_ref, cols, eps=eps, dtype=dtype, plus_one=plus_one)]
+    xs = [x_ref[c].astype(jnp.float32) for c in cols]
+    store_e4m3(
+        normed_tiles(xs, w_ref, cols, eps=eps, dtype=x_ref.dtype, plus_one=plus_one), cols, xq_ref, s_ref, min_scale
+    )
+
+
+def store_e4m3(hs, cols, xq_ref, s_ref, min_scale):
+    """One row's values, held as tiles hs (columns cols), stored as e4m3 with their token scale: s = max(max|h| / 448,
+    min_scale) into s_ref, round_e4m3(clip(h / s, +-448)) into xq_ref (quantize_activations' "token"). Shared with
+    _add_rms_norm's kernel."""
+    hs = [h.astype(jnp.float32) for h in hs]
     s = jnp.maximum(functools.reduce(jnp.maximum, [jnp.abs(h) for h in hs]).max() / FP8_MAX, min_scale)
     for h, c in zip(hs, cols, strict=True):
         xq_ref[c] = jnp.clip(h / s, -FP8_MAX, FP8_MAX).astype(FP8)
-    s_ref[...] = jnp.full(s_ref.shape, s, f32)
+    s_ref[...] = jnp.full(s_ref.shape, s, jnp.float32)
 
 
 def normed_tiles(xs, w_ref, cols, *, eps, dtype, plus_one):

@@ -27,6 +27,9 @@
       An fp8 W8A8 MLP (dynamic token scales): fp8_matmul's gate / up dot, then its scales, silu(gate) * up and the
       e4m3 rounding of that product for down in one Pallas pass (silu_mul_fp8, _silu_mul_fp8.py), then down's dot.
       The decoder's fp8 MLPs of more than 2 rows run it (jaxllm/models/quant_matmul.py silu_mlp).
+  add_rms_norm(x [T, D], parts [S, T, D], weight, eps, *, plus_one=False, fp8=False) -> (r, h)
+      The residual add of split-K partials and the norm after it in one Pallas pass (_add_rms_norm.py); fp8: h as
+      Fp8Rows for an fp8 W8A8 projection's fp8_gemv.
   rms_norm_fp8(x [T, D], weight, eps, *, plus_one=False) -> (xq [T, D] e4m3, sx [T, 1] float32)
       The decoder's RMSNorm and quantize_activations' per-token e4m3 rounding of its output in one Pallas pass
       (_rms_norm_fp8.py): the input of an fp8 W8A8 qkv or gate / up projection of more than 2 rows, as Fp8Rows
@@ -36,7 +39,12 @@
       split-K Pallas GEMV (_fp8_gemv.py), its float32 partials summed (and added to the residual) in the XLA fusion
       after it; fp8_gemv_partials returns the partials for a consumer that sums them (the qkv/RoPE/write kernel).
       The decoder's fp8 W8A8 projections of the batch-1 decode bucket run it (H100, 8B: four kernels a projection
-      become two; batch-1 ITL 3.54 vs 3.65 ms, bench/KERNELS_NOTES.md "Measured in stop 47").
+      become two; batch-1 ITL 3.54 vs 3.65 ms, bench/KERNELS_NOTES.md "Measured in stop 47"). x may also be Fp8Rows
+      (e4m3 with its token scales: add_rms_norm(fp8=True) writes them) or RowsWithMax (partial maxima of |x| a row);
+      the kernel then skips its pass over x's row.
+  fp8_gemv_silu(h [T, D] of 1-2 rows, w_gate_up [2F, D], w_scale) -> RowsWithMax (a = silu(gate) * up [T, F], the
+      maxima of |a| over each program's columns)
+      gate / up's GEMV with silu * up as its epilogue (_fp8_gemv.fp8_gemv_silu_kernel), for down's fp8_gemv.
 
 The weight layout, the act-order permutation and the helpers that build a QuantizedWeight from a checkpoint's
 integers are in qlayout.py.
@@ -278,6 +286,25 @@ class Fp8Rows:
         return self.q.shape
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["x", "amax"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class RowsWithMax:
+    """16-bit activations x [T, K] with partial maxima of |x| per row, amax [T, P] float32 (their max over P is the
+    row's): fp8_gemv_silu's output, whose programs each saw P-th of a row. fp8_gemv takes them in place of x and
+    reads P values a row for its token scales instead of K."""
+
+    x: jax.Array
+    amax: jax.Array
+
+    @property
+    def shape(self):
+        return self.x.shape
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+
 def _fp8_check(x, w, w_scale):
     if w.ndim != 2 or w.shape[1] != x.shape[-1]:
         raise ValueError(f"fp8 weight must be [N, K] with K = x's {x.shape[-1]} features; got {w.shape}")
@@ -352,15 +379,19 @@ def rms_norm_fp8(x, weight, eps, *, plus_one=False, interpret=False, **tuning):
     )
 
 
-def add_rms_norm(x, parts, weight, eps, *, plus_one=False, interpret=False, **tuning):
+def add_rms_norm(x, parts, weight, eps, *, plus_one=False, fp8=False, interpret=False, **tuning):
     """The residual add of split-K partials and the RMSNorm after it: x [T, D] (16-bit), parts [S, T, D] float32 ->
     (r = x + sum(parts) [T, D], h = norm(r) [T, D]) in one Pallas pass (_add_rms_norm.py) where add_rms_norm_supported,
-    else add_rms_norm_ref. plus_one: Gemma's norm (r scaled by 1 + weight in float32)."""
+    else add_rms_norm_ref. plus_one: Gemma's norm (r scaled by 1 + weight in float32). fp8: h as Fp8Rows (rounded
+    to e4m3 with its token scales in the same pass, rms_norm_fp8's values) for an fp8 W8A8 projection's GEMV."""
     if not add_rms_norm_supported(x, parts) or not (interpret or on_gpu()):
-        return add_rms_norm_ref(x, parts, weight, eps, plus_one=plus_one)
-    return _add_rms_norm.add_rms_norm_kernel(
-        x, parts, weight, eps=float(eps), plus_one=plus_one, interpret=interpret, **tuning
+        r, h = add_rms_norm_ref(x, parts, weight, eps, plus_one=plus_one)
+        return (r, Fp8Rows(*quantize_activations(h), x.dtype)) if fp8 else (r, h)
+    min_scale = FP8_MIN_SCALE if fp8 else None
+    out = _add_rms_norm.add_rms_norm_kernel(
+        x, parts, weight, eps=float(eps), plus_one=plus_one, min_scale=min_scale, interpret=interpret, **tuning
     )
+    return (out[0], Fp8Rows(out[1], out[2], x.dtype)) if fp8 else out
 
 
 def add_rms_norm_supported(x, parts) -> bool:
@@ -437,8 +468,11 @@ def fp8_matmul_ref(x, w, w_scale, *, x_scale=None, act_scale="token", out_dtype=
 
 
 def fp8_gemv_supported(x, w, *, x_scale=None, act_scale="token") -> bool:
-    """Whether fp8_gemv's kernel takes this call: dynamic per-token scales, 16-bit x of at most
-    _fp8_gemv.MAX_ROWS rows (after flattening its leading axes), N a multiple of 16 and K of 128."""
+    """Whether fp8_gemv's kernel takes this call: dynamic per-token scales, x of at most _fp8_gemv.MAX_ROWS rows
+    (after flattening its leading axes; 16-bit, or Fp8Rows / RowsWithMax of 2-D rows), N a multiple of 16 and K of
+    128."""
+    if isinstance(x, (Fp8Rows, RowsWithMax)) and len(x.shape) != 2:
+        return False
     return (
         x_scale is None
         and act_scale == "token"
@@ -453,24 +487,94 @@ def fp8_gemv(x, w, w_scale, *, residual=None, interpret=False, **tuning):
     quantization inside the GEMM's Pallas kernel (_fp8_gemv.py), for the decode step's few rows (fp8_gemv_supported):
     the kernel's float32 split-K partials are summed, rounded to x's dtype and added to the residual in one XLA
     fusion after it. Same rounding as fp8_matmul then `residual + y`; the float32 sums run in another order.
+    x: 16-bit, Fp8Rows (already in e4m3) or RowsWithMax (the kernel takes the token scales from its maxima).
     tuning: _fp8_gemv.fp8_gemv_kernel's block_n, block_k, splits, num_warps, num_stages."""
     parts = fp8_gemv_partials(x, w, w_scale, interpret=interpret, **tuning)
     y = parts.sum(0).astype(x.dtype)
     return y if residual is None else residual.astype(x.dtype) + y
 
 
+def _gemv_x(x):
+    """(x [M, K], xs, x_mode) as the _fp8_gemv kernels take x (16-bit, Fp8Rows or RowsWithMax), its leading axes
+    flattened."""
+    if isinstance(x, Fp8Rows):
+        return x.q, x.scale, "e4m3"
+    if isinstance(x, RowsWithMax):
+        return x.x, x.amax, "amax"
+    return x.reshape(-1, x.shape[-1]), None, "row"
+
+
 def fp8_gemv_partials(x, w, w_scale, *, interpret=False, **tuning):
     """fp8_gemv's kernel output: float32 split-K partials [S, *x.shape[:-1], N] whose sum is fp8_matmul's product
     before its rounding to x's dtype (for a consumer that sums split-K partials itself: the fused qkv/RoPE/write
-    kernel)."""
+    kernel, the add + norm pass)."""
     _fp8_check(x, w, w_scale)
     if not fp8_gemv_supported(x, w):
         raise ValueError(f"fp8_gemv does not take x {x.dtype} {x.shape} with w {w.dtype} {w.shape}")
-    lead, K = x.shape[:-1], x.shape[-1]
+    x2, xs, x_mode = _gemv_x(x)
     parts = _fp8_gemv.fp8_gemv_kernel(
-        x.reshape(-1, K), w, jnp.asarray(w_scale, jnp.float32), min_scale=FP8_MIN_SCALE, interpret=interpret, **tuning
+        x2,
+        w,
+        jnp.asarray(w_scale, jnp.float32),
+        xs=xs,
+        min_scale=FP8_MIN_SCALE,
+        x_mode=x_mode,
+        interpret=interpret,
+        **tuning,
     )
-    return parts.reshape(parts.shape[0], *lead, w.shape[0])
+    return parts.reshape(parts.shape[0], *x.shape[:-1], w.shape[0])
+
+
+def fp8_gemv_silu(h, w_gate_up, w_scale, *, interpret=False, **tuning) -> RowsWithMax:
+    """silu(gate) * up of an fp8 W8A8 gate / up weight w_gate_up [2F, D] (gate's rows, then up's; dynamic token
+    scales) for h [T, D] of fp8_gemv's 1-2 rows (16-bit or Fp8Rows), as RowsWithMax: a [T, F] in h's dtype with the
+    maxima of |a| over each program's columns, for down's fp8_gemv. One Pallas kernel
+    (_fp8_gemv.fp8_gemv_silu_kernel) in place of fp8_gemv's and XLA's silu * up fusion after it; the same values as
+    fp8_gemv_silu_ref (gate / up summed in another order). tuning: its block_n, block_k, num_warps, num_stages."""
+    _fp8_check(h, w_gate_up, w_scale)
+    if not fp8_gemv_silu_supported(h, w_gate_up):
+        raise ValueError(
+            f"fp8_gemv_silu does not take h {h.dtype} {h.shape} with w {w_gate_up.dtype} {w_gate_up.shape}"
+        )
+    x2, xs, x_mode = _gemv_x(h)
+    a, amax = _fp8_gemv.fp8_gemv_silu_kernel(
+        x2,
+        w_gate_up,
+        jnp.asarray(w_scale, jnp.float32),
+        xs=xs,
+        min_scale=FP8_MIN_SCALE,
+        x_mode=x_mode,
+        out_dtype=h.dtype,
+        interpret=interpret,
+        **tuning,
+    )
+    return RowsWithMax(a, amax)
+
+
+def fp8_gemv_silu_supported(h, w_gate_up) -> bool:
+    """fp8_gemv_supported for h [T, D] (16-bit or Fp8Rows, not RowsWithMax) with gate / up's rows a multiple of 32."""
+    return (
+        not isinstance(h, RowsWithMax)
+        and len(h.shape) == 2
+        and w_gate_up.ndim == 2
+        and w_gate_up.shape[0] % 32 == 0
+        and fp8_gemv_supported(h, w_gate_up)
+    )
+
+
+def fp8_gemv_silu_ref(h, w_gate_up, w_scale):
+    """fp8_gemv_silu's function unfused: fp8_matmul_ref's gate / up rounded to h's dtype, silu(gate) rounded, times up
+    (HF's ops in that dtype), and the row's max of |a| as one partial maximum."""
+    dtype = h.dtype
+    if isinstance(h, Fp8Rows):
+        y = jnp.dot(h.q.astype(jnp.float32), w_gate_up.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+        gu = _scaled(y, h.scale, w_scale, dtype).astype(jnp.float32)
+    else:
+        gu = fp8_matmul_ref(h, w_gate_up, w_scale, out_dtype=dtype).astype(jnp.float32)
+    F = w_gate_up.shape[0] // 2
+    g, u = gu[:, :F], gu[:, F:]
+    a = (jax.nn.silu(g).astype(dtype).astype(jnp.float32) * u).astype(dtype)
+    return RowsWithMax(a, jnp.abs(a.astype(jnp.float32)).max(axis=1, keepdims=True))
 
 
 def fp8_gemv_ref(x, w, w_scale, *, residual=None):

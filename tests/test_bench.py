@@ -806,6 +806,21 @@ def test_quant_kernels_smoke(tmp_path):
     assert saved["env"]["command"] and res["copy_bytes_per_s"] > 0 and "o M=1" in res["summary"]
 
 
+def test_quant_kernels_fp8_gemv_forms(tmp_path):
+    """bench/quant_kernels.py's rows for the fp8 GEMV's other forms of x (e4m3 rows, partial maxima) and for gate /
+    up's silu kernel beside fp8_gemv + XLA's silu * up: each is timed (--tiny: interpret mode) and matches its
+    reference."""
+    from bench import quant_kernels
+
+    out = tmp_path / "q.json"
+    impls = ("fp8_gemv_e4m3", "fp8_gemv_amax", "fp8_gemv_silu", "fp8_gemv_silu_xla")
+    argv = ["--tiny", "--m", "2", "--shapes", "gate_up", "--impls", ",".join(impls), "--reps", "1", "--out", str(out)]
+    quant_kernels.main(argv)
+    rows = {r["impl"]: r for r in json.loads(out.read_text())["rows"] if "impl" in r}
+    assert set(rows) == set(impls)
+    assert all(r["rel_err"] < 1e-2 and r["time_us"] > 0 and "error" not in r for r in rows.values()), rows
+
+
 def test_quant_kernels_mgpu_per_channel(tmp_path):
     """bench/quant_kernels.py's int4_mgpu_pc row (the Mosaic GPU int4 kernel in interpret mode on a per-channel
     weight): its default and a 256-wide K block both match the reference."""

@@ -660,6 +660,21 @@ def test_add_rms_norm_kernel_matches_reference(S, T, D, dtype, w_dtype, plus_one
         got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
         assert (got != want).mean() < 0.02
         np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6)
+    # min_scale: the same pass writes h in e4m3 with its token scales, quantize_activations' values of the
+    # reference's h (to h's 16-bit rounding, as test_rms_norm_fp8_kernel_matches_reference holds rms_norm_fp8)
+    r8, hq, sh = _add_rms_norm.add_rms_norm_kernel(
+        x, parts, w, eps=1e-6, plus_one=plus_one, min_scale=quant.FP8_MIN_SCALE, interpret=True, **tuning
+    )
+    want_q, want_s = quant.quantize_activations(want_h)
+    assert hq.dtype == jnp.float8_e4m3fn and hq.shape == (T, D) and sh.shape == (T, 1)
+    np.testing.assert_array_equal(np.asarray(r8, np.float32), np.asarray(r, np.float32))
+    np.testing.assert_allclose(np.asarray(sh), np.asarray(want_s), rtol=2**-7)
+    got, want = np.asarray(hq, np.float32), np.asarray(want_q, np.float32)
+    assert (got != want).mean() < 0.05 and np.all(np.abs(got - want) <= np.abs(want) / 8 + 2**-9)
+    assert np.abs(got).max(-1).min() == quant.FP8_MAX  # each row's amax maps to 448
+    rows = quant.add_rms_norm(x, parts, w, 1e-6, plus_one=plus_one, fp8=True, interpret=True, **tuning)[1]
+    assert isinstance(rows, quant.Fp8Rows) and rows.dtype == x.dtype
+    np.testing.assert_array_equal(np.asarray(rows.q, np.float32), got)
 
 
 def test_add_rms_norm_refuses_what_it_does_not_take():
@@ -689,9 +704,10 @@ def test_add_rms_norm_refuses_what_it_does_not_take():
             np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("S", [1, 7, 8])
-def test_add_rms_norm_lowers_for_cuda(S):
-    """The pass lowers to Triton IR for CUDA (on CPU) at the 8B shape's partial counts (o 8, down 7, gate_up 1)."""
+@pytest.mark.parametrize("S,min_scale", [(1, None), (7, None), (8, None), (8, 1e-5)])
+def test_add_rms_norm_lowers_for_cuda(S, min_scale):
+    """The pass lowers to Triton IR for CUDA (on CPU) at the 8B shape's partial counts (o 8, down 7, gate_up 1), and
+    with h in e4m3."""
     from kernels_pallas import _add_rms_norm
 
     args = (
@@ -699,9 +715,10 @@ def test_add_rms_norm_lowers_for_cuda(S):
         jax.ShapeDtypeStruct((S, 1, 4096), jnp.float32),
         jax.ShapeDtypeStruct((4096,), jnp.bfloat16),
     )
-    f = jax.jit(lambda x, p, w: _add_rms_norm.add_rms_norm_kernel(x, p, w, eps=1e-5))
+    f = jax.jit(lambda x, p, w: _add_rms_norm.add_rms_norm_kernel(x, p, w, eps=1e-5, min_scale=min_scale))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert f"add_rms_norm_S{S}_b2048" in text and "__gpu$xla.gpu.triton" in text
+    suffix = "" if min_scale is None else "_e4m3"
+    assert f"add_rms_norm_S{S}_b2048{suffix}" in text and "__gpu$xla.gpu.triton" in text
 
 
 def test_fp8_silu_mlp_takes_rows_already_in_e4m3():
@@ -795,6 +812,16 @@ def test_fp8_gemv_is_fp8_matmul_with_the_quantization_in_the_kernel(rows, N, K, 
         np.testing.assert_allclose(g[m], w[m], rtol=1e-2, atol=1e-2 * np.abs(w[m]).max())
     parts = quant.fp8_gemv_partials(x, wq, ws, interpret=True, **tuning)
     assert parts.shape == (plan(N, K, **tuning)[2], rows, N) and parts.dtype == jnp.float32
+    # x with partial maxima of |x| (RowsWithMax): the same partials bit for bit, the kernel skipping its pass over
+    # the row; x already in e4m3 with its token scales (Fp8Rows, here XLA's: their float32 division may round the
+    # scale an ulp away from the interpreted kernel's)
+    amax = jnp.abs(x.astype(jnp.float32)).reshape(rows, K // 128, 128).max(-1)
+    for given in (quant.RowsWithMax(x, amax), quant.Fp8Rows(*quant.quantize_activations(x), x.dtype)):
+        assert quant.fp8_gemv_supported(given, wq)
+        same = np.asarray(quant.fp8_gemv_partials(given, wq, ws, interpret=True, **tuning))
+        if isinstance(given, quant.RowsWithMax):
+            np.testing.assert_array_equal(same, np.asarray(parts))
+        np.testing.assert_allclose(same, np.asarray(parts), rtol=1e-6, atol=1e-6 * np.abs(np.asarray(parts)).max())
     zero = quant.fp8_gemv(jnp.zeros((rows, K), jnp.bfloat16), wq, ws, interpret=True, **tuning)
     assert not np.asarray(zero, np.float32).any()
 
@@ -812,21 +839,113 @@ def test_fp8_gemv_takes_the_decode_bucket_only():
         quant.fp8_gemv(jnp.zeros((3, 256), jnp.bfloat16), wq, ws)
 
 
-@pytest.mark.parametrize("rows,N,K", [(2, 4096, 14336), (1, 28672, 4096), (2, 6144, 4096)])
-def test_fp8_gemv_lowers_for_cuda(rows, N, K):
+@pytest.mark.parametrize(
+    "rows,N,K,x_mode",
+    [(2, 4096, 14336, "row"), (1, 28672, 4096, "row"), (2, 6144, 4096, "row"), (1, 6144, 4096, "e4m3")]
+    + [(2, 4096, 14336, "amax")],
+)
+def test_fp8_gemv_lowers_for_cuda(rows, N, K, x_mode):
     """The kernel lowers to Triton IR for CUDA on CPU at the 8B shapes with its default plan (what the GPU
-    compiles; the H100 runs are in bench/results/quant_kernels_h100_*_fp8_gemv*.json)."""
+    compiles; the H100 runs are in bench/results/quant_kernels_h100_*_fp8_gemv*.json), for each form of x (down's
+    maxima: the silu kernel's 896 pieces a row)."""
     from kernels_pallas._fp8_gemv import fp8_gemv_kernel, plan
 
+    x_dtype = jnp.float8_e4m3fn if x_mode == "e4m3" else jnp.bfloat16
+    xs = {"row": None, "e4m3": (rows, 1), "amax": (rows, 896)}[x_mode]
     args = (
-        jax.ShapeDtypeStruct((rows, K), jnp.bfloat16),
+        jax.ShapeDtypeStruct((rows, K), x_dtype),
         jax.ShapeDtypeStruct((N, K), jnp.float8_e4m3fn),
         jax.ShapeDtypeStruct((N,), jnp.float32),
+        None if xs is None else jax.ShapeDtypeStruct(xs, jnp.float32),
     )
-    f = jax.jit(lambda x, w, s: fp8_gemv_kernel(x, w, s, min_scale=quant.FP8_MIN_SCALE))
+    f = jax.jit(lambda x, w, s, xs: fp8_gemv_kernel(x, w, s, xs, min_scale=quant.FP8_MIN_SCALE, x_mode=x_mode))
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     bn, bk, splits, _ = plan(N, K)
-    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}" in text
+    suffix = "" if x_mode == "row" else f"_{x_mode}"
+    assert f"fp8_gemv_BN_{bn}_BK_{bk}_S_{splits}{suffix}" in text
+
+
+@pytest.mark.parametrize(
+    "rows,F,K,per_channel,x_mode,tuning",
+    [
+        (1, 128, 512, True, "row", {}),
+        (2, 384, 384, False, "row", dict(block_k=128)),  # per tensor, 3 K tiles; 24 maxima a row
+        (2, 128, 256, True, "e4m3", dict(block_n=32)),
+        (2, 256, 1024, True, "row", dict(block_n=32, block_k=256)),
+    ],
+)
+def test_fp8_gemv_silu_is_the_gemv_then_silu_times_up(rows, F, K, per_channel, x_mode, tuning):
+    """fp8_gemv_silu (interpret mode): gate's and up's columns of one program from the one [2F, K] weight, each
+    rounded to x's dtype as fp8_gemv rounds its output (bit for bit: the same e4m3 x, products and float32 sums of
+    one split), then silu(gate) rounded, times up rounded (fp8_gemv_silu_ref's HF ops, to a 16-bit step); its maxima
+    of |a| are each program's columns', and down's fp8_gemv given them equals it given a itself."""
+    from kernels_pallas._fp8_gemv import silu_plan
+
+    rng = np.random.default_rng(rows * F + K)
+    wq, ws = quantize_fp8(rng.standard_normal((2 * F, K)).astype(np.float32) * 0.05, per_channel=per_channel)
+    x = jnp.asarray(rng.standard_normal((rows, K)) * np.array([[30.0], [0.01]])[:rows], jnp.bfloat16)
+    h = quant.Fp8Rows(*quant.quantize_activations(x), x.dtype) if x_mode == "e4m3" else x
+    out = quant.fp8_gemv_silu(h, wq, ws, interpret=True, **tuning)
+    bn = silu_plan(F, K, **{k: v for k, v in tuning.items() if k in ("block_n", "block_k")})[0]
+    assert isinstance(out, quant.RowsWithMax) and out.x.shape == (rows, F) and out.x.dtype == jnp.bfloat16
+    assert out.amax.shape == (rows, F // bn)
+    a = np.asarray(out.x, np.float32)
+    np.testing.assert_array_equal(np.asarray(out.amax), np.abs(a).reshape(rows, F // bn, bn).max(-1))
+    gu = np.asarray(quant.fp8_gemv(x, wq, ws, interpret=True), np.float32)
+    g = gu[:, :F].astype(np.float64)
+    silu = np.asarray(jnp.asarray(g * np.exp(-np.logaddexp(0, -g)), jnp.bfloat16), np.float32)  # g * sigmoid(g)
+    want = np.asarray(jnp.asarray(silu * gu[:, F:], jnp.bfloat16), np.float32)
+    assert (a != want).mean() < 0.05  # the kernel's float32 sigmoid against numpy's: a 16-bit step at most
+    np.testing.assert_allclose(a, want, rtol=2**-7, atol=1e-30)
+    ref = quant.fp8_gemv_silu_ref(h, wq, ws)
+    np.testing.assert_allclose(a, np.asarray(ref.x, np.float32), rtol=2**-7, atol=1e-30)
+    w_down, s_down = quantize_fp8(rng.standard_normal((48, F)).astype(np.float32) * 0.05)
+    np.testing.assert_array_equal(
+        np.asarray(quant.fp8_gemv_partials(out, w_down, s_down, interpret=True)),
+        np.asarray(quant.fp8_gemv_partials(out.x, w_down, s_down, interpret=True)),
+    )
+
+
+def test_fp8_gemv_silu_refuses_what_it_does_not_take():
+    from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel
+
+    wq, ws = quantize_fp8(np.ones((64, 256)) * 0.05)
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    assert quant.fp8_gemv_silu_supported(x, wq)
+    assert not quant.fp8_gemv_silu_supported(jnp.zeros((3, 256), jnp.bfloat16), wq)  # more rows than the GEMV's
+    assert not quant.fp8_gemv_silu_supported(quant.RowsWithMax(x, jnp.zeros((2, 1))), wq)
+    assert not quant.fp8_gemv_silu_supported(x, quantize_fp8(np.ones((48, 256)))[0])  # F = 24: not whole programs
+    with pytest.raises(ValueError, match="fp8_gemv_silu does not take"):
+        quant.fp8_gemv_silu(jnp.zeros((3, 256), jnp.bfloat16), wq, ws)
+    kw = dict(min_scale=quant.FP8_MIN_SCALE, interpret=True)
+    with pytest.raises(ValueError, match="out_dtype=None"):
+        fp8_gemv_silu_kernel(x.astype(jnp.float8_e4m3fn), wq, ws, jnp.ones((2, 1)), x_mode="e4m3", **kw)
+    with pytest.raises(ValueError, match="x_mode"):
+        fp8_gemv_silu_kernel(x, wq, ws, x_mode="e4m3", **kw)  # 16-bit x, no scales
+    with pytest.raises(ValueError, match="X_MODES|x_mode must"):
+        fp8_gemv_silu_kernel(x, wq, ws, jnp.ones((2, 1)), x_mode="scaled", **kw)
+
+
+@pytest.mark.parametrize("rows,x_mode", [(1, "row"), (2, "e4m3")])
+def test_fp8_gemv_silu_lowers_for_cuda(rows, x_mode):
+    """The silu kernel lowers to Triton IR for CUDA on CPU at the 8B gate / up shape (F 14336: 896 programs of
+    16 + 16 columns)."""
+    from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel
+
+    e4m3 = x_mode == "e4m3"
+    args = (
+        jax.ShapeDtypeStruct((rows, 4096), jnp.float8_e4m3fn if e4m3 else jnp.bfloat16),
+        jax.ShapeDtypeStruct((28672, 4096), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((28672,), jnp.float32),
+        jax.ShapeDtypeStruct((rows, 1), jnp.float32) if e4m3 else None,
+    )
+    f = jax.jit(
+        lambda x, w, s, xs: fp8_gemv_silu_kernel(
+            x, w, s, xs, min_scale=quant.FP8_MIN_SCALE, x_mode=x_mode, out_dtype=jnp.bfloat16
+        )
+    )
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fp8_gemv_silu_BN_16_BK_256" in text and "__gpu$xla.gpu.triton" in text
 
 
 def test_quantized_matmul_partials():

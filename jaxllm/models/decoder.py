@@ -29,7 +29,11 @@ from jaxllm.models.moe import moe_mlp
 from jaxllm.models.quant import QuantizedWeight
 from jaxllm.models.quant_matmul import (
     Fp8Rows,
+    RowsWithMax,
+    add_norm_fp8_applies,
     fp8_silu_mlp_applies,
+    gemv_silu,
+    gemv_silu_applies,
     norm_fp8,
     norm_fp8_applies,
     qmatmul,
@@ -68,10 +72,14 @@ def _norm_into(x, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool
     return _norm(x, weight, cfg)
 
 
-def _add_norm(x, parts, weight, cfg: ModelConfig, attn: AttentionConfig):
-    """(x + parts summed, its norm): the residual add of a projection's split-K partials and the norm after it in one
-    pass (kernels_pallas.quant.add_rms_norm)."""
-    return add_rms_norm(x, parts, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, interpret=attn.interpret)
+def _add_norm(x, parts, weight, w, cfg: ModelConfig, attn: AttentionConfig, lora: bool):
+    """(x + parts summed, its norm as projection w's input): the residual add of a projection's split-K partials and
+    the norm after it in one pass (kernels_pallas.quant.add_rms_norm); the norm in e4m3 with its token scales
+    (Fp8Rows) where add_norm_fp8_applies to w and no LoRA term reads it."""
+    fp8 = not lora and add_norm_fp8_applies(x, w, kernels=attn.backend == "pallas")
+    return add_rms_norm(
+        x, parts, weight, cfg.rms_norm_eps, plus_one=cfg.norm_plus_one, fp8=fp8, interpret=attn.interpret
+    )
 
 
 def _partials_into_residual(x, w, lp: dict, attn: AttentionConfig, ll: dict, bias: str, post_norm: str):
@@ -82,7 +90,8 @@ def _partials_into_residual(x, w, lp: dict, attn: AttentionConfig, ll: dict, bia
     its scaling), twice a layer: fewer nodes in the step's CUDA graph, each of which costs host time every step."""
     if w is None or ll or not _partials_allowed(lp, attn, after=(bias, post_norm)):
         return None  # w None: LoRA's fused weights (in ll) in its place
-    return residual_partials(x.reshape(x.shape[0], -1), w, interpret=attn.interpret)
+    x = x if isinstance(x, RowsWithMax) else x.reshape(x.shape[0], -1)
+    return residual_partials(x, w, interpret=attn.interpret)
 
 
 def _qk_norm(qkv, lp, cfg: ModelConfig):
@@ -103,7 +112,7 @@ def activation(x, name: str):
 def _proj(x, w, b, eq, attn: AttentionConfig):
     if isinstance(w, QuantizedWeight):  # x's non-token axes are the weight's (flattened) input
         # the quantized GEMMs follow the attention backend: "pallas" (GPUs) runs kernels_pallas's
-        x = x if isinstance(x, Fp8Rows) else x.reshape(x.shape[0], -1)
+        x = x if isinstance(x, (Fp8Rows, RowsWithMax)) else x.reshape(x.shape[0], -1)
         y = qmatmul(x, w, kernels=attn.backend == "pallas", interpret=attn.interpret, mesh=attn.mesh)
     else:
         y = jnp.einsum(eq, x, w)
@@ -139,9 +148,7 @@ def qkv_partials(h, lp: dict, cfg: ModelConfig, attn: AttentionConfig):
     """The qkv projection as float32 split-K partials [S, T, K, G + 2, H], summed in the attention kernel, or None
     (a plain projection): 16-bit weights of up to QKV_SPLIT_MAX_TOKENS rows (qkv_splits, one batched GEMM); fp8 W8A8
     weights of 1-2 rows (fp8_gemv's own partials) and int weight-only weights of 1-2 rows (the int kernel's split-K;
-    quant_matmul.split_k). h already in e4m3 (Fp8Rows, more than 2 rows): a plain projection."""
-    if isinstance(h, Fp8Rows):
-        return None
+    quant_matmul.split_k; h may be Fp8Rows of those rows). Fp8Rows of more rows: a plain projection."""
     if splits := qkv_splits(h.shape[0], lp, cfg, attn):
         return _split_k_qkv(h, lp["w_qkv"], splits)
     if not _partials_allowed(lp, attn):
@@ -179,15 +186,11 @@ def mlp(
         out = silu_mlp(h, w_gate_up, w_down, interpret=attn.interpret, mesh=attn.mesh)  # fp8 W8A8, > 2 rows
         out = out if b_down is None else out + b_down
         return out if residual is None else residual + out
-    if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
-        gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
+    fused = act == "silu" and b_gate_up is None and not ll
+    if fused and gemv_silu_applies(h, w_gate_up, w_down, kernels=kernels, mesh=attn.mesh):
+        a = gemv_silu(h, w_gate_up, interpret=attn.interpret)  # fp8 W8A8, 1-2 rows: RowsWithMax for down's GEMV
     else:
-        gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
-        gate, up = gate_up[:, 0], gate_up[:, 1]
-    if "gate_up" in ll:  # its parts [2, T, F], added where the activation reads them: one fusion, no transpose
-        d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
-        gate, up = gate + d[0], up + d[1]
-    a = activation(gate, act) * up
+        a = _activated(h, w_gate_up, act, attn, b_gate_up, ll, lw)
     if residual is not None and down_partials is not None and (parts := down_partials(a, w_down)) is not None:
         return residual, parts
     if "down_fused" in ll:  # the base weight and the slots' B in one
@@ -198,6 +201,19 @@ def mlp(
     if residual is None:
         return lora_ops.add(out, "down", a, ll.get("down"), lw)
     return lora_ops.add(residual + out, "down", a, ll.get("down"), lw)  # see decoder_layer's o
+
+
+def _activated(h, w_gate_up, act: str, attn: AttentionConfig, b_gate_up, ll: dict, lw):
+    """act(gate) * up [T, F] of the gate / up projection of h (with the layer's LoRA terms)."""
+    if "gate_up_fused" in ll:  # the base weight and the slots' A in one (lora/ops.py)
+        gate, up = lora_ops.fused_gate_up(h, *ll["gate_up_fused"], lw, b_gate_up)
+    else:
+        gate_up = _proj(h, w_gate_up, b_gate_up, "TD,DCF->TCF", attn)  # C = 2: gate, up
+        gate, up = gate_up[:, 0], gate_up[:, 1]
+    if "gate_up" in ll:  # its parts [2, T, F], added where the activation reads them: one fusion, no transpose
+        d = lora_ops.delta("gate_up", h, *ll["gate_up"], lw).astype(gate.dtype)
+        gate, up = gate + d[0], up + d[1]
+    return activation(gate, act) * up
 
 
 def _moe(lp, h, cfg: ModelConfig, attn: AttentionConfig):
@@ -219,7 +235,7 @@ def decoder_layer(
     partials unsummed (_partials_into_residual); the returned stream is in the same two forms (forward sums the last)."""
     ll = ll or {}
     if isinstance(x, tuple):
-        x, h = _add_norm(*x, lp["attn_norm"], cfg, attn)
+        x, h = _add_norm(*x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
     else:
         h = _norm_into(x, lp["attn_norm"], lp.get("w_qkv"), cfg, attn, lora=bool(ll))
     if "qkv_fused" in ll:  # LoRA fused into the base weights (lora/ops.py)
@@ -258,7 +274,8 @@ def decoder_layer(
     attn_out = out
     o_parts = _partials_into_residual(attn_out, lp.get("wo"), lp, attn, ll, "bo", "post_attn_norm")
     if o_parts is not None:
-        x, h = _add_norm(x, o_parts, lp["mlp_norm"], cfg, attn)
+        w_next = None if kind.moe else lp.get("w_gate_up")
+        x, h = _add_norm(x, o_parts, lp["mlp_norm"], w_next, cfg, attn, lora=bool(ll))
     elif "o_fused" in ll:  # the base weight and the slots' B in one: the LoRA term is in out
         out = lora_ops.fused_out(attn_out, *ll["o_fused"], lw)
         out = out if "bo" not in lp else out + lp["bo"]

@@ -23,7 +23,9 @@ The decoder's MLP of fp8 W8A8 gate / up and down weights (dynamic scales) on the
 silu_mlp (kernels_pallas.fp8_silu_mlp: silu(gate) * up and its e4m3 rounding for down in one Pallas pass between
 the two fp8 dots; reference and other weights: qmatmul, silu * up, qmatmul). The same steps' inputs of such qkv and
 gate / up weights come from the norm already in e4m3 (norm_fp8: RMSNorm and the token quantization in one Pallas
-pass); qmatmul and silu_mlp take those Fp8Rows for column-parallel fp8 W8A8 weights.
+pass); qmatmul and silu_mlp take those Fp8Rows for column-parallel fp8 W8A8 weights. At fp8_gemv's 1-2 rows two
+switches, off until measured on a GPU, do the same through the add + norm pass (add_norm_fp8_applies) and run gate /
+up with silu * up in one kernel whose output (RowsWithMax) down's GEMV takes (gemv_silu_applies).
 
 Every dequantized weight is computed only once x is (kernels_pallas.quant.tie_to_input: an optimization barrier
 over both), so a step holds one projection's dequantized weight at a time, not every layer's.
@@ -56,8 +58,11 @@ from kernels_pallas._common import on_gpu
 from kernels_pallas.quant import (
     FP8_WIDEN_MAX_ROWS,
     Fp8Rows,
+    RowsWithMax,
     fp8_gemv,
     fp8_gemv_partials,
+    fp8_gemv_silu,
+    fp8_gemv_silu_supported,
     fp8_gemv_supported,
     fp8_matmul,
     fp8_matmul_quantized,
@@ -115,6 +120,8 @@ def _weight_specs(w: QuantizedWeight) -> QuantizedWeight:
 def _local_qmatmul(x, w: QuantizedWeight, *, kernels: bool, interpret: bool, psum: bool = False):
     """One device's product: x [T, k] (or all of I for an act-order weight) times its slice of w."""
     s = w.scheme
+    if isinstance(x, RowsWithMax) and s.weight_type != "float":  # the maxima serve fp8_gemv only
+        x = x.x
     if w.perm is not None:  # act-order: the stored rows are the checkpoint's rows perm
         x = jnp.take(x, w.perm, axis=1)
     if s.weight_type == "float":
@@ -193,6 +200,52 @@ ADD_NORM = os.environ.get("JAXLLM_ADD_NORM", "1") == "1"
 def residual_partials(x, w, *, interpret: bool = False):
     """split_k's partials of x [T, I] times w for the add + norm pass (ADD_NORM on), or None."""
     return split_k(x, w, interpret=interpret) if ADD_NORM else None
+
+
+# fp8 W8A8 (dynamic scales) at fp8_gemv's 1-2 rows on the kernels path, tp 1: the add + norm pass in front of qkv and
+# gate / up writes the norm in e4m3 with its token scales (add_norm_fp8_applies), so that their GEMVs skip the pass
+# over x's row that each of their programs makes; and gate / up's GEMV computes silu(gate) * up with the maxima of
+# its pieces (gemv_silu_applies), in place of XLA's silu * up fusion, so that down's GEMV reads those maxima for its
+# token scales instead of the row. Off by default until measured on a GPU; JAXLLM_FP8_ADD_NORM_E4M3=1 and
+# JAXLLM_FP8_GEMV_SILU=1 turn them on.
+FP8_ADD_NORM_E4M3 = os.environ.get("JAXLLM_FP8_ADD_NORM_E4M3", "0") == "1"
+FP8_GEMV_SILU = os.environ.get("JAXLLM_FP8_GEMV_SILU", "0") == "1"
+
+
+def _gemv_weight(w) -> bool:
+    """An fp8 W8A8 weight (dynamic scales) that fp8_gemv multiplies whole on one device (column-parallel or tp 1)."""
+    return FP8_GEMV and _dynamic_fp8(w) and w.layout.shards == 1
+
+
+def add_norm_fp8_applies(x, w, *, kernels: bool) -> bool:
+    """Whether the add + norm pass in front of w hands it e4m3 rows (quant.add_rms_norm(fp8=True)): the kernels path
+    with FP8_ADD_NORM_E4M3 on and w an fp8 W8A8 weight that fp8_gemv takes for x's rows."""
+    return (
+        kernels
+        and FP8_ADD_NORM_E4M3
+        and _gemv_weight(w)
+        and fp8_gemv_supported(x, w.packed.reshape(-1, w.packed.shape[-1]))
+    )
+
+
+def gemv_silu_applies(h, w_gate_up, w_down, *, kernels: bool, mesh=None) -> bool:
+    """Whether decoder.mlp runs gemv_silu: the kernels path at tp 1 with FP8_GEMV_SILU on, gate / up and down fp8
+    W8A8 weights (dynamic scales) and h of the rows fp8_gemv_silu takes (1-2; 16-bit or Fp8Rows)."""
+    return (
+        kernels
+        and FP8_GEMV_SILU
+        and (mesh is None or mesh.shape.get("tp", 1) == 1)
+        and _gemv_weight(w_gate_up)
+        and _dynamic_fp8(w_down)
+        and fp8_gemv_silu_supported(h, w_gate_up.packed.reshape(-1, w_gate_up.packed.shape[-1]))
+    )
+
+
+def gemv_silu(h, w_gate_up: QuantizedWeight, *, interpret: bool = False) -> RowsWithMax:
+    """silu(gate) * up for h [T, D] (gemv_silu_applies) in one kernel (kernels_pallas.quant.fp8_gemv_silu), as
+    RowsWithMax for down's fp8_gemv."""
+    w = w_gate_up.packed.reshape(-1, w_gate_up.packed.shape[-1])  # [2F, D]: gate's rows, then up's
+    return fp8_gemv_silu(h, w, w_gate_up.scales.reshape(-1), interpret=interpret)
 
 
 def silu_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, interpret: bool = False, mesh=None):
@@ -321,12 +374,14 @@ def nk_dequantize(wt, scales, zeros, group_size: int, dtype):
 
 
 def _fp8(x, w: QuantizedWeight, kernels: bool, interpret: bool):
+    if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # the decode bucket's 1-2 rows
+        return fp8_gemv(x, *gemv, interpret=interpret)
     if isinstance(x, Fp8Rows):  # rounded to e4m3 with the norm (norm_fp8)
         return fp8_matmul_quantized(
             x.q, x.scale, w.packed.reshape(-1, w.packed.shape[-1]), w.scales.reshape(-1), x.dtype
         )
-    if (gemv := _fp8_gemv_operands(x, w, kernels)) is not None:  # the decode bucket's 1-2 rows
-        return fp8_gemv(x, *gemv, interpret=interpret)
+    if isinstance(x, RowsWithMax):
+        x = x.x
     wq = w.packed.reshape(-1, w.packed.shape[-1])  # [N, K]
     scale = w.scales.reshape(-1)
     if w.scheme.activations is None:  # fp8 weights, 16-bit activations: dequantize (next to the dot), then one dot
