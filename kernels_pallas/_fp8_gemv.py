@@ -173,17 +173,17 @@ def _x_operands(x, xs, x_mode, M, K):
 
 
 def _check_x(x, xs, w, x_mode):
+    """ValueError unless the kernels take x in x_mode (16-bit, or e4m3 for "e4m3"), xs and w (supported's shapes)."""
     M, K = x.shape
-    want_x = FP8 if x_mode == "e4m3" else None
+    e4m3 = x_mode == "e4m3"
     ok = (
         w.ndim == 2
         and w.shape[1] == K
         and jnp.dtype(w.dtype) == jnp.dtype(FP8)
-        and 1 <= M <= MAX_ROWS
-        and K % 128 == 0
-        and (jnp.dtype(x.dtype) == jnp.dtype(want_x) if want_x else supported(x.dtype, M, 16, K))
+        and (jnp.dtype(x.dtype) == jnp.dtype(FP8) if e4m3 else True)
+        and supported(jnp.bfloat16 if e4m3 else x.dtype, M, w.shape[0], K)
         and (x_mode == "row" or (xs is not None and xs.ndim == 2 and xs.shape[0] == M))
-        and (x_mode != "e4m3" or xs.shape[1] == 1)
+        and (not e4m3 or xs.shape[1] == 1)
     )
     if not ok:
         xs_shape = None if xs is None else xs.shape
