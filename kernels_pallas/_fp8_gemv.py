@@ -249,8 +249,11 @@ def silu_plan(f: int, k: int, block_n=None, block_k=None):
     """Static (block_n, block_k) of fp8_gemv_silu_kernel: a program owns block_n gate and block_n up columns over the
     whole of K (no split: its epilogue needs the sums); 32 columns of each where that gives ~4 programs an SM, else
     16 (the 8B shape's F 14336: 896 programs of 16 + 16 columns, as many as fp8_gemv_kernel's plan runs for the
-    same weight)."""
-    bk = block_k or next(b for b in (256, 128) if k % b == 0)
+    same weight). K tiles of 128: two weight tiles a step hold more registers than fp8_gemv's one, and at 256 the
+    8B gate / up kernel took 80 registers a thread with 4 bytes spilled (2 rows; 112 with e4m3 rows: 4 programs an
+    SM, 896 programs in 1.7 waves) against 68-70 and no spill at 128 (bench/probes/deviceless_compile.py: XLA's
+    Triton and ptxas for sm_90a, no GPU run)."""
+    bk = block_k or next(b for b in (128, 256) if k % b == 0)
     return block_n or (32 if f // 32 >= 4 * NUM_SMS and f % 32 == 0 else 16), bk
 
 
