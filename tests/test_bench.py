@@ -1173,3 +1173,23 @@ def test_graph_launch_probe_modes(tmp_path):
     b = stable(ws, ints, x, jax.numpy.zeros((64, 64), jax.numpy.bfloat16))
     np.testing.assert_array_equal(np.asarray(a[0], np.float32), np.asarray(b[0], np.float32))
     assert "select" in stable.lower(ws, ints, x, jax.numpy.zeros((64, 64), jax.numpy.bfloat16)).as_text()
+
+
+def test_deviceless_step_reads_the_thunk_sequence(tmp_path):
+    """bench/probes/deviceless_step.py (its compile needs the CUDA plugin, not here): the kernel names of a thunk
+    sequence as XLA 0.10.2 dumps it, and one middle layer of them (between two launches of a layer's attention)."""
+    from bench.probes.deviceless_step import middle_layer, step_kernels
+
+    layer = ["paged_decode_S_16_fused", "paged_decode_combine_splits_8", "fp8_gemv_o", "add_rms_norm_S8", "qkv"]
+    names = ["loop_gather_fusion", "qkv"] + layer * 3 + ["gemm_fusion_dot_general_1"]
+    lines = [
+        f"{i + 1:03d}: {'kCustomKernel' if i % 2 else 'kKernel'} [prev={i:03d} (1) | next={i + 2:03d} (1)] {n} grid: "
+        "[8, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes"
+        for i, n in enumerate(names)
+    ]
+    (tmp_path / "module_0001.jit_step.thunk_sequence.txt").write_text("\n".join(lines) + "\n")
+    (tmp_path / "module_0001.jit_step.thunk_metadata.txt").write_text("not a sequence\n")
+    got = step_kernels(str(tmp_path))
+    assert got == names
+    assert middle_layer(got, 3) == layer
+    assert middle_layer(got[:8], 1) is None and step_kernels(str(tmp_path / "none")) == []
