@@ -278,10 +278,11 @@ def fp8_gemv_silu_kernel(
 ):
     """silu(gate) * up of an fp8 W8A8 gate / up weight w [2F, K] (gate's rows, then up's), w_scale [2F] or [1], for
     x [M, K] as fp8_gemv_kernel takes it (x_mode, xs) -> (a [M, F] in out_dtype (16-bit; x's dtype by default,
-    required for e4m3 x), amax [M, F / block_n] float32): gate and up each rounded to that dtype, silu(gate) rounded, times up rounded
-    (HF's ops in a 16-bit dtype), and the max of |a| over each program's columns (the next projection's token scales in x_mode "amax"). Program n
-    multiplies gate's rows n * block_n.. and up's F + n * block_n.. (two blocks of the one weight): no split-K.
-    Tuning (static): block_n, block_k (silu_plan()), num_warps, num_stages."""
+    required for e4m3 x), amax [M, F / block_n] float32): gate and up each rounded to that dtype, silu(gate) rounded,
+    times up rounded (HF's ops in a 16-bit dtype), and the max of |a| over each program's columns (the next
+    projection's token scales in x_mode "amax"). Program n multiplies gate's rows n * block_n.. and up's
+    F + n * block_n.. (two blocks of the one weight): no split-K. Tuning (static): block_n, block_k (silu_plan()),
+    num_warps, num_stages."""
     _check_x(x, xs, w, x_mode)
     M, K = x.shape
     F = w.shape[0] // 2

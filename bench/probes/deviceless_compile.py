@@ -54,6 +54,7 @@ platform_name: "CUDA"
 dnn_version_info { major: 9 minor: 10 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+SCRIPT = "deviceless_compile"
 CASES = ("gemv", "gemv_e4m3", "gemv_amax", "silu", "silu_e4m3", "add_norm_e4m3")
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # (K, N)
 
@@ -87,7 +88,10 @@ def calls(case, M, cfg):
         mode = "e4m3" if case == "silu_e4m3" else "row"
         K, N = SHAPES["gate_up"]
         x, xs = (((M, K), f8), ((M, 1), f32)) if mode == "e4m3" else (((M, K), bf), None)
-        fn = lambda x, w, s, xs, mode=mode: silu(x, w, s, xs, min_scale=ms, x_mode=mode, out_dtype=bf, **cfg)  # noqa: E731
+
+        def fn(x, w, s, xs, mode=mode):
+            return silu(x, w, s, xs, min_scale=ms, x_mode=mode, out_dtype=bf, **cfg)
+
         out.append((f"{case} gate_up", fn, (x, ((N, K), f8), ((N,), f32), xs)))
     else:
         for S in (7, 8):
@@ -142,7 +146,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     import jax
 
-    from bench.common import environment
+    from bench.common import environment, write_result
 
     ptxas = shutil.which("ptxas") or next(
         iter(glob.glob(os.path.join(sys.prefix, "lib/*/site-packages/nvidia/*/bin/ptxas"))), None
@@ -159,8 +163,7 @@ def main(argv=None):
     res = dict(jax=jax.__version__, target="sm_90a (H100 target config)", ptxas=ptxas, rows=rows)
     res["env"] = dict(environment(with_jax=False), device="compile-only sm_90a (H100 target config), no GPU")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(SCRIPT, res, args.out)
     return res
 
 

@@ -26,8 +26,10 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.common import environment  # noqa: E402
+from bench.common import environment, write_result  # noqa: E402
 from bench.probes.deviceless_compile import device  # noqa: E402
+
+SCRIPT = "deviceless_step"
 
 
 def abstract_params(cfg, sharding):
@@ -43,7 +45,8 @@ def abstract_params(cfg, sharding):
 
 
 def step_kernels(dump_dir):
-    """The kernel names of the thunk sequence XLA dumped, in launch order ("NNN: kCustomKernel [links] NAME grid: ...")."""
+    """The kernel names of the thunk sequence XLA dumped, in launch order (its lines: "NNN: kCustomKernel [links] NAME
+    grid: ...")."""
     paths = sorted(glob.glob(os.path.join(dump_dir, "*thunk_sequence.txt")), key=os.path.getsize)
     if not paths:
         return []
@@ -111,8 +114,7 @@ def main(argv=None):
             shutil.rmtree(dump, ignore_errors=True)
     print(json.dumps({k: v for k, v in res.items() if k != "kernels"}, indent=1))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_result(SCRIPT, res, args.out)
     return res
 
 

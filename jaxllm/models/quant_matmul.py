@@ -212,40 +212,25 @@ FP8_ADD_NORM_E4M3 = os.environ.get("JAXLLM_FP8_ADD_NORM_E4M3", "0") == "1"
 FP8_GEMV_SILU = os.environ.get("JAXLLM_FP8_GEMV_SILU", "0") == "1"
 
 
-def _gemv_weight(w) -> bool:
-    """An fp8 W8A8 weight (dynamic scales) that fp8_gemv multiplies whole on one device (column-parallel or tp 1)."""
-    return FP8_GEMV and _dynamic_fp8(w) and w.layout.shards == 1
-
-
 def add_norm_fp8_applies(x, w, *, kernels: bool) -> bool:
-    """Whether the add + norm pass in front of w hands it e4m3 rows (quant.add_rms_norm(fp8=True)): the kernels path
-    with FP8_ADD_NORM_E4M3 on and w an fp8 W8A8 weight that fp8_gemv takes for x's rows."""
-    return (
-        kernels
-        and FP8_ADD_NORM_E4M3
-        and _gemv_weight(w)
-        and fp8_gemv_supported(x, w.packed.reshape(-1, w.packed.shape[-1]))
-    )
+    """Whether the add + norm pass in front of w hands it e4m3 rows (quant.add_rms_norm(fp8=True)): FP8_ADD_NORM_E4M3
+    on and w a weight fp8_gemv multiplies whole on one device for x's rows (_fp8_gemv_operands, column-parallel)."""
+    return FP8_ADD_NORM_E4M3 and _fp8_gemv_operands(x, w, kernels) is not None and w.layout.shards == 1
 
 
 def gemv_silu_applies(h, w_gate_up, w_down, *, kernels: bool, mesh=None) -> bool:
-    """Whether decoder.mlp runs gemv_silu: the kernels path at tp 1 with FP8_GEMV_SILU on, gate / up and down fp8
-    W8A8 weights (dynamic scales) and h of the rows fp8_gemv_silu takes (1-2; 16-bit or Fp8Rows)."""
-    return (
-        kernels
-        and FP8_GEMV_SILU
-        and (mesh is None or mesh.shape.get("tp", 1) == 1)
-        and _gemv_weight(w_gate_up)
-        and _dynamic_fp8(w_down)
-        and fp8_gemv_silu_supported(h, w_gate_up.packed.reshape(-1, w_gate_up.packed.shape[-1]))
-    )
+    """Whether decoder.mlp runs gemv_silu: FP8_GEMV_SILU on at tp 1, gate / up a weight fp8_gemv_silu takes for h's
+    rows (1-2; 16-bit or Fp8Rows) and down an fp8 W8A8 weight with dynamic scales."""
+    if not FP8_GEMV_SILU or (mesh is not None and mesh.shape.get("tp", 1) > 1) or not _dynamic_fp8(w_down):
+        return False
+    gemv = _fp8_gemv_operands(h, w_gate_up, kernels)
+    return gemv is not None and fp8_gemv_silu_supported(h, gemv[0])
 
 
 def gemv_silu(h, w_gate_up: QuantizedWeight, *, interpret: bool = False) -> RowsWithMax:
     """silu(gate) * up for h [T, D] (gemv_silu_applies) in one kernel (kernels_pallas.quant.fp8_gemv_silu), as
-    RowsWithMax for down's fp8_gemv."""
-    w = w_gate_up.packed.reshape(-1, w_gate_up.packed.shape[-1])  # [2F, D]: gate's rows, then up's
-    return fp8_gemv_silu(h, w, w_gate_up.scales.reshape(-1), interpret=interpret)
+    RowsWithMax for down's fp8_gemv. The weight's rows [2F, D]: gate's, then up's."""
+    return fp8_gemv_silu(h, *_fp8_gemv_operands(h, w_gate_up, kernels=True), interpret=interpret)
 
 
 def silu_mlp(h, w_gate_up: QuantizedWeight, w_down: QuantizedWeight, *, interpret: bool = False, mesh=None):
