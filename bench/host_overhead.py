@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
         out = sched.schedule()
         t1 = time.perf_counter()
         p = runner.prepare(out)
-        pack_host_args(p.host_args)
+        p.packed or pack_host_args(p.host_args)  # (as the runner's launch: packed by prepare where it could)
         runner.host.prev_rows = dict(p.sample_rows)
         t2 = time.perf_counter()
         if prev is not None:

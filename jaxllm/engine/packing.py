@@ -61,6 +61,14 @@ def sampler_flags(seqs, features: np.ndarray, max_logprobs: int) -> SamplerFlags
     )
 
 
+def decode_steps(seqs) -> np.ndarray:
+    """Each sequence's sampling step ([n] int32): the index of the token this step samples among its outputs, which
+    with the row's seed keys its random draw."""
+    n = len(seqs)
+    n_out = np.fromiter(map(len, map(_output_token_ids, seqs)), np.int32, n)
+    return n_out + np.fromiter(map(_num_pending, seqs), np.int32, n) - 1
+
+
 def sampling_arrays(
     batch: InputBatch,
     vocab_size: int,
@@ -83,8 +91,7 @@ def sampling_arrays(
         table[at] = batch.sampling[live_rows]
         seeds[at] = batch.seeds[live_rows]
         live_seqs = seqs if n_live == len(seqs) else [seqs[i] for i in live.tolist()]
-        n_out = np.fromiter(map(len, map(_output_token_ids, live_seqs)), np.int32, n_live)
-        steps[at] = n_out + np.fromiter(map(_num_pending, live_seqs), np.int32, n_live) - 1
+        steps[at] = decode_steps(live_seqs)
     temp, top_p, top_k, min_p, pres, freq, rep = table.T
     top_k = top_k.astype(np.int32)
     empty = [[]] * B
@@ -182,6 +189,30 @@ def pack_host_args(host_args) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
     return cat(ints, np.int32), cat(floats, np.float32), PackedLayout(treedef, tuple(spec))
 
 
+def repack(host_args, last_args, last_packed: tuple) -> tuple[np.ndarray, np.ndarray, PackedLayout]:
+    """pack_host_args(host_args) made from last_packed, the packing of last_args, a step's host inputs of the same
+    structure and shapes: copies of its two buffers with the leaves that are not last_args' own objects written
+    over theirs. The leaves a step shares with the one before (prepare.py's steady decode) must not have changed
+    since; a structure, shape or dtype that differs packs anew."""
+    leaves, treedef = jax.tree.flatten(host_args)
+    old = jax.tree.leaves(last_args)
+    ints, floats, layout = last_packed
+    if treedef != layout.treedef or len(old) != len(leaves):
+        return pack_host_args(host_args)
+    ints, floats = ints.copy(), floats.copy()
+    for x, y, (name, shape, buf, off) in zip(leaves, old, layout.leaves):
+        if x is y:
+            continue
+        if x.shape != shape or _NAMES.get(x.dtype) != name:
+            return pack_host_args(host_args)
+        flat = x.ravel()
+        if buf == "f":
+            floats[off : off + flat.size] = flat
+        else:
+            ints[off : off + flat.size] = flat.view(np.int32) if name == "uint32" else flat
+    return ints, floats, layout
+
+
 # Each packed array starts at a multiple of 256 bytes: a static slice of a step argument can reach a kernel
 # as that argument's buffer at the slice's offset, and Mosaic GPU kernels refuse inputs that are not 256-byte
 # aligned ("Input buffer 1 is not 256-byte aligned": the decode kernel's block table, at the engine's batch
@@ -192,6 +223,7 @@ _PADS = {np.dtype(dt): np.zeros(_PACK_ALIGN, dt) for dt in (np.int32, np.float32
 # cost ~1-3 us each, ~25 leaves a step (a batch-1 decode step's pack: 70 -> 25 us on the 2-core CPU VM)
 _F32, _U32 = np.dtype(np.float32), np.dtype(np.uint32)
 _INT_NAMES = {np.dtype(np.int32): "int32", _U32: "uint32", np.dtype(np.bool_): "bool"}
+_NAMES = {**_INT_NAMES, _F32: "float32"}
 
 
 def _append_aligned(parts: list, flat: np.ndarray) -> int:

@@ -5,19 +5,26 @@ Separate from the runner (runner.py), which launches and collects steps on the d
 bookkeeping only (the InputBatch rows, the previous step's sampled rows, LoRA slot assignment), timed on its own
 by bench/host_overhead.py. The runner owns one and calls prepare() for every step; launch records the rows whose
 tokens the next step reads from the device (prev_rows).
+
+Steady decode (the same sequences as the last step, each one token further, every input still on the device) takes a
+shorter path (_next_decode): the last step's arrays with the positions, pages and sampling steps moved on. At batch 1
+a step's prepare is ~85 us of numpy calls on the 2-core CPU VM and was 0.32-0.40 ms on an H200's host, where a
+quantized model's step is host-bound (bench/HISTORY.md "Stop 61"); the short path is ~4x cheaper (bench/host_overhead.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
+from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
 
 from jaxllm.engine.input_batch import HAS_PARAMS, PROMPT_LOGPROBS, InputBatch
 from jaxllm.engine.inputs import bucket, step_inputs
-from jaxllm.engine.packing import row_widths, sampler_flags, sampling_arrays
+from jaxllm.engine.packing import decode_steps, pack_host_args, repack, row_widths, sampler_flags, sampling_arrays
 from jaxllm.engine.programs import StepPrograms
 from jaxllm.engine.sampler import SamplerFlags
 from jaxllm.engine.scheduler import SchedulerOutput
@@ -29,6 +36,18 @@ PAD_PAGE = 0  # block 0 is reserved by the block manager: safe for padding to po
 # Python one at 256 sequences. ScheduledSeq fields, then Sequence fields.
 _seq, _start, _num_tokens, _sample, _token_ids = map(attrgetter, ("seq", "start", "num_tokens", "sample", "token_ids"))
 _seq_id, _spec_token_ids, _lora_id = attrgetter("seq_id"), attrgetter("spec_token_ids"), attrgetter("lora_id")
+
+
+@dataclass
+class _Decode:
+    """A decode step that the next one may continue (StepPreparer._next_decode): its sequences, in order, and what
+    it was prepared from and into."""
+
+    seqs: list
+    ids: list
+    starts: np.ndarray  # [n] each sequence's position in that step
+    live: np.ndarray  # the sampled rows with sampling params (sampling_arrays' live)
+    p: PreparedStep
 
 
 class StepPreparer:
@@ -61,6 +80,7 @@ class StepPreparer:
         # their bucket's long-context program (StepVariant.long_context); 0: never. The runner sets it
         # (runner.long_decode_from: Hopper, the Pallas backend, one process, no pipeline or drafter).
         self.long_decode_from = 0
+        self._last_decode: _Decode | None = None  # the last step, where the next may continue it (_next_decode)
 
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The host half of a step: padded numpy inputs and the bucket, no device work (timed by
@@ -68,6 +88,10 @@ class StepPreparer:
         # The host budget is ~1 ms at 256 sequences (issue 7), so per-sequence work is C-level map()s over
         # the scheduled list plus numpy; Python loops only visit the rare chunks that need more (prompt
         # logprobs, penalties, biases).
+        p = self._next_decode(sched)
+        if p is not None:
+            return p
+        self._last_decode = None
         batch = self.batch
         batch.release(sched.freed)
         batch.truncate(sched.trimmed)
@@ -153,7 +177,73 @@ class StepPreparer:
         slot = smd.bitmask_slot
         masked = [(int(slot[i]), seqs[i]) for i in np.flatnonzero(slot >= 0).tolist()] if flags.grammar else []
         extras = self._draft_extras(scheduled, rows, B) if self.drafter else None
-        return PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras, loads)
+        p = PreparedStep(v, host_args, sample_rows, prompt_rows, flags.num_logprobs, masked, sched, extras, loads)
+        if decode_only and len(dev) == n and len(sample_rows) == n and self._continuable(flags):
+            p.packed = pack_host_args(host_args)  # (the next step repacks from it)
+            self._last_decode = _Decode(seqs, ids, starts, live, p)
+        return p
+
+    def _continuable(self, flags: SamplerFlags) -> bool:
+        """Whether _next_decode may continue a decode step with these flags: none of its inputs changes from step to
+        step other than by position (penalties' token lists, logit biases and grammar masks do), and no adapter
+        slots, drafter or verify steps."""
+        return (
+            not (flags.penalties or flags.bias or flags.grammar or self.lora is not None or self.drafter)
+            and not self.programs.num_spec
+        )
+
+    def _next_decode(self, sched: SchedulerOutput) -> PreparedStep | None:
+        """The step after a steady decode step, or None where it is not one: the same sequences in the same order,
+        one token each, every input the token the last step sampled (on the device), nothing freed or trimmed and
+        the same sampler flags. Its arrays are the last step's with each sequence's position, context length,
+        new pages, cache slot, source row and sampling step moved on: what prepare() would make, with fewer numpy
+        calls (tests/test_prepare.py compares the two)."""
+        last = self._last_decode
+        if last is None or sched.freed or sched.trimmed or sched.verify:
+            return None
+        scheduled, seqs = sched.scheduled, last.seqs
+        n = len(scheduled)
+        if n != len(seqs) or not all(map(operator.is_, map(_seq, scheduled), seqs)):
+            return None
+        starts = np.fromiter(map(_start, scheduled), np.int32, n)
+        if (
+            not np.array_equal(starts, last.starts + 1)
+            or any(map(_token_ids, scheduled))
+            or not all(map(_sample, scheduled))
+            or any(q != 1 for q in map(_num_tokens, scheduled))
+        ):
+            return None
+        batch, S = self.batch, self.block_size
+        rows = batch.rows(seqs)
+        if (batch.num_pages[rows] * S <= starts).any():
+            return None  # (a page missing: prepare() reports it)
+        p = last.p
+        token_ids, _, meta, logits_indices, smd, prompt_targets, _ = p.host_args
+        flags = sampler_flags(seqs, batch.features[rows], self.max_logprobs)
+        if flags != p.variant.flags:
+            return None
+        positions, seq_lens, slot_mapping = meta.positions.copy(), meta.seq_lens.copy(), meta.slot_mapping.copy()
+        positions[:n] = starts
+        seq_lens[:n] = starts + 1
+        block_tables = meta.block_tables.copy()
+        block_tables[:n] = batch.tables[rows, : block_tables.shape[1]]
+        slot_mapping[:n] = block_tables[np.arange(n), starts // S] * S + starts % S
+        src_rows = np.full(len(positions), -1, np.int32)
+        src_rows[:n] = list(map(self.prev_rows.__getitem__, last.ids))
+        steps = smd.steps.copy()
+        live = last.live
+        if len(live):
+            live_seqs = seqs if len(live) == n else [seqs[i] for i in live.tolist()]
+            steps[live] = decode_steps(live_seqs)
+        long = 0 < self.long_decode_from <= int(seq_lens.max())
+        meta = AttentionMetadata(positions, slot_mapping, seq_lens, meta.query_start_loc, block_tables, True, long)
+        v = p.variant if long == p.variant.long_context else dataclasses.replace(p.variant, long_context=long)
+        smd = dataclasses.replace(smd, steps=steps)
+        host_args = (token_ids, src_rows, meta, logits_indices, smd, prompt_targets, None)
+        packed = repack(host_args, p.host_args, p.packed)
+        p = PreparedStep(v, host_args, dict(p.sample_rows), {}, p.num_logprobs, [], sched, None, [], packed)
+        self._last_decode = _Decode(seqs, last.ids, starts, live, p)
+        return p
 
     def _draft_extras(self, scheduled, rows: np.ndarray, B: int) -> tuple:
         """The draft program's host inputs: (next_ids [B]: the known token after a chunk that samples none, a

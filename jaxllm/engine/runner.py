@@ -158,7 +158,7 @@ def _short_context(p: PreparedStep) -> PreparedStep:
     token_ids, src_rows, meta, *rest = p.host_args
     meta = dataclasses.replace(meta, long_context=False)
     variant = dataclasses.replace(p.variant, long_context=False)
-    return dataclasses.replace(p, variant=variant, host_args=(token_ids, src_rows, meta, *rest))
+    return dataclasses.replace(p, variant=variant, host_args=(token_ids, src_rows, meta, *rest), packed=None)
 
 
 class ModelRunner:
@@ -377,11 +377,10 @@ class ModelRunner:
                 self.kv_caches, self.draft_kv = self._allocate_kv(), self._draft_kv(allocate=True)
         programs.finish_warm_up(enforce_eager)
 
-    def _step_args(self, host_args) -> tuple:
-        """The step program's arguments for these host inputs (packed: pack_host_args)."""
-        return step_args(
-            host_args, self.params, self.kv_caches, self.prev_tokens, None if self.lora is None else self.lora.arrays
-        )
+    def _step_args(self, host_args, packed: tuple | None = None) -> tuple:
+        """The step program's arguments for these host inputs (packed: pack_host_args, or packed where made)."""
+        lora = None if self.lora is None else self.lora.arrays
+        return step_args(host_args, self.params, self.kv_caches, self.prev_tokens, lora, packed)
 
     # ---- one step ----
     def prepare(self, sched: SchedulerOutput) -> PreparedStep:
@@ -448,7 +447,7 @@ class ModelRunner:
             (before_sample or (lambda: None))()  # the masks are final before the step goes out
             before_sample = None
             self.multihost.send_step(v, mode, p.host_args)
-        outputs, prompt, feats = self.run_step(v, mode, p.host_args, before_sample)
+        outputs, prompt, feats = self.run_step(v, mode, p.host_args, before_sample, p.packed)
         if self.multihost is None:  # the copy starts when the step ends, not when collect asks for it
             outputs[-1].copy_to_host_async()
         drafts = None
@@ -457,11 +456,19 @@ class ModelRunner:
         self.host.prev_rows = dict(p.sample_rows)
         return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
 
-    def run_step(self, v: StepVariant, mode: str, host_args, before_sample: Callable[[], None] | None = None):
+    def run_step(
+        self,
+        v: StepVariant,
+        mode: str,
+        host_args,
+        before_sample: Callable[[], None] | None = None,
+        packed: tuple | None = None,
+    ):
         """The device work of a step: "pipeline" (the stages, then the sampling head), "whole" (v's step program)
         or "split" (the bucket's start-up program, then a sampler-only program for v's flags). Returns the device
         outputs (sampled tokens and their logprobs, prompt logprobs or None, the drafter's features or ()).
-        multihost.follow runs it on the other processes."""
+        packed: host_args packed where prepare made them (PreparedStep.packed), for "whole". multihost.follow runs
+        it on the other processes."""
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = host_args
         before_sample = before_sample or (lambda: None)
         programs, head, feats = self.programs, self._head, ()
@@ -484,7 +491,7 @@ class ModelRunner:
             )
         elif mode == "whole":
             before_sample()
-            args = self._step_args(host_args)
+            args = self._step_args(host_args, packed)
             exe = programs.executable(v, args)
             self.kv_caches, self.prev_tokens, outputs, prompt, _, *feats = exe(*args)
         else:

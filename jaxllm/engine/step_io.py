@@ -42,11 +42,11 @@ class StepVariant:
         return f"{self.num_seqs}x{self.num_tokens}{'d' if self.decode_only else ''}{'L' if self.long_context else ''}"
 
 
-def step_args(host_args, params, kv_caches, prev_tokens, lora=None) -> tuple:
-    """A step program's arguments: the device state and the host inputs, packed (pack_host_args); with LoRA,
-    the adapter slot arrays last (jaxllm/lora/slots.py: arguments, never constants, so swapping adapters
-    recompiles nothing)."""
-    ints, floats, layout = pack_host_args(host_args)
+def step_args(host_args, params, kv_caches, prev_tokens, lora=None, packed: tuple | None = None) -> tuple:
+    """A step program's arguments: the device state and the host inputs, packed (pack_host_args, or packed: that
+    of host_args, made already); with LoRA, the adapter slot arrays last (jaxllm/lora/slots.py: arguments, never
+    constants, so swapping adapters recompiles nothing)."""
+    ints, floats, layout = packed or pack_host_args(host_args)
     return (params, kv_caches, ints, floats, prev_tokens, layout) + (() if lora is None else (lora,))
 
 
@@ -118,6 +118,8 @@ class PreparedStep:
     sched: SchedulerOutput | None = None
     draft_extras: tuple | None = None  # with a drafter: (next_ids [B], num_pages [B]), see drafter.draft_step_fn
     lora_loads: list = dataclasses.field(default_factory=list)  # (slot, adapter) to write before the step runs
+    # host_args packed (pack_host_args: ints, floats, layout) where prepare made them; None: packed at launch
+    packed: tuple | None = None
 
 
 @dataclass
