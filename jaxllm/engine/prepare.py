@@ -7,9 +7,11 @@ by bench/host_overhead.py. The runner owns one and calls prepare() for every ste
 tokens the next step reads from the device (prev_rows).
 
 Steady decode (the same sequences as the last step, each one token further, every input still on the device) takes a
-shorter path (_next_decode): the last step's arrays with the positions, pages and sampling steps moved on. At batch 1
-a step's prepare is ~85 us of numpy calls on the 2-core CPU VM and was 0.32-0.40 ms on an H200's host, where a
-quantized model's step is host-bound (bench/HISTORY.md "Stop 61"); the short path is ~4x cheaper (bench/host_overhead.py).
+shorter path (_next_decode): the last step's arrays with the positions, pages and sampling steps moved on, packed
+from the last step's buffers (packing.repack). prepare + pack of a batch-1 decode step took 0.116 ms on the 2-core CPU
+VM and 0.32-0.40 ms on an H200's host, where a quantized model's step is host-bound (bench/HISTORY.md "Stop 61"); the
+short path takes 0.046 ms there (0.174 -> 0.094 at 64 sequences, 0.380 -> 0.250 at 256; bench/host_overhead.py,
+bench/HISTORY.md "Stop 70").
 """
 
 from __future__ import annotations
