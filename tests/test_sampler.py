@@ -101,8 +101,9 @@ def test_top_p_below_float32_keeps_the_best_token():
 
 def test_token_bitmask_allows_only_its_tokens():
     """Structured outputs' mask: bit t % 32 of word t // 32 allows token t (V not a multiple of 32); greedy
-    and sampled rows pick allowed tokens only, logprobs stay those of the raw distribution, and a row with no
-    mask (slot -1) is sampled as without masks."""
+    and sampled rows pick allowed tokens only, logprobs, ranks and the top-k are those of the masked distribution
+    (vLLM applies the bitmask to the logits before its sampler), and a row with no mask (slot -1) is sampled and
+    scored as without masks."""
     import dataclasses
 
     B, V = 6, 1000
@@ -124,16 +125,21 @@ def test_token_bitmask_allows_only_its_tokens():
         token_bitmask=jnp.asarray(table),
         bitmask_slot=jnp.asarray(slot),
     )
-    tokens, token_lp, *_ = sample(logits, md, SamplerFlags(grammar=True))
+    tokens, token_lp, ranks, top_ids, top_lp = sample(logits, md, SamplerFlags(grammar=True, num_logprobs=3))
     tokens = np.asarray(tokens)
     assert all(allowed[i, tokens[i]] for i in range(B))
     raw = np.asarray(logits)
+    masked = np.where(allowed, raw, -np.inf)
     for i in (0, 2, 5):  # greedy rows: the best allowed token
-        assert tokens[i] == np.argmax(np.where(allowed[i], raw[i], -np.inf))
-    want_lp = raw[np.arange(B), tokens] - jax.nn.logsumexp(logits, -1)
-    np.testing.assert_allclose(token_lp, want_lp, rtol=1e-5, atol=1e-5)  # lse summed by chunks (lse_and_masses)
-    plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags())
-    assert tokens[5] == plain[0][5]
+        assert tokens[i] == np.argmax(masked[i])
+    lse = np.asarray(jax.nn.logsumexp(jnp.asarray(masked), -1))
+    np.testing.assert_allclose(token_lp, masked[np.arange(B), tokens] - lse, rtol=1e-5, atol=1e-5)  # lse by chunks
+    np.testing.assert_array_equal(ranks, (masked > masked[np.arange(B), tokens][:, None]).sum(-1) + 1)
+    np.testing.assert_array_equal(top_ids, np.argsort(-masked, -1, kind="stable")[:, :3])
+    np.testing.assert_allclose(top_lp, np.sort(masked, -1)[:, ::-1][:, :3] - lse[:, None], rtol=1e-5, atol=1e-5)
+    assert all(allowed[i, top_ids[i]].all() for i in range(B))  # every row allows >= 3 tokens
+    plain = sample(logits, metadata(B, [0.0, 1.0, 0.0, 2.0, 0.7, 0.0], [0.0] * B), SamplerFlags(num_logprobs=3))
+    assert tokens[5] == plain[0][5] and np.allclose(token_lp[5], plain[1][5]) and (top_ids[5] == plain[3][5]).all()
 
 
 def test_categorical_draws_softmax_over_chunks():

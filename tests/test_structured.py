@@ -4,6 +4,7 @@ unconstrained requests, chunked prefill, preemption), outputs follow their const
 refused naming the field, and nothing is left behind."""
 
 import json
+import math
 import re
 
 import llguidance
@@ -195,6 +196,20 @@ def test_every_finished_output_follows_its_constraint_when_sampling(llm):
         assert finished, name  # bounded constraints: a random model still completes some
         for c in finished:
             assert follows(name, c.text), (name, c.text)
+    check_free(llm)
+
+
+def test_logprobs_are_those_of_the_constrained_distribution(llm):
+    """vLLM applies the grammar's mask to the logits before its sampler, so a greedy token under a constraint is
+    rank 1 and the top logprobs are tokens the grammar allows (raw logprobs ranked it anywhere in the vocabulary)."""
+    so = StructuredOutputsParams(choice=["yes", "no", "maybe"])
+    out = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=8, logprobs=2, structured_outputs=so))
+    for o in out:
+        c = o.outputs[0]
+        assert c.text in ("yes", "no", "maybe") and len(c.logprobs) == len(c.token_ids)
+        for tok, lps in zip(c.token_ids, c.logprobs):
+            assert lps[tok].rank == 1 and lps[tok].logprob <= 0, lps
+        assert math.isclose(c.cumulative_logprob, sum(lps[t].logprob for t, lps in zip(c.token_ids, c.logprobs)))
     check_free(llm)
 
 

@@ -2,9 +2,9 @@
 
 A sequence with n proposed tokens d_1..d_n (n <= K) is verified in one target step whose inputs are its last
 token and the proposals, so the step has n + 1 rows of logits: row j holds p_j, the target's distribution of
-the token after d_1..d_j. Each row is processed exactly as the plain sampler processes a row
-(sampler.process_logits: penalties, biases, grammar masks, temperature, top-k / top-p, min_p), with d_1..d_j
-counted as output tokens for the penalties, so p_j is what sampling without speculation would draw from.
+the token after d_1..d_j. Each row is processed exactly as the plain sampler processes a row (sampler.constrained:
+grammar masks; sampler.process_logits: penalties, biases, temperature, top-k / top-p, min_p), with d_1..d_j counted
+as output tokens for the penalties, so p_j is what sampling without speculation would draw from.
 
 Proposals are deterministic (n-gram lookup, or a drafter's argmax, as vLLM V1 drafts), so the draft
 distribution q is one-hot and the standard rule (Leviathan et al., Chen et al.) reduces to:
@@ -31,6 +31,7 @@ from jaxllm.engine.sampler import (
     SamplerFlags,
     SamplingMetadata,
     categorical,
+    constrained,
     lse_and_masses,
     process_logits,
     row_keys,
@@ -67,6 +68,7 @@ def rejection_sample(logits, drafts, num_drafts, md: SamplingMetadata, flags: Sa
     K = K1 - 1
     rows = logits.reshape(B * K1, V)
     mdr = expand_metadata(md, drafts, K)
+    rows = constrained(rows, mdr, flags)
     raw_max = rows.max(-1)
     x, y, y_max = process_logits(rows, mdr, flags, raw_max)
     lse, y_masses = lse_and_masses(rows, raw_max, y, y_max)

@@ -75,10 +75,11 @@ class SamplingMetadata:
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     """logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32 of the sampled tokens under the raw
-    model distribution, ranks [B] int32 (zeros unless flags.num_logprobs), top_ids [B, k], top_logprobs [B, k]).
+    model distribution (constrained by grammar masks, as vLLM's), ranks [B] int32 (zeros unless flags.num_logprobs), top_ids [B, k], top_logprobs [B, k]).
 
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""
+    logits = constrained(logits, md, flags)
     raw_max = logits.max(-1)
     x, y, y_max = process_logits(logits, md, flags, raw_max)
     lse, y_masses = lse_and_masses(logits, raw_max, y, y_max)
@@ -88,11 +89,27 @@ def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     return (tokens, *token_logprobs(logits, tokens, raw_max, lse, flags, greedy_tokens if x is logits else None))
 
 
+def constrained(logits, md: SamplingMetadata, flags: SamplerFlags):
+    """logits [B, V] with each row's structured-output mask applied (-inf where its grammar forbids a token; rows
+    with no mask, slot -1, as they are). As vLLM applies the grammar bitmask to the logits before its sampler, the
+    returned logprobs (and their ranks and top-k) are those of the constrained distribution; penalties, biases and
+    temperature still do not change them. A mask that allows nothing leaves its row unmasked."""
+    if not flags.grammar:
+        return logits
+    V = logits.shape[1]
+    t = jnp.arange(V)
+    words = md.token_bitmask[jnp.maximum(md.bitmask_slot, 0)]  # [B, W]
+    allowed = ((words[:, t >> 5] >> (t & 31)) & 1 == 1) | (md.bitmask_slot < 0)[:, None]
+    allowed = allowed | ~allowed.any(-1, keepdims=True)
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=None):
-    """The request's processing of raw logits [B, V]: (x, y, y_max) with x the greedy space (penalties, logit biases,
-    allowed ids, grammar masks), y the sampling space (x / temperature, top-k / top-p, min_p; -inf outside what may
-    be sampled) and y_max [B] its row maxima. x is logits itself when nothing changed it. The rejection sampler runs
-    the same function on its per-position rows, so speculation samples from exactly these distributions."""
+    """The request's processing of logits [B, V] (raw, or constrained() by grammar masks): (x, y, y_max) with x the
+    greedy space (penalties, logit biases, allowed ids), y the sampling space (x / temperature, top-k / top-p, min_p;
+    -inf outside what may be sampled) and y_max [B] its row maxima. x is logits itself when nothing changed it. The
+    rejection sampler runs the same function on its per-position rows, so speculation samples from exactly these
+    distributions. A biased or penalized -inf stays -inf, so no bias brings back a token the grammar forbids."""
     B, V = logits.shape
     x = logits
     if flags.penalties:
@@ -105,11 +122,6 @@ def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=No
         )
         any_allowed = (md.allowed_ids >= 0).any(-1, keepdims=True)
         x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
-    if flags.grammar:  # after the biases, which must not bring a token the grammar forbids back
-        t = jnp.arange(V)
-        words = md.token_bitmask[jnp.maximum(md.bitmask_slot, 0)]  # [B, W]
-        allowed = ((words[:, t >> 5] >> (t & 31)) & 1 == 1) | (md.bitmask_slot < 0)[:, None]
-        x = jnp.where(allowed, x, -jnp.inf)
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
     y = x / temp
     if flags.filtering:
