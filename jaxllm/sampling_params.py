@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 _GREEDY_EPS = 1e-5
 
 
@@ -120,6 +122,7 @@ class SamplingParams:
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -151,6 +154,37 @@ class SamplingParams:
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
         self.all_stop_token_ids = set(self.stop_token_ids)
+
+    def _check_types(self) -> None:
+        """Each field's type, before anything reads it: a wrong one (logprobs=1.5, stop=[1], stop_token_ids=5)
+        otherwise passed construction and failed the whole batch mid-run with a TypeError."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            _check(
+                value is None and name in _OPTIONAL or _is_int(value),
+                f"{name} must be an integer, got {value!r}.",
+                name,
+            )
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            number = _is_int(value) or isinstance(value, (float, np.floating))
+            _check(number, f"{name} must be a number, got {value!r}.", name)
+        stop = self.stop
+        _check(
+            stop is None
+            or isinstance(stop, str)
+            or isinstance(stop, (list, tuple))
+            and all(isinstance(x, str) for x in stop),
+            f"stop must be a string or a list of strings, got {stop!r}.",
+            "stop",
+        )
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name)
+            _check(
+                ids is None or isinstance(ids, (list, tuple)) and all(_is_int(t) for t in ids),
+                f"{name} must be a list of integers, got {ids!r}.",
+                name,
+            )
 
     def _verify(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.", "n")
@@ -274,6 +308,25 @@ def truncate_prompt_ids(ids: list[int], truncate: int | None, max_model_len: int
             " Please, select a smaller truncation size."
         )
     return ids[-k:] if k > 0 else []
+
+
+_INT_FIELDS = (
+    "n",
+    "top_k",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
+_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
+
+
+def _is_int(x) -> bool:
+    """An integer, Python's or numpy's; not a bool (True would pass as 1)."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
 
 
 class ParameterError(ValueError):

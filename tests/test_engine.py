@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -629,11 +630,26 @@ def test_priority_scheduling_policy(tiny):
         ({"n": 2, "temperature": 0}, "n must be 1 when using greedy sampling, got 2."),
         ({"n": 0}, "n must be at least 1, got 0."),
         ({"logprobs": -2}, "logprobs must be non-negative, got -2."),
+        # types, which otherwise failed the whole batch mid-run (black-box report, stop 70)
+        ({"logprobs": 1.5}, "logprobs must be an integer, got 1.5."),
+        ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5."),
+        ({"top_k": True}, "top_k must be an integer, got True."),
+        ({"temperature": "1"}, "temperature must be a number, got '1'."),
+        ({"stop": [1]}, r"stop must be a string or a list of strings, got \[1\]."),
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5."),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of integers, got 5."),
+        ({"allowed_token_ids": [1.0]}, r"allowed_token_ids must be a list of integers, got \[1.0\]."),
     ],
 )
 def test_sampling_params_validation(kw, msg):
-    with pytest.raises(ValueError, match=msg):
+    with pytest.raises(ValueError, match=msg) as e:
         SamplingParams(**kw)
+    assert e.value.parameter in kw  # names the field (the server's error param)
+
+
+def test_sampling_params_take_numpy_numbers_and_tuples():
+    sp = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), stop=("a",), stop_token_ids=(1, 2))
+    assert sp.max_tokens == 3 and sp.stop == ["a"] and sp.stop_token_ids == [1, 2]
 
 
 def test_engine_level_validation(llm):
