@@ -209,6 +209,24 @@ def test_n_and_logprobs(llm):
     check_free(llm)
 
 
+def test_logprobs_without_detokenize_carry_no_text(llm):
+    """detokenize=False: no text, and no decoded_token in the sampled or prompt logprobs (vLLM's); with it, both."""
+    outs = [
+        llm.generate(
+            {"prompt_token_ids": PROMPTS[1]},
+            SamplingParams(temperature=0, max_tokens=3, logprobs=2, prompt_logprobs=1, detokenize=detok),
+            use_tqdm=False,
+        )[0]
+        for detok in (False, True)
+    ]
+    for out, detok in zip(outs, (False, True)):
+        entries = [d for d in out.outputs[0].logprobs] + [d for d in out.prompt_logprobs if d is not None]
+        assert entries and all((lp.decoded_token is not None) == detok for d in entries for lp in d.values())
+        assert (out.outputs[0].text != "") == detok
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    check_free(llm)
+
+
 @pytest.mark.parametrize("stop", [["never-in-this-vocab"], None])
 def test_output_kinds_cumulative_delta_and_final_only(llm, stop):
     """vLLM's RequestOutputKind: CUMULATIVE outputs carry everything so far, DELTA only what is new (joined, the
@@ -506,7 +524,7 @@ def test_offline_api_input_errors(llm):
     assert not llm.llm_engine.has_unfinished_requests()
 
 
-def test_text_prompts_and_chat(llm):
+def test_text_prompts_and_chat(llm, monkeypatch):
     outs = llm.generate(["the engine was paged", "blocks were counted"], GREEDY, use_tqdm=False)
     tok = llm.get_tokenizer()
     assert outs[0].prompt_token_ids == tok.encode("the engine was paged")
@@ -526,6 +544,27 @@ def test_text_prompts_and_chat(llm):
     assert parts[0].prompt_token_ids == joined[0].prompt_token_ids
     with pytest.raises(ValueError, match="Content part type 'image_url'"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], use_tqdm=False)
+    # vLLM's argument order (lora_request fourth) and its content formats; a message without a role is refused
+    # (it was dropped from the prompt), as are pooling calls on a generative model
+    again = llm.chat([{"role": "user", "content": "the scheduler saw"}], GREEDY, False, None, None, "string")
+    assert again[0].outputs[0].token_ids == chat[0].outputs[0].token_ids
+    seen, apply = [], tok.apply_chat_template
+    monkeypatch.setattr(tok, "apply_chat_template", lambda conv, **kw: seen.append(conv) or apply(conv, **kw))
+    template = "{% for m in messages %}{{ m['content'] | tojson }}{% endfor %}"
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]}]
+    for fmt in ("openai", "auto"):
+        llm.chat(msgs, GREEDY, use_tqdm=False, chat_template=template, chat_template_content_format=fmt)
+    monkeypatch.undo()
+    assert seen[0][0]["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert seen[1][0]["content"] == "a\nb"
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat([{"role": "user", "content": "x"}], GREEDY, chat_template_content_format="json")
+    with pytest.raises(ValueError, match="must be a dict with a 'role' string"):
+        llm.chat([{"role": "system", "content": "s"}, {"content": "where did I go"}], GREEDY, use_tqdm=False)
+    for call in (llm.encode, llm.embed):
+        with pytest.raises(ValueError, match=r"only supported for pooling models"):
+            call("x")
+    assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_penalties_and_logit_bias(llm, hf_refs):

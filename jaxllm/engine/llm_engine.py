@@ -408,7 +408,7 @@ class LLMEngine(EngineLoRAMethods):
         if state.logprobs is not None:
             state.logprobs.append(
                 logprob_dict(
-                    self.tokenizer,
+                    self.tokenizer if req.params.detokenize else None,
                     self.vocab_size,
                     token,
                     lp,

@@ -47,13 +47,14 @@ def bad_word_ids(p: SamplingParams, tokenizer) -> list[list[int]]:
 
 def logprob_dict(tokenizer, vocab_size: int, token, lp, rank, top_ids, top_lps, k) -> dict[int, Logprob]:
     """vLLM's logprobs entry of one position: the token's, then the top k (k -1: the whole vocabulary, allowed
-    when max_logprobs is -1)."""
+    when max_logprobs is -1). tokenizer None (a request with detokenize=False): no decoded_token, as vLLM's."""
     k = vocab_size if k == -1 else k
-    d = {token: Logprob(lp, rank, tokenizer.decode([token]))}
+    decode = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))
+    d = {token: Logprob(lp, rank, decode(token))}
     for tid, tlp, r in zip(top_ids[:k], top_lps[:k], range(1, k + 1)):
         tid = int(tid)
         if tid not in d:
-            d[tid] = Logprob(float(tlp), r, tokenizer.decode([tid]))
+            d[tid] = Logprob(float(tlp), r, decode(tid))
     return d
 
 
@@ -76,7 +77,7 @@ def collect_prompt_logprobs(handle, result, request_of: Callable, tokenizer, voc
                 continue
             req.prompt_logprobs.append(
                 logprob_dict(
-                    tokenizer,
+                    tokenizer if req.params.detokenize else None,
                     vocab_size,
                     req.prompt_token_ids[pos],
                     float(t_lp[lo + j]),

@@ -9,9 +9,14 @@ from typing import Any
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
-from jaxllm.entrypoints.chat_utils import flatten_content
+from jaxllm.entrypoints.chat_utils import CONTENT_FORMATS, template_message
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+
+# vLLM's words for a generative model (its LLM.encode and friends need a pooling model)
+_NO_POOLING = (
+    "LLM.{}() is only supported for pooling models. jaxllm runs generative models: use LLM.generate() or LLM.chat()."
+)
 
 
 class LLM:
@@ -69,18 +74,28 @@ class LLM:
         messages,
         sampling_params=None,
         use_tqdm: bool | Callable[..., Any] = True,
+        lora_request=None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
-        chat_template_kwargs: dict | None = None,
         tools=None,
-        lora_request=None,
+        chat_template_kwargs: dict | None = None,
+        mm_processor_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's LLM.chat, arguments in its order: each conversation through the tokenizer's chat template, then
+        generate(). chat_template_content_format: "auto" and "string" give the template each message's content as
+        one string (text parts joined with newlines), "openai" as a list of {"type": "text", "text": ...} parts.
+        Text-only models: mm_processor_kwargs are accepted and unused, other content parts are refused."""
+        if chat_template_content_format not in CONTENT_FORMATS:
+            raise ValueError(
+                f"chat_template_content_format must be one of {CONTENT_FORMATS}, got {chat_template_content_format!r}."
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
         prompts = []
         for conv in conversations:
-            conv = [{**m, "content": flatten_content(m.get("content"))} for m in conv]
+            conv = [template_message(m, chat_template_content_format) for m in conv]
             ids = tok.apply_chat_template(
                 conv,
                 chat_template=chat_template,
@@ -94,6 +109,22 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def encode(self, *args, **kwargs):
+        """Pooling (embeddings, classification, rewards) is not served: jaxllm runs generative models only."""
+        raise ValueError(_NO_POOLING.format("encode"))
+
+    def embed(self, *args, **kwargs):
+        raise ValueError(_NO_POOLING.format("embed"))
+
+    def classify(self, *args, **kwargs):
+        raise ValueError(_NO_POOLING.format("classify"))
+
+    def score(self, *args, **kwargs):
+        raise ValueError(_NO_POOLING.format("score"))
+
+    def reward(self, *args, **kwargs):
+        raise ValueError(_NO_POOLING.format("reward"))
 
     # ---- internals ----
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
