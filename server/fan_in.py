@@ -238,4 +238,12 @@ def usage_of(states: list[RequestState]) -> UsageInfo:
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def choice_usage(rs: RequestState, j: int | None) -> UsageInfo:
+    """A stream chunk's usage under continuous_usage_stats, as vLLM's: its own prompt's tokens and the tokens its
+    choice j has so far (j None: a chunk before any token, the role or the echo)."""
+    prompt = len(rs.request.prompt_ids)
+    completion = 0 if j is None else len(rs.choices[j].token_ids)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
 # -------------------------------------------------------------------------------------------------- SSE

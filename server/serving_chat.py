@@ -10,7 +10,15 @@ from aiohttp import web
 
 from jaxllm.entrypoints.chat_utils import flatten_content
 from server.errors import APIError, parse_json, parse_model, read_body
-from server.fan_in import ChoiceState, EngineRequest, EngineRunner, RequestState, output_size, usage_of
+from server.fan_in import (
+    ChoiceState,
+    EngineRequest,
+    EngineRunner,
+    RequestState,
+    choice_usage,
+    output_size,
+    usage_of,
+)
 from server.logprobs import TokenNamer, chat_logprobs, prompt_logprobs_json
 from server.protocol import (
     ChatChoice,
@@ -22,6 +30,7 @@ from server.protocol import (
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
+    UsageInfo,
     random_id,
 )
 from server.reasoning import ReasoningChoice, ReasoningStream, reasoning_fields
@@ -289,10 +298,9 @@ class _Ctx:
             choice.token_ids = list(c.token_ids)
         return choice
 
-    def chunk(self, choices: list[ChatStreamChoice], run: EngineRunner | None = None) -> str:
+    def chunk(self, choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
         resp = ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
-        if run is not None:
-            resp.usage = usage_of(run.states)
+        resp.usage = usage
         return resp.to_json()
 
     def delta_message(self, reasoning: str | None = None, **fields) -> DeltaMessage:
@@ -348,26 +356,27 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
     async with EngineRunner(ctx.state, [engine_req], req.priority) as run:
         await run.start()  # invalid input still gets a status code
         await sse.open()
-        usage_run = run if continuous else None
+        # continuous_usage_stats: each chunk the prompt's tokens and its choice's so far (vLLM's; 0 before any)
+        usage = (lambda j: choice_usage(run.states[0], j)) if continuous else (lambda j: None)
         try:
             try:
                 for j in range(req.n):
                     first = ChatStreamChoice(
                         index=j, delta=ctx.delta_message(role=ctx.role, content=""), logprobs=None, finish_reason=None
                     )
-                    await sse.send(ctx.chunk([first], usage_run))
+                    await sse.send(ctx.chunk([first], usage(None)))
                     if ctx.echo:
                         echo = ChatStreamChoice(
                             index=j, delta=ctx.delta_message(content=ctx.echo), logprobs=None, finish_reason=None
                         )
-                        await sse.send(ctx.chunk([echo], usage_run))
+                        await sse.send(ctx.chunk([echo], usage(None)))
                 async for _, rs in run.events():
                     for j, c in enumerate(rs.choices):
                         if c.finish_sent:
                             continue
                         choice = ctx.delta(rs, j)
                         if choice is not None:
-                            await sse.send(ctx.chunk([choice], usage_run))
+                            await sse.send(ctx.chunk([choice], usage(j)))
             except APIError as e:
                 await sse.error(e)
             else:

@@ -10,7 +10,7 @@ import time
 from aiohttp import web
 
 from server.errors import APIError, parse_json, parse_model, read_body
-from server.fan_in import EngineRequest, EngineRunner, RequestState, output_size, usage_of
+from server.fan_in import EngineRequest, EngineRunner, RequestState, choice_usage, output_size, usage_of
 from server.logprobs import TokenNamer, completion_logprobs, prompt_logprobs_json
 from server.protocol import (
     CompletionChoice,
@@ -206,8 +206,8 @@ async def _stream(request: web.Request, ctx: _Ctx, requests: list[EngineRequest]
                         chunk = CompletionStreamResponse(
                             id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[choice]
                         )
-                        if continuous:
-                            chunk.usage = ctx.usage(run.states)
+                        if continuous:  # this prompt's and this choice's counts so far (vLLM's)
+                            chunk.usage = choice_usage(rs, None if ctx.echo_only else j)
                         await sse.send(chunk.to_json())
             except APIError as e:
                 await sse.error(e)

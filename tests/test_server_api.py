@@ -165,6 +165,39 @@ def test_completion_streaming_matches_and_usage(client):
     assert finished == [0, 1, 2]
 
 
+def test_continuous_usage_stats_count_each_chunk_s_prompt_and_choice(client, tok):
+    """stream_options.continuous_usage_stats (vLLM's): every chunk carries its own prompt's tokens and the tokens its
+    choice has so far; only the last, choice-less chunk sums the request (it counted the whole request before)."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    prompts = ["A", "Night comes with the"]
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=prompts, max_tokens=3, n=2, temperature=1.0, stream=True, stream_options=opts
+        )
+    )
+    lens = [len(tok.encode(p)) for p in prompts]
+    for c in chunks[:-1]:
+        i = c.choices[0].index
+        assert c.usage.prompt_tokens == lens[i // 2] and 1 <= c.usage.completion_tokens <= 3
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+    finals = {c.choices[0].index: c.usage.completion_tokens for c in chunks[:-1] if c.choices[0].finish_reason}
+    assert finals == {0: 3, 1: 3, 2: 3, 3: 3}
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == sum(lens)  # each prompt once (vLLM)
+    assert chunks[-1].usage.completion_tokens == 12
+    messages = [{"role": "user", "content": "Where do birds sing?"}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=4, n=2, temperature=1.0, stream=True, stream_options=opts
+        )
+    )
+    n_prompt = _chat_prompt_len(tok, messages)
+    body = chunks[:-1]
+    assert all(c.usage.prompt_tokens == n_prompt for c in body)
+    assert [c.usage.completion_tokens for c in body if c.choices[0].delta.role] == [0, 0]  # the role chunks
+    finals = {c.choices[0].index: c.usage.completion_tokens for c in body if c.choices[0].finish_reason}
+    assert finals == {0: 4, 1: 4} and chunks[-1].usage.completion_tokens == 8
+
+
 # ------------------------------------------------------------------------------------------------ chat
 
 
