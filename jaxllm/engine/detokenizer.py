@@ -7,7 +7,8 @@ carry single bytes). So, as vLLM does, it decodes a short window of tokens twice
 (prefix_offset..read_offset) and the same plus the new ones (prefix_offset..end); the delta is the second text
 minus the first. While the window's text ends in U+FFFD (an incomplete character), nothing is emitted and the
 offsets stay, so a replacement char is never shown that a later token turns into a real character; flush()
-emits what is still held when the sequence ends. The window starts a few tokens into the prompt, so the first
+emits what is still held when the sequence ends, but for a last character that never completed (vLLM's output
+never ends in U+FFFD either). The window starts a few tokens into the prompt, so the first
 output token decodes in context (sentencepiece keeps its leading space, as vLLM's output text does).
 
 StopChecker finds stop strings in the accumulated output text, truncates it, and says how much of the text is
@@ -93,12 +94,13 @@ class IncrementalDetokenizer:
         return self._advance(new_text)
 
     def flush(self) -> str:
-        """Text held back because it ended in an incomplete character (or by hold()); call once when the sequence
-        ends."""
+        """Text held back by hold(), or because it ended in an incomplete character; call once when the sequence
+        ends. A character still incomplete then (max_tokens cut it) is left out, as vLLM's detokenizers never
+        emit a text that ends in U+FFFD: the output ends with the last whole character."""
         self.held = 0
         if self._read_offset == len(self._ids):
             return ""
-        new_text = self._decode(self._ids[self._prefix_offset :])
+        new_text = self._decode(self._ids[self._prefix_offset :]).rstrip(_REPLACEMENT)
         if len(new_text) <= len(self._prefix_text):
             return ""
         return self._advance(new_text)
