@@ -155,7 +155,7 @@ def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
-    ctx, engine_req = await state.workers.run(_prepare, state, raw, size=len(raw))
+    ctx, engine_req = await state.workers.run(_prepare, state, raw, request.headers.get("X-Request-Id"), size=len(raw))
     if ctx.req.stream:
         return await _stream(request, ctx, engine_req)
     async with EngineRunner(state, [engine_req], ctx.req.priority) as run:
@@ -165,7 +165,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     return web.json_response(text=text)
 
 
-def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
+def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tuple[_Ctx, EngineRequest]:
     """The request's engine request (in a worker thread: decoding, validation, the chat template and
     tokenization)."""
     req = parse_model(ChatCompletionRequest, parse_json(raw), sliced=("messages",))
@@ -211,7 +211,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, EngineRequest]:
         constraint=tool_constraint(tool_choice, req.tools),
         param_names={"logprobs": "top_logprobs", "max_tokens": limit_param},
     )
-    request_id = f"chatcmpl-{req.request_id or random_id('')[1:]}"
+    request_id = f"chatcmpl-{header_id or req.request_id or random_id('')[1:]}"  # vLLM's order
     log_request(state, request_id, text, params)
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt

@@ -37,7 +37,7 @@ from server.serving_common import (
 async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
-    ctx, requests = await state.workers.run(_prepare, state, raw, size=len(raw))
+    ctx, requests = await state.workers.run(_prepare, state, raw, request.headers.get("X-Request-Id"), size=len(raw))
     if ctx.req.stream:
         return await _stream(request, ctx, requests)
     async with EngineRunner(state, requests, ctx.req.priority) as run:
@@ -47,7 +47,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     return web.json_response(text=text)
 
 
-def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]:
+def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tuple[_Ctx, list[EngineRequest]]:
     """The request's engine requests (in a worker thread: decoding, validation and tokenization)."""
     req = parse_model(CompletionRequest, parse_json(raw))
     log_ignored_fields(req, "/v1/completions")
@@ -58,7 +58,7 @@ def _prepare(state: ServerState, raw: bytes) -> tuple[_Ctx, list[EngineRequest]]
     if req.logprobs is not None and req.logprobs < 0 and req.logprobs != -1:
         raise APIError(f"logprobs must be non-negative, got {req.logprobs}.", param="logprobs")
 
-    request_id = f"cmpl-{req.request_id or random_id('')[1:]}"
+    request_id = f"cmpl-{header_id or req.request_id or random_id('')[1:]}"  # vLLM's order
     echo_only = req.echo and req.max_tokens == 0  # OpenAI echoes the prompt alone when max_tokens is 0
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None and prompt_logprobs is None:

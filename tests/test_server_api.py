@@ -165,6 +165,19 @@ def test_completion_streaming_matches_and_usage(client):
     assert finished == [0, 1, 2]
 
 
+def test_request_id_from_the_x_request_id_header_then_the_body(client):
+    """vLLM's _base_request_id: the X-Request-Id header names the request, before the body's request_id."""
+    kw = dict(model=MODEL, prompt="Hi", max_tokens=1)
+    r = client.completions.create(**kw, extra_headers={"X-Request-Id": "from-header"}, extra_body={"request_id": "b"})
+    assert r.id == "cmpl-from-header"
+    assert client.completions.create(**kw, extra_body={"request_id": "from-body"}).id == "cmpl-from-body"
+    messages = [{"role": "user", "content": "Hi"}]
+    r = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, extra_headers={"X-Request-Id": "h"}
+    )
+    assert r.id == "chatcmpl-h"
+
+
 def test_continuous_usage_stats_count_each_chunk_s_prompt_and_choice(client, tok):
     """stream_options.continuous_usage_stats (vLLM's): every chunk carries its own prompt's tokens and the tokens its
     choice has so far; only the last, choice-less chunk sums the request (it counted the whole request before)."""
