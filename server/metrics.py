@@ -165,7 +165,6 @@ class _EngineCollector:
         self.metrics = metrics
 
     def collect(self):
-        self.metrics.poll()
         m, per_engine = self.metrics, self.metrics.last_per_engine
         labels = [[m.model_name, str(i)] for i in range(len(per_engine))]
         for family, specs in ((GaugeMetricFamily, _GAUGES), (CounterMetricFamily, _COUNTERS)):
@@ -312,8 +311,6 @@ class ServerMetrics:
         )
         # per replica: an object with one labelled child of each histogram (.ttft, .itl, ...)
         self.engines = [_EngineHistograms(families, [model_name, str(i)]) for i in range(len(self.last_per_engine))]
-        # last: registering (auto_describe) polls the engine, which needs the histograms above (an engine that
-        # already ran steps before the server started has iteration tokens to observe)
         self.registry.register(_EngineCollector(self))
 
     def for_engine(self, i: int) -> _EngineHistograms:
@@ -341,6 +338,9 @@ class ServerMetrics:
         return s
 
     def render(self) -> bytes:
+        # The snapshot first: the registry renders the iteration-tokens histogram before this collector, so a poll
+        # from collect() showed each scrape the steps up to the one before (~10 s late between scrapes)
+        self.poll()
         return generate_latest(self.registry)
 
     def tracker(self, request_id: str = "") -> RequestTracker:

@@ -402,6 +402,10 @@ def test_metrics_move(server, client):
     ):
         assert _value(after, name) > _value(before, name), name
     assert _value(after, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total") == 9
+    # nothing left for the next scrape: each one shows every step so far (the histogram lagged a scrape behind)
+    again = _scrape(server.base_url)
+    for name in ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum"):
+        assert _value(again, name) == _value(after, name), name
     assert (
         _value(after, "vllm:e2e_request_latency_seconds_count")
         - _value(before, "vllm:e2e_request_latency_seconds_count")
