@@ -82,6 +82,23 @@ def test_the_target_as_its_own_draft_has_every_proposal_accepted(tiny, want):
     check_free(llm)
 
 
+@pytest.mark.parametrize("drafter", ["self", "eagle3"])
+def test_outputs_that_reach_max_model_len(tiny, heads, drafter):
+    """Sequences that run into max_model_len (max_tokens None fills the context): the drafter's lookahead pages stop
+    at max_model_len, where the runner's block tables end (they went past it and killed the engine: IndexError in
+    InputBatch.rows, a black-box report); the outputs are the engine's without speculation, finish "length"."""
+    params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
+    prompts = [[3], [101, 7], [8] * 19]
+    kw = dict(max_model_len=64, block_size=8)
+    want = run(make_llm(tiny, **kw), prompts, params)
+    llm = make_llm(tiny, speculative_config=spec_cfg(tiny if drafter == "self" else heads[drafter]), **kw)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert ids(outs) == want and all(len(p) + len(w) == 64 for p, w in zip(prompts, want))
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert llm.llm_engine.scheduler.spec_stats.num_drafts > 0
+    check_free(llm)
+
+
 @pytest.mark.parametrize("method", ["draft", "eagle", "eagle3"])
 def test_greedy_is_identical_with_a_random_drafter_batched_and_preempted(tiny, heads, want, method):
     """Random drafters propose mostly wrong tokens: the outputs are the target's anyway, batched, and under a KV

@@ -347,22 +347,28 @@ class Scheduler:
         a step emits at most one more token than it verifies), and dropped when their pages do not fit (they
         never preempt anyone)."""
         bm, max_len, ahead = self.block_manager, self.config.max_model_len, self.num_lookahead_tokens
+
+        def reserve(seq: Sequence, k: int) -> bool:
+            # No page past max_model_len: the runner's block tables end there (the drafter drops writes past a
+            # sequence's pages, so lookahead slots cut short only cost its proposals some context)
+            return bm.ensure_slots(seq, min(k, max_len - seq.num_computed_tokens))
+
         out.verify = self.verify_every_decode
         for s in out.scheduled:
             seq = s.seq
             props = seq.spec_token_ids
             if not props or budget <= 0 or s.from_device or not s.sample:
                 if self.verify_every_decode and ahead:  # the drafter's pages for its next proposals, when free
-                    bm.ensure_slots(seq, ahead)
+                    reserve(seq, ahead)
                 continue
             n_out = len(seq.output_token_ids)  # seq.num_pending is 1 for this step's token
             room = max_len - (len(seq.prompt_token_ids) + n_out) - 1
             if seq.max_tokens is not None:
                 room = min(room, seq.max_tokens - n_out - 1)
             n = min(len(props), budget, room)
-            if n <= 0 or not bm.ensure_slots(seq, n + ahead):
+            if n <= 0 or not reserve(seq, n + ahead):
                 if self.verify_every_decode and ahead:
-                    bm.ensure_slots(seq, ahead)
+                    reserve(seq, ahead)
                 continue
             out.verify = True
             s.spec_token_ids = props[:n]
