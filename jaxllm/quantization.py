@@ -103,9 +103,10 @@ def resolve_quantization(
                 serialized=False,
                 source="quantization='fp8'",
             )
+        article = "an" if quantization[:1] in ("a", "e", "i", "o", "u") else "a"
         raise ValueError(
             f"quantization={quantization!r}, but the checkpoint has no quantization_config in "
-            f"config.json (nor {' / '.join(SIDE_CONFIG_FILES)}): it is not a {quantization} checkpoint."
+            f"config.json (nor {' / '.join(SIDE_CONFIG_FILES)}): it is not {article} {quantization} checkpoint."
         )
     if not isinstance(qc, dict):
         raise ValueError(f"{source} must be an object, got {qc!r}.")

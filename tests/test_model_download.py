@@ -118,9 +118,28 @@ def test_offline_mode_uses_the_cache_without_a_request(online, monkeypatch):
     assert online.requests == []
 
 
-def test_bad_names_fail_clearly(online):
+def test_an_unreachable_hub_serves_the_cache(online, monkeypatch):
+    """The Hub down (connection refused, HF_HUB_OFFLINE unset): a cached model loads from the cache, as
+    snapshot_download and vLLM do; an uncached one gets the "not in the cache" message. The file listing's
+    connection error (httpx's, not an OSError) escaped as a raw network error (black-box report)."""
+    import huggingface_hub.constants as c
+
+    folder = resolve_model_dir(EngineArgs(model="org/tiny"))
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    monkeypatch.setattr(c, "ENDPOINT", dead)
+    monkeypatch.setattr(c, "HUGGINGFACE_CO_URL_TEMPLATE", dead + "/{repo_id}/resolve/{revision}/{filename}")
+    assert resolve_model_dir(EngineArgs(model="org/tiny")) == folder
+    with pytest.raises(ValueError, match=r"Could not download 'org/bin-only' from the Hugging Face Hub and it is not"):
+        resolve_model_dir(EngineArgs(model="org/bin-only"))
+
+
+def test_bad_names_fail_clearly(online, tmp_path):
     with pytest.raises(ValueError, match=r"Model directory './baichuan-7B/' does not exist"):
         resolve_model_dir(EngineArgs(model="./baichuan-7B/"))
+    gguf = tmp_path / "m.Q4_K_M.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ValueError, match=r"is a GGUF file, not a model folder.*GGUF files are not supported"):
+        resolve_model_dir(EngineArgs(model=str(gguf)))
     with pytest.raises(
         ValueError,
         match=r"'org/missing' is not a local folder and was not found on the Hugging "

@@ -50,6 +50,13 @@ def resolve_model_dir(args) -> str:
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):
         return model
+    if os.path.isfile(model):  # (it said the folder "does not exist")
+        kind = "a GGUF file" if model.endswith(".gguf") else "a file"
+        raise ValueError(
+            f"Model {args.model!r} is {kind}, not a model folder. jaxllm loads a Hugging Face layout folder "
+            "(config.json with safetensors or .bin weights) or a Hub model id; GGUF files are not supported (only "
+            "the built-in demo model is converted from one)."
+        )
     weights = WEIGHT_PATTERNS.get(args.load_format, WEIGHT_PATTERNS["auto"])
     ignore = args.ignore_patterns or DEFAULT_IGNORE_PATTERNS
     ignore = [ignore] if isinstance(ignore, str) else list(ignore)
@@ -163,13 +170,12 @@ def _snapshot(repo_id, revision, cache_dir, weight_patterns, ignore_patterns, to
 
 def _weight_format(repo_id: str, revision: str | None, token: str | None, patterns: list[str]) -> list[str]:
     """The first of patterns the repo's files match (vLLM fetches one weight format); all of them when the file
-    list cannot be had (then snapshot_download's own errors speak)."""
+    list cannot be had (then snapshot_download's own errors speak, or it serves the cache: the Hub unreachable)."""
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     try:
         files = HfApi().list_repo_files(repo_id, revision=revision, token=token)
-    except (HfHubHTTPError, OSError):
+    except Exception:  # noqa: BLE001 - HTTP errors, and the Hub unreachable (httpx's errors are no OSError)
         return patterns
     for pattern in patterns:
         if fnmatch.filter(files, pattern):
