@@ -135,6 +135,43 @@ def demo_model_path(cache_dir: str | None = None) -> str:
     return final
 
 
+def gguf_model_dir(gguf_path: str, write_tokenizer: bool = True, cache_dir: str | None = None) -> str:
+    """A local GGUF file (`LLM("x.gguf")`, `jaxllm serve x.gguf`, as vLLM takes one) as an HF-layout folder: the
+    same conversion as the demo model's, done once into the cache (gguf/<name>-<path hash>, rebuilt when the file's
+    size or time changes). Llama-architecture files; their tokenizer is rebuilt from the GGUF when it is
+    byte-level BPE, else write_tokenizer=False and the caller's --tokenizer serves (vLLM's advice for GGUF)."""
+    import hashlib
+
+    path = os.path.abspath(gguf_path)
+    st = os.stat(path)
+    source = {
+        "source_path": path,
+        "source_bytes": st.st_size,
+        "source_mtime_ns": st.st_mtime_ns,
+        "converter_version": CONVERTER_VERSION,
+        "tokenizer": write_tokenizer,
+    }
+    name = f"{os.path.basename(path)[: -len('.gguf')]}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+    name += "" if write_tokenizer else "-no-tokenizer"
+    root = os.path.join(cache_dir or default_cache_dir(), "gguf")
+    final = os.path.join(root, name)
+    if _is_current(final, source):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.mkdir(tmp)
+    try:
+        start = time.perf_counter()
+        convert_gguf(path, tmp, tokenizer=write_tokenizer)
+        with open(os.path.join(tmp, _MARKER), "w") as f:
+            json.dump(source, f, indent=2)
+        logger.info("converted %s to %s in %.1f s", path, final, time.perf_counter() - start)
+        _install(tmp, final, source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
 def _install(tmp: str, final: str, source: dict) -> None:
     """Rename the finished folder into place; a stale folder is moved aside first."""
     try:
@@ -225,7 +262,7 @@ def _hf_name(name: str) -> str:
 def _hf_config(reader, tensor_names: set[str]) -> dict:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
-        raise ValueError(f"general.architecture is {arch!r}; only 'llama' GGUF files are supported")
+        raise ValueError(f"GGUF general.architecture is {arch!r}; only 'llama' GGUF files are supported")
 
     def meta(key, default=None):
         value = _field(reader, f"{arch}.{key}", default)
@@ -234,7 +271,7 @@ def _hf_config(reader, tensor_names: set[str]) -> dict:
         return value
 
     if _field(reader, f"{arch}.rope.scaling.type") not in (None, "none"):
-        raise ValueError(f"GGUF metadata {arch}.rope.scaling.type is not supported by the demo converter")
+        raise ValueError(f"GGUF metadata {arch}.rope.scaling.type is not supported by jaxllm's GGUF converter")
     n_heads = meta("attention.head_count")
     hidden = meta("embedding_length")
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -291,7 +328,10 @@ def _pre_tokenizer(name: str):
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if name in ("gpt-2", "default"):
         return byte_level
-    raise ValueError(f"GGUF tokenizer.ggml.pre={name!r} is not supported by the demo converter")
+    raise ValueError(
+        f"GGUF tokenizer.ggml.pre={name!r} is not supported by jaxllm's GGUF converter: pass the original model's "
+        "tokenizer (tokenizer=..., --tokenizer), as vLLM advises for GGUF files"
+    )
 
 
 def _write_tokenizer(reader, config: dict, out_dir: str) -> None:
@@ -299,7 +339,10 @@ def _write_tokenizer(reader, config: dict, out_dir: str) -> None:
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ValueError(f"GGUF tokenizer.ggml.model={kind!r}; only byte-level BPE ('gpt2') is supported")
+        raise ValueError(
+            f"GGUF tokenizer.ggml.model={kind!r}: only byte-level BPE ('gpt2') is rebuilt from a GGUF; pass the "
+            "original model's tokenizer (tokenizer=..., --tokenizer), as vLLM advises for GGUF files"
+        )
     tokens = _field(reader, "tokenizer.ggml.tokens")
     token_types = _field(reader, "tokenizer.ggml.token_type")
     merges = [tuple(m.split(" ")) for m in _field(reader, "tokenizer.ggml.merges")]
@@ -350,8 +393,9 @@ def _write_json(out_dir: str, name: str, obj: dict) -> None:
         f.write("\n")
 
 
-def convert_gguf(gguf_path: str, out_dir: str) -> None:
-    """Write a Llama GGUF (byte-level BPE tokenizer) as an HF folder: config, bf16 safetensors, tokenizer."""
+def convert_gguf(gguf_path: str, out_dir: str, tokenizer: bool = True) -> None:
+    """Write a Llama GGUF as an HF folder: config, bf16 safetensors, and (tokenizer=True: byte-level BPE files only)
+    the tokenizer rebuilt from its vocabulary."""
     import gguf
     from safetensors.numpy import save_file
 
@@ -364,7 +408,8 @@ def convert_gguf(gguf_path: str, out_dir: str) -> None:
     os.chmod(model_file, os.stat(os.path.join(out_dir, "config.json")).st_mode & 0o777)
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     _write_json(out_dir, "generation_config.json", generation)
-    _write_tokenizer(reader, config, out_dir)
+    if tokenizer:
+        _write_tokenizer(reader, config, out_dir)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -236,7 +236,11 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     e.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
     e.add_argument("--block-size", type=int, default=16, choices=[8, 16, 32, 64, 128])
-    e.add_argument("--load-format", default="auto", help="auto, pt, safetensors, dummy (random weights).")
+    e.add_argument(
+        "--load-format",
+        default="auto",
+        help="auto, pt, safetensors, dummy (random weights), gguf (a local .gguf model file).",
+    )
     e.add_argument(
         "--generation-config",
         default="auto",

@@ -178,3 +178,32 @@ def test_transformers_greedy_answers_paris(converted, tokenizer):
         out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+@needs_gguf
+def test_a_gguf_file_as_the_model(converted, tmp_path, monkeypatch):
+    """vLLM's `serve x.gguf [--tokenizer T]`: a local .gguf file is converted once into the cache (the demo's
+    conversion, so the same files), again only when the file changes; with a tokenizer given, none is rebuilt from
+    the GGUF; load_format="gguf" needs such a file."""
+    import filecmp
+
+    from jaxllm.engine.args import EngineArgs
+    from jaxllm.engine.model_files import resolve_model_dir
+
+    monkeypatch.setenv("JAXLLM_CACHE_ROOT", str(tmp_path / "root"))
+    src = tmp_path / "SmolLM2.Q4_1.gguf"
+    os.symlink(demo.demo_gguf_path(), src)
+    folder = resolve_model_dir(EngineArgs(model=str(src)))
+    assert folder.startswith(str(tmp_path / "root" / "gguf"))
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert filecmp.cmp(os.path.join(folder, name), os.path.join(converted[1], name), shallow=False), name
+    mtime = os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns
+    assert resolve_model_dir(EngineArgs(model=str(src), load_format="gguf")) == folder
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == mtime  # not converted again
+    bare = resolve_model_dir(EngineArgs(model=str(src), tokenizer=converted[1]))
+    assert bare != folder and not os.path.exists(os.path.join(bare, "tokenizer.json"))
+    assert os.path.exists(os.path.join(bare, "model.safetensors"))
+    with pytest.raises(ValueError, match="load_format='gguf' needs a local .gguf file"):
+        resolve_model_dir(EngineArgs(model=converted[1] + "/config.json", load_format="gguf"))
+    with pytest.raises(ValueError, match="is a file, not a model folder"):
+        resolve_model_dir(EngineArgs(model=converted[1] + "/config.json"))

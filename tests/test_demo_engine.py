@@ -64,3 +64,23 @@ def test_demo_model_answers_in_json_and_by_choice():
         use_tqdm=False,
     )[0].outputs[0]
     assert (out.text, out.finish_reason) == ("yes", "stop")
+
+
+def test_the_demo_gguf_file_serves_as_the_model():
+    """LLM("x.gguf") as vLLM takes one: converted once into the cache, then the same answers as the demo model."""
+    from jaxllm import LLM, SamplingParams
+
+    llm = LLM(
+        demo.demo_gguf_path(),
+        enforce_eager=True,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        max_num_seqs=2,
+        kv_cache_memory_bytes=32 << 20,
+    )
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=12),
+        use_tqdm=False,
+    )
+    assert "Paris" in out[0].outputs[0].text, out[0].outputs[0].text

@@ -136,10 +136,10 @@ def test_an_unreachable_hub_serves_the_cache(online, monkeypatch):
 def test_bad_names_fail_clearly(online, tmp_path):
     with pytest.raises(ValueError, match=r"Model directory './baichuan-7B/' does not exist"):
         resolve_model_dir(EngineArgs(model="./baichuan-7B/"))
-    gguf = tmp_path / "m.Q4_K_M.gguf"
-    gguf.write_bytes(b"GGUF")
-    with pytest.raises(ValueError, match=r"is a GGUF file, not a model folder.*GGUF files are not supported"):
-        resolve_model_dir(EngineArgs(model=str(gguf)))
+    not_a_folder = tmp_path / "weights.safetensors"
+    not_a_folder.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"is a file, not a model folder"):
+        resolve_model_dir(EngineArgs(model=str(not_a_folder)))
     with pytest.raises(
         ValueError,
         match=r"'org/missing' is not a local folder and was not found on the Hugging "

@@ -50,12 +50,16 @@ def resolve_model_dir(args) -> str:
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):
         return model
+    if os.path.isfile(model) and model.endswith(".gguf"):  # vLLM's `serve x.gguf --tokenizer ...`
+        from jaxllm.demo import gguf_model_dir
+
+        return gguf_model_dir(model, write_tokenizer=not args.tokenizer)
+    if args.load_format == "gguf":
+        raise ValueError(f"load_format='gguf' needs a local .gguf file as the model, got {args.model!r}.")
     if os.path.isfile(model):  # (it said the folder "does not exist")
-        kind = "a GGUF file" if model.endswith(".gguf") else "a file"
         raise ValueError(
-            f"Model {args.model!r} is {kind}, not a model folder. jaxllm loads a Hugging Face layout folder "
-            "(config.json with safetensors or .bin weights) or a Hub model id; GGUF files are not supported (only "
-            "the built-in demo model is converted from one)."
+            f"Model {args.model!r} is a file, not a model folder: jaxllm loads a Hugging Face layout folder "
+            "(config.json with safetensors or .bin weights), a Hub model id or a local .gguf file."
         )
     weights = WEIGHT_PATTERNS.get(args.load_format, WEIGHT_PATTERNS["auto"])
     ignore = args.ignore_patterns or DEFAULT_IGNORE_PATTERNS

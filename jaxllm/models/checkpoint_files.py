@@ -13,7 +13,7 @@ import numpy as np
 
 from jaxllm.config import ModelConfig
 
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy", "gguf")  # gguf: a .gguf file's converted folder
 # A directory holding this file is a jaxllm (Orbax) checkpoint written by `python -m jaxllm.convert`.
 MANIFEST = "jaxllm_manifest.json"
 
@@ -177,7 +177,9 @@ def _weight_files(model_dir: str, load_format: str) -> list[str]:
     if not os.path.isdir(model_dir):
         raise ValueError(f"Model directory {model_dir!r} does not exist.")
     patterns = {"safetensors": ["*.safetensors"], "pt": ["*.bin", "*.pt"]}
-    order = ["safetensors", "pt"] if load_format == "auto" else [load_format]
+    order = (
+        ["safetensors", "pt"] if load_format == "auto" else ["safetensors"] if load_format == "gguf" else [load_format]
+    )
     for fmt in order:
         index = os.path.join(
             model_dir, "model.safetensors.index.json" if fmt == "safetensors" else "pytorch_model.bin.index.json"
