@@ -112,27 +112,8 @@ def _is_current(model_dir: str, source: dict) -> bool:
 def demo_model_path(cache_dir: str | None = None) -> str:
     """HF-layout folder of the demo model, converted from the GGUF on first use."""
     gguf_path = demo_gguf_path()
-    cache_dir = cache_dir or default_cache_dir()
-    final = os.path.join(cache_dir, DEMO_MODEL_NAME)
-    source = _source_info(gguf_path)
-    if _is_current(final, source):
-        return final
-
-    os.makedirs(cache_dir, exist_ok=True)
-    # os.mkdir (not mkdtemp, which is 0700) so the cached folder gets the umask's permissions.
-    tmp = os.path.join(cache_dir, f".{DEMO_MODEL_NAME}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    os.mkdir(tmp)
-    try:
-        start = time.perf_counter()
-        convert_gguf(gguf_path, tmp)
-        _copy_license(tmp)
-        with open(os.path.join(tmp, _MARKER), "w") as f:
-            json.dump(source, f, indent=2)
-        logger.info("converted %s to %s in %.1f s", gguf_path, final, time.perf_counter() - start)
-        _install(tmp, final, source)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    final = os.path.join(cache_dir or default_cache_dir(), DEMO_MODEL_NAME)
+    return _converted(gguf_path, final, _source_info(gguf_path), license=True)
 
 
 def gguf_model_dir(gguf_path: str, write_tokenizer: bool = True, cache_dir: str | None = None) -> str:
@@ -153,19 +134,28 @@ def gguf_model_dir(gguf_path: str, write_tokenizer: bool = True, cache_dir: str 
     }
     name = f"{os.path.basename(path)[: -len('.gguf')]}-{hashlib.sha1(path.encode()).hexdigest()[:10]}"
     name += "" if write_tokenizer else "-no-tokenizer"
-    root = os.path.join(cache_dir or default_cache_dir(), "gguf")
-    final = os.path.join(root, name)
+    final = os.path.join(cache_dir or default_cache_dir(), "gguf", name)
+    return _converted(path, final, source, tokenizer=write_tokenizer)
+
+
+def _converted(gguf_path: str, final: str, source: dict, tokenizer: bool = True, license: bool = False) -> str:
+    """final, the GGUF converted into it unless its marker already records source: written to a temp folder beside
+    it, then renamed into place (the folder appears only complete)."""
     if _is_current(final, source):
         return final
+    root, name = os.path.split(final)
     os.makedirs(root, exist_ok=True)
+    # os.mkdir (not mkdtemp, which is 0700) so the cached folder gets the umask's permissions.
     tmp = os.path.join(root, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     os.mkdir(tmp)
     try:
         start = time.perf_counter()
-        convert_gguf(path, tmp, tokenizer=write_tokenizer)
+        convert_gguf(gguf_path, tmp, tokenizer=tokenizer)
+        if license:
+            _copy_license(tmp)
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump(source, f, indent=2)
-        logger.info("converted %s to %s in %.1f s", path, final, time.perf_counter() - start)
+        logger.info("converted %s to %s in %.1f s", gguf_path, final, time.perf_counter() - start)
         _install(tmp, final, source)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -187,10 +187,10 @@ class SamplingParams:
             )
 
     def _verify(self) -> None:
-        _check(isinstance(self.n, int) and self.n >= 1, f"n must be at least 1, got {self.n}.", "n")
+        _check(self.n >= 1, f"n must be at least 1, got {self.n}.", "n")  # (types: _check_types)
         t = self.truncate_prompt_tokens
         _check(
-            t is None or (isinstance(t, int) and (t >= 1 or t == -1)),
+            t is None or t >= 1 or t == -1,
             f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}",
             "truncate_prompt_tokens",
         )
@@ -216,7 +216,7 @@ class SamplingParams:
         )
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}.", "top_p")
         _check(
-            isinstance(self.top_k, int) and self.top_k >= 0,
+            self.top_k >= 0,
             f"top_k must be 0 (disable), or at least 1, got {self.top_k}.",
             "top_k",
         )
@@ -261,8 +261,6 @@ class SamplingParams:
             _check(
                 len(self.allowed_token_ids) > 0, "allowed_token_ids is not allowed to be empty.", "allowed_token_ids"
             )
-        if self.seed is not None:
-            _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}.", "seed")
         if self.temperature < _GREEDY_EPS:
             _check(self.n == 1, f"n must be 1 when using greedy sampling, got {self.n}.", "n")
 

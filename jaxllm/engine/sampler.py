@@ -75,7 +75,8 @@ class SamplingMetadata:
 
 def sample(logits, md: SamplingMetadata, flags: SamplerFlags):
     """logits: [B, V] f32. Returns (tokens [B] int32, logprobs [B] f32 of the sampled tokens under the raw
-    model distribution (constrained by grammar masks, as vLLM's), ranks [B] int32 (zeros unless flags.num_logprobs), top_ids [B, k], top_logprobs [B, k]).
+    model distribution (constrained by grammar masks, as vLLM's), ranks [B] int32 (zeros unless
+    flags.num_logprobs), top_ids [B, k], top_logprobs [B, k]).
 
     Each pass over [B, V] costs ~0.1 ms at B = 500 and V = 128k, so the batch's raw log-softmax is never
     materialized: log p = logit - logsumexp, and the rank and the top-k follow the raw logits' order."""

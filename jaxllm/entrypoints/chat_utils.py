@@ -30,8 +30,8 @@ def flatten_content(content: Any) -> str:
 
 def template_message(message: Any, content_format: str = "string") -> dict:
     """One chat message as the chat template reads it: its content flattened to a string (content_format "string"
-    or "auto": text parts joined with newlines) or as a list of text parts ("openai"). A message without a role is a ValueError (vLLM reads message["role"];
-    silently dropping it lost the user's text from the prompt)."""
+    or "auto": text parts joined with newlines) or as a list of text parts ("openai"). A message without a role is
+    a ValueError (vLLM reads message["role"]; silently dropping it lost the user's text from the prompt)."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise ValueError(f"Each chat message must be a dict with a 'role' string, got {message!r:.120}.")
     raw = message.get("content")
