@@ -20,7 +20,8 @@ bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the 
 (kernels_pallas/_fp8_gemv.py: the token scales, x's rounding, the GEMV, the scales and the add; --sweep adds its
 FP8_GEMV_SWEEP tilings); fp8_gemv_e4m3 / fp8_gemv_amax = fp8_gemv given x already in e4m3 with its token scales
 (Fp8Rows) / with K / 16 partial maxima a row (RowsWithMax), so the kernel skips its pass over the row;
-fp8_gemv_silu = silu(gate) * up of the gate_up shape in one kernel (fp8_gemv_silu, F = N / 2 columns out), against
+fp8_gemv_silu = silu(gate) * up of the gate_up shape in one kernel (fp8_gemv_silu, F = N / 2 columns out; --sweep
+adds FP8_SILU_SWEEP's tilings; fp8_gemv_silu_e4m3 given e4m3 rows as fp8_gemv_e4m3 is), against
 fp8_gemv_silu_xla = fp8_gemv, then XLA's silu * up; NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py); int4_mgpu / int4_mgpu_asym / int4_mgpu_pc = the Mosaic GPU kernel on the nk layout
 (_qmatmul_mgpu), int4 g128 sym / asym and per-channel sym (no group: any block_k, e.g. {"block_k": 256}).
@@ -93,14 +94,15 @@ IMPLS = (
     "fp8_gemv_e4m3",
     "fp8_gemv_amax",
     "fp8_gemv_silu",
+    "fp8_gemv_silu_e4m3",
     "fp8_gemv_silu_xla",
 )
 # rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
 TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res", "fp8_gemv_e4m3", "fp8_gemv_amax", "fp8_gemv_silu")
-TWO_ROW_IMPLS += ("fp8_gemv_silu_xla",)
+TWO_ROW_IMPLS += ("fp8_gemv_silu_e4m3", "fp8_gemv_silu_xla")
 # fp8_gemv's forms of x (timed with x already in that form): e4m3 rows with their token scales (the add + norm pass
 # writes them), x with K / 16 partial maxima a row (the silu kernel's pieces)
-GEMV_X = {"fp8_gemv_e4m3": "e4m3", "fp8_gemv_amax": "amax"}
+GEMV_X = {"fp8_gemv_e4m3": "e4m3", "fp8_gemv_amax": "amax", "fp8_gemv_silu_e4m3": "e4m3"}
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
@@ -111,6 +113,21 @@ FP8_GEMV_SWEEP = [
         (32, 256, None, 4, 4),
         (32, 128, None, 4, 3),
         (32, 256, 8, 4, 3),
+    )
+]
+# fp8_gemv_silu's tilings (--sweep with an fp8_gemv_silu impl): (block_n, block_k, warps, stages); its default
+# (silu_plan) is 16 + 16 columns, 128-wide K tiles, 4 warps, 3 stages
+FP8_SILU_SWEEP = [
+    dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+    for bn, bk, w, st in (
+        (16, 256, 4, 3),
+        (32, 128, 4, 3),
+        (32, 256, 8, 3),
+        (16, 256, 8, 3),
+        (16, 128, 4, 4),
+        (16, 128, 2, 3),
+        (32, 128, 8, 4),
+        (64, 128, 8, 3),
     )
 ]
 SWEEP = [
@@ -409,6 +426,9 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         if name == "fp8_gemv" and sweep:
             fp8_sweep = json.loads(args.fp8_gemv_configs) if args.fp8_gemv_configs else FP8_GEMV_SWEEP
             configs += [c for c in fp8_sweep if K % c.get("block_k", 128) == 0 and N % c.get("block_n", 16) == 0]
+        if name in ("fp8_gemv_silu", "fp8_gemv_silu_e4m3") and sweep:
+            silu_sweep = json.loads(args.fp8_silu_configs) if args.fp8_silu_configs else FP8_SILU_SWEEP
+            configs += [c for c in silu_sweep if K % c["block_k"] == 0 and (N // 2) % c["block_n"] == 0]
         for M in ms:
             if name in TWO_ROW_IMPLS and M > 2:
                 continue  # the fused GEMV takes the decode bucket's 1-2 rows
@@ -634,6 +654,11 @@ def main(argv=None):
     )
     p.add_argument(
         "--fp8-gemv-configs", default=None, help="fp8_gemv's sweep entries as a JSON list (replaces FP8_GEMV_SWEEP)"
+    )
+    p.add_argument(
+        "--fp8-silu-configs",
+        default=None,
+        help="fp8_gemv_silu's sweep entries as a JSON list (replaces FP8_SILU_SWEEP)",
     )
     p.add_argument("--sweep-shapes", default=",".join(SHAPES))
     p.add_argument("--sweep-dequant", default="float,asm,asm_sub", help="the sweep's entries with these dequant paths")
