@@ -407,7 +407,8 @@ def test_stop_token_text_kept_only_with_include_stop_str(llm, hf_refs):
 
 def test_generation_config_eos_ids_and_max_new_tokens(tiny, hf_refs, tmp_path):
     """generation_config.json's extra EOS ids stop like stop_token_ids and report their id as stop_reason
-    (the tokenizer's own EOS reports None); its max_new_tokens caps max_tokens, explicit or None."""
+    (the tokenizer's own EOS reports None); its max_new_tokens is the default params' max_tokens, and does not cap
+    an explicit max_tokens (vLLM: update_from_generation_config takes only the EOS ids from the file)."""
     model_dir = shutil.copytree(tiny[0], tmp_path / "model")
     ref = hf_refs[tuple(PROMPTS[0])]
     extra = ref[2]
@@ -418,13 +419,13 @@ def test_generation_config_eos_ids_and_max_new_tokens(tiny, hf_refs, tmp_path):
         0
     ].outputs[0]
     assert c.token_ids == ref[: ref.index(extra) + 1] and c.finish_reason == "stop" and c.stop_reason == extra
-    for max_tokens in (10, None):
-        c = llm.generate(
-            {"prompt_token_ids": PROMPTS[0]},
-            SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-            use_tqdm=False,
-        )[0]
-        assert c.outputs[0].token_ids == ref[:6] and c.outputs[0].finish_reason == "length"
+    c = llm.generate(
+        {"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False
+    )[0]
+    assert c.outputs[0].token_ids == ref[:10] and c.outputs[0].finish_reason == "length"
+    assert llm.get_default_sampling_params().max_tokens == 6
+    c = llm.generate({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)[0].outputs[0]
+    assert len(c.token_ids) <= 6 and (c.finish_reason == "stop" or len(c.token_ids) == 6)
 
 
 def test_generation_config_sampling_defaults_apply_whatever_do_sample_says(tiny, tmp_path):

@@ -142,10 +142,10 @@ class LLMEngine(EngineLoRAMethods):
         thinking = grammar is not None and self.grammars.waits_for_reasoning(ids)
         if not params.ignore_eos:
             params.all_stop_token_ids |= self.eos_token_ids
-        # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1)
+        # None fills the context; a prompt of exactly max_model_len still samples one token (vLLM V1). As in vLLM,
+        # generation_config.json's max_new_tokens is a default (default_sampling_params(), and the server's cap on
+        # its requests' max_tokens), not a cap on an explicit max_tokens (update_from_generation_config: EOS only)
         max_tokens = max(self.max_model_len - len(ids), 1) if params.max_tokens is None else params.max_tokens
-        # generation_config.json's max_new_tokens caps every request (vLLM's max_tokens resolution)
-        max_tokens = min(max_tokens, self.generation_defaults.get("max_tokens") or max_tokens)
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
         req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id)
         for i in range(params.n):
