@@ -21,7 +21,8 @@ bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the 
 FP8_GEMV_SWEEP tilings); fp8_gemv_e4m3 / fp8_gemv_amax = fp8_gemv given x already in e4m3 with its token scales
 (Fp8Rows) / with K / 16 partial maxima a row (RowsWithMax), so the kernel skips its pass over the row;
 fp8_gemv_silu = silu(gate) * up of the gate_up shape in one kernel (fp8_gemv_silu, F = N / 2 columns out; --sweep
-adds FP8_SILU_SWEEP's tilings; fp8_gemv_silu_e4m3 given e4m3 rows as fp8_gemv_e4m3 is), against
+adds FP8_SILU_SWEEP's tilings; fp8_gemv_silu_e4m3 given e4m3 rows as fp8_gemv_e4m3 is; fp8_gemv_silu_il[_e4m3] on the
+weight interleaved at load time, one [2 block_n, K] block a program), against
 fp8_gemv_silu_xla = fp8_gemv, then XLA's silu * up; NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py); int4_mgpu / int4_mgpu_asym / int4_mgpu_pc = the Mosaic GPU kernel on the nk layout
 (_qmatmul_mgpu), int4 g128 sym / asym and per-channel sym (no group: any block_k, e.g. {"block_k": 256}).
@@ -54,6 +55,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from bench.common import environment, write_result  # noqa: E402
+from kernels_pallas._fp8_gemv import interleave_gate_up, silu_plan  # noqa: E402
 from kernels_pallas._qmatmul import DEQUANT  # noqa: E402
 from kernels_pallas.qlayout import QuantizedWeight, choose_plane, padded_k, per_word  # noqa: E402
 from kernels_pallas.quant import (  # noqa: E402
@@ -95,14 +97,21 @@ IMPLS = (
     "fp8_gemv_amax",
     "fp8_gemv_silu",
     "fp8_gemv_silu_e4m3",
+    "fp8_gemv_silu_il",
+    "fp8_gemv_silu_il_e4m3",
     "fp8_gemv_silu_xla",
 )
 # rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
 TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res", "fp8_gemv_e4m3", "fp8_gemv_amax", "fp8_gemv_silu")
-TWO_ROW_IMPLS += ("fp8_gemv_silu_e4m3", "fp8_gemv_silu_xla")
+TWO_ROW_IMPLS += ("fp8_gemv_silu_e4m3", "fp8_gemv_silu_il", "fp8_gemv_silu_il_e4m3", "fp8_gemv_silu_xla")
 # fp8_gemv's forms of x (timed with x already in that form): e4m3 rows with their token scales (the add + norm pass
 # writes them), x with K / 16 partial maxima a row (the silu kernel's pieces)
-GEMV_X = {"fp8_gemv_e4m3": "e4m3", "fp8_gemv_amax": "amax", "fp8_gemv_silu_e4m3": "e4m3"}
+GEMV_X = {
+    "fp8_gemv_e4m3": "e4m3",
+    "fp8_gemv_amax": "amax",
+    "fp8_gemv_silu_e4m3": "e4m3",
+    "fp8_gemv_silu_il_e4m3": "e4m3",
+}
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
     dict(block_n=bn, block_k=bk, splits=sp, num_warps=w, num_stages=st)
@@ -292,11 +301,16 @@ def make_impl(name, K, N, key):
             res = name == "fp8_gemv_res"
             if name.startswith("fp8_gemv_silu"):  # gate / up: [2F, K] -> silu(gate) * up [M, F]
                 xla = name.endswith("_xla")
+                if "_il" in name:  # the weight interleaved at load time for each block_n the sweep takes
+                    r = {bn: interleave_gate_up(w, s, bn) for bn in (16, 32, 64) if (N // 2) % bn == 0}
 
                 def silu(x, w, **cfg):
                     if xla:  # fp8_gemv's gate / up, then XLA's silu * up fusion (the decoder's path before)
                         gu = fp8_gemv(x, w[0], w[1], **cfg)
                         return jax.nn.silu(gu[:, : N // 2]) * gu[:, N // 2 :]
+                    if isinstance(w[2], dict):
+                        bn = cfg.get("block_n") or silu_plan(N // 2, K)[0]
+                        return fp8_gemv_silu(x, *w[2][bn], interleaved=True, **cfg).x
                     return fp8_gemv_silu(x, w[0], w[1], **cfg).x
 
                 return silu, (w, s, r), N * K + N * 4
@@ -426,7 +440,7 @@ def bench_shape(shape, K, N, ms, impls, copy, args, rows, sweep):
         if name == "fp8_gemv" and sweep:
             fp8_sweep = json.loads(args.fp8_gemv_configs) if args.fp8_gemv_configs else FP8_GEMV_SWEEP
             configs += [c for c in fp8_sweep if K % c.get("block_k", 128) == 0 and N % c.get("block_n", 16) == 0]
-        if name in ("fp8_gemv_silu", "fp8_gemv_silu_e4m3") and sweep:
+        if name.startswith("fp8_gemv_silu") and not name.endswith("_xla") and sweep:
             silu_sweep = json.loads(args.fp8_silu_configs) if args.fp8_silu_configs else FP8_SILU_SWEEP
             configs += [c for c in silu_sweep if K % c["block_k"] == 0 and (N // 2) % c["block_n"] == 0]
         for M in ms:

@@ -161,6 +161,36 @@ def _silu_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, *refs, bk, tiles, min_sc
     amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
 
 
+def _silu_il_kernel(x_ref, w_ref, ws_ref, *refs, bk, tiles, min_scale, per_tensor, x_mode):
+    """_silu_kernel on an interleaved weight (interleave_gate_up): one [2 BN, BK] tile and one MMA a K step, as
+    _kernel runs them, then the product split into gate's and up's BN columns."""
+    xs_ref, (a_ref, amax_ref) = _split(refs, x_mode)
+    s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)
+
+    def body(t, acc):
+        k0 = t * bk
+        return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), w_ref[:, pl.ds(k0, bk)].astype(jnp.float16), trans_b=True)
+
+    acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((16, 2 * a_ref.shape[-1]), jnp.float32))
+    f32, dtype = jnp.float32, a_ref.dtype
+    g, u = jnp.split(_scaled(acc, s, ws_ref, per_tensor).astype(dtype).astype(f32), 2, axis=1)
+    a = ((g * jax.nn.sigmoid(g)).astype(dtype).astype(f32) * u).astype(dtype)
+    a_ref[...] = a
+    amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
+
+
+def interleave_gate_up(w, w_scale, block_n: int):
+    """A gate / up weight [2F, K] (gate's rows, then up's) and its scales [2F] (or [1]) in the order
+    fp8_gemv_silu_kernel(interleaved=True) reads them: block n of 2 block_n rows is gate's rows n * block_n.. then
+    up's F + n * block_n.. (a load-time permutation; the product's columns come out in the same order)."""
+    F = w.shape[0] // 2
+    if w.shape[0] % 2 or F % block_n:
+        raise ValueError(f"w's rows {w.shape[0]} must be 2 F with F a multiple of block_n={block_n}")
+    order = jnp.arange(2 * F).reshape(2, F // block_n, block_n).transpose(1, 0, 2).reshape(-1)
+    w_scale = jnp.asarray(w_scale)
+    return w[order], (w_scale if w_scale.size == 1 else w_scale.reshape(-1)[order])
+
+
 def _x_operands(x, xs, x_mode, M, K):
     """The x operands' block specs and arrays for a grid whose index maps take two program ids (or one)."""
     if x_mode not in X_MODES:
@@ -259,7 +289,17 @@ def silu_plan(f: int, k: int, block_n=None, block_k=None):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("min_scale", "x_mode", "out_dtype", "block_n", "block_k", "num_warps", "num_stages", "interpret"),
+    static_argnames=(
+        "min_scale",
+        "x_mode",
+        "out_dtype",
+        "interleaved",
+        "block_n",
+        "block_k",
+        "num_warps",
+        "num_stages",
+        "interpret",
+    ),
 )
 def fp8_gemv_silu_kernel(
     x,
@@ -270,6 +310,7 @@ def fp8_gemv_silu_kernel(
     min_scale,
     x_mode="row",
     out_dtype=None,
+    interleaved=False,
     block_n=None,
     block_k=None,
     num_warps=4,
@@ -281,23 +322,39 @@ def fp8_gemv_silu_kernel(
     required for e4m3 x), amax [M, F / block_n] float32): gate and up each rounded to that dtype, silu(gate) rounded,
     times up rounded (HF's ops in a 16-bit dtype), and the max of |a| over each program's columns (the next
     projection's token scales in x_mode "amax"). Program n multiplies gate's rows n * block_n.. and up's
-    F + n * block_n.. (two blocks of the one weight): no split-K. Tuning (static): block_n, block_k (silu_plan()),
+    F + n * block_n.. (two blocks of the one weight): no split-K. interleaved: w and w_scale in
+    interleave_gate_up(block_n)'s order, so that a program reads one [2 block_n, K] block in one MMA a K step, as
+    fp8_gemv_kernel does (block_k then 256 where K allows). Tuning (static): block_n, block_k (silu_plan()),
     num_warps, num_stages."""
     _check_x(x, xs, w, x_mode)
     M, K = x.shape
     F = w.shape[0] // 2
-    BN, BK = silu_plan(F, K, block_n, block_k)
+    BN, BK = silu_plan(
+        F, K, block_n, block_k or (next((b for b in (256, 128) if K % b == 0), None) if interleaved else None)
+    )
     if w.shape[0] % 2 or F % BN or K % BK:
         raise ValueError(f"w's rows {w.shape[0]} must be 2 F with F a multiple of block_n={BN}, K={K} of block_k={BK}")
     per_tensor = w_scale.size == 1
     ws = jnp.asarray(w_scale, jnp.float32).reshape(-1)
     P = F // BN
-    if per_tensor:
-        scale_specs = [pl.BlockSpec((1,), lambda n: (0,))] * 2
+    if interleaved:  # one [2 BN, K] block of w and of its scales a program
+        w_specs = [pl.BlockSpec((2 * BN, K), lambda n: (n, 0))]
+        w_specs.append(pl.BlockSpec((1,), lambda n: (0,)) if per_tensor else pl.BlockSpec((2 * BN,), lambda n: (n,)))
+        w_args = (w, ws)
     else:
-        scale_specs = [pl.BlockSpec((BN,), lambda n: (n,)), pl.BlockSpec((BN,), lambda n: (n + P,))]
+        w_specs = [pl.BlockSpec((BN, K), lambda n: (n, 0)), pl.BlockSpec((BN, K), lambda n: (n + P, 0))]
+        if per_tensor:
+            w_specs += [pl.BlockSpec((1,), lambda n: (0,))] * 2
+        else:
+            w_specs += [pl.BlockSpec((BN,), lambda n: (n,)), pl.BlockSpec((BN,), lambda n: (n + P,))]
+        w_args = (w, w, ws, ws)
     kernel = functools.partial(
-        _silu_kernel, bk=BK, tiles=K // BK, min_scale=min_scale, per_tensor=per_tensor, x_mode=x_mode
+        _silu_il_kernel if interleaved else _silu_kernel,
+        bk=BK,
+        tiles=K // BK,
+        min_scale=min_scale,
+        per_tensor=per_tensor,
+        x_mode=x_mode,
     )
     x_specs, x_args = _x_operands(x, xs, x_mode, M, K)
     dtype = jnp.dtype(out_dtype or x.dtype)
@@ -306,16 +363,10 @@ def fp8_gemv_silu_kernel(
     return pl.pallas_call(
         kernel,
         grid=(P,),
-        in_specs=[
-            x_specs[0],
-            pl.BlockSpec((BN, K), lambda n: (n, 0)),
-            pl.BlockSpec((BN, K), lambda n: (n + P, 0)),
-            *scale_specs,
-            *x_specs[1:],
-        ],
+        in_specs=[x_specs[0], *w_specs, *x_specs[1:]],
         out_specs=[pl.BlockSpec((M, BN), lambda n: (0, n)), pl.BlockSpec((M, 1), lambda n: (0, n))],
         out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((M, P), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"fp8_gemv_silu_{BN=}_{BK=}" + ("" if x_mode == "row" else f"_{x_mode}"),
-    )(x_args[0], w, w, ws, ws, *x_args[1:])
+        name=f"fp8_gemv_silu_{BN=}_{BK=}" + ("_il" if interleaved else "") + ("" if x_mode == "row" else f"_{x_mode}"),
+    )(x_args[0], *w_args, *x_args[1:])

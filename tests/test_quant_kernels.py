@@ -906,6 +906,35 @@ def test_fp8_gemv_silu_is_the_gemv_then_silu_times_up(rows, F, K, per_channel, x
     )
 
 
+@pytest.mark.parametrize("rows,per_channel,x_mode,block_n", [(1, True, "row", 16), (2, False, "e4m3", 32)])
+def test_fp8_gemv_silu_on_the_interleaved_weight_is_the_split_form(rows, per_channel, x_mode, block_n):
+    """fp8_gemv_silu_kernel(interleaved=True) on interleave_gate_up's weight and scales (one [2 block_n, K] block and
+    one MMA a K step) gives the split form's a and maxima bit for bit: the same products summed in the same order."""
+    from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel, interleave_gate_up
+
+    F, K = 128, 512
+    rng = np.random.default_rng(rows + block_n)
+    wq, ws = quantize_fp8(rng.standard_normal((2 * F, K)).astype(np.float32) * 0.05, per_channel=per_channel)
+    x = jnp.asarray(rng.standard_normal((rows, K)) * np.array([[30.0], [0.01]])[:rows], jnp.bfloat16)
+    if x_mode == "e4m3":
+        q, xs = quant.quantize_activations(x)
+        args = (q, xs)
+    else:
+        args = (x, None)
+    kw = dict(min_scale=quant.FP8_MIN_SCALE, x_mode=x_mode, out_dtype=jnp.bfloat16, block_n=block_n, interpret=True)
+    want = fp8_gemv_silu_kernel(args[0], wq, ws, args[1], block_k=256, **kw)
+    wi, si = interleave_gate_up(wq, ws, block_n)
+    assert wi.shape == wq.shape and si.shape == jnp.asarray(ws).shape
+    np.testing.assert_array_equal(
+        np.asarray(wi[block_n : 2 * block_n], np.float32), np.asarray(wq[F : F + block_n], np.float32)
+    )
+    got = fp8_gemv_silu_kernel(args[0], wi, si, args[1], interleaved=True, **kw)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="multiple of block_n"):
+        interleave_gate_up(wq, ws, 48)
+
+
 def test_fp8_gemv_silu_refuses_what_it_does_not_take():
     from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel
 
