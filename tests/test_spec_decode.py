@@ -79,6 +79,7 @@ def test_speculative_config_forms_and_defaults():
         ({"num_speculative_tokens": 2}, "num_speculative_tokens was provided without speculative model."),
         ({"model": "/d"}, "num_speculative_tokens must be provided with speculative model"),
         ({"method": "medusa", "model": "/d", "num_speculative_tokens": 2}, "method='medusa' is not supported"),
+        ({"method": "bogus", "num_speculative_tokens": 2}, "method='bogus' is not supported"),  # not "without model"
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, "unsupported keys"),
         (
             {"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1},

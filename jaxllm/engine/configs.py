@@ -175,6 +175,10 @@ class SpeculativeConfig:
         method, model = kw.get("method"), kw.get("model")
         if method == "[ngram]" or method is None and model in ("ngram", "[ngram]"):
             method = "ngram"
+        if method is not None and method not in SPEC_METHODS:  # before the model checks, which assume a method
+            raise ValueError(
+                f"speculative_config method={method!r} is not supported; jaxllm supports {', '.join(SPEC_METHODS)}."
+            )
         if method == "ngram":
             model = None
             lo, hi = kw.get("prompt_lookup_min"), kw.get("prompt_lookup_max")
