@@ -281,6 +281,13 @@ def test_engine_greedy_gptq_act_order_tp2_pp2(ckpts):
     assert _tokens(outs) == _greedy_refs(ckpts["gptq_llama"])
 
 
+def test_engine_greedy_per_channel_row_parallel_compiled(ckpts):
+    """Per-channel scales (group_size -1) of row-parallel weights at tp=2 are one row each shard reads whole, in the
+    compiled steps too: their specs once gave them a row a shard, and the loaded weights were refused at start-up."""
+    outs = _run(_make_llm(ckpts["gptq8_qwen2"], tensor_parallel_size=2, enforce_eager=False))
+    assert _tokens(outs) == _greedy_refs(ckpts["gptq8_qwen2"])
+
+
 # One engine per distinct layout once loaded (logits parity covers every format's reading): groups with their zero
 # points split over tp=2 (AWQ), Baichuan's fused W_pack over tp=2, fp8 with static activation scales over tp=2,
 # compressed-tensors' zero points, and its act-order rows over tp=2.

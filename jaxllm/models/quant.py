@@ -268,7 +268,8 @@ def quantized_spec(dense, n_in: int, q: QuantConfig, dtype: str, tp: int, name: 
         plane = (choose_plane(k, q.bits, group) or PLANES[-1]) if k >= PLANES[-1] * P else k // P
         kp = padded_k(k, q.bits, plane)
     lay = QuantLayout(in_axis, out_axes, k, shards, plane, group, nk)
-    ng_dev = shards * num_groups(kp, group)
+    # per-channel scales (group -1) are one row every shard reads whole (group_axis None); groups split with the rows
+    ng_dev = 1 if group == -1 else shards * num_groups(kp, group)
     # The checkpoint layout splits groups over tp with their rows, except act-order ones (issue 28's layout).
     ckpt_group_axis = in_axis if row_parallel and not q.act_order and q.group_size != -1 else None
     spread = 2 ** (q.bits - 1) / math.sqrt(3)  # std of uniform random values around the zero (dummy weights)
