@@ -37,6 +37,7 @@ ENV = {
     "process_id": "JAX_PROCESS_ID",
 }
 DEFAULT_TIMEOUT_S = 300.0  # jax.distributed's own initialization_timeout
+DEFAULT_COORDINATOR = "127.0.0.1:29500"  # vLLM's --master-addr default, torch's default port
 # A process that sends no heartbeat for this long is lost. The coordination service's live-process query (the
 # Watchdog's) answers only once a dead process's heartbeats have timed out: jax's default, 100 s, kept a server
 # with a killed worker up that long. Heartbeats come from a C++ thread, so a busy Python process still sends them.
@@ -68,12 +69,21 @@ def initialize(
     local_device_ids=None,
     timeout: float = DEFAULT_TIMEOUT_S,
 ) -> bool:
-    """Joins the jax.distributed cluster if a coordinator is given (argument or environment). Returns
-    whether it did. Single-host runs (nothing given) do nothing; so does a second call once joined."""
+    """Joins the jax.distributed cluster if a coordinator or several processes are given (arguments or environment;
+    several processes without an address meet at DEFAULT_COORDINATOR, this host's loopback). Returns whether it
+    did. Single-process runs (nothing given) do nothing; so does a second call once joined."""
     coordinator_address = coordinator_address or os.environ.get(ENV["coordinator_address"])
-    if not coordinator_address:
-        return False
     num_processes = num_processes if num_processes is not None else env_int(ENV["num_processes"])
+    if not coordinator_address:
+        if (num_processes or 1) <= 1:
+            return False
+        # several processes and no address: this host's loopback, as vLLM's --master-addr defaults to 127.0.0.1
+        coordinator_address = DEFAULT_COORDINATOR
+        logger.info(
+            "%d processes and no --coordinator-address / --master-addr: they meet at %s (this host only)",
+            num_processes,
+            coordinator_address,
+        )
     process_id = process_id if process_id is not None else env_int(ENV["process_id"])
     if num_processes is None or process_id is None:
         raise ValueError(

@@ -190,6 +190,8 @@ def resolve_vllm_flags(parser: argparse.ArgumentParser, args: argparse.Namespace
     for ours, theirs in (("num_processes", "nnodes"), ("process_id", "node_rank")):
         if getattr(args, theirs) is not None and getattr(args, ours, None) is None:
             setattr(args, ours, getattr(args, theirs))
+    if args.nnodes is not None and args.node_rank is None and getattr(args, "process_id", None) is None:
+        args.process_id = 0  # vLLM's --node-rank default
     if args.master_addr and getattr(args, "coordinator_address", None) is None:
         args.coordinator_address = f"{args.master_addr}:{args.master_port or 29500}"  # torch's default port
     for name in ("nnodes", "node_rank", "master_addr", "master_port", "config"):

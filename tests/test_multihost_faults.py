@@ -46,6 +46,32 @@ def test_join():
     assert got[1].startswith("Process 1: process 0 did not answer at localhost:"), got
 
 
+def test_several_processes_without_an_address_meet_on_this_hosts_loopback(monkeypatch):
+    """--num-processes / --nnodes 2 without --coordinator-address / --master-addr (vLLM's 127.0.0.1 default) joins at
+    DEFAULT_COORDINATOR; it was ignored (one process served alone) and a headless process failed after loading."""
+    import jax
+
+    from jaxllm import distributed
+
+    for var in distributed.ENV.values():
+        monkeypatch.delenv(var, raising=False)
+    calls = []
+    monkeypatch.setattr(distributed, "join", lambda *a: calls.append(("join", *a)))
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **kw: calls.append(("initialize", *a)))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    assert not distributed.initialize(None, 1, 0) and not distributed.initialize() and calls == []
+    assert distributed.initialize(None, 2, 1, timeout=5)
+    assert calls == [
+        ("join", distributed.DEFAULT_COORDINATOR, 2, 1, 5),
+        ("initialize", distributed.DEFAULT_COORDINATOR, 2, 1),
+    ]
+    args = parse_args(["m", "--nnodes", "2"])  # vLLM's --node-rank defaults to 0
+    assert (args.num_processes, args.process_id, args.coordinator_address) == (2, 0, None)
+    args = parse_args(["m", "--nnodes", "2", "--node-rank", "1", "--headless"])
+    assert (args.num_processes, args.process_id, args.headless) == (2, 1, True)
+
+
 def test_headless_flags():
     argv = ["m", "--coordinator-address", "h:1", "--num-processes", "2"]
     assert parse_args(argv + ["--process-id", "1", "--headless"]).headless
