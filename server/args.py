@@ -141,7 +141,8 @@ def make_parser() -> argparse.ArgumentParser:
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
-        help="How the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), mistral.",
+        help="How the model writes tool calls: hermes (Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1/3.2), mistral, "
+        "pythonic (Llama 3.2 / 4 style [f(a=1)] lists).",
     )
     s.add_argument(
         "--exclude-tools-when-tool-choice-none",

@@ -47,7 +47,7 @@ GENERATE_ONLY = "only text generation is supported (no pooling, embedding or cla
 HF_CONFIG_ONLY = "only Hugging Face config.json is supported (no Mistral params.json)"
 RECOMPUTE = "preempted requests are always recomputed (jaxllm has no CPU swap space)"
 DP_HERE = (
-    "data-parallel replicas run in the server's process on this host's devices (--data-parallel-size), "
+    "data-parallel replicas run as processes on this host's devices (--data-parallel-size), each its own engine, "
     "with no coordinator between them"
 )
 DP_ONE_HOST = (
