@@ -489,16 +489,16 @@ def test_quant_env_switches_parse_when_the_modules_load():
     """The A/B switches read once at import: JAXLLM_INT4_NK (quant.NK_LAYOUT: True / False for "1" / "0", None unset:
     then nk_layout_on() follows the device, off on this CPU),
     JAXLLM_FP8_SILU_MLP (quant_matmul.FP8_SILU_MLP), JAXLLM_FP8_NORM (quant_matmul.FP8_NORM) and JAXLLM_FP8_DOT_BF16
-    (kernels_pallas.quant.FP8_DOT_BF16), on unless "0"; JAXLLM_FP8_ADD_NORM_E4M3 and JAXLLM_FP8_GEMV_SILU
-    (quant_matmul's), off unless "1"; "0" / "1" / unset each."""
+    (kernels_pallas.quant.FP8_DOT_BF16) and JAXLLM_FP8_ADD_NORM_E4M3 (quant_matmul's), on unless "0";
+    JAXLLM_FP8_GEMV_SILU (quant_matmul's), off unless "1"; "0" / "1" / unset each."""
     code = (
         "from jaxllm.models import quant, quant_matmul; from kernels_pallas import quant as kq; "
         "print(quant.NK_LAYOUT, quant.nk_layout_on(), quant_matmul.FP8_SILU_MLP, quant_matmul.FP8_NORM, "
         "kq.FP8_DOT_BF16, quant_matmul.FP8_ADD_NORM_E4M3, quant_matmul.FP8_GEMV_SILU)"
     )
     names = ("JAXLLM_INT4_NK", "JAXLLM_FP8_SILU_MLP", "JAXLLM_FP8_NORM", "JAXLLM_FP8_DOT_BF16")
-    names += ("JAXLLM_FP8_ADD_NORM_E4M3", "JAXLLM_FP8_GEMV_SILU")  # off unless "1"
-    unset = ["None", "False", "True", "True", "True", "False", "False"]
+    names += ("JAXLLM_FP8_ADD_NORM_E4M3", "JAXLLM_FP8_GEMV_SILU")  # the last off unless "1"
+    unset = ["None", "False", "True", "True", "True", "True", "False"]
     for value, want in (("0", ["False"] * 7), ("1", ["True"] * 7), (None, unset)):
         env = {k: v for k, v in os.environ.items() if k not in names}
         if value is not None:
