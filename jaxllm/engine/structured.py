@@ -135,7 +135,7 @@ class Grammars:
                 llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=flexible),
             )
         elif so.regex is not None:
-            field, grammar = "regex", llg.grammar_from("regex", so.regex)
+            field, grammar = "regex", llg.grammar_from("regex", ascii_shorthands(so.regex))
         elif so.choice is not None:
             field, grammar = "choice", llg.grammar_from("choice", json.dumps(so.choice))
         else:
@@ -211,6 +211,45 @@ class _PieceTokenizer:
                 break
             ids.append(t.id)
         return ids
+
+
+# \d, \w, \s as ASCII classes (vLLM's default backend, xgrammar, reads them so, as llguidance reads a JSON schema's
+# "pattern"); llguidance's own regex syntax takes them as Unicode classes, so a regex "\d{3}" let Arabic-Indic or
+# Myanmar digits through. Inside a bracket class the positive ones become ranges; a negated one stays as written.
+_SHORTHANDS = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\x0B\\x0C\\r "}
+
+
+def ascii_shorthands(regex: str) -> str:
+    """regex with \\d \\w \\s \\D \\W \\S outside bracket classes, and \\d \\w \\s inside them, as ASCII classes."""
+    out, i, depth, first = [], 0, 0, False  # depth: nested bracket classes; first: at a class's first member (a "]"
+    # there is a literal)
+    while i < len(regex):
+        c = regex[i]
+        if c == "\\" and i + 1 < len(regex):
+            n = regex[i + 1]
+            body = _SHORTHANDS.get(n.lower())
+            if body is None or (depth and n.isupper()):
+                out.append(c + n)
+            elif depth:
+                out.append(body)
+            else:
+                out.append(f"[{'^' if n.isupper() else ''}{body}]")
+            i, first = i + 2, False
+            continue
+        if c == "[":  # in llguidance's (Rust) syntax a "[" inside a class opens a nested or POSIX class
+            depth, first = depth + 1, True
+            out.append(c)
+            if regex.startswith("^", i + 1):
+                out.append("^")
+                i += 1
+            i += 1
+            continue
+        if c == "]" and depth and not first:
+            depth -= 1
+        first = False
+        out.append(c)
+        i += 1
+    return "".join(out)
 
 
 def _no_additional_properties(schema):
