@@ -242,7 +242,8 @@ def parse_pythonic(text: str, final: bool) -> Parsed:
 
 class _PythonicStream:
     """parse_pythonic for one growing text: the list's scan resumes where it stopped and each element is parsed
-    once (its source text is final once the scan has passed it)."""
+    once (its source text is final once the scan has passed it). Its calls go out when the output ends: a list
+    followed by more text is prose (vLLM's whole-output parse), so a call streamed earlier could not be taken back."""
 
     def __init__(self):
         self.scan = _ListScan()
@@ -258,6 +259,8 @@ class _PythonicStream:
         if final and end is not None and body[end:].strip():
             return Parsed(text)  # a list followed by more text is prose, not calls
         self.calls += map(_python_call, items[len(self.calls) :])
+        if not final:  # text may still follow the list and make it prose: no call goes out before the output ends
+            return Parsed("")
         calls = [c for c in self.calls if c is not None]
         return _finish(text, "", calls, len(items) - len(calls) + (final and end is None), final)
 

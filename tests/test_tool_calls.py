@@ -96,6 +96,8 @@ CASES = [
     ),
     ("pythonic", "The answer is 4.", "The answer is 4.", []),
     ("pythonic", "[1, 2] are numbers.", "[1, 2] are numbers.", []),
+    # calls followed by text are prose, streamed too (the stream sent the call, then the whole text as content)
+    ("pythonic", '[get_weather(city="Paris")] and more text', '[get_weather(city="Paris")] and more text', []),
     ("pythonic", '[get_weather("Paris")]', '[get_weather("Paris")]', []),  # positional: not a pythonic call
 ]
 
