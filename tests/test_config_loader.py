@@ -99,6 +99,29 @@ def test_unused_tensors_are_an_error(llama_dir, tmp_path):
         load_params(llama_dir, cfg, ParallelConfig().make_mesh())
 
 
+def test_unused_quantized_tensors_say_why(llama_dir, tmp_path):
+    """A quantized lm_head (llm-compressor with lm_head not ignored) is named as such, and quantized tensors in a
+    checkpoint whose config.json has no quantization_config point at quantize_config.json when it is there."""
+
+    def head(t):
+        t["lm_head.weight_packed"] = np.zeros((4, 4), np.int32)
+        t["lm_head.weight_scale"] = np.ones((4, 1), np.float32)
+
+    d = _rewrite(llama_dir, str(tmp_path / "h"), head)
+    cfg = ModelConfig.from_hf(d, dtype="float32")
+    with pytest.raises(ValueError, match=r"lm_head is quantized \('lm_head\.weight_packed'.*not supported"):
+        load_params(d, cfg, ParallelConfig().make_mesh())
+    d = _rewrite(
+        llama_dir, str(tmp_path / "q"), lambda t: t.update({"model.layers.0.mlp.up_proj.qweight": np.zeros(4)})
+    )
+    with pytest.raises(ValueError, match=r"quantized tensors .*no quantization_config\.$"):
+        load_params(d, cfg, ParallelConfig().make_mesh())
+    with open(os.path.join(d, "quantize_config.json"), "w") as f:
+        json.dump({"bits": 4}, f)
+    with pytest.raises(ValueError, match=r"quantize_config\.json is there: pass --quantization gptq"):
+        load_params(d, cfg, ParallelConfig().make_mesh())
+
+
 def test_unreadable_weight_files_are_named(llama_dir, tmp_path):
     d = _rewrite(llama_dir, str(tmp_path / "t"), lambda t: None)
     path = os.path.join(d, "model.safetensors")

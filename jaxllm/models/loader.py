@@ -21,6 +21,7 @@ import numpy as np
 from jaxllm.config import ModelConfig
 from jaxllm.models.checkpoint_files import MANIFEST, CheckpointReader, is_jaxllm_checkpoint
 from jaxllm.models.params import ParamSpec, abstract_params, dummy_params, is_spec, param_shardings, param_specs
+from jaxllm.quantization import SIDE_CONFIG_FILES
 from jaxllm.sharding import ParallelConfig, mesh_pp, mesh_tp, named_sharding, remote_array
 
 ORBAX_SUBDIR = "params"
@@ -174,6 +175,36 @@ def _path_key(path) -> tuple:
     return tuple(p.key if hasattr(p, "key") else p.name if hasattr(p, "name") else p.idx for p in path)
 
 
+_QUANT_TENSOR = re.compile(
+    r"\.(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_zero_point|weight_shape)$"
+)
+
+
+def _unused_message(unused: list[str], reader: CheckpointReader, quantized: bool) -> str:
+    """Why the checkpoint's tensors are not all used: a quantized lm_head, quantized tensors without a quantization
+    config, or (generally) a config.json that does not belong to these weights."""
+    names = ", ".join(map(repr, unused[:3]))
+    head = [n for n in unused if n.startswith("lm_head.") and _QUANT_TENSOR.search(n)]
+    if head:
+        return (
+            f"The checkpoint's lm_head is quantized ({', '.join(map(repr, head[:3]))}): a quantized lm_head is not "
+            "supported; jaxllm quantizes the decoder layers' linears only (quantize with lm_head ignored)."
+        )
+    if not quantized and any(_QUANT_TENSOR.search(n) for n in unused):
+        folder = os.path.dirname(reader.files[0]) if reader.files else ""
+        side = [f for f in SIDE_CONFIG_FILES if os.path.isfile(os.path.join(folder, f))]
+        hint = (
+            f"; {side[0]} is there: pass --quantization gptq or awq (quantization=...) to read it, as vLLM does"
+            if side
+            else ""
+        )
+        return f"Checkpoint has quantized tensors ({names}) but config.json has no quantization_config{hint}."
+    return (
+        f"Checkpoint has {len(unused)} tensor(s) the model config does not use, e.g. {names}; check that "
+        "config.json belongs to these weights."
+    )
+
+
 def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tuple[tuple, np.ndarray]]:
     """(our path, host array in our layout), checked against the declared shapes. Checkpoint layout: kv
     heads are not repeated (tp = 1 specs). Fused weights are fused here, on the host, one at a time."""
@@ -190,10 +221,7 @@ def iter_host_weights(reader: CheckpointReader, cfg: ModelConfig) -> Iterator[tu
         if n not in used and not _IGNORED.search(n) and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     ]
     if unused:  # the config and the checkpoint disagree (layer count, biases): loading would run another model
-        raise ValueError(
-            f"Checkpoint has {len(unused)} tensor(s) the model config does not use, e.g. "
-            f"{', '.join(map(repr, unused[:3]))}; check that config.json belongs to these weights."
-        )
+        raise ValueError(_unused_message(unused, reader, quant is not None))
     for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
         key = _path_key(path)
         if quant is not None and quant.owns(key):
