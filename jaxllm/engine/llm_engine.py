@@ -313,10 +313,11 @@ class LLMEngine(EngineLoRAMethods):
                 live.append((state, token))
         accepted = self.grammars.consume([(state.matcher, token) for state, token in live])
         for (state, token), ok in zip(live, accepted):
-            if not ok:
+            if not ok:  # llguidance's error goes on with its whole parser state: its first line names the problem
+                why = (state.matcher.get_error() or "").strip().splitlines()
                 state.grammar_error = (
                     f"Token {token} does not follow the request's structured-output grammar: "
-                    f"{state.matcher.get_error()}"
+                    f"{why[0][:300] if why else 'refused'}"
                 )
 
     def _finish_stalled(self) -> list[RequestOutput]:
