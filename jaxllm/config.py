@@ -199,7 +199,8 @@ class ModelConfig:
         if family in ("mistral", "mixtral"):
             kw["sliding_window"] = hf.get("sliding_window")
         if family in ("qwen2", "qwen2_moe"):
-            kw["qkv_bias"] = True
+            # Qwen2 always has q / k / v biases; Qwen2-MoE's config says (transformers' qkv_bias, default true)
+            kw["qkv_bias"] = family == "qwen2" or bool(hf.get("qkv_bias", True))
             kw["rope"] = rope_config(hf)
         if family in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
             raise ValueError("use_sliding_window=True (Qwen per-layer sliding windows) is not supported.")
@@ -226,7 +227,12 @@ def _moe_config(hf: dict[str, Any], family: str, num_layers: int) -> MoeConfig:
     # num_local_experts for Qwen3-MoE too).
     E = hf.get("num_local_experts") or hf.get("num_experts")
     if not E:
-        raise ValueError("config.json has no 'num_local_experts' / 'num_experts', which a MoE model needs.")
+        given = next((f"{k}={hf[k]!r}" for k in ("num_local_experts", "num_experts") if k in hf), None)
+        raise ValueError(
+            f"config.json has {given}: a MoE model needs at least one expert (a dense model of this family is not supported)."
+            if given
+            else "config.json has no 'num_local_experts' / 'num_experts', which a MoE model needs."
+        )
     top_k = int(_require(hf, "num_experts_per_tok"))
     if not 1 <= top_k <= E:
         raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and the number of experts ({E}).")

@@ -181,3 +181,30 @@ def test_converted_checkpoint_restores_with_expert_parallel(qwen2_moe, tmp_path)
         assert g.sharding.is_equivalent_to(w.sharding, g.ndim)
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
     assert {s.data.shape for s in got["layers"][0]["w_experts_down"].addressable_shards} == {(2, 32, 64)}
+
+
+def test_qwen2_moe_without_qkv_bias(tmp_path):
+    """Qwen2-MoE's config has qkv_bias (default true, as Qwen2's always-on biases); a checkpoint with it false has no
+    q / k / v biases, and jaxllm reads it so (it asked for the biases and refused to load)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from jaxllm import LLM, SamplingParams
+    from tests.tiny_models import save_tiny_tokenizer
+
+    cfg = hf_config("qwen2_moe")
+    cfg.qkv_bias = False
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    assert model.model.layers[0].self_attn.q_proj.bias is None
+    d = save_checkpoint(model, "qwen2_moe", str(tmp_path))
+    save_tiny_tokenizer(d, cfg.vocab_size)
+    base = hf_config("qwen2_moe").to_dict() | {"architectures": ["Qwen2MoeForCausalLM"]}
+    assert not ModelConfig.from_hf(d).qkv_bias and ModelConfig.from_hf(base).qkv_bias
+    prompt = [5, 9, 2, 77, 31]
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    llm = LLM(d, dtype="float32", num_gpu_blocks_override=16, max_model_len=64, enforce_eager=True)
+    got = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert list(got[0].outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    with pytest.raises(ValueError, match="has num_local_experts=0: a MoE model needs at least one expert"):
+        ModelConfig.from_hf(base | {"num_experts": 0, "num_local_experts": 0})
