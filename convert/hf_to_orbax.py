@@ -57,6 +57,7 @@ def convert_checkpoint(
     progress: bool = True,
 ) -> str:
     import jax
+    import jax.numpy as jnp
 
     import jaxllm
     from jaxllm.config import ModelConfig, read_hf_config, stored_dtype
@@ -80,6 +81,7 @@ def convert_checkpoint(
     _check_out_dir(out_dir, overwrite)
     try:
         hf = read_hf_config(model_dir)
+        keep_scales = dtype == "auto"  # quantization scales / zeros keep their own float dtype (GPTQ: float16)
         if dtype == "auto":  # storage keeps the checkpoint's dtype (vLLM's float32 -> bf16 rule is for running)
             dtype = stored_dtype(hf)
         cfg = ModelConfig.from_hf(hf, dtype=dtype)
@@ -101,11 +103,15 @@ def convert_checkpoint(
     except OSError as e:
         raise ConversionError(f"--out {out_dir}: cannot write in {parent} ({e.strerror}).") from None
     try:
-        arrays = {}
+        arrays, stored = {}, {}
         bar = _progress(len(flat_specs), progress, "Converting weights")
         try:
             for key, x in iter_host_weights(reader, cfg):
-                host = np.asarray(x).astype(flat_specs[key].dtype or np_dtype)  # quantized leaves keep theirs
+                host, spec = np.asarray(x), flat_specs[key]
+                own = keep_scales and spec.relayout is not None and spec.relayout.field in ("scales", "zeros")
+                if not (own and jnp.issubdtype(host.dtype, jnp.floating)):  # a bfloat16 copy of float16 scales
+                    host = host.astype(spec.dtype or np_dtype)  # would round them: they stay as stored
+                stored[key] = str(host.dtype)
                 sharding = _chunk_sharding(mesh, flat_specs[key], width)
                 arrays[key] = jax.make_array_from_callback(host.shape, sharding, lambda idx, h=host: h[idx])
                 bar.update(1)
@@ -132,7 +138,7 @@ def convert_checkpoint(
                 "/".join(map(str, k)): {
                     "shape": list(s.checkpoint_shape),
                     "axes": list(s.checkpoint_axes),
-                    "dtype": s.dtype or cfg.dtype,
+                    "dtype": stored[k],
                 }
                 for k, s in flat_specs.items()
             },
@@ -143,7 +149,9 @@ def convert_checkpoint(
         if "dtype" in hf:  # transformers 5 writes "dtype"; both must name what the arrays hold
             hf["dtype"] = cfg.dtype
         _write_json(os.path.join(tmp, "config.json"), hf)
-        for name in COPIED_FILES:
+        # with the remote code config.json's / tokenizer_config.json's auto_map names (Baichuan's tokenizer)
+        code = [n for n in sorted(os.listdir(model_dir)) if n.endswith(".py")]
+        for name in (*COPIED_FILES, *code):
             src = os.path.join(model_dir, name)
             if os.path.isfile(src):
                 shutil.copy2(src, os.path.join(tmp, name))

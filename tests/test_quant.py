@@ -275,6 +275,25 @@ def test_engine_greedy_gptq_act_order_cached_steps_dummy_and_converted_weights(c
     assert starts == [(0, n, n), (n, 0, 0), (n, 0, 0)]
 
 
+def test_convert_keeps_the_scales_dtype(ckpts, tmp_path):
+    """convert --dtype auto stores a checkpoint whose config says bfloat16 in bfloat16, but not its GPTQ scales
+    (float16 in gptqmodel's files): a bfloat16 copy rounded them, and the converted checkpoint then ran other tokens
+    than the source at float32."""
+    from convert import convert_checkpoint
+
+    src = shutil.copytree(ckpts["gptq_llama"], tmp_path / "src")
+    with open(src / "config.json") as f:
+        hf = json.load(f)
+    with open(src / "config.json", "w") as f:
+        json.dump(hf | {"torch_dtype": "bfloat16", "dtype": "bfloat16"}, f)
+    out = convert_checkpoint(str(src), str(tmp_path / "conv"), progress=False)
+    with open(os.path.join(out, "jaxllm_manifest.json")) as f:
+        params = json.load(f)["params"]
+    assert params["embed"]["dtype"] == "bfloat16"
+    scales = [v["dtype"] for k, v in params.items() if k.endswith("/scales")]  # zeros: small integers, exact
+    assert scales and "bfloat16" not in scales, scales
+
+
 def test_engine_greedy_gptq_act_order_tp2_pp2(ckpts):
     """Act-order rows split over tp (their scales, zeros and g_idx whole on each shard), layers over pp."""
     outs = _run(_make_llm(ckpts["gptq_llama"], tensor_parallel_size=2, pipeline_parallel_size=2))

@@ -153,3 +153,17 @@ def test_served_with_trust_remote_code_and_a_chat_template(baichuan, tmp_path):
             model="baichuan-7b", prompt="The engine was", max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
         )
         assert r.choices[0].text and r.usage.completion_tokens == 8
+
+
+def test_a_converted_checkpoint_keeps_the_remote_code(llm, baichuan, tmp_path):
+    """jaxllm convert copies the model folder's *.py (config.json's / tokenizer_config.json's auto_map names them):
+    the converted Baichuan-7B loads with trust_remote_code and decodes as the source does."""
+    from convert import convert_checkpoint
+
+    out = convert_checkpoint(baichuan[0], str(tmp_path / "conv"), progress=False)
+    assert {n for n in os.listdir(baichuan[0]) if n.endswith(".py")} <= set(os.listdir(out))
+    converted = LLM(out, trust_remote_code=True, **ENGINE)
+    assert type(converted.get_tokenizer()).__name__ == "BaiChuanTokenizer"
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in converted.generate(PROMPTS, sp, use_tqdm=False)] == want
