@@ -974,6 +974,22 @@ def test_non_default_sampler_flags_never_wait_for_a_step_compile(tiny):
     check_free(llm)
 
 
+def test_background_compiles_at_tp_2(tiny):
+    """At tp 2 a step program compiled in the background (here: logprobs') is lowered with the start-up prev_tokens
+    as they are (uncommitted): their one-device spec made the compile fail against the params' mesh, so those steps
+    ran split for good, with an error in the log."""
+    llm = make_llm(tiny[0], enforce_eager=False, compilation_cache_dir=None, tensor_parallel_size=2)
+    programs = llm.llm_engine.runner.programs
+    n_steps = len(programs.compiled)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
+    first = llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp, use_tqdm=False)[0].outputs[0]
+    programs.wait_for_background_compiles()
+    again = llm.generate([{"prompt_token_ids": PROMPTS[0]}], sp, use_tqdm=False)[0].outputs[0]
+    assert not programs._split_only and len(programs.compiled) > n_steps
+    assert again.token_ids == first.token_ids
+    check_free(llm)
+
+
 def test_a_failed_background_compile_keeps_its_steps_running_split(tiny, hf_refs):
     """A step program compiling in the background that fails (here: raises) is logged and its steps keep
     running split: the requests finish with the right tokens. The error was raised from the step that found

@@ -407,10 +407,10 @@ class StepPrograms(SamplerPrograms):
             return False
         job = self.pending.get(v)
         if job is None:
-            # specs, not the arrays: the KV cache is donated to every step
-            args = step_args(
-                host_args, params, jax.tree.map(array_spec, kv_caches), array_spec(prev_tokens), self.lora_specs
-            )
+            # specs, not the arrays: the KV cache is donated to every step. prev_tokens as it is when uncommitted (the
+            # start-up zeros): its spec would pin it to one device, which a tp mesh's params refuse
+            prev = array_spec(prev_tokens) if getattr(prev_tokens, "committed", True) else prev_tokens
+            args = step_args(host_args, params, jax.tree.map(array_spec, kv_caches), prev, self.lora_specs)
             exe = self._load(v, args)
             if exe is not None:
                 self.compiled[v] = exe
