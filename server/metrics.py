@@ -364,19 +364,20 @@ def _merge(stats: list[EngineStats]) -> EngineStats:
 class RequestTracker:
     """Observes one engine request's latencies and sizes as its DELTA outputs arrive (each carries only its new
     tokens, and each sequence's finish once), under the label of the replica that serves it (known once the
-    engine has it: looked up at its first output)."""
+    engine has it: looked up at its first output). Each of its n sequences counts as a request, as vLLM v1's child
+    requests do: its TTFT, and at its finish its e2e latency, prompt and generation tokens, queue time and success.
+    Inter-token latencies are the request's; request_params_n is observed once, with n."""
 
-    __slots__ = ("m", "request_id", "h", "arrival", "first_token", "last_token", "num_tokens", "reasons", "done")
+    __slots__ = ("m", "request_id", "h", "arrival", "last_token", "seq_tokens", "finished", "done")
 
     def __init__(self, metrics: ServerMetrics, request_id: str = ""):
         self.m = metrics
         self.request_id = request_id
         self.h: _EngineHistograms | None = None
         self.arrival = time.monotonic()
-        self.first_token: float | None = None
         self.last_token: float | None = None
-        self.num_tokens = 0  # of all its sequences, so far
-        self.reasons: list[str] = []  # the finish reasons of its sequences that have finished
+        self.seq_tokens: dict[int, int] = {}  # each sequence's tokens so far (those with any)
+        self.finished: set[int] = set()  # the sequences that have finished
         self.done = False
 
     def _histograms(self) -> _EngineHistograms:
@@ -386,42 +387,49 @@ class RequestTracker:
         return self.h
 
     def on_output(self, out: RequestOutput) -> None:
-        n = sum(len(o.token_ids) for o in out.outputs)
         now = time.monotonic()
-        if n:
-            if self.first_token is None:
-                self.first_token = now
-                self._histograms().ttft.observe(now - self.arrival)
-            elif self.last_token is not None:
+        if any(o.token_ids for o in out.outputs):
+            if self.last_token is not None:
                 self._histograms().itl.observe(now - self.last_token)
                 self._histograms().tpot.observe(now - self.last_token)
             self.last_token = now
-            self.num_tokens += n
-        self.reasons += [o.finish_reason for o in out.outputs if o.finish_reason is not None]
+        for o in out.outputs:
+            if o.token_ids:
+                if o.index not in self.seq_tokens:
+                    self._histograms().ttft.observe(now - self.arrival)
+                self.seq_tokens[o.index] = self.seq_tokens.get(o.index, 0) + len(o.token_ids)
+            if o.finish_reason is not None and o.index not in self.finished:
+                self._finish_seq(out, o.index, o.finish_reason, now)
         if out.finished:
-            self._finish(out, self.reasons, self.num_tokens)
+            self._done()
 
     def on_abort(self, out: RequestOutput | None, n: int, num_tokens: int) -> None:
-        """out: the latest output the route read (None: none yet); num_tokens: its sequences' tokens in the
-        outputs the route read."""
+        """out: the latest output the route read (None: none yet); n: the request's sequences (those not finished
+        count as aborted); num_tokens: its sequences' tokens in the outputs the route read (on_output counted them
+        by sequence)."""
         if not self.done:
-            self._finish(out, ["abort"] * n, num_tokens)
+            now = time.monotonic()
+            for i in range(n):
+                if i not in self.finished:
+                    self._finish_seq(out, i, "abort", now)
+            self._done()
 
-    def _finish(self, out: RequestOutput | None, reasons: list[str], num_tokens: int) -> None:
-        self.done = True
+    def _finish_seq(self, out: RequestOutput | None, index: int, reason: str, now: float) -> None:
+        self.finished.add(index)
         h = self._histograms()
-        h.e2e.observe(time.monotonic() - self.arrival)
-        engine = self.m.engines.index(h)
-        for reason in reasons:
-            self.m.request_success(engine, reason).inc()
-        h.n_param.observe(len(reasons))  # the request's n: one reason per sequence
+        h.e2e.observe(now - self.arrival)
+        self.m.request_success(self.m.engines.index(h), reason).inc()
         if out is None:
             return
         h.prompt_tokens.observe(len(out.prompt_token_ids or []))
-        h.generation_tokens.observe(num_tokens)
+        h.generation_tokens.observe(self.seq_tokens.get(index, 0))
         rm = out.metrics
         if rm is not None and rm.first_scheduled_time is not None and rm.arrival_time is not None:
             h.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))
+
+    def _done(self) -> None:
+        self.done = True
+        self._histograms().n_param.observe(len(self.finished))  # the request's n: one finish per sequence
 
 
 class StatsLogger:

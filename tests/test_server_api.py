@@ -493,6 +493,16 @@ def test_a_choice_finished_by_an_output_without_tokens(tok):
     assert _value(samples, "vllm:request_success_total", finished_reason="length") == 4
     assert _value(samples, "vllm:request_generation_tokens_sum") == 10
     assert _value(samples, "vllm:request_params_n_sum") == 4
+    # each sequence counts as a request (vLLM v1's child requests): 2 requests of n=2 are 4 everywhere, and the
+    # generation-token readings are the sequences' (3 and 2 tokens each), not the requests' sums
+    for name in (
+        "vllm:e2e_request_latency_seconds_count",
+        "vllm:time_to_first_token_seconds_count",
+        "vllm:request_generation_tokens_count",
+        "vllm:request_prompt_tokens_count",
+    ):
+        assert _value(samples, name) == 4, name
+    assert _value(samples, "vllm:request_params_n_count") == 2
 
 
 def test_avg_throughput_gauges_are_the_last_whole_intervals_rates():
