@@ -128,17 +128,35 @@ def _split(refs, x_mode):
     return (None, refs) if x_mode == "row" else (refs[0], refs[1:])
 
 
-def _kernel(x_ref, w_ref, ws_ref, *refs, bk, per_split, tiles, min_scale, per_tensor, x_mode):
-    xs_ref, (o_ref,) = _split(refs, x_mode)
-    s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)  # [M, 1]
+def _gemv_acc(x_ref, w_ref, s, *, bk, x_mode, lo, hi, width):
+    """x's rows (token scales s) times the weight block w_ref [width, K] over K tiles lo..hi: a float32 [16, width]
+    accumulator of stacked rows, one MMA a tile."""
 
     def body(t, acc):
         k0 = t * bk
         return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), w_ref[:, pl.ds(k0, bk)].astype(jnp.float16), trans_b=True)
 
+    return jax.lax.fori_loop(lo, hi, body, jnp.zeros((16, width), jnp.float32))
+
+
+def _kernel(x_ref, w_ref, ws_ref, *refs, bk, per_split, tiles, min_scale, per_tensor, x_mode):
+    xs_ref, (o_ref,) = _split(refs, x_mode)
+    s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)  # [M, 1]
     lo = pl.program_id(1) * per_split
-    acc = jax.lax.fori_loop(lo, jnp.minimum(lo + per_split, tiles), body, jnp.zeros((16, o_ref.shape[-1]), jnp.float32))
+    hi = jnp.minimum(lo + per_split, tiles)
+    acc = _gemv_acc(x_ref, w_ref, s, bk=bk, x_mode=x_mode, lo=lo, hi=hi, width=o_ref.shape[-1])
     o_ref[...] = _scaled(acc, s, ws_ref, per_tensor)
+
+
+def _silu_store(g, u, a_ref, amax_ref):
+    """gate and up (scaled, float32 [M, BN]) rounded to a's 16-bit dtype (the unfused GEMV's output), then HF's
+    silu(gate) * up in that dtype (silu in float32 rounded, times up in float32 rounded) into a_ref, and its rows'
+    max of |a| into amax_ref."""
+    f32, dtype = jnp.float32, a_ref.dtype
+    g, u = g.astype(dtype).astype(f32), u.astype(dtype).astype(f32)
+    a = ((g * jax.nn.sigmoid(g)).astype(dtype).astype(f32) * u).astype(dtype)
+    a_ref[...] = a
+    amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
 
 
 def _silu_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, *refs, bk, tiles, min_scale, per_tensor, x_mode):
@@ -154,14 +172,7 @@ def _silu_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, *refs, bk, tiles, min_sc
 
     zero = jnp.zeros((16, a_ref.shape[-1]), f32)
     g, u = jax.lax.fori_loop(0, tiles, body, (zero, zero))
-    # gate and up rounded to a's 16-bit dtype (the unfused GEMV's output), then HF's silu(gate) * up in that dtype:
-    # silu in float32 rounded, times up in float32 rounded
-    dtype = a_ref.dtype
-    g = _scaled(g, s, sg_ref, per_tensor).astype(dtype).astype(f32)
-    u = _scaled(u, s, su_ref, per_tensor).astype(dtype).astype(f32)
-    a = ((g * jax.nn.sigmoid(g)).astype(dtype).astype(f32) * u).astype(dtype)
-    a_ref[...] = a
-    amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
+    _silu_store(_scaled(g, s, sg_ref, per_tensor), _scaled(u, s, su_ref, per_tensor), a_ref, amax_ref)
 
 
 def _silu_il_kernel(x_ref, w_ref, ws_ref, *refs, bk, tiles, min_scale, per_tensor, x_mode):
@@ -169,17 +180,8 @@ def _silu_il_kernel(x_ref, w_ref, ws_ref, *refs, bk, tiles, min_scale, per_tenso
     _kernel runs them, then the product split into gate's and up's BN columns."""
     xs_ref, (a_ref, amax_ref) = _split(refs, x_mode)
     s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)
-
-    def body(t, acc):
-        k0 = t * bk
-        return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), w_ref[:, pl.ds(k0, bk)].astype(jnp.float16), trans_b=True)
-
-    acc = jax.lax.fori_loop(0, tiles, body, jnp.zeros((16, 2 * a_ref.shape[-1]), jnp.float32))
-    f32, dtype = jnp.float32, a_ref.dtype
-    g, u = jnp.split(_scaled(acc, s, ws_ref, per_tensor).astype(dtype).astype(f32), 2, axis=1)
-    a = ((g * jax.nn.sigmoid(g)).astype(dtype).astype(f32) * u).astype(dtype)
-    a_ref[...] = a
-    amax_ref[...] = jnp.abs(a.astype(f32)).max(axis=1, keepdims=True)
+    acc = _gemv_acc(x_ref, w_ref, s, bk=bk, x_mode=x_mode, lo=0, hi=tiles, width=2 * a_ref.shape[-1])
+    _silu_store(*jnp.split(_scaled(acc, s, ws_ref, per_tensor), 2, axis=1), a_ref, amax_ref)
 
 
 def interleave_gate_up(w, w_scale, block_n: int):
@@ -278,15 +280,16 @@ def fp8_gemv_kernel(
     )(x_args[0], w, ws, *x_args[1:])
 
 
-def silu_plan(f: int, k: int, block_n=None, block_k=None):
+def silu_plan(f: int, k: int, block_n=None, block_k=None, interleaved: bool = False):
     """Static (block_n, block_k) of fp8_gemv_silu_kernel: a program owns block_n gate and block_n up columns over the
     whole of K (no split: its epilogue needs the sums); 32 columns of each where that gives ~4 programs an SM, else
     16 (the 8B shape's F 14336: 896 programs of 16 + 16 columns, as many as fp8_gemv_kernel's plan runs for the
     same weight). K tiles of 128: two weight tiles a step hold more registers than fp8_gemv's one, and at 256 the
     8B gate / up kernel took 80 registers a thread with 4 bytes spilled (2 rows; 112 with e4m3 rows: 4 programs an
     SM, 896 programs in 1.7 waves) against 68-70 and no spill at 128 (bench/probes/deviceless_compile.py: XLA's
-    Triton and ptxas for sm_90a, no GPU run)."""
-    bk = block_k or next(b for b in (128, 256) if k % b == 0)
+    Triton and ptxas for sm_90a, no GPU run). interleaved (one [2 block_n, K] block and one MMA a step, as
+    fp8_gemv_kernel): K tiles of 256 where K allows, as fp8_gemv_kernel's."""
+    bk = block_k or next(b for b in ((256, 128) if interleaved else (128, 256)) if k % b == 0)
     return block_n or (32 if f // 32 >= 4 * NUM_SMS and f % 32 == 0 else 16), bk
 
 
@@ -327,14 +330,12 @@ def fp8_gemv_silu_kernel(
     projection's token scales in x_mode "amax"). Program n multiplies gate's rows n * block_n.. and up's
     F + n * block_n.. (two blocks of the one weight): no split-K. interleaved: w and w_scale in
     interleave_gate_up(block_n)'s order, so that a program reads one [2 block_n, K] block in one MMA a K step, as
-    fp8_gemv_kernel does (block_k then 256 where K allows). Tuning (static): block_n, block_k (silu_plan()),
+    fp8_gemv_kernel does. Tuning (static): block_n, block_k (silu_plan()),
     num_warps, num_stages."""
     _check_x(x, xs, w, x_mode)
     M, K = x.shape
     F = w.shape[0] // 2
-    BN, BK = silu_plan(
-        F, K, block_n, block_k or (next((b for b in (256, 128) if K % b == 0), None) if interleaved else None)
-    )
+    BN, BK = silu_plan(F, K, block_n, block_k, interleaved)
     if w.shape[0] % 2 or F % BN or K % BK:
         raise ValueError(f"w's rows {w.shape[0]} must be 2 F with F a multiple of block_n={BN}, K={K} of block_k={BK}")
     per_tensor = w_scale.size == 1
