@@ -192,7 +192,7 @@ class EngineRunner:
         finally:
             if not rs.finished:
                 if got_output or not failed:  # abandoned running or still waiting (vLLM counts both), or failed
-                    tracker.on_abort(rs.last, req.params.n, rs.completion_tokens)
+                    tracker.on_abort(rs.last, req.params.n)
                 if not failed:
                     await _close_and_abort(self.engine, gen, req.request_id)
 

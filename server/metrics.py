@@ -403,10 +403,9 @@ class RequestTracker:
         if out.finished:
             self._done()
 
-    def on_abort(self, out: RequestOutput | None, n: int, num_tokens: int) -> None:
+    def on_abort(self, out: RequestOutput | None, n: int) -> None:
         """out: the latest output the route read (None: none yet); n: the request's sequences (those not finished
-        count as aborted); num_tokens: its sequences' tokens in the outputs the route read (on_output counted them
-        by sequence)."""
+        count as aborted, with the tokens on_output counted for them)."""
         if not self.done:
             now = time.monotonic()
             for i in range(n):
