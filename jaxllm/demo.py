@@ -100,6 +100,11 @@ def _source_info(gguf_path: str) -> dict:
     }
 
 
+def is_gguf_folder(model_dir: str) -> bool:
+    """Whether model_dir is a GGUF file's converted folder (gguf_model_dir's, or the demo model's)."""
+    return os.path.isfile(os.path.join(model_dir, _MARKER))
+
+
 def _is_current(model_dir: str, source: dict) -> bool:
     try:
         with open(os.path.join(model_dir, _MARKER)) as f:

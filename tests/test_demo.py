@@ -7,6 +7,7 @@ once per module into a temp cache (~10 s on 2 cores), so these tests also cover 
 import importlib.util
 import json
 import os
+import shutil
 import time
 
 import numpy as np
@@ -184,7 +185,7 @@ def test_transformers_greedy_answers_paris(converted, tokenizer):
 def test_a_gguf_file_as_the_model(converted, tmp_path, monkeypatch):
     """vLLM's `serve x.gguf [--tokenizer T]`: a local .gguf file is converted once into the cache (the demo's
     conversion, so the same files), again only when the file changes; with a tokenizer given, none is rebuilt from
-    the GGUF; load_format="gguf" needs such a file."""
+    the GGUF; load_format="gguf" needs such a file (or its converted folder)."""
     import filecmp
 
     from jaxllm.engine.args import EngineArgs
@@ -207,3 +208,9 @@ def test_a_gguf_file_as_the_model(converted, tmp_path, monkeypatch):
         resolve_model_dir(EngineArgs(model=converted[1] + "/config.json", load_format="gguf"))
     with pytest.raises(ValueError, match="is a file, not a model folder"):
         resolve_model_dir(EngineArgs(model=converted[1] + "/config.json"))
+    plain = tmp_path / "plain"  # a folder of its own weights: they used to load silently as if converted
+    plain.mkdir()
+    shutil.copy(os.path.join(converted[1], "config.json"), plain)
+    with pytest.raises(ValueError, match="got the folder"):
+        resolve_model_dir(EngineArgs(model=str(plain), load_format="gguf"))
+    assert resolve_model_dir(EngineArgs(model=folder, load_format="gguf")) == folder  # a converted one (replicas)

@@ -49,6 +49,14 @@ def resolve_model_dir(args) -> str:
         return str(demo_model_path())
     model = os.path.expanduser(args.model)
     if os.path.isdir(model):
+        from jaxllm.demo import is_gguf_folder
+
+        if args.load_format == "gguf" and not is_gguf_folder(model):  # (its safetensors loaded silently)
+            raise ValueError(
+                f"load_format='gguf' needs a local .gguf file as the model, got the folder {args.model!r}: pass "
+                "the .gguf file itself (with --tokenizer for its tokenizer), or drop load_format to load the "
+                "folder's own weights."
+            )
         return model
     if os.path.isfile(model) and model.endswith(".gguf"):  # vLLM's `serve x.gguf --tokenizer ...`
         from jaxllm.demo import gguf_model_dir
