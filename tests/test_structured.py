@@ -333,6 +333,49 @@ def test_disable_additional_properties(llm):
         assert o.outputs[0].finish_reason == "stop" and list(json.loads(o.outputs[0].text)) == ["a"]
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schemas_take_no_other_keys_by_default(llm, monkeypatch, strict):
+    """vLLM's default backend (xgrammar, strict_mode) refuses keys and items a schema does not name; llguidance's
+    default allows them. Without the strict schema (strict=False: what jaxllm compiled before) every sampled
+    output goes on with other keys, so this test tells the two apart."""
+    from jaxllm.engine import structured
+
+    if not strict:
+        monkeypatch.setattr(structured, "strict_json_schema", lambda schema: schema)
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"]}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    outs = llm.generate(
+        PROMPTS * 2, SamplingParams(temperature=1.0, seed=3, max_tokens=32, structured_outputs=so), use_tqdm=False
+    )
+    only_a = [re.fullmatch(r'\{"a":[0-9]\}', o.outputs[0].text) is not None for o in outs]
+    assert all(only_a) if strict else not any(only_a), [o.outputs[0].text for o in outs]
+
+
+def test_strict_json_schema_writes_out_what_xgrammar_refuses():
+    from jaxllm.engine.structured import strict_json_schema
+
+    enum = [{"type": "object", "properties": {"x": 1}}]  # data, not a schema: never changed
+    schema = {
+        "properties": {
+            "p": {"type": "array", "prefixItems": [{"type": "string"}]},
+            "free": {"type": "object"},
+            "tags": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"}}}},
+            "e": {"enum": enum, "const": enum[0], "default": enum[0]},
+            "open": {"type": "object", "properties": {}, "additionalProperties": {"type": "integer"}},
+            "both": {"allOf": [{"properties": {"a": {}}}, {"properties": {"b": {}}}]},
+        },
+        "$defs": {"d": {"type": ["object", "null"], "properties": {"z": {"type": "null"}}}},
+    }
+    out = strict_json_schema(schema)
+    assert out["additionalProperties"] is False and out["$defs"]["d"]["additionalProperties"] is False
+    props = out["properties"]
+    assert props["p"]["items"] is False and "additionalProperties" not in props["free"]
+    assert props["tags"]["items"]["additionalProperties"] is False
+    assert props["e"] == schema["properties"]["e"] and props["open"] == schema["properties"]["open"]
+    assert props["both"] == schema["properties"]["both"]
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+
+
 def test_tokenizer_without_a_decoder_llguidance_reads(llm):
     """The tiny tokenizer's Metaspace decoder is one llguidance's HF reader refuses: the engine's piece reader
     gives it the same token bytes as decoding does."""

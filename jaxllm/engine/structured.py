@@ -18,6 +18,9 @@ the one before runs, then waits for that step's tokens to advance the matchers a
 the step's sampling is dispatched, so that wait and update overlap the model (its module docstring,
 runner.launch).
 When the grammar is complete, the mask allows only the EOS tokens.
+JSON schemas are compiled strict (strict_json_schema): no keys or items the schema does not name, as xgrammar,
+vLLM's default backend, compiles them; a request's disable_additional_properties goes further, as vLLM's guidance
+backend reads it (every object schema, bare ones too).
 With a reasoning parser (EngineArgs.reasoning_parser, as vLLM's --reasoning-parser), the grammar applies only after
 the model's reasoning: until the token that ends it (</think>) a constrained sequence's mask allows every token and
 its matcher is not fed; the grammar starts with the token after it. A prompt whose template already closed the
@@ -126,8 +129,9 @@ class Grammars:
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, dict):
                 raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}.")
-            if so.disable_additional_properties:
-                schema = _no_additional_properties(schema)
+            schema = (
+                _no_additional_properties(schema) if so.disable_additional_properties else strict_json_schema(schema)
+            )
             field, grammar = "json", llg.LLMatcher.grammar_from_json_schema(schema, defaults=flexible)
         elif so.json_object:
             field, grammar = (
@@ -262,3 +266,51 @@ def _no_additional_properties(schema):
     if isinstance(schema, list):
         return [_no_additional_properties(v) for v in schema]
     return schema
+
+
+# Keywords whose values are schemas (a dict of them, a list of them, or one), where strict_json_schema looks for
+# object and array schemas; every other keyword's value (const, enum, default, examples, required...) is data and
+# stays as it is, however much it looks like a schema.
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems")
+_SCHEMAS = (
+    "additionalProperties", "unevaluatedProperties", "items", "additionalItems", "unevaluatedItems", "contains",
+    "not", "if", "then", "else", "propertyNames",
+)  # fmt: skip
+
+
+def strict_json_schema(schema, _in_all_of: bool = False):
+    """schema as xgrammar compiles it by default (strict_mode=True: vLLM's default backend, "auto", is xgrammar for
+    the schemas it takes): an object schema with properties but neither additionalProperties nor
+    unevaluatedProperties takes no other keys, and an array schema with prefixItems but neither items nor
+    unevaluatedItems no other items. llguidance (jaxllm's backend) allows both unless told, so they are written
+    out. Left alone: a bare {"type": "object"} / {"type": "array"} (any object / array, as json_object asks and
+    xgrammar's basic rules allow), and a schema beside allOf / anyOf / oneOf / $ref or inside an allOf (keys that
+    those add would be refused by a local additionalProperties, which only sees its own properties)."""
+    if isinstance(schema, list):  # items as a list (draft 4's tuples)
+        return [strict_json_schema(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: strict_json_schema(v) for k, v in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_json_schema(v) for v in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [strict_json_schema(v, _in_all_of=True) for v in out["allOf"]]
+    for key in _SCHEMAS:
+        if key in out:
+            out[key] = strict_json_schema(out[key])
+    if _in_all_of or any(k in out for k in ("allOf", "anyOf", "oneOf", "$ref")):
+        return out
+    if (
+        ("properties" in out or "patternProperties" in out)
+        and "additionalProperties" not in out
+        and "unevaluatedProperties" not in out
+    ):
+        out["additionalProperties"] = False
+    if "prefixItems" in out and "items" not in out and "unevaluatedItems" not in out:
+        out["items"] = False
+    return out

@@ -64,7 +64,9 @@ MULTI_STEP = (
     "multi-step scheduling has no effect"
 )
 TOKENIZER_POOL = "prompts are tokenized in the server's process (no tokenizer pool)"
-LLGUIDANCE = "structured outputs always use llguidance, with its defaults"
+LLGUIDANCE = (
+    "structured outputs always use llguidance (JSON schemas strict, as vLLM's default backend, xgrammar, compiles them)"
+)
 RAW_LOGPROBS = "logprobs are always those of the raw model output (vLLM's default raw_logprobs)"
 BUCKETS = (
     "every shape bucket (powers of two up to --max-num-seqs / --max-num-batched-tokens) is compiled at "
