@@ -238,6 +238,35 @@ def test_default_batch_limits_follow_vllm_by_gpu():
     assert [limits(d, server_mode=True) for d in (h100, a100, l4)] == [(1024, 8192), (256, 2048), (256, 2048)]
     assert limits(l4, max_num_seqs=64, max_num_batched_tokens=4096) == (64, 4096)
     assert setup.default_limits(EngineArgs(model="m"), False) == (8, 256)
+    assert setup.default_limits(EngineArgs(model="m", max_num_seqs=512), False) == (512, 512)  # a default grows
+    assert setup.default_limits(EngineArgs(model="m", max_num_batched_tokens=4), False) == (8, 4)  # refused later
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        (
+            dict(max_num_batched_tokens=4),
+            r"max_num_batched_tokens \(4\) must be greater than or equal to max_num_seqs \(8\)",
+        ),
+        (
+            dict(max_num_batched_tokens=32, enable_chunked_prefill=False),
+            r"max_num_batched_tokens \(32\) is smaller than max_model_len \(128\)",
+        ),
+    ],
+)
+def test_explicit_step_limits_vllm_refuses_are_refused_before_weights_load(tmp_path, monkeypatch, kw, message):
+    """An explicit max_num_batched_tokens below max_num_seqs, or below max_model_len without chunked prefill, was
+    raised silently (a user's budget overridden); vLLM's SchedulerConfig refuses both. Refused before the weights
+    load; without chunked prefill a default budget still grows to max_model_len."""
+    from jaxllm import LLM
+    from jaxllm.models import loader
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir("llama", str(tmp_path / "tiny"))[0]
+    monkeypatch.setattr(loader, "load_params", lambda *a, **k: pytest.fail("weights loaded"))
+    with pytest.raises(ValueError, match=message):
+        LLM(model, max_model_len=128, **kw)
 
 
 GEMMA3_1B = {  # google/gemma-3-1b-it's config.json as the Hub has it (transformers 4.50 layout)

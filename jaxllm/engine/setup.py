@@ -57,7 +57,8 @@ def default_limits(args: EngineArgs, gpu: bool, device: tuple[int, str] | None =
     else:
         seqs = args.max_num_seqs or 8
         tokens = args.max_num_batched_tokens or 256
-    return seqs, max(tokens, seqs)
+    # a default token budget grows to the sequences; an explicit one below them is refused (SchedulerConfig), as vLLM
+    return seqs, tokens if args.max_num_batched_tokens else max(tokens, seqs)
 
 
 def build_engine_parts(args: EngineArgs, devices=None) -> EngineParts:
@@ -132,8 +133,14 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
         )
     gpu = _is_gpu()
     max_num_seqs, max_num_batched_tokens = default_limits(args, gpu, gpu_device() if gpu else None)
-    if not args.enable_chunked_prefill:
+    if not args.enable_chunked_prefill and not args.max_num_batched_tokens:  # (an explicit one is checked below)
         max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+    SchedulerConfig(  # its checks before anything loads (vLLM's, on the values the user gave)
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+    )
     backend = args.attention_backend
     if backend == "auto":
         backend = "pallas" if gpu else "reference"
