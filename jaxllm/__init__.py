@@ -5,11 +5,23 @@
 Heavy modules (jax, the engine) load on first use, so `import jaxllm` stays cheap.
 """
 
+from jaxllm.inputs import PromptType, TextPrompt, TokensPrompt
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "TextPrompt",
+    "TokensPrompt",
+    "PromptType",
+    "__version__",
+]
 
 
 def __getattr__(name):

@@ -339,3 +339,27 @@ class ParameterError(ValueError):
 def _check(ok: bool, message: str, parameter: str | None = None) -> None:
     if not ok:
         raise ParameterError(message, parameter=parameter)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's LLM.beam_search parameters (jaxllm/beam_search.py): beam_width beams kept a step, up to max_tokens
+    new tokens each; temperature as in sampling (0: the model's own log-probabilities); length_penalty the exponent
+    of the length that divides a beam's summed log-probability in its score."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            _check(_is_int(value) and value >= 1, f"{name} must be an integer of at least 1, got {value!r}.", name)
+        for name in ("temperature", "length_penalty"):
+            value = getattr(self, name)
+            ok = (_is_int(value) or isinstance(value, (float, np.floating))) and math.isfinite(value)
+            _check(ok, f"{name} must be a finite number, got {value!r}.", name)
+        _check(self.temperature >= 0, f"temperature must be non-negative, got {self.temperature}.", "temperature")

@@ -100,6 +100,8 @@ class LLMEngine(EngineLoRAMethods):
 
     def tokenize_prompt(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
+            if prompt.get("multi_modal_data"):
+                raise ValueError("multi_modal_data is not supported: jaxllm serves text-only models.")
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
                 if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):

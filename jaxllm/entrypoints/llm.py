@@ -7,11 +7,12 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxllm.beam_search import BeamSearchOutput, run_beam_search
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.entrypoints.chat_utils import CONTENT_FORMATS, template_message
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import BeamSearchParams, ParameterError, RequestOutputKind, SamplingParams
 
 # vLLM's words for a generative model (its LLM.encode and friends need a pooling model)
 _NO_POOLING = (
@@ -109,6 +110,63 @@ class LLM:
                 ids = ids["input_ids"]
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
+
+    def beam_search(
+        self,
+        prompts,
+        params: BeamSearchParams,
+        lora_request=None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search (jaxllm/beam_search.py): prompts are TextPrompt / TokensPrompt dicts (or strings);
+        each output's sequences are its best beams, best first, their tokens and text the whole sequence (prompt
+        included), as vLLM returns them. concurrency_limit: prompts searched at a time (all by default)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}.")
+        max_logprobs = self.llm_engine.max_logprobs
+        if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
+            raise ParameterError(
+                f"beam_width ({params.beam_width}) needs 2 * beam_width log-probabilities a step, more than "
+                f"max_logprobs ({max_logprobs}); raise max_logprobs or lower beam_width.",
+                parameter="beam_width",
+            )
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be a positive integer, got {concurrency_limit!r}.")
+        prompts = _as_prompt_list(prompts)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        tok = self.get_tokenizer()
+        ids = []
+        for p in prompts:
+            if isinstance(p, dict) and "prompt_token_ids" in p:
+                ids.append(list(p["prompt_token_ids"]))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                ids.append(list(p))
+            elif isinstance(p, (str, dict)) and isinstance(p.get("prompt") if isinstance(p, dict) else p, str):
+                ids.append(tok.encode(p if isinstance(p, str) else p["prompt"]))
+            else:
+                raise ValueError(
+                    f"A beam search prompt must be a string, a TextPrompt, a TokensPrompt or token ids, got {p!r:.80}."
+                )
+
+        def generate(batch, sp, lora_requests):
+            return self.generate(batch, sp, use_tqdm=False, lora_request=lora_requests)
+
+        limit = concurrency_limit or max(len(ids), 1)
+        outputs: list[BeamSearchOutput] = []
+        for start in range(0, len(ids), limit):
+            outputs += run_beam_search(
+                ids[start : start + limit],
+                params,
+                generate,
+                eos_token_id=tok.eos_token_id,
+                max_model_len=self.llm_engine.max_model_len,
+                loras=loras[start : start + limit] if loras else None,
+            )
+        for out in outputs:
+            for beam in out.sequences:
+                beam.text = tok.decode(beam.tokens)
+        return outputs
 
     def encode(self, *args, **kwargs):
         """Pooling (embeddings, classification, rewards) is not served: jaxllm runs generative models only."""
