@@ -21,8 +21,9 @@ bucket's rows); fp8_gemv / fp8_gemv_res = the same function (without / with the 
 FP8_GEMV_SWEEP tilings); fp8_gemv_e4m3 / fp8_gemv_amax = fp8_gemv given x already in e4m3 with its token scales
 (Fp8Rows) / with K / 16 partial maxima a row (RowsWithMax), so the kernel skips its pass over the row;
 fp8_gemv_silu = silu(gate) * up of the gate_up shape in one kernel (fp8_gemv_silu, F = N / 2 columns out; --sweep
-adds FP8_SILU_SWEEP's tilings; fp8_gemv_silu_e4m3 given e4m3 rows as fp8_gemv_e4m3 is; fp8_gemv_silu_il[_e4m3] on the
-weight interleaved at load time, one [2 block_n, K] block a program), against
+adds FP8_SILU_SWEEP's tilings; fp8_gemv_silu_e4m3 given e4m3 rows as fp8_gemv_e4m3 is; the default layout "paired"
+reads gate's and up's rows of a program as one tile of the weight as stored; fp8_gemv_silu_il[_e4m3] on the weight
+interleaved at load time, one [2 block_n, K] block a program; fp8_gemv_silu_split[_e4m3] two tiles a K step), against
 fp8_gemv_silu_xla = fp8_gemv, then XLA's silu * up; NAME_asm = NAME's kernel with dequant="asm" (PRMT / LOP3 inline PTX,
 kernels_pallas/_qdequant.py); int4_mgpu / int4_mgpu_asym / int4_mgpu_pc = the Mosaic GPU kernel on the nk layout
 (_qmatmul_mgpu), int4 g128 sym / asym and per-channel sym (no group: any block_k, e.g. {"block_k": 256}).
@@ -99,11 +100,14 @@ IMPLS = (
     "fp8_gemv_silu_e4m3",
     "fp8_gemv_silu_il",
     "fp8_gemv_silu_il_e4m3",
+    "fp8_gemv_silu_split",
+    "fp8_gemv_silu_split_e4m3",
     "fp8_gemv_silu_xla",
 )
 # rows of at most 2 (the decode bucket's) with a [2, N] bf16 residual in their weight tuple
 TWO_ROW_IMPLS = ("fp8_res", "fp8_gemv", "fp8_gemv_res", "fp8_gemv_e4m3", "fp8_gemv_amax", "fp8_gemv_silu")
 TWO_ROW_IMPLS += ("fp8_gemv_silu_e4m3", "fp8_gemv_silu_il", "fp8_gemv_silu_il_e4m3", "fp8_gemv_silu_xla")
+TWO_ROW_IMPLS += ("fp8_gemv_silu_split", "fp8_gemv_silu_split_e4m3")
 # fp8_gemv's forms of x (timed with x already in that form): e4m3 rows with their token scales (the add + norm pass
 # writes them), x with K / 16 partial maxima a row (the silu kernel's pieces)
 GEMV_X = {
@@ -111,6 +115,7 @@ GEMV_X = {
     "fp8_gemv_amax": "amax",
     "fp8_gemv_silu_e4m3": "e4m3",
     "fp8_gemv_silu_il_e4m3": "e4m3",
+    "fp8_gemv_silu_split_e4m3": "e4m3",
 }
 # fp8_gemv's tilings (--sweep; its default tiling is the row without cfg): (block_n, block_k, splits, warps, stages)
 FP8_GEMV_SWEEP = [
@@ -125,7 +130,7 @@ FP8_GEMV_SWEEP = [
     )
 ]
 # fp8_gemv_silu's tilings (--sweep with an fp8_gemv_silu impl): (block_n, block_k, warps, stages); its default
-# (silu_plan) is 16 + 16 columns, 128-wide K tiles, 4 warps, 3 stages
+# (silu_plan) is 16 + 16 columns, 256-wide K tiles (128 for the split layout), 4 warps, 3 stages
 FP8_SILU_SWEEP = [
     dict(block_n=bn, block_k=bk, num_warps=w, num_stages=st)
     for bn, bk, w, st in (
@@ -309,9 +314,10 @@ def make_impl(name, K, N, key):
                         gu = fp8_gemv(x, w[0], w[1], **cfg)
                         return jax.nn.silu(gu[:, : N // 2]) * gu[:, N // 2 :]
                     if isinstance(w[2], dict):
-                        bn = cfg.get("block_n") or silu_plan(N // 2, K)[0]
-                        return fp8_gemv_silu(x, *w[2][bn], interleaved=True, **cfg).x
-                    return fp8_gemv_silu(x, w[0], w[1], **cfg).x
+                        bn = cfg.get("block_n") or silu_plan(N // 2, K, layout="interleaved")[0]
+                        return fp8_gemv_silu(x, *w[2][bn], layout="interleaved", **cfg).x
+                    layout = "split" if "_split" in name else "paired"
+                    return fp8_gemv_silu(x, w[0], w[1], layout=layout, **cfg).x
 
                 return silu, (w, s, r), N * K + N * 4
 

@@ -22,11 +22,15 @@ fp8_gemv_silu_kernel: gate / up's GEMV with silu(gate) * up as its epilogue. Gri
 gate's rows n * BN.. and up's F + n * BN.. of the one [2F, K] weight over all of K (no split-K: the epilogue needs the
 sums), rounds both to the output's dtype, writes silu(gate) * up [M, BN] and its rows' max of |a| [M, 1] (down's
 token scales without a pass over a's row). It replaces fp8_gemv_kernel's gate / up call and XLA's silu * up fusion.
-On an H200 (8B gate / up, bench/results/quant_kernels_fp8silu_sweep_h200_d1efdc2.json) the split form's two 16-column
-MMAs a K step run at 53.6 us at 2 rows, slower than the GEMV and XLA's fusion (33.4); on a weight interleaved at load
-time (interleave_gate_up, interleaved=True: one [2 BN, K] block and one MMA a K step) it takes 31.5, or 30.4 with
-e4m3 rows. The decoder runs the split form only with quant_matmul.FP8_GEMV_SILU on (off by default); its gate / up
-weight is not interleaved yet. The e4m3 rows (x_mode "e4m3") are the decoder's default (FP8_ADD_NORM_E4M3).
+On an H200 (8B gate / up, bench/results/quant_kernels_fp8silu_sweep_h200_d1efdc2.json) the "split" layout's two
+16-column MMAs a K step run at 53.6 us at 2 rows, slower than the GEMV and XLA's fusion (33.4); on a weight
+interleaved at load time ("interleaved", interleave_gate_up: one [2 BN, K] block and one MMA a K step) it takes 31.5,
+or 30.4 with e4m3 rows. "paired" (the default) reads the weight as it is, gate's and up's BN rows as one [2, BN, BK]
+tile of w viewed [2, F, K], stacked into one MMA: compiled for sm_90a (bench/probes/deviceless_compile.py, no GPU
+run yet) its PTX has the interleaved kernel's loads, cp.async, ldmatrix, MMAs and barriers one for one (only address
+arithmetic differs) and 40-64 registers a thread against 48-73, no spills. The decoder runs it with
+quant_matmul.FP8_GEMV_SILU on (off by default until an engine A/B on a GPU). The e4m3 rows (x_mode "e4m3") are the
+decoder's default (FP8_ADD_NORM_E4M3).
 
 What it replaces at the engine's batch-1 bucket (H100 trace, 8B fp8, b42ec8a): per projection an XLA reduce for
 the token scales and a convert that writes the rounded x before XLA's GEMM (~1.2-1.6 us each). Measured on an H100
@@ -116,10 +120,11 @@ def _x_tile(x_ref, k0, bk, s, x_mode):
 
 
 def _scaled(acc, s, ws_ref, per_tensor):
-    """A float32 [16, BN] accumulator of stacked rows as [M, BN] times the token and channel (or tensor) scales."""
+    """A float32 [16, BN] accumulator of stacked rows as [M, BN] times the token and channel (or tensor) scales
+    (ws_ref [BN], or [2, BN / 2] for the paired silu kernel's gate and up, or [1])."""
     M = s.shape[0]
     y = acc.reshape(16 // M, M, -1).max(axis=0)  # the copies are bitwise equal: max keeps them exact
-    ws = ws_ref[0] if per_tensor else ws_ref[...].astype(jnp.float32)[None, :]
+    ws = ws_ref[0] if per_tensor else ws_ref[...].astype(jnp.float32).reshape(1, -1)
     return (y * s) * ws
 
 
@@ -129,12 +134,18 @@ def _split(refs, x_mode):
 
 
 def _gemv_acc(x_ref, w_ref, s, *, bk, x_mode, lo, hi, width):
-    """x's rows (token scales s) times the weight block w_ref [width, K] over K tiles lo..hi: a float32 [16, width]
-    accumulator of stacked rows, one MMA a tile."""
+    """x's rows (token scales s) times the weight block w_ref [width, K] (or [2, width / 2, K]: the paired silu
+    kernel's gate and up rows, one tile of both) over K tiles lo..hi: a float32 [16, width] accumulator of stacked
+    rows, one MMA a tile."""
+
+    def tile(k0):
+        if len(w_ref.shape) == 3:
+            return w_ref[:, :, pl.ds(k0, bk)].reshape(width, bk)
+        return w_ref[:, pl.ds(k0, bk)]
 
     def body(t, acc):
         k0 = t * bk
-        return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), w_ref[:, pl.ds(k0, bk)].astype(jnp.float16), trans_b=True)
+        return acc + mma(_x_tile(x_ref, k0, bk, s, x_mode), tile(k0).astype(jnp.float16), trans_b=True)
 
     return jax.lax.fori_loop(lo, hi, body, jnp.zeros((16, width), jnp.float32))
 
@@ -176,8 +187,9 @@ def _silu_kernel(x_ref, wg_ref, wu_ref, sg_ref, su_ref, *refs, bk, tiles, min_sc
 
 
 def _silu_il_kernel(x_ref, w_ref, ws_ref, *refs, bk, tiles, min_scale, per_tensor, x_mode):
-    """_silu_kernel on an interleaved weight (interleave_gate_up): one [2 BN, BK] tile and one MMA a K step, as
-    _kernel runs them, then the product split into gate's and up's BN columns."""
+    """_silu_kernel with one [2 BN, BK] tile and one MMA a K step, as _kernel runs them, then the product split into
+    gate's and up's BN columns: w_ref [2 BN, K] of an interleaved weight (interleave_gate_up), or [2, BN, K] of the
+    weight as it is (layout "paired": gate's BN rows and up's in one block, their tiles stacked in registers)."""
     xs_ref, (a_ref, amax_ref) = _split(refs, x_mode)
     s = _token_scales(x_ref, xs_ref, bk=bk, min_scale=min_scale, x_mode=x_mode)
     acc = _gemv_acc(x_ref, w_ref, s, bk=bk, x_mode=x_mode, lo=0, hi=tiles, width=2 * a_ref.shape[-1])
@@ -280,16 +292,21 @@ def fp8_gemv_kernel(
     )(x_args[0], w, ws, *x_args[1:])
 
 
-def silu_plan(f: int, k: int, block_n=None, block_k=None, interleaved: bool = False):
+SILU_LAYOUTS = ("split", "paired", "interleaved")
+
+
+def silu_plan(f: int, k: int, block_n=None, block_k=None, layout: str = "paired"):
     """Static (block_n, block_k) of fp8_gemv_silu_kernel: a program owns block_n gate and block_n up columns over the
     whole of K (no split: its epilogue needs the sums); 32 columns of each where that gives ~4 programs an SM, else
     16 (the 8B shape's F 14336: 896 programs of 16 + 16 columns, as many as fp8_gemv_kernel's plan runs for the
     same weight). K tiles of 128: two weight tiles a step hold more registers than fp8_gemv's one, and at 256 the
     8B gate / up kernel took 80 registers a thread with 4 bytes spilled (2 rows; 112 with e4m3 rows: 4 programs an
     SM, 896 programs in 1.7 waves) against 68-70 and no spill at 128 (bench/probes/deviceless_compile.py: XLA's
-    Triton and ptxas for sm_90a, no GPU run). interleaved (one [2 block_n, K] block and one MMA a step, as
+    Triton and ptxas for sm_90a, no GPU run). Layouts "paired" and "interleaved" (one MMA a step, as
     fp8_gemv_kernel): K tiles of 256 where K allows, as fp8_gemv_kernel's."""
-    bk = block_k or next(b for b in ((256, 128) if interleaved else (128, 256)) if k % b == 0)
+    if layout not in SILU_LAYOUTS:
+        raise ValueError(f"layout must be one of {SILU_LAYOUTS}, got {layout!r}")
+    bk = block_k or next(b for b in ((128, 256) if layout == "split" else (256, 128)) if k % b == 0)
     return block_n or (32 if f // 32 >= 4 * NUM_SMS and f % 32 == 0 else 16), bk
 
 
@@ -299,7 +316,7 @@ def silu_plan(f: int, k: int, block_n=None, block_k=None, interleaved: bool = Fa
         "min_scale",
         "x_mode",
         "out_dtype",
-        "interleaved",
+        "layout",
         "block_n",
         "block_k",
         "num_warps",
@@ -316,7 +333,7 @@ def fp8_gemv_silu_kernel(
     min_scale,
     x_mode="row",
     out_dtype=None,
-    interleaved=False,
+    layout="paired",
     block_n=None,
     block_k=None,
     num_warps=4,
@@ -328,23 +345,28 @@ def fp8_gemv_silu_kernel(
     required for e4m3 x), amax [M, F / block_n] float32): gate and up each rounded to that dtype, silu(gate) rounded,
     times up rounded (HF's ops in a 16-bit dtype), and the max of |a| over each program's columns (the next
     projection's token scales in x_mode "amax"). Program n multiplies gate's rows n * block_n.. and up's
-    F + n * block_n.. (two blocks of the one weight): no split-K. interleaved: w and w_scale in
-    interleave_gate_up(block_n)'s order, so that a program reads one [2 block_n, K] block in one MMA a K step, as
-    fp8_gemv_kernel does. Tuning (static): block_n, block_k (silu_plan()),
-    num_warps, num_stages."""
+    F + n * block_n.. (no split-K). layout (static; SILU_LAYOUTS): "split" loads and multiplies gate's and up's
+    block_n rows as two tiles a K step; "paired" loads them as one [2, block_n, BK] tile of w viewed [2, F, K] and
+    multiplies it in one MMA, as fp8_gemv_kernel does its [block_n, BK]; "interleaved" takes w and w_scale in
+    interleave_gate_up(block_n)'s order and reads one [2 block_n, K] block. Tuning (static): block_n, block_k
+    (silu_plan()), num_warps, num_stages."""
     _check_x(x, xs, w, x_mode)
     M, K = x.shape
     F = w.shape[0] // 2
-    BN, BK = silu_plan(F, K, block_n, block_k, interleaved)
+    BN, BK = silu_plan(F, K, block_n, block_k, layout)
     if w.shape[0] % 2 or F % BN or K % BK:
         raise ValueError(f"w's rows {w.shape[0]} must be 2 F with F a multiple of block_n={BN}, K={K} of block_k={BK}")
     per_tensor = w_scale.size == 1
     ws = jnp.asarray(w_scale, jnp.float32).reshape(-1)
     P = F // BN
-    if interleaved:  # one [2 BN, K] block of w and of its scales a program
+    if layout == "interleaved":  # one [2 BN, K] block of w and of its scales a program
         w_specs = [pl.BlockSpec((2 * BN, K), lambda n: (n, 0))]
         w_specs.append(pl.BlockSpec((1,), lambda n: (0,)) if per_tensor else pl.BlockSpec((2 * BN,), lambda n: (n,)))
         w_args = (w, ws)
+    elif layout == "paired":  # gate's and up's BN rows (and scales) as one [2, BN, K] block of w viewed [2, F, K]
+        w_specs = [pl.BlockSpec((2, BN, K), lambda n: (0, n, 0))]
+        w_specs.append(pl.BlockSpec((1,), lambda n: (0,)) if per_tensor else pl.BlockSpec((2, BN), lambda n: (0, n)))
+        w_args = (w.reshape(2, F, K), ws if per_tensor else ws.reshape(2, F))
     else:
         w_specs = [pl.BlockSpec((BN, K), lambda n: (n, 0)), pl.BlockSpec((BN, K), lambda n: (n + P, 0))]
         if per_tensor:
@@ -353,7 +375,7 @@ def fp8_gemv_silu_kernel(
             w_specs += [pl.BlockSpec((BN,), lambda n: (n,)), pl.BlockSpec((BN,), lambda n: (n + P,))]
         w_args = (w, w, ws, ws)
     kernel = functools.partial(
-        _silu_il_kernel if interleaved else _silu_kernel,
+        _silu_kernel if layout == "split" else _silu_il_kernel,
         bk=BK,
         tiles=K // BK,
         min_scale=min_scale,
@@ -372,5 +394,7 @@ def fp8_gemv_silu_kernel(
         out_shape=[jax.ShapeDtypeStruct((M, F), dtype), jax.ShapeDtypeStruct((M, P), jnp.float32)],
         interpret=interpret,
         compiler_params=triton_params(num_warps, num_stages),
-        name=f"fp8_gemv_silu_{BN=}_{BK=}" + ("_il" if interleaved else "") + ("" if x_mode == "row" else f"_{x_mode}"),
+        name=f"fp8_gemv_silu_{BN=}_{BK=}"
+        + {"split": "", "paired": "_pair", "interleaved": "_il"}[layout]
+        + ("" if x_mode == "row" else f"_{x_mode}"),
     )(x_args[0], *w_args, *x_args[1:])

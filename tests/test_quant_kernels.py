@@ -908,8 +908,9 @@ def test_fp8_gemv_silu_is_the_gemv_then_silu_times_up(rows, F, K, per_channel, x
 
 @pytest.mark.parametrize("rows,per_channel,x_mode,block_n", [(1, True, "row", 16), (2, False, "e4m3", 32)])
 def test_fp8_gemv_silu_on_the_interleaved_weight_is_the_split_form(rows, per_channel, x_mode, block_n):
-    """fp8_gemv_silu_kernel(interleaved=True) on interleave_gate_up's weight and scales (one [2 block_n, K] block and
-    one MMA a K step) gives the split form's a and maxima bit for bit: the same products summed in the same order."""
+    """fp8_gemv_silu_kernel(layout="interleaved") on interleave_gate_up's weight and scales (one [2 block_n, K] block
+    and one MMA a K step), and layout="paired" on the weight as it is (gate's and up's rows as one [2, block_n, BK]
+    tile), give the split form's a and maxima bit for bit: the same products summed in the same order."""
     from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel, interleave_gate_up
 
     F, K = 128, 512
@@ -928,9 +929,11 @@ def test_fp8_gemv_silu_on_the_interleaved_weight_is_the_split_form(rows, per_cha
     np.testing.assert_array_equal(
         np.asarray(wi[block_n : 2 * block_n], np.float32), np.asarray(wq[F : F + block_n], np.float32)
     )
-    got = fp8_gemv_silu_kernel(args[0], wi, si, args[1], interleaved=True, **kw)
-    for g, w in zip(got, want):
+    got = fp8_gemv_silu_kernel(args[0], wi, si, args[1], layout="interleaved", **kw)
+    paired = fp8_gemv_silu_kernel(args[0], wq, ws, args[1], layout="paired", **kw)  # the weight as it is
+    for g, p, w in zip(got, paired, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match="multiple of block_n"):
         interleave_gate_up(wq, ws, 48)
 
@@ -955,10 +958,10 @@ def test_fp8_gemv_silu_refuses_what_it_does_not_take():
         fp8_gemv_silu_kernel(x, wq, ws, jnp.ones((2, 1)), x_mode="scaled", **kw)
 
 
-@pytest.mark.parametrize("rows,x_mode", [(1, "row"), (2, "e4m3")])
-def test_fp8_gemv_silu_lowers_for_cuda(rows, x_mode):
+@pytest.mark.parametrize("rows,x_mode,layout", [(1, "row", "paired"), (2, "e4m3", "paired"), (2, "e4m3", "split")])
+def test_fp8_gemv_silu_lowers_for_cuda(rows, x_mode, layout):
     """The silu kernel lowers to Triton IR for CUDA on CPU at the 8B gate / up shape (F 14336: 896 programs of
-    16 + 16 columns)."""
+    16 + 16 columns; K tiles of 256 in the paired layout, its default, 128 in the split one)."""
     from kernels_pallas._fp8_gemv import fp8_gemv_silu_kernel
 
     e4m3 = x_mode == "e4m3"
@@ -970,11 +973,12 @@ def test_fp8_gemv_silu_lowers_for_cuda(rows, x_mode):
     )
     f = jax.jit(
         lambda x, w, s, xs: fp8_gemv_silu_kernel(
-            x, w, s, xs, min_scale=quant.FP8_MIN_SCALE, x_mode=x_mode, out_dtype=jnp.bfloat16
+            x, w, s, xs, min_scale=quant.FP8_MIN_SCALE, x_mode=x_mode, out_dtype=jnp.bfloat16, layout=layout
         )
     )
     text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fp8_gemv_silu_BN_16_BK_128" in text and "__gpu$xla.gpu.triton" in text
+    name = "fp8_gemv_silu_BN_16_BK_256_pair" if layout == "paired" else "fp8_gemv_silu_BN_16_BK_128"
+    assert name in text and "__gpu$xla.gpu.triton" in text
 
 
 def test_quantized_matmul_partials():

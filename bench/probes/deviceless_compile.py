@@ -8,7 +8,7 @@ Setup (a venv of its own: the CUDA wheels are ~4 GB; jax's version is the CPU te
         "jax-cuda13-plugin[with-cuda]==0.10.2"
     JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 /tmp/cudavenv/bin/python bench/probes/deviceless_compile.py \\
         --out /tmp/compile.json [--rows 1,2] [--cases gemv,gemv_e4m3,gemv_amax,silu,silu_e4m3,add_norm_e4m3] \\
-        [--silu-configs '[{"block_k": 128}]']
+        [--silu-configs '[{"layout": "paired"}, {"layout": "interleaved"}, {"layout": "split"}]']
 (JAX_SKIP_CUDA_CONSTRAINTS_CHECK: the plugin's version checks load CUPTI, which needs a driver.)
 
 Indicative only: jax 0.10.2's XLA, not the GPU image's 0.11.2; registers are ptxas's for the PTX XLA wrote.
@@ -100,12 +100,18 @@ def calls(case, M, cfg):
     return out
 
 
+# PTX instructions counted per kernel (static counts in its text, not executions): two forms of a kernel with the
+# same counts move the same data the same way, whatever their address arithmetic
+PTX_OPS = ("ld.global", "cp.async", "ldmatrix", "ld.shared", "st.shared", "mma.sync", "bar.sync", "shfl")
+
+
 def ptxas_report(dump_dir, ptxas):
-    """{kernel: {registers, spill_bytes}} of every PTX entry XLA wrote (the largest register count of its two
-    compiles: XLA dumps the PTX it autotunes and the final one)."""
+    """{kernel: {registers, spill_bytes, ptx_ops}} of every PTX entry XLA wrote (the largest register count of its
+    two compiles: XLA dumps the PTX it autotunes and the final one; ptx_ops: PTX_OPS counted in the last one read)."""
     kernels: dict = {}
     for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
-        names = re.findall(r"\.entry (\w+)", open(path).read())
+        ptx = open(path).read()
+        names = re.findall(r"\.entry (\w+)", ptx)
         if not names or ptxas is None:
             continue
         text = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull], capture_output=True, text=True)
@@ -115,6 +121,8 @@ def ptxas_report(dump_dir, ptxas):
             row = kernels.setdefault(name, dict(registers=0, spill_bytes=0))
             row["registers"] = max([row["registers"], *regs])
             row["spill_bytes"] = max([row["spill_bytes"], *spills])
+            if len(names) == 1:
+                row["ptx_ops"] = {op: len(re.findall(r"\b" + re.escape(op), ptx)) for op in PTX_OPS}
     return kernels
 
 

@@ -209,7 +209,9 @@ def residual_partials(x, w, *, interpret: bool = False):
 # token scales instead of the row. The e4m3 rows are on by default since stop 71 (H200, traced 8B batch 1: a layer
 # 81.18 against 81.86 us, bench/results/latency_fp8_{norm,off}_prof_h200_6a858ca.json; gpu_parity fp8 passes with
 # them, gpu_parity_fp8_norm_e4m3_h200_aa6297b.json); JAXLLM_FP8_ADD_NORM_E4M3=0 turns them off. The silu epilogue
-# stays off (its split-weight kernel is slower than the GEMV and XLA's fusion); JAXLLM_FP8_GEMV_SILU=1 turns it on.
+# (its "paired" layout: gate's and up's rows as one tile of the weight as stored, the PTX of the interleaved form that
+# took 30.4 us against the GEMV and XLA's fusion's 33.4 on an H200; kernels_pallas/_fp8_gemv.py) stays off until an
+# engine A/B and gpu_parity on a GPU; JAXLLM_FP8_GEMV_SILU=1 turns it on.
 FP8_ADD_NORM_E4M3 = os.environ.get("JAXLLM_FP8_ADD_NORM_E4M3", "1") != "0"
 FP8_GEMV_SILU = os.environ.get("JAXLLM_FP8_GEMV_SILU", "0") == "1"
 
