@@ -171,14 +171,16 @@ class _Cors:
             self._allow_origin(origin, response.headers)
 
 
-def _auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
+def _auth_middleware(api_key: str | list[str]):
+    """/v1/* needs 'Authorization: Bearer <key>' with one of the keys (vLLM's --api-key takes several)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key)
+    expected = [f"Bearer {k}".encode() for k in keys]
 
     @web.middleware
     async def auth(request: web.Request, handler):
         if request.method != "OPTIONS" and request.path.startswith("/v1"):
             given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
+            if not any([hmac.compare_digest(given, e) for e in expected]):  # every key compared: no early exit
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
 

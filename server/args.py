@@ -98,9 +98,10 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--response-role", default="assistant", help="Role of generated chat messages.")
     s.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help=f"Require 'Authorization: Bearer <key>' on /v1/*. Falls back to ${API_KEY_ENV_VARS[0]}, "
-        f"then ${API_KEY_ENV_VARS[1]}.",
+        help=f"Require 'Authorization: Bearer <key>' on /v1/* with one of these keys. Falls back to "
+        f"${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]}.",
     )
     s.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: allowed origins (JSON list).")
     s.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: allowed methods (JSON list).")
@@ -399,7 +400,8 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
     args.model = args.model_tag or args.model
     del args.model_tag
     if not args.api_key:
-        args.api_key = next((environ[v] for v in API_KEY_ENV_VARS if environ.get(v)), None)
+        key = next((environ[v] for v in API_KEY_ENV_VARS if environ.get(v)), None)
+        args.api_key = None if key is None else [key]
     if args.disable_log_requests:
         args.enable_log_requests = False
     if args.enable_auto_tool_choice and not args.tool_call_parser:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 import time
 from typing import Any
@@ -71,14 +72,17 @@ _RESERVED_TEMPLATE_KWARGS = {
 
 
 def load_chat_template(value: str | None) -> str | None:
-    """--chat-template: a file path, or the template itself (anything with braces or newlines)."""
+    """--chat-template: a file path, or the template itself (anything with braces or newlines), its backslash
+    escapes decoded as vLLM's load_chat_template decodes them."""
     if value is None:
         return None
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
             return f.read()
     if any(c in value for c in "{}\n"):
-        return value
+        # vLLM decodes an inline template's escapes ("\\n" typed on a command line is a newline); characters
+        # beyond latin-1 go through as \\u escapes, so that they come back as they were
+        return codecs.decode(value.encode("latin-1", "backslashreplace"), "unicode_escape")
     raise ValueError(f"The supplied chat template ({value}) looks like a file path, but it failed to be opened.")
 
 

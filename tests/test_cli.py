@@ -82,7 +82,7 @@ def test_jaxllm_serve_runs_the_server_with_python_m_jaxllm_serve_flags(monkeypat
     with pytest.raises(SystemExit) as e:
         cli.main(["serve", *argv])
     assert e.value.code == 0 and seen == [vars(parse_args(argv))]
-    assert seen[0]["max_model_len"] == 1000 and seen[0]["api_key"] == "k"
+    assert seen[0]["max_model_len"] == 1000 and seen[0]["api_key"] == ["k"]
 
 
 def test_python_m_aliases_print_the_same_help_and_import_nothing_above_the_library(capsys, monkeypatch):

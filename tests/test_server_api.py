@@ -346,6 +346,14 @@ def test_generation_config_defaults_and_chat_template_flag(tok, tmp_path):
         # temperature defaults to the generation_config's 0.0 -> greedy -> n > 1 is refused
         with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling, got 2"):
             c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    # an inline template's escapes are decoded as vLLM's load_chat_template decodes them ("\n" typed in a shell is a
+    # newline), characters beyond ASCII kept as they are
+    inline = r"{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}é→ assistant:"
+    with ServerThread(engine, "--chat-template", inline) as srv:
+        status, body = http("POST", srv.base_url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200 and json.loads(body)["tokens"] == tok.encode(
+            "user: hi\né→ assistant:", add_special_tokens=False
+        )
 
 
 # ------------------------------------------------------------------------------------------------ metrics, auth, ops
@@ -534,9 +542,18 @@ def test_api_key(tok, monkeypatch):
         assert http("GET", srv.base_url + "/v1/models") == (401, '{"error": "Unauthorized"}')
         assert http("GET", srv.base_url + "/health")[0] == 200  # only /v1/* is guarded
         assert http("GET", srv.base_url + "/metrics")[0] == 200
-    assert parse_args(["m"], environ={"VLLM_API_KEY": "v"}).api_key == "v"
-    assert parse_args(["m"], environ={"VLLM_API_KEY": "v", "JAXLLM_API_KEY": "j"}).api_key == "j"
-    assert parse_args(["m", "--api-key", "c"], environ={"VLLM_API_KEY": "v"}).api_key == "c"
+    assert parse_args(["m"], environ={"VLLM_API_KEY": "v"}).api_key == ["v"]
+    assert parse_args(["m"], environ={"VLLM_API_KEY": "v", "JAXLLM_API_KEY": "j"}).api_key == ["j"]
+    assert parse_args(["m", "--api-key", "c"], environ={"VLLM_API_KEY": "v"}).api_key == ["c"]
+    # several keys (vLLM's --api-key takes a list since 0.10): any one of them opens /v1
+    with ServerThread(FakeEngine(tok), "--api-key", "old", "new") as srv:
+        for key, ok in (("old", True), ("new", True), ("other", False)):
+            c = openai.OpenAI(base_url=srv.base_url + "/v1", api_key=key, max_retries=0)
+            if ok:
+                assert c.models.list().data
+            else:
+                with pytest.raises(openai.AuthenticationError):
+                    c.models.list()
 
 
 def test_profile_routes(server, tok, tmp_path):
