@@ -347,3 +347,23 @@ def test_gemma_hub_configs():
             hf_config("mixtral").to_dict()
             | {"architectures": ["MixtralForCausalLM"], "hidden_act": "gelu_pytorch_tanh"}
         )
+
+
+def test_max_model_len_past_the_models_needs_vllms_env_var(tmp_path, monkeypatch):
+    """A max_model_len above the config's max_position_embeddings is refused naming VLLM_ALLOW_LONG_MAX_MODEL_LEN;
+    with it set (vLLM's override) the engine starts with the longer length, and a prompt past the model's 256
+    positions runs."""
+    from jaxllm import LLM, SamplingParams
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir("llama", str(tmp_path / "tiny"))[0]
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    with pytest.raises(
+        ValueError, match=r"\(256: max_position_embeddings=256.*set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"
+    ):
+        LLM(model, max_model_len=512)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    llm = LLM(model, max_model_len=512, dtype="float32", enforce_eager=True, max_num_batched_tokens=512)
+    assert llm.llm_engine.max_model_len == 512
+    out = llm.generate({"prompt_token_ids": [5] * 300}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2

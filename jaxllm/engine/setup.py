@@ -127,10 +127,19 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
     derived, derived_from = cfg.derived_max_model_len()
     max_model_len = args.max_model_len or derived
     if max_model_len > derived:
-        raise ValueError(
+        msg = (
             f"User-specified max_model_len ({max_model_len}) is greater than the derived max_model_len "
             f"({derived}: {derived_from} in model's config.json)."
         )
+        caution = (
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution: positions past the derived length are "
+            "outside what the model was trained on (RoPE models degrade, ALiBi ones extrapolate)."
+        )
+        if os.environ.get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() not in ("1", "true"):
+            raise ValueError(
+                f"{msg} To allow overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. {caution}"
+            )
+        logger.warning("%s Make sure the value is correct and within the model context size. %s", msg, caution)
     gpu = _is_gpu()
     max_num_seqs, max_num_batched_tokens = default_limits(args, gpu, gpu_device() if gpu else None)
     if not args.enable_chunked_prefill and not args.max_num_batched_tokens:  # (an explicit one is checked below)
