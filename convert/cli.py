@@ -1,6 +1,6 @@
 """jaxllm convert --model HF_DIR --out DIR [--tp N --pp M --dtype ...] (also `python -m jaxllm.convert`)
 
-Converts an HF checkpoint (PyTorch .bin or safetensors) into a jaxllm Orbax checkpoint that
+Converts an HF checkpoint (PyTorch .bin or safetensors, or a .gguf file) into a jaxllm Orbax checkpoint that
 `LLM(model=DIR)` and `jaxllm serve DIR` load directly, onto any mesh. The work is in hf_to_orbax.py; this is
 the command line.
 """
@@ -16,10 +16,31 @@ def build_parser(prog: str = "jaxllm convert") -> argparse.ArgumentParser:
     from jaxllm.distributed import add_distributed_args
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[1])
-    p.add_argument("--model", required=True, help="HF model directory (config.json + weights + tokenizer).")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="HF model directory (config.json + weights + tokenizer), or a local .gguf file (converted to one first, "
+        "as `jaxllm serve x.gguf` does).",
+    )
     p.add_argument("--out", required=True, help="Output directory (must not exist or be empty).")
-    p.add_argument("--tp", type=int, default=1, help="Tensor-parallel size the checkpoint is chunked for.")
-    p.add_argument("--pp", type=int, default=1, help="Pipeline-parallel size it is written for (validated).")
+    p.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        "-tp",
+        dest="tp",
+        type=int,
+        default=1,
+        help="Tensor-parallel size the checkpoint is chunked for.",
+    )
+    p.add_argument(
+        "--pp",
+        "--pipeline-parallel-size",
+        "-pp",
+        dest="pp",
+        type=int,
+        default=1,
+        help="Pipeline-parallel size it is written for (validated).",
+    )
     p.add_argument(
         "--dtype", default="auto", help="auto | bfloat16 | float16 | float32 (auto: the checkpoint's own dtype)."
     )
@@ -42,6 +63,13 @@ def main(argv: list[str] | None = None, prog: str = "jaxllm convert") -> int:
     from convert import ConversionError, convert_checkpoint
 
     try:
+        if os.path.isfile(args.model) and args.model.endswith(".gguf"):
+            from jaxllm.demo import gguf_model_dir
+
+            try:
+                args.model = gguf_model_dir(args.model)  # the HF layout folder serving it uses (cached)
+            except (ValueError, OSError) as e:
+                raise ConversionError(f"--model {args.model}: {e}") from None
         out = convert_checkpoint(
             args.model,
             args.out,

@@ -214,3 +214,11 @@ def test_a_gguf_file_as_the_model(converted, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="got the folder"):
         resolve_model_dir(EngineArgs(model=str(plain), load_format="gguf"))
     assert resolve_model_dir(EngineArgs(model=folder, load_format="gguf")) == folder  # a converted one (replicas)
+    # jaxllm convert takes the .gguf file too (it said "no such directory"): the same folder, then Orbax
+    from convert.cli import main as convert_main
+    from jaxllm.models.checkpoint_files import MANIFEST
+
+    out = tmp_path / "orbax"
+    assert convert_main(["--model", str(src), "--out", str(out), "--tensor-parallel-size", "1", "--no-progress"]) == 0
+    assert (out / MANIFEST).exists() and filecmp.cmp(out / "tokenizer.json", os.path.join(folder, "tokenizer.json"))
+    assert os.stat(os.path.join(folder, "model.safetensors")).st_mtime_ns == mtime  # the cached folder, reused

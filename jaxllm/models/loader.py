@@ -394,7 +394,7 @@ def restore_orbax(model_dir: str, cfg: ModelConfig, specs, shardings, dtype):
     local = jax.tree.map(lambda a, r: r if r is ocp.PLACEHOLDER else a, abstract, args)
     with ocp.PyTreeCheckpointer() as ckptr:
         params = ckptr.restore(
-            os.path.join(os.path.abspath(model_dir), ORBAX_SUBDIR),
+            os.path.join(os.path.realpath(model_dir), ORBAX_SUBDIR),  # ("//x" is a path Orbax refuses)
             args=ocp.args.PyTreeRestore(item=local, restore_args=args),
         )
 
