@@ -159,11 +159,18 @@ def make_parser() -> argparse.ArgumentParser:
     s.add_argument("--ssl-keyfile", default=None)
     s.add_argument("--ssl-certfile", default=None)
     s.add_argument(
-        "--uvicorn-log-level",
         "--log-level",
-        dest="log_level",
-        default="info",
-        choices=["debug", "info", "warning", "error", "critical", "trace"],
+        default=None,
+        choices=LOG_LEVELS,
+        help="jaxllm's log level (and the HTTP server's unless --uvicorn-log-level is given). Default: "
+        "$VLLM_LOGGING_LEVEL, else info.",
+    )
+    s.add_argument(
+        "--uvicorn-log-level",
+        default=None,
+        choices=LOG_LEVELS,
+        help="The HTTP server's log level (aiohttp's loggers: access lines, connection errors), as vLLM's sets "
+        "uvicorn's. Default: --log-level's.",
     )
     s.add_argument(
         "--disable-access-log",
@@ -391,6 +398,9 @@ def _add_speculative_args(e) -> None:
     )
 
 
+LOG_LEVELS = ["debug", "info", "warning", "error", "critical", "trace"]
+
+
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
     args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
@@ -406,8 +416,15 @@ def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse
         args.enable_log_requests = False
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
-    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
-        parser.error("--ssl-keyfile and --ssl-certfile go together")
+    if args.ssl_keyfile is not None and args.ssl_certfile is None:  # a certfile alone may hold the key too
+        parser.error("--ssl-keyfile needs --ssl-certfile")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be 0-65535, got {args.port}")
+    level = args.log_level or environ.get("VLLM_LOGGING_LEVEL", "").strip().lower() or "info"
+    if level not in LOG_LEVELS:
+        parser.error(f"VLLM_LOGGING_LEVEL must be one of {LOG_LEVELS}, got {level!r}")
+    args.log_level = level
+    args.uvicorn_log_level = args.uvicorn_log_level or level
     if args.headless and not (args.num_processes or 0) > 1:
         parser.error(
             "--headless is for the processes other than 0 of a multi-process engine "

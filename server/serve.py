@@ -64,7 +64,7 @@ async def run_server(
         if on_app is not None:
             on_app(app)
         ssl_context = None
-        if args.ssl_certfile:
+        if args.ssl_certfile:  # (keyfile None: the key is in the certfile)
             ssl_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ssl_context.load_cert_chain(args.ssl_certfile, args.ssl_keyfile)
         runner, port = await start_server(
@@ -167,6 +167,10 @@ def bind_socket(host: str | None, port: int) -> socket.socket:
         ) from None
 
 
+def _level(name: str) -> int:
+    return logging.DEBUG if name in ("debug", "trace") else getattr(logging, name.upper())
+
+
 def _version() -> str:
     import jaxllm
 
@@ -177,10 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     from server.args import parse_args
 
     args = parse_args(argv)
-    level = logging.DEBUG if args.log_level in ("debug", "trace") else getattr(logging, args.log_level.upper())
     logging.basicConfig(
-        level=level, format="%(levelname)s %(asctime)s [%(name)s] %(message)s", datefmt="%m-%d %H:%M:%S"
+        level=_level(args.log_level),
+        format="%(levelname)s %(asctime)s [%(name)s] %(message)s",
+        datefmt="%m-%d %H:%M:%S",
     )
+    logging.getLogger("aiohttp").setLevel(_level(args.uvicorn_log_level))  # the HTTP server's loggers only
     if args.lora_modules:  # before the model loads: a bad adapter folder fails at once
         from server.lora import check_lora_modules
 

@@ -556,6 +556,24 @@ def test_api_key(tok, monkeypatch):
                     c.models.list()
 
 
+def test_log_levels_tls_and_port_flags():
+    """--log-level (else vLLM's VLLM_LOGGING_LEVEL, else info) sets jaxllm's logs; --uvicorn-log-level only the
+    HTTP server's (it used to set both: `--uvicorn-log-level warning` hid the ready line); a certfile alone may hold
+    its key (uvicorn takes one); a port out of range is refused before anything starts (an OverflowError at bind)."""
+    args = parse_args(["m", "--uvicorn-log-level", "warning"], environ={})
+    assert (args.log_level, args.uvicorn_log_level) == ("info", "warning")
+    args = parse_args(["m"], environ={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert (args.log_level, args.uvicorn_log_level) == ("debug", "debug")
+    args = parse_args(["m", "--log-level", "error"], environ={"VLLM_LOGGING_LEVEL": "DEBUG"})
+    assert (args.log_level, args.uvicorn_log_level) == ("error", "error")
+    assert parse_args(["m", "--ssl-certfile", "both.pem"], environ={}).ssl_keyfile is None
+    for argv in (["m", "--ssl-keyfile", "k.pem"], ["m", "--port", "99999"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv, environ={})
+    with pytest.raises(SystemExit):
+        parse_args(["m"], environ={"VLLM_LOGGING_LEVEL": "loud"})
+
+
 def test_profile_routes(server, tok, tmp_path):
     assert http("POST", server.base_url + "/start_profile")[0] == 404  # no --profile-dir
     engine = FakeEngine(tok)
