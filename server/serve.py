@@ -152,19 +152,35 @@ def run_headless(args: argparse.Namespace) -> int:
 
 
 def bind_socket(host: str | None, port: int) -> socket.socket:
-    """The listening socket (all interfaces when host is None), bound before the engine is built so that a
-    port in use fails at once, not after the model has loaded."""
+    """The server's socket (all interfaces when host is None), bound before the engine is built so that a port in
+    use fails at once, not after the model has loaded. It listens only once the server starts (aiohttp's site
+    calls listen), as vLLM's: until then a client (a /health probe) is refused at once instead of waiting
+    unanswered for the minutes the model takes to load."""
     try:
         if host:
-            return socket.create_server((host, port))
+            return _bound((host, port), socket.AF_INET)
         if socket.has_dualstack_ipv6():
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-        return socket.create_server(("", port))
+            return _bound(("", port), socket.AF_INET6, dualstack=True)
+        return _bound(("", port), socket.AF_INET)
     except OSError as e:
         raise SystemExit(
             f"Cannot listen on {host or '0.0.0.0'}:{port}: {e.strerror or e}. Is another server "
             "running there? Pick another --port."
         ) from None
+
+
+def _bound(address, family, dualstack: bool = False) -> socket.socket:
+    """socket.create_server's socket without its listen()."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dualstack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _level(name: str) -> int:

@@ -250,3 +250,21 @@ def test_sigterm_drains_a_real_process():
     assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
     assert proc.returncode == 0 and "exited cleanly" in out, err
     assert "Shutting down: new requests are refused" in err and "Traceback" not in err
+
+
+def test_the_port_is_bound_early_and_refuses_clients_until_the_server_listens():
+    """serve binds its port before the model loads (a port in use fails at once) but listens only when the server
+    starts, as vLLM does: a /health probe during the load is refused at once instead of hanging unanswered."""
+    from server.serve import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    try:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=2)
+        sock.listen()
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        with pytest.raises(SystemExit, match=f"Cannot listen on 127.0.0.1:{port}"):
+            bind_socket("127.0.0.1", port)
+    finally:
+        sock.close()
