@@ -55,6 +55,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         chat_template=load_chat_template(opt("chat_template")),
         response_role=opt("response_role") or "assistant",
         return_tokens_as_token_ids=bool(opt("return_tokens_as_token_ids", False)),
+        enable_prompt_tokens_details=bool(opt("enable_prompt_tokens_details", False)),
         limits=limits,
         log_requests=bool(opt("enable_log_requests", False)),
         max_log_len=opt("max_log_len"),

@@ -133,6 +133,11 @@ def make_parser() -> argparse.ArgumentParser:
         help="Show logprob tokens as 'token_id:N' instead of their text.",
     )
     s.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served.",
+    )
+    s.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='Let the model call tools on its own (tool_choice "auto", the default when a request has '

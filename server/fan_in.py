@@ -26,7 +26,7 @@ from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, Samp
 from jaxllm.sampling_params import SamplingParams
 from server.admission import Ticket
 from server.errors import APIError
-from server.protocol import UsageInfo
+from server.protocol import PromptTokenUsageInfo, UsageInfo
 from server.serving_common import ServerState
 
 logger = logging.getLogger("jaxllm.server")
@@ -232,10 +232,16 @@ def output_size(states: list[RequestState]) -> int:
     return total
 
 
-def usage_of(states: list[RequestState]) -> UsageInfo:
+def usage_of(states: list[RequestState], cached_details: bool = False) -> UsageInfo:
+    """The requests' summed usage; cached_details (--enable-prompt-tokens-details): with prompt_tokens_details'
+    cached_tokens, the prompt tokens the prefix cache served, where there are any (vLLM's)."""
     prompt = sum(len(rs.request.prompt_ids) for rs in states)
     completion = sum(rs.completion_tokens for rs in states)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum((rs.last.num_cached_tokens or 0) for rs in states if rs.last is not None) if cached_details else 0
+    if cached:
+        usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=cached)
+    return usage
 
 
 def choice_usage(rs: RequestState, j: int | None) -> UsageInfo:

@@ -190,10 +190,16 @@ class ResponseModel(BaseModel):
         return self.model_dump_json(exclude_unset=True)
 
 
+class PromptTokenUsageInfo(ResponseModel):
+    cached_tokens: int | None = None
+
+
 class UsageInfo(ResponseModel):
+    _omit_when_unset = frozenset({"prompt_tokens_details"})
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None  # --enable-prompt-tokens-details
 
 
 class CompletionLogProbs(ResponseModel):

@@ -236,7 +236,7 @@ def _final_response(ctx: _Ctx, rs: RequestState) -> str:
         id=ctx.request_id,
         created=ctx.created,
         model=ctx.model,
-        usage=usage_of([rs]),
+        usage=usage_of([rs], ctx.state.enable_prompt_tokens_details),
         choices=[ctx.final_choice(rs, j) for j in range(len(rs.choices))],
     )
     if req.prompt_logprobs is not None and rs.last is not None:
@@ -386,7 +386,11 @@ async def _stream(request: web.Request, ctx: _Ctx, engine_req: EngineRequest) ->
             else:
                 if include_usage:
                     resp = ChatCompletionStreamResponse(
-                        id=ctx.request_id, created=ctx.created, model=ctx.model, choices=[], usage=usage_of(run.states)
+                        id=ctx.request_id,
+                        created=ctx.created,
+                        model=ctx.model,
+                        choices=[],
+                        usage=usage_of(run.states, ctx.state.enable_prompt_tokens_details),
                     )
                     await sse.send(resp.to_json())
             await sse.done()

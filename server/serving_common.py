@@ -42,6 +42,7 @@ class ServerState:
     chat_template: str | None = None
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     limits: ServerLimits = field(default_factory=ServerLimits)
     log_requests: bool = False
     max_log_len: int | None = None

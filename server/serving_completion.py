@@ -133,7 +133,7 @@ class _Ctx:
         self.offsets: dict[int, int] = {}
 
     def usage(self, states: list[RequestState]):
-        usage = usage_of(states)
+        usage = usage_of(states, self.state.enable_prompt_tokens_details)
         if self.echo_only:  # the one token generated to satisfy the engine is not returned
             usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
         return usage

@@ -229,3 +229,32 @@ def test_real_engine_metrics(served):
     (usage,) = families["vllm:gpu_cache_usage_perc"].samples
     assert usage.labels == {"model_name": "tiny", "engine": "0"}
     assert usage.value == families["vllm:kv_cache_usage_perc"].samples[0].value
+
+
+def test_prompt_tokens_details_report_the_prefix_cache(served):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the prompt tokens the prefix
+    cache served (vLLM's), chat and completions, stream and not; without the flag the field is absent."""
+    import copy
+
+    srv, engine, client = served
+    prompt = "the engine was paged and the blocks were counted " * 4
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=1)  # fills the cache
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+    assert plain.prompt_tokens_details is None and "prompt_tokens_details" not in plain.model_dump(exclude_unset=True)
+    args = copy.copy(srv.args)
+    args.enable_prompt_tokens_details = True
+    with ServerThread(engine, args=args) as srv2:
+        c = openai.OpenAI(base_url=srv2.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+        usage = c.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
+        n = len(engine.get_tokenizer().encode(prompt))
+        assert usage.prompt_tokens == n and 0 < usage.prompt_tokens_details.cached_tokens < n
+        assert usage.prompt_tokens_details.cached_tokens % 8 == 0  # whole blocks (tiny_serve_args: --block-size 8)
+        messages = [{"role": "user", "content": prompt}]
+        c.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+        chat = c.chat.completions.create(model="tiny", messages=messages, max_tokens=1).usage
+        assert chat.prompt_tokens_details.cached_tokens > 0
+        stream = c.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=1, stream=True, stream_options={"include_usage": True}
+        )
+        last = [chunk for chunk in stream][-1]
+        assert last.usage.prompt_tokens_details.cached_tokens == chat.prompt_tokens_details.cached_tokens

@@ -283,7 +283,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--enable-prefix-caching", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--enable-prompt-adapter", REFUSED, PROMPT_ADAPTER, "bool", "engine", "0.8.0-0.10.0"),
     _row("--enable-prompt-embeds", IGNORED, PROMPT_EMBEDS, "bool", "engine", "0.9.0-0.11.2"),
-    _row("--enable-prompt-tokens-details", IGNORED, USAGE, "bool", "server", "0.8.0-0.11.2"),
+    _row("--enable-prompt-tokens-details", HONOURED, "", "bool", "server", "0.8.0-0.11.2"),
     _row("--enable-reasoning", HONOURED, "", "bool", "engine", "0.8.0-0.9.2"),
     _row("--enable-request-id-headers", IGNORED, REQUEST_ID_HEADERS, "bool", "server", "0.8.0-0.11.2"),
     _row("--enable-server-load-tracking", IGNORED, NO_EXTRA_ROUTES, "bool", "server", "0.8.0-0.11.2"),
