@@ -167,7 +167,7 @@ class EngineRunner:
     async def _pump(self, i: int) -> None:
         rs = self.states[i]
         req = rs.request
-        tracker = self.metrics.tracker(req.request_id)
+        tracker = self.metrics.tracker(req.request_id, req.params.max_tokens)
         gen = None
         got_output = failed = False
         try:

@@ -291,6 +291,41 @@ class ServerMetrics:
                 buckets=_E2E_BUCKETS,
                 registry=r,
             ),
+            inference_time=Histogram(
+                "vllm:request_inference_time_seconds",
+                "Histogram of time spent in RUNNING phase for request.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            ),
+            prefill_time=Histogram(
+                "vllm:request_prefill_time_seconds",
+                "Histogram of time spent in PREFILL phase for request.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            ),
+            decode_time=Histogram(
+                "vllm:request_decode_time_seconds",
+                "Histogram of time spent in DECODE phase for request.",
+                labels,
+                buckets=_E2E_BUCKETS,
+                registry=r,
+            ),
+            max_tokens=Histogram(
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                labels,
+                buckets=tokens,
+                registry=r,
+            ),
+            max_generation_tokens=Histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
+                labels,
+                buckets=tokens,
+                registry=r,
+            ),
             prompt_tokens=Histogram(
                 "vllm:request_prompt_tokens", "Number of prefill tokens processed.", labels, buckets=tokens, registry=r
             ),
@@ -311,6 +346,9 @@ class ServerMetrics:
         )
         # per replica: an object with one labelled child of each histogram (.ttft, .itl, ...)
         self.engines = [_EngineHistograms(families, [model_name, str(i)]) for i in range(len(self.last_per_engine))]
+        for i in range(len(self.engines)):  # every finish reason shown from the start, at 0 (vLLM v1's)
+            for reason in ("stop", "length", "abort"):
+                self.request_success(i, reason)
         self.registry.register(_EngineCollector(self))
 
     def for_engine(self, i: int) -> _EngineHistograms:
@@ -343,8 +381,8 @@ class ServerMetrics:
         self.poll()
         return generate_latest(self.registry)
 
-    def tracker(self, request_id: str = "") -> RequestTracker:
-        return RequestTracker(self, request_id)
+    def tracker(self, request_id: str = "", max_tokens: int | None = None) -> RequestTracker:
+        return RequestTracker(self, request_id, max_tokens)
 
 
 class _EngineHistograms:
@@ -366,13 +404,17 @@ class RequestTracker:
     tokens, and each sequence's finish once), under the label of the replica that serves it (known once the
     engine has it: looked up at its first output). Each of its n sequences counts as a request, as vLLM v1's child
     requests do: its TTFT, and at its finish its e2e latency, prompt and generation tokens, queue time and success.
-    Inter-token latencies are the request's; request_params_n is observed once, with n."""
+    Its prefill, decode and inference (running) times come from the engine's timestamps of the request (its first
+    scheduling, first and latest token) when the sequence finishes. Inter-token latencies are the request's;
+    request_params_n, request_params_max_tokens and request_max_num_generation_tokens (its sequences' most tokens)
+    are observed once, when the request is done."""
 
-    __slots__ = ("m", "request_id", "h", "arrival", "last_token", "seq_tokens", "finished", "done")
+    __slots__ = ("m", "request_id", "max_tokens", "h", "arrival", "last_token", "seq_tokens", "finished", "done")
 
-    def __init__(self, metrics: ServerMetrics, request_id: str = ""):
+    def __init__(self, metrics: ServerMetrics, request_id: str = "", max_tokens: int | None = None):
         self.m = metrics
         self.request_id = request_id
+        self.max_tokens = max_tokens
         self.h: _EngineHistograms | None = None
         self.arrival = time.monotonic()
         self.last_token: float | None = None
@@ -423,12 +465,22 @@ class RequestTracker:
         h.prompt_tokens.observe(len(out.prompt_token_ids or []))
         h.generation_tokens.observe(self.seq_tokens.get(index, 0))
         rm = out.metrics
-        if rm is not None and rm.first_scheduled_time is not None and rm.arrival_time is not None:
+        if rm is None or rm.first_scheduled_time is None:
+            return
+        if rm.arrival_time is not None:
             h.queue_time.observe(max(rm.first_scheduled_time - rm.arrival_time, 0.0))
+        if rm.first_token_time is not None and rm.last_token_time is not None:
+            h.prefill_time.observe(max(rm.first_token_time - rm.first_scheduled_time, 0.0))
+            h.decode_time.observe(max(rm.last_token_time - rm.first_token_time, 0.0))
+            h.inference_time.observe(max(rm.last_token_time - rm.first_scheduled_time, 0.0))
 
     def _done(self) -> None:
         self.done = True
-        self._histograms().n_param.observe(len(self.finished))  # the request's n: one finish per sequence
+        h = self._histograms()
+        h.n_param.observe(len(self.finished))  # the request's n: one finish per sequence
+        if self.max_tokens:
+            h.max_tokens.observe(self.max_tokens)
+        h.max_generation_tokens.observe(max(self.seq_tokens.values(), default=0))
 
 
 class StatsLogger:

@@ -389,6 +389,11 @@ def test_cache_salt_reaches_the_engine(server, client):
 
 def test_metrics_move(server, client):
     before = _scrape(server.base_url)
+    for reason in ("stop", "length", "abort"):  # each finish reason's counter exists from the start (vLLM v1)
+        assert (
+            "vllm:request_success_total",
+            (("engine", "0"), ("finished_reason", reason), ("model_name", MODEL)),
+        ) in before
     client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=5)
     list(
         client.chat.completions.create(
@@ -406,10 +411,22 @@ def test_metrics_move(server, client):
         "vllm:request_generation_tokens_sum",
         "vllm:inter_token_latency_seconds_count",
         "vllm:request_queue_time_seconds_count",
+        "vllm:request_prefill_time_seconds_count",
+        "vllm:request_decode_time_seconds_count",
+        "vllm:request_inference_time_seconds_count",
         "vllm:iteration_tokens_total_count",
     ):
         assert _value(after, name) > _value(before, name), name
     assert _value(after, "vllm:generation_tokens_total") - _value(before, "vllm:generation_tokens_total") == 9
+    # the requests' max_tokens (5, 4) and their sequences' most tokens (5, 4), once a request (vLLM v1's)
+    for name in ("vllm:request_params_max_tokens", "vllm:request_max_num_generation_tokens"):
+        assert _value(after, name + "_count") - _value(before, name + "_count") == 2, name
+        assert _value(after, name + "_sum") - _value(before, name + "_sum") == 9, name
+    inference = _value(after, "vllm:request_inference_time_seconds_sum")
+    parts = _value(after, "vllm:request_prefill_time_seconds_sum") + _value(
+        after, "vllm:request_decode_time_seconds_sum"
+    )
+    assert inference == pytest.approx(parts, rel=1e-6, abs=1e-9)  # running = prefill + decode
     # nothing left for the next scrape: each one shows every step so far (the histogram lagged a scrape behind)
     again = _scrape(server.base_url)
     for name in ("vllm:iteration_tokens_total_count", "vllm:iteration_tokens_total_sum"):
