@@ -245,6 +245,11 @@ def main(argv: list[str] | None = None) -> None:
         fatal = asyncio.run(run_server(args))
     except KeyboardInterrupt:
         pass
+    except ValueError as e:  # a setting the engine refuses (before serving): its message, not a traceback
+        if args.log_level == "debug":
+            raise
+        logging.shutdown()
+        raise SystemExit(f"jaxllm serve: error: {e} (--log-level debug shows where)") from None
     if fatal:
         # a step may still wait in a collective whose peer is gone: do not wait for it at exit
         logger.error("Exiting with status 1: %s", fatal)

@@ -117,3 +117,24 @@ def test_jaxllm_convert_and_bench_forward_to_their_commands(tmp_path, capsys, mo
     assert cli.main(["bench", "nonesuch"]) == 2 and "throughput" in capsys.readouterr().err
     assert cli.main(["nonesuch"]) == 2 and "usage: jaxllm" in capsys.readouterr().err
     assert cli.main(["--version"]) == 0 and capsys.readouterr().out.startswith("jaxllm ")
+
+
+def test_serve_refuses_bad_settings_in_one_line(tmp_path):
+    """A setting the engine refuses before serving (here an explicit token budget below max_num_seqs, and a quoted
+    number in --hf-overrides, which failed as a raw TypeError deep in start-up) ends `jaxllm serve` with exit
+    status 1 and one line naming it, not a 40-line traceback; --log-level debug keeps the traceback."""
+    from tests.tiny_models import make_tiny_model_dir
+
+    model = make_tiny_model_dir("llama", str(tmp_path / "tiny"))[0]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cases = [
+        (["--max-num-seqs", "64", "--max-num-batched-tokens", "8"], "max_num_batched_tokens (8) must be greater"),
+        (["--hf-overrides", '{"num_hidden_layers": "x"}'], "hf_overrides['num_hidden_layers'] must be of type int"),
+    ]
+    for flags, message in cases:
+        cmd = [sys.executable, "-m", "jaxllm.serve", model, "--port", "0", *flags]
+        out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+        assert out.stderr.strip().splitlines()[-1].startswith(f"jaxllm serve: error: {message}"), out.stderr[-2000:]
+    out = subprocess.run([*cmd, "--log-level", "debug"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert out.returncode == 1 and "Traceback" in out.stderr

@@ -136,6 +136,12 @@ class EngineArgs:
         """config.json's dict with config_overrides() set over it. A rope_theta override also reaches a
         transformers 5 config's rope_parameters, whose own rope_theta would otherwise win (jaxllm/rope.py)."""
         overrides = self.config_overrides()
+        for key, value in overrides.items():  # a quoted number ({"num_hidden_layers": "x"}) failed deep in start-up
+            old = hf.get(key)
+            if isinstance(old, (bool, int, float)) and isinstance(value, str):
+                raise ValueError(
+                    f"hf_overrides[{key!r}] must be of type {type(old).__name__}, as in config.json; got the string {value!r}."
+                )
         out = {**hf, **overrides}
         rope = out.get("rope_parameters")
         if "rope_theta" in overrides and isinstance(rope, dict) and "rope_theta" in rope:
