@@ -406,9 +406,51 @@ def _add_speculative_args(e) -> None:
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical", "trace"]
 
 
+def help_topic(parser: argparse.ArgumentParser, topic: str) -> tuple[str, bool]:
+    """vLLM's `--help=<topic>`: "listgroup" (the flag groups), "page" (all), a group's title, one flag
+    (max-model-len or --max-model-len), else every flag whose name or help has the keyword. (text, found)."""
+    topic = topic.strip()
+    groups = [g for g in parser._action_groups if g._group_actions]
+    if topic == "listgroup":
+        names = "\n".join(f"    {g.title}" for g in groups)
+        return f"Flag groups (--help=<group> shows one):\n{names}\n", True
+    if topic in ("page", "all", ""):
+        return parser.format_help(), True
+
+    def section(title: str | None, actions) -> str:
+        formatter = parser._get_formatter()
+        formatter.start_section(title)
+        formatter.add_arguments(actions)
+        formatter.end_section()
+        return formatter.format_help()
+
+    group = next((g for g in groups if (g.title or "").lower() == topic.lower()), None)
+    if group is not None:
+        return section(group.title, group._group_actions), True
+    flag = topic if topic.startswith("-") else f"--{topic}"
+    exact = [a for a in parser._actions if flag in a.option_strings]
+    if exact:
+        return section(None, exact), True
+    word = topic.lstrip("-").lower()
+    found = [
+        a
+        for a in parser._actions
+        if a.option_strings and (any(word in o.lower() for o in a.option_strings) or word in (a.help or "").lower())
+    ]
+    if found:
+        return section(f"flags matching {topic!r}", found), True
+    return f"No flag group or flag matches {topic!r}; --help=listgroup lists the groups.\n", False
+
+
 def parse_args(argv: list[str] | None = None, *, environ=os.environ) -> argparse.Namespace:
     parser = make_parser()
-    args = parser.parse_args(expand_config_file(sys.argv[1:] if argv is None else list(argv)))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    topic = next((a.split("=", 1)[1] for a in argv if a.startswith("--help=")), None)
+    if topic is not None:
+        text, found = help_topic(parser, topic)
+        (sys.stdout if found else sys.stderr).write(text)
+        parser.exit(0 if found else 2)
+    args = parser.parse_args(expand_config_file(argv))
     resolve_vllm_flags(parser, args)
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"MODEL given twice: {args.model_tag!r} and --model {args.model!r}")

@@ -138,3 +138,22 @@ def test_serve_refuses_bad_settings_in_one_line(tmp_path):
         assert out.stderr.strip().splitlines()[-1].startswith(f"jaxllm serve: error: {message}"), out.stderr[-2000:]
     out = subprocess.run([*cmd, "--log-level", "debug"], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert out.returncode == 1 and "Traceback" in out.stderr
+
+
+def test_help_topics_as_vllm(capsys):
+    """vLLM's --help=<topic>: listgroup, a group, one flag (with or without its dashes), a keyword; an unknown one
+    says so (exit 2)."""
+    for topic, want, not_want in [
+        ("listgroup", "    engine\n", "--max-model-len"),
+        ("engine", "--max-model-len", "--api-key"),
+        ("max-model-len", "--max-model-len", "--max-num-seqs"),
+        ("--api-key", "--api-key", "--max-model-len"),
+        ("cors", "--allowed-origins", "--max-model-len"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            parse_args([f"--help={topic}"])
+        out = capsys.readouterr().out
+        assert e.value.code == 0 and want in out and not_want not in out, (topic, out)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help=nonesuch"])
+    assert e.value.code == 2 and "--help=listgroup" in capsys.readouterr().err
