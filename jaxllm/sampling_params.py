@@ -87,6 +87,7 @@ GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before v0.11
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None  # vLLM's field: None or n (vLLM V1, like jaxllm, samples no extra sequences)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -188,6 +189,17 @@ class SamplingParams:
 
     def _verify(self) -> None:
         _check(self.n >= 1, f"n must be at least 1, got {self.n}.", "n")  # (types: _check_types)
+        if self.best_of is not None:
+            _check(
+                self.best_of >= self.n,
+                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.",
+                "best_of",
+            )
+            _check(
+                self.best_of == self.n,
+                f"best_of > n is not supported by jaxllm (as in vLLM V1), got best_of={self.best_of}; use n.",
+                "best_of",
+            )
         t = self.truncate_prompt_tokens
         _check(
             t is None or t >= 1 or t == -1,
@@ -310,6 +322,7 @@ def truncate_prompt_ids(ids: list[int], truncate: int | None, max_model_len: int
 
 _INT_FIELDS = (
     "n",
+    "best_of",
     "top_k",
     "seed",
     "max_tokens",
@@ -318,7 +331,7 @@ _INT_FIELDS = (
     "prompt_logprobs",
     "truncate_prompt_tokens",
 )
-_OPTIONAL = ("seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
+_OPTIONAL = ("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature", "top_p", "min_p")
 
 

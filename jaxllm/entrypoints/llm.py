@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxllm.beam_search import BeamSearchOutput, run_beam_search
 from jaxllm.engine.args import EngineArgs
@@ -32,12 +36,46 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = itertools.count()
+        self._profiling = False
+        if self.engine_args.seed is not None:  # vLLM seeds the process's own generators too (set_random_seed)
+            random.seed(self.engine_args.seed)
+            np.random.seed(self.engine_args.seed)
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
     def get_default_sampling_params(self) -> SamplingParams:
         return self.llm_engine.default_sampling_params()
+
+    def start_profile(self, profile_dir: str | None = None) -> None:
+        """vLLM's LLM.start_profile: a jax.profiler trace (XProf / TensorBoard) of what runs until stop_profile,
+        written under profile_dir, else $VLLM_TORCH_PROFILER_DIR (vLLM's switch: unset, profiling is off)."""
+        import jax
+
+        log_dir = profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
+        if not log_dir:
+            raise RuntimeError("Profiler is not enabled: set VLLM_TORCH_PROFILER_DIR (or pass profile_dir).")
+        if self._profiling:
+            raise RuntimeError("A profile is already running.")
+        jax.profiler.start_trace(log_dir)
+        self._profiling = True
+
+    def stop_profile(self) -> None:
+        import jax
+
+        if not self._profiling:
+            raise RuntimeError("No profile is running.")
+        jax.profiler.stop_trace()
+        self._profiling = False
+
+    def reset_prefix_cache(self, device=None) -> bool:
+        """vLLM's: forgets the prefix cache's pages that no running sequence holds; False where it cannot
+        (data-parallel replicas in their own processes)."""
+        scheduler = getattr(self.llm_engine, "scheduler", None)
+        if scheduler is None:
+            return False
+        scheduler.block_manager.reset_prefix_cache()
+        return True
 
     def generate(
         self,
