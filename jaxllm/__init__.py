@@ -12,6 +12,9 @@ from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 __version__ = "0.1.0"
 __all__ = [
     "LLM",
+    "LLMEngine",
+    "EngineArgs",
+    "AsyncEngineArgs",
     "SamplingParams",
     "BeamSearchParams",
     "RequestOutput",
@@ -29,4 +32,12 @@ def __getattr__(name):
         from jaxllm.entrypoints.llm import LLM
 
         return LLM
+    if name == "LLMEngine":
+        from jaxllm.engine.llm_engine import LLMEngine
+
+        return LLMEngine
+    if name in ("EngineArgs", "AsyncEngineArgs"):
+        from jaxllm.engine import arg_utils
+
+        return getattr(arg_utils, name)
     raise AttributeError(f"module 'jaxllm' has no attribute {name!r}")

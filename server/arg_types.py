@@ -10,38 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 
+from jaxllm.engine.cli_args import human_readable_int, max_model_len  # noqa: F401 (this module's types)
 from jaxllm.reasoning import REASONING_PARSERS, UNSUPPORTED
-
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-
-
-def human_readable_int(value: str) -> int:
-    """'32k' -> 32000, '32K' -> 32768, '1.5m' -> 1500000, '4096' -> 4096 (vLLM's convention)."""
-    value = value.strip()
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value)
-    if m:
-        number, suffix = m.groups()
-        if suffix in _DECIMAL:
-            return int(float(number) * _DECIMAL[suffix])
-        try:
-            return int(number) * _BINARY[suffix]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"decimals are not allowed with binary suffixes like {suffix}; did you mean {number}{suffix.lower()}?"
-            ) from None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer such as 4096, 32k or 32K, got {value!r}") from None
-
-
-def max_model_len(value: str) -> int | None:
-    if value.strip().lower() in ("auto", "-1"):
-        return None
-    return human_readable_int(value)
 
 
 def speculative_config(value: str) -> dict:

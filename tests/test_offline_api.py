@@ -68,3 +68,43 @@ def test_best_of():
         with pytest.raises(ParameterError, match=message) as e:
             SamplingParams(**kw)
         assert e.value.parameter == "best_of"
+
+
+def test_vllm_example_command_lines(tiny, capsys):
+    """vLLM's examples build the engine from a command line: FlexibleArgumentParser (underscores too) +
+    EngineArgs.add_cli_args, then LLM(**vars(args)) or EngineArgs.from_cli_args -> LLMEngine.from_engine_args.
+    Every EngineArgs field is a flag with its default; vLLM's other engine flags parse when given (and LLM() takes
+    them as it takes keywords: here one warning); a script's own flags stay its own."""
+    from jaxllm import EngineArgs, LLMEngine
+    from jaxllm.engine.arg_utils import AsyncEngineArgs
+    from jaxllm.engine.async_engine import AsyncLLM
+    from jaxllm.utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser()
+    assert EngineArgs.add_cli_args(parser) is parser
+    parser.set_defaults(model=tiny)
+    parser.add_argument_group("Sampling parameters").add_argument("--max-tokens", type=int)
+    argv = ["--dtype", "float32", "--max_model_len", "0.2k", "-tp", "1", "--no-enable-prefix-caching"]
+    argv += ["--enforce-eager", "--swap-space", "4", "--max-tokens", "3", "--hf-overrides", '{"rms_norm_eps": 1e-5}']
+    args = vars(parser.parse_args(argv))
+    assert args["max_model_len"] == 200 and args["enable_prefix_caching"] is False and args["swap_space"] == "4"
+    assert args["block_size"] == EngineArgs().block_size and "kv_cache_memory_bytes" in args  # defaults, every field
+    assert "max_seq_len_to_capture" not in args  # vLLM flags jaxllm lacks appear only when given
+    max_tokens = args.pop("max_tokens")
+    llm = LLM(**args)
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and llm.llm_engine.max_model_len == 200
+    engine_args = EngineArgs.from_cli_args(parser.parse_args(["--dtype", "float32", "--enforce-eager"]))
+    assert engine_args.model == tiny and AsyncEngineArgs is EngineArgs
+    engine = LLMEngine.from_engine_args(engine_args)
+    engine.add_request("0", PROMPT, GREEDY)
+    while engine.has_unfinished_requests():
+        done = [o for o in engine.step() if o.finished]
+    assert done[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    import inspect
+
+    # AsyncLLM.from_engine_args takes EngineArgs positionally, as vLLM's
+    assert list(inspect.signature(AsyncLLM.from_engine_args).parameters)[:1] == ["engine_args"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-model-len", "lots"])
+    assert "expected an integer such as 4096" in capsys.readouterr().err

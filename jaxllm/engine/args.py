@@ -114,6 +114,21 @@ class EngineArgs:
 
         return LoRAConfig.from_engine_args(self)
 
+    @staticmethod
+    def add_cli_args(parser):
+        """vLLM's: every field as a --field-name flag of parser (and vLLM's other engine flags); returns parser
+        (jaxllm/engine/cli_args.py)."""
+        from jaxllm.engine.cli_args import add_cli_args
+
+        return add_cli_args(parser)
+
+    @classmethod
+    def from_cli_args(cls, args) -> EngineArgs:
+        """vLLM's: EngineArgs from a namespace add_cli_args' flags filled."""
+        from jaxllm.engine.cli_args import from_cli_args
+
+        return from_cli_args(args)
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineArgs:
         """LLM(**kwargs): these fields, and every other keyword vLLM's EngineArgs has, taken, warned about or

@@ -52,7 +52,10 @@ class AsyncLLM:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, **kwargs) -> AsyncLLM:
+    def from_engine_args(cls, engine_args: EngineArgs | None = None, **kwargs) -> AsyncLLM:
+        """AsyncLLM over an LLMEngine of engine_args (vLLM's call), or of LLM()-style keywords (server defaults)."""
+        if engine_args is not None:
+            return cls(LLMEngine(engine_args))
         kwargs.setdefault("server_mode", True)
         return cls(LLMEngine(EngineArgs.from_kwargs(**kwargs)))
 

@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine(EngineLoRAMethods):
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **_) -> LLMEngine:
+        """vLLM's constructor (its usage_context and the like are accepted and unused)."""
+        return cls(engine_args)
+
     def __init__(self, args: EngineArgs, devices=None):
         """devices: the ones the engine's mesh uses (a data-parallel replica's group, jaxllm/engine/dp.py);
         default: the first tensor_parallel_size * pipeline_parallel_size of jax.devices()."""
