@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,8 @@ class StructuredOutputsParams:
             len(kinds) == 1,
             f"You must use one kind of structured outputs constraint but none are specified: {self.__dict__}",
         )
-        _check(self.structural_tag is None, "structured_outputs.structural_tag is not supported by jaxllm.")
+        if self.structural_tag is not None:
+            self.structural_tag_structures()  # checked here: a bad one is a 400 before the engine sees it
         _check(
             self.json_object in (None, True),
             f"structured_outputs.json_object must be true when given, got {self.json_object!r}.",
@@ -79,6 +81,50 @@ class StructuredOutputsParams:
         )
         if self.choice is not None:
             self.choice = list(self.choice)
+
+    def structural_tag_structures(self) -> list[tuple[str, str, dict | str, str]]:
+        """structural_tag (vLLM's JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}) as
+        (trigger, begin, schema, end) per structure: free text, except that text from a trigger on must be one of
+        the structures (its begin, JSON of its schema, its end). ValueError naming the field if malformed."""
+        name = "structured_outputs.structural_tag"
+        tag = self.structural_tag
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except json.JSONDecodeError as e:
+                raise ParameterError(f"{name} is not valid JSON: {e}", parameter="structural_tag") from None
+        _check(isinstance(tag, dict), f"{name} must be a JSON object, got {tag!r:.80}.", "structural_tag")
+        _check(
+            "format" not in tag,
+            f"{name}: the 'format' form (xgrammar's newer structural tags) is not supported by jaxllm; give "
+            "'structures' and 'triggers'.",
+            "structural_tag",
+        )
+        structures, triggers = tag.get("structures"), tag.get("triggers")
+        _check(
+            isinstance(triggers, list) and len(triggers) > 0 and all(isinstance(t, str) and t for t in triggers),
+            f"{name} needs 'triggers': a non-empty list of non-empty strings, got {triggers!r:.80}.",
+            "structural_tag",
+        )
+        _check(
+            isinstance(structures, list) and len(structures) > 0,
+            f"{name} needs 'structures': a non-empty list of {{begin, schema, end}}, got {structures!r:.80}.",
+            "structural_tag",
+        )
+        out = []
+        for s in structures:
+            ok = isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
+            _check(
+                ok and isinstance(s.get("schema"), (dict, str)), f"{name}: bad structure {s!r:.120}.", "structural_tag"
+            )
+            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            _check(
+                trigger is not None,
+                f"{name}: structure begin {s['begin']!r} starts with none of the triggers {triggers}.",
+                "structural_tag",
+            )
+            out.append((trigger, s["begin"], s["schema"], s["end"]))
+        return out
 
 
 GuidedDecodingParams = StructuredOutputsParams  # vLLM's name before v0.11

@@ -35,6 +35,9 @@ class StreamOptions(OpenAIModel):
 class ResponseFormat(OpenAIModel):
     type: str
     json_schema: Any = None
+    structures: Any = None  # type "structural_tag" (vLLM's): [{begin, schema, end}]
+    triggers: Any = None
+    format: Any = None  # structural_tag's newer xgrammar form (refused)
 
 
 class _SamplingFields(OpenAIModel):

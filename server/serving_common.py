@@ -208,9 +208,13 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
                     "response_format of type 'json_schema' needs json_schema.schema (the JSON schema).", param=param
                 )
             kw["json"] = schema
+        elif rf.type == "structural_tag":  # vLLM's: free text with constrained tool-call tags
+            tag = {"structures": rf.structures, "triggers": rf.triggers, "format": rf.format}
+            kw["structural_tag"] = json.dumps({k: v for k, v in tag.items() if v is not None})
         else:
             raise APIError(
-                f"response_format type '{rf.type}' is not supported; use 'text', 'json_object' or 'json_schema'.",
+                f"response_format type '{rf.type}' is not supported; use 'text', 'json_object', 'json_schema' or "
+                "'structural_tag'.",
                 param=param,
             )
     if not kw:

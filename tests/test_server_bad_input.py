@@ -371,7 +371,7 @@ CASES = [
         CHAT,
         {"json_body": {"messages": USER, "structured_outputs": {"structural_tag": "{}"}}},
         400,
-        "structural_tag is not supported",
+        "structured_outputs.structural_tag needs 'triggers'",
     ),
     (
         "image part",

@@ -449,8 +449,82 @@ def test_server_structured_outputs(tiny, tmp_path):
         )
         if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(r.choices[0].message.content), dict)
+        # vLLM's structural_tag response format (its structured_outputs example's fifth request): free text, tags
+        # constrained from their trigger on
+        for seed in range(3):
+            r = client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                max_tokens=40,
+                temperature=1.0,
+                seed=seed,
+                response_format={"type": "structural_tag", **STRUCTURAL_TAG},
+            )
+            assert follows_structural_tag(r.choices[0].message.content)
     bm = engine.engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+STRUCTURAL_TAG = {
+    "structures": [
+        {"begin": "[call:a]", "schema": {"type": "object", "properties": {"x": {"type": "integer"}}}, "end": "[end]"}
+    ],
+    "triggers": ["[call"],
+}
+
+
+def follows_structural_tag(text: str) -> bool:
+    """Every "[call" in text starts a whole structure: [call:a]{"x": int}[end] (the last may be cut off)."""
+    pieces = text.split("[call")
+    for i, piece in enumerate(pieces[1:], 1):
+        if not piece.startswith(":a]"):
+            return i == len(pieces) - 1 and ":a]".startswith(piece)  # cut off inside the begin
+        body, end, _ = piece[len(":a]") :].partition("[end]")
+        if end:  # (without it: cut off inside the JSON)
+            obj = json.loads(body)
+            if set(obj) - {"x"} or not all(type(v) is int for v in obj.values()):
+                return False
+    return True
+
+
+def test_structural_tag_constrains_text_from_its_trigger_on(llm):
+    """vLLM's structural_tag (llguidance's StructTag, as vLLM's guidance backend builds it): text outside the
+    tags is free; from a trigger on, only a whole structure (begin, its schema's JSON, end). The matcher takes a
+    text with a valid tag and refuses one with another begin or a key the schema does not name (strict, as
+    xgrammar's); bad specs are refused naming the field."""
+    tok = llm.get_tokenizer()
+    grammars = llm.llm_engine.grammars
+    grammar = grammars.compile(StructuredOutputsParams(structural_tag=json.dumps(STRUCTURAL_TAG)))
+
+    def takes(text: str) -> bool:
+        m = grammars.matcher(grammar)
+        return all(m.consume_token(t) for t in tok.encode(text, add_special_tokens=False))
+
+    assert takes('the engine [call:a]{"x": 42}[end] was paged')
+    assert not takes('the engine [call:b]{"x": 42}[end]')
+    assert not takes('the engine [call:a]{"x": 42, "y": 1}[end]')
+    assert not takes('the engine [call:a]{"x": "no"}[end]')
+    for tag, message in [
+        ("{}", "needs 'triggers'"),
+        ({"structures": [], "triggers": ["[c"]}, "needs 'structures'"),
+        ({"structures": [{"begin": "<x>", "schema": {}, "end": ""}], "triggers": ["[c"]}, "starts with none"),
+        ({"type": "structural_tag", "format": {}}, "'format' form"),
+        ("{not json", "not valid JSON"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            StructuredOutputsParams(structural_tag=tag if isinstance(tag, str) else json.dumps(tag))
+    outs = llm.generate(
+        PROMPTS,
+        SamplingParams(
+            temperature=1.0,
+            seed=5,
+            max_tokens=40,
+            structured_outputs=StructuredOutputsParams(structural_tag=json.dumps(STRUCTURAL_TAG)),
+        ),
+        use_tqdm=False,
+    )
+    assert all(follows_structural_tag(o.outputs[0].text) for o in outs)
+    check_free(llm)
 
 
 def test_missing_mask_count_program_is_served_by_a_wider_one(tiny, refs, tmp_path):

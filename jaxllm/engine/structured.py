@@ -142,6 +142,12 @@ class Grammars:
             field, grammar = "regex", llg.grammar_from("regex", ascii_shorthands(so.regex))
         elif so.choice is not None:
             field, grammar = "choice", llg.grammar_from("choice", json.dumps(so.choice))
+        elif so.structural_tag is not None:  # free text; from a trigger on, one of the structures (llguidance's)
+            tags = [
+                llg.StructTag(trigger=t, begin=b, grammar=strict_json_schema(_schema(schema)), end=e)
+                for t, b, schema, e in so.structural_tag_structures()
+            ]
+            field, grammar = "structural_tag", llg.grammar_from("lark", llg.StructTag.to_grammar(tags))
         else:
             try:  # Lark, or GBNF (converted)
                 field, grammar = "grammar", llg.grammar_from("grammar", so.grammar)
@@ -254,6 +260,18 @@ def ascii_shorthands(regex: str) -> str:
         out.append(c)
         i += 1
     return "".join(out)
+
+
+def _schema(schema) -> dict:
+    """A structural tag's schema, given as a dict or its JSON text, as a dict (ValueError naming the field)."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.structural_tag: a schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise ValueError(f"structured_outputs.structural_tag: a schema must be a JSON object, got {schema!r:.80}.")
+    return schema
 
 
 def _no_additional_properties(schema):
