@@ -46,6 +46,66 @@ def beam_search_score(tokens: list[int], cum_logprob: float, eos_token_id: int |
     return cum_logprob / (length**length_penalty)
 
 
+class BeamSearch:
+    """The search's state between its one-token steps, for a driver that runs them (run_beam_search here, AsyncLLM's
+    beam_search): step_params(), then while pending() has beams, advance() with their step outputs; results()."""
+
+    def __init__(self, prompts_ids, params: BeamSearchParams, *, eos_token_id, max_model_len: int, loras=None):
+        self.params, self.eos, self.max_model_len = params, eos_token_id, max_model_len
+        self.live = [
+            [BeamSearchSequence(list(ids), lora_request=loras[i] if loras else None)]
+            for i, ids in enumerate(prompts_ids)
+        ]
+        self.ended: list[list[BeamSearchSequence]] = [[] for _ in prompts_ids]
+        self.steps = 0
+
+    def step_params(self) -> SamplingParams:
+        return SamplingParams(logprobs=2 * self.params.beam_width, max_tokens=1, temperature=self.params.temperature)
+
+    def _score(self, beam: BeamSearchSequence) -> float:
+        return beam_search_score(beam.tokens, beam.cum_logprob, self.eos, self.params.length_penalty)
+
+    def pending(self) -> list[BeamSearchSequence]:
+        """The beams to extend by one token next (every prompt's, in order); [] when the search is over."""
+        if self.steps >= self.params.max_tokens:
+            return []
+        for i, beams in enumerate(self.live):  # a beam at max_model_len has no room for another token
+            for beam in beams:
+                if len(beam.tokens) >= self.max_model_len:
+                    beam.finish_reason = "length"
+                    self.ended[i].append(beam)
+            self.live[i] = [b for b in beams if b.finish_reason is None]
+        return [beam for beams in self.live for beam in beams]
+
+    def advance(self, steps: list[dict]) -> None:
+        """steps: each pending beam's {token: Logprob} of its next token (the top 2 * beam_width and the pick)."""
+        results = iter(steps)
+        for i, beams in enumerate(self.live):
+            grown = []
+            for beam in beams:
+                step = next(results)
+                for token, lp in step.items():
+                    new = BeamSearchSequence(
+                        beam.tokens + [token], beam.logprobs + [step], beam.lora_request, beam.cum_logprob + lp.logprob
+                    )
+                    if token == self.eos and not self.params.ignore_eos:
+                        new.finish_reason = "stop"
+                        self.ended[i].append(new)
+                    else:
+                        grown.append(new)
+            self.live[i] = sorted(grown, key=self._score, reverse=True)[: self.params.beam_width]
+        self.steps += 1
+
+    def results(self) -> list[BeamSearchOutput]:
+        out = []
+        for i, beams in enumerate(self.live):
+            for beam in beams:
+                beam.finish_reason = beam.finish_reason or "length"
+            best = sorted(self.ended[i] + beams, key=self._score, reverse=True)[: self.params.beam_width]
+            out.append(BeamSearchOutput(best))
+        return out
+
+
 def run_beam_search(
     prompts_ids: list[list[int]],
     params: BeamSearchParams,
@@ -56,47 +116,10 @@ def run_beam_search(
     loras: list | None = None,
 ) -> list[BeamSearchOutput]:
     """generate(prompts, sampling_params, lora_requests) -> RequestOutputs (LLM.generate's, in order)."""
-    step_params = SamplingParams(logprobs=2 * params.beam_width, max_tokens=1, temperature=params.temperature)
-
-    def score(beam: BeamSearchSequence) -> float:
-        return beam_search_score(beam.tokens, beam.cum_logprob, eos_token_id, params.length_penalty)
-
-    live = [
-        [BeamSearchSequence(list(ids), lora_request=loras[i] if loras else None)] for i, ids in enumerate(prompts_ids)
-    ]
-    ended: list[list[BeamSearchSequence]] = [[] for _ in prompts_ids]
-    for _ in range(params.max_tokens):
-        for i, beams in enumerate(live):  # a beam at max_model_len has no room for another token
-            for beam in beams:
-                if len(beam.tokens) >= max_model_len:
-                    beam.finish_reason = "length"
-                    ended[i].append(beam)
-            live[i] = [b for b in beams if b.finish_reason is None]
-        batch = [beam for beams in live for beam in beams]
-        if not batch:
-            break
+    search = BeamSearch(prompts_ids, params, eos_token_id=eos_token_id, max_model_len=max_model_len, loras=loras)
+    while batch := search.pending():
         outputs = generate(
-            [{"prompt_token_ids": b.tokens} for b in batch], step_params, [b.lora_request for b in batch]
+            [{"prompt_token_ids": b.tokens} for b in batch], search.step_params(), [b.lora_request for b in batch]
         )
-        results = iter(outputs)
-        for i, beams in enumerate(live):
-            grown = []
-            for beam in beams:
-                step = next(results).outputs[0].logprobs[0]  # {token: Logprob}: the top 2 * beam_width (and the pick)
-                for token, lp in step.items():
-                    new = BeamSearchSequence(
-                        beam.tokens + [token], beam.logprobs + [step], beam.lora_request, beam.cum_logprob + lp.logprob
-                    )
-                    if token == eos_token_id and not params.ignore_eos:
-                        new.finish_reason = "stop"
-                        ended[i].append(new)
-                    else:
-                        grown.append(new)
-            live[i] = sorted(grown, key=score, reverse=True)[: params.beam_width]
-    results_out = []
-    for i, beams in enumerate(live):
-        for beam in beams:
-            beam.finish_reason = beam.finish_reason or "length"
-        best = sorted(ended[i] + beams, key=score, reverse=True)[: params.beam_width]
-        results_out.append(BeamSearchOutput(best))
-    return results_out
+        search.advance([o.outputs[0].logprobs[0] for o in outputs])
+    return search.results()

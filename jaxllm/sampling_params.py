@@ -82,12 +82,12 @@ class StructuredOutputsParams:
         if self.choice is not None:
             self.choice = list(self.choice)
 
-    def structural_tag_structures(self) -> list[tuple[str, str, dict | str, str]]:
+    def structural_tag_structures(self) -> list[tuple[str, str, Any, str]]:
         """structural_tag (vLLM's JSON text: {"structures": [{"begin", "schema", "end"}], "triggers": [...]}) as
         (trigger, begin, schema, end) per structure: free text, except that text from a trigger on must be one of
         the structures (its begin, JSON of its schema, its end). ValueError naming the field if malformed."""
         name = "structured_outputs.structural_tag"
-        tag = self.structural_tag
+        tag: Any = self.structural_tag
         if isinstance(tag, str):
             try:
                 tag = json.loads(tag)
@@ -111,13 +111,13 @@ class StructuredOutputsParams:
             f"{name} needs 'structures': a non-empty list of {{begin, schema, end}}, got {structures!r:.80}.",
             "structural_tag",
         )
-        out = []
+        out: list[tuple[str, str, Any, str]] = []
         for s in structures:
             ok = isinstance(s, dict) and isinstance(s.get("begin"), str) and isinstance(s.get("end"), str)
             _check(
                 ok and isinstance(s.get("schema"), (dict, str)), f"{name}: bad structure {s!r:.120}.", "structural_tag"
             )
-            trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+            trigger: Any = next((t for t in triggers if s["begin"].startswith(t)), None)
             _check(
                 trigger is not None,
                 f"{name}: structure begin {s['begin']!r} starts with none of the triggers {triggers}.",

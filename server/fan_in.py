@@ -40,6 +40,7 @@ class EngineRequest:
     prompt_ids: list[int]
     prompt_text: str | None
     lora_request: Any = None  # the adapter the request's model names (jaxllm.lora.request.LoRARequest)
+    beam: Any = None  # BeamSearchParams: the request is a beam search (engine.beam_search), params its bookkeeping
 
 
 @dataclass
@@ -172,7 +173,10 @@ class EngineRunner:
         got_output = failed = False
         try:
             lora = {} if req.lora_request is None else {"lora_request": req.lora_request}
-            gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority, **lora)
+            if req.beam is not None:
+                gen = self.engine.beam_search(req.prompt, req.request_id, req.beam, priority=self.priority, **lora)
+            else:
+                gen = self.engine.generate(req.prompt, req.params, req.request_id, priority=self.priority, **lora)
             async for out in gen:
                 if not got_output:
                     got_output = True

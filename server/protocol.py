@@ -88,8 +88,10 @@ class _SamplingFields(OpenAIModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    # Known fields we cannot honour: refused with 400 when set (see serving_common.reject_unsupported).
+    # vLLM's beam search: n beams, scored with length_penalty (jaxllm/beam_search.py)
     use_beam_search: bool = False
+    length_penalty: float = 1.0
+    # Known fields we cannot honour: refused with 400 when set (see serving_common.reject_unsupported).
     prompt_embeds: Any = None
     logits_processors: Any = None
 

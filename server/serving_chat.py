@@ -39,6 +39,7 @@ from server.serving_common import (
     SSE,
     STATE,
     ServerState,
+    beam_search_params,
     encode,
     log_ignored_fields,
     log_request,
@@ -214,13 +215,15 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tu
         prompt_logprobs=req.prompt_logprobs,
         constraint=tool_constraint(tool_choice, req.tools),
         param_names={"logprobs": "top_logprobs", "max_tokens": limit_param},
+        beam_search=req.use_beam_search,
     )
+    beam = beam_search_params(state, req, max_tokens)
     request_id = f"chatcmpl-{header_id or req.request_id or random_id('')[1:]}"  # vLLM's order
     log_request(state, request_id, text, params)
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
         prompt["cache_salt"] = req.cache_salt
-    engine_req = EngineRequest(prompt, params, request_id, ids, text, lora)
+    engine_req = EngineRequest(prompt, params, request_id, ids, text, lora, beam)
 
     role = state.response_role if req.add_generation_prompt else conversation[-1]["role"]
     echo = ""

@@ -20,7 +20,13 @@ from typing import Any
 from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient
-from jaxllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams, truncate_prompt_ids
+from jaxllm.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    truncate_prompt_ids,
+)
 from server.admission import Admission, ServerLimits
 from server.errors import APIError, model_not_found
 from server.metrics import ServerMetrics
@@ -118,8 +124,6 @@ def reject_unsupported(req) -> None:
             f"Invalid 'n': integer above maximum value. Expected a value <= {MAX_N}, but got {req.n} instead.",
             param="n",
         )
-    if req.use_beam_search:
-        raise APIError("Beam search is not supported by jaxllm.", param="use_beam_search")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(
             f"best_of is not supported by jaxllm (got best_of={req.best_of}, n={req.n}); use n.", param="best_of"
@@ -225,6 +229,33 @@ def structured_outputs(req) -> StructuredOutputsParams | None:
         raise APIError(str(e), param=param) from None
 
 
+def beam_search_params(state: ServerState, req, max_tokens: int) -> BeamSearchParams | None:
+    """vLLM's use_beam_search: n beams of up to max_tokens (its to_beam_search_params); None without it."""
+    if not req.use_beam_search:
+        return None
+    if not hasattr(state.engine, "beam_search"):
+        raise APIError("Beam search is not supported by this engine (data-parallel replicas).", param="use_beam_search")
+    if state.engine.max_logprobs != -1 and 2 * req.n > state.engine.max_logprobs:
+        raise APIError(
+            f"Beam search with n={req.n} needs 2 * n log-probabilities a step, more than --max-logprobs "
+            f"({state.engine.max_logprobs}).",
+            param="n",
+        )
+    temperature = req.temperature if req.temperature is not None else state.default_sampling().get("temperature", 1.0)
+    try:
+        return BeamSearchParams(
+            beam_width=req.n,
+            max_tokens=max_tokens,
+            ignore_eos=req.ignore_eos,
+            temperature=temperature,
+            length_penalty=req.length_penalty,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+        )
+    except ValueError as e:
+        field = getattr(e, "parameter", None)
+        raise APIError(str(e), param={"beam_width": "n"}.get(field, field)) from None
+
+
 def make_sampling_params(
     state: ServerState,
     req,
@@ -234,6 +265,7 @@ def make_sampling_params(
     prompt_logprobs: int | None,
     constraint: StructuredOutputsParams | None = None,
     param_names: dict[str, str] | None = None,
+    beam_search: bool = False,
 ) -> SamplingParams:
     """SamplingParams from a request; its ValueError (vLLM's messages) becomes the 400's message, naming the
     request field (`param_names`: SamplingParams field -> request field where they differ). `constraint`
@@ -259,7 +291,7 @@ def make_sampling_params(
     try:
         params = SamplingParams(
             n=req.n,
-            temperature=pick("temperature", 1.0),
+            temperature=1.0 if beam_search else pick("temperature", 1.0),  # (beam search: n beams, not samples)
             top_p=pick("top_p", 1.0),
             top_k=pick("top_k", 0),
             min_p=pick("min_p", 0.0),

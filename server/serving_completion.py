@@ -23,6 +23,7 @@ from server.serving_common import (
     SSE,
     STATE,
     ServerState,
+    beam_search_params,
     check_token_ids,
     encode,
     log_ignored_fields,
@@ -67,14 +68,20 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tu
     for i, (text, ids) in enumerate(_prompts(state, req)):
         max_tokens = resolve_max_tokens(state, 1 if echo_only else req.max_tokens, len(ids), prompt_param="prompt")
         params = make_sampling_params(
-            state, req, max_tokens=max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_logprobs
+            state,
+            req,
+            max_tokens=max_tokens,
+            logprobs=req.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            beam_search=req.use_beam_search,
         )
+        beam = beam_search_params(state, req, max_tokens)
         prompt = {"prompt_token_ids": ids} if text is None else {"prompt_token_ids": ids, "prompt": text}
         if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt
             prompt["cache_salt"] = req.cache_salt
         rid = f"{request_id}-{i}"
         log_request(state, rid, text if text is not None else ids, params)
-        requests.append(EngineRequest(prompt, params, rid, ids, text, lora))
+        requests.append(EngineRequest(prompt, params, rid, ids, text, lora, beam))
     return _Ctx(state, req, request_id, model, echo_only), requests
 
 

@@ -258,3 +258,59 @@ def test_prompt_tokens_details_report_the_prefix_cache(served):
         )
         last = [chunk for chunk in stream][-1]
         assert last.usage.prompt_tokens_details.cached_tokens == chat.prompt_tokens_details.cached_tokens
+
+
+def test_beam_search_on_the_server_is_the_offline_one(served, tmp_path):
+    """vLLM's use_beam_search (n beams, length_penalty): the server's choices are LLM.beam_search's best beams, in
+    order, each its generated tokens and their text (prompt and a final EOS not included), the cumulative
+    log-probability as the beam's; chat too; nothing left in the KV cache. Without the engine's beam_search (here
+    a fake engine) it is a 400."""
+    from jaxllm import LLM, BeamSearchParams
+    from server.args import engine_kwargs
+
+    srv, engine, client = served
+    prompt = [5, 9, 2, 77, 3]
+    r = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        n=3,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
+    )
+    llm = LLM(**engine_kwargs(srv.args))
+    want = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=0.5, temperature=0))
+    beams = want[0].sequences
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.token_ids for c in r.choices] == [b.tokens[len(prompt) :] for b in beams]
+    tok = engine.get_tokenizer()
+    for c, b in zip(r.choices, beams, strict=True):
+        gen = b.tokens[len(prompt) :]
+        assert c.text == tok.decode(gen[:-1] if b.finish_reason == "stop" else gen, skip_special_tokens=True)
+        assert c.finish_reason == b.finish_reason
+    assert r.usage.completion_tokens == sum(len(c.token_ids) for c in r.choices)
+    stream = client.completions.create(
+        model="tiny",
+        prompt=prompt,
+        n=3,
+        max_tokens=4,
+        temperature=0,
+        stream=True,
+        extra_body={"use_beam_search": True, "length_penalty": 0.5},
+    )
+    texts = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in r.choices]
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "the engine"}],
+        n=2,
+        max_tokens=3,
+        extra_body={"use_beam_search": True},
+    )
+    assert len(chat.choices) == 2 and all(c.message.content is not None for c in chat.choices)
+    assert wait_until(lambda: blocks_free(engine))
+    with pytest.raises(openai.BadRequestError, match="needs 2 \\* n log-probabilities"):
+        client.completions.create(model="tiny", prompt=prompt, n=11, max_tokens=2, extra_body={"use_beam_search": True})

@@ -18,13 +18,15 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
+from jaxllm.beam_search import BeamSearch
 from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
-from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +119,46 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def beam_search(
+        self, prompt: PromptType, request_id: str, params: BeamSearchParams, *, priority: int = 0, lora_request=None
+    ) -> AsyncIterator[RequestOutput]:
+        """vLLM's EngineClient.beam_search (the server's use_beam_search): jaxllm/beam_search.py's search, each
+        step's beams as concurrent one-token requests; yields one finished RequestOutput whose outputs are the best
+        beams, best first, each its generated tokens and text (without a final EOS), as vLLM's."""
+        text, ids = self.engine.tokenize_prompt(prompt)
+        self.engine.validate_prompt(ids)
+        tok: Any = self.engine.tokenizer
+        search = BeamSearch([ids], params, eos_token_id=tok.eos_token_id, max_model_len=self.max_model_len)
+        sp = search.step_params()
+        sp.output_kind = RequestOutputKind.FINAL_ONLY
+
+        async def one(beam, rid: str) -> dict:
+            step: Any = None
+            async for out in self.generate(
+                {"prompt_token_ids": beam.tokens}, sp, rid, priority=priority, lora_request=lora_request
+            ):
+                step = out.outputs[0].logprobs
+            return step[0]
+
+        while batch := search.pending():
+            step = search.steps
+            search.advance(await asyncio.gather(*[one(b, f"{request_id}-beam{step}-{i}") for i, b in enumerate(batch)]))
+        outputs = []
+        for i, beam in enumerate(search.results()[0].sequences):
+            gen = beam.tokens[len(ids) :]
+            shown = gen[:-1] if beam.finish_reason == "stop" else gen  # the EOS that ended a beam is not text
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=tok.decode(shown, skip_special_tokens=True),
+                    token_ids=gen,
+                    cumulative_logprob=beam.cum_logprob,
+                    logprobs=beam.logprobs,
+                    finish_reason=beam.finish_reason,
+                )
+            )
+        yield RequestOutput(request_id, text, ids, None, outputs, finished=True)
 
     # LoRA adapters: run on the engine thread between steps (reading an adapter's files never blocks the loop)
     async def add_lora(self, lora_request) -> bool:
