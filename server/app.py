@@ -69,9 +69,10 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         state.reasoning_parser = reasoning_parser(opt("reasoning_parser"), engine.get_tokenizer())
         state.reasoning_keeps_special_tokens = tags_are_special(state.reasoning_parser, engine.get_tokenizer())
     middlewares = [_error_middleware]
+    root_path = (opt("root_path") or "").rstrip("/")
     api_key = opt("api_key")
     if api_key:
-        middlewares.insert(0, _auth_middleware(api_key))
+        middlewares.insert(0, _auth_middleware(api_key, root_path))
     cors = _Cors(
         opt("allowed_origins") or ["*"],
         opt("allowed_methods") or ["*"],
@@ -114,6 +115,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         interval = float(opt("log_stats_interval", 10.0) or 10.0)
         app.on_startup.append(lambda a: _start_stats(a, interval))
         app.on_cleanup.append(_stop_stats)
+    if root_path:  # vLLM's --root-path (a proxy's prefix): every route under it too, as Starlette routes it
+        for route in list(app.router.routes()):
+            info = route.resource.get_info() if route.resource is not None else {}
+            path = info.get("path") or info.get("formatter")
+            if path:
+                app.router.add_route(route.method, root_path + path, route.handler)
     return app
 
 
@@ -172,14 +179,18 @@ class _Cors:
             self._allow_origin(origin, response.headers)
 
 
-def _auth_middleware(api_key: str | list[str]):
-    """/v1/* needs 'Authorization: Bearer <key>' with one of the keys (vLLM's --api-key takes several)."""
+def _auth_middleware(api_key: str | list[str], root_path: str = ""):
+    """/v1/* (also under --root-path) needs 'Authorization: Bearer <key>' with one of the keys (vLLM's --api-key
+    takes several)."""
     keys = [api_key] if isinstance(api_key, str) else list(api_key)
     expected = [f"Bearer {k}".encode() for k in keys]
 
     @web.middleware
     async def auth(request: web.Request, handler):
-        if request.method != "OPTIONS" and request.path.startswith("/v1"):
+        path = request.path
+        if root_path and path.startswith(root_path + "/"):
+            path = path[len(root_path) :]
+        if request.method != "OPTIONS" and path.startswith("/v1"):
             given = request.headers.get("Authorization", "").encode()
             if not any([hmac.compare_digest(given, e) for e in expected]):  # every key compared: no early exit
                 return web.json_response({"error": "Unauthorized"}, status=401)

@@ -103,6 +103,11 @@ def make_parser() -> argparse.ArgumentParser:
         help=f"Require 'Authorization: Bearer <key>' on /v1/* with one of these keys. Falls back to "
         f"${API_KEY_ENV_VARS[0]}, then ${API_KEY_ENV_VARS[1]}.",
     )
+    s.add_argument(
+        "--root-path",
+        default=None,
+        help="The path prefix a proxy in front serves this server under (/prefix/v1/...): routes answer under it too.",
+    )
     s.add_argument("--allowed-origins", type=json.loads, default=["*"], help="CORS: allowed origins (JSON list).")
     s.add_argument("--allowed-methods", type=json.loads, default=["*"], help="CORS: allowed methods (JSON list).")
     s.add_argument("--allowed-headers", type=json.loads, default=["*"], help="CORS: allowed headers (JSON list).")

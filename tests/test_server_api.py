@@ -573,6 +573,18 @@ def test_api_key(tok, monkeypatch):
                     c.models.list()
 
 
+def test_root_path(tok):
+    """vLLM's --root-path: routes answer under the proxy's prefix too (and at /, as Starlette's routing), the API
+    key guarding /v1 under either."""
+    with ServerThread(FakeEngine(tok), "--root-path", "/abc/", "--api-key", "k") as srv:
+        for base in (srv.base_url, srv.base_url + "/abc"):
+            c = openai.OpenAI(base_url=base + "/v1", api_key="k", max_retries=0)
+            assert c.completions.create(model=MODEL, prompt="a", max_tokens=2).choices
+            assert http("GET", base + "/v1/models")[0] == 401  # no key
+            assert http("GET", base + "/health")[0] == 200
+        assert http("GET", srv.base_url + "/abcd/v1/models")[0] == 404
+
+
 def test_log_levels_tls_and_port_flags():
     """--log-level (else vLLM's VLLM_LOGGING_LEVEL, else info) sets jaxllm's logs; --uvicorn-log-level only the
     HTTP server's (it used to set both: `--uvicorn-log-level warning` hid the ready line); a certfile alone may hold

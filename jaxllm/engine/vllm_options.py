@@ -111,7 +111,6 @@ NO_EXTRA_ROUTES = "jaxllm has no /tokenizer_info or /load routes"
 USAGE = "usage reports prompt, completion and total tokens (stream usage only with stream_options.include_usage)"
 REQUEST_ID_HEADERS = "responses carry no X-Request-Id header"
 LOGGING = "logging is configured by --log-level or VLLM_LOGGING_LEVEL, and --uvicorn-log-level for the HTTP server (errors are logged with their traceback)"
-ROOT_PATH = "routes are served at /: a proxy in front must strip its path prefix"
 UDS = "serving on a Unix domain socket is not supported (use --host / --port)"
 CLIENT_CERTS = "client certificate verification is not supported"
 SSL_REFRESH = "the TLS certificate is read once at start-up"
@@ -405,7 +404,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--response-role", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--return-tokens-as-token-ids", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--revision", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
-    _row("--root-path", IGNORED, ROOT_PATH, "value", "server", "0.8.0-0.11.2"),
+    _row("--root-path", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--rope-scaling", HONOURED, "", "value", "engine", "0.8.0-0.11.0"),
     _row("--rope-theta", HONOURED, "", "value", "engine", "0.8.0-0.11.0"),
     _row("--runner", REFUSED, GENERATE_ONLY, "value", "engine", "0.10.2-0.11.2", accepted=("auto", "generate")),
