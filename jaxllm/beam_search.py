@@ -70,8 +70,8 @@ class BeamSearch:
         if self.steps >= self.params.max_tokens:
             return []
         for i, beams in enumerate(self.live):  # a beam at max_model_len has no room for another token
-            for beam in beams:
-                if len(beam.tokens) >= self.max_model_len:
+            for beam in beams:  # (a prompt that long goes to the engine, which refuses it as generate() does)
+                if beam.logprobs and len(beam.tokens) >= self.max_model_len:
                     beam.finish_reason = "length"
                     self.ended[i].append(beam)
             self.live[i] = [b for b in beams if b.finish_reason is None]

@@ -409,6 +409,19 @@ def _add_speculative_args(e) -> None:
 
 
 LOG_LEVELS = ["debug", "info", "warning", "error", "critical", "trace"]
+# vLLM's --help groups (its config classes) -> the group of jaxllm's parser that holds their flags
+_VLLM_GROUPS = {
+    **{
+        name.lower(): "engine"
+        for name in (
+            "ModelConfig", "LoadConfig", "CacheConfig", "ParallelConfig", "SchedulerConfig", "DecodingConfig",
+            "StructuredOutputsConfig", "SpeculativeConfig", "DeviceConfig", "CompilationConfig", "VllmConfig",
+        )
+    },
+    "loraconfig": "LoRA",
+    "frontend": "server",
+    "observabilityconfig": "server",
+}  # fmt: skip
 
 
 def help_topic(parser: argparse.ArgumentParser, topic: str) -> tuple[str, bool]:
@@ -429,9 +442,11 @@ def help_topic(parser: argparse.ArgumentParser, topic: str) -> tuple[str, bool]:
         formatter.end_section()
         return formatter.format_help()
 
-    group = next((g for g in groups if (g.title or "").lower() == topic.lower()), None)
+    title = _VLLM_GROUPS.get(topic.lower(), topic)
+    group = next((g for g in groups if (g.title or "").lower() == title.lower()), None)
     if group is not None:
-        return section(group.title, group._group_actions), True
+        note = "" if title == topic else f"(vLLM's {topic} flags are in jaxllm's {title!r} group)\n"
+        return note + section(group.title, group._group_actions), True
     flag = topic if topic.startswith("-") else f"--{topic}"
     exact = [a for a in parser._actions if flag in a.option_strings]
     if exact:

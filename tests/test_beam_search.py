@@ -108,6 +108,12 @@ def test_bad_params_name_their_field(make, field):
     assert e.value.parameter == field
 
 
+def test_a_prompt_past_max_model_len_is_refused_as_generate_refuses_it(llm):
+    """(It came back as a beam of the prompt alone, finished "length".)"""
+    with pytest.raises(ValueError, match="is longer than the maximum model length of 64"):
+        llm.beam_search([[5] * 80], BeamSearchParams(beam_width=2, max_tokens=3))
+
+
 def test_too_wide_for_max_logprobs_is_refused(llm):
     with pytest.raises(ParameterError, match=r"beam_width \(11\) needs 2 \* beam_width log-probabilities"):
         llm.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=11, max_tokens=2))

@@ -149,6 +149,8 @@ def test_help_topics_as_vllm(capsys):
         ("max-model-len", "--max-model-len", "--max-num-seqs"),
         ("--api-key", "--api-key", "--max-model-len"),
         ("cors", "--allowed-origins", "--max-model-len"),
+        ("ModelConfig", "--max-model-len", "--api-key"),  # vLLM's group names: the jaxllm group holding them
+        ("Frontend", "--api-key", "--max-model-len"),
     ]:
         with pytest.raises(SystemExit) as e:
             parse_args([f"--help={topic}"])

@@ -573,6 +573,15 @@ def test_api_key(tok, monkeypatch):
                     c.models.list()
 
 
+def test_prompt_tokens_details_flag_reaches_the_server_state(tok):
+    from server.serving_common import STATE
+
+    with ServerThread(FakeEngine(tok), "--enable-prompt-tokens-details") as srv:
+        assert srv.app[STATE].enable_prompt_tokens_details  # (tests/test_server_engine.py: its usage field)
+    with ServerThread(FakeEngine(tok)) as srv:
+        assert not srv.app[STATE].enable_prompt_tokens_details
+
+
 def test_root_path(tok):
     """vLLM's --root-path: routes answer under the proxy's prefix too (and at /, as Starlette's routing), the API
     key guarding /v1 under either."""

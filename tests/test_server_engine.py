@@ -234,17 +234,17 @@ def test_real_engine_metrics(served):
 def test_prompt_tokens_details_report_the_prefix_cache(served):
     """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the prompt tokens the prefix
     cache served (vLLM's), chat and completions, stream and not; without the flag the field is absent."""
-    import copy
-
     srv, engine, client = served
     prompt = "the engine was paged and the blocks were counted " * 4
     client.completions.create(model="tiny", prompt=prompt, max_tokens=1)  # fills the cache
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
     assert plain.prompt_tokens_details is None and "prompt_tokens_details" not in plain.model_dump(exclude_unset=True)
-    args = copy.copy(srv.args)
-    args.enable_prompt_tokens_details = True
-    with ServerThread(engine, args=args) as srv2:
-        c = openai.OpenAI(base_url=srv2.base_url + "/v1", api_key="x", max_retries=0, timeout=120)
+    from server.serving_common import STATE
+
+    state = srv.app[STATE]  # the flag's effect on the running server (a second server would shut the engine down)
+    state.enable_prompt_tokens_details = True
+    try:
+        c = client
         usage = c.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
         n = len(engine.get_tokenizer().encode(prompt))
         assert usage.prompt_tokens == n and 0 < usage.prompt_tokens_details.cached_tokens < n
@@ -258,6 +258,25 @@ def test_prompt_tokens_details_report_the_prefix_cache(served):
         )
         last = [chunk for chunk in stream][-1]
         assert last.usage.prompt_tokens_details.cached_tokens == chat.prompt_tokens_details.cached_tokens
+    finally:
+        state.enable_prompt_tokens_details = False
+
+
+def _histogram_counts(srv) -> dict[str, float]:
+    """Each vllm:*_seconds / request_params_n histogram's _count (the engine's label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async def scrape():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(srv.base_url + "/metrics") as r:
+                return await r.text()
+
+    counts = {}
+    for family in text_string_to_metric_families(asyncio.run(scrape())):
+        for s in family.samples:
+            if s.name.endswith("_count"):
+                counts[s.name[len("vllm:") : -len("_count")].removesuffix("_seconds")] = s.value
+    return counts
 
 
 def test_beam_search_on_the_server_is_the_offline_one(served, tmp_path):
@@ -270,6 +289,7 @@ def test_beam_search_on_the_server_is_the_offline_one(served, tmp_path):
 
     srv, engine, client = served
     prompt = [5, 9, 2, 77, 3]
+    before = _histogram_counts(srv)
     r = client.completions.create(
         model="tiny",
         prompt=prompt,
@@ -278,6 +298,10 @@ def test_beam_search_on_the_server_is_the_offline_one(served, tmp_path):
         temperature=0,
         extra_body={"use_beam_search": True, "length_penalty": 0.5, "return_token_ids": True},
     )
+    after = _histogram_counts(srv)  # each beam a finished request in every request histogram, as vLLM counts them
+    moved = {name: after[name] - before.get(name, 0) for name in after}
+    assert {moved[n] for n in ("e2e_request_latency", "request_prefill_time", "request_decode_time")} == {3}
+    assert moved["request_inference_time"] == moved["request_queue_time"] == 3 and moved["request_params_n"] == 1
     llm = LLM(**engine_kwargs(srv.args))
     want = llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4, length_penalty=0.5, temperature=0))
     beams = want[0].sequences

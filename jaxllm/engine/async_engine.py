@@ -17,6 +17,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,7 @@ from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
-from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ class AsyncLLM:
         """vLLM's EngineClient.beam_search (the server's use_beam_search): jaxllm/beam_search.py's search, each
         step's beams as concurrent one-token requests; yields one finished RequestOutput whose outputs are the best
         beams, best first, each its generated tokens and text (without a final EOS), as vLLM's."""
+        metrics = RequestMetrics(arrival_time=time.time())  # the search's: its first step and its last token
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt(ids)
         tok: Any = self.engine.tokenizer
@@ -143,7 +145,11 @@ class AsyncLLM:
 
         while batch := search.pending():
             step = search.steps
+            if step == 0:
+                metrics.first_scheduled_time = time.time()
             search.advance(await asyncio.gather(*[one(b, f"{request_id}-beam{step}-{i}") for i, b in enumerate(batch)]))
+            metrics.last_token_time = time.time()
+            metrics.first_token_time = metrics.first_token_time or metrics.last_token_time
         outputs = []
         for i, beam in enumerate(search.results()[0].sequences):
             gen = beam.tokens[len(ids) :]
@@ -158,7 +164,8 @@ class AsyncLLM:
                     finish_reason=beam.finish_reason,
                 )
             )
-        yield RequestOutput(request_id, text, ids, None, outputs, finished=True)
+        metrics.finished_time = time.time()
+        yield RequestOutput(request_id, text, ids, None, outputs, finished=True, metrics=metrics)
 
     # LoRA adapters: run on the engine thread between steps (reading an adapter's files never blocks the loop)
     async def add_lora(self, lora_request) -> bool:
