@@ -175,6 +175,14 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tu
     tokenization)."""
     req = parse_model(ChatCompletionRequest, parse_json(raw), sliced=("messages",))
     log_ignored_fields(req, "/v1/chat/completions")
+    return prepare_chat(state, req, header_id)
+
+
+def prepare_chat(
+    state: ServerState, req: ChatCompletionRequest, header_id: str | None = None, request_id: str | None = None
+) -> tuple[_Ctx, EngineRequest]:
+    """A parsed chat request's engine request (also /v1/responses', translated: serving_responses.py);
+    request_id: the engine request's id (default: chatcmpl-<X-Request-Id, request_id or random>)."""
     model, lora = state.check_model(req.model)
     reject_unsupported(req)
     reject_unsupported_chat(req)
@@ -218,7 +226,7 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tu
         beam_search=req.use_beam_search,
     )
     beam = beam_search_params(state, req, max_tokens)
-    request_id = f"chatcmpl-{header_id or req.request_id or random_id('')[1:]}"  # vLLM's order
+    request_id = request_id or f"chatcmpl-{header_id or req.request_id or random_id('')[1:]}"  # vLLM's order
     log_request(state, request_id, text, params)
     prompt = {"prompt_token_ids": ids, "prompt": text}
     if req.cache_salt:  # prefix-cache blocks are shared only between requests with the same salt

@@ -236,6 +236,24 @@ def test_server_splits_reasoning_whole_and_streamed(servers, name):
     assert message["reasoning"] is None and message["content"] in ("Blue.", "Sky is blue.</think>Blue.")
 
 
+def test_responses_api_puts_reasoning_in_its_own_item(servers):
+    """/v1/responses with --reasoning-parser: a reasoning item (reasoning_text) before the message, whole and
+    streamed (the SDK's event types parse every event)."""
+    srv, engine = servers["deepseek_r1"]
+    engine.say("<think>Sky is blue.</think>Blue.")
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    r = client.responses.create(model="fake-model", input="hi", max_output_tokens=300)
+    assert [item.type for item in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Sky is blue." and r.output_text == "Blue."
+    events = list(client.responses.create(model="fake-model", input="hi", max_output_tokens=300, stream=True))
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert (reasoning, text) == ("Sky is blue.", "Blue.")
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "message"] and events[-1].type == "response.completed"
+    assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
+
+
 def test_enable_thinking_false_is_all_content(servers):
     for name in ("deepseek_r1", "qwen3"):
         srv, engine = servers[name]

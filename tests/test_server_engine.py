@@ -338,3 +338,62 @@ def test_beam_search_on_the_server_is_the_offline_one(served, tmp_path):
     assert wait_until(lambda: blocks_free(engine))
     with pytest.raises(openai.BadRequestError, match="needs 2 \\* n log-probabilities"):
         client.completions.create(model="tiny", prompt=prompt, n=11, max_tokens=2, extra_body={"use_beam_search": True})
+
+
+def test_responses_api(served):
+    """/v1/responses (OpenAI's Responses API, as vLLM serves it) through the openai SDK: the same tokens as the chat
+    route for the same conversation (instructions as its system message), the SDK's own Response and event types
+    parse every body and event, max_output_tokens ends it "incomplete", a JSON schema format constrains it, and
+    what is not supported is a 400 (a 404 for previous_response_id, nothing being stored)."""
+    srv, engine, client = served
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "system", "content": "be brief"}, {"role": "user", "content": "the engine"}],
+        max_completion_tokens=6,
+        temperature=0,
+    )
+    r = client.responses.create(
+        model="tiny", instructions="be brief", input="the engine", max_output_tokens=6, temperature=0
+    )
+    assert r.object == "response" and r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens and r.usage.output_tokens == chat.usage.completion_tokens
+    assert r.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    items = [
+        {"role": "system", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "the engine"}]},
+    ]
+    assert (
+        client.responses.create(model="tiny", input=items, max_output_tokens=6, temperature=0).output_text
+        == r.output_text
+    )
+    events = list(
+        client.responses.create(
+            model="tiny", instructions="be brief", input="the engine", max_output_tokens=6, temperature=0, stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    assert kinds[-1] == ("response.incomplete" if r.status == "incomplete" else "response.completed")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[-1].response.output_text == r.output_text
+    # text.format json_schema is the chat route's response_format (this tiny tokenizer spells no JSON: translated only)
+    from server.serving_responses import ResponsesRequest, to_chat_request
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = {"format": {"type": "json_schema", "name": "a", "schema": schema}}
+    chat_req = to_chat_request(ResponsesRequest(input="x", text=fmt))
+    assert chat_req.response_format.type == "json_schema" and chat_req.response_format.json_schema["schema"] == schema
+    # a grammar this tokenizer cannot follow fails its request with a 400 (it was a 500), the engine goes on
+    with pytest.raises(openai.BadRequestError, match="structured-output grammar"):
+        client.responses.create(model="tiny", input="the engine", max_output_tokens=8, text=fmt)
+    for kw, status, message in [
+        (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), 400, "tools are not supported"),
+        (dict(previous_response_id="resp_x"), 404, "not found"),
+        (dict(background=True), 400, "background"),
+        (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), 400, "function_call_output"),
+    ]:
+        with pytest.raises(openai.APIStatusError, match=message) as e:
+            client.responses.create(**{"model": "tiny", "input": "x", **kw})
+        assert e.value.status_code == status
+    assert wait_until(lambda: blocks_free(engine))

@@ -432,8 +432,8 @@ class LLMEngine(EngineLoRAMethods):
             if state.matched < seq.num_output_tokens and state.finish_reason is None:
                 self._consume([state], [token])  # not advanced before the step was processed (_advance_grammars)
                 self._advanced.append(state)
-            if state.grammar_error is not None:
-                raise RuntimeError(state.grammar_error)
+            if state.grammar_error is not None:  # the request's grammar and the tokenizer disagree: the request's fault
+                raise ValueError(state.grammar_error)  # (a 400 on the server; the engine and other requests go on)
 
     def _append_token(self, req: _Request, state: _SeqState, token: int) -> None:
         p, seq = req.params, state.seq

@@ -1,0 +1,305 @@
+"""POST /v1/responses: OpenAI's Responses API (vLLM serves it too) for text: a request becomes a chat request
+(instructions as the system message, then the input's messages), runs as /v1/chat/completions runs it, and
+comes back as a Response: a message item with the output text (and, with --reasoning-parser, a reasoning item
+before it), streamed as the API's typed events.
+
+Taken: input (a string, or message items whose content is a string or input_text / output_text parts),
+instructions, max_output_tokens, temperature, top_p, text.format (text, json_object, json_schema: a structured
+output), stream, user, metadata, store (ignored: nothing is stored, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE).
+Refused with a 400 naming the field: tools, function call items, background, output logprobs; previous_response_id
+is a 404 (no response is stored), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+from server.errors import APIError, parse_json, parse_model, read_body
+from server.fan_in import EngineRunner, RequestState, output_size
+from server.protocol import ChatCompletionRequest, OpenAIModel, random_id
+from server.serving_chat import prepare_chat
+from server.serving_common import STATE, ServerState, log_ignored_fields
+
+
+class ResponsesRequest(OpenAIModel):
+    input: str | list[Any]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: dict | None = None
+    stream: bool = False
+    user: str | None = None
+    metadata: dict | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    tools: list | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+    reasoning: dict | None = None
+    truncation: str | None = None
+    request_id: str | None = None
+
+
+def _content(content: Any, i: int) -> str:
+    """A message item's content as one string: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                raise APIError(f"input[{i}]: content part type {kind!r} is not supported (text only).", param="input")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise APIError(f"input[{i}].content must be a string or a list of text parts.", param="input")
+
+
+def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    if req.previous_response_id is not None:
+        raise APIError(f"Response with id '{req.previous_response_id}' not found.", 404, param="previous_response_id")
+    if req.background:
+        raise APIError("background mode needs stored responses, which jaxllm does not keep.", param="background")
+    if req.tools:
+        raise APIError(
+            "tools are not supported on /v1/responses by jaxllm; use /v1/chat/completions for tool calling.",
+            param="tools",
+        )
+    if "message.output_text.logprobs" in (req.include or []) or req.top_logprobs:
+        raise APIError("output logprobs are not supported on /v1/responses by jaxllm.", param="include")
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    if isinstance(req.input, str):
+        messages.append({"role": "user", "content": req.input})
+    else:
+        for i, item in enumerate(req.input):
+            if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
+                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+                raise APIError(f"input[{i}]: item type {kind!r} is not supported (messages only).", param="input")
+            role = "system" if item["role"] == "developer" else item["role"]
+            messages.append({"role": role, "content": _content(item.get("content"), i)})
+    fmt = (req.text or {}).get("format") or {"type": "text"}
+    body: dict[str, Any] = {
+        "model": req.model,
+        "messages": messages,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "stream": req.stream,
+        "user": req.user,
+    }
+    if fmt.get("type") == "json_schema":
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")},
+        }
+    elif fmt.get("type") == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    elif fmt.get("type") != "text":
+        raise APIError(f"text.format type {fmt.get('type')!r} is not supported.", param="text")
+    return parse_model(ChatCompletionRequest, body)
+
+
+def _prepare(state: ServerState, raw: bytes, header_id: str | None):
+    req = parse_model(ResponsesRequest, parse_json(raw), sliced=("input",))
+    log_ignored_fields(req, "/v1/responses")
+    response_id = f"resp_{req.request_id or random_id('')[1:]}"
+    ctx, engine_req = prepare_chat(state, to_chat_request(req), header_id, request_id=response_id)
+    return req, ctx, engine_req
+
+
+class _Response:
+    """The Response object of one request, and its output items as they grow (streamed or not)."""
+
+    def __init__(self, req: ResponsesRequest, ctx):
+        self.req, self.ctx = req, ctx
+        self.id = ctx.request_id
+        self.items: list[dict] = []
+
+    def body(self, status: str, rs: RequestState | None = None) -> dict:
+        req, usage, incomplete = self.req, None, None
+        if rs is not None:
+            prompt = len(rs.request.prompt_ids)
+            out = rs.completion_tokens
+            cached = (rs.last.num_cached_tokens or 0) if rs.last is not None else 0
+            usage = {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": cached},
+                "output_tokens": out,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + out,
+            }
+            if rs.choices[0].finish_reason == "length":
+                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        fmt = (req.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.ctx.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "metadata": req.metadata,
+            "model": self.ctx.model,
+            "output": self.items,
+            "parallel_tool_calls": bool(req.parallel_tool_calls) if req.parallel_tool_calls is not None else True,
+            "previous_response_id": None,
+            "reasoning": None,
+            "store": False,
+            "temperature": req.temperature,
+            "text": {"format": fmt},
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": req.top_p,
+            "truncation": req.truncation or "disabled",
+            "usage": usage,
+            "user": req.user,
+        }
+
+    @staticmethod
+    def message(text: str, status: str) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return {
+            "id": f"msg_{random_id('')[1:]}",
+            "type": "message",
+            "role": "assistant",
+            "status": status,
+            "content": [part],
+        }
+
+    @staticmethod
+    def reasoning(text: str) -> dict:
+        return {
+            "id": f"rs_{random_id('')[1:]}",
+            "type": "reasoning",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+        }
+
+
+async def create_response(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    raw = await read_body(request, state.limits.max_body_bytes, state.limits.timeout_request_body)
+    req, ctx, engine_req = await state.workers.run(
+        _prepare, state, raw, request.headers.get("X-Request-Id"), size=len(raw)
+    )
+    if req.stream:
+        return await _stream(request, req, ctx, engine_req)
+    async with EngineRunner(state, [engine_req], ctx.req.priority) as run:
+        await run.start()
+        (rs,) = await run.run_to_end()
+    text = await state.workers.run(_final_response, req, ctx, rs, size=output_size([rs]))
+    return web.json_response(text=text)
+
+
+def _final_response(req: ResponsesRequest, ctx, rs: RequestState) -> str:
+    resp = _Response(req, ctx)
+    message = ctx.final_choice(rs, 0).message
+    reasoning = getattr(message, "reasoning_content", None)
+    if reasoning:
+        resp.items.append(resp.reasoning(reasoning))
+    resp.items.append(resp.message(message.content or "", "completed"))
+    return json.dumps(resp.body("completed", rs))
+
+
+async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) -> web.StreamResponse:
+    """The Responses API's events: created, in_progress; per output item added, (content part added,) its deltas,
+    done; completed with the whole response. Reasoning (a --reasoning-parser's) streams as a reasoning item
+    before the message."""
+    resp = _Response(req, ctx)
+    sse = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    seq = 0
+
+    async def send(kind: str, **fields) -> None:
+        nonlocal seq
+        event = {"type": kind, "sequence_number": seq, **fields}
+        seq += 1
+        await sse.write(f"event: {kind}\ndata: {json.dumps(event)}\n\n".encode())
+
+    open_item: dict | None = None  # the item now streaming: {"kind", "index", "item", "text"}
+
+    async def close_item() -> None:
+        nonlocal open_item
+        if open_item is None:
+            return
+        i, item, text = open_item["index"], open_item["item"], open_item["text"]
+        if open_item["kind"] == "message":
+            part = {"type": "output_text", "text": text, "annotations": []}
+            await send(
+                "response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text, logprobs=[]
+            )
+            await send("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part)
+            item = resp.message(text, "completed") | {"id": item["id"]}
+        else:
+            await send("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0, text=text)
+            item = resp.reasoning(text) | {"id": item["id"]}
+        resp.items[i] = item
+        await send("response.output_item.done", output_index=i, item=item)
+        open_item = None
+
+    async def delta(kind: str, text: str) -> None:
+        nonlocal open_item
+        if open_item is not None and open_item["kind"] != kind:
+            await close_item()
+        if open_item is None:
+            i = len(resp.items)
+            if kind == "message":
+                item = resp.message("", "in_progress") | {"content": []}
+            else:
+                item = resp.reasoning("") | {"content": []}
+            resp.items.append(item)
+            open_item = {"kind": kind, "index": i, "item": item, "text": ""}
+            await send("response.output_item.added", output_index=i, item=item)
+            if kind == "message":
+                part = {"type": "output_text", "text": "", "annotations": []}
+                await send(
+                    "response.content_part.added", item_id=item["id"], output_index=i, content_index=0, part=part
+                )
+        open_item["text"] += text
+        i, item_id = open_item["index"], open_item["item"]["id"]
+        if kind == "message":
+            await send(
+                "response.output_text.delta", item_id=item_id, output_index=i, content_index=0, delta=text, logprobs=[]
+            )
+        else:
+            await send("response.reasoning_text.delta", item_id=item_id, output_index=i, content_index=0, delta=text)
+
+    async with EngineRunner(ctx.state, [engine_req], ctx.req.priority) as run:
+        await run.start()  # invalid input still gets a status code
+        await sse.prepare(request)
+        try:
+            await send("response.created", response=resp.body("in_progress"))
+            await send("response.in_progress", response=resp.body("in_progress"))
+            rs = None
+            try:
+                async for _, rs in run.events():
+                    choice = ctx.delta(rs, 0)
+                    if choice is None:
+                        continue
+                    reasoning = getattr(choice.delta, "reasoning_content", None)
+                    if reasoning:
+                        await delta("reasoning", reasoning)
+                    if choice.delta.content:
+                        await delta("message", choice.delta.content)
+            except APIError as e:
+                await send("error", code=str(e.status), message=e.message, param=e.param)
+                await sse.write_eof()
+                return sse
+            if not any(item["type"] == "message" for item in resp.items) and open_item is None:
+                await delta("message", "")  # an empty answer is still a message
+            await close_item()
+            done = resp.body("completed", rs)
+            await send(f"response.{'incomplete' if done['status'] == 'incomplete' else 'completed'}", response=done)
+            await sse.write_eof()
+        except ConnectionError:
+            pass  # the client went away mid-write: leaving the runner aborts the request
+    return sse
