@@ -108,3 +108,30 @@ def test_vllm_example_command_lines(tiny, capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-model-len", "lots"])
     assert "expected an integer such as 4096" in capsys.readouterr().err
+
+
+def test_skip_tokenizer_init(tiny, tmp_path):
+    """vLLM's skip_tokenizer_init (RL frameworks run the engine so): no tokenizer is loaded (a folder without
+    tokenizer files serves), prompts are token ids and outputs token ids without text, the same tokens as with the
+    tokenizer; a text prompt and what needs the tokenizer (stop strings, bad words, structured outputs, chat) are
+    refused naming it."""
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens_map.json"))
+    llm = LLM(str(bare), dtype="float32", enforce_eager=True, max_model_len=128, skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    out = llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2), use_tqdm=False)
+    ref = LLM(tiny, dtype="float32", enforce_eager=True, max_model_len=128).generate(
+        PROMPT, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    o = out[0].outputs[0]
+    assert o.token_ids == ref[0].outputs[0].token_ids and o.text == ""
+    assert all(lp.decoded_token is None for step in o.logprobs for lp in step.values())
+    with pytest.raises(ValueError, match="cannot pass text prompts when `skip_tokenizer_init` is True"):
+        llm.generate("the engine", use_tqdm=False)
+    for kw in (dict(stop=["x"]), dict(bad_words=["x"])):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))} needs the tokenizer"):
+            llm.generate(PROMPT, SamplingParams(**kw), use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template"):
+        llm.chat([{"role": "user", "content": "hi"}])

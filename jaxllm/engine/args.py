@@ -49,6 +49,7 @@ class EngineArgs:
     # itself is always jaxllm's own implementation.
     trust_remote_code: bool = False
     tokenizer_mode: str = "auto"  # auto | slow
+    skip_tokenizer_init: bool = False  # vLLM's: no tokenizer; prompts are token ids, outputs carry no text
     revision: str | None = None  # of a Hub model id (branch, tag or commit)
     tokenizer_revision: str | None = None  # None: revision
     code_revision: str | None = None  # of a Hub model's remote code (vLLM's; the code comes with the snapshot)

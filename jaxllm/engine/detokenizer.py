@@ -133,6 +133,18 @@ class StopMatch:
     text_end: int  # the output text is text[:text_end]
 
 
+class _NoText:
+    """The detokenizer of an engine without a tokenizer (skip_tokenizer_init): its requests never detokenize."""
+
+    held = 0
+
+    def flush(self) -> str:
+        return ""
+
+
+NO_TEXT = _NoText()
+
+
 class StopChecker:
     """Stop strings of one sequence. check() after each text delta; visible_text() for streaming."""
 

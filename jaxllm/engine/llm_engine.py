@@ -23,7 +23,7 @@ import time
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import cache_config_info
-from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
+from jaxllm.engine.detokenizer import NO_TEXT, IncrementalDetokenizer, StopChecker
 from jaxllm.engine.per_token import bias_row, collect_prompt_logprobs, logprob_dict
 from jaxllm.engine.protocol import EngineStats, PromptType
 from jaxllm.engine.request_state import Request as _Request
@@ -38,6 +38,7 @@ from jaxllm.engine.structured import Grammars
 from jaxllm.lora.engine import EngineLoRAMethods
 from jaxllm.outputs import RequestMetrics, RequestOutput
 from jaxllm.sampling_params import (
+    ParameterError,
     RequestOutputKind,
     SamplingParams,
     truncate_prompt_ids,
@@ -61,7 +62,8 @@ class LLMEngine(EngineLoRAMethods):
         parts = build_engine_parts(args, devices)
         self.args = args
         self.model_config: ModelConfig = parts.model_config
-        self.tokenizer = parts.tokenizer
+        self.tokenizer = parts.tokenizer  # None with skip_tokenizer_init
+        self._tokenizer_eos = None if self.tokenizer is None else self.tokenizer.eos_token_id
         self.runner: ModelRunner = parts.runner
         self.cache_config = parts.cache_config
         # Speculative decoding (None: off; see step() and jaxllm/spec_decode/engine.py)
@@ -117,6 +119,8 @@ class LLMEngine(EngineLoRAMethods):
             else:
                 raise ValueError("A prompt dict needs 'prompt' or 'prompt_token_ids'.")
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("You cannot pass text prompts when `skip_tokenizer_init` is True: give token ids.")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
@@ -143,6 +147,13 @@ class LLMEngine(EngineLoRAMethods):
         ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.validate_prompt(ids)
         params.verify_for_model(self.vocab_size, self.max_logprobs)
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids in and out, as vLLM's
+            for name in ("stop", "bad_words", "structured_outputs"):
+                if getattr(params, name):
+                    raise ParameterError(
+                        f"{name} needs the tokenizer, which skip_tokenizer_init=True leaves out.", parameter=name
+                    )
+            params.detokenize = False
         lora_id, lora_key = self._lora_of(lora_request)
         so = params.structured_outputs
         grammar = None if so is None else self.grammars.compile(so)
@@ -169,8 +180,12 @@ class LLMEngine(EngineLoRAMethods):
                 lora_key=lora_key,
             )
             seq.rng_seed = params.seed + i if params.seed is not None else self._rng.getrandbits(32)
-            detok = IncrementalDetokenizer(
-                self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens
+            detok = (
+                IncrementalDetokenizer(
+                    self.tokenizer, ids, params.skip_special_tokens, params.spaces_between_special_tokens
+                )
+                if self.tokenizer is not None
+                else NO_TEXT
             )
             state = _SeqState(
                 seq,
@@ -443,7 +458,7 @@ class LLMEngine(EngineLoRAMethods):
             # reports stop_reason None; any other stop id (generation_config's extra EOS ids too) reports itself.
             if p.detokenize:
                 state.text += (state.detok.append(token) if p.include_stop_str_in_output else "") + state.detok.flush()
-            model_eos = token == self.tokenizer.eos_token_id and token not in p.stop_token_ids
+            model_eos = token == self._tokenizer_eos and token not in p.stop_token_ids
             self._finish(state, "stop", None if model_eos else token)
             return
         final_text_only = p.final_text_only or p.output_kind is RequestOutputKind.FINAL_ONLY

@@ -25,10 +25,17 @@ def tokenizer_parts(args: EngineArgs, path: str, hf: dict):
     from jaxllm.reasoning import reasoning_parser
 
     check_config_code(path, hf, args.trust_remote_code)
+    vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
+    if args.skip_tokenizer_init:  # vLLM's: token ids in and out; EOS from config.json and generation_config.json
+        if args.reasoning_parser:
+            raise ValueError("reasoning_parser needs the tokenizer, which skip_tokenizer_init=True leaves out.")
+        config_eos = hf.get("eos_token_id")
+        eos, defaults = generation_config(args.generation_config, path, None, args.override_generation_config)
+        eos |= set(config_eos if isinstance(config_eos, list) else [] if config_eos is None else [config_eos])
+        return None, eos, defaults, None
     tokenizer = load_tokenizer(
         resolve_tokenizer_dir(args, path), trust_remote_code=args.trust_remote_code, tokenizer_mode=args.tokenizer_mode
     )
-    vocab_size = ModelConfig.from_hf(hf, dtype=args.dtype).vocab_size
     if len(tokenizer) > vocab_size:
         logger.warning(
             "The tokenizer has %d tokens, more than the model's vocab_size %d: prompts holding the others are refused.",
@@ -46,7 +53,7 @@ def generation_config(mode: str, path: str, tokenizer, overrides: dict | None = 
     """EOS ids and default sampling parameters. overrides (vLLM's override_generation_config): merged over the
     file's values with mode "auto" or a path, the only ones with "vllm"."""
     eos: set[int] = set()
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     eos, defaults = _generation_config_file(mode, path, eos)
     if overrides:

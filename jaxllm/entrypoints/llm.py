@@ -132,6 +132,8 @@ class LLM:
             )
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("LLM.chat needs the tokenizer's chat template, which skip_tokenizer_init=True leaves out.")
         prompts = []
         for conv in conversations:
             conv = [template_message(m, chat_template_content_format) for m in conv]
@@ -181,6 +183,8 @@ class LLM:
             elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
                 ids.append(list(p))
             elif isinstance(p, (str, dict)) and isinstance(p.get("prompt") if isinstance(p, dict) else p, str):
+                if tok is None:
+                    raise ValueError("You cannot pass text prompts when `skip_tokenizer_init` is True: give token ids.")
                 ids.append(tok.encode(p if isinstance(p, str) else p["prompt"]))
             else:
                 raise ValueError(
@@ -197,13 +201,13 @@ class LLM:
                 ids[start : start + limit],
                 params,
                 generate,
-                eos_token_id=tok.eos_token_id,
+                eos_token_id=tok.eos_token_id if tok is not None else None,
                 max_model_len=self.llm_engine.max_model_len,
                 loras=loras[start : start + limit] if loras else None,
             )
         for out in outputs:
             for beam in out.sequences:
-                beam.text = tok.decode(beam.tokens)
+                beam.text = tok.decode(beam.tokens) if tok is not None else None
         return outputs
 
     def encode(self, *args, **kwargs):
