@@ -32,6 +32,17 @@ from jaxllm.sampling_params import BeamSearchParams, RequestOutputKind, Sampling
 logger = logging.getLogger(__name__)
 
 
+class _Joined:
+    """shutdown()'s result: awaiting it joins the engine thread in an executor (up to 10 s); not awaiting it is
+    fine too (the loop ends on its own)."""
+
+    def __init__(self, thread: threading.Thread):
+        self.thread = thread
+
+    def __await__(self):
+        return asyncio.get_running_loop().run_in_executor(None, self.thread.join, 10).__await__()
+
+
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -211,10 +222,12 @@ class AsyncLLM:
         jax.profiler.stop_trace()
         self._profiling = False
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> _Joined:
+        """Stops the engine loop. vLLM's AsyncLLM.shutdown() is a plain call (its examples call it so); the server
+        awaits it, which also waits (off the event loop) for the engine thread to end."""
         self._stopped = True
         self._commands.put(("wake",))
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10)
+        return _Joined(self._thread)
 
     # ---- engine thread ----
     def _loop(self) -> None:
