@@ -179,10 +179,15 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None = None) -> tu
 
 
 def prepare_chat(
-    state: ServerState, req: ChatCompletionRequest, header_id: str | None = None, request_id: str | None = None
+    state: ServerState,
+    req: ChatCompletionRequest,
+    header_id: str | None = None,
+    request_id: str | None = None,
+    clamp_max_tokens: bool = False,
 ) -> tuple[_Ctx, EngineRequest]:
     """A parsed chat request's engine request (also /v1/responses', translated: serving_responses.py);
-    request_id: the engine request's id (default: chatcmpl-<X-Request-Id, request_id or random>)."""
+    request_id: the engine request's id (default: chatcmpl-<X-Request-Id, request_id or random>);
+    clamp_max_tokens: a limit past the context's room is cut to it (the Responses API's rule), not refused."""
     model, lora = state.check_model(req.model)
     reject_unsupported(req)
     reject_unsupported_chat(req)
@@ -213,7 +218,9 @@ def prepare_chat(
         req.skip_special_tokens = False
     limit_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    max_tokens = resolve_max_tokens(state, requested, len(ids), prompt_param="messages", max_tokens_param=limit_param)
+    max_tokens = resolve_max_tokens(
+        state, requested, len(ids), prompt_param="messages", max_tokens_param=limit_param, clamp=clamp_max_tokens
+    )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = make_sampling_params(
         state,

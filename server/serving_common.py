@@ -147,8 +147,10 @@ def resolve_max_tokens(
     *,
     prompt_param: str,
     max_tokens_param: str = "max_tokens",
+    clamp: bool = False,
 ) -> int:
-    """min(request's limit, room left in the context, generation_config max_new_tokens), after vLLM's checks."""
+    """min(request's limit, room left in the context, generation_config max_new_tokens), after vLLM's checks.
+    clamp: a limit past the room left is cut to it instead of refused (vLLM's Responses API)."""
     limit = state.engine.max_model_len
     if prompt_len >= limit:
         raise APIError(
@@ -156,7 +158,7 @@ def resolve_max_tokens(
             f"{prompt_len} input tokens. Please reduce the length of the input messages.",
             param=prompt_param,
         )
-    if requested is not None and prompt_len + requested > limit:
+    if requested is not None and prompt_len + requested > limit and not clamp:
         raise APIError(
             f"'max_tokens' or 'max_completion_tokens' is too large: {requested}. This model's maximum "
             f"context length is {limit} tokens and your request has {prompt_len} input tokens "

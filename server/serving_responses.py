@@ -4,10 +4,12 @@ comes back as a Response: a message item with the output text (and, with --reaso
 before it), streamed as the API's typed events.
 
 Taken: input (a string, or message items whose content is a string or input_text / output_text parts),
-instructions, max_output_tokens, temperature, top_p, text.format (text, json_object, json_schema: a structured
-output), stream, user, metadata, store (ignored: nothing is stored, as vLLM without VLLM_ENABLE_RESPONSES_API_STORE).
-Refused with a 400 naming the field: tools, function call items, background, output logprobs; previous_response_id
-is a 404 (no response is stored), as in vLLM.
+instructions, max_output_tokens (cut to the context's room, as vLLM's), temperature, top_p, text.format (text,
+json_object, json_schema: a structured output), stream, user, metadata, store (ignored: nothing is stored, as vLLM
+without VLLM_ENABLE_RESPONSES_API_STORE). Refused with a 400 naming the field: tools, function call items,
+background, output logprobs, prompt templates; previous_response_id (and GET /v1/responses/{id}) is a 404 (no
+response is stored), as in vLLM. A response cut off by max_output_tokens has status "incomplete" (OpenAI's); its
+stream still ends with response.completed, as vLLM's does (the openai SDK's stream helper waits for it).
 """
 
 from __future__ import annotations
@@ -45,7 +47,23 @@ class ResponsesRequest(OpenAIModel):
     top_logprobs: int | None = None
     reasoning: dict | None = None
     truncation: str | None = None
+    prompt: Any = None
     request_id: str | None = None
+
+
+# what the Responses API's `include` may name (OpenAI's list, as vLLM's request model takes it)
+INCLUDABLE = (
+    "code_interpreter_call.outputs",
+    "computer_call_output.output.image_url",
+    "file_search_call.results",
+    "message.input_image.image_url",
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+)
+ROLES = ("user", "system", "developer", "assistant")
+# chat-route field names in errors -> the Responses request's own
+_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input"}
+_PARAMS |= {"response_format": "text"}
 
 
 def _content(content: Any, i: int) -> str:
@@ -56,8 +74,10 @@ def _content(content: Any, i: int) -> str:
         texts = []
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+            if kind not in ("input_text", "output_text", "text"):
                 raise APIError(f"input[{i}]: content part type {kind!r} is not supported (text only).", param="input")
+            if not isinstance(part.get("text"), str):
+                raise APIError(f"input[{i}]: a {kind} part needs a string 'text'.", param="input")
             texts.append(part["text"])
         return "\n".join(texts)
     raise APIError(f"input[{i}].content must be a string or a list of text parts.", param="input")
@@ -73,18 +93,29 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
             "tools are not supported on /v1/responses by jaxllm; use /v1/chat/completions for tool calling.",
             param="tools",
         )
+    unknown = [x for x in req.include or [] if x not in INCLUDABLE]
+    if unknown:
+        raise APIError(f"include: unknown values {unknown}; allowed: {list(INCLUDABLE)}.", param="include")
     if "message.output_text.logprobs" in (req.include or []) or req.top_logprobs:
         raise APIError("output logprobs are not supported on /v1/responses by jaxllm.", param="include")
+    if req.truncation not in (None, "auto", "disabled"):
+        raise APIError(f"truncation must be 'auto' or 'disabled', got {req.truncation!r}.", param="truncation")
+    if req.prompt is not None:
+        raise APIError("prompt templates are not supported.", param="prompt")
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
         for i, item in enumerate(req.input):
-            if not isinstance(item, dict) or item.get("type", "message") != "message" or "role" not in item:
+            if not isinstance(item, dict) or item.get("type", "message") != "message":
                 kind = item.get("type") if isinstance(item, dict) else type(item).__name__
                 raise APIError(f"input[{i}]: item type {kind!r} is not supported (messages only).", param="input")
-            role = "system" if item["role"] == "developer" else item["role"]
-            messages.append({"role": role, "content": _content(item.get("content"), i)})
+            if item.get("role") not in ROLES:
+                raise APIError(
+                    f"input[{i}]: a message's role must be one of {list(ROLES)}, got {item.get('role')!r}.",
+                    param="input",
+                )
+            messages.append({"role": item["role"], "content": _content(item.get("content"), i)})
     fmt = (req.text or {}).get("format") or {"type": "text"}
     body: dict[str, Any] = {
         "model": req.model,
@@ -110,16 +141,28 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
 def _prepare(state: ServerState, raw: bytes, header_id: str | None):
     req = parse_model(ResponsesRequest, parse_json(raw), sliced=("input",))
     log_ignored_fields(req, "/v1/responses")
-    response_id = f"resp_{req.request_id or random_id('')[1:]}"
-    ctx, engine_req = prepare_chat(state, to_chat_request(req), header_id, request_id=response_id)
+    response_id = req.request_id or f"resp_{random_id('')[1:]}"  # vLLM's id: the request's request_id
+    try:
+        ctx, engine_req = prepare_chat(
+            state, to_chat_request(req), header_id, request_id=response_id, clamp_max_tokens=True
+        )
+    except APIError as e:  # named as this route's fields, not the chat request's they became
+        e.param = _PARAMS.get(e.param or "", e.param)
+        raise
     return req, ctx, engine_req
+
+
+async def response_not_found(request: web.Request) -> web.Response:
+    """GET /v1/responses/{id} (and its cancel): no response is stored, so none is found (vLLM's answer without a
+    store)."""
+    raise APIError(f"Response with id '{request.match_info['response_id']}' not found.", 404, param="response_id")
 
 
 class _Response:
     """The Response object of one request, and its output items as they grow (streamed or not)."""
 
-    def __init__(self, req: ResponsesRequest, ctx):
-        self.req, self.ctx = req, ctx
+    def __init__(self, req: ResponsesRequest, ctx, params):
+        self.req, self.ctx, self.params = req, ctx, params  # params: the SamplingParams it runs with
         self.id = ctx.request_id
         self.items: list[dict] = []
 
@@ -155,11 +198,11 @@ class _Response:
             "previous_response_id": None,
             "reasoning": None,
             "store": False,
-            "temperature": req.temperature,
+            "temperature": self.params.temperature,
             "text": {"format": fmt},
-            "tool_choice": "auto",
+            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto",
             "tools": [],
-            "top_p": req.top_p,
+            "top_p": self.params.top_p,
             "truncation": req.truncation or "disabled",
             "usage": usage,
             "user": req.user,
@@ -202,7 +245,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
 
 
 def _final_response(req: ResponsesRequest, ctx, rs: RequestState) -> str:
-    resp = _Response(req, ctx)
+    resp = _Response(req, ctx, rs.request.params)
     message = ctx.final_choice(rs, 0).message
     reasoning = getattr(message, "reasoning_content", None)
     if reasoning:
@@ -215,7 +258,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
     """The Responses API's events: created, in_progress; per output item added, (content part added,) its deltas,
     done; completed with the whole response. Reasoning (a --reasoning-parser's) streams as a reasoning item
     before the message."""
-    resp = _Response(req, ctx)
+    resp = _Response(req, ctx, engine_req.params)
     sse = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     seq = 0
 
@@ -246,7 +289,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
         await send("response.output_item.done", output_index=i, item=item)
         open_item = None
 
-    async def delta(kind: str, text: str) -> None:
+    async def delta(kind: str, text: str | None) -> None:
         nonlocal open_item
         if open_item is not None and open_item["kind"] != kind:
             await close_item()
@@ -264,6 +307,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
                 await send(
                     "response.content_part.added", item_id=item["id"], output_index=i, content_index=0, part=part
                 )
+        if text is None:
+            return
         open_item["text"] += text
         i, item_id = open_item["index"], open_item["item"]["id"]
         if kind == "message":
@@ -295,10 +340,10 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
                 await sse.write_eof()
                 return sse
             if not any(item["type"] == "message" for item in resp.items) and open_item is None:
-                await delta("message", "")  # an empty answer is still a message
+                await delta("message", None)  # an empty answer is still a message (opened and closed, no delta)
             await close_item()
-            done = resp.body("completed", rs)
-            await send(f"response.{'incomplete' if done['status'] == 'incomplete' else 'completed'}", response=done)
+            # status "incomplete" when cut off; the event is response.completed either way, as vLLM's stream ends
+            await send("response.completed", response=resp.body("completed", rs))
             await sse.write_eof()
         except ConnectionError:
             pass  # the client went away mid-write: leaving the runner aborts the request

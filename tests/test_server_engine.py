@@ -373,7 +373,7 @@ def test_responses_api(served):
     )
     kinds = [e.type for e in events]
     assert kinds[:2] == ["response.created", "response.in_progress"]
-    assert kinds[-1] == ("response.incomplete" if r.status == "incomplete" else "response.completed")
+    assert kinds[-1] == "response.completed"  # also when cut off (status "incomplete"), as vLLM's stream ends
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
     assert events[-1].response.output_text == r.output_text
@@ -387,6 +387,25 @@ def test_responses_api(served):
     # a grammar this tokenizer cannot follow fails its request with a 400 (it was a 500), the engine goes on
     with pytest.raises(openai.BadRequestError, match="structured-output grammar"):
         client.responses.create(model="tiny", input="the engine", max_output_tokens=8, text=fmt)
+    # max_output_tokens past the context's room is cut to it (vLLM's Responses rule), not refused as chat does
+    long = client.responses.create(model="tiny", input="the engine", max_output_tokens=100000, temperature=0)
+    assert long.usage.input_tokens + long.usage.output_tokens <= 128 and long.max_output_tokens == 100000
+    assert long.temperature == 0.0 and r.top_p == 1.0  # the values it ran with
+    own = client.responses.create(model="tiny", input="x", max_output_tokens=2, extra_body={"request_id": "abc"})
+    assert own.id == "abc"  # vLLM's: the request's request_id is the response's id
+    for kw, status, message, param in [
+        (dict(max_output_tokens=0), 400, "max_tokens must be at least 1", "max_output_tokens"),
+        (dict(include=["bogus"]), 400, "include: unknown values", "include"),
+        (dict(truncation="bogus"), 400, "truncation must be", "truncation"),
+        (dict(input=[{"role": "bogus", "content": "x"}]), 400, "role must be one of", "input"),
+        (dict(input=[{"type": "message", "content": "x"}]), 400, "role must be one of", "input"),
+        (dict(input=[{"role": "user", "content": [{"type": "input_text"}]}]), 400, "needs a string 'text'", "input"),
+    ]:
+        with pytest.raises(openai.APIStatusError, match=message) as e:
+            client.responses.create(**{"model": "tiny", "input": "x", **kw})
+        assert e.value.status_code == status and e.value.body["param"] == param, e.value.body
+    with pytest.raises(openai.NotFoundError, match="Response with id 'resp_x' not found"):
+        client.responses.retrieve("resp_x")
     for kw, status, message in [
         (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), 400, "tools are not supported"),
         (dict(previous_response_id="resp_x"), 404, "not found"),
