@@ -62,8 +62,12 @@ INCLUDABLE = (
 )
 ROLES = ("user", "system", "developer", "assistant")
 # chat-route field names in errors -> the Responses request's own
-_PARAMS = {"max_completion_tokens": "max_output_tokens", "max_tokens": "max_output_tokens", "messages": "input"}
-_PARAMS |= {"response_format": "text"}
+_PARAMS = {
+    "max_completion_tokens": "max_output_tokens",
+    "max_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text",
+}
 
 
 def _content(content: Any, i: int) -> str:

@@ -208,6 +208,15 @@ def test_real_engine_disconnect_frees_blocks(served):
     )
 
 
+def _metrics_text(srv) -> str:
+    async def scrape():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(srv.base_url + "/metrics") as r:
+                return await r.text()
+
+    return asyncio.run(scrape())
+
+
 def test_real_engine_metrics(served):
     srv, engine, client = served
     client.completions.create(model="tiny", prompt=[5, 9], max_tokens=3, extra_body={"ignore_eos": True})
@@ -215,12 +224,7 @@ def test_real_engine_metrics(served):
     assert s.prompt_tokens > 0 and s.generation_tokens > 0
     from prometheus_client.parser import text_string_to_metric_families
 
-    async def scrape():
-        async with aiohttp.ClientSession() as session:
-            async with session.get(srv.base_url + "/metrics") as r:
-                return await r.text()
-
-    families = {f.name: f for f in text_string_to_metric_families(asyncio.run(scrape()))}
+    families = {f.name: f for f in text_string_to_metric_families(_metrics_text(srv))}
     (info,) = families["vllm:cache_config_info"].samples
     cache = engine.engine.cache_config
     assert info.value == 1 and info.labels["num_gpu_blocks"] == str(cache.num_blocks)
@@ -266,13 +270,8 @@ def _histogram_counts(srv) -> dict[str, float]:
     """Each vllm:*_seconds / request_params_n histogram's _count (the engine's label)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    async def scrape():
-        async with aiohttp.ClientSession() as session:
-            async with session.get(srv.base_url + "/metrics") as r:
-                return await r.text()
-
     counts = {}
-    for family in text_string_to_metric_families(asyncio.run(scrape())):
+    for family in text_string_to_metric_families(_metrics_text(srv)):
         for s in family.samples:
             if s.name.endswith("_count"):
                 counts[s.name[len("vllm:") : -len("_count")].removesuffix("_seconds")] = s.value

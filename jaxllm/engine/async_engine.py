@@ -25,6 +25,7 @@ from jaxllm.beam_search import BeamSearch
 from jaxllm.distributed import HEARTBEAT_TIMEOUT_S
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.profiling import Trace
 from jaxllm.engine.protocol import EngineDeadError, EngineStats, PromptType
 from jaxllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from jaxllm.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
@@ -56,7 +57,7 @@ class AsyncLLM:
         self._stopped = False
         self._closed: str | None = None  # set when the loop has ended: why new requests fail
         self._close_lock = threading.Lock()  # orders "check closed + queue an add" against closing
-        self._profiling = False
+        self._trace = Trace()
         self.fatal_error: str | None = None  # the engine cannot go on (a process of a multi-process engine is lost)
         self._multihost = engine.runner.multihost
         if self._multihost is not None:
@@ -207,20 +208,10 @@ class AsyncLLM:
         return self.engine.cache_config_info()
 
     def start_profile(self, log_dir: str) -> None:
-        import jax
-
-        if self._profiling:
-            raise RuntimeError("A profile is already running.")
-        jax.profiler.start_trace(log_dir)
-        self._profiling = True
+        self._trace.start(log_dir)
 
     def stop_profile(self) -> None:
-        import jax
-
-        if not self._profiling:
-            raise RuntimeError("No profile is running.")
-        jax.profiler.stop_trace()
-        self._profiling = False
+        self._trace.stop()
 
     def shutdown(self) -> _Joined:
         """Stops the engine loop. vLLM's AsyncLLM.shutdown() is a plain call (its examples call it so); the server

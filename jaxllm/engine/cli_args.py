@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 import typing
 from dataclasses import MISSING, fields
 
@@ -134,8 +135,6 @@ class FlexibleArgumentParser(argparse.ArgumentParser):
     (--max_model_len as --max-model-len)."""
 
     def parse_known_args(self, args=None, namespace=None):  # parse_args goes through here
-        import sys
-
         argv = list(sys.argv[1:] if args is None else args)
         out = []
         for a in argv:

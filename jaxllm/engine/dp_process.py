@@ -35,6 +35,7 @@ import traceback
 from dataclasses import replace
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.profiling import Trace
 from jaxllm.engine.protocol import EngineDeadError, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -361,7 +362,7 @@ def _serve(conn, engine) -> None:
     """Commands between steps; a step while there is work; each step's outputs back."""
     failures: dict = {}
     last_stats, dirty = 0.0, False
-    profiling = [False]
+    profiling = Trace()
     while True:
         if not engine.has_unfinished_requests() and not failures:
             conn.poll(IDLE_POLL_S)
@@ -386,7 +387,7 @@ def _serve(conn, engine) -> None:
             failures = {}
 
 
-def _run_command(conn, engine, command, failures: dict, profiling: list) -> None:
+def _run_command(conn, engine, command, failures: dict, profiling: Trace) -> None:
     kind = command[0]
     if kind == "add":
         _, request_id, prompt, params, arrival_time, priority, lora_request = command
@@ -408,19 +409,12 @@ def _run_command(conn, engine, command, failures: dict, profiling: list) -> None
             conn.send(("reply", (call_id, True, result)))
 
 
-def _profile(method: str, args, profiling: list) -> None:
+def _profile(method: str, args, trace: Trace) -> None:
     """jax's profiler traces this whole process: the replica's host work and its devices."""
-    import jax
-
     if method == "start_profile":
-        if profiling[0]:
-            raise RuntimeError("A profile is already running.")
-        jax.profiler.start_trace(*args)
+        trace.start(*args)
     else:
-        if not profiling[0]:
-            raise RuntimeError("No profile is running.")
-        jax.profiler.stop_trace()
-    profiling[0] = method == "start_profile"
+        trace.stop()
 
 
 def _portable(e: BaseException) -> BaseException:

@@ -121,14 +121,7 @@ class Grammars:
         if so.whitespace_pattern is not None:
             flexible["whitespace_pattern"] = so.whitespace_pattern
         if so.json is not None:
-            schema = so.json
-            if isinstance(schema, str):
-                try:
-                    schema = json.loads(schema)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
-            if not isinstance(schema, dict):
-                raise ValueError(f"structured_outputs.json must be a JSON schema object, got {type(schema).__name__}.")
+            schema = _schema(so.json, "structured_outputs.json")
             schema = (
                 _no_additional_properties(schema) if so.disable_additional_properties else strict_json_schema(schema)
             )
@@ -144,7 +137,12 @@ class Grammars:
             field, grammar = "choice", llg.grammar_from("choice", json.dumps(so.choice))
         elif so.structural_tag is not None:  # free text; from a trigger on, one of the structures (llguidance's)
             tags = [
-                llg.StructTag(trigger=t, begin=b, grammar=strict_json_schema(_schema(schema)), end=e)
+                llg.StructTag(
+                    trigger=t,
+                    begin=b,
+                    grammar=strict_json_schema(_schema(schema, "structured_outputs.structural_tag: a schema")),
+                    end=e,
+                )
                 for t, b, schema, e in so.structural_tag_structures()
             ]
             field, grammar = "structural_tag", llg.grammar_from("lark", llg.StructTag.to_grammar(tags))
@@ -262,15 +260,15 @@ def ascii_shorthands(regex: str) -> str:
     return "".join(out)
 
 
-def _schema(schema) -> dict:
-    """A structural tag's schema, given as a dict or its JSON text, as a dict (ValueError naming the field)."""
+def _schema(schema, what: str) -> dict:
+    """A JSON schema given as a dict or its JSON text, as a dict; what: the field, named by the ValueError."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
         except json.JSONDecodeError as e:
-            raise ValueError(f"structured_outputs.structural_tag: a schema is not valid JSON: {e}") from None
+            raise ValueError(f"{what} is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
-        raise ValueError(f"structured_outputs.structural_tag: a schema must be a JSON object, got {schema!r:.80}.")
+        raise ValueError(f"{what} must be a JSON schema object, got {type(schema).__name__}.")
     return schema
 
 

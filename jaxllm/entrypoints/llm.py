@@ -14,6 +14,7 @@ import numpy as np
 from jaxllm.beam_search import BeamSearchOutput, run_beam_search
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
+from jaxllm.engine.profiling import Trace
 from jaxllm.entrypoints.chat_utils import CONTENT_FORMATS, template_message
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import BeamSearchParams, ParameterError, RequestOutputKind, SamplingParams
@@ -36,7 +37,7 @@ class LLM:
         else:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = itertools.count()
-        self._profiling = False
+        self._trace = Trace()
         if self.engine_args.seed is not None:  # vLLM seeds the process's own generators too (set_random_seed)
             random.seed(self.engine_args.seed)
             np.random.seed(self.engine_args.seed)
@@ -50,23 +51,13 @@ class LLM:
     def start_profile(self, profile_dir: str | None = None) -> None:
         """vLLM's LLM.start_profile: a jax.profiler trace (XProf / TensorBoard) of what runs until stop_profile,
         written under profile_dir, else $VLLM_TORCH_PROFILER_DIR (vLLM's switch: unset, profiling is off)."""
-        import jax
-
         log_dir = profile_dir or os.environ.get("VLLM_TORCH_PROFILER_DIR")
         if not log_dir:
             raise RuntimeError("Profiler is not enabled: set VLLM_TORCH_PROFILER_DIR (or pass profile_dir).")
-        if self._profiling:
-            raise RuntimeError("A profile is already running.")
-        jax.profiler.start_trace(log_dir)
-        self._profiling = True
+        self._trace.start(log_dir)
 
     def stop_profile(self) -> None:
-        import jax
-
-        if not self._profiling:
-            raise RuntimeError("No profile is running.")
-        jax.profiler.stop_trace()
-        self._profiling = False
+        self._trace.stop()
 
     def reset_prefix_cache(self, device=None) -> bool:
         """vLLM's: forgets the prefix cache's pages that no running sequence holds; False where it cannot
