@@ -1,15 +1,21 @@
-"""POST /v1/responses: OpenAI's Responses API (vLLM serves it too) for text: a request becomes a chat request
-(instructions as the system message, then the input's messages), runs as /v1/chat/completions runs it, and
-comes back as a Response: a message item with the output text (and, with --reasoning-parser, a reasoning item
-before it), streamed as the API's typed events.
+"""POST /v1/responses: OpenAI's Responses API (vLLM serves it too). A request becomes a chat request
+(instructions as the system message, then the input's items as messages), runs as /v1/chat/completions runs it,
+and comes back as a Response: a message item with the output text (with --reasoning-parser, a reasoning item
+before it; function_call items for the tool calls), streamed as the API's typed events.
 
-Taken: input (a string, or message items whose content is a string or input_text / output_text parts),
-instructions, max_output_tokens (cut to the context's room, as vLLM's), temperature, top_p, text.format (text,
-json_object, json_schema: a structured output), stream, user, metadata, store (ignored: nothing is stored, as vLLM
-without VLLM_ENABLE_RESPONSES_API_STORE). Refused with a 400 naming the field: tools, function call items,
-background, output logprobs, prompt templates; previous_response_id (and GET /v1/responses/{id}) is a 404 (no
-response is stored), as in vLLM. A response cut off by max_output_tokens has status "incomplete" (OpenAI's); its
-stream still ends with response.completed, as vLLM's does (the openai SDK's stream helper waits for it).
+Taken: input (a string, or items: messages whose content is a string or input_text / output_text parts,
+function_call and function_call_output items, reasoning items), instructions, max_output_tokens (cut to the
+context's room, as vLLM's), temperature, top_p, text.format (text, json_object, json_schema: a structured output),
+tools (function tools, flat as the Responses API writes them), tool_choice ("none", "auto", "required" or
+{"type": "function", "name"}: the chat route's modes, "auto" with --enable-auto-tool-choice and
+--tool-call-parser), parallel_tool_calls, stream, user, metadata, store (ignored: nothing is stored, as vLLM without
+VLLM_ENABLE_RESPONSES_API_STORE). Input items become chat messages as vLLM joins them: a function_call (and a
+reasoning item, whose text the template sees as reasoning_content) joins the assistant message before it, a
+function_call_output is a tool message. Refused with a 400 naming the field: other tool types (web search, file
+search, MCP, ...), other item types, background, output logprobs, prompt templates; previous_response_id (and GET
+/v1/responses/{id}) is a 404 (no response is stored), as in vLLM. A response cut off by max_output_tokens has status
+"incomplete" (OpenAI's); its stream still ends with response.completed, as vLLM's does (the openai SDK's stream
+helper waits for it).
 """
 
 from __future__ import annotations
@@ -87,16 +93,100 @@ def _content(content: Any, i: int) -> str:
     raise APIError(f"input[{i}].content must be a string or a list of text parts.", param="input")
 
 
+def _chat_tool(tool: Any, i: int) -> dict:
+    """A Responses function tool (flat: type, name, description, parameters, strict) as a chat tool."""
+    kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+    if kind != "function":
+        raise APIError(f"tools[{i}]: tool type {kind!r} is not supported (function tools only).", param="tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise APIError(f"tools[{i}]: a function tool needs a string 'name'.", param="tools")
+    fields = ("name", "description", "parameters")
+    return {"type": "function", "function": {k: tool[k] for k in fields if tool.get(k) is not None}}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """ "none" / "auto" / "required" as they are (the chat route checks them); {"type": "function", "name"} as the
+    chat route's named choice."""
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function":
+        raise APIError(
+            f'tool_choice {choice!r} is not supported: use "none", "auto", "required" or '
+            '{"type": "function", "name": ...}.',
+            param="tool_choice",
+        )
+    return {"type": "function", "function": {"name": choice.get("name")}}
+
+
+def _strings(item: dict, i: int, *keys: str) -> list[str]:
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise APIError(f"input[{i}]: a {item['type']} item needs a string {key!r}.", param="input")
+    return [item[key] for key in keys]
+
+
+def _output_text(output: Any, i: int) -> str:
+    """A function_call_output's output: a string, or text parts joined."""
+    return output if isinstance(output, str) else _content(output, i)
+
+
+def input_messages(items: list[Any]) -> list[dict[str, Any]]:
+    """The input items as chat messages. As vLLM joins them: a function_call is a tool call of the assistant
+    message before it (or of a new one), a reasoning item that message's reasoning_content, an assistant message
+    item its content if it has none yet; a function_call_output is a tool message."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        last = messages[-1] if messages and messages[-1]["role"] == "assistant" else None
+        if kind == "message":
+            if item.get("role") not in ROLES:
+                raise APIError(
+                    f"input[{i}]: a message's role must be one of {list(ROLES)}, got {item.get('role')!r}.",
+                    param="input",
+                )
+            content = _content(item.get("content"), i)
+            if item["role"] == "assistant" and last is not None and last.get("content") is None:
+                last["content"] = content
+            else:
+                messages.append({"role": item["role"], "content": content})
+        elif kind == "function_call":
+            call_id, name, arguments = _strings(item, i, "call_id", "name", "arguments")
+            try:
+                json.loads(arguments or "{}")
+            except json.JSONDecodeError as e:
+                raise APIError(
+                    f"input[{i}]: a function_call's arguments are not valid JSON ({e}).", param="input"
+                ) from None
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            if last is not None:
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            (call_id,) = _strings(item, i, "call_id")
+            output = _output_text(item.get("output"), i)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            text = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if last is not None and "reasoning_content" not in last:
+                last["reasoning_content"] = text
+            else:
+                messages.append({"role": "assistant", "content": None, "reasoning_content": text})
+        else:
+            raise APIError(
+                f"input[{i}]: item type {kind!r} is not supported "
+                "(message, function_call, function_call_output and reasoning items only).",
+                param="input",
+            )
+    return messages
+
+
 def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if req.previous_response_id is not None:
         raise APIError(f"Response with id '{req.previous_response_id}' not found.", 404, param="previous_response_id")
     if req.background:
         raise APIError("background mode needs stored responses, which jaxllm does not keep.", param="background")
-    if req.tools:
-        raise APIError(
-            "tools are not supported on /v1/responses by jaxllm; use /v1/chat/completions for tool calling.",
-            param="tools",
-        )
     unknown = [x for x in req.include or [] if x not in INCLUDABLE]
     if unknown:
         raise APIError(f"include: unknown values {unknown}; allowed: {list(INCLUDABLE)}.", param="include")
@@ -110,16 +200,7 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     if isinstance(req.input, str):
         messages.append({"role": "user", "content": req.input})
     else:
-        for i, item in enumerate(req.input):
-            if not isinstance(item, dict) or item.get("type", "message") != "message":
-                kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-                raise APIError(f"input[{i}]: item type {kind!r} is not supported (messages only).", param="input")
-            if item.get("role") not in ROLES:
-                raise APIError(
-                    f"input[{i}]: a message's role must be one of {list(ROLES)}, got {item.get('role')!r}.",
-                    param="input",
-                )
-            messages.append({"role": item["role"], "content": _content(item.get("content"), i)})
+        messages += input_messages(req.input)
     fmt = (req.text or {}).get("format") or {"type": "text"}
     body: dict[str, Any] = {
         "model": req.model,
@@ -130,6 +211,12 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "stream": req.stream,
         "user": req.user,
     }
+    if req.tools is not None:
+        body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
+    if "tool_choice" in req.model_fields_set:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if req.parallel_tool_calls is not None:
+        body["parallel_tool_calls"] = req.parallel_tool_calls
     if fmt.get("type") == "json_schema":
         body["response_format"] = {
             "type": "json_schema",
@@ -204,8 +291,8 @@ class _Response:
             "store": False,
             "temperature": self.params.temperature,
             "text": {"format": fmt},
-            "tool_choice": req.tool_choice if isinstance(req.tool_choice, str) else "auto",
-            "tools": [],
+            "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+            "tools": [self.tool_json(t) for t in req.tools or []],
             "top_p": self.params.top_p,
             "truncation": req.truncation or "disabled",
             "usage": usage,
@@ -221,6 +308,25 @@ class _Response:
             "role": "assistant",
             "status": status,
             "content": [part],
+        }
+
+    @staticmethod
+    def tool_json(tool: dict) -> dict:
+        """A function tool as the Response echoes it (OpenAI's FunctionTool fields)."""
+        keys = ("name", "description", "parameters", "strict")
+        return {"type": "function", **{k: tool.get(k) for k in keys}}
+
+    @staticmethod
+    def function_call(call: dict, status: str, arguments: str | None = None) -> dict:
+        """A chat tool call ({"id", "function": {"name", "arguments"}}) as a function_call item."""
+        fn = call["function"]
+        return {
+            "id": f"fc_{random_id('')[1:]}",
+            "type": "function_call",
+            "call_id": call["id"],
+            "name": fn["name"],
+            "arguments": (fn.get("arguments") or "") if arguments is None else arguments,
+            "status": status,
         }
 
     @staticmethod
@@ -254,7 +360,9 @@ def _final_response(req: ResponsesRequest, ctx, rs: RequestState) -> str:
     reasoning = getattr(message, "reasoning_content", None)
     if reasoning:
         resp.items.append(resp.reasoning(reasoning))
-    resp.items.append(resp.message(message.content or "", "completed"))
+    if message.content or not message.tool_calls:
+        resp.items.append(resp.message(message.content or "", "completed"))
+    resp.items += [resp.function_call(call, "completed") for call in message.tool_calls]
     return json.dumps(resp.body("completed", rs))
 
 
@@ -279,7 +387,16 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
         if open_item is None:
             return
         i, item, text = open_item["index"], open_item["item"], open_item["text"]
-        if open_item["kind"] == "message":
+        if open_item["kind"] == "function_call":
+            await send(
+                "response.function_call_arguments.done",
+                item_id=item["id"],
+                output_index=i,
+                name=item["name"],
+                arguments=text,
+            )
+            item = item | {"arguments": text, "status": "completed"}
+        elif open_item["kind"] == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             await send(
                 "response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text, logprobs=[]
@@ -322,6 +439,23 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
         else:
             await send("response.reasoning_text.delta", item_id=item_id, output_index=i, content_index=0, delta=text)
 
+    async def call_delta(call: dict) -> None:
+        """A chat stream's tool-call delta: a new call (it has an id) opens a function_call item; arguments go to
+        the open one."""
+        nonlocal open_item
+        if "id" in call:
+            await close_item()
+            i = len(resp.items)
+            item = resp.function_call(call, "in_progress", arguments="")
+            resp.items.append(item)
+            open_item = {"kind": "function_call", "index": i, "item": item, "text": ""}
+            await send("response.output_item.added", output_index=i, item=item)
+        arguments = (call.get("function") or {}).get("arguments") or ""
+        if arguments and open_item is not None and open_item["kind"] == "function_call":
+            open_item["text"] += arguments
+            i, item_id = open_item["index"], open_item["item"]["id"]
+            await send("response.function_call_arguments.delta", item_id=item_id, output_index=i, delta=arguments)
+
     async with EngineRunner(ctx.state, [engine_req], ctx.req.priority) as run:
         await run.start()  # invalid input still gets a status code
         await sse.prepare(request)
@@ -339,11 +473,13 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
                         await delta("reasoning", reasoning)
                     if choice.delta.content:
                         await delta("message", choice.delta.content)
+                    for call in choice.delta.tool_calls or []:
+                        await call_delta(call)
             except APIError as e:
                 await send("error", code=str(e.status), message=e.message, param=e.param)
                 await sse.write_eof()
                 return sse
-            if not any(item["type"] == "message" for item in resp.items) and open_item is None:
+            if not any(item["type"] in ("message", "function_call") for item in resp.items):
                 await delta("message", None)  # an empty answer is still a message (opened and closed, no delta)
             await close_item()
             # status "incomplete" when cut off; the event is response.completed either way, as vLLM's stream ends

@@ -254,6 +254,92 @@ def test_responses_api_puts_reasoning_in_its_own_item(servers):
     assert [item.type for item in events[-1].response.output] == ["reasoning", "message"]
 
 
+def test_responses_api_function_calls(servers):
+    """/v1/responses with function tools (flat, as the Responses API writes them) and a hermes parser: the model's
+    call is a function_call item after the reasoning item, whole and streamed (argument deltas, then done events),
+    the Response echoes the tools; the next turn sends the output items back with a function_call_output, which
+    the template sees as the assistant's call and a tool message."""
+    srv, engine = servers["deepseek_r1"]
+    client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+    tools = [
+        {
+            "type": "function",
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        }
+    ]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    engine.say(f"<think>I need the weather.</think>{call}")
+    r = client.responses.create(model="fake-model", input="Weather in Paris?", tools=tools, max_output_tokens=300)
+    assert [item.type for item in r.output] == ["reasoning", "function_call"] and r.status == "completed"
+    fc = r.output[1]
+    assert (fc.name, fc.arguments, fc.status) == ("get_weather", '{"city": "Paris"}', "completed")
+    assert fc.call_id.startswith("chatcmpl-tool-") and fc.id.startswith("fc_") and r.output_text == ""
+    assert [t.name for t in r.tools] == ["get_weather"] and r.tool_choice == "auto"
+    events = list(
+        client.responses.create(
+            model="fake-model", input="Weather in Paris?", tools=tools, max_output_tokens=300, stream=True
+        )
+    )
+    added = [e.item.type for e in events if e.type == "response.output_item.added"]
+    assert added == ["reasoning", "function_call"]
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert args == done.arguments == '{"city": "Paris"}'
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and final.output[1].arguments == args
+    assert final.output[1].status == "completed" and final.output[1].id == done.item_id
+    # the next turn: the output items and the call's result go back as input
+    engine.say("<think>Got it.</think>Sunny.")
+    history = [{"role": "user", "content": "Weather in Paris?"}] + [item.model_dump() for item in r.output]
+    history.append({"type": "function_call_output", "call_id": fc.call_id, "output": "sunny, 21 C"})
+    r2 = client.responses.create(model="fake-model", input=history, tools=tools, max_output_tokens=300)
+    assert [item.type for item in r2.output] == ["reasoning", "message"] and r2.output_text == "Sunny."
+    prompt = engine.prompts_seen[-1]
+    text = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt["prompt_token_ids"])
+    assert "<|im_start|>tool\nsunny, 21 C<|im_end|>" in text
+    # a named choice constrains nothing here (the script is what it is) but is echoed and parsed as a call
+    engine.say('<think>Rome.</think>{"city": "Rome"}')
+    named = {"type": "function", "name": "get_weather"}
+    r3 = client.responses.create(model="fake-model", input="x", tools=tools, tool_choice=named, max_output_tokens=50)
+    assert [i.type for i in r3.output] == ["reasoning", "function_call"]
+    assert (r3.output[1].name, r3.output[1].arguments) == ("get_weather", '{"city": "Rome"}')
+    assert r3.tool_choice.name == "get_weather"
+    for kw, message in [
+        (dict(tools=[{"type": "web_search_preview"}]), "tool type 'web_search_preview' is not supported"),
+        (dict(tools=tools, tool_choice={"type": "file_search"}), "is not supported"),
+        (dict(tools=tools, tool_choice={"type": "function", "name": "nope"}), "does not match any"),
+        (dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "needs a string 'arguments'"),
+        (dict(input=[{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{"}]), "not valid JSON"),
+        (dict(input=[{"type": "item_reference", "id": "x"}]), "item type 'item_reference' is not supported"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message) as e:
+            client.responses.create(**{"model": "fake-model", "input": "x", "max_output_tokens": 5, **kw})
+        assert e.value.body["param"] in ("tools", "tool_choice", "input"), e.value.body
+
+
+def test_responses_input_items_join_as_vllm_joins_them():
+    from server.serving_responses import input_messages
+
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    out = {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "42"}]}
+    reasoning = {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "think"}]}
+    said = {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]}
+    tool_call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    assert input_messages([{"role": "user", "content": "q"}, reasoning, said, call, call | {"call_id": "c2"}, out]) == [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "ok",
+            "reasoning_content": "think",
+            "tool_calls": [tool_call, tool_call | {"id": "c2"}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    assert input_messages([call]) == [{"role": "assistant", "content": None, "tool_calls": [tool_call]}]
+
+
 def test_enable_thinking_false_is_all_content(servers):
     for name in ("deepseek_r1", "qwen3"):
         srv, engine = servers[name]

@@ -406,10 +406,10 @@ def test_responses_api(served):
     with pytest.raises(openai.NotFoundError, match="Response with id 'resp_x' not found"):
         client.responses.retrieve("resp_x")
     for kw, status, message in [
-        (dict(tools=[{"type": "function", "name": "f", "parameters": {}}]), 400, "tools are not supported"),
+        (dict(tools=[{"type": "mcp", "server_label": "x"}]), 400, "tool type 'mcp' is not supported"),
         (dict(previous_response_id="resp_x"), 404, "not found"),
         (dict(background=True), 400, "background"),
-        (dict(input=[{"type": "function_call_output", "call_id": "c", "output": "x"}]), 400, "function_call_output"),
+        (dict(input=[{"type": "item_reference", "id": "x"}]), 400, "item_reference"),
     ]:
         with pytest.raises(openai.APIStatusError, match=message) as e:
             client.responses.create(**{"model": "tiny", "input": "x", **kw})

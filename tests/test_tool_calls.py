@@ -215,7 +215,15 @@ def test_tools_and_history_reach_a_real_chat_template():
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
     ]
-    with ServerThread(FakeEngine(tok, max_model_len=1024)) as srv:
+    # the same conversation as /v1/responses input items (flat function tools, a function_call item, its output)
+    items = [
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny, 21 C"},
+    ]
+    flat_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    engine = FakeEngine(tok, max_model_len=1024)
+    with ServerThread(engine) as srv:
         status, body = http("POST", srv.base_url + "/tokenize", json={"messages": messages, "tools": TOOLS})
         assert status == 200, body
         text = tok.decode(json.loads(body)["tokens"])
@@ -225,6 +233,10 @@ def test_tools_and_history_reach_a_real_chat_template():
             json={"messages": messages, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2},
         )
         assert status == 200, body
+        body = {"input": items, "tools": flat_tools, "tool_choice": "none", "max_output_tokens": 2}
+        status, resp = http("POST", srv.base_url + "/v1/responses", json=body)
+        assert status == 200, resp
+        assert engine.prompts_seen[-1] == engine.prompts_seen[-2]  # the chat route's prompt, token for token
     assert '"name": "get_weather", "description": "Weather in a city"' in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
