@@ -216,6 +216,8 @@ def quantized_matmul(
         x2 = jnp.take(x2, w.perm, axis=1)
     fma = tuning.pop("fma", None)
     fma = M <= _qmatmul.FMA_MAX_M if fma is None else fma
+    if fma and M > 4:  # checked here: the kernel sees the rows padded to its block
+        raise ValueError(f"fma=True takes at most 4 rows (one [L, BN] accumulator each), got {M}")
     Mp, Kp = kernel_m(M, fma, tuning.get("dequant", "float")), padded_k(w.k, w.bits, w.plane)
     if not tuning.keys() - {"dequant"} and Mp > _qmatmul.MAX_BLOCK_M and Mp % 128 == 0 and w.n % 64 == 0:
         tuning = dict(LARGE_M_TILING, **tuning)

@@ -396,6 +396,9 @@ def test_entry_point_paths_and_errors():
         quantized_matmul(x.astype(jnp.float32), w, backend="kernel", interpret=True)
     with pytest.raises(ValueError, match="split=True"):
         quantized_matmul(x, w, split=True)
+    x5 = jnp.concatenate([x, x[:1]])
+    with pytest.raises(ValueError, match="at most 4 rows .*, got 5$"):  # the caller's rows, not the padded 8
+        quantized_matmul(x5, w, backend="kernel", interpret=True, fma=True)
     for m, bad in ((96, 48), (512, 512)):  # block_m not a power of two; over LARGEST_BLOCK_M (both divide M)
         xm = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
         with pytest.raises(ValueError, match="block_m"):
