@@ -51,12 +51,17 @@ class QuantConfig:
         return 32 // self.bits
 
     def is_ignored(self, module: str) -> bool:
-        """True if the HF module (e.g. model.layers.0.mlp.down_proj) is kept unquantized."""
+        """True if the HF module (e.g. model.layers.0.mlp.down_proj) is kept unquantized: an "re:" pattern matches it
+        from its start; a name matches whole module names in it, anywhere ("down_proj", "layers.1.mlp",
+        "model.layers.1.mlp" and the whole name each match model.layers.1.mlp.down_proj; "layers.1" does not match
+        layers.10). vLLM's AWQ tests a substring and HF a prefix or suffix; the checkpoint's tensors then decide:
+        a module found dense that the config quantizes, or the reverse, is refused by the loader."""
+        dotted = f".{module}."
         for pattern in self.ignore:
             if pattern.startswith("re:"):
                 if re.match(pattern[3:], module):
                     return True
-            elif module == pattern or module.endswith("." + pattern) or pattern == module.rsplit(".", 1)[-1]:
+            elif f".{pattern.strip('.')}." in dotted:
                 return True
         return False
 

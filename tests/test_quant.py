@@ -19,6 +19,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.config import ModelConfig
 from jaxllm.models.quant import quantized_keys
+from jaxllm.quantization import QuantConfig
 from tests.quant_producers import LEGACY_DIR, LEGACY_INSTALL, MAX_TOKENS, PROMPT, PROMPTS
 
 JOBS = [
@@ -432,6 +433,29 @@ def test_vllm_method_names(ckpts):
         auto = ModelConfig.from_hf(ckpts[name]).quantization
         for method in methods:
             assert ModelConfig.from_hf(ckpts[name], quantization=method).quantization == auto
+
+
+def test_modules_kept_unquantized_by_name():
+    """A name in modules_to_not_convert / ignore / ignored_layers matches whole module names anywhere in a module's
+    name (a parent module keeps every linear under it unquantized, as vLLM's AWQ and HF read it); "re:" patterns
+    match from the start."""
+    qc = QuantConfig(
+        method="awq", bits=4, ignore=("model.layers.1.mlp", "layers.2.self_attn", "lm_head", "re:.*\\.3\\.o")
+    )
+    for module, ignored in (
+        ("model.layers.1.mlp.down_proj", True),
+        ("model.layers.1.mlp.gate_proj", True),
+        ("model.layers.1.self_attn.q_proj", False),
+        ("model.layers.10.mlp.down_proj", False),
+        ("model.layers.2.self_attn.o_proj", True),
+        ("model.layers.12.self_attn.o_proj", False),
+        ("lm_head", True),
+        ("model.layers.3.o_proj", True),
+        ("model.layers.0.mlp.up_proj", False),
+    ):
+        assert qc.is_ignored(module) is ignored, module
+    assert QuantConfig(method="fp8", ignore=("down_proj",)).is_ignored("model.layers.0.mlp.down_proj")
+    assert not QuantConfig(method="fp8", ignore=("mlp.gate",)).is_ignored("model.layers.0.mlp.gate_proj")
 
 
 def _copy(src, dst):
