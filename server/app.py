@@ -19,12 +19,13 @@ from aiohttp import web
 
 import jaxllm
 from jaxllm.engine.protocol import EngineClient
+from jaxllm.metrics.prometheus import EngineMetrics
 from jaxllm.reasoning import reasoning_parser, tags_are_special
 from server.admission import ServerLimits
 from server.errors import APIError, error_body, model_not_found, parse_json, parse_model, read_body
 from server.http_server import set_server_header, start_server, stop_server
 from server.lora import ServedLoRAs, load_lora_adapter, load_static, unload_lora_adapter
-from server.metrics import ServerMetrics, StatsLogger
+from server.metrics import StatsLogger
 from server.prompt_bound import PromptBound
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
 from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
@@ -52,7 +53,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         engine=engine,
         served_model_names=list(names),
         model_root=opt("model") or engine.model_name,
-        metrics=ServerMetrics(engine, names[0]),
+        metrics=EngineMetrics(engine, names[0]),
         chat_template=load_chat_template(opt("chat_template")),
         response_role=opt("response_role") or "assistant",
         return_tokens_as_token_ids=bool(opt("return_tokens_as_token_ids", False)),

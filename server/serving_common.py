@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from jaxllm.engine.protocol import EngineClient
+from jaxllm.metrics.prometheus import EngineMetrics
 from jaxllm.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -29,7 +30,6 @@ from jaxllm.sampling_params import (
 )
 from server.admission import Admission, ServerLimits
 from server.errors import APIError, model_not_found
-from server.metrics import ServerMetrics
 from server.prompt_bound import PromptBound
 from server.tool_parsers import ToolParser
 from server.workers import Workers
@@ -44,7 +44,7 @@ class ServerState:
     engine: EngineClient
     served_model_names: list[str]
     model_root: str
-    metrics: ServerMetrics
+    metrics: EngineMetrics
     chat_template: str | None = None
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False

@@ -57,6 +57,41 @@ def test_profile(llm, tmp_path, monkeypatch):
         llm.stop_profile()
 
 
+def test_get_metrics(tiny, llm):
+    """vLLM's LLM.get_metrics() (its offline metrics example): with disable_log_stats=False, the engine's counters,
+    gauges and request histograms under vLLM's names; each request's latencies from the engine's own times."""
+    from jaxllm.metrics.reader import Counter, Gauge, Histogram
+
+    with pytest.raises(RuntimeError, match="disable_log_stats=False"):
+        llm.get_metrics()  # vLLM's LLM default: stats off
+    m = LLM(tiny, dtype="float32", block_size=8, enforce_eager=True, max_model_len=128, disable_log_stats=False)
+    prompts = [PROMPT, {"prompt_token_ids": PROMPT["prompt_token_ids"][:5]}]
+    params = [GREEDY, SamplingParams(temperature=0.8, n=2, max_tokens=6, ignore_eos=True, seed=1)]
+    m.generate(prompts, params, use_tqdm=False)
+    got = {(x.name, tuple(sorted(x.labels.items()))): x for x in m.get_metrics()}
+    labels = (("engine", "0"), ("model_name", tiny))
+
+    def one(name, **extra):
+        return got[(name, tuple(sorted(dict(labels, **extra).items())))]
+
+    assert isinstance(one("vllm:num_requests_running"), Gauge) and one("vllm:num_requests_running").value == 0
+    assert isinstance(one("vllm:prompt_tokens"), Counter) and one("vllm:prompt_tokens").value == 18 + 5
+    assert one("vllm:generation_tokens").value == 3 + 2 * 6
+    assert one("vllm:request_success", finished_reason="length").value == 3  # each of n counts, as vLLM's
+    ttft, e2e = one("vllm:time_to_first_token_seconds"), one("vllm:e2e_request_latency_seconds")
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and e2e.count == 3 and 0 < ttft.sum <= e2e.sum
+    assert ttft.buckets["+Inf"] == 3 and list(ttft.buckets.values()) == sorted(ttft.buckets.values())
+    itl = one("vllm:inter_token_latency_seconds")
+    assert itl.count == 2 + 5 and itl.sum > 0  # once a step per request: 3 - 1 and 6 - 1 (n=2 shares its steps)
+    assert one("vllm:request_generation_tokens").sum == 3 + 6 + 6
+    assert one("vllm:request_params_n").sum == 1 + 2 and one("vllm:request_params_max_tokens").sum == 3 + 6
+    # every step's tokens: the prefill of 18 + 5 + 5 (each of n's sequences), 2 steps of 3 sequences, 3 of 2
+    it = one("vllm:iteration_tokens_total")
+    assert (it.count, it.sum) == (6, 18 + 5 + 5 + 3 + 3 + 2 * 3)
+    for name in ("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds"):
+        assert one(name).count == 3
+
+
 def test_best_of():
     """vLLM's best_of field: None or n; more (extra sequences to pick from) is refused as vLLM V1 refuses it."""
     assert SamplingParams(best_of=1).best_of == 1 and SamplingParams(n=2, best_of=2).best_of == 2

@@ -532,7 +532,7 @@ def test_a_choice_finished_by_an_output_without_tokens(tok):
 
 def test_avg_throughput_gauges_are_the_last_whole_intervals_rates():
     from jaxllm.engine.protocol import EngineStats
-    from server.metrics import IntervalThroughput
+    from jaxllm.metrics.prometheus import IntervalThroughput
 
     now = [100.0]
     t = IntervalThroughput(5.0, clock=lambda: now[0])

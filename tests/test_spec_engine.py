@@ -6,7 +6,8 @@ and the stats log line."""
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from server.metrics import ServerMetrics, StatsLogger
+from jaxllm.metrics.prometheus import EngineMetrics
+from server.metrics import StatsLogger
 from tests.tiny_models import make_tiny_model_dir
 
 # Repetitive prompts, so the n-gram lookup finds matches (the tiny random model also loops on its own).
@@ -122,8 +123,8 @@ def test_sampling_with_penalties_and_filters_runs_and_is_seeded(spec):
 
 def test_counters_reach_prometheus_and_the_log_line(spec):
     eng = spec.llm_engine
-    eng.stats()  # drains the steps' token counts: ServerMetrics' registration polls before it can file them
-    metrics = ServerMetrics(eng, "tiny")
+    eng.stats()  # drains the steps' token counts: EngineMetrics' registration polls before it can file them
+    metrics = EngineMetrics(eng, "tiny")
     logger = StatsLogger(metrics, 10.0)
     logger.line()
     run(spec, PROMPTS[:1])
@@ -136,11 +137,19 @@ def test_counters_reach_prometheus_and_the_log_line(spec):
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="0"}' in text
     line = logger.line()
     assert "SpecDecoding metrics: Mean acceptance length: " in line and "Avg Draft acceptance rate: " in line
+    # LLM.get_metrics()'s reader: the per-position counters as one Vector, as vLLM's reader gives them
+    from jaxllm.metrics.reader import Counter, Vector, get_metrics_snapshot
+
+    snap = {m.name: m for m in get_metrics_snapshot(metrics.registry)}
+    per_pos = snap["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    assert isinstance(per_pos, Vector) and per_pos.labels == {"engine": "0", "model_name": "tiny"}
+    assert per_pos.values == sd.num_accepted_tokens_per_pos
+    assert isinstance(snap["vllm:spec_decode_num_drafts"], Counter) and snap["vllm:spec_decode_num_drafts"].value
 
 
 def test_no_spec_metrics_without_speculation(plain):
     assert plain.llm_engine.stats().spec_decode is None  # (and drains the token counts, as above)
-    assert "spec_decode" not in ServerMetrics(plain.llm_engine, "tiny").render().decode()
+    assert "spec_decode" not in EngineMetrics(plain.llm_engine, "tiny").render().decode()
 
 
 def test_bad_configs_fail_before_anything_loads(tiny):

@@ -93,6 +93,8 @@ class LLMEngine(EngineLoRAMethods):
         # Tokens per step since the last stats(); bounded, since offline runs never call stats().
         self._iteration_tokens: collections.deque[int] = collections.deque(maxlen=4096)
         self._stats_lock = threading.Lock()  # stats() runs on the front end's thread
+        # each request's time between its steps' tokens, once record_token_intervals() asks (LLM.get_metrics)
+        self._token_intervals: collections.deque[float] | None = None
         self.failed: dict[str, Exception] = {}  # request_id -> error, for requests that failed mid-flight
         # Start-up leaves ~10^6 long-lived objects (tokenizer, traced model code, compiled programs). Each full
         # collection walked them all and stalled the step in flight (a 483 ms step in a 14.2 s throughput run on
@@ -425,6 +427,11 @@ class LLMEngine(EngineLoRAMethods):
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
             self.prompt_tokens_total += len(req.prompt_token_ids)
+        elif self._token_intervals is not None:
+            last = req.metrics.last_token_time
+            if last is not None and now > last:  # once a step per request (its other sequences share the step)
+                with self._stats_lock:
+                    self._token_intervals.append(now - last)
         req.metrics.last_token_time = now
         lp = float(result.logprobs[at])
         state.cumulative_logprob += lp
@@ -519,6 +526,21 @@ class LLMEngine(EngineLoRAMethods):
     # ---- stats ----
     def cache_config_info(self) -> dict[str, str]:
         return cache_config_info(self.cache_config, self.args)
+
+    def record_token_intervals(self) -> None:
+        """From now on, keep each request's inter-token latencies (vLLM's per step and request) for
+        pop_token_intervals(): the offline LLM's metrics, which see only final outputs."""
+        with self._stats_lock:
+            if self._token_intervals is None:
+                self._token_intervals = collections.deque(maxlen=1 << 16)
+
+    def pop_token_intervals(self) -> list[float]:
+        with self._stats_lock:
+            if not self._token_intervals:
+                return []
+            out = list(self._token_intervals)
+            self._token_intervals.clear()
+            return out
 
     def stats(self) -> EngineStats:
         st = self.scheduler.stats

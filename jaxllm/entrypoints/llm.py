@@ -16,6 +16,8 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.llm_engine import LLMEngine
 from jaxllm.engine.profiling import Trace
 from jaxllm.entrypoints.chat_utils import CONTENT_FORMATS, template_message
+from jaxllm.metrics.prometheus import EngineMetrics, RequestTracker
+from jaxllm.metrics.reader import Metric, get_metrics_snapshot
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import BeamSearchParams, ParameterError, RequestOutputKind, SamplingParams
 
@@ -38,6 +40,15 @@ class LLM:
             self.llm_engine = LLMEngine(self.engine_args)
         self._counter = itertools.count()
         self._trace = Trace()
+        # vLLM's offline metrics (LLM.get_metrics) with disable_log_stats=False; its default here is True, as vLLM's
+        self._metrics: EngineMetrics | None = None
+        self._trackers: dict[str, tuple[RequestTracker, int]] = {}  # request id -> (its tracker, its n)
+        if not kwargs.get("disable_log_stats", True):
+            name = self.engine_args.served_model_name or self.engine_args.model or ""
+            self._metrics = EngineMetrics(self.llm_engine, name)
+            record = getattr(self.llm_engine, "record_token_intervals", None)  # not across data-parallel processes
+            if record is not None:
+                record()
         if self.engine_args.seed is not None:  # vLLM seeds the process's own generators too (set_random_seed)
             random.seed(self.engine_args.seed)
             np.random.seed(self.engine_args.seed)
@@ -58,6 +69,15 @@ class LLM:
 
     def stop_profile(self) -> None:
         self._trace.stop()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics(): the engine's Prometheus metrics (vLLM's names and labels, as the server's
+        /metrics shows them) as jaxllm.metrics.reader's Counter / Gauge / Histogram / Vector objects. Needs
+        LLM(..., disable_log_stats=False)."""
+        if self._metrics is None:
+            raise RuntimeError("Stat logging disabled: LLM.get_metrics() needs LLM(..., disable_log_stats=False).")
+        self._metrics.poll()
+        return get_metrics_snapshot(self._metrics.registry)
 
     def reset_prefix_cache(self, device=None) -> bool:
         """vLLM's: forgets the prefix cache's pages that no running sequence holds; False where it cannot
@@ -258,9 +278,13 @@ class LLM:
                     lora_request=loras[i] if loras else None,
                 )
                 ids.append(request_id)
+                if self._metrics is not None:
+                    tracker = self._metrics.tracker(request_id, sp.max_tokens, engine_times=True)
+                    self._trackers[request_id] = (tracker, sp.n)
         except Exception:
             for request_id in ids:  # a bad prompt in the list leaves nothing behind
                 engine.abort_request(request_id)
+                self._trackers.pop(request_id, None)
             raise
         return ids
 
@@ -278,6 +302,9 @@ class LLM:
         except BaseException:  # an engine error or a KeyboardInterrupt: leave nothing of this call behind
             for request_id in ids:
                 self.llm_engine.abort_request(request_id)
+                if request_id in self._trackers:
+                    tracker, n = self._trackers.pop(request_id)
+                    tracker.on_abort(None, n)
             raise
         finally:
             bar.close()
@@ -289,8 +316,11 @@ class LLM:
         engine = self.llm_engine
         n = 0
         for out in engine.step():
+            if out.request_id in self._trackers:
+                self._trackers[out.request_id][0].on_output(out)
             if out.finished:
                 done[out.request_id] = out
+                self._trackers.pop(out.request_id, None)
                 n += 1
         failed = engine.pop_failures()
         if failed:
