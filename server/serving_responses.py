@@ -76,8 +76,8 @@ _PARAMS = {
 }
 
 
-def _content(content: Any, i: int) -> str:
-    """A message item's content as one string: a string, or text parts joined."""
+def _content(content: Any, i: int, field: str = "content") -> str:
+    """A message item's content (a function_call_output's output) as one string: a string, or text parts joined."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -90,7 +90,7 @@ def _content(content: Any, i: int) -> str:
                 raise APIError(f"input[{i}]: a {kind} part needs a string 'text'.", param="input")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise APIError(f"input[{i}].content must be a string or a list of text parts.", param="input")
+    raise APIError(f"input[{i}].{field} must be a string or a list of text parts.", param="input")
 
 
 def _chat_tool(tool: Any, i: int) -> dict:
@@ -127,7 +127,7 @@ def _strings(item: dict, i: int, *keys: str) -> list[str]:
 
 def _output_text(output: Any, i: int) -> str:
     """A function_call_output's output: a string, or text parts joined."""
-    return output if isinstance(output, str) else _content(output, i)
+    return output if isinstance(output, str) else _content(output, i, "output")
 
 
 def input_messages(items: list[Any]) -> list[dict[str, Any]]:
@@ -168,7 +168,13 @@ def input_messages(items: list[Any]) -> list[dict[str, Any]]:
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
-            text = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not isinstance(parts, list) or not all(
+                isinstance(p, dict) and isinstance(p.get("text"), str) for p in parts
+            ):
+                raise APIError(
+                    f"input[{i}]: a reasoning item's content / summary parts need a string 'text'.", param="input"
+                )
+            text = "\n".join(p["text"] for p in parts)
             if last is not None and "reasoning_content" not in last:
                 last["reasoning_content"] = text
             else:
@@ -213,8 +219,8 @@ def to_chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
     }
     if req.tools is not None:
         body["tools"] = [_chat_tool(t, i) for i, t in enumerate(req.tools)]
-    if "tool_choice" in req.model_fields_set:
-        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    if "tool_choice" in req.model_fields_set and (req.tools is not None or req.tool_choice != "auto"):
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)  # "auto" without tools: OpenAI's default, nothing
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
     if fmt.get("type") == "json_schema":
@@ -363,6 +369,8 @@ def _final_response(req: ResponsesRequest, ctx, rs: RequestState) -> str:
     if message.content or not message.tool_calls:
         resp.items.append(resp.message(message.content or "", "completed"))
     resp.items += [resp.function_call(call, "completed") for call in message.tool_calls]
+    if rs.choices[0].finish_reason == "length":  # cut off by max_output_tokens: the last item is unfinished
+        resp.items[-1]["status"] = "incomplete"
     return json.dumps(resp.body("completed", rs))
 
 
@@ -382,7 +390,7 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
 
     open_item: dict | None = None  # the item now streaming: {"kind", "index", "item", "text"}
 
-    async def close_item() -> None:
+    async def close_item(status: str = "completed") -> None:
         nonlocal open_item
         if open_item is None:
             return
@@ -395,14 +403,14 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
                 name=item["name"],
                 arguments=text,
             )
-            item = item | {"arguments": text, "status": "completed"}
+            item = item | {"arguments": text, "status": status}
         elif open_item["kind"] == "message":
             part = {"type": "output_text", "text": text, "annotations": []}
             await send(
                 "response.output_text.done", item_id=item["id"], output_index=i, content_index=0, text=text, logprobs=[]
             )
             await send("response.content_part.done", item_id=item["id"], output_index=i, content_index=0, part=part)
-            item = resp.message(text, "completed") | {"id": item["id"]}
+            item = resp.message(text, status) | {"id": item["id"]}
         else:
             await send("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0, text=text)
             item = resp.reasoning(text) | {"id": item["id"]}
@@ -481,7 +489,8 @@ async def _stream(request: web.Request, req: ResponsesRequest, ctx, engine_req) 
                 return sse
             if not any(item["type"] in ("message", "function_call") for item in resp.items):
                 await delta("message", None)  # an empty answer is still a message (opened and closed, no delta)
-            await close_item()
+            cut = rs is not None and rs.choices[0].finish_reason == "length"
+            await close_item("incomplete" if cut else "completed")  # cut off: the last item is unfinished
             # status "incomplete" when cut off; the event is response.completed either way, as vLLM's stream ends
             await send("response.completed", response=resp.body("completed", rs))
             await sse.write_eof()

@@ -306,8 +306,23 @@ def test_responses_api_function_calls(servers):
     assert [i.type for i in r3.output] == ["reasoning", "function_call"]
     assert (r3.output[1].name, r3.output[1].arguments) == ("get_weather", '{"city": "Rome"}')
     assert r3.tool_choice.name == "get_weather"
+    # cut off by max_output_tokens inside the call: the response and its last item are incomplete, whole and streamed
+    engine.say(f"<think>x</think>{call}")
+    cut = client.responses.create(model="fake-model", input="x", tools=tools, max_output_tokens=12)
+    events = list(
+        client.responses.create(model="fake-model", input="x", tools=tools, max_output_tokens=12, stream=True)
+    )
+    done_items = [e.item for e in events if e.type == "response.output_item.done"]
+    for out in (cut.output, events[-1].response.output, done_items):
+        assert [i.status for i in out if i.type != "reasoning"][-1:] == ["incomplete"]
+    assert cut.status == events[-1].response.status == "incomplete"
+    # "auto" without tools is OpenAI's default: plain text
+    engine.say("<think>x</think>Hi.")
+    assert client.responses.create(model="fake-model", input="x", tool_choice="auto").output_text == "Hi."
     for kw, message in [
         (dict(tools=[{"type": "web_search_preview"}]), "tool type 'web_search_preview' is not supported"),
+        (dict(input=[{"type": "reasoning", "summary": [{"type": "summary_text", "text": None}]}]), "string 'text'"),
+        (dict(input=[{"type": "function_call_output", "call_id": "c"}]), r"input\[0\]\.output must be"),
         (dict(tools=tools, tool_choice={"type": "file_search"}), "is not supported"),
         (dict(tools=tools, tool_choice={"type": "function", "name": "nope"}), "does not match any"),
         (dict(input=[{"type": "function_call", "call_id": "c", "name": "f"}]), "needs a string 'arguments'"),
