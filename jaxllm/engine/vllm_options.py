@@ -488,7 +488,7 @@ BY_FLAG: dict[str, VllmOption] = {o.flag: o for o in VLLM_OPTIONS}
 # LLM() keywords: vLLM's EngineArgs fields are its flags' names with underscores.
 BY_KEYWORD: dict[str, VllmOption] = {o.dest: o for o in VLLM_OPTIONS if o.scope == "engine"}
 # Honoured serve flags with nothing to do offline: LLM() takes them silently.
-_OFFLINE_NO_OP = {"disable_log_stats": "LLM() logs no periodic stats"}
+_OFFLINE_NO_OP = {"disable_log_stats": "LLM() logs no periodic stats; False turns on LLM.get_metrics()"}
 _warned: set[str] = set()
 
 
