@@ -1,12 +1,13 @@
-"""Prometheus metrics under vLLM's names and labels, for the server's /metrics and the offline LLM.get_metrics() (model_name, and engine: the data-parallel replica, "0" with
-one engine, as vLLM labels them), and the periodic stats log line.
+"""Prometheus metrics under vLLM's names and labels (model_name, and engine: the data-parallel replica, "0" with
+one engine, as vLLM labels them), for the server's /metrics and the offline LLM.get_metrics().
 
 Two sources feed them:
 - engine-wide numbers come from `EngineClient.stats()` snapshots, one per replica where the engine has several
   (`stats_per_engine()`, jaxllm/engine/dp.py): gauges and totals, exported through a custom collector so
   counters are the engine's own totals, and iteration sizes folded into a histogram;
-- per-request latencies and sizes are observed by the server as outputs stream past (RequestTracker), labelled
-  with the replica that served the request (`engine_index(request_id)`).
+- per-request latencies and sizes are observed as each request's outputs go past (RequestTracker), labelled with
+  the replica that served the request (`engine_index(request_id)`): the server's streamed outputs, or the offline
+  LLM's final ones with the engine's timestamps of the request (and the engine's inter-token latencies).
 Every snapshot goes through `EngineMetrics.poll()` because its `iteration_tokens` list holds only the steps
 since the previous snapshot.
 
