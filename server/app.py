@@ -113,6 +113,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     if opt("lora_modules"):  # loaded before the server answers; one that fails stops it (vLLM)
         modules = list(opt("lora_modules"))
         app.on_startup.append(lambda a: load_static(a[STATE], modules))
+    if os.environ.get("VLLM_SERVER_DEV_MODE", "0") not in ("", "0"):  # vLLM's development routes
+        logger.warning("SECURITY WARNING: Development endpoints are enabled! This should NOT be used in production!")
+        app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+        app.router.add_post("/sleep", sleep)
+        app.router.add_post("/wake_up", wake_up)
+        app.router.add_get("/is_sleeping", is_sleeping)
     if state.profile_dir:
         app.router.add_post("/start_profile", start_profile)
         app.router.add_post("/stop_profile", stop_profile)
@@ -352,6 +358,43 @@ async def stop_profile(request: web.Request) -> web.Response:
         raise APIError(str(e)) from None
     logger.info("Profiler stopped; view with: tensorboard --logdir %s (or xprof)", state.profile_dir)
     return web.Response(status=200)
+
+
+async def _engine_op(request: web.Request, name: str, *args):
+    """The engine's sleep-mode / cache operation name(*args): a 400 naming why it cannot (not enabled, requests
+    running, data-parallel replicas)."""
+    op = getattr(request.app[STATE].engine, name, None)
+    if op is None:
+        raise APIError(f"{name} is not supported by this engine (data-parallel replicas).")
+    try:
+        return await op(*args)
+    except ValueError as e:
+        raise APIError(str(e)) from None
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    await _engine_op(request, "reset_prefix_cache")
+    return web.Response(status=200)
+
+
+async def sleep(request: web.Request) -> web.Response:
+    """POST /sleep?level=1 (VLLM_SERVER_DEV_MODE=1; the server needs --enable-sleep-mode)."""
+    level = request.query.get("level", "1")
+    if not level.isdigit():
+        raise APIError(f"level must be an integer, got {level!r}.", param="level")
+    await _engine_op(request, "sleep", int(level))
+    return web.Response(status=200)
+
+
+async def wake_up(request: web.Request) -> web.Response:
+    """POST /wake_up, or /wake_up?tags=weights&tags=kv_cache for a part."""
+    tags = request.query.getall("tags", None)
+    await _engine_op(request, "wake_up", list(tags) if tags else None)
+    return web.Response(status=200)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return web.json_response({"is_sleeping": bool(await _engine_op(request, "is_sleeping"))})
 
 
 # ----------------------------------------------------------------------------------------------- stats log

@@ -43,6 +43,7 @@ ENGINE_ARG_NAMES = (
     "pipeline_parallel_size",
     "data_parallel_size",
     "enforce_eager",
+    "enable_sleep_mode",
     "max_logprobs",
     "quantization",
     "trust_remote_code",
@@ -269,6 +270,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         help="Skip compiling all shape buckets at start-up (compile on first use).",
+    )
+    e.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="Allow the engine to sleep (weights to host memory, KV cache freed): POST /sleep and /wake_up, "
+        "GET /is_sleeping with VLLM_SERVER_DEV_MODE=1.",
     )
     e.add_argument("--max-logprobs", type=int, default=20)
     e.add_argument(

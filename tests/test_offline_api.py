@@ -92,6 +92,49 @@ def test_get_metrics(tiny, llm):
         assert one(name).count == 3
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sleep_mode(tiny, llm, tp):
+    """vLLM's LLM.sleep() / wake_up(): level 1 frees every weight and KV page on the devices (the weights wait in
+    host memory), requests are refused until both are back, then the engine answers as before with an empty
+    prefix cache."""
+    import jax
+
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        llm.sleep()
+    m = LLM(
+        tiny,
+        dtype="float32",
+        block_size=8,
+        enforce_eager=True,
+        max_model_len=128,
+        enable_sleep_mode=True,
+        tensor_parallel_size=tp,
+    )
+    before = m.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    runner = m.llm_engine.runner
+    held = jax.tree.leaves((runner.params, runner.kv_caches))
+    m.sleep()
+    assert all(a.is_deleted() for a in held) and m.llm_engine.is_sleeping()
+    with pytest.raises(ValueError, match="sleeping"):
+        m.generate(PROMPT, GREEDY, use_tqdm=False)
+    m.wake_up(["weights"])
+    assert runner.sleeping == {"weights": False, "kv_cache": True} and m.llm_engine.is_sleeping()
+    m.wake_up(["kv_cache"])
+    assert not m.llm_engine.is_sleeping()
+    assert all(a.sharding == b.sharding for a, b in zip(jax.tree.leaves(runner.params), held, strict=False))
+    after = m.generate(PROMPT, GREEDY, use_tqdm=False)[0]
+    assert after.outputs[0].token_ids == before and after.num_cached_tokens == 0  # the prefix cache went with it
+    m.sleep()
+    m.wake_up()
+    assert m.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids == before
+    with pytest.raises(ValueError, match="level 2"):
+        m.sleep(level=2)
+    with pytest.raises(ValueError, match="tags must be"):
+        m.wake_up(["weight"])
+    with pytest.raises(ValueError, match="enable_sleep_mode needs"):
+        LLM(tiny, enable_sleep_mode=True, pipeline_parallel_size=2)
+
+
 def test_best_of():
     """vLLM's best_of field: None or n; more (extra sequences to pick from) is refused as vLLM V1 refuses it."""
     assert SamplingParams(best_of=1).best_of == 1 and SamplingParams(n=2, best_of=2).best_of == 2

@@ -5,6 +5,7 @@ n, logprobs, validation messages, and that a client hanging up frees the engine'
 """
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -415,3 +416,38 @@ def test_responses_api(served):
             client.responses.create(**{"model": "tiny", "input": "x", **kw})
         assert e.value.status_code == status
     assert wait_until(lambda: blocks_free(engine))
+
+
+def test_sleep_mode_dev_routes(tmp_path, monkeypatch):
+    """vLLM's development routes (VLLM_SERVER_DEV_MODE=1) with --enable-sleep-mode: POST /sleep frees the weights
+    and KV cache (requests then get a 400), /wake_up brings them back (the same greedy tokens), GET /is_sleeping
+    tells which; /reset_prefix_cache empties the prefix cache."""
+    from server.serve import build_engine
+    from tests.test_server_api import http
+    from tests.tiny_models import make_tiny_model_dir, tiny_serve_args
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    model_dir, _ = make_tiny_model_dir("llama", str(tmp_path / "tiny"))
+    args = tiny_serve_args(model_dir, "--enable-sleep-mode")
+    engine = build_engine(args)
+    body = {"model": "tiny", "prompt": [5, 9, 2, 77, 3, 14, 15, 92, 6], "max_tokens": 4, "temperature": 0}
+    with ServerThread(engine, args=args) as srv:
+        url = srv.base_url
+        status, first = http("POST", url + "/v1/completions", json=body)
+        assert status == 200, first
+        assert http("POST", url + "/sleep?level=1")[0] == 200
+        assert json.loads(http("GET", url + "/is_sleeping")[1]) == {"is_sleeping": True}
+        status, text = http("POST", url + "/v1/completions", json=body)
+        assert status == 400 and "sleeping" in text
+        status, text = http("POST", url + "/sleep?level=2")
+        assert status == 400 and "level 2" in text
+        assert http("POST", url + "/wake_up?tags=weights")[0] == 200
+        assert json.loads(http("GET", url + "/is_sleeping")[1]) == {"is_sleeping": True}  # the KV cache is still away
+        assert http("POST", url + "/wake_up")[0] == 200
+        assert json.loads(http("GET", url + "/is_sleeping")[1]) == {"is_sleeping": False}
+        status, again = http("POST", url + "/v1/completions", json=body)
+        assert status == 200 and json.loads(again)["choices"][0]["text"] == json.loads(first)["choices"][0]["text"]
+        assert http("POST", url + "/reset_prefix_cache")[0] == 200
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    with ServerThread(engine, args=args) as srv:  # without dev mode the routes are not there
+        assert http("POST", srv.base_url + "/sleep")[0] == 404

@@ -78,6 +78,7 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas on disjoint device groups of this host (jaxllm/engine/dp.py)
     enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
+    enable_sleep_mode: bool = False  # LLM.sleep() / wake_up() (vLLM's; level 1: weights to host, KV cache freed)
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig
@@ -194,6 +195,12 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.enable_sleep_mode and (self.pipeline_parallel_size > 1 or self.data_parallel_size > 1):
+            raise ValueError(
+                "enable_sleep_mode needs an engine without pipeline stages or data-parallel replicas "
+                f"(got pipeline_parallel_size={self.pipeline_parallel_size}, "
+                f"data_parallel_size={self.data_parallel_size})."
+            )
         from jaxllm.distributed import env_int
         from jaxllm.reasoning import check_name
         from kernels_pallas import requested_decode_backend

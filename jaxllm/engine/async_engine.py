@@ -189,6 +189,20 @@ class AsyncLLM:
     async def list_loras(self) -> set[int]:
         return await self._call(self.engine.list_loras)
 
+    # sleep mode and the prefix cache's reset (the server's dev-mode routes): on the engine thread between steps
+    async def sleep(self, level: int = 1) -> None:
+        await self._call(self.engine.sleep, level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self._call(self.engine.wake_up, tags)
+
+    async def is_sleeping(self) -> bool:
+        return await self._call(self.engine.is_sleeping)
+
+    async def reset_prefix_cache(self) -> bool:
+        await self._call(self.engine.scheduler.block_manager.reset_prefix_cache)
+        return True
+
     async def _call(self, fn, *args):
         """fn(*args) on the engine thread; its result or its exception."""
         if self._dead is not None:

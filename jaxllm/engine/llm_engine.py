@@ -139,6 +139,8 @@ class LLMEngine(EngineLoRAMethods):
     ) -> None:
         if request_id in self._requests:
             raise ValueError(f"Request id {request_id!r} is already in use.")
+        if self.is_sleeping():
+            raise ValueError("The engine is sleeping: call wake_up() before adding requests.")
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         params = (params or self.default_sampling_params()).clone()
@@ -240,6 +242,38 @@ class LLMEngine(EngineLoRAMethods):
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or self._inflight is not None
+
+    # ---- sleep mode (vLLM's) ----
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep: level 1 moves the weights to host memory and frees the KV cache (the prefix cache is
+        reset), so the device memory serves something else (a trainer in the same process) until wake_up().
+        Needs enable_sleep_mode=True and no request in the engine."""
+        if not self.args.enable_sleep_mode:
+            raise ValueError("Sleep mode is not enabled: create the engine with enable_sleep_mode=True.")
+        if level == 2:
+            raise ValueError(
+                "Sleep level 2 (discard the weights, to receive new ones on waking) is not supported: jaxllm has no "
+                "weight-update API. Use level 1 (the weights wait in host memory)."
+            )
+        if level != 1:
+            raise ValueError(f"Sleep level must be 1 or 2, got {level!r}.")
+        if self.has_unfinished_requests():
+            raise ValueError("The engine cannot sleep while requests are running: finish or abort them first.")
+        self.scheduler.block_manager.reset_prefix_cache()
+        self.runner.sleep()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up: puts back the weights and an empty KV cache, or only what tags name ("weights",
+        "kv_cache")."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = [t for t in tags if t not in ("weights", "kv_cache")]
+        if unknown:
+            raise ValueError(f"wake_up tags must be 'weights' or 'kv_cache', got {unknown}.")
+        self.runner.wake_up(weights="weights" in tags, kv_cache="kv_cache" in tags)
+
+    def is_sleeping(self) -> bool:
+        """True while anything sleep() freed is still away (the engine runs again once both are back)."""
+        return any(self.runner.sleeping.values())
 
     # ---- one step ----
     def step(self) -> list[RequestOutput]:

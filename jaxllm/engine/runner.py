@@ -215,6 +215,8 @@ class ModelRunner:
         self.multihost = multihost
         self.drafter, self.draft_params = drafter, draft_params
         self.draft_kv = self._draft_kv(allocate=self.has_weights)
+        self._host_weights: tuple | None = None  # sleep(): the weights' host copies and shardings until wake_up()
+        self._kv_asleep = False
         shape = (self.seq_buckets[-1],)
         self.prev_tokens = jnp.zeros(shape, jnp.int32) if multihost is None else multihost.sampled_zeros(shape)
         self.batch = InputBatch(2 * max_num_seqs, self.max_pages, PAD_PAGE)
@@ -332,6 +334,42 @@ class ModelRunner:
             )
         self.params = params
         self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
+
+    # ---- sleep mode (vLLM's LLM.sleep / wake_up) ----
+    @property
+    def sleeping(self) -> dict[str, bool]:
+        """What sleep() released and wake_up() has not put back: {"weights": ..., "kv_cache": ...}."""
+        return {"weights": self._host_weights is not None, "kv_cache": self._kv_asleep}
+
+    def sleep(self) -> None:
+        """Frees the device memory of the weights (kept in host memory) and of the KV cache (its contents dropped):
+        vLLM's sleep level 1. One process, no pipeline stages (their weights live in the stages' executors)."""
+        if self.pipeline is not None or self.multihost is not None:
+            raise ValueError("Sleep mode needs an engine in one process without pipeline stages.")
+        if self._host_weights is None:
+            trees = {"params": self.params, "draft_params": self.draft_params}
+            if self.lora is not None:
+                trees["lora"] = self.lora.arrays
+            self._host_weights = (jax.tree.map(np.asarray, trees), jax.tree.map(lambda a: a.sharding, trees))
+            _delete(trees)
+            self._head = {}
+        if not self._kv_asleep:
+            _delete((self.kv_caches, self.draft_kv))
+            self.kv_caches, self.draft_kv = self._kv_specs(), self._draft_kv(allocate=False)
+            self._kv_asleep = True
+
+    def wake_up(self, weights: bool = True, kv_cache: bool = True) -> None:
+        """Puts back what sleep() freed: the weights from host memory, on their shardings, and an empty KV cache."""
+        if weights and self._host_weights is not None:
+            trees = jax.tree.map(jax.device_put, *self._host_weights)
+            self.params, self.draft_params = trees["params"], trees["draft_params"]
+            if self.lora is not None:
+                self.lora.arrays = trees["lora"]
+            self._head = {k: self.params[k] for k in ("final_norm", "lm_head", "embed") if k in self.params}
+            self._host_weights = None
+        if kv_cache and self._kv_asleep:
+            self.kv_caches, self.draft_kv = self._allocate_kv(), self._draft_kv(allocate=True)
+            self._kv_asleep = False
 
     @staticmethod
     def kv_bytes_per_block(
@@ -544,3 +582,10 @@ class ModelRunner:
         else:
             arrays, prompt, drafts = self.multihost.fetch((outputs[:-1], prompt, drafts))
         return StepResult(*arrays[:5], prompt, *arrays[5:], draft_tokens=drafts)
+
+
+def _delete(tree) -> None:
+    """Frees the device buffers of tree's arrays (each once: trees may share one)."""
+    for a in jax.tree.leaves(tree):
+        if isinstance(a, jax.Array) and not a.is_deleted():
+            a.delete()

@@ -80,7 +80,6 @@ STREAM_EVERY_TOKEN = "streamed responses send each new piece of text as it is ge
 KV_SCALES = "fp8 KV pages use scales of 1.0 (vLLM's default without calibration)"
 PREFIX_HASH = "prefix-cache blocks are keyed by Python's built-in hash of the chained token ids"
 KV_SHARING = "jaxllm has no cross-layer KV sharing"
-SLEEP = "jaxllm has no sleep mode (/sleep, /wake_up)"
 TOKENIZER_NEEDED = (
     "the server needs the tokenizer (chat templates, text prompts, stop strings); LLM(skip_tokenizer_init=True) "
     "runs without one offline"
@@ -289,7 +288,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--enable-reasoning", HONOURED, "", "bool", "engine", "0.8.0-0.9.2"),
     _row("--enable-request-id-headers", IGNORED, REQUEST_ID_HEADERS, "bool", "server", "0.8.0-0.11.2"),
     _row("--enable-server-load-tracking", IGNORED, NO_EXTRA_ROUTES, "bool", "server", "0.8.0-0.11.2"),
-    _row("--enable-sleep-mode", IGNORED, SLEEP, "bool", "engine", "0.8.0-0.11.2"),
+    _row("--enable-sleep-mode", HONOURED, "", "bool", "engine", "0.8.0-0.11.2"),
     _row("--enable-ssl-refresh", IGNORED, SSL_REFRESH, "bool", "server", "0.8.0-0.11.2"),
     _row("--enable-tokenizer-info-endpoint", IGNORED, NO_EXTRA_ROUTES, "bool", "server", "0.10.0-0.11.2"),
     _row("--enforce-eager", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),

@@ -79,6 +79,22 @@ class LLM:
         self._metrics.poll()
         return get_metrics_snapshot(self._metrics.registry)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's LLM.sleep (needs LLM(..., enable_sleep_mode=True) and no request running): level 1 moves the weights
+        to host memory and frees the KV cache until wake_up(). Level 2 is refused (no weight-update API)."""
+        sleep = getattr(self.llm_engine, "sleep", None)
+        if sleep is None:
+            raise ValueError("Sleep mode is not supported with data_parallel_size > 1.")
+        sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """vLLM's LLM.wake_up: the weights and an empty KV cache back on the devices (or what tags name:
+        "weights", "kv_cache")."""
+        wake_up = getattr(self.llm_engine, "wake_up", None)
+        if wake_up is None:
+            raise ValueError("Sleep mode is not supported with data_parallel_size > 1.")
+        wake_up(tags)
+
     def reset_prefix_cache(self, device=None) -> bool:
         """vLLM's: forgets the prefix cache's pages that no running sequence holds; False where it cannot
         (data-parallel replicas in their own processes)."""
