@@ -67,6 +67,12 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
         exclude_tools_when_tool_choice_none=bool(opt("exclude_tools_when_tool_choice_none", False)),
         loras=ServedLoRAs(list(names)),
     )
+    if engine.get_tokenizer() is None:  # --skip-tokenizer-init: token ids in and out (completions only)
+        for flag in ("tool_call_parser", "chat_template"):
+            if opt(flag):
+                raise ValueError(
+                    f"--{flag.replace('_', '-')} needs the tokenizer, which --skip-tokenizer-init leaves out."
+                )
     if opt("reasoning_parser"):  # ValueError (the server does not start) when the tags are not tokens
         state.reasoning_parser = reasoning_parser(opt("reasoning_parser"), engine.get_tokenizer())
         state.reasoning_keeps_special_tokens = tags_are_special(state.reasoning_parser, engine.get_tokenizer())
@@ -289,6 +295,7 @@ def _tokenize(state: ServerState, raw: bytes) -> str:
     req = parse_model(TokenizeRequest, parse_json(raw), sliced=("messages",))
     log_ignored_fields(req, "/tokenize")
     state.check_model(req.model)
+    state.need_tokenizer("/tokenize and /detokenize")
     if (req.prompt is None) == (req.messages is None):
         raise APIError("Send exactly one of `prompt` or `messages`.")
     if req.prompt is not None:
@@ -321,6 +328,7 @@ def _detokenize(state: ServerState, raw: bytes) -> str:
     req = parse_model(DetokenizeRequest, parse_json(raw))
     log_ignored_fields(req, "/detokenize")
     state.check_model(req.model)
+    state.need_tokenizer("/tokenize and /detokenize")
     bad = [t for t in req.tokens if not 0 <= t < state.engine.vocab_size]
     if bad:
         raise APIError(
@@ -403,6 +411,8 @@ async def is_sleeping(request: web.Request) -> web.Response:
 async def _analyse_tokenizer(app: web.Application) -> None:
     """The prompt character bound reads the whole vocabulary (half a second for 150k tokens): in a thread."""
     state = app[STATE]
+    if state.engine.get_tokenizer() is None:  # --skip-tokenizer-init: prompts are token ids, counted as they come
+        return
     state.prompt_bound = await state.workers.run(PromptBound, state.engine.get_tokenizer(), state.engine.max_model_len)
     if state.prompt_bound.chars_per_token is None:
         logger.info(

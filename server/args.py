@@ -44,6 +44,7 @@ ENGINE_ARG_NAMES = (
     "data_parallel_size",
     "enforce_eager",
     "enable_sleep_mode",
+    "skip_tokenizer_init",
     "max_logprobs",
     "quantization",
     "trust_remote_code",
@@ -270,6 +271,12 @@ def make_parser() -> argparse.ArgumentParser:
         "--enforce-eager",
         action="store_true",
         help="Skip compiling all shape buckets at start-up (compile on first use).",
+    )
+    e.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="Load no tokenizer: /v1/completions takes token-id prompts and answers with token ids "
+        "(return_token_ids; logprobs as token_id:N), without text; chat, /tokenize and stop strings are refused.",
     )
     e.add_argument(
         "--enable-sleep-mode",

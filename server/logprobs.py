@@ -22,14 +22,15 @@ def _rank_key(item: tuple[int, Logprob]):
 
 
 class TokenNamer:
-    """How a token id is shown in logprobs: its decoded text, or "token_id:N" (--return-tokens-as-token-ids)."""
+    """How a token id is shown in logprobs: its decoded text, or "token_id:N" (--return-tokens-as-token-ids, or no
+    tokenizer)."""
 
     def __init__(self, tokenizer, as_ids: bool):
         self.tokenizer = tokenizer
         self.as_ids = as_ids
 
     def __call__(self, tid: int, lp: Logprob | None) -> str:
-        if self.as_ids:
+        if self.as_ids or self.tokenizer is None:  # (no tokenizer: --skip-tokenizer-init)
             return f"token_id:{tid}"
         if lp is not None and lp.decoded_token is not None:
             return lp.decoded_token

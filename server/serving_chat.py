@@ -189,6 +189,7 @@ def prepare_chat(
     request_id: the engine request's id (default: chatcmpl-<X-Request-Id, request_id or random>);
     clamp_max_tokens: a limit past the context's room is cut to it (the Responses API's rule), not refused."""
     model, lora = state.check_model(req.model)
+    state.need_tokenizer("Chat requests (the chat template)", param="messages")
     reject_unsupported(req)
     reject_unsupported_chat(req)
     tool_choice = resolve_tool_choice(req, auto_enabled=state.enable_auto_tools, parser=state.tool_parser)

@@ -73,6 +73,15 @@ class ServerState:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
+    def need_tokenizer(self, what: str, param: str | None = None) -> None:
+        """A 400 for what needs the tokenizer when the server runs without one (--skip-tokenizer-init)."""
+        if self.engine.get_tokenizer() is None:
+            raise APIError(
+                f"{what} need the tokenizer, which --skip-tokenizer-init leaves out (completions with token-id "
+                "prompts work).",
+                param=param,
+            )
+
     def check_model(self, name: str | None) -> tuple[str, Any]:
         """(the model name to report back, the LoRARequest of the adapter it names or None), in the route's
         worker thread with the request's other checks. The base model reports its first served name whichever
@@ -340,6 +349,11 @@ def encode(
 ) -> list[int]:
     """Token ids of `text` (call it in a worker thread). A text that cannot fit the context is refused by its
     length before the tokenizer sees it, unless the request truncates it to its last tokens."""
+    if state.engine.get_tokenizer() is None:
+        raise APIError(
+            f"Text prompts need the tokenizer, which --skip-tokenizer-init leaves out: send `{param}` as token ids.",
+            param=param,
+        )
     if not truncating and state.prompt_bound is not None:
         state.prompt_bound.check(text, param=param, generating=generating)
     return state.engine.get_tokenizer().encode(text, add_special_tokens=add_special_tokens)

@@ -153,7 +153,10 @@ class _Ctx:
         text, ids, entries = "", [], []
         if first and req.echo:
             r = rs.request
-            text = r.prompt_text if r.prompt_text is not None else self.tokenizer.decode(r.prompt_ids)
+            if r.prompt_text is not None:
+                text = r.prompt_text
+            else:  # token ids: their text (none without a tokenizer, as generated text has none then)
+                text = self.tokenizer.decode(r.prompt_ids) if self.tokenizer is not None else ""
             ids = list(r.prompt_ids)
             if req.logprobs is not None:
                 pl = rs.prompt_logprobs

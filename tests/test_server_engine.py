@@ -451,3 +451,36 @@ def test_sleep_mode_dev_routes(tmp_path, monkeypatch):
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
     with ServerThread(engine, args=args) as srv:  # without dev mode the routes are not there
         assert http("POST", srv.base_url + "/sleep")[0] == 404
+
+
+def test_skip_tokenizer_init(served, tmp_path):
+    """--skip-tokenizer-init (vLLM's, as RL frameworks serve): token-id prompts in, token ids out (return_token_ids;
+    logprobs named token_id:N), no text; what needs the tokenizer is a 400 naming why."""
+    from server.serve import build_engine
+    from tests.test_server_api import http
+    from tests.tiny_models import tiny_serve_args
+
+    _, ref_engine, client = served
+    prompt = [5, 9, 2, 77, 3, 14, 15, 92, 6]
+    kw = dict(model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=2)
+    ref = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    args = tiny_serve_args(ref_engine.engine.args.model, "--skip-tokenizer-init")
+    engine = build_engine(args)
+    assert engine.get_tokenizer() is None
+    with ServerThread(engine, args=args) as srv:
+        url = srv.base_url
+        status, text = http("POST", url + "/v1/completions", json={**kw, "return_token_ids": True, "echo": True})
+        assert status == 200, text
+        choice = json.loads(text)["choices"][0]
+        assert choice["token_ids"] == ref.model_extra["token_ids"] and choice["text"] == ""
+        assert choice["logprobs"]["tokens"][-5:] == [f"token_id:{t}" for t in choice["token_ids"]]
+        assert choice["logprobs"]["token_logprobs"][-5:] == pytest.approx(ref.logprobs.token_logprobs, abs=1e-5)
+        for path, body, what in [
+            ("/v1/completions", {"model": "tiny", "prompt": "hi"}, "send `prompt` as token ids"),
+            ("/v1/completions", {**kw, "stop": ["x"]}, "stop"),
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, "Chat requests"),
+            ("/tokenize", {"prompt": "hi"}, "/tokenize and /detokenize need the tokenizer"),
+            ("/detokenize", {"tokens": [5]}, "/tokenize and /detokenize need the tokenizer"),
+        ]:
+            status, text = http("POST", url + path, json=body)
+            assert status == 400 and what in text, (path, text)

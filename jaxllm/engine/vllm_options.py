@@ -80,10 +80,6 @@ STREAM_EVERY_TOKEN = "streamed responses send each new piece of text as it is ge
 KV_SCALES = "fp8 KV pages use scales of 1.0 (vLLM's default without calibration)"
 PREFIX_HASH = "prefix-cache blocks are keyed by Python's built-in hash of the chained token ids"
 KV_SHARING = "jaxllm has no cross-layer KV sharing"
-TOKENIZER_NEEDED = (
-    "the server needs the tokenizer (chat templates, text prompts, stop strings); LLM(skip_tokenizer_init=True) "
-    "runs without one offline"
-)
 PLUGIN = "vLLM plugins and custom Python classes are not supported"
 LOGITS_PROCESSORS = "custom logits processors (Python classes) are not supported"
 LORA_BIAS = "LoRA bias terms are not supported: an adapter with bias is refused when it loads"
@@ -426,7 +422,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--served-model-name", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--show-hidden-metrics-for-version", SAME, OLD_METRICS, "value", "engine", "0.8.0-0.11.2"),
     _row("--skip-mm-profiling", IGNORED, TEXT_ONLY, "bool", "engine", "0.10.2-0.11.2"),
-    _row("--skip-tokenizer-init", REFUSED, TOKENIZER_NEEDED, "bool", "server", "0.8.0-0.11.2"),
+    _row("--skip-tokenizer-init", HONOURED, "", "bool", "engine", "0.8.0-0.11.2"),
     _row(
         "--spec-decoding-acceptance-method",
         IGNORED,
