@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -12,6 +13,8 @@ from typing import Any
 import numpy as np
 
 _GREEDY_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: smaller positive temperatures are raised to it
+logger = logging.getLogger("jaxllm")
 
 
 class RequestOutputKind(enum.Enum):
@@ -196,6 +199,17 @@ class SamplingParams:
             self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
             f"structured_outputs must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}.",
         )
+        if 0 < self.temperature < _MIN_TEMPERATURE:  # vLLM's: raised to 0.01 with a warning (not greedy)
+            logger.warning(
+                "temperature %s is less than %s, which may cause numerical errors nan or inf in tensors. We have "
+                "maxed it out to %s.",
+                self.temperature,
+                _MIN_TEMPERATURE,
+                _MIN_TEMPERATURE,
+            )
+            self.temperature = _MIN_TEMPERATURE
+        if self.seed == -1:  # vLLM's: -1 means no seed
+            self.seed = None
         self._verify()
         if self.temperature < _GREEDY_EPS:
             self.temperature = 0.0

@@ -687,6 +687,16 @@ def test_sampling_params_validation(kw, msg):
     assert e.value.parameter in kw  # names the field (the server's error param)
 
 
+def test_sampling_params_small_temperature_and_unset_seed_as_vllm(caplog):
+    """vLLM's SamplingParams: a positive temperature under 0.01 is raised to 0.01 with a warning (it samples: n > 1
+    is allowed), and seed=-1 means no seed."""
+    with caplog.at_level("WARNING", logger="jaxllm"):
+        sp = SamplingParams(temperature=1e-6, n=2)
+    assert (sp.temperature, sp.n) == (0.01, 2) and "maxed it out to 0.01" in caplog.text
+    assert SamplingParams(temperature=0.003).temperature == 0.01 and SamplingParams(temperature=0).greedy
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=5).seed == 5
+
+
 def test_sampling_params_take_numpy_numbers_and_tuples():
     sp = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), stop=("a",), stop_token_ids=(1, 2))
     assert sp.max_tokens == 3 and sp.stop == ["a"] and sp.stop_token_ids == [1, 2]

@@ -300,3 +300,35 @@ def test_step_outputs_packed_into_one_array_round_trip_bit_for_bit():
             np.testing.assert_array_equal(np.ascontiguousarray(g).view(np.uint32), want.view(np.uint32))  # the bits
     with pytest.raises(TypeError, match="cannot be packed"):
         jax.jit(with_packed)((jnp.zeros((B,), jnp.int32), jnp.zeros((B,), jnp.bfloat16)))
+
+
+def test_process_logits_follows_vllm_v1_order():
+    """vLLM V1's order: allowed ids and logit biases before penalties (a repeated token's biased logit is divided
+    by the repetition penalty), and min_p before top-k / top-p (top-p's mass counted on what min_p leaves)."""
+    import dataclasses
+
+    from jaxllm.engine.sampler import process_logits
+
+    logits = jnp.asarray([[3.0, 2.6, 2.5, 1.0, 0.9, 0.8, -1.0, -2.0]])
+    md = dataclasses.replace(
+        metadata(1, [1.0], [0.2]),
+        top_p=jnp.asarray([0.8]),
+        penalty_tokens=jnp.asarray([[1, 6]], jnp.int32),
+        penalty_is_output=jnp.asarray([[False, True]]),
+        repetition=jnp.asarray([2.0]),
+        bias_ids=jnp.asarray([[1, 6]], jnp.int32),
+        bias_values=jnp.asarray([[0.6, 1.0]]),
+    )
+    x, y, _ = process_logits(logits, md, SamplerFlags(penalties=True, bias=True, filtering=True))
+    want_x = np.asarray(logits[0]).copy()
+    want_x[1] = (2.6 + 0.6) / 2.0  # biased, then penalized (not 2.6 / 2 + 0.6)
+    want_x[6] = 0.0  # (-1 + 1) * 2: a non-positive logit is multiplied
+    np.testing.assert_allclose(np.asarray(x[0]), want_x, rtol=1e-6)
+    # min_p 0.2 keeps p >= 0.2 p_max; of those, top_p 0.8 of their renormalized mass
+    p = np.exp(want_x - want_x.max())
+    kept = p >= 0.2 * p.max()
+    q = np.where(kept, p, 0) / np.where(kept, p, 0).sum()
+    order = np.argsort(-q)
+    before = np.cumsum(q[order]) - q[order]
+    allowed = set(order[(before < 0.8) & q[order].astype(bool)].tolist()) | {int(order[0])}
+    assert set(np.flatnonzero(np.isfinite(np.asarray(y[0]))).tolist()) == allowed == {0, 2}  # top_p first: + 1

@@ -107,15 +107,13 @@ def constrained(logits, md: SamplingMetadata, flags: SamplerFlags):
 
 def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=None):
     """The request's processing of logits [B, V] (raw, or constrained() by grammar masks): (x, y, y_max) with x the
-    greedy space (penalties, logit biases, allowed ids), y the sampling space (x / temperature, top-k / top-p, min_p;
+    greedy space (allowed ids, logit biases, penalties), y the sampling space (x / temperature, min_p, top-k / top-p;
     -inf outside what may be sampled) and y_max [B] its row maxima. x is logits itself when nothing changed it. The
     rejection sampler runs the same function on its per-position rows, so speculation samples from exactly these
     distributions. A biased or penalized -inf stays -inf, so no bias brings back a token the grammar forbids."""
     B, V = logits.shape
     x = logits
-    if flags.penalties:
-        x = _apply_penalties(x, md)
-    if flags.bias:
+    if flags.bias:  # vLLM V1's order: allowed ids and logit biases, then penalties (on the biased logits)
         rows = jnp.arange(B)[:, None]
         x = x.at[rows, jnp.where(md.bias_ids < 0, V, md.bias_ids)].add(md.bias_values, mode="drop")
         allowed = (
@@ -123,16 +121,19 @@ def process_logits(logits, md: SamplingMetadata, flags: SamplerFlags, raw_max=No
         )
         any_allowed = (md.allowed_ids >= 0).any(-1, keepdims=True)
         x = jnp.where(any_allowed & ~allowed, -jnp.inf, x)
+    if flags.penalties:
+        x = _apply_penalties(x, md)
     temp = jnp.where(md.temperature > 0, md.temperature, 1.0)[:, None]
     y = x / temp
-    if flags.filtering:
-        y = _top_k_top_p(y, md.top_k, md.top_p)
-    # min_p keeps p >= min_p * p_max, i.e. y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all).
-    # y_max = max(x) / temp exactly (dividing by temp > 0 is monotonic, and top-k/top-p keep the best token),
-    # so the logits' max serves unless penalties or biases changed x: one pass over [B, V] less.
+    # min_p, then top-k / top-p on what it leaves (vLLM V1's order). min_p keeps p >= min_p * p_max, i.e.
+    # y >= y_max + log(min_p): no softmax needed (log 0 = -inf keeps all). y_max = max(x) / temp exactly (dividing
+    # by temp > 0 is monotonic, and min_p / top-k / top-p keep the best token), so the logits' max serves unless
+    # penalties or biases changed x: one pass over [B, V] less.
     x_max = raw_max if x is logits and raw_max is not None else x.max(-1)
     y_max = x_max[:, None] / temp
     y = jnp.where(y < y_max + jnp.log(md.min_p)[:, None], -jnp.inf, y)
+    if flags.filtering:
+        y = _top_k_top_p(y, md.top_k, md.top_p)
     return x, y, y_max[:, 0]
 
 
