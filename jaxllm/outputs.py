@@ -136,3 +136,60 @@ class RequestOutput:
             f"lora_request={self.lora_request}, num_cached_tokens={self.num_cached_tokens}, "
             f"multi_modal_placeholders={self.multi_modal_placeholders})"
         )
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result (vLLM's; `data` a numpy array here where vLLM's is a torch tensor)."""
+
+    data: Any
+
+
+class PoolingRequestOutput:
+    """A pooling request's output (LLM.encode; the engine's output of a PoolingParams request)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        outputs: PoolingOutput,
+        prompt_token_ids: list[int],
+        finished: bool,
+        num_cached_tokens: int | None = None,
+    ):
+        self.request_id = request_id
+        self.outputs = outputs
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = finished
+        self.num_cached_tokens = num_cached_tokens
+        self.metrics: RequestMetrics | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(request_id={self.request_id!r}, outputs={self.outputs!r}, "
+            f"prompt_token_ids={self.prompt_token_ids}, finished={self.finished})"
+        )
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding (vLLM's LLM.embed output): a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    """LLM.embed's output per prompt: outputs.embedding."""
+
+    outputs: EmbeddingOutput  # type: ignore[assignment]
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        data = out.outputs.data
+        embedding = EmbeddingOutput([float(x) for x in data.tolist()])
+        new = cls(out.request_id, embedding, out.prompt_token_ids, out.finished, out.num_cached_tokens)  # type: ignore[arg-type]
+        new.metrics = out.metrics
+        return new

@@ -19,7 +19,13 @@ from server import arg_types
 from server.limit_args import add_limit_args
 from server.lora import parse_lora_module, runtime_updating_allowed
 from server.tool_parsers import TOOL_PARSERS
-from server.vllm_flags import MODEL_SOURCE_ARG_NAMES, add_vllm_flags, expand_config_file, resolve_vllm_flags
+from server.vllm_flags import (
+    MODEL_SOURCE_ARG_NAMES,
+    add_vllm_flags,
+    expand_config_file,
+    json_object,
+    resolve_vllm_flags,
+)
 
 API_KEY_ENV_VARS = ("JAXLLM_API_KEY", "VLLM_API_KEY")
 
@@ -44,6 +50,11 @@ ENGINE_ARG_NAMES = (
     "data_parallel_size",
     "enforce_eager",
     "enable_sleep_mode",
+    "runner",
+    "convert",
+    "task",
+    "pooler_config",
+    "override_pooler_config",
     "skip_tokenizer_init",
     "max_logprobs",
     "quantization",
@@ -272,6 +283,31 @@ def make_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Skip compiling all shape buckets at start-up (compile on first use).",
     )
+    e.add_argument(
+        "--runner",
+        default="auto",
+        choices=("auto", "generate", "pooling", "draft"),
+        help="pooling: serve the model as an embedding model (/v1/embeddings; its last token's hidden state).",
+    )
+    e.add_argument(
+        "--convert",
+        default="auto",
+        choices=("auto", "none", "embed", "classify", "reward"),
+        help="embed: run a generative model's architecture as an embedding model (as --runner pooling).",
+    )
+    e.add_argument(
+        "--task",
+        default="auto",
+        help="vLLM <= 0.10's: generate, or embed for an embedding model (the others are refused).",
+    )
+    e.add_argument(
+        "--pooler-config",
+        type=json_object,
+        default=None,
+        help='Embedding models: JSON object {"pooling_type": "LAST", "normalize": true} over the model\'s '
+        "sentence-transformers pooling files.",
+    )
+    e.add_argument("--override-pooler-config", type=json_object, default=None, help="vLLM's older --pooler-config.")
     e.add_argument(
         "--skip-tokenizer-init",
         action="store_true",

@@ -78,7 +78,18 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas on disjoint device groups of this host (jaxllm/engine/dp.py)
     enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
-    enable_sleep_mode: bool = False  # LLM.sleep() / wake_up() (vLLM's; level 1: weights to host, KV cache freed)
+    enable_sleep_mode: bool = False
+    # Pooling (vLLM's): runner "pooling", convert "embed" or task "embed" run the model as an embedding model
+    # (jaxllm/pooling_params.py: its last token's final-normed hidden state); pooler_config (or vLLM's older
+    # override_pooler_config): {"pooling_type": "LAST", "normalize": bool} over the model's sentence-transformers
+    # files
+    runner: str = "auto"  # auto | generate | pooling
+    convert: str = "auto"  # auto | none | embed
+    task: str = "auto"  # auto | generate | embed (vLLM <= 0.10's spelling of runner / convert)
+    pooler_config: dict | str | None = None
+    override_pooler_config: dict | str | None = (
+        None  # LLM.sleep() / wake_up() (vLLM's; level 1: weights to host, KV cache freed)
+    )
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig
@@ -109,6 +120,35 @@ class EngineArgs:
     compilation_cache_dir: str | None = field(default_factory=default_compilation_cache_dir)  # None: off
     served_model_name: str | None = None
     server_mode: bool = False  # vLLM's defaults differ between offline and server
+
+    @property
+    def pooling(self) -> bool:
+        """Whether the model runs as a pooling (embedding) model rather than a generative one."""
+        return self.runner == "pooling" or self.convert == "embed" or self.task in ("embed", "embedding")
+
+    def _check_pooling(self) -> None:
+        for name, allowed in (
+            ("runner", ("auto", "generate", "pooling")),
+            ("convert", ("auto", "none", "embed")),
+            ("task", ("auto", "generate", "embed", "embedding")),
+        ):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(
+                    f"{name}={value!r} is not supported: jaxllm runs generative models and, as pooling models, "
+                    f"embedding models (runner='pooling' or convert / task 'embed'); {name} takes {list(allowed)}."
+                )
+        if not self.pooling:
+            return
+        if self.runner == "generate" or self.task == "generate":
+            raise ValueError("runner / task 'generate' and a pooling runner, convert or task were both given.")
+        for name, bad in (
+            ("pipeline_parallel_size", self.pipeline_parallel_size > 1),
+            ("data_parallel_size", self.data_parallel_size > 1),
+            ("speculative_config", bool(self.speculative_config or self.speculative_model)),
+        ):
+            if bad:
+                raise ValueError(f"An embedding (pooling) model runs without {name}.")
 
     def lora_config(self):
         """The LoRAConfig these arguments give (None without enable_lora); a bad value raises ValueError."""
@@ -195,6 +235,7 @@ class EngineArgs:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        self._check_pooling()
         if self.enable_sleep_mode and (self.pipeline_parallel_size > 1 or self.data_parallel_size > 1):
             raise ValueError(
                 "enable_sleep_mode needs an engine without pipeline stages or data-parallel replicas "

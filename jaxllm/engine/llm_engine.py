@@ -20,6 +20,8 @@ import random
 import threading
 import time
 
+import numpy as np
+
 from jaxllm.config import ModelConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.configs import cache_config_info
@@ -36,7 +38,8 @@ from jaxllm.engine.sequence import Sequence, SequenceStatus
 from jaxllm.engine.step_io import StepHandle, StepResult
 from jaxllm.engine.structured import Grammars
 from jaxllm.lora.engine import EngineLoRAMethods
-from jaxllm.outputs import RequestMetrics, RequestOutput
+from jaxllm.outputs import PoolingOutput, PoolingRequestOutput, RequestMetrics, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import (
     ParameterError,
     RequestOutputKind,
@@ -96,6 +99,7 @@ class LLMEngine(EngineLoRAMethods):
         # each request's time between its steps' tokens, once record_token_intervals() asks (LLM.get_metrics)
         self._token_intervals: collections.deque[float] | None = None
         self.failed: dict[str, Exception] = {}  # request_id -> error, for requests that failed mid-flight
+        self.pooler = parts.pooler  # an embedding (pooling) model's PoolerConfig, else None
         # Start-up leaves ~10^6 long-lived objects (tokenizer, traced model code, compiled programs). Each full
         # collection walked them all and stalled the step in flight (a 483 ms step in a 14.2 s throughput run on
         # the H100). As vLLM does, collect once and move them out of the collector's view; later objects are
@@ -143,6 +147,14 @@ class LLMEngine(EngineLoRAMethods):
             raise ValueError("The engine is sleeping: call wake_up() before adding requests.")
         if priority != 0 and self.args.scheduling_policy != "priority":
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        pooling = None
+        if isinstance(params, PoolingParams):
+            pooling, params = self._pooling_request(params)
+        elif self.pooler is not None:
+            raise ValueError(
+                "This engine runs an embedding (pooling) model: it takes PoolingParams requests (LLM.embed, "
+                "/v1/embeddings), not generation."
+            )
         params = (params or self.default_sampling_params()).clone()
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
@@ -169,7 +181,7 @@ class LLMEngine(EngineLoRAMethods):
         # its requests' max_tokens), not a cap on an explicit max_tokens (update_from_generation_config: EOS only)
         max_tokens = max(self.max_model_len - len(ids), 1) if params.max_tokens is None else params.max_tokens
         metrics = RequestMetrics(arrival_time=arrival_time or time.time())
-        req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id)
+        req = _Request(request_id, text, ids, params, [], metrics, lora_id=lora_id, pooling=pooling)
         for i in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}#{i}"
             seq = Sequence(
@@ -227,6 +239,33 @@ class LLMEngine(EngineLoRAMethods):
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {self.vocab_size}).")
+
+    def _pooling_request(self, pooling: PoolingParams) -> tuple[PoolingParams, SamplingParams]:
+        """An embedding request runs as a one-token greedy request whose prompt's last hidden state is kept."""
+        if self.pooler is None:
+            raise ValueError(
+                "Pooling (embedding) requests need an embedding model: create the engine with runner='pooling' "
+                "(or convert / task 'embed')."
+            )
+        pooling.verify(self.model_config.hidden_size, self.pooler.matryoshka)
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=0.0,
+            detokenize=False,
+            ignore_eos=True,
+            truncate_prompt_tokens=pooling.truncate_prompt_tokens,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        return pooling, params
+
+    def _pool(self, req: _Request, hidden) -> None:
+        """The request's embedding from its prompt's last final-normed hidden state: the first `dimensions`
+        values, L2-normalized unless asked not to be (or the model's pooler does not)."""
+        x = hidden[: req.pooling.dimensions] if req.pooling.dimensions else hidden
+        normalize = self.pooler.normalize if req.pooling.normalize is None else req.pooling.normalize
+        if normalize:
+            x = x / max(float(np.linalg.norm(x)), 1e-12)
+        req.pooled = x
 
     def abort_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -398,6 +437,11 @@ class LLMEngine(EngineLoRAMethods):
             }
             self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
+        pooled = [(seq, req) for seq in appended if (req := self._request_of(seq.seq_id)) and req.pooling is not None]
+        if pooled:  # their prompts' last tokens ran in this step: their hidden states are the embeddings
+            hidden = self.runner.final_hidden(handle, [seq.seq_id for seq, _ in pooled])
+            for (_, req), h in zip(pooled, hidden, strict=True):
+                self._pool(req, h)
         if self.speculation is not None:
             self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}
@@ -551,6 +595,18 @@ class LLMEngine(EngineLoRAMethods):
         """The request's output now (None for a FINAL_ONLY request still running); a finished request is
         forgotten."""
         out = build_output(req)
+        if out is not None and req.pooling is not None:
+            if not out.finished:
+                return None
+            pooled = PoolingRequestOutput(
+                req.request_id,
+                PoolingOutput(req.pooled),
+                req.prompt_token_ids,
+                True,
+                out.num_cached_tokens,
+            )
+            pooled.metrics = out.metrics
+            out = pooled  # type: ignore[assignment]
         if out is not None and out.finished:
             del self._requests[req.request_id]
             for s in req.seqs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer, StopChecker
 from jaxllm.engine.sequence import Sequence
@@ -46,6 +47,8 @@ class Request:
     prompt_logprobs: list | None = None
     prompt_logprobs_sent: bool = False  # RequestOutputKind.DELTA: an output carried them (they come once)
     lora_id: int = 0  # its LoRA adapter's lora_int_id (0: the base model)
+    pooling: Any = None  # an embedding request's PoolingParams (it runs as a one-token request), else None
+    pooled: Any = None  # its embedding (float32 numpy), once its prompt's last token ran
 
 
 def state_of(req: Request, seq: Sequence) -> SeqState | None:

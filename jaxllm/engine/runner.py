@@ -50,6 +50,7 @@ from jaxllm.engine.step_io import (
     unpack_outputs,
 )
 from jaxllm.models.attention import AttentionConfig
+from jaxllm.models.decoder import final_normed
 from jaxllm.sharding import kv_cache_specs, make_kv_caches, mesh_pp
 from kernels_pallas import on_hopper, requested_decode_backend
 from kernels_pallas.reference import FP8_MAX
@@ -215,6 +216,8 @@ class ModelRunner:
         self.multihost = multihost
         self.drafter, self.draft_params = drafter, draft_params
         self.draft_kv = self._draft_kv(allocate=self.has_weights)
+        self._final_norm = None  # final_hidden's jitted norm
+        self._last_rows = None
         self._host_weights: tuple | None = None  # sleep(): the weights' host copies and shardings until wake_up()
         self._kv_asleep = False
         shape = (self.seq_buckets[-1],)
@@ -492,7 +495,9 @@ class ModelRunner:
         if self.drafter is not None:
             drafts = self._launch_draft(p, prev_in, feats[0] if feats else None, outputs)
         self.host.prev_rows = dict(p.sample_rows)
-        return StepHandle(p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs)
+        return StepHandle(
+            p.sched, p.sample_rows, (outputs, prompt, drafts), p.prompt_rows, p.num_logprobs, self._last_rows
+        )
 
     def run_step(
         self,
@@ -510,6 +515,7 @@ class ModelRunner:
         token_ids, src_rows, meta, logits_indices, smd, prompt_targets, token_slots = host_args
         before_sample = before_sample or (lambda: None)
         programs, head, feats = self.programs, self._head, ()
+        self._last_rows = None  # the sampled rows' hidden states [B, D] ("whole" and "split"): an embedding's source
         if self.lora is not None:
             head = dict(head, lora_lm_head=self.lora.arrays["lm_head"])  # the sampler-only program's adapters
         if mode == "pipeline":
@@ -531,7 +537,7 @@ class ModelRunner:
             before_sample()
             args = self._step_args(host_args, packed)
             exe = programs.executable(v, args)
-            self.kv_caches, self.prev_tokens, outputs, prompt, _, *feats = exe(*args)
+            self.kv_caches, self.prev_tokens, outputs, prompt, self._last_rows, *feats = exe(*args)
         else:
             # Split: the bucket's start-up program (default flags; its own sampling is discarded) runs the model
             # and returns the sampled rows' hidden states, and a sampler-only program samples them with v's
@@ -540,6 +546,7 @@ class ModelRunner:
             base = StepVariant(v.num_tokens, v.num_seqs, v.decode_only, SamplerFlags(), 0, long_context=v.long_context)
             args = self._step_args(_plain_sampling(host_args))
             self.kv_caches, _, _, _, rows, *feats = programs.executable(base, args)(*args)
+            self._last_rows = rows
             before_sample()
             exe, sargs = programs.sampler_call(v, head, rows, self.prev_tokens, smd)
             self.prev_tokens, outputs = exe(*sargs)
@@ -570,6 +577,17 @@ class ModelRunner:
         )
         self.draft_kv, drafts = self.programs.executable(dv, args)(*args)
         return drafts
+
+    def final_hidden(self, handle: StepHandle, seq_ids: list[str]) -> np.ndarray:
+        """The final-normed hidden states [n, D] (float32) of seq_ids' sampled rows in handle's step: what an
+        embedding model pools (their prompts' last tokens, in the step that finished each prefill)."""
+        if handle.hidden is None:
+            raise RuntimeError("This step kept no hidden states (pipeline stages do not).")
+        if self._final_norm is None:
+            cfg = self.cfg
+            self._final_norm = jax.jit(lambda rows, p, idx: final_normed(p, rows[idx], cfg).astype(jnp.float32))
+        idx = np.asarray([handle.rows[s] for s in seq_ids], np.int32)
+        return np.asarray(self._final_norm(handle.hidden, {"final_norm": self.params["final_norm"]}, idx))
 
     def collect(self, handle: StepHandle) -> StepResult:
         """The step's results on the host. One process: the packed copy of its sampled outputs (one device-to-host

@@ -35,6 +35,7 @@ class EngineParts:
     grammars: object  # structured.Grammars
     speculation: object = None  # spec_decode.setup.Speculation when speculative decoding is on
     lora: object = None  # jaxllm.lora.slots.LoRASlots with enable_lora
+    pooler: object = None  # jaxllm.pooling_params.PoolerConfig of an embedding (pooling) model, else None
 
 
 def _is_gpu() -> bool:
@@ -116,6 +117,13 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
 
     cfg = ModelConfig.from_hf(hf, dtype=args.dtype, quantization=args.quantization, model_dir=path)
     lora_cfg = args.lora_config()
+    pooler = None
+    if args.pooling:  # an embedding model: its pooler from its sentence-transformers files, before any weight loads
+        from jaxllm.pooling_params import PoolerConfig
+
+        if jax.process_count() > 1:
+            raise ValueError("An embedding (pooling) model runs in one process.")
+        pooler = PoolerConfig.resolve(path, args.pooler_config or args.override_pooler_config, hf)
     check_checkpoint(path, cfg, args.load_format)  # quantized tensors against their config, from file headers
     if args.enable_expert_parallel:
         if cfg.moe is None:  # as vLLM: the flag only concerns MoE layers
@@ -298,7 +306,18 @@ def _build_parts(args: EngineArgs, path: str, hf: dict, tokenizer_future, device
         logger.info("Weights loaded and all shape buckets compiled in %.1f s", time.perf_counter() - t0)
 
     return EngineParts(
-        cfg, sched_cfg, cache_cfg, runner, tokenizer, eos, defaults, mesh, grammars, speculation=speculation, lora=lora
+        cfg,
+        sched_cfg,
+        cache_cfg,
+        runner,
+        tokenizer,
+        eos,
+        defaults,
+        mesh,
+        grammars,
+        speculation=speculation,
+        lora=lora,
+        pooler=pooler,
     )
 
 

@@ -102,6 +102,7 @@ class StepHandle:
     # logprobs or None; the drafter's proposals or None)
     prompt_rows: dict[str, tuple[int, int, int]]  # seq_id -> (first token index, count, first prompt position)
     num_logprobs: int
+    hidden: object = None  # the sampled rows' hidden states [B, D] on the device (None: not kept)
 
 
 @dataclass

@@ -43,7 +43,6 @@ EXECUTOR = (
     "/ --process-id)"
 )
 MODEL_IMPL = "jaxllm always runs its own JAX implementation of the model"
-GENERATE_ONLY = "only text generation is supported (no pooling, embedding or classification models)"
 HF_CONFIG_ONLY = "only Hugging Face config.json is supported (no Mistral params.json)"
 RECOMPUTE = "preempted requests are always recomputed (jaxllm has no CPU swap space)"
 DP_HERE = (
@@ -97,7 +96,6 @@ MOE = (
 )
 TEXT_ONLY = "jaxllm serves text-only models, so multimodal options have no effect"
 PROMPT_EMBEDS = "prompt embeddings are not supported: requests carrying them are refused"
-POOLING = "pooling models are not supported, so pooler options have no effect"
 MAMBA = "jaxllm supports no Mamba / hybrid model, so Mamba cache options have no effect"
 NEURON = "jaxllm does not run on AWS Neuron"
 LOADER = "weights load with jaxllm's own loader (safetensors / .bin, sharded onto the devices)"
@@ -199,7 +197,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--compilation-config", IGNORED, XLA, "value", "engine", "0.8.0-0.11.2", aliases=("-O",)),
     _row("--config", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--config-format", REFUSED, HF_CONFIG_ONLY, "value", "engine", "0.8.0-0.11.2", accepted=("auto", "hf")),
-    _row("--convert", REFUSED, GENERATE_ONLY, "value", "engine", "0.10.2-0.11.2", accepted=("auto", "none")),
+    _row("--convert", HONOURED, "", "value", "engine", "0.10.2-0.11.2"),
     _row("--cpu-offload-gb", REFUSED, NO_CPU_OFFLOAD, "value", "engine", "0.8.0-0.11.2", accepted=("0", "0.0")),
     _row("--cuda-graph-sizes", IGNORED, BUCKETS, "values", "engine", "0.9.0-0.11.2"),
     _row("--cudagraph-capture-sizes", IGNORED, BUCKETS, "values", "engine", "0.11.2"),
@@ -386,9 +384,9 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--override-attention-dtype", IGNORED, XLA, "value", "engine", "0.9.2-0.11.2"),
     _row("--override-generation-config", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--override-neuron-config", IGNORED, NEURON, "value", "engine", "0.8.0-0.10.0"),
-    _row("--override-pooler-config", IGNORED, POOLING, "value", "engine", "0.8.0-0.11.2"),
+    _row("--override-pooler-config", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--pipeline-parallel-size", HONOURED, "", "value", "engine", "0.8.0-0.11.2", aliases=("-pp",)),
-    _row("--pooler-config", IGNORED, POOLING, "value", "engine", "0.11.0-0.11.2"),
+    _row("--pooler-config", HONOURED, "", "value", "engine", "0.11.0-0.11.2"),
     _row("--port", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--preemption-mode", IGNORED, RECOMPUTE, "value", "engine", "0.8.0-0.10.2", accepted=("recompute",)),
     _row("--prefix-caching-hash-algo", IGNORED, PREFIX_HASH, "value", "engine", "0.8.5-0.11.2", accepted=("builtin",)),
@@ -405,7 +403,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--root-path", HONOURED, "", "value", "server", "0.8.0-0.11.2"),
     _row("--rope-scaling", HONOURED, "", "value", "engine", "0.8.0-0.11.0"),
     _row("--rope-theta", HONOURED, "", "value", "engine", "0.8.0-0.11.0"),
-    _row("--runner", REFUSED, GENERATE_ONLY, "value", "engine", "0.10.2-0.11.2", accepted=("auto", "generate")),
+    _row("--runner", HONOURED, "", "value", "engine", "0.10.2-0.11.2"),
     _row("--safetensors-load-strategy", IGNORED, LOADER, "value", "engine", "0.10.2-0.11.2"),
     _row(
         "--scheduler-cls",
@@ -454,7 +452,7 @@ VLLM_OPTIONS: tuple[VllmOption, ...] = (
     _row("--stream-interval", IGNORED, STREAM_EVERY_TOKEN, "value", "engine", "0.11.2", accepted=("1",)),
     _row("--structured-outputs-config", IGNORED, LLGUIDANCE, "value", "engine", "0.11.0-0.11.2"),
     _row("--swap-space", IGNORED, NO_SWAP, "value", "engine", "0.8.0-0.11.2"),
-    _row("--task", REFUSED, GENERATE_ONLY, "value", "engine", "0.8.0-0.11.2", accepted=("auto", "generate")),
+    _row("--task", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--tensor-parallel-size", HONOURED, "", "value", "engine", "0.8.0-0.11.2", aliases=("-tp",)),
     _row("--tokenizer", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),
     _row("--tokenizer-mode", HONOURED, "", "value", "engine", "0.8.0-0.11.2"),

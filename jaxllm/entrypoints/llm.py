@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import os
 import random
@@ -18,13 +19,16 @@ from jaxllm.engine.profiling import Trace
 from jaxllm.entrypoints.chat_utils import CONTENT_FORMATS, template_message
 from jaxllm.metrics.prometheus import EngineMetrics, RequestTracker
 from jaxllm.metrics.reader import Metric, get_metrics_snapshot
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import BeamSearchParams, ParameterError, RequestOutputKind, SamplingParams
 
 # vLLM's words for a generative model (its LLM.encode and friends need a pooling model)
 _NO_POOLING = (
-    "LLM.{}() is only supported for pooling models. jaxllm runs generative models: use LLM.generate() or LLM.chat()."
+    "LLM.{}() is only supported for pooling models: create the LLM with runner='pooling' (or convert / task "
+    "'embed') to run the model as an embedding model."
 )
+_NOT_EMBED = "LLM.{}() needs a classification or scoring model: jaxllm's pooling models embed (LLM.embed, LLM.encode)."
 
 
 class LLM:
@@ -237,21 +241,73 @@ class LLM:
                 beam.text = tok.decode(beam.tokens) if tok is not None else None
         return outputs
 
-    def encode(self, *args, **kwargs):
-        """Pooling (embeddings, classification, rewards) is not served: jaxllm runs generative models only."""
-        raise ValueError(_NO_POOLING.format("encode"))
+    def encode(
+        self,
+        prompts,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        lora_request=None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's LLM.encode on an embedding model (LLM(..., runner="pooling")): each prompt's pooled hidden state
+        (outputs.data, a float32 numpy array)."""
+        if not self.engine_args.pooling:
+            raise ValueError(_NO_POOLING.format("encode"))
+        if pooling_task not in (None, "embed"):
+            raise ValueError(f"pooling_task {pooling_task!r} is not supported: jaxllm's pooling models embed.")
+        prompts = _as_prompt_list(prompts)
+        if pooling_params is None:
+            pooling_params = PoolingParams()
+        if isinstance(pooling_params, PoolingParams):
+            params = [pooling_params] * len(prompts)
+        elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
+            if len(pooling_params) != len(prompts):
+                raise ValueError(
+                    f"The lengths of prompts ({len(prompts)}) and pooling_params ({len(pooling_params)}) must be "
+                    "the same."
+                )
+            params = list(pooling_params)
+        else:
+            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, got {pooling_params!r:.80}.")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        loras = _per_prompt(lora_request, len(prompts), "lora_request")
+        return self._run(self._add(prompts, params, None, loras), use_tqdm)  # type: ignore[return-value]
 
-    def embed(self, *args, **kwargs):
-        raise ValueError(_NO_POOLING.format("embed"))
+    def embed(
+        self,
+        prompts,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request=None,
+    ) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed: one embedding per prompt (outputs.embedding, a list of floats) from an embedding model
+        (LLM(..., runner="pooling"), or convert / task "embed"): its prompt's last-token hidden state, normalized
+        (jaxllm/pooling_params.py)."""
+        if not self.engine_args.pooling:
+            raise ValueError(_NO_POOLING.format("embed"))
+        outs = self.encode(
+            prompts,
+            pooling_params,
+            truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+            pooling_task="embed",
+        )
+        return [EmbeddingRequestOutput.from_base(o) for o in outs]
 
     def classify(self, *args, **kwargs):
-        raise ValueError(_NO_POOLING.format("classify"))
+        raise ValueError(_NOT_EMBED.format("classify"))
 
     def score(self, *args, **kwargs):
-        raise ValueError(_NO_POOLING.format("score"))
+        raise ValueError(_NOT_EMBED.format("score"))
 
     def reward(self, *args, **kwargs):
-        raise ValueError(_NO_POOLING.format("reward"))
+        raise ValueError(_NOT_EMBED.format("reward"))
 
     # ---- internals ----
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -280,7 +336,7 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params, strict=True)):
                 request_id = str(next(self._counter))
-                if sp.output_kind is not RequestOutputKind.FINAL_ONLY:
+                if isinstance(sp, SamplingParams) and sp.output_kind is not RequestOutputKind.FINAL_ONLY:
                     # Only finished outputs are returned: the engine then builds no output per step (at 500
                     # running sequences, 2.4 ms of host time a step on the H100's host). The copy leaves the
                     # caller's params as they were.
@@ -295,8 +351,9 @@ class LLM:
                 )
                 ids.append(request_id)
                 if self._metrics is not None:
-                    tracker = self._metrics.tracker(request_id, sp.max_tokens, engine_times=True)
-                    self._trackers[request_id] = (tracker, sp.n)
+                    max_tokens, n = (sp.max_tokens, sp.n) if isinstance(sp, SamplingParams) else (None, 1)
+                    tracker = self._metrics.tracker(request_id, max_tokens, engine_times=True)
+                    self._trackers[request_id] = (tracker, n)
         except Exception:
             for request_id in ids:  # a bad prompt in the list leaves nothing behind
                 engine.abort_request(request_id)

@@ -375,9 +375,15 @@ def _summed(x):
     return x + parts.sum(0).astype(x.dtype)
 
 
+def final_normed(params, hidden, cfg: ModelConfig):
+    """The last layer's hidden states through the model's final norm: what the lm_head reads, and what an embedding
+    model pools."""
+    return _norm(hidden, params["final_norm"], cfg)
+
+
 def compute_logits(params, hidden, cfg: ModelConfig, lora_head=None, row_slots=None):
     """lora_head: the lm_head LoRA slot arrays (A, B) and row_slots [B] each row's slot (-1: none), or None."""
-    x = _norm(hidden, params["final_norm"], cfg)
+    x = final_normed(params, hidden, cfg)
     head = params["embed"] if cfg.tie_word_embeddings else params["lm_head"]
     logits = jnp.einsum("BD,VD->BV", x, head, preferred_element_type=jnp.float32)
     if lora_head is not None:
