@@ -286,19 +286,20 @@ def make_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--runner",
         default="auto",
-        choices=("auto", "generate", "pooling", "draft"),
+        choices=("auto", "generate", "pooling"),
         help="pooling: serve the model as an embedding model (/v1/embeddings; its last token's hidden state).",
     )
     e.add_argument(
         "--convert",
         default="auto",
-        choices=("auto", "none", "embed", "classify", "reward"),
+        choices=("auto", "none", "embed"),
         help="embed: run a generative model's architecture as an embedding model (as --runner pooling).",
     )
     e.add_argument(
         "--task",
         default="auto",
-        help="vLLM <= 0.10's: generate, or embed for an embedding model (the others are refused).",
+        choices=("auto", "generate", "embed", "embedding"),
+        help="vLLM <= 0.10's: generate, or embed for an embedding model.",
     )
     e.add_argument(
         "--pooler-config",

@@ -214,7 +214,8 @@ def test_accepted_values_are_silent_and_the_tutorial_command_lines_run(caplog, c
         (["--data-parallel-size", "2", "--data-parallel-size-local", "1"], "replicas on other hosts"),
         (["-dp", "2", "--data-parallel-rank", "1"], "data parallelism across hosts"),
         (["--headless"], "--headless is for the processes other than 0"),
-        (["--task", "embed"], "only text generation is supported"),
+        (["--task", "classify"], "invalid choice: 'classify'"),
+        (["--runner", "draft"], "invalid choice: 'draft'"),
         (["--tokenizer-mode", "mistral"], "only auto and slow tokenizer modes"),
     ):
         args, code, err = _parse(["m", *argv], caplog, capsys)
