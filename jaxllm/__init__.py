@@ -6,7 +6,16 @@ Heavy modules (jax, the engine) load on first use, so `import jaxllm` stays chea
 """
 
 from jaxllm.inputs import PromptType, TextPrompt, TokensPrompt
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import (
+    CompletionOutput,
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
+from jaxllm.pooling_params import PoolingParams
 from jaxllm.sampling_params import BeamSearchParams, SamplingParams
 
 __version__ = "0.1.0"
@@ -17,6 +26,11 @@ __all__ = [
     "AsyncEngineArgs",
     "SamplingParams",
     "BeamSearchParams",
+    "PoolingParams",
+    "PoolingOutput",
+    "PoolingRequestOutput",
+    "EmbeddingOutput",
+    "EmbeddingRequestOutput",
     "RequestOutput",
     "CompletionOutput",
     "Logprob",

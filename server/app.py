@@ -31,6 +31,7 @@ from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeReq
 from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
 from server.serving_common import STATE, ServerState, encode, log_ignored_fields
 from server.serving_completion import create_completion
+from server.serving_embedding import create_embedding
 from server.serving_responses import create_response, response_not_found
 from server.tool_calls import template_tools
 from server.tool_parsers import TOOL_PARSERS
@@ -104,6 +105,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> web.Application
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_post("/v1/responses", create_response)
+    app.router.add_post("/v1/embeddings", create_embedding)
     app.router.add_get("/v1/responses/{response_id}", response_not_found)
     app.router.add_post("/v1/responses/{response_id}/cancel", response_not_found)
     app.router.add_post("/tokenize", tokenize)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jaxllm.engine.protocol import EngineClient, EngineDeadError
-from jaxllm.outputs import CompletionOutput, PromptLogprobs, RequestOutput, SampleLogprobs
+from jaxllm.outputs import CompletionOutput, PoolingRequestOutput, PromptLogprobs, RequestOutput, SampleLogprobs
 from jaxllm.sampling_params import SamplingParams
 from server.admission import Ticket
 from server.errors import APIError
@@ -35,7 +35,7 @@ logger = logging.getLogger("jaxllm.server")
 @dataclass
 class EngineRequest:
     prompt: Any  # what engine.generate takes
-    params: SamplingParams
+    params: SamplingParams  # (PoolingParams for an embedding request)
     request_id: str
     prompt_ids: list[int]
     prompt_text: str | None
@@ -74,6 +74,9 @@ class RequestState:
 
     def apply(self, out: RequestOutput) -> None:
         self.last = out
+        if isinstance(out, PoolingRequestOutput):  # an embedding request: one output, no choices
+            self.finished = self.finished or out.finished
+            return
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
         for o in out.outputs:
@@ -99,7 +102,7 @@ class EngineRunner:
         self.metrics = state.metrics
         self.admission = state.admission
         self.priority = priority
-        self.states = [RequestState(r, [ChoiceState() for _ in range(r.params.n)]) for r in requests]
+        self.states = [RequestState(r, [ChoiceState() for _ in range(_n(r.params))]) for r in requests]
         self.request_ids = [r.request_id for r in requests]
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
@@ -111,7 +114,7 @@ class EngineRunner:
         """Admission first (a 503 when the server is busy or shutting down), then the requests go in."""
         self._ticket = self.admission.admit(
             self,
-            sum(r.params.n for r in (s.request for s in self.states)),
+            sum(_n(r.params) for r in (s.request for s in self.states)),
             sum(len(s.request.prompt_ids) for s in self.states),
         )
         self._tasks = [asyncio.create_task(self._pump(i)) for i in range(len(self.states))]
@@ -168,7 +171,7 @@ class EngineRunner:
     async def _pump(self, i: int) -> None:
         rs = self.states[i]
         req = rs.request
-        tracker = self.metrics.tracker(req.request_id, req.params.max_tokens)
+        tracker = self.metrics.tracker(req.request_id, getattr(req.params, "max_tokens", None))
         gen = None
         got_output = failed = False
         try:
@@ -196,7 +199,7 @@ class EngineRunner:
         finally:
             if not rs.finished:
                 if got_output or not failed:  # abandoned running or still waiting (vLLM counts both), or failed
-                    tracker.on_abort(rs.last, req.params.n)
+                    tracker.on_abort(rs.last, _n(req.params))
                 if not failed:
                     await _close_and_abort(self.engine, gen, req.request_id)
 
@@ -213,6 +216,11 @@ async def _close_and_abort(engine: EngineClient, gen, request_id: str) -> None:
         await engine.abort(request_id)
     except Exception:
         logger.exception("aborting %s failed", request_id)
+
+
+def _n(params) -> int:
+    """A request's sequences: SamplingParams' n, 1 for an embedding request's PoolingParams."""
+    return getattr(params, "n", 1)
 
 
 def to_api_error(exc: BaseException) -> APIError:

@@ -8,8 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from jaxllm import LLM
-from jaxllm.pooling_params import PoolingParams
+from jaxllm import LLM, PoolingParams
 from tests.tiny_models import make_tiny_model_dir
 
 PROMPTS = [[5, 9, 2, 77, 3, 14, 15, 92, 6, 11, 40, 41, 42, 43, 44, 45, 46, 47, 48], [7, 8], [5, 9, 2, 77, 3, 14, 15]]
@@ -111,3 +110,46 @@ def test_runner_values(tiny):
         _llm(tiny[0], convert="classify")
     with pytest.raises(ValueError, match="runs without pipeline_parallel_size"):
         _llm(tiny[0], runner="pooling", pipeline_parallel_size=2)
+
+
+def test_embeddings_route(tiny, hf_last):
+    """/v1/embeddings through the openai SDK (its default base64 encoding, decoded) and as floats: the offline
+    embeddings; token-id and text inputs; what an embedding server refuses, and a generative server's answer."""
+    import openai
+
+    from server.serve import build_engine
+    from server.server_thread import ServerThread
+    from tests.test_server_api import http
+    from tests.tiny_models import tiny_serve_args
+
+    args = tiny_serve_args(tiny[0], "--runner", "pooling")
+    engine = build_engine(args)
+    with ServerThread(engine, args=args) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+        r = client.embeddings.create(model="tiny", input=PROMPTS[:2])
+        assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+        for d, ref in zip(r.data, hf_last, strict=False):
+            np.testing.assert_allclose(d.embedding, ref / np.linalg.norm(ref), atol=2e-5)
+        status, text = http(
+            "POST", srv.base_url + "/v1/embeddings", json={"input": PROMPTS[1], "encoding_format": "float"}
+        )
+        assert status == 200, text
+        body = json.loads(text)
+        assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
+        np.testing.assert_allclose(body["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
+        assert len(client.embeddings.create(model="tiny", input="the engine").data[0].embedding) == len(hf_last[0])
+        for path, payload, what in [
+            ("/v1/embeddings", {"input": PROMPTS[1], "dimensions": 8}, "matryoshka"),
+            ("/v1/embeddings", {"input": []}, "input must not be empty"),
+            ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2}, "embedding (pooling) model"),
+        ]:
+            status, text = http("POST", srv.base_url + path, json=payload)
+            assert status == 400 and what in text, text
+        bm = engine.engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_usable_blocks
+        metrics = http("GET", srv.base_url + "/metrics")[1]
+        assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 4.0' in metrics
+    plain_args = tiny_serve_args(tiny[0])
+    with ServerThread(build_engine(plain_args), args=plain_args) as srv:
+        status, text = http("POST", srv.base_url + "/v1/embeddings", json={"input": "x"})
+        assert status == 400 and "does not support Embeddings API" in text

@@ -408,7 +408,7 @@ CASES = [
         400,
         "fake engine rejected this prompt",
     ),
-    ("unknown route", "/v1/embeddings", {"json_body": {"input": "a"}}, 404, "Not Found"),
+    ("unknown route", "/v1/audio/transcriptions", {"json_body": {"input": "a"}}, 404, "Not Found"),
 ]
 
 

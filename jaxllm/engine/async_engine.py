@@ -75,6 +75,11 @@ class AsyncLLM:
         return cls(LLMEngine(EngineArgs.from_kwargs(**kwargs)))
 
     # ---- EngineClient ----
+    @property
+    def pooler(self):
+        """An embedding (pooling) model's PoolerConfig (it takes PoolingParams requests), else None."""
+        return self.engine.pooler
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

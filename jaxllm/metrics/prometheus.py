@@ -452,6 +452,11 @@ class RequestTracker:
 
     def on_output(self, out: RequestOutput) -> None:
         now = time.monotonic()
+        if not isinstance(out.outputs, list):  # an embedding request's one output (no tokens generated)
+            if out.finished and not self.done:
+                self._finish_seq(out, 0, "stop", now)
+                self._done()
+            return
         if any(o.token_ids for o in out.outputs) and not self.engine_times:
             if self.last_token is not None:
                 self._histograms().itl.observe(now - self.last_token)
