@@ -62,6 +62,9 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None) -> tuple[Emb
             "(or --convert embed).",
             param="model",
         )
+    t = req.truncate_prompt_tokens
+    if t is not None and t < 1 and t != -1:  # (the offline check's words)
+        raise APIError(f"truncate_prompt_tokens must be an integer >= 1 or -1, got {t}", param="truncate_prompt_tokens")
     params = PoolingParams(dimensions=req.dimensions, normalize=req.normalize)
     request_id = f"embd-{header_id or req.request_id or random_id('')[1:]}"
     requests = []

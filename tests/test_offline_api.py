@@ -75,7 +75,7 @@ def test_get_metrics(tiny, llm):
         return got[(name, tuple(sorted(dict(labels, **extra).items())))]
 
     assert isinstance(one("vllm:num_requests_running"), Gauge) and one("vllm:num_requests_running").value == 0
-    assert isinstance(one("vllm:prompt_tokens"), Counter) and one("vllm:prompt_tokens").value == 18 + 5
+    assert isinstance(one("vllm:prompt_tokens"), Counter) and one("vllm:prompt_tokens").value == 18 + 2 * 5  # n's each
     assert one("vllm:generation_tokens").value == 3 + 2 * 6
     assert one("vllm:request_success", finished_reason="length").value == 3  # each of n counts, as vLLM's
     ttft, e2e = one("vllm:time_to_first_token_seconds"), one("vllm:e2e_request_latency_seconds")

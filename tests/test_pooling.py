@@ -53,6 +53,7 @@ def test_embed_matches_hf_through_batching_chunks_and_the_prefix_cache(tiny, hf_
     assert truncated.prompt_token_ids == PROMPTS[0][-7:]
     bm = llm.llm_engine.scheduler.block_manager
     assert bm.num_free_blocks == bm.num_usable_blocks
+    assert llm.llm_engine.generation_tokens_total == 0  # an embedding generates nothing (its one step's token)
     with pytest.raises(ValueError, match="takes PoolingParams requests"):
         llm.generate(prompts[0], use_tqdm=False)
     with pytest.raises(ValueError, match="matryoshka"):
@@ -141,6 +142,7 @@ def test_embeddings_route(tiny, hf_last):
         for path, payload, what in [
             ("/v1/embeddings", {"input": PROMPTS[1], "dimensions": 8}, "matryoshka"),
             ("/v1/embeddings", {"input": []}, "input must not be empty"),
+            ("/v1/embeddings", {"input": PROMPTS[1], "truncate_prompt_tokens": 0}, "must be an integer >= 1 or -1"),
             ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2}, "embedding (pooling) model"),
         ]:
             status, text = http("POST", srv.base_url + path, json=payload)

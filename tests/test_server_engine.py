@@ -475,6 +475,9 @@ def test_skip_tokenizer_init(served, tmp_path):
         assert choice["token_ids"] == ref.model_extra["token_ids"] and choice["text"] == ""
         assert choice["logprobs"]["tokens"][-5:] == [f"token_id:{t}" for t in choice["token_ids"]]
         assert choice["logprobs"]["token_logprobs"][-5:] == pytest.approx(ref.logprobs.token_logprobs, abs=1e-5)
+        beam = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "n": 2, "use_beam_search": True}
+        status, text = http("POST", url + "/v1/completions", json=beam)  # it was a 500 (the tokenizer's EOS)
+        assert status == 200 and [c["text"] for c in json.loads(text)["choices"]] == ["", ""], text
         for path, body, what in [
             ("/v1/completions", {"model": "tiny", "prompt": "hi"}, "send `prompt` as token ids"),
             ("/v1/completions", {**kw, "stop": ["x"]}, "stop"),

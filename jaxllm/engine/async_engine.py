@@ -147,8 +147,9 @@ class AsyncLLM:
         metrics = RequestMetrics(arrival_time=time.time())  # the search's: its first step and its last token
         text, ids = self.engine.tokenize_prompt(prompt)
         self.engine.validate_prompt(ids)
-        tok: Any = self.engine.tokenizer
-        search = BeamSearch([ids], params, eos_token_id=tok.eos_token_id, max_model_len=self.max_model_len)
+        tok: Any = self.engine.tokenizer  # None with skip_tokenizer_init: token ids only, as LLM.beam_search
+        eos = tok.eos_token_id if tok is not None else None
+        search = BeamSearch([ids], params, eos_token_id=eos, max_model_len=self.max_model_len)
         sp = search.step_params()
         sp.output_kind = RequestOutputKind.FINAL_ONLY
 
@@ -174,7 +175,7 @@ class AsyncLLM:
             outputs.append(
                 CompletionOutput(
                     index=i,
-                    text=tok.decode(shown, skip_special_tokens=True),
+                    text=tok.decode(shown, skip_special_tokens=True) if tok is not None else "",
                     token_ids=gen,
                     cumulative_logprob=beam.cum_logprob,
                     logprobs=beam.logprobs,

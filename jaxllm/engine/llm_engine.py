@@ -501,10 +501,12 @@ class LLMEngine(EngineLoRAMethods):
         """token: seq's newest output token, the step's j-th for this sequence (its row j of a speculative
         step's results)."""
         at = row if result.num_emitted is None else (row, j)
-        self.generation_tokens_total += 1
+        if req.pooling is None:  # an embedding request's one token is not generated output (vLLM counts none)
+            self.generation_tokens_total += 1
+        if j == 0 and seq.num_output_tokens == 1:  # each sequence's prefill, as vLLM counts n's child requests
+            self.prompt_tokens_total += len(req.prompt_token_ids)
         if req.metrics.first_token_time is None:
             req.metrics.first_token_time = now
-            self.prompt_tokens_total += len(req.prompt_token_ids)
         elif self._token_intervals is not None:
             last = req.metrics.last_token_time
             if last is not None and now > last:  # once a step per request (its other sequences share the step)
