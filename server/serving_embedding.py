@@ -3,9 +3,10 @@
 final-normed hidden state, normalized), as floats or base64 (little-endian float32, what the openai SDK asks for by
 default and decodes).
 
-Taken: input (a string, a list of strings, a list of token ids, or a list of those), encoding_format, dimensions
-(Matryoshka models), user, and vLLM's truncate_prompt_tokens, add_special_tokens, normalize, priority and
-request_id. A generative model answers with a 400 (it has no embeddings), as vLLM's does.
+Taken: input (a string, a list of strings, a list of token ids, or a list of those) or vLLM's chat form (messages
+through the chat template, with add_generation_prompt, continue_final_message, chat_template, chat_template_kwargs),
+encoding_format, dimensions (Matryoshka models), user, and vLLM's truncate_prompt_tokens, add_special_tokens,
+normalize, priority and request_id. A generative model answers with a 400 (it has no embeddings), as vLLM's does.
 """
 
 from __future__ import annotations
@@ -21,19 +22,25 @@ from aiohttp import web
 from jaxllm.pooling_params import PoolingParams
 from server.errors import APIError, parse_json, parse_model, read_body
 from server.fan_in import EngineRequest, EngineRunner
-from server.protocol import OpenAIModel, random_id
+from server.protocol import ChatMessage, OpenAIModel, random_id
+from server.serving_chat import render_chat, to_conversation
 from server.serving_common import STATE, ServerState, check_token_ids, encode, log_ignored_fields, truncate_prompt
 
 
 class EmbeddingRequest(OpenAIModel):
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None  # vLLM's chat form: the conversation through the chat template
     model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
     # vLLM's extras
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for input, False for messages (vLLM's)
+    add_generation_prompt: bool = False  # messages only
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     normalize: bool | None = None
     priority: int = 0
     request_id: str | None = None
@@ -74,7 +81,22 @@ def _prepare(state: ServerState, raw: bytes, header_id: str | None) -> tuple[Emb
 
 
 def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
-    """Each input's token ids, truncated if asked."""
+    """Each input's token ids, truncated if asked (messages: one input, the rendered conversation)."""
+    if (req.input is None) == (req.messages is None):
+        raise APIError("Send exactly one of `input` or `messages`.", param="input")
+    truncating = req.truncate_prompt_tokens is not None
+    if req.messages is not None:
+        text = render_chat(
+            state,
+            to_conversation(req.messages),
+            chat_template=req.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
+        )
+        add_special = bool(req.add_special_tokens)
+        ids = encode(state, text, add_special, param="messages", truncating=truncating, generating=False)
+        return [truncate_prompt(ids, req.truncate_prompt_tokens, state.engine.max_model_len)]
     items: list[Any]
     if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)):
         items = [req.input]
@@ -85,8 +107,8 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
     out = []
     for item in items:
         if isinstance(item, str):
-            truncating = req.truncate_prompt_tokens is not None
-            ids = encode(state, item, req.add_special_tokens, param="input", truncating=truncating, generating=False)
+            add_special = req.add_special_tokens is not False
+            ids = encode(state, item, add_special, param="input", truncating=truncating, generating=False)
         else:
             check_token_ids(item, state.engine.vocab_size)
             ids = list(item)

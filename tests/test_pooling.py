@@ -25,7 +25,7 @@ def hf_last(tiny):
     import torch
     from transformers import AutoModel
 
-    model = AutoModel.from_pretrained(tiny[0], torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(tiny[0], dtype=torch.float32).eval()
     with torch.no_grad():
         return [model(torch.tensor([p])).last_hidden_state[0, -1].double().numpy() for p in PROMPTS]
 
@@ -139,9 +139,18 @@ def test_embeddings_route(tiny, hf_last):
         assert body["object"] == "list" and body["data"][0]["object"] == "embedding"
         np.testing.assert_allclose(body["data"][0]["embedding"], r.data[1].embedding, atol=1e-6)
         assert len(client.embeddings.create(model="tiny", input="the engine").data[0].embedding) == len(hf_last[0])
+        # vLLM's chat form: the conversation through the chat template (no generation prompt), as /tokenize renders it
+        messages = [{"role": "user", "content": "the engine"}]
+        tokenized = {"messages": messages, "add_generation_prompt": False, "add_special_tokens": False}
+        ids = json.loads(http("POST", srv.base_url + "/tokenize", json=tokenized)[1])["tokens"]
+        status, text = http("POST", srv.base_url + "/v1/embeddings", json={"messages": messages})
+        assert status == 200, text
+        by_ids = client.embeddings.create(model="tiny", input=ids).data[0].embedding
+        np.testing.assert_allclose(json.loads(text)["data"][0]["embedding"], by_ids, atol=1e-6)
         for path, payload, what in [
             ("/v1/embeddings", {"input": PROMPTS[1], "dimensions": 8}, "matryoshka"),
             ("/v1/embeddings", {"input": []}, "input must not be empty"),
+            ("/v1/embeddings", {"input": "x", "messages": messages}, "exactly one of `input` or `messages`"),
             ("/v1/embeddings", {"input": PROMPTS[1], "truncate_prompt_tokens": 0}, "must be an integer >= 1 or -1"),
             ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 2}, "embedding (pooling) model"),
         ]:
@@ -150,7 +159,7 @@ def test_embeddings_route(tiny, hf_last):
         bm = engine.engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_usable_blocks
         metrics = http("GET", srv.base_url + "/metrics")[1]
-        assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 4.0' in metrics
+        assert 'vllm:request_success_total{engine="0",finished_reason="stop",model_name="tiny"} 6.0' in metrics
     plain_args = tiny_serve_args(tiny[0])
     with ServerThread(build_engine(plain_args), args=plain_args) as srv:
         status, text = http("POST", srv.base_url + "/v1/embeddings", json={"input": "x"})
