@@ -28,7 +28,7 @@ from server.lora import ServedLoRAs, load_lora_adapter, load_static, unload_lora
 from server.metrics import StatsLogger
 from server.prompt_bound import PromptBound
 from server.protocol import DetokenizeRequest, ModelCard, ModelList, TokenizeRequest
-from server.serving_chat import create_chat_completion, load_chat_template, render_chat, to_conversation
+from server.serving_chat import create_chat_completion, load_chat_template, rendered_ids
 from server.serving_common import STATE, ServerState, encode, log_ignored_fields
 from server.serving_completion import create_completion
 from server.serving_embedding import create_embedding
@@ -304,16 +304,7 @@ def _tokenize(state: ServerState, raw: bytes) -> str:
         add_special = True if req.add_special_tokens is None else req.add_special_tokens
         ids = encode(state, req.prompt, add_special, param="prompt", generating=False)
     else:
-        text = render_chat(
-            state,
-            to_conversation(req.messages),
-            chat_template=req.chat_template,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
-            tools=template_tools(req.tools),
-        )
-        ids = encode(state, text, bool(req.add_special_tokens), param="messages", generating=False)
+        ids = rendered_ids(state, req, tools=template_tools(req.tools))
     body = {"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids, "token_strs": None}
     if req.return_token_strs:
         body["token_strs"] = state.engine.get_tokenizer().convert_ids_to_tokens(ids)

@@ -141,6 +141,23 @@ def render_chat(
     return text
 
 
+def rendered_ids(state: ServerState, req, *, tools: list | None = None, truncating: bool = False) -> list[int]:
+    """The token ids of a request's `messages` through the chat template (its chat_template, add_generation_prompt,
+    continue_final_message, chat_template_kwargs; add_special_tokens unset is False): /tokenize's and
+    /v1/embeddings' chat forms."""
+    text = render_chat(
+        state,
+        to_conversation(req.messages),
+        chat_template=req.chat_template,
+        add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message,
+        chat_template_kwargs=req.chat_template_kwargs,
+        tools=tools,
+    )
+    add_special = bool(req.add_special_tokens)
+    return encode(state, text, add_special, param="messages", truncating=truncating, generating=False)
+
+
 def reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.functions or req.function_call not in (None, "none"):
         raise APIError("Function calling is not supported by jaxllm yet.", param="functions")

@@ -23,7 +23,7 @@ from jaxllm.pooling_params import PoolingParams
 from server.errors import APIError, parse_json, parse_model, read_body
 from server.fan_in import EngineRequest, EngineRunner
 from server.protocol import ChatMessage, OpenAIModel, random_id
-from server.serving_chat import render_chat, to_conversation
+from server.serving_chat import rendered_ids
 from server.serving_common import STATE, ServerState, check_token_ids, encode, log_ignored_fields, truncate_prompt
 
 
@@ -86,16 +86,7 @@ def _inputs(state: ServerState, req: EmbeddingRequest) -> list[list[int]]:
         raise APIError("Send exactly one of `input` or `messages`.", param="input")
     truncating = req.truncate_prompt_tokens is not None
     if req.messages is not None:
-        text = render_chat(
-            state,
-            to_conversation(req.messages),
-            chat_template=req.chat_template,
-            add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
-        )
-        add_special = bool(req.add_special_tokens)
-        ids = encode(state, text, add_special, param="messages", truncating=truncating, generating=False)
+        ids = rendered_ids(state, req, truncating=truncating)
         return [truncate_prompt(ids, req.truncate_prompt_tokens, state.engine.max_model_len)]
     items: list[Any]
     if isinstance(req.input, str) or (req.input and isinstance(req.input[0], int)):

@@ -78,7 +78,7 @@ class EngineArgs:
     data_parallel_size: int = 1  # engine replicas on disjoint device groups of this host (jaxllm/engine/dp.py)
     enable_expert_parallel: bool = False  # MoE: whole experts per tp device (jaxllm/models/moe.py)
     enforce_eager: bool = False
-    enable_sleep_mode: bool = False
+    enable_sleep_mode: bool = False  # LLM.sleep() / wake_up() (vLLM's; level 1: weights to host, KV cache freed)
     # Pooling (vLLM's): runner "pooling", convert "embed" or task "embed" run the model as an embedding model
     # (jaxllm/pooling_params.py: its last token's final-normed hidden state); pooler_config (or vLLM's older
     # override_pooler_config): {"pooling_type": "LAST", "normalize": bool} over the model's sentence-transformers
@@ -87,9 +87,7 @@ class EngineArgs:
     convert: str = "auto"  # auto | none | embed
     task: str = "auto"  # auto | generate | embed (vLLM <= 0.10's spelling of runner / convert)
     pooler_config: dict | str | None = None
-    override_pooler_config: dict | str | None = (
-        None  # LLM.sleep() / wake_up() (vLLM's; level 1: weights to host, KV cache freed)
-    )
+    override_pooler_config: dict | str | None = None
     max_logprobs: int = 20
     scheduling_policy: str = "fcfs"  # "priority": requests' priority (lower first) orders the queue
     speculative_config: dict | str | None = None  # vLLM's dict (or its JSON text): see configs.SpeculativeConfig

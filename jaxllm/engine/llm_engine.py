@@ -258,6 +258,14 @@ class LLMEngine(EngineLoRAMethods):
         )
         return pooling, params
 
+    def _pool_step(self, handle: StepHandle, appended: list[Sequence]) -> None:
+        """The embeddings of appended's requests: their prompts' last tokens ran in handle's step."""
+        pooled = [(seq, req) for seq in appended if (req := self._request_of(seq.seq_id)) and req.pooling is not None]
+        if pooled:
+            hidden = self.runner.final_hidden(handle, [seq.seq_id for seq, _ in pooled])
+            for (_, req), h in zip(pooled, hidden, strict=True):
+                self._pool(req, h)
+
     def _pool(self, req: _Request, hidden) -> None:
         """The request's embedding from its prompt's last final-normed hidden state: the first `dimensions`
         values, L2-normalized unless asked not to be (or the model's pooler does not)."""
@@ -437,11 +445,8 @@ class LLMEngine(EngineLoRAMethods):
             }
             self.speculation.after_verify(handle, result, sampled)
         appended = self.scheduler.update(handle.sched, sampled)
-        pooled = [(seq, req) for seq in appended if (req := self._request_of(seq.seq_id)) and req.pooling is not None]
-        if pooled:  # their prompts' last tokens ran in this step: their hidden states are the embeddings
-            hidden = self.runner.final_hidden(handle, [seq.seq_id for seq, _ in pooled])
-            for (_, req), h in zip(pooled, hidden, strict=True):
-                self._pool(req, h)
+        if self.pooler is not None:  # an embedding model: the embeddings of the prompts whose last token ran
+            self._pool_step(handle, appended)
         if self.speculation is not None:
             self.speculation.take_drafts(handle, result)
         touched: dict[str, _Request] = {}

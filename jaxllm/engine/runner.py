@@ -286,7 +286,7 @@ class ModelRunner:
             self.host.long_decode_from = long_decode_from(self.attn, max_model_len, self.kv_dtype)
         # The sampler-only programs' weights: the final norm and output weights. (params None: a host-only
         # runner, for prepare() alone, as bench/host_overhead.py builds)
-        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in (params or {})}
+        self._head = _head_of(params or {})
         # Steps with at least this many structured-output masks run split when the engine has host work to do
         # before sampling (launch's before_sample): the grammar update then overlaps the model on the device.
         # Split costs one more output-head pass (an 8B model's: ~0.2 ms to read it on an H200), less than the
@@ -336,7 +336,7 @@ class ModelRunner:
                 "programs were compiled for."
             )
         self.params = params
-        self._head = {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
+        self._head = _head_of(params)
 
     # ---- sleep mode (vLLM's LLM.sleep / wake_up) ----
     @property
@@ -368,7 +368,7 @@ class ModelRunner:
             self.params, self.draft_params = trees["params"], trees["draft_params"]
             if self.lora is not None:
                 self.lora.arrays = trees["lora"]
-            self._head = {k: self.params[k] for k in ("final_norm", "lm_head", "embed") if k in self.params}
+            self._head = _head_of(self.params)
             self._host_weights = None
         if kv_cache and self._kv_asleep:
             self.kv_caches, self.draft_kv = self._allocate_kv(), self._draft_kv(allocate=True)
@@ -600,6 +600,11 @@ class ModelRunner:
         else:
             arrays, prompt, drafts = self.multihost.fetch((outputs[:-1], prompt, drafts))
         return StepResult(*arrays[:5], prompt, *arrays[5:], draft_tokens=drafts)
+
+
+def _head_of(params) -> dict:
+    """The params the sampler-only program reads: the final norm and the lm_head (or the tied embedding)."""
+    return {k: params[k] for k in ("final_norm", "lm_head", "embed") if k in params}
 
 
 def _delete(tree) -> None:

@@ -260,17 +260,7 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         if pooling_params is None:
             pooling_params = PoolingParams()
-        if isinstance(pooling_params, PoolingParams):
-            params = [pooling_params] * len(prompts)
-        elif isinstance(pooling_params, (list, tuple)) and all(isinstance(p, PoolingParams) for p in pooling_params):
-            if len(pooling_params) != len(prompts):
-                raise ValueError(
-                    f"The lengths of prompts ({len(prompts)}) and pooling_params ({len(pooling_params)}) must be "
-                    "the same."
-                )
-            params = list(pooling_params)
-        else:
-            raise ValueError(f"pooling_params must be a PoolingParams or a list of them, got {pooling_params!r:.80}.")
+        params = _params_per_prompt(pooling_params, len(prompts), PoolingParams, "pooling_params")
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         loras = _per_prompt(lora_request, len(prompts), "lora_request")
@@ -313,19 +303,7 @@ class LLM:
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
             return [self.get_default_sampling_params()] * n
-        if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        if not isinstance(sampling_params, (list, tuple)) or not all(
-            isinstance(p, SamplingParams) for p in sampling_params
-        ):
-            raise ValueError(
-                f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}."
-            )
-        if len(sampling_params) != n:
-            raise ValueError(
-                f"The lengths of prompts ({n}) and sampling_params ({len(sampling_params)}) must be the same."
-            )
-        return list(sampling_params)
+        return _params_per_prompt(sampling_params, n, SamplingParams, "sampling_params")
 
     def _add(self, prompts, params, priority, loras=None) -> list[str]:
         if priority is not None and len(priority) != len(prompts):
@@ -399,6 +377,17 @@ class LLM:
         if failed:
             raise next(iter(failed.values()))
         return n
+
+
+def _params_per_prompt(value, n: int, kind: type, name: str) -> list:
+    """One params object (kind) for every prompt, or a list of n of them."""
+    if isinstance(value, kind):
+        return [value] * n
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, kind) for p in value):
+        raise ValueError(f"{name} must be a {kind.__name__} or a list of them, got {type(value).__name__}.")
+    if len(value) != n:
+        raise ValueError(f"The lengths of prompts ({n}) and {name} ({len(value)}) must be the same.")
+    return list(value)
 
 
 def _per_prompt(value, n: int, name: str) -> list | None:
